@@ -1,0 +1,1 @@
+//! tracing + OpenTelemetry setup and gRPC trace-context propagation shared by every Aliquot binary.

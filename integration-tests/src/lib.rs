@@ -1,0 +1,1 @@
+//! Tests across real processes on loopback and across containers.

@@ -1,0 +1,1 @@
+//! The allocator service: the pool's space maps and throttle behind gRPC.

@@ -1,0 +1,1 @@
+//! aliquotctl: local pool, status, tunables, write load generator, demo.

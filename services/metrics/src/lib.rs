@@ -1,0 +1,1 @@
+//! Balance history in SQLite, queries and SVG charts.

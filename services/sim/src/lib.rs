@@ -1,0 +1,1 @@
+//! Virtual-time simulator of a pool on crates/metaslab.

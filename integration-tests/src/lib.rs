@@ -1,1 +1,210 @@
-//! Tests across real processes on loopback and across containers.
+//! Support for tests across real processes: find (building if needed) the
+//! workspace's binaries, start them on ephemeral loopback ports, learn their
+//! addresses from the `LISTEN <kind> <addr>` lines every Aliquot service
+//! prints on stdout, and kill them (gently or with SIGKILL).
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// The directory holding the workspace's binaries (`target/debug`).
+pub fn bin_dir() -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    // target/debug/deps/<test>-<hash> → target/debug
+    let dir = exe.parent().and_then(Path::parent).expect("target dir");
+    dir.to_path_buf()
+}
+
+/// Path of a workspace binary, building all binaries once per test process
+/// (`cargo test` builds only test harnesses of other packages' binaries).
+pub fn bin(name: &str) -> PathBuf {
+    static BUILT: OnceLock<()> = OnceLock::new();
+    BUILT.get_or_init(|| {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let mut cmd = Command::new(cargo);
+        cmd.args(["build", "--workspace", "--bins"]);
+        if !cfg!(debug_assertions) {
+            cmd.arg("--release");
+        }
+        let status = cmd
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .status()
+            .expect("run cargo build");
+        assert!(status.success(), "cargo build --workspace --bins failed");
+    });
+    let p = bin_dir().join(name);
+    assert!(p.exists(), "binary {} not found", p.display());
+    p
+}
+
+/// A running service process; killed when dropped.
+pub struct Proc {
+    pub name: String,
+    child: Option<Child>,
+    /// `kind → address` from the LISTEN lines (e.g. "grpc", "http").
+    pub addrs: HashMap<String, SocketAddr>,
+    pub log: PathBuf,
+    bin: PathBuf,
+    args: Vec<String>,
+    envs: Vec<(String, String)>,
+    kinds: Vec<String>,
+}
+
+impl Proc {
+    /// Start `bin` with `args`, wait (≤ 60 s) until it printed a LISTEN line
+    /// for every kind in `kinds`. stderr goes to `log_dir/<name>.log`.
+    pub fn start(
+        name: &str,
+        bin: &Path,
+        args: &[String],
+        envs: &[(String, String)],
+        kinds: &[&str],
+        log_dir: &Path,
+    ) -> anyhow::Result<Proc> {
+        let mut p = Proc {
+            name: name.to_string(),
+            child: None,
+            addrs: HashMap::new(),
+            log: log_dir.join(format!("{name}.log")),
+            bin: bin.to_path_buf(),
+            args: args.to_vec(),
+            envs: envs.to_vec(),
+            kinds: kinds.iter().map(|s| s.to_string()).collect(),
+        };
+        p.spawn()?;
+        Ok(p)
+    }
+
+    fn spawn(&mut self) -> anyhow::Result<()> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)?;
+        let mut cmd = Command::new(&self.bin);
+        cmd.args(&self.args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(log);
+        for (k, v) in &self.envs {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn()?;
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                let mut it = line.split_whitespace();
+                if it.next() == Some("LISTEN") {
+                    if let (Some(kind), Some(addr)) = (it.next(), it.next()) {
+                        if let Ok(a) = addr.parse::<SocketAddr>() {
+                            let _ = tx.send((kind.to_string(), a));
+                        }
+                    }
+                }
+            }
+        });
+        self.child = Some(child);
+        self.addrs.clear();
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while !self.kinds.iter().all(|k| self.addrs.contains_key(k)) {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match rx.recv_timeout(left) {
+                Ok((k, a)) => {
+                    self.addrs.insert(k, a);
+                }
+                Err(_) => {
+                    let tail = self.log_tail();
+                    self.kill();
+                    anyhow::bail!("{} did not start listening; log:\n{tail}", self.name);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Address of a listener, e.g. `addr("grpc")`.
+    pub fn addr(&self, kind: &str) -> SocketAddr {
+        self.addrs[kind]
+    }
+
+    /// `http://addr` of a listener.
+    pub fn url(&self, kind: &str) -> String {
+        format!("http://{}", self.addr(kind))
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+
+    /// SIGKILL, no chance to clean up.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM, then SIGKILL after 10 s.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = Command::new("kill")
+                .args(["-TERM", &c.id().to_string()])
+                .status();
+            for _ in 0..100 {
+                if let Ok(Some(_)) = c.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Start again with the same arguments (after `kill`/`kill9`).
+    pub fn restart(&mut self) -> anyhow::Result<()> {
+        self.kill9();
+        self.spawn()
+    }
+
+    /// Replace one `--flag value` pair's value for the next `restart` (e.g.
+    /// pin the port an agent listened on so the allocator can reach it).
+    pub fn set_arg(&mut self, flag: &str, value: &str) {
+        if let Some(i) = self.args.iter().position(|a| a == flag) {
+            if i + 1 < self.args.len() {
+                self.args[i + 1] = value.to_string();
+                return;
+            }
+        }
+        self.args.push(flag.to_string());
+        self.args.push(value.to_string());
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.as_mut().map(|c| c.try_wait()), Some(Ok(None)))
+    }
+
+    pub fn log_tail(&self) -> String {
+        let s = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = s.lines().collect();
+        lines[lines.len().saturating_sub(40)..].join("\n")
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// Strings from anything displayable, for argument lists.
+#[macro_export]
+macro_rules! args {
+    ($($a:expr),* $(,)?) => { vec![$($a.to_string()),*] };
+}

@@ -1,1 +1,190 @@
-//! tracing + OpenTelemetry setup and gRPC trace-context propagation shared by every Aliquot binary.
+//! Telemetry for every Aliquot binary, configured here and nowhere else:
+//! `tracing` logs (human-readable by default, JSON on request, filtered by
+//! `RUST_LOG`), and — when `OTEL_EXPORTER_OTLP_ENDPOINT` is set — spans
+//! exported over OTLP/gRPC with `service.name` per service. W3C trace context
+//! crosses every gRPC hop: clients inject it with [`TraceInjector`], servers
+//! extract it in [`server_span`] (`Server::builder().trace_fn(server_span)`).
+
+use opentelemetry::global;
+use opentelemetry::propagation::{Extractor, Injector};
+use opentelemetry::trace::TracerProvider as _;
+use opentelemetry_sdk::Resource;
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use opentelemetry_sdk::trace::SdkTracerProvider;
+use tonic::codegen::http;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer, Registry};
+
+/// How log lines look on stderr.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+/// The flags every binary shares; `#[command(flatten)]` it into a config.
+#[derive(Clone, Debug, Default, clap::Args)]
+pub struct TelemetryArgs {
+    /// Log format on stderr. Spans go to OTEL_EXPORTER_OTLP_ENDPOINT when set.
+    #[arg(long, env = "ALIQUOT_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+/// Flushes and shuts the exporter down when dropped (or by [`Guard::shutdown`]).
+pub struct Guard {
+    provider: Option<SdkTracerProvider>,
+}
+
+impl Guard {
+    /// Flush spans; blocking, so run it off the async workers.
+    pub async fn shutdown(mut self) {
+        if let Some(p) = self.provider.take() {
+            let _ = tokio::task::spawn_blocking(move || p.shutdown()).await;
+        }
+    }
+
+    pub fn provider(&self) -> Option<&SdkTracerProvider> {
+        self.provider.as_ref()
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        if let Some(p) = self.provider.take() {
+            // Blocking is fine here: the process is ending.
+            let _ = std::thread::spawn(move || p.shutdown()).join();
+        }
+    }
+}
+
+/// The OTLP endpoint from the standard variables, if tracing export is wanted.
+pub fn otlp_endpoint() -> Option<String> {
+    std::env::var("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        .ok()
+        .or_else(|| std::env::var("OTEL_EXPORTER_OTLP_ENDPOINT").ok())
+        .filter(|s| !s.trim().is_empty())
+}
+
+/// A tracer provider exporting to `endpoint` as `service` (honours the other
+/// `OTEL_*` variables the SDK reads). Must be called inside a Tokio runtime.
+pub fn provider(service: &str, endpoint: &str) -> Result<SdkTracerProvider, String> {
+    use opentelemetry_otlp::WithExportConfig;
+    let exporter = opentelemetry_otlp::SpanExporter::builder()
+        .with_tonic()
+        .with_endpoint(endpoint.to_string())
+        .build()
+        .map_err(|e| format!("otlp exporter for {endpoint}: {e}"))?;
+    let name = std::env::var("OTEL_SERVICE_NAME").unwrap_or_else(|_| service.to_string());
+    Ok(SdkTracerProvider::builder()
+        .with_batch_exporter(exporter)
+        .with_resource(Resource::builder().with_service_name(name).build())
+        .build())
+}
+
+/// A subscriber for `service` (logs, plus spans to `provider` if given), for
+/// tests that want a scoped `Dispatch`.
+pub fn subscriber(
+    service: &str,
+    format: LogFormat,
+    provider: Option<&SdkTracerProvider>,
+) -> impl tracing::Subscriber + Send + Sync + 'static {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let fmt: Box<dyn Layer<Registry> + Send + Sync> = match format {
+        LogFormat::Text => Box::new(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                .with_target(false),
+        ),
+        LogFormat::Json => Box::new(
+            tracing_subscriber::fmt::layer()
+                .json()
+                .with_writer(std::io::stderr),
+        ),
+    };
+    let otel = provider.map(|p| {
+        tracing_opentelemetry::layer()
+            .with_tracer(p.tracer(service.to_string()))
+            .with_filter(EnvFilter::new("info"))
+    });
+    Registry::default().with(fmt).with(otel).with(filter)
+}
+
+/// Install the global subscriber for `service`. Call once, inside the Tokio
+/// runtime, before serving; keep the guard until exit.
+pub fn init(service: &str, args: &TelemetryArgs) -> Guard {
+    global::set_text_map_propagator(TraceContextPropagator::new());
+    let provider = otlp_endpoint().and_then(|ep| match provider(service, &ep) {
+        Ok(p) => Some(p),
+        Err(e) => {
+            eprintln!("telemetry: {e}; spans will not be exported");
+            None
+        }
+    });
+    if let Some(p) = &provider {
+        global::set_tracer_provider(p.clone());
+    }
+    let _ = subscriber(service, args.log_format, provider.as_ref()).try_init();
+    Guard { provider }
+}
+
+/// `tonic::transport::Server::builder().trace_fn(telemetry::server_span)`:
+/// one span per RPC, parented on the caller's W3C trace context.
+pub fn server_span<B>(req: &http::Request<B>) -> tracing::Span {
+    let path = req.uri().path().to_string();
+    let span = tracing::info_span!(
+        "grpc.server",
+        otel.name = %path,
+        otel.kind = "server",
+        rpc.system = "grpc",
+    );
+    let parent = global::get_text_map_propagator(|p| p.extract(&HeaderExtractor(req.headers())));
+    let _ = span.set_parent(parent);
+    span
+}
+
+/// Client side: `FooClient::with_interceptor(channel, TraceInjector)`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TraceInjector;
+
+impl tonic::service::Interceptor for TraceInjector {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        let cx = tracing::Span::current().context();
+        global::get_text_map_propagator(|p| {
+            p.inject_context(&cx, &mut MetadataInjector(req.metadata_mut()))
+        });
+        Ok(req)
+    }
+}
+
+/// A client channel wrapped with the trace injector.
+pub type TracedChannel = tonic::service::interceptor::InterceptedService<
+    tonic::transport::Channel,
+    TraceInjector,
+>;
+
+struct MetadataInjector<'a>(&'a mut tonic::metadata::MetadataMap);
+
+impl Injector for MetadataInjector<'_> {
+    fn set(&mut self, key: &str, value: String) {
+        if let (Ok(k), Ok(v)) = (
+            tonic::metadata::MetadataKey::from_bytes(key.as_bytes()),
+            tonic::metadata::MetadataValue::try_from(value.as_str()),
+        ) {
+            self.0.insert(k, v);
+        }
+    }
+}
+
+struct HeaderExtractor<'a>(&'a http::HeaderMap);
+
+impl Extractor for HeaderExtractor<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).and_then(|v| v.to_str().ok())
+    }
+    fn keys(&self) -> Vec<&str> {
+        self.0.keys().map(|k| k.as_str()).collect()
+    }
+}

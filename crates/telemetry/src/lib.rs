@@ -4,6 +4,8 @@
 //! exported over OTLP/gRPC with `service.name` per service. W3C trace context
 //! crosses every gRPC hop: clients inject it with [`TraceInjector`], servers
 //! extract it in [`server_span`] (`Server::builder().trace_fn(server_span)`).
+//! [`sink`] is a small OTLP/gRPC receiver, for tests and for the compose test
+//! (the `aliquot-otlp-sink` binary) where Jaeger cannot be had.
 
 use opentelemetry::global;
 use opentelemetry::propagation::{Extractor, Injector};
@@ -16,6 +18,8 @@ use tracing_opentelemetry::OpenTelemetrySpanExt;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer, Registry};
+
+pub mod sink;
 
 /// How log lines look on stderr.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -42,7 +46,19 @@ impl Guard {
     /// Flush spans; blocking, so run it off the async workers.
     pub async fn shutdown(mut self) {
         if let Some(p) = self.provider.take() {
-            let _ = tokio::task::spawn_blocking(move || p.shutdown()).await;
+            match tokio::task::spawn_blocking(move || p.shutdown()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => eprintln!("telemetry: flushing spans at exit failed: {e}"),
+                Err(e) => eprintln!("telemetry: flushing spans at exit panicked: {e}"),
+            }
+        }
+    }
+
+    /// Export every finished span now (blocking, so off the async workers);
+    /// the spans are at the collector when this returns.
+    pub async fn flush(&self) {
+        if let Some(p) = self.provider.clone() {
+            let _ = tokio::task::spawn_blocking(move || p.force_flush()).await;
         }
     }
 
@@ -60,12 +76,16 @@ impl Drop for Guard {
     }
 }
 
-/// The OTLP endpoint from the standard variables, if tracing export is wanted.
+/// The OTLP endpoint from the standard variables, if tracing export is wanted
+/// (`OTEL_SDK_DISABLED=true` or `OTEL_TRACES_EXPORTER=none` turn it off).
 pub fn otlp_endpoint() -> Option<String> {
-    std::env::var("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-        .ok()
-        .or_else(|| std::env::var("OTEL_EXPORTER_OTLP_ENDPOINT").ok())
-        .filter(|s| !s.trim().is_empty())
+    let env = |k: &str| std::env::var(k).ok().filter(|s| !s.trim().is_empty());
+    if env("OTEL_SDK_DISABLED").is_some_and(|v| v.trim().eq_ignore_ascii_case("true"))
+        || env("OTEL_TRACES_EXPORTER").is_some_and(|v| v.trim().eq_ignore_ascii_case("none"))
+    {
+        return None;
+    }
+    env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT").or_else(|| env("OTEL_EXPORTER_OTLP_ENDPOINT"))
 }
 
 /// A tracer provider exporting to `endpoint` as `service` (honours the other
@@ -86,31 +106,43 @@ pub fn provider(service: &str, endpoint: &str) -> Result<SdkTracerProvider, Stri
 
 /// A subscriber for `service` (logs, plus spans to `provider` if given), for
 /// tests that want a scoped `Dispatch`.
+///
+/// The two outputs are filtered apart: `RUST_LOG` (default `info`) picks the
+/// log lines, `ALIQUOT_TRACE_FILTER` (default `info`) the exported spans, so
+/// quieting the logs (`RUST_LOG=warn`) does not blank the traces.
 pub fn subscriber(
     service: &str,
     format: LogFormat,
     provider: Option<&SdkTracerProvider>,
 ) -> impl tracing::Subscriber + Send + Sync + 'static {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let log_filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let fmt: Box<dyn Layer<Registry> + Send + Sync> = match format {
-        LogFormat::Text => Box::new(
-            tracing_subscriber::fmt::layer()
-                .with_writer(std::io::stderr)
-                .with_target(false),
-        ),
-        LogFormat::Json => Box::new(
-            tracing_subscriber::fmt::layer()
-                .json()
-                .with_writer(std::io::stderr),
-        ),
+        LogFormat::Text => tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stderr)
+            .with_target(false)
+            .with_filter(log_filter)
+            .boxed(),
+        LogFormat::Json => tracing_subscriber::fmt::layer()
+            .json()
+            .with_writer(std::io::stderr)
+            .with_filter(log_filter)
+            .boxed(),
     };
     let otel = provider.map(|p| {
+        let trace_filter = EnvFilter::try_from_env(TRACE_FILTER_ENV)
+            .unwrap_or_else(|_| EnvFilter::new(DEFAULT_TRACE_FILTER));
         tracing_opentelemetry::layer()
             .with_tracer(p.tracer(service.to_string()))
-            .with_filter(EnvFilter::new("info"))
+            .with_filter(trace_filter)
     });
-    Registry::default().with(fmt).with(otel).with(filter)
+    Registry::default().with(fmt).with(otel)
 }
+
+/// Which spans are exported (an `EnvFilter` directive string).
+pub const TRACE_FILTER_ENV: &str = "ALIQUOT_TRACE_FILTER";
+/// Spans at info and above: every RPC and the spans worth looking at, none of
+/// h2's or hyper's internals (they are at debug/trace).
+pub const DEFAULT_TRACE_FILTER: &str = "info";
 
 /// Install the global subscriber for `service`. Call once, inside the Tokio
 /// runtime, before serving; keep the guard until exit.
@@ -145,6 +177,18 @@ pub fn server_span<B>(req: &http::Request<B>) -> tracing::Span {
     span
 }
 
+/// A client-kind span for one outgoing RPC, e.g.
+/// `client.commit(req).instrument(telemetry::client_span("aliquot.v1.Allocator/Commit"))`:
+/// the callee's server span becomes its child, so Jaeger draws the hop.
+pub fn client_span(method: &str) -> tracing::Span {
+    tracing::info_span!(
+        "grpc.client",
+        otel.name = %method,
+        otel.kind = "client",
+        rpc.system = "grpc",
+    )
+}
+
 /// Client side: `FooClient::with_interceptor(channel, TraceInjector)`.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct TraceInjector;
@@ -160,10 +204,8 @@ impl tonic::service::Interceptor for TraceInjector {
 }
 
 /// A client channel wrapped with the trace injector.
-pub type TracedChannel = tonic::service::interceptor::InterceptedService<
-    tonic::transport::Channel,
-    TraceInjector,
->;
+pub type TracedChannel =
+    tonic::service::interceptor::InterceptedService<tonic::transport::Channel, TraceInjector>;
 
 struct MetadataInjector<'a>(&'a mut tonic::metadata::MetadataMap);
 

@@ -1,0 +1,306 @@
+//! SVG line charts of a pool's history (plotters, SVG backend): one coloured
+//! line per vdev with a legend, vdev events as vertical lines, axes labelled
+//! with their units. Takes plain series, so the HTTP server and
+//! `aliquotctl history --svg` draw the very same chart.
+
+use aliquot_proto::v1::HistoryReply;
+use plotters::prelude::*;
+
+/// How the y values read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum YUnit {
+    /// A fraction 0..=1 shown as a percentage.
+    Fraction,
+    Bytes,
+    BytesPerSec,
+}
+
+/// One line: `(unix ms, value)` points, oldest first.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Series {
+    pub label: String,
+    pub points: Vec<(i64, f64)>,
+}
+
+/// A vertical line at an event (vdev add, offline, ...).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Marker {
+    pub time_ms: i64,
+    pub kind: String,
+    pub label: String,
+}
+
+/// Everything a chart needs.
+#[derive(Clone, Debug)]
+pub struct Chart {
+    pub title: String,
+    pub y_desc: String,
+    pub unit: YUnit,
+    pub series: Vec<Series>,
+    pub markers: Vec<Marker>,
+    /// The time range shown; `None` fits the data.
+    pub x_range: Option<(i64, i64)>,
+    pub width: u32,
+    pub height: u32,
+}
+
+/// The three charts the service serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChartKind {
+    Balance,
+    Throughput,
+    Queues,
+}
+
+impl ChartKind {
+    pub const ALL: [ChartKind; 3] = [ChartKind::Balance, ChartKind::Throughput, ChartKind::Queues];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ChartKind::Balance => "balance",
+            ChartKind::Throughput => "throughput",
+            ChartKind::Queues => "queues",
+        }
+    }
+
+    /// This chart of `pool` from a History reply.
+    pub fn chart(self, pool: &str, reply: &HistoryReply, x_range: Option<(i64, i64)>) -> Chart {
+        let (title, y_desc, unit): (String, &str, YUnit) = match self {
+            ChartKind::Balance => (
+                format!("{pool}: used fraction per vdev"),
+                "used (% of capacity)",
+                YUnit::Fraction,
+            ),
+            ChartKind::Throughput => (
+                format!("{pool}: write throughput per vdev"),
+                "write (bytes/s)",
+                YUnit::BytesPerSec,
+            ),
+            ChartKind::Queues => (
+                format!("{pool}: queue depth per vdev (placed, not yet committed)"),
+                "queue depth (bytes)",
+                YUnit::Bytes,
+            ),
+        };
+        let series = reply
+            .series
+            .iter()
+            .map(|s| Series {
+                label: if s.name.is_empty() {
+                    format!("vdev{}", s.vdev)
+                } else {
+                    format!("{} ({})", s.name, s.vdev)
+                },
+                points: s
+                    .points
+                    .iter()
+                    .map(|p| {
+                        let y = match self {
+                            ChartKind::Balance => p.used_fraction,
+                            ChartKind::Throughput => p.write_bytes_per_sec,
+                            ChartKind::Queues => p.queue_depth as f64,
+                        };
+                        (p.time_ms, y)
+                    })
+                    .collect(),
+            })
+            .collect();
+        let markers = reply
+            .events
+            .iter()
+            .map(|e| Marker {
+                time_ms: e.time_ms,
+                kind: e.kind.clone(),
+                label: format!("{} {}", e.kind.trim_start_matches("vdev_"), e.vdev),
+            })
+            .collect();
+        Chart {
+            title,
+            y_desc: y_desc.to_string(),
+            unit,
+            series,
+            markers,
+            x_range,
+            width: 1100,
+            height: 420,
+        }
+    }
+}
+
+impl std::str::FromStr for ChartKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "balance" => Ok(Self::Balance),
+            "throughput" => Ok(Self::Throughput),
+            "queues" => Ok(Self::Queues),
+            _ => Err(format!("unknown chart {s:?} (balance, throughput, queues)")),
+        }
+    }
+}
+
+/// `2026-12-02 10:04:05`-style UTC parts from unix ms.
+fn civil(ms: i64) -> (i64, u32, u32, u32, u32, u32) {
+    let secs = ms.div_euclid(1000);
+    let days = secs.div_euclid(86_400);
+    let tod = secs.rem_euclid(86_400);
+    // Days since 1970-01-01 to a proleptic Gregorian date (Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    (
+        y,
+        m,
+        d,
+        (tod / 3600) as u32,
+        (tod / 60 % 60) as u32,
+        (tod % 60) as u32,
+    )
+}
+
+/// A UTC timestamp: `2026-12-02 10:04:05`.
+pub fn format_time(ms: i64) -> String {
+    let (y, mo, d, h, mi, s) = civil(ms);
+    format!("{y:04}-{mo:02}-{d:02} {h:02}:{mi:02}:{s:02}")
+}
+
+/// An axis tick: time of day for short spans, date and time for long ones.
+fn tick(ms: i64, span_ms: i64) -> String {
+    let (_, mo, d, h, mi, s) = civil(ms);
+    if span_ms > 86_400_000 {
+        format!("{mo:02}-{d:02} {h:02}:{mi:02}")
+    } else {
+        format!("{h:02}:{mi:02}:{s:02}")
+    }
+}
+
+fn format_y(unit: YUnit, y: f64) -> String {
+    match unit {
+        YUnit::Fraction => format!("{:.1}%", y * 100.0),
+        YUnit::Bytes => units::format_bytes_short(y.max(0.0) as u64),
+        YUnit::BytesPerSec => format!("{}/s", units::format_bytes_short(y.max(0.0) as u64)),
+    }
+}
+
+fn marker_color(kind: &str) -> RGBColor {
+    match kind {
+        "vdev_add" => RGBColor(0, 140, 60),
+        "vdev_offline" | "vdev_unavailable" => RGBColor(200, 30, 30),
+        _ => RGBColor(230, 140, 0),
+    }
+}
+
+/// Render `chart` as a standalone SVG document.
+pub fn render_svg(chart: &Chart) -> Result<String, String> {
+    let mut buf = String::new();
+    draw(chart, &mut buf).map_err(|e| format!("drawing chart {:?}: {e}", chart.title))?;
+    Ok(buf)
+}
+
+fn draw<'a>(chart: &Chart, buf: &'a mut String) -> Result<(), Box<dyn std::error::Error + 'a>> {
+    let (mut x0, mut x1) = chart.x_range.unwrap_or_else(|| {
+        let xs = chart
+            .series
+            .iter()
+            .flat_map(|s| s.points.iter().map(|p| p.0));
+        let (lo, hi) = xs.fold((i64::MAX, i64::MIN), |(lo, hi), x| (lo.min(x), hi.max(x)));
+        if lo > hi { (0, 60_000) } else { (lo, hi) }
+    });
+    if x1 <= x0 {
+        x0 -= 30_000;
+        x1 += 30_000;
+    }
+    let ymax = chart
+        .series
+        .iter()
+        .flat_map(|s| s.points.iter().map(|p| p.1))
+        .filter(|y| y.is_finite())
+        .fold(0.0_f64, f64::max);
+    let floor = match chart.unit {
+        YUnit::Fraction => 0.01,
+        _ => 1.0,
+    };
+    let y1 = (ymax * 1.1).max(floor);
+
+    let root = SVGBackend::with_string(buf, (chart.width, chart.height)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut cc = ChartBuilder::on(&root)
+        .caption(&chart.title, ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(44)
+        .y_label_area_size(84)
+        .build_cartesian_2d(x0..x1, 0.0..y1)?;
+    let span = x1 - x0;
+    let unit = chart.unit;
+    let xf = move |x: &i64| tick(*x, span);
+    let yf = move |y: &f64| format_y(unit, *y);
+    cc.configure_mesh()
+        .x_desc("time (UTC)")
+        .y_desc(chart.y_desc.as_str())
+        .x_labels(7)
+        .y_labels(6)
+        .x_label_formatter(&xf)
+        .y_label_formatter(&yf)
+        .light_line_style(RGBColor(235, 235, 235))
+        .draw()?;
+
+    for m in chart
+        .markers
+        .iter()
+        .filter(|m| m.time_ms >= x0 && m.time_ms <= x1)
+    {
+        let color = marker_color(&m.kind);
+        cc.draw_series(LineSeries::new(
+            [(m.time_ms, 0.0), (m.time_ms, y1)],
+            color.stroke_width(1),
+        ))?;
+        cc.draw_series(std::iter::once(Text::new(
+            m.label.clone(),
+            (m.time_ms, y1 * 0.97),
+            ("sans-serif", 12).into_font().color(&color),
+        )))?;
+    }
+    for (i, s) in chart.series.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        cc.draw_series(LineSeries::new(
+            s.points.iter().copied().filter(|p| p.1.is_finite()),
+            color.stroke_width(2),
+        ))?
+        .label(s.label.as_str())
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2)));
+    }
+    if chart.series.iter().all(|s| s.points.is_empty()) {
+        cc.draw_series(std::iter::once(Text::new(
+            "no samples in this range",
+            (x0 + span / 3, y1 / 2.0),
+            ("sans-serif", 16),
+        )))?;
+    }
+    if !chart.series.is_empty() {
+        cc.configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .draw()?;
+    }
+    root.present()?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn civil_dates() {
+        assert_eq!(format_time(0), "1970-01-01 00:00:00");
+        assert_eq!(format_time(951_782_400_000), "2000-02-29 00:00:00");
+        assert_eq!(format_time(1_767_225_599_000), "2025-12-31 23:59:59");
+    }
+}

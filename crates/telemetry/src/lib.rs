@@ -164,8 +164,15 @@ pub fn init(service: &str, args: &TelemetryArgs) -> Guard {
 
 /// `tonic::transport::Server::builder().trace_fn(telemetry::server_span)`:
 /// one span per RPC, parented on the caller's W3C trace context.
+///
+/// Health probes (`/grpc.health.v1.Health/*`, every second or two from each
+/// compose health check) get no span: they would bury the traces worth
+/// looking at.
 pub fn server_span<B>(req: &http::Request<B>) -> tracing::Span {
     let path = req.uri().path().to_string();
+    if path.starts_with("/grpc.health.v1.Health/") {
+        return tracing::Span::none();
+    }
     let span = tracing::info_span!(
         "grpc.server",
         otel.name = %path,

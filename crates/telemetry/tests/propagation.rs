@@ -6,6 +6,8 @@
 use std::time::Duration;
 
 use opentelemetry::global;
+use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_client::TraceServiceClient;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use telemetry::sink::TraceSink;
 use telemetry::{LogFormat, TraceInjector, client_span};
@@ -36,6 +38,8 @@ async fn client_and_server_spans_share_one_trace() {
         tonic::transport::Server::builder()
             .trace_fn(telemetry::server_span)
             .add_service(health_service)
+            // Any gRPC service will do as the callee: a second sink.
+            .add_service(TraceSink::new().service())
             .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
     );
 
@@ -44,13 +48,19 @@ async fn client_and_server_spans_share_one_trace() {
         .connect()
         .await
         .unwrap();
-    let mut client = HealthClient::with_interceptor(channel, TraceInjector);
+    let mut client = TraceServiceClient::with_interceptor(channel.clone(), TraceInjector);
+    let mut health = HealthClient::with_interceptor(channel, TraceInjector);
     async {
         client
+            .export(ExportTraceServiceRequest::default())
+            .instrument(client_span("TraceService/Export"))
+            .await
+            .expect("export");
+        // Health probes are not traced (they would drown the rest).
+        health
             .check(HealthCheckRequest {
                 service: String::new(),
             })
-            .instrument(client_span("grpc.health.v1.Health/Check"))
             .await
             .expect("health check");
     }
@@ -74,8 +84,8 @@ async fn client_and_server_spans_share_one_trace() {
             .unwrap_or_else(|| panic!("no span {name} in {spans:#?}"))
     };
     let root = find("test.root");
-    let client = find("grpc.health.v1.Health/Check");
-    let server = find("/grpc.health.v1.Health/Check");
+    let client = find("TraceService/Export");
+    let server = find("/opentelemetry.proto.collector.trace.v1.TraceService/Export");
     assert_eq!(root.service, "telemetry-test");
     assert!(root.parent_span_id.is_empty());
     assert_eq!(client.kind, "client");
@@ -89,6 +99,12 @@ async fn client_and_server_spans_share_one_trace() {
     assert_eq!(server.parent_span_id, client.span_id);
     assert_eq!(server.attr("rpc.system"), Some("grpc"));
     assert!(server.to_json().contains("\"kind\":\"server\""));
+    assert!(
+        !spans
+            .iter()
+            .any(|s| s.name.contains("grpc.health.v1.Health/Check") && s.kind == "server"),
+        "health probes are not traced: {spans:#?}"
+    );
 
     tokio::task::spawn_blocking(move || provider.shutdown())
         .await

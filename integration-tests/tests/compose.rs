@@ -1,0 +1,495 @@
+//! The docker compose deployment, for real: build the image without a
+//! registry (deploy/build-images.sh), `up` deploy/docker-compose.yml with the
+//! test override (an OTLP receiver in Jaeger's place), wait for every health
+//! check, run the loadgen profile, read the allocation status and the metrics
+//! rows through the published ports, `docker kill` an agent and see
+//! allocation go on, restart the allocator container and see its state
+//! survive, find the spans at the receiver, and `down -v`.
+//!
+//! Needs a Docker engine and compose (`docker compose` or `docker-compose`).
+//! Without them the test says why and passes, unless ALIQUOT_REQUIRE_DOCKER
+//! is set. Each run has its own compose project and random host ports; a
+//! guard runs `down -v` however the test ends.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use aliquot_proto::v1::SummaryRequest;
+use aliquot_proto::v1::metrics_client::MetricsClient;
+
+const IMAGE: &str = "aliquot:compose-test";
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("workspace root")
+        .to_path_buf()
+}
+
+/// Run `cmd`, killing it after `timeout`; the output whatever happened.
+fn run(mut cmd: Command, timeout: Duration) -> Output {
+    let what = format!("{cmd:?}");
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn {what}: {e}"));
+    // Drain the pipes in threads so a chatty command cannot block on them.
+    let mut so = child.stdout.take().expect("stdout");
+    let mut se = child.stderr.take().expect("stderr");
+    let t_out = std::thread::spawn(move || {
+        let mut b = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut so, &mut b);
+        b
+    });
+    let t_err = std::thread::spawn(move || {
+        let mut b = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut se, &mut b);
+        b
+    });
+    let deadline = Instant::now() + timeout;
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            break s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let s = child.wait().expect("wait");
+            eprintln!("compose test: {what} timed out after {timeout:?}");
+            break s;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    Output {
+        status,
+        stdout: t_out.join().unwrap_or_default(),
+        stderr: t_err.join().unwrap_or_default(),
+    }
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "exit {:?}\nstdout:\n{}\nstderr:\n{}",
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// `docker compose` (v2 plugin) or `docker-compose` (v1), whichever works.
+fn compose_program() -> Option<Vec<String>> {
+    let ok = |prog: &str, args: &[&str]| {
+        Command::new(prog)
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false)
+    };
+    if ok("docker", &["compose", "version"]) {
+        Some(vec!["docker".into(), "compose".into()])
+    } else if ok("docker-compose", &["version"]) {
+        Some(vec!["docker-compose".into()])
+    } else {
+        None
+    }
+}
+
+fn docker_available() -> Result<Vec<String>, String> {
+    let info = Command::new("docker")
+        .args(["info", "--format", "{{.ServerVersion}}"])
+        .output()
+        .map_err(|e| format!("docker CLI not found: {e}"))?;
+    if !info.status.success() {
+        return Err(format!(
+            "docker engine not reachable: {}",
+            String::from_utf8_lossy(&info.stderr).trim()
+        ));
+    }
+    compose_program().ok_or_else(|| "neither `docker compose` nor `docker-compose` works".into())
+}
+
+/// One compose project; `down -v` when dropped (test passed or not).
+struct Project {
+    program: Vec<String>,
+    name: String,
+    files: Vec<PathBuf>,
+    env: Vec<(String, String)>,
+}
+
+impl Project {
+    fn cmd(&self, args: &[&str]) -> Command {
+        let mut c = Command::new(&self.program[0]);
+        c.args(&self.program[1..]);
+        c.arg("--project-name").arg(&self.name);
+        for f in &self.files {
+            c.arg("-f").arg(f);
+        }
+        c.args(args);
+        c.current_dir(repo_root());
+        for (k, v) in &self.env {
+            c.env(k, v);
+        }
+        c
+    }
+
+    fn run(&self, args: &[&str], timeout: Duration) -> Output {
+        run(self.cmd(args), timeout)
+    }
+
+    fn must(&self, args: &[&str], timeout: Duration) -> Output {
+        let o = self.run(args, timeout);
+        assert!(
+            o.status.success(),
+            "compose {args:?} failed: {}\nlogs:\n{}",
+            text(&o),
+            self.logs()
+        );
+        o
+    }
+
+    fn logs(&self) -> String {
+        let o = self.run(
+            &["logs", "--no-color", "--tail", "40"],
+            Duration::from_secs(30),
+        );
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    }
+
+    fn container(&self, service: &str) -> String {
+        let o = self.must(&["ps", "-q", service], Duration::from_secs(30));
+        let id = String::from_utf8_lossy(&o.stdout).trim().to_string();
+        assert!(!id.is_empty(), "no container for {service}");
+        id
+    }
+
+    /// Host address of a published container port.
+    fn port(&self, service: &str, port: u16) -> String {
+        let o = self.must(
+            &["port", service, &port.to_string()],
+            Duration::from_secs(30),
+        );
+        let s = String::from_utf8_lossy(&o.stdout).trim().to_string();
+        let port = s.rsplit(':').next().expect("host:port");
+        format!("127.0.0.1:{port}")
+    }
+
+    fn health(&self, service: &str) -> String {
+        let id = self.container(service);
+        let o = run(
+            {
+                let mut c = Command::new("docker");
+                c.args(["inspect", "-f", "{{.State.Health.Status}}", &id]);
+                c
+            },
+            Duration::from_secs(20),
+        );
+        String::from_utf8_lossy(&o.stdout).trim().to_string()
+    }
+
+    fn wait_healthy(&self, services: &[&str], timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let states: Vec<(String, String)> = services
+                .iter()
+                .map(|s| (s.to_string(), self.health(s)))
+                .collect();
+            if states.iter().all(|(_, h)| h == "healthy") {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "not healthy after {timeout:?}: {states:?}\nlogs:\n{}",
+                self.logs()
+            );
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
+}
+
+impl Drop for Project {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("compose test failed; last logs:\n{}", self.logs());
+        }
+        let o = self.run(
+            &["down", "-v", "--remove-orphans", "-t", "5"],
+            Duration::from_secs(120),
+        );
+        if !o.status.success() {
+            eprintln!("compose down -v failed: {}", text(&o));
+        }
+    }
+}
+
+/// `aliquotctl status --json` from the host against the published port.
+fn status(allocator: &str) -> serde_json::Value {
+    let mut c = Command::new(integration_tests::bin("aliquotctl"));
+    c.args([
+        "status",
+        "--json",
+        "--allocator",
+        &format!("http://{allocator}"),
+    ]);
+    let o = run(c, Duration::from_secs(30));
+    assert!(o.status.success(), "aliquotctl status failed: {}", text(&o));
+    serde_json::from_slice(&o.stdout)
+        .unwrap_or_else(|e| panic!("status --json is not JSON ({e}): {}", text(&o)))
+}
+
+/// Bytes allocated in the normal class (sum over its groups).
+fn normal_alloc(st: &serde_json::Value) -> u64 {
+    st["classes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|c| c["name"] == "normal")
+        .map(|c| c["alloc"].as_u64().unwrap_or(0))
+        .sum()
+}
+
+fn groups(st: &serde_json::Value) -> Vec<serde_json::Value> {
+    st["classes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|c| c["name"] == "normal")
+        .flat_map(|c| c["groups"].as_array().cloned().unwrap_or_default())
+        .collect()
+}
+
+fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+#[test]
+fn compose_deployment_end_to_end() {
+    let program = match docker_available() {
+        Ok(p) => p,
+        Err(why) => {
+            if std::env::var_os("ALIQUOT_REQUIRE_DOCKER").is_some() {
+                panic!("ALIQUOT_REQUIRE_DOCKER is set but docker is unusable: {why}");
+            }
+            eprintln!("compose test skipped: {why}");
+            return;
+        }
+    };
+    let started = Instant::now();
+    let root = repo_root();
+
+    // 1. The image, from the binaries this test run already builds.
+    integration_tests::bin("aliquotctl");
+    let bin_dir = integration_tests::bin_dir();
+    let mut build = Command::new(root.join("deploy/build-images.sh"));
+    build.args(["--bin-dir", &bin_dir.display().to_string(), "--tag", IMAGE]);
+    let o = run(build, Duration::from_secs(180));
+    assert!(o.status.success(), "build-images.sh failed: {}", text(&o));
+
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    let mut env: Vec<(String, String)> = vec![
+        ("ALIQUOT_IMAGE".into(), IMAGE.into()),
+        ("OTEL_BSP_SCHEDULE_DELAY".into(), "300".into()),
+        ("ALIQUOT_LOADGEN_TOTAL".into(), "16MiB".into()),
+        ("ALIQUOT_LOADGEN_BLOCK_SIZE".into(), "128KiB".into()),
+        ("ALIQUOT_LOADGEN_CONCURRENCY".into(), "4".into()),
+        ("COMPOSE_HTTP_TIMEOUT".into(), "120".into()),
+    ];
+    for p in [
+        "ALIQUOT_JAEGER_UI_PORT",
+        "ALIQUOT_OTLP_PORT",
+        "ALIQUOT_METRICS_PORT",
+        "ALIQUOT_CHARTS_PORT",
+        "ALIQUOT_ALLOCATOR_PORT",
+    ] {
+        env.push((p.into(), "0".into()));
+    }
+    let project = Project {
+        program,
+        name: format!("aliquot-test-{}-{nanos:x}", std::process::id()),
+        files: vec![
+            root.join("deploy/docker-compose.yml"),
+            root.join("deploy/docker-compose.test.yml"),
+        ],
+        env,
+    };
+
+    // 2. Up, and every health check green.
+    let services = [
+        "jaeger",
+        "metrics",
+        "allocator",
+        "agent1",
+        "agent2",
+        "agent3",
+        "hdd1",
+    ];
+    project.must(&["up", "-d", "--no-build"], Duration::from_secs(240));
+    project.wait_healthy(&services, Duration::from_secs(120));
+    let allocator = project.port("allocator", 7000);
+    let metrics = project.port("metrics", 7100);
+
+    let st = wait_for("4 vdevs registered", Duration::from_secs(60), || {
+        let st = status(&allocator);
+        (groups(&st).len() >= 4).then_some(st)
+    });
+    assert_eq!(normal_alloc(&st), 0, "a fresh pool has nothing allocated");
+
+    // 3. The loadgen profile writes through the compose network.
+    project.must(
+        &["--profile", "loadgen", "run", "--rm", "loadgen"],
+        Duration::from_secs(180),
+    );
+    let st = status(&allocator);
+    let after_load = normal_alloc(&st);
+    assert!(
+        after_load >= 16 << 20,
+        "16 MiB written, {after_load} bytes allocated: {st}"
+    );
+    let per_vdev: Vec<u64> = groups(&st)
+        .iter()
+        .map(|g| g["alloc"].as_u64().unwrap_or(0))
+        .collect();
+    assert!(
+        per_vdev.iter().filter(|a| **a > 0).count() >= 2,
+        "the load was spread over the vdevs: {per_vdev:?}"
+    );
+
+    // 4. Metrics rows: the allocator's snapshots landed in SQLite.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let summary = wait_for("metrics samples", Duration::from_secs(60), || {
+        rt.block_on(async {
+            let mut c = MetricsClient::connect(format!("http://{metrics}"))
+                .await
+                .ok()?;
+            let r = c
+                .summary(SummaryRequest {
+                    pool: String::new(),
+                })
+                .await
+                .ok()?
+                .into_inner();
+            r.pools
+                .into_iter()
+                .find(|p| p.samples > 0 && p.vdevs >= 4 && p.total_written_bytes > 0)
+        })
+    });
+    eprintln!(
+        "metrics: pool {} samples {} vdevs {} written {}",
+        summary.pool, summary.samples, summary.vdevs, summary.total_written_bytes
+    );
+
+    // 5. Kill one agent: allocation goes on on the others.
+    let victim = project.container("agent1");
+    let o = run(
+        {
+            let mut c = Command::new("docker");
+            c.args(["kill", &victim]);
+            c
+        },
+        Duration::from_secs(30),
+    );
+    assert!(o.status.success(), "docker kill: {}", text(&o));
+    std::thread::sleep(Duration::from_secs(1));
+    project.must(
+        &["--profile", "loadgen", "run", "--rm", "loadgen"],
+        Duration::from_secs(180),
+    );
+    let st = status(&allocator);
+    let after_kill = normal_alloc(&st);
+    assert!(
+        after_kill >= after_load + (16 << 20),
+        "allocation went on after the kill: {after_load} → {after_kill}"
+    );
+
+    // 6. Restart the allocator container: its synced state survives.
+    project.must(
+        &["restart", "-t", "10", "allocator"],
+        Duration::from_secs(120),
+    );
+    project.wait_healthy(&["allocator"], Duration::from_secs(60));
+    let allocator = project.port("allocator", 7000);
+    let st = wait_for("vdevs back after restart", Duration::from_secs(60), || {
+        let st = status(&allocator);
+        (groups(&st).len() >= 3).then_some(st)
+    });
+    let after_restart = normal_alloc(&st);
+    assert_eq!(
+        after_restart, after_kill,
+        "allocated bytes before and after the allocator restart: {st}"
+    );
+
+    // 7. Spans reached the receiver standing in for Jaeger.
+    let sink = project.container("jaeger");
+    let spans = wait_for("spans at the receiver", Duration::from_secs(30), || {
+        let o = run(
+            {
+                let mut c = Command::new("docker");
+                c.args(["logs", &sink]);
+                c
+            },
+            Duration::from_secs(30),
+        );
+        let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect();
+        let has = |svc: &str| lines.iter().any(|s| s["service"] == svc);
+        (has("aliquotctl")
+            && has("aliquot-allocator")
+            && has("aliquot-agent")
+            && has("aliquot-metrics"))
+        .then_some(lines)
+    });
+    let root = spans
+        .iter()
+        .find(|s| s["name"] == "aliquotctl.write")
+        .expect("an aliquotctl.write root span");
+    let trace = root["trace_id"].as_str().expect("trace id");
+    let in_trace: std::collections::BTreeSet<&str> = spans
+        .iter()
+        .filter(|s| s["trace_id"] == trace)
+        .filter_map(|s| s["service"].as_str())
+        .collect();
+    assert!(
+        in_trace.contains("aliquot-allocator") && in_trace.contains("aliquot-agent"),
+        "the loadgen's trace crosses the containers: {in_trace:?}"
+    );
+
+    eprintln!("compose test took {:?} before down", started.elapsed());
+    let volumes_label = format!("label=com.docker.compose.project={}", project.name);
+    drop(project);
+
+    // 8. `down -v` left nothing of the project behind.
+    let o = run(
+        {
+            let mut c = Command::new("docker");
+            c.args(["volume", "ls", "-q", "--filter", &volumes_label]);
+            c
+        },
+        Duration::from_secs(30),
+    );
+    assert!(
+        String::from_utf8_lossy(&o.stdout).trim().is_empty(),
+        "volumes left after down -v: {}",
+        text(&o)
+    );
+}

@@ -1,0 +1,457 @@
+//! Traces across real processes: the metrics service, the allocator, two
+//! file agents and one `aliquotctl write` all export to an in-process OTLP
+//! receiver (`telemetry::sink`). One write must come out as ONE trace whose
+//! spans link ctl → allocator and ctl → agent through the W3C traceparent
+//! each gRPC hop carries; txg sync and metrics ingest spans arrive too; and a
+//! service flushes its spans when it is stopped with SIGTERM.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use aliquot_proto::v1::allocator_client::AllocatorClient;
+use aliquot_proto::v1::metrics_client::MetricsClient;
+use aliquot_proto::v1::{GetPoolRequest, SummaryRequest};
+use integration_tests::{Proc, args, bin};
+use telemetry::sink::{SpanRecord, TraceSink};
+
+const CTL: &str = "aliquotctl";
+const ALLOCATOR: &str = "aliquot-allocator";
+const AGENT: &str = "aliquot-agent";
+const METRICS: &str = "aliquot-metrics";
+
+fn otel_env(endpoint: &str, delay_ms: u64) -> Vec<(String, String)> {
+    vec![
+        ("OTEL_EXPORTER_OTLP_ENDPOINT".into(), endpoint.into()),
+        ("OTEL_BSP_SCHEDULE_DELAY".into(), delay_ms.to_string()),
+        ("RUST_LOG".into(), "info".into()),
+    ]
+}
+
+/// Metrics, allocator and `n` file agents, all exporting spans to `endpoint`.
+struct Pool {
+    metrics: Proc,
+    allocator: Proc,
+    agents: Vec<Proc>,
+}
+
+async fn start_pool(dir: &Path, endpoint: &str, n: usize) -> Pool {
+    let env = otel_env(endpoint, 200);
+    let metrics = Proc::start(
+        "metrics",
+        &bin(METRICS),
+        &args![
+            "--listen",
+            "127.0.0.1:0",
+            "--http-listen",
+            "127.0.0.1:0",
+            "--db",
+            dir.join("metrics.db").display()
+        ],
+        &env,
+        &["grpc", "http"],
+        dir,
+    )
+    .expect("start metrics");
+    let allocator = Proc::start(
+        "allocator",
+        &bin(ALLOCATOR),
+        &args![
+            "--listen",
+            "127.0.0.1:0",
+            "--data-dir",
+            dir.join("allocator").display(),
+            "--metrics",
+            metrics.url("grpc"),
+            "--zfs-txg-timeout",
+            "200ms",
+            "--snapshot-interval",
+            "200ms"
+        ],
+        &env,
+        &["grpc"],
+        dir,
+    )
+    .expect("start allocator");
+    let mut agents = Vec::new();
+    for i in 0..n {
+        let name = format!("agent{i}");
+        agents.push(
+            Proc::start(
+                &name,
+                &bin(AGENT),
+                &args![
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--allocator",
+                    allocator.url("grpc"),
+                    "--name",
+                    name,
+                    "--backend",
+                    "file",
+                    "--path",
+                    dir.join(format!("{name}.img")).display(),
+                    "--capacity",
+                    "256MiB"
+                ],
+                &env,
+                &["grpc"],
+                dir,
+            )
+            .expect("start agent"),
+        );
+    }
+    // Every agent registered and reporting before the client writes.
+    let url = allocator.url("grpc");
+    let mut client = AllocatorClient::connect(url).await.expect("allocator");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let pool = client
+            .get_pool(GetPoolRequest {})
+            .await
+            .expect("GetPool")
+            .into_inner();
+        if pool.vdevs.len() >= n {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "only {} of {n} agents registered; allocator log:\n{}",
+            pool.vdevs.len(),
+            allocator.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Pool {
+        metrics,
+        allocator,
+        agents,
+    }
+}
+
+fn by_id(spans: &[SpanRecord]) -> HashMap<&str, &SpanRecord> {
+    spans.iter().map(|s| (s.span_id.as_str(), s)).collect()
+}
+
+/// `s`, its parent, its parent's parent, … as far as the spans reach.
+fn ancestors<'a>(s: &'a SpanRecord, ids: &HashMap<&str, &'a SpanRecord>) -> Vec<&'a SpanRecord> {
+    let mut out = vec![s];
+    let mut cur = s;
+    while let Some(p) = ids.get(cur.parent_span_id.as_str()) {
+        if out.len() > 64 {
+            break;
+        }
+        out.push(p);
+        cur = p;
+    }
+    out
+}
+
+fn describe(spans: &[SpanRecord]) -> String {
+    spans
+        .iter()
+        .map(|s| {
+            format!(
+                "{} {} {} [{}] trace={} id={} parent={}",
+                s.service,
+                s.kind,
+                s.name,
+                s.attributes
+                    .iter()
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect::<Vec<_>>()
+                    .join(" "),
+                &s.trace_id[..8],
+                s.span_id,
+                s.parent_span_id
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+fn has_attr(s: &SpanRecord, key: &str) -> bool {
+    s.attr(key).is_some()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_write_is_one_trace_across_ctl_allocator_and_agent() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let sink = TraceSink::new();
+    let endpoint = sink.spawn_local().await.expect("receiver");
+    let mut pool = start_pool(dir.path(), &endpoint, 2).await;
+
+    // One client operation: 4 blocks of 64 KiB.
+    let out = Command::new(bin(CTL))
+        .args(args![
+            "write",
+            "--allocator",
+            pool.allocator.url("grpc"),
+            "--total",
+            "256KiB",
+            "--block-size",
+            "64KiB",
+            "--concurrency",
+            "1"
+        ])
+        .envs(otel_env(&endpoint, 200))
+        .output()
+        .expect("run aliquotctl write");
+    assert!(
+        out.status.success(),
+        "aliquotctl write failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // ctl exited, so its spans were flushed at exit; the services export
+    // every 200 ms. Wait for the pieces the assertions need.
+    let arrived = sink
+        .wait_until(Duration::from_secs(20), |spans| {
+            let root = spans
+                .iter()
+                .any(|s| s.service == CTL && s.name == "aliquotctl.write");
+            let alloc = spans.iter().any(|s| {
+                s.service == ALLOCATOR && s.kind == "server" && s.name.contains("Allocat")
+            });
+            let agent = spans
+                .iter()
+                .any(|s| s.service == AGENT && s.kind == "server" && s.name.ends_with("/Write"));
+            let txg = spans.iter().any(|s| {
+                s.service == ALLOCATOR && s.name.contains("txg") && s.name.contains("sync")
+            });
+            let ingest = spans
+                .iter()
+                .any(|s| s.service == METRICS && s.kind == "server" && s.name.contains("Record"));
+            root && alloc && agent && txg && ingest
+        })
+        .await;
+    let spans = sink.spans();
+    assert!(
+        arrived,
+        "not every expected span arrived within 20 s; got:\n{}",
+        describe(&spans)
+    );
+
+    // ONE trace for the write: every ctl span is in the root's trace.
+    let roots: Vec<&SpanRecord> = spans
+        .iter()
+        .filter(|s| s.service == CTL && s.name == "aliquotctl.write")
+        .collect();
+    assert_eq!(
+        roots.len(),
+        1,
+        "one aliquotctl.write root per write command:\n{}",
+        describe(&spans)
+    );
+    let root = roots[0];
+    assert!(
+        root.parent_span_id.is_empty(),
+        "aliquotctl.write is a root span"
+    );
+    let ctl_traces: std::collections::BTreeSet<&str> = spans
+        .iter()
+        .filter(|s| s.service == CTL)
+        .map(|s| s.trace_id.as_str())
+        .collect();
+    assert_eq!(
+        ctl_traces.len(),
+        1,
+        "ctl's spans are spread over {} traces",
+        ctl_traces.len()
+    );
+
+    let trace = sink.trace(&root.trace_id);
+    let ids = by_id(&trace);
+    let services: std::collections::BTreeSet<&str> =
+        trace.iter().map(|s| s.service.as_str()).collect();
+    for svc in [CTL, ALLOCATOR, AGENT] {
+        assert!(
+            services.contains(svc),
+            "{svc} has no span in the write's trace:\n{}",
+            describe(&trace)
+        );
+    }
+
+    // ctl root → ctl span → allocator server span (→ handler span).
+    let alloc_server: Vec<&SpanRecord> = trace
+        .iter()
+        .filter(|s| s.service == ALLOCATOR && s.kind == "server")
+        .collect();
+    assert!(!alloc_server.is_empty());
+    for s in &alloc_server {
+        let parent = ids
+            .get(s.parent_span_id.as_str())
+            .unwrap_or_else(|| panic!("allocator span {} has no parent in the trace", s.name));
+        assert_eq!(parent.service, CTL, "{}'s parent is ctl's", s.name);
+        let chain = ancestors(parent, &ids);
+        assert!(
+            chain.iter().any(|a| a.span_id == root.span_id),
+            "{}'s parent {} does not descend from aliquotctl.write",
+            s.name,
+            parent.name
+        );
+    }
+    // ctl root → ctl span → agent Write server span.
+    let agent_writes: Vec<&SpanRecord> = trace
+        .iter()
+        .filter(|s| s.service == AGENT && s.kind == "server" && s.name.ends_with("/Write"))
+        .collect();
+    assert!(
+        agent_writes.len() >= 4,
+        "a Write per block: {}",
+        describe(&trace)
+    );
+    for s in &agent_writes {
+        let parent = ids
+            .get(s.parent_span_id.as_str())
+            .expect("agent span's parent in trace");
+        assert_eq!(parent.service, CTL);
+        assert!(
+            ancestors(parent, &ids)
+                .iter()
+                .any(|a| a.span_id == root.span_id)
+        );
+    }
+
+    // The spans worth looking at carry their facts.
+    let allocate = trace
+        .iter()
+        .find(|s| s.service == ALLOCATOR && s.kind == "internal" && s.name.contains("allocate"))
+        .unwrap_or_else(|| panic!("no allocate handler span:\n{}", describe(&trace)));
+    for key in ["class", "size", "copies"] {
+        assert!(
+            has_attr(allocate, key),
+            "allocate span lacks {key}: {:?}",
+            allocate.attributes
+        );
+    }
+    let agent_write = trace
+        .iter()
+        .find(|s| s.service == AGENT && s.kind == "internal" && s.name.contains("write"))
+        .unwrap_or_else(|| panic!("no agent write handler span:\n{}", describe(&trace)));
+    assert!(
+        has_attr(agent_write, "bytes"),
+        "agent write span lacks bytes: {:?}",
+        agent_write.attributes
+    );
+    assert!(
+        trace
+            .iter()
+            .any(|s| s.service == ALLOCATOR && s.name.to_lowercase().contains("commit")),
+        "no Commit span in the write's trace:\n{}",
+        describe(&trace)
+    );
+
+    // Background work has its own traces: txg sync and metrics ingest.
+    let txg = spans
+        .iter()
+        .find(|s| s.service == ALLOCATOR && s.name.contains("txg") && s.name.contains("sync"))
+        .expect("txg sync span");
+    assert!(
+        has_attr(txg, "txg"),
+        "txg sync span lacks txg: {:?}",
+        txg.attributes
+    );
+    let ingest = spans
+        .iter()
+        .find(|s| s.service == METRICS && s.kind == "server" && s.name.contains("Record"))
+        .expect("metrics ingest span");
+    // The ingest RPC was made by the allocator's snapshot push: linked across.
+    let push_ids = by_id(&spans);
+    let pusher = push_ids
+        .get(ingest.parent_span_id.as_str())
+        .unwrap_or_else(|| panic!("ingest span has no parent among:\n{}", describe(&spans)));
+    assert_eq!(
+        pusher.service, ALLOCATOR,
+        "the snapshot push is the allocator's"
+    );
+
+    for a in &mut pool.agents {
+        a.kill();
+    }
+    pool.allocator.kill();
+    pool.metrics.kill();
+}
+
+/// A service stopped with SIGTERM exports what it has not sent yet: with a
+/// 10-minute batch delay, the only way a span can arrive is the flush at
+/// shutdown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_flushes_pending_spans() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let sink = TraceSink::new();
+    let endpoint = sink.spawn_local().await.expect("receiver");
+    let env = otel_env(&endpoint, 600_000);
+    let mut metrics = Proc::start(
+        "metrics",
+        &bin(METRICS),
+        &args![
+            "--listen",
+            "127.0.0.1:0",
+            "--http-listen",
+            "127.0.0.1:0",
+            "--db",
+            dir.path().join("metrics.db").display()
+        ],
+        &env,
+        &["grpc", "http"],
+        dir.path(),
+    )
+    .expect("start metrics");
+    let mut allocator = Proc::start(
+        "allocator",
+        &bin(ALLOCATOR),
+        &args![
+            "--listen",
+            "127.0.0.1:0",
+            "--data-dir",
+            dir.path().join("allocator").display()
+        ],
+        &env,
+        &["grpc"],
+        dir.path(),
+    )
+    .expect("start allocator");
+
+    let mut client = AllocatorClient::connect(allocator.url("grpc"))
+        .await
+        .expect("allocator");
+    client.get_pool(GetPoolRequest {}).await.expect("GetPool");
+    let mut mc = MetricsClient::connect(metrics.url("grpc"))
+        .await
+        .expect("metrics");
+    // Any answer will do (an empty database may say NotFound): the RPC is
+    // what makes the span.
+    let _ = mc
+        .summary(SummaryRequest {
+            pool: String::new(),
+        })
+        .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !sink.spans().iter().any(|s| s.name.ends_with("/GetPool")),
+        "spans arrived before shutdown: the batch delay was not honoured"
+    );
+
+    allocator.kill();
+    metrics.kill();
+    let arrived = sink
+        .wait_until(Duration::from_secs(10), |spans| {
+            spans
+                .iter()
+                .any(|s| s.service == ALLOCATOR && s.name == "/aliquot.v1.Allocator/GetPool")
+                && spans
+                    .iter()
+                    .any(|s| s.service == METRICS && s.name == "/aliquot.v1.Metrics/Summary")
+        })
+        .await;
+    assert!(
+        arrived,
+        "spans not flushed at SIGTERM; got:\n{}\nallocator log:\n{}\nmetrics log:\n{}",
+        describe(&sink.spans()),
+        allocator.log_tail(),
+        metrics.log_tail()
+    );
+}

@@ -1,0 +1,319 @@
+//! The `AgentRegistry` service: agents register their device (a new device
+//! becomes a vdev; a known device guid gets its vdev id back) and keep a
+//! report stream open. Reports carry health and capacity; a vdev whose agent
+//! stays silent for `MISSED_REPORTS` intervals is made unavailable
+//! (allocation goes on elsewhere) until its reports resume.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use aliquot_proto::v1 as pb;
+use aliquot_proto::v1::agent_registry_server::AgentRegistry;
+use metaslab::{Health, VdevId, VdevRole, VdevSpec};
+use tokio::sync::mpsc;
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+use tracing::Instrument;
+
+use crate::convert;
+use crate::error::{Error, Result};
+use crate::state::{Inner, MISSED_REPORTS, Shared, VdevInfo};
+use crate::store::VdevRecord;
+
+#[derive(Clone)]
+pub struct RegistryService {
+    pub shared: Arc<Shared>,
+}
+
+fn record_of(g: &Inner, id: VdevId) -> Option<VdevRecord> {
+    let info = g.vdevs.get(&id)?;
+    let stats = g.pool.stats();
+    let v = stats.vdevs.iter().find(|v| v.id == id)?;
+    let mut spec = v.spec.clone();
+    spec.metaslab_shift = Some(v.metaslab_shift);
+    Some(VdevRecord {
+        id,
+        guid: info.guid,
+        name: info.name.clone(),
+        endpoint: info.endpoint.clone(),
+        spec,
+    })
+}
+
+fn vdev_capacity(g: &Inner, id: VdevId) -> Option<u64> {
+    g.pool
+        .stats()
+        .vdevs
+        .iter()
+        .find(|v| v.id == id)
+        .map(|v| v.spec.capacity)
+}
+
+/// Is `endpoint` served by a live vdev other than `me`?
+fn endpoint_owner(g: &Inner, endpoint: &str, me: Option<VdevId>) -> Option<VdevId> {
+    g.vdevs
+        .iter()
+        .find(|(id, v)| Some(**id) != me && v.endpoint == endpoint && !v.silent)
+        .map(|(id, _)| *id)
+}
+
+/// A vdev heard from again: its reported health applies once more.
+fn mark_alive(g: &mut Inner, id: VdevId, now: Instant, why: &str) {
+    let Some(info) = g.vdevs.get_mut(&id) else {
+        return;
+    };
+    info.last_seen = now;
+    if info.silent {
+        info.silent = false;
+        let health = info.reported_health;
+        let _ = g.pool.set_health(id, health);
+        g.wake_admitted();
+        g.event("vdev_online", id, why.to_string());
+        tracing::info!(vdev = id, ?health, "vdev available again");
+    }
+}
+
+impl RegistryService {
+    async fn register_inner(&self, r: pb::RegisterRequest) -> Result<pb::RegisterReply> {
+        let (reply, wait_for) = self.register_locked(r)?;
+        if let Some(txg) = wait_for {
+            // Its metaslabs are usable once the txg it joined in has synced.
+            self.shared.wait_synced(txg).await?;
+        }
+        Ok(reply)
+    }
+
+    /// The synchronous part of Register; a new vdev also returns the txg
+    /// to wait for.
+    fn register_locked(
+        &self,
+        r: pb::RegisterRequest,
+    ) -> Result<(pb::RegisterReply, Option<metaslab::Txg>)> {
+        self.shared.check_serving()?;
+        if r.device_guid == 0 {
+            return Err(Error::InvalidArgument(
+                "device_guid must be set (the device's stable identity)".into(),
+            ));
+        }
+        let endpoint = r.endpoint.trim().to_string();
+        if endpoint.parse::<tonic::transport::Uri>().is_err() || !endpoint.contains("://") {
+            return Err(Error::InvalidArgument(format!(
+                "endpoint {endpoint:?} is not a URL such as http://127.0.0.1:7001"
+            )));
+        }
+        if r.capacity == 0 {
+            return Err(Error::InvalidArgument(
+                "capacity must be above 0 bytes".into(),
+            ));
+        }
+        if r.ashift > 24 {
+            return Err(Error::InvalidArgument(format!(
+                "ashift {} is out of range (9 ..= 16 expected)",
+                r.ashift
+            )));
+        }
+        let now = Instant::now();
+        let reply = |vdev| pb::RegisterReply {
+            vdev,
+            pool_guid: self.shared.pool_guid,
+            report_interval_ms: self.shared.settings.report_interval.as_millis() as u32,
+        };
+        let mut g = self.shared.lock();
+        if let Some(&id) = g.by_guid.get(&r.device_guid) {
+            if let Some(owner) = endpoint_owner(&g, &endpoint, Some(id)) {
+                return Err(Error::FailedPrecondition(format!(
+                    "endpoint {endpoint} belongs to live vdev {owner}; a different device cannot take it over"
+                )));
+            }
+            let mut changed = false;
+            if let Some(info) = g.vdevs.get_mut(&id) {
+                changed |= info.endpoint != endpoint || info.name != r.name;
+                info.endpoint = endpoint.clone();
+                info.name = r.name.clone();
+                info.backend = r.backend.clone();
+            }
+            if vdev_capacity(&g, id).is_some_and(|c| r.capacity > c) {
+                g.pool.grow_vdev(id, r.capacity)?;
+                changed = true;
+            }
+            mark_alive(&mut g, id, now, "agent registered again");
+            if changed && let Some(rec) = record_of(&g, id) {
+                g.pending_vdevs.push(rec);
+            }
+            drop(g);
+            tracing::info!(vdev = id, endpoint = %endpoint, guid = r.device_guid, "vdev re-registered");
+            return Ok((reply(id), None));
+        }
+        if let Some(owner) = endpoint_owner(&g, &endpoint, None) {
+            return Err(Error::FailedPrecondition(format!(
+                "endpoint {endpoint} belongs to live vdev {owner} (device guid {:#x}); a different device cannot take it over",
+                g.vdevs[&owner].guid
+            )));
+        }
+        let spec = VdevSpec {
+            capacity: r.capacity,
+            ashift: r.ashift as u8,
+            children: r.children.max(1),
+            parity: r.parity,
+            rotational: r.rotational,
+            role: if r.log {
+                VdevRole::Log
+            } else {
+                VdevRole::Normal
+            },
+            metaslab_shift: None,
+        };
+        let id = g.pool.add_vdev(spec)?;
+        g.vdevs.insert(
+            id,
+            VdevInfo {
+                guid: r.device_guid,
+                name: r.name.clone(),
+                endpoint: endpoint.clone(),
+                backend: r.backend.clone(),
+                last_report: None,
+                last_seen: now,
+                prev_report: None,
+                last_report_at: None,
+                silent: false,
+                reported_health: Health::Healthy,
+            },
+        );
+        g.by_guid.insert(r.device_guid, id);
+        if let Some(rec) = record_of(&g, id) {
+            g.pending_vdevs.push(rec);
+        }
+        g.event(
+            "vdev_add",
+            id,
+            format!(
+                "{} {} at {endpoint}",
+                r.name,
+                units::format_bytes(r.capacity)
+            ),
+        );
+        let txg = g.pool.open_txg();
+        drop(g);
+        tracing::info!(vdev = id, name = %r.name, endpoint = %endpoint, capacity = r.capacity,
+            guid = r.device_guid, "vdev added");
+        Ok((reply(id), Some(txg)))
+    }
+
+    fn report_one(&self, r: pb::AgentReport) -> Result<pb::ReportAck> {
+        let now = Instant::now();
+        let mut g = self.shared.lock();
+        let id = r.vdev;
+        let Some(info) = g.vdevs.get_mut(&id) else {
+            return Err(Error::NotFound(format!(
+                "vdev {id} is not registered here; register first"
+            )));
+        };
+        let health = convert::health_from_pb(r.health);
+        let old_health = info.reported_health;
+        info.reported_health = health;
+        if let Some(prev) = info.last_report.take() {
+            info.prev_report = Some((info.last_report_at.unwrap_or(now), prev));
+        }
+        let capacity = r.capacity;
+        info.last_report = Some(r);
+        info.last_report_at = Some(now);
+        let was_silent = info.silent;
+        if was_silent {
+            mark_alive(&mut g, id, now, "reports resumed");
+        } else {
+            g.vdevs.get_mut(&id).expect("present").last_seen = now;
+            if health != old_health {
+                g.pool.set_health(id, health)?;
+                g.wake_admitted();
+                tracing::info!(vdev = id, ?health, "vdev health changed");
+            }
+        }
+        if vdev_capacity(&g, id).is_some_and(|c| capacity > c) {
+            match g.pool.grow_vdev(id, capacity) {
+                Ok(()) => {
+                    tracing::info!(vdev = id, capacity, "vdev grew");
+                    if let Some(rec) = record_of(&g, id) {
+                        g.pending_vdevs.push(rec);
+                    }
+                }
+                Err(e) => tracing::warn!(vdev = id, capacity, error = %e, "vdev growth refused"),
+            }
+        }
+        let stats = g.pool.stats();
+        let v = stats.vdevs.iter().find(|v| v.id == id);
+        Ok(pb::ReportAck {
+            health: convert::health_to_pb(v.map_or(Health::Unavailable, |v| v.health)) as i32,
+            online: v.is_some_and(|v| v.online),
+        })
+    }
+}
+
+/// Called from housekeeping: vdevs silent for too long become unavailable.
+pub fn check_liveness(shared: &Shared, now: Instant) {
+    let limit = shared.settings.report_interval * MISSED_REPORTS;
+    let mut g = shared.lock();
+    let silent: Vec<VdevId> = g
+        .vdevs
+        .iter()
+        .filter(|(_, v)| !v.silent && now.duration_since(v.last_seen) > limit)
+        .map(|(id, _)| *id)
+        .collect();
+    for id in silent {
+        let age = now.duration_since(g.vdevs[&id].last_seen);
+        g.vdevs.get_mut(&id).expect("present").silent = true;
+        let _ = g.pool.set_health(id, Health::Unavailable);
+        g.event(
+            "vdev_unavailable",
+            id,
+            format!("no report for {} ms", age.as_millis()),
+        );
+        tracing::warn!(
+            vdev = id,
+            silent_ms = age.as_millis() as u64,
+            "vdev unavailable: agent stopped reporting"
+        );
+    }
+}
+
+#[tonic::async_trait]
+impl AgentRegistry for RegistryService {
+    #[tracing::instrument(skip_all, fields(endpoint = %req.get_ref().endpoint, guid = req.get_ref().device_guid, name = %req.get_ref().name))]
+    async fn register(
+        &self,
+        req: Request<pb::RegisterRequest>,
+    ) -> Result<Response<pb::RegisterReply>, Status> {
+        Ok(Response::new(self.register_inner(req.into_inner()).await?))
+    }
+
+    type ReportStream = ReceiverStream<Result<pb::ReportAck, Status>>;
+
+    #[tracing::instrument(skip_all)]
+    async fn report(
+        &self,
+        req: Request<Streaming<pb::AgentReport>>,
+    ) -> Result<Response<Self::ReportStream>, Status> {
+        let mut inbound = req.into_inner();
+        let (tx, rx) = mpsc::channel(16);
+        let svc = self.clone();
+        tokio::spawn(
+            async move {
+                while let Some(msg) = inbound.next().await {
+                    let reply = match msg {
+                        Ok(r) => svc.report_one(r).map_err(Status::from),
+                        Err(status) => {
+                            tracing::debug!(%status, "report stream ended");
+                            break;
+                        }
+                    };
+                    let fatal = reply.is_err();
+                    if tx.send(reply).await.is_err() || fatal {
+                        break;
+                    }
+                }
+            }
+            .in_current_span(),
+        );
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}

@@ -1,0 +1,488 @@
+//! The `Allocator` gRPC service: validates requests, asks the pool, waits
+//! where the policy says to wait, and maps errors once to `tonic::Status`.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use aliquot_proto::v1 as pb;
+use aliquot_proto::v1::allocator_server::Allocator;
+use futures_util::Stream;
+use metaslab::{AllocRequest, Allocation, TXG_DEFER_SIZE};
+use tokio::sync::mpsc;
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+use tracing::{Instrument, Span};
+
+use crate::convert;
+use crate::error::{Error, Result};
+use crate::state::{Begun, Shared};
+
+type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
+
+/// Service tunables (not policy): owned here, listed beside the pool's.
+pub const ZFS_TXG_TIMEOUT: &str = "zfs_txg_timeout";
+
+#[derive(Clone)]
+pub struct AllocatorService {
+    pub shared: Arc<Shared>,
+}
+
+fn parse_request(shared: &Shared, r: &pb::AllocateRequest) -> Result<(AllocRequest, Duration)> {
+    let kind = convert::alloc_kind(r.class)?;
+    let copies = convert::copies(r.copies)?;
+    let lease = if r.lease_ms == 0 {
+        shared.settings.default_lease
+    } else {
+        Duration::from_millis(r.lease_ms as u64)
+    };
+    Ok((
+        AllocRequest {
+            kind,
+            size: r.size,
+            copies,
+        },
+        lease,
+    ))
+}
+
+fn allocate_reply(a: &Allocation, endpoints: Vec<String>, waited: Duration) -> pb::AllocateReply {
+    pb::AllocateReply {
+        allocation_id: a.id,
+        extents: a.extents.iter().map(convert::extent_to_pb).collect(),
+        txg: a.txg,
+        tier: convert::tier(a.tier) as i32,
+        throttle_wait_us: waited.as_micros() as u64,
+        endpoints,
+    }
+}
+
+fn record_allocation(span: &Span, a: &Allocation, waited: Duration) {
+    let vdevs: Vec<String> = a.extents.iter().map(|e| e.vdev.to_string()).collect();
+    span.record("allocation", a.id);
+    span.record("throttle_wait_us", waited.as_micros() as u64);
+    span.record("vdevs", vdevs.join(",").as_str());
+    span.record("tier", convert::tier_name(a.tier));
+}
+
+/// Format `zfs_txg_timeout` as OpenZFS does (whole seconds) when it can.
+pub fn format_txg_timeout(d: Duration) -> String {
+    if d.subsec_nanos() == 0 {
+        d.as_secs().to_string()
+    } else {
+        format!("{}ms", d.as_millis())
+    }
+}
+
+/// Plain integers are seconds (OpenZFS's unit); "500ms" etc. also accepted.
+pub fn parse_txg_timeout(v: &str) -> Result<Duration> {
+    let bad = |reason: &str| {
+        Error::Pool(metaslab::Error::BadTunableValue {
+            name: ZFS_TXG_TIMEOUT.into(),
+            value: v.into(),
+            reason: reason.into(),
+        })
+    };
+    let d = match v.trim().parse::<u64>() {
+        Ok(s) => Duration::from_secs(s),
+        Err(_) => units::parse_duration(v).map_err(|e| bad(&e.to_string()))?,
+    };
+    if d < Duration::from_millis(1) || d > Duration::from_secs(3600) {
+        return Err(bad("must be between 1ms and 3600s"));
+    }
+    Ok(d)
+}
+
+impl AllocatorService {
+    async fn commit_inner(&self, r: pb::CommitRequest) -> Result<pb::CommitReply> {
+        self.shared.check_serving()?;
+        let txg = self.shared.lock().commit(&r.allocation_ids)?;
+        let synced = if r.wait_synced {
+            self.shared.wait_synced(txg).await?;
+            true
+        } else {
+            self.shared.synced_txg() >= txg
+        };
+        Ok(pb::CommitReply { txg, synced })
+    }
+
+    fn abort_inner(&self, r: &pb::AbortRequest) -> Result<pb::AbortReply> {
+        self.shared.check_serving()?;
+        self.shared.lock().abort(&r.allocation_ids)?;
+        Ok(pb::AbortReply {})
+    }
+
+    fn status(&self) -> pb::PoolStatus {
+        let g = self.shared.lock();
+        convert::pool_status(&self.shared, &g)
+    }
+}
+
+/// One request of an AllocateStream, handled inline when it cannot wait
+/// (placed allocations, commits, aborts) so the stream keeps its pace; a
+/// throttled allocate or a `wait_synced` commit is handed to its own task.
+async fn stream_op(
+    svc: &AllocatorService,
+    req: pb::StreamRequest,
+    out: &mpsc::Sender<Result<pb::StreamReply, Status>>,
+) {
+    let id = req.request_id;
+    let reply = move |result| pb::StreamReply {
+        request_id: id,
+        result: Some(result),
+    };
+    let err = |e: Error| {
+        pb::stream_reply::Result::Error(pb::StreamError {
+            code: e.code() as i32,
+            message: e.to_string(),
+        })
+    };
+    use pb::stream_request::Op;
+    let result = match req.op {
+        None => err(Error::InvalidArgument(format!(
+            "stream request {id} has no operation"
+        ))),
+        Some(Op::Allocate(r)) => {
+            let span = tracing::debug_span!("stream.allocate", request_id = id, size = r.size);
+            let _e = span.enter();
+            let begun = parse_request(&svc.shared, &r)
+                .and_then(|(areq, lease)| Ok((svc.shared.begin_allocate(areq, lease)?, lease)));
+            match begun {
+                Err(e) => err(e),
+                Ok((Begun::Placed(a, eps), _)) => {
+                    pb::stream_reply::Result::Allocate(allocate_reply(&a, eps, Duration::ZERO))
+                }
+                Ok((Begun::Queued(ticket, rx), lease)) => {
+                    let shared = svc.shared.clone();
+                    let out = out.clone();
+                    let start = Instant::now();
+                    drop(_e);
+                    tokio::spawn(
+                        async move {
+                            let res = tokio::select! {
+                                r = shared.finish_allocate(ticket, rx, lease) => r,
+                                // Client gone: dropping the wait cancels the ticket.
+                                _ = out.closed() => return,
+                            };
+                            let result = match res {
+                                Ok((a, eps)) => {
+                                    let id_a = a.id;
+                                    let msg = reply(pb::stream_reply::Result::Allocate(
+                                        allocate_reply(&a, eps, start.elapsed()),
+                                    ));
+                                    if out.send(Ok(msg)).await.is_err() {
+                                        // Nobody will write or commit it.
+                                        let _ = shared.lock().abort(&[id_a]);
+                                    }
+                                    return;
+                                }
+                                Err(e) => err(e),
+                            };
+                            let _ = out.send(Ok(reply(result))).await;
+                        }
+                        .instrument(span.clone()),
+                    );
+                    return;
+                }
+            }
+        }
+        Some(Op::Commit(r)) if r.wait_synced => {
+            let svc = svc.clone();
+            let out = out.clone();
+            tokio::spawn(async move {
+                let result = match svc.commit_inner(r).await {
+                    Ok(c) => pb::stream_reply::Result::Commit(c),
+                    Err(e) => err(e),
+                };
+                let _ = out.send(Ok(reply(result))).await;
+            });
+            return;
+        }
+        Some(Op::Commit(r)) => {
+            let res = svc.shared.check_serving().and_then(|_| {
+                let txg = svc.shared.lock().commit(&r.allocation_ids)?;
+                Ok(pb::CommitReply {
+                    txg,
+                    synced: svc.shared.synced_txg() >= txg,
+                })
+            });
+            match res {
+                Ok(c) => pb::stream_reply::Result::Commit(c),
+                Err(e) => err(e),
+            }
+        }
+        Some(Op::Abort(r)) => match svc.abort_inner(&r) {
+            Ok(a) => pb::stream_reply::Result::Abort(a),
+            Err(e) => err(e),
+        },
+    };
+    let _ = out.send(Ok(reply(result))).await;
+}
+
+#[tonic::async_trait]
+impl Allocator for AllocatorService {
+    #[tracing::instrument(skip_all, fields(
+        class = req.get_ref().class, size = req.get_ref().size, copies = req.get_ref().copies,
+        allocation, throttle_wait_us, vdevs, tier
+    ))]
+    async fn allocate(
+        &self,
+        req: Request<pb::AllocateRequest>,
+    ) -> Result<Response<pb::AllocateReply>, Status> {
+        let (areq, lease) = parse_request(&self.shared, req.get_ref())?;
+        let (a, eps, waited) = self.shared.allocate(areq, lease).await?;
+        record_allocation(&Span::current(), &a, waited);
+        Ok(Response::new(allocate_reply(&a, eps, waited)))
+    }
+
+    type AllocateStreamStream = BoxStream<pb::StreamReply>;
+
+    #[tracing::instrument(skip_all)]
+    async fn allocate_stream(
+        &self,
+        req: Request<Streaming<pb::StreamRequest>>,
+    ) -> Result<Response<Self::AllocateStreamStream>, Status> {
+        let mut inbound = req.into_inner();
+        let (tx, rx) = mpsc::channel(1024);
+        let svc = self.clone();
+        tokio::spawn(
+            async move {
+                loop {
+                    let next = tokio::select! {
+                        n = inbound.next() => n,
+                        _ = tx.closed() => break,
+                    };
+                    match next {
+                        Some(Ok(r)) => stream_op(&svc, r, &tx).await,
+                        Some(Err(status)) => {
+                            tracing::debug!(%status, "allocate stream ended by the client");
+                            break;
+                        }
+                        None => break,
+                    }
+                }
+            }
+            .in_current_span(),
+        );
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    #[tracing::instrument(skip_all, fields(ids = req.get_ref().allocation_ids.len(), wait_synced = req.get_ref().wait_synced, txg))]
+    async fn commit(
+        &self,
+        req: Request<pb::CommitRequest>,
+    ) -> Result<Response<pb::CommitReply>, Status> {
+        let reply = self.commit_inner(req.into_inner()).await?;
+        Span::current().record("txg", reply.txg);
+        Ok(Response::new(reply))
+    }
+
+    #[tracing::instrument(skip_all, fields(ids = req.get_ref().allocation_ids.len()))]
+    async fn abort(
+        &self,
+        req: Request<pb::AbortRequest>,
+    ) -> Result<Response<pb::AbortReply>, Status> {
+        Ok(Response::new(self.abort_inner(req.get_ref())?))
+    }
+
+    #[tracing::instrument(skip_all, fields(extents = req.get_ref().extents.len(), txg))]
+    async fn free(&self, req: Request<pb::FreeRequest>) -> Result<Response<pb::FreeReply>, Status> {
+        self.shared.check_serving()?;
+        let extents = convert::extents_from_pb(&req.get_ref().extents)?;
+        let txg = self
+            .shared
+            .lock()
+            .pool
+            .free(&extents)
+            .map_err(Error::from)?;
+        Span::current().record("txg", txg);
+        Ok(Response::new(pb::FreeReply { txg }))
+    }
+
+    #[tracing::instrument(skip_all, fields(extents = req.get_ref().extents.len(), txg))]
+    async fn claim(
+        &self,
+        req: Request<pb::ClaimRequest>,
+    ) -> Result<Response<pb::ClaimReply>, Status> {
+        self.shared.check_serving()?;
+        let extents = convert::extents_from_pb(&req.get_ref().extents)?;
+        let txg = self
+            .shared
+            .lock()
+            .pool
+            .claim(&extents)
+            .map_err(Error::from)?;
+        Span::current().record("txg", txg);
+        Ok(Response::new(pb::ClaimReply { txg }))
+    }
+
+    #[tracing::instrument(skip_all, fields(txg = req.get_ref().txg, synced_txg))]
+    async fn sync_txg(
+        &self,
+        req: Request<pb::SyncTxgRequest>,
+    ) -> Result<Response<pb::SyncTxgReply>, Status> {
+        self.shared.check_serving()?;
+        let open = self.shared.lock().pool.open_txg();
+        let txg = match req.get_ref().txg {
+            0 => open,
+            t if t > open + TXG_DEFER_SIZE => {
+                return Err(Error::InvalidArgument(format!(
+                    "txg {t} is too far ahead: the open txg is {open} (wait for at most {})",
+                    open + TXG_DEFER_SIZE
+                ))
+                .into());
+            }
+            t => t,
+        };
+        let synced = self.shared.wait_synced(txg).await?;
+        Span::current().record("synced_txg", synced);
+        Ok(Response::new(pb::SyncTxgReply { synced_txg: synced }))
+    }
+
+    #[tracing::instrument(skip_all)]
+    async fn get_pool(
+        &self,
+        _req: Request<pb::GetPoolRequest>,
+    ) -> Result<Response<pb::PoolStatus>, Status> {
+        Ok(Response::new(self.status()))
+    }
+
+    type WatchPoolStream = BoxStream<pb::PoolStatus>;
+
+    #[tracing::instrument(skip_all, fields(interval_ms = req.get_ref().interval_ms))]
+    async fn watch_pool(
+        &self,
+        req: Request<pb::WatchPoolRequest>,
+    ) -> Result<Response<Self::WatchPoolStream>, Status> {
+        let ms = match req.get_ref().interval_ms {
+            0 => 1000,
+            ms => ms.max(10),
+        };
+        let (tx, rx) = mpsc::channel(4);
+        let svc = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(ms as u64));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => {}
+                    _ = tx.closed() => return,
+                }
+                if svc.shared.shutting_down.load(Ordering::Relaxed) {
+                    return;
+                }
+                if tx.send(Ok(svc.status())).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    #[tracing::instrument(skip_all)]
+    async fn get_tunables(
+        &self,
+        _req: Request<pb::GetTunablesRequest>,
+    ) -> Result<Response<pb::TunableList>, Status> {
+        let g = self.shared.lock();
+        let mut tunables: Vec<pb::Tunable> = g
+            .pool
+            .tunables()
+            .list()
+            .into_iter()
+            .map(|(info, value)| pb::Tunable {
+                name: info.name.into(),
+                value,
+                default: info.default,
+                description: info.description.into(),
+            })
+            .collect();
+        tunables.push(pb::Tunable {
+            name: ZFS_TXG_TIMEOUT.into(),
+            value: format_txg_timeout(self.shared.txg_timeout()),
+            default: "5".into(),
+            description: "seconds (or a duration such as 500ms) after which the open txg is synced"
+                .into(),
+        });
+        tunables.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(Response::new(pb::TunableList { tunables }))
+    }
+
+    #[tracing::instrument(skip_all, fields(name = %req.get_ref().name, value = %req.get_ref().value))]
+    async fn set_tunable(
+        &self,
+        req: Request<pb::SetTunableRequest>,
+    ) -> Result<Response<pb::Tunable>, Status> {
+        let pb::SetTunableRequest { name, value } = req.into_inner();
+        let name = name.trim().to_string();
+        if name == ZFS_TXG_TIMEOUT {
+            let d = parse_txg_timeout(&value)?;
+            let old = self.shared.txg_timeout();
+            self.shared
+                .settings
+                .txg_timeout_us
+                .store(d.as_micros() as u64, Ordering::Relaxed);
+            self.shared.txg_timeout_changed.notify_one();
+            tracing::info!(name = %name, old = %format_txg_timeout(old), new = %format_txg_timeout(d), "tunable changed");
+            return Ok(Response::new(pb::Tunable {
+                name,
+                value: format_txg_timeout(d),
+                default: "5".into(),
+                description: String::new(),
+            }));
+        }
+        let mut g = self.shared.lock();
+        let old = g.pool.tunables().get(&name).map_err(Error::from)?;
+        g.pool.set_tunable(&name, &value).map_err(Error::from)?;
+        // A larger limit or a policy change can admit waiters.
+        g.wake_admitted();
+        let new = g.pool.tunables().get(&name).map_err(Error::from)?;
+        let info = g
+            .pool
+            .tunables()
+            .list()
+            .into_iter()
+            .find(|(i, _)| i.name == name);
+        drop(g);
+        tracing::info!(name = %name, old = %old, new = %new, "tunable changed");
+        Ok(Response::new(pb::Tunable {
+            name,
+            value: new,
+            default: info
+                .as_ref()
+                .map(|(i, _)| i.default.clone())
+                .unwrap_or_default(),
+            description: info
+                .map(|(i, _)| i.description.to_string())
+                .unwrap_or_default(),
+        }))
+    }
+
+    #[tracing::instrument(skip_all, fields(vdev = req.get_ref().vdev, online = req.get_ref().online))]
+    async fn set_vdev_state(
+        &self,
+        req: Request<pb::SetVdevStateRequest>,
+    ) -> Result<Response<pb::VdevStatus>, Status> {
+        let pb::SetVdevStateRequest { vdev, online } = req.into_inner();
+        let mut g = self.shared.lock();
+        g.pool.set_online(vdev, online).map_err(Error::from)?;
+        g.wake_admitted();
+        let kind = if online {
+            "vdev_online"
+        } else {
+            "vdev_offline"
+        };
+        g.event(kind, vdev, "administrative".into());
+        let status = convert::pool_status(&self.shared, &g);
+        drop(g);
+        tracing::info!(vdev, online, "vdev state changed");
+        status
+            .vdevs
+            .into_iter()
+            .find(|v| v.vdev == vdev)
+            .map(Response::new)
+            .ok_or_else(|| Error::Pool(metaslab::Error::UnknownVdev(vdev)).into())
+    }
+}

@@ -1,0 +1,218 @@
+//! The durability seam. A txg sync hands the store exactly what changed in
+//! that txg ([`TxgRecord`]); SyncTxg waiters are released only after
+//! `persist` returned. At start the service `load`s what was persisted and
+//! rebuilds the pool from it (`metaslab::Pool::restore`). This issue keeps
+//! the records in memory ([`MemStore`]); the SQLite store of the next issue
+//! implements the same trait, one transaction per txg.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Mutex;
+
+use futures_util::future::BoxFuture;
+use metaslab::{Extent, SpaceChangeKind, Txg, TxgSync, VdevId, VdevSpec};
+
+/// A vdev as the store keeps it (the identity that survives restarts).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VdevRecord {
+    pub id: VdevId,
+    pub guid: u64,
+    pub name: String,
+    pub endpoint: String,
+    /// `metaslab_shift` is always `Some` here: the shift chosen at add time.
+    pub spec: VdevSpec,
+}
+
+/// Everything one txg sync persists.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TxgRecord {
+    pub sync: TxgSync,
+    /// Vdevs added, or whose endpoint or capacity changed, in this txg.
+    pub vdevs: Vec<VdevRecord>,
+}
+
+/// What `load` returns: the state as of the last synced txg.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Persisted {
+    pub pool_guid: u64,
+    pub synced_txg: Txg,
+    pub vdevs: Vec<VdevRecord>,
+    /// Durable allocated extents (deferred frees not yet reusable included:
+    /// after a restart they are simply free, as nothing references them).
+    pub allocated: Vec<Extent>,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct StoreError(pub String);
+
+pub trait Store: Send + Sync + 'static {
+    /// The persisted pool, or `None` for a fresh one.
+    fn load(&self) -> BoxFuture<'_, Result<Option<Persisted>, StoreError>>;
+    /// Record the pool guid of a fresh pool.
+    fn create(&self, pool_guid: u64) -> BoxFuture<'_, Result<(), StoreError>>;
+    /// Persist one txg, atomically. Called in txg order, one at a time.
+    fn persist<'a>(&'a self, record: &'a TxgRecord) -> BoxFuture<'a, Result<(), StoreError>>;
+}
+
+/// Keeps the persisted state in memory (for tests and until the SQLite
+/// store lands). Shareable between allocator instances in one process, so a
+/// "restart" can be tested.
+#[derive(Debug, Default)]
+pub struct MemStore {
+    state: Mutex<Option<MemState>>,
+}
+
+#[derive(Debug, Default)]
+struct MemState {
+    pool_guid: u64,
+    synced_txg: Txg,
+    vdevs: BTreeMap<VdevId, VdevRecord>,
+    allocated: BTreeSet<Extent>,
+}
+
+impl MemStore {
+    pub fn new() -> MemStore {
+        MemStore::default()
+    }
+
+    /// The last persisted txg (0 before any).
+    pub fn synced_txg(&self) -> Txg {
+        self.state
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map_or(0, |s| s.synced_txg)
+    }
+
+    fn apply(&self, record: &TxgRecord) -> Result<(), StoreError> {
+        let mut g = self.state.lock().unwrap();
+        let st = g
+            .as_mut()
+            .ok_or_else(|| StoreError("persist before create".into()))?;
+        if record.sync.txg <= st.synced_txg {
+            return Err(StoreError(format!(
+                "txg {} persisted out of order (last {})",
+                record.sync.txg, st.synced_txg
+            )));
+        }
+        for v in &record.vdevs {
+            st.vdevs.insert(v.id, v.clone());
+        }
+        for c in &record.sync.changes {
+            match c.kind {
+                SpaceChangeKind::Alloc => {
+                    st.allocated.insert(c.extent);
+                }
+                SpaceChangeKind::Free => {
+                    // A free may cover part of an allocated extent: split.
+                    free_range(&mut st.allocated, c.extent);
+                }
+            }
+        }
+        st.synced_txg = record.sync.txg;
+        Ok(())
+    }
+}
+
+/// Remove `f` from the set of allocated extents, splitting the extents it
+/// overlaps.
+fn free_range(set: &mut BTreeSet<Extent>, f: Extent) {
+    let end = f.offset + f.size;
+    let hits: Vec<Extent> = set
+        .iter()
+        .filter(|e| e.vdev == f.vdev && e.offset < end && f.offset < e.offset + e.size)
+        .copied()
+        .collect();
+    for e in hits {
+        set.remove(&e);
+        if e.offset < f.offset {
+            set.insert(Extent {
+                vdev: e.vdev,
+                offset: e.offset,
+                size: f.offset - e.offset,
+            });
+        }
+        let e_end = e.offset + e.size;
+        if e_end > end {
+            set.insert(Extent {
+                vdev: e.vdev,
+                offset: end,
+                size: e_end - end,
+            });
+        }
+    }
+}
+
+impl Store for MemStore {
+    fn load(&self) -> BoxFuture<'_, Result<Option<Persisted>, StoreError>> {
+        let out = self.state.lock().unwrap().as_ref().map(|s| Persisted {
+            pool_guid: s.pool_guid,
+            synced_txg: s.synced_txg,
+            vdevs: s.vdevs.values().cloned().collect(),
+            allocated: s.allocated.iter().copied().collect(),
+        });
+        Box::pin(async move { Ok(out) })
+    }
+
+    fn create(&self, pool_guid: u64) -> BoxFuture<'_, Result<(), StoreError>> {
+        let mut g = self.state.lock().unwrap();
+        let r = if g.is_some() {
+            Err(StoreError("pool already created".into()))
+        } else {
+            *g = Some(MemState {
+                pool_guid,
+                ..MemState::default()
+            });
+            Ok(())
+        };
+        Box::pin(async move { r })
+    }
+
+    fn persist<'a>(&'a self, record: &'a TxgRecord) -> BoxFuture<'a, Result<(), StoreError>> {
+        let r = self.apply(record);
+        Box::pin(async move { r })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use metaslab::SpaceChange;
+
+    fn ext(offset: u64, size: u64) -> Extent {
+        Extent {
+            vdev: 0,
+            offset,
+            size,
+        }
+    }
+
+    #[test]
+    fn frees_split_allocated_extents_and_txgs_must_increase() {
+        let s = MemStore::new();
+        futures_util::FutureExt::now_or_never(s.create(7))
+            .unwrap()
+            .unwrap();
+        let mut rec = TxgRecord::default();
+        rec.sync.txg = 5;
+        rec.sync.changes = vec![
+            SpaceChange {
+                kind: SpaceChangeKind::Alloc,
+                extent: ext(0, 4096 * 4),
+            },
+            SpaceChange {
+                kind: SpaceChangeKind::Free,
+                extent: ext(4096, 4096),
+            },
+        ];
+        s.apply(&rec).unwrap();
+        assert!(s.apply(&rec).is_err(), "same txg twice must be refused");
+        let p = futures_util::FutureExt::now_or_never(s.load())
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(p.pool_guid, 7);
+        assert_eq!(p.synced_txg, 5);
+        assert_eq!(p.allocated, vec![ext(0, 4096), ext(8192, 8192)]);
+    }
+}

@@ -1,0 +1,85 @@
+//! The txg clock: closes the open txg every `zfs_txg_timeout`, or sooner
+//! when somebody waits for it (SyncTxg, Commit{wait_synced}, a new vdev).
+//! A sync is `pool.sync()` under the lock, then `store.persist` outside it;
+//! waiters are released only once the store returned.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+use tracing::Instrument;
+
+use crate::state::Shared;
+use crate::store::TxgRecord;
+
+/// Run until `shutdown` turns true; a last sync is done on the way out so
+/// committed allocations are not lost.
+pub async fn run(shared: Arc<Shared>, mut shutdown: watch::Receiver<bool>) {
+    let mut wanted = shared.wanted.subscribe();
+    loop {
+        let timeout = shared.txg_timeout();
+        let by_timer = tokio::select! {
+            _ = tokio::time::sleep(timeout) => true,
+            r = wanted.changed() => {
+                if r.is_err() { return; }
+                false
+            }
+            _ = shared.txg_timeout_changed.notified() => continue,
+            _ = shutdown.wait_for(|s| *s) => break,
+        };
+        if by_timer {
+            sync_once(&shared).await;
+        }
+        // Sync until every waiter's txg is durable.
+        loop {
+            let want = *wanted.borrow_and_update();
+            if shared.synced_txg() >= want {
+                break;
+            }
+            sync_once(&shared).await;
+        }
+    }
+    sync_once(&shared).await;
+}
+
+/// Close the open txg and persist it.
+pub async fn sync_once(shared: &Shared) {
+    let start = Instant::now();
+    let record = {
+        let mut g = shared.lock();
+        let sync = g.pool.sync();
+        // Undeferred space and the new balance can let waiters in.
+        g.wake_admitted();
+        let vdevs = std::mem::take(&mut g.pending_vdevs);
+        TxgRecord { sync, vdevs }
+    };
+    let txg = record.sync.txg;
+    let span = tracing::info_span!(
+        "txg.sync",
+        txg,
+        changes = record.sync.changes.len(),
+        undeferred_bytes = record.sync.undeferred_bytes,
+        duration_us = tracing::field::Empty,
+    );
+    async {
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            match shared.store.persist(&record).await {
+                Ok(()) => break,
+                Err(e) => {
+                    // Waiters stay parked: durability is not claimed until
+                    // the store has the txg.
+                    tracing::error!(txg, error = %e, "txg persist failed; retrying");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+            }
+        }
+        let us = start.elapsed().as_micros() as u64;
+        tracing::Span::current().record("duration_us", us);
+        tracing::debug!(txg, duration_us = us, "txg synced");
+    }
+    .instrument(span)
+    .await;
+    shared.synced.send_replace(txg);
+}

@@ -1,0 +1,733 @@
+//! The allocator in-process over real gRPC on port 0, with fake vdevs
+//! registered through AgentRegistry.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use aliquot_allocator::MemStore;
+use aliquot_proto::v1 as pb;
+use common::*;
+use tonic::Code;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn throttled_requests_wait_fifo_without_blocking_others() {
+    let mut h = start(config()).await;
+    h.add_vdev(1, 4 * GIB).await;
+    h.add_vdev(2, 4 * GIB).await;
+    let held = h.fill_throttle(MIB).await;
+    assert!(!held.is_empty());
+
+    // Three waiters, queued in a known order.
+    let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel();
+    for i in 0..3u32 {
+        let mut c = h.alloc.clone();
+        let done = done_tx.clone();
+        tokio::spawn(async move {
+            let r = c.allocate(data(MIB)).await.unwrap().into_inner();
+            done.send((i, r)).unwrap();
+        });
+        let want = i + 1;
+        let mut probe = h.alloc.clone();
+        eventually("waiter queued", Duration::from_secs(5), || {
+            let mut p = probe.clone();
+            async move {
+                let s = p
+                    .get_pool(pb::GetPoolRequest {})
+                    .await
+                    .unwrap()
+                    .into_inner();
+                s.classes
+                    .iter()
+                    .any(|c| c.name == "normal" && c.waiting == want)
+            }
+        })
+        .await;
+        let _ = &mut probe;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        done_rx.try_recv().is_err(),
+        "nobody may pass a full throttle"
+    );
+
+    // Not blocked meanwhile: a log allocation (never throttled), its commit,
+    // and GetPool all answer at once.
+    let log = tokio::time::timeout(
+        Duration::from_secs(2),
+        h.alloc.allocate(pb::AllocateRequest {
+            class: pb::AllocationClass::Log as i32,
+            size: 4096,
+            copies: 1,
+            lease_ms: 0,
+        }),
+    )
+    .await
+    .expect("log allocation must not wait")
+    .unwrap()
+    .into_inner();
+    assert_ne!(log.tier, pb::LogTier::Unspecified as i32);
+    h.commit(vec![log.allocation_id]).await.unwrap();
+
+    // Commit the held allocations one at a time: the waiters come out in
+    // the order they arrived.
+    let mut order = Vec::new();
+    for id in held {
+        h.commit(vec![id]).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        while let Ok((i, r)) = done_rx.try_recv() {
+            assert!(
+                r.throttle_wait_us >= 200_000,
+                "waited {} us",
+                r.throttle_wait_us
+            );
+            order.push(i);
+        }
+        if order.len() == 3 {
+            break;
+        }
+    }
+    while order.len() < 3 {
+        let (i, _) = tokio::time::timeout(Duration::from_secs(5), done_rx.recv())
+            .await
+            .expect("all waiters admitted")
+            .unwrap();
+        order.push(i);
+    }
+    assert_eq!(order, vec![0, 1, 2], "FIFO wake-up");
+    assert_eq!(h.normal().await.waiting, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_that_goes_away_is_cancelled() {
+    let mut h = start(config()).await;
+    h.add_vdev(1, 4 * GIB).await;
+    let held = h.fill_throttle(MIB).await;
+    let mut c = h.alloc.clone();
+    let waiter = tokio::spawn(async move { c.allocate(data(MIB)).await });
+    let mut p = h.alloc.clone();
+    eventually("queued", Duration::from_secs(5), || {
+        let mut p = p.clone();
+        async move {
+            let s = p
+                .get_pool(pb::GetPoolRequest {})
+                .await
+                .unwrap()
+                .into_inner();
+            s.classes[0].waiting == 1
+                || s.classes
+                    .iter()
+                    .any(|c| c.name == "normal" && c.waiting == 1)
+        }
+    })
+    .await;
+    waiter.abort();
+    eventually("cancelled", Duration::from_secs(5), || {
+        let mut p = p.clone();
+        async move {
+            let s = p
+                .get_pool(pb::GetPoolRequest {})
+                .await
+                .unwrap()
+                .into_inner();
+            s.classes
+                .iter()
+                .any(|c| c.name == "normal" && c.waiting == 0 && c.waiting_bytes == 0)
+        }
+    })
+    .await;
+    let _ = &mut p;
+    // Its bytes were never reserved: committing the held ones empties it.
+    h.commit(held).await.unwrap();
+    let n = h.normal().await;
+    assert_eq!(n.reserved, 0);
+    assert_eq!(n.waiting, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_uncommitted_allocation_expires_at_its_lease() {
+    let mut h = start(config()).await;
+    h.add_vdev(1, GIB).await;
+    let before = h.normal().await;
+    let a = h
+        .alloc
+        .allocate(pb::AllocateRequest {
+            lease_ms: 300,
+            ..data(MIB)
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let during = h.normal().await;
+    assert!(
+        during.alloc > before.alloc,
+        "placed space counts as allocated"
+    );
+    assert_eq!(during.reserved, MIB);
+    assert_eq!(during.groups[0].queue_depth, MIB);
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert!(
+        h.normal().await.reserved > 0,
+        "not expired before its lease"
+    );
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let after = h.normal().await;
+    assert_eq!(after.alloc, before.alloc, "space returned at once");
+    assert_eq!(after.reserved, 0);
+    assert_eq!(after.groups[0].queue_depth, 0);
+    let e = h.commit(vec![a.allocation_id]).await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    assert!(
+        e.message().contains(&a.allocation_id.to_string()),
+        "{}",
+        e.message()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sync_txg_and_commit_wait_synced() {
+    let mut h = start(config()).await;
+    h.add_vdev(1, GIB).await;
+    let s0 = h.pool().await;
+    assert!(s0.synced_txg < s0.open_txg);
+    let open = s0.open_txg;
+    // SyncTxg(0) closes the open txg and returns once it is persisted.
+    let synced = h.sync().await;
+    assert!(synced >= open);
+    let s1 = h.pool().await;
+    assert_eq!(s1.synced_txg, synced);
+    assert!(s1.open_txg > open);
+    // An old txg answers at once; one too far ahead is refused.
+    let again = h
+        .alloc
+        .sync_txg(pb::SyncTxgRequest { txg: open })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(again.synced_txg, synced);
+    let e = h
+        .alloc
+        .sync_txg(pb::SyncTxgRequest {
+            txg: s1.open_txg + 100,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    assert!(e.message().contains("open txg"), "{}", e.message());
+    // A future txg within the deferral window: synced up to it.
+    let ahead = s1.open_txg + 1;
+    let r = h
+        .alloc
+        .sync_txg(pb::SyncTxgRequest { txg: ahead })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(r.synced_txg >= ahead);
+
+    // Commit without waiting: not synced yet; with wait_synced: synced.
+    let a = h.allocate(8192).await.unwrap();
+    let c = h.commit(vec![a.allocation_id]).await.unwrap();
+    assert!(!c.synced);
+    assert_eq!(c.txg, h.pool().await.open_txg);
+    let b = h.allocate(8192).await.unwrap();
+    let c2 = h
+        .alloc
+        .commit(pb::CommitRequest {
+            allocation_ids: vec![b.allocation_id],
+            wait_synced: true,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(c2.synced);
+    assert!(h.pool().await.synced_txg >= c2.txg);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn txgs_close_on_the_timer_and_the_timeout_is_a_tunable() {
+    let mut c = config();
+    c.zfs_txg_timeout = Duration::from_millis(100);
+    let mut h = start(c).await;
+    let t0 = h.pool().await.synced_txg;
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    let t1 = h.pool().await.synced_txg;
+    assert!(t1 >= t0 + 2, "{t0} -> {t1}");
+    let r = h
+        .alloc
+        .set_tunable(pb::SetTunableRequest {
+            name: "zfs_txg_timeout".into(),
+            value: "600".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.value, "600");
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let t2 = h.pool().await.synced_txg;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(
+        h.pool().await.synced_txg,
+        t2,
+        "no txg closes on a 600 s timer"
+    );
+    let list = h
+        .alloc
+        .get_tunables(pb::GetTunablesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        list.tunables
+            .iter()
+            .any(|t| t.name == "zfs_txg_timeout" && t.value == "600")
+    );
+    assert!(list.tunables.iter().any(|t| t.name == "metaslab_aliquot"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_vdev_becomes_unavailable_and_comes_back() {
+    let mut c = config();
+    c.report_interval = Duration::from_millis(100);
+    let mut h = start(c).await;
+    let v0 = h.add_vdev(1, GIB).await;
+    let v1 = h.add_vdev(2, GIB).await;
+    let r0 = reporter(&h.registry, v0, GIB, Duration::from_millis(50));
+    let r1 = reporter(&h.registry, v1, GIB, Duration::from_millis(50));
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let health = |s: &pb::PoolStatus, v: u32| s.vdevs.iter().find(|x| x.vdev == v).unwrap().health;
+    let s = h.pool().await;
+    assert_eq!(health(&s, v0), pb::VdevHealth::Healthy as i32);
+    assert_eq!(health(&s, v1), pb::VdevHealth::Healthy as i32);
+    assert!(s.vdevs.iter().all(|v| v.last_report.is_some()));
+
+    r1.abort();
+    let mut p = h.alloc.clone();
+    eventually("vdev 1 unavailable", Duration::from_secs(3), || {
+        let mut p = p.clone();
+        async move {
+            let s = p
+                .get_pool(pb::GetPoolRequest {})
+                .await
+                .unwrap()
+                .into_inner();
+            health(&s, v1) == pb::VdevHealth::Unavailable as i32
+        }
+    })
+    .await;
+    let _ = &mut p;
+    // Allocation goes on, elsewhere only.
+    let mut ids = Vec::new();
+    for _ in 0..40 {
+        let a = h.allocate(256 << 10).await.unwrap();
+        assert!(a.extents.iter().all(|e| e.vdev == v0), "{:?}", a.extents);
+        ids.push(a.allocation_id);
+    }
+    h.commit(ids).await.unwrap();
+
+    let r1 = reporter(&h.registry, v1, GIB, Duration::from_millis(50));
+    eventually("vdev 1 back", Duration::from_secs(3), || {
+        let mut p = h.alloc.clone();
+        async move {
+            let s = p
+                .get_pool(pb::GetPoolRequest {})
+                .await
+                .unwrap()
+                .into_inner();
+            health(&s, v1) == pb::VdevHealth::Healthy as i32
+        }
+    })
+    .await;
+    let mut on_v1 = 0;
+    let mut ids = Vec::new();
+    for _ in 0..80 {
+        let a = h.allocate(256 << 10).await.unwrap();
+        on_v1 += a.extents.iter().filter(|e| e.vdev == v1).count();
+        ids.push(a.allocation_id);
+    }
+    h.commit(ids).await.unwrap();
+    assert!(on_v1 > 0, "allocation uses vdev {v1} again");
+    r0.abort();
+    r1.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_replies_come_back_out_of_order_by_id() {
+    let mut h = start(config()).await;
+    h.add_vdev(1, 4 * GIB).await;
+    let held = h.fill_throttle(MIB).await;
+    let (tx, rx) = tokio::sync::mpsc::channel(16);
+    let mut replies = h
+        .alloc
+        .allocate_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    use pb::stream_request::Op;
+    tx.send(pb::StreamRequest {
+        request_id: 1,
+        op: Some(Op::Allocate(data(MIB))),
+    })
+    .await
+    .unwrap();
+    tx.send(pb::StreamRequest {
+        request_id: 2,
+        op: Some(Op::Allocate(pb::AllocateRequest {
+            class: pb::AllocationClass::Log as i32,
+            size: 4096,
+            copies: 1,
+            lease_ms: 0,
+        })),
+    })
+    .await
+    .unwrap();
+    let r2 = replies.message().await.unwrap().unwrap();
+    assert_eq!(
+        r2.request_id, 2,
+        "the throttled request 1 must not hold back 2"
+    );
+    let Some(pb::stream_reply::Result::Allocate(log)) = r2.result else {
+        panic!("{r2:?}")
+    };
+    tx.send(pb::StreamRequest {
+        request_id: 3,
+        op: Some(Op::Commit(pb::CommitRequest {
+            allocation_ids: vec![log.allocation_id],
+            wait_synced: false,
+        })),
+    })
+    .await
+    .unwrap();
+    // An error reply carries its id and leaves the stream open.
+    tx.send(pb::StreamRequest {
+        request_id: 4,
+        op: Some(Op::Allocate(data(0))),
+    })
+    .await
+    .unwrap();
+    let r3 = replies.message().await.unwrap().unwrap();
+    assert_eq!(r3.request_id, 3);
+    assert!(
+        matches!(r3.result, Some(pb::stream_reply::Result::Commit(_))),
+        "{r3:?}"
+    );
+    let r4 = replies.message().await.unwrap().unwrap();
+    assert_eq!(r4.request_id, 4);
+    let Some(pb::stream_reply::Result::Error(e)) = r4.result else {
+        panic!("{r4:?}")
+    };
+    assert_eq!(e.code, Code::InvalidArgument as i32);
+    // Only when the throttle drains does request 1 come back.
+    h.commit(held).await.unwrap();
+    let r1 = tokio::time::timeout(Duration::from_secs(5), replies.message())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(r1.request_id, 1);
+    let Some(pb::stream_reply::Result::Allocate(a1)) = r1.result else {
+        panic!("{r1:?}")
+    };
+    assert!(a1.throttle_wait_us > 0);
+    tx.send(pb::StreamRequest {
+        request_id: 5,
+        op: Some(Op::Commit(pb::CommitRequest {
+            allocation_ids: vec![a1.allocation_id],
+            wait_synced: true,
+        })),
+    })
+    .await
+    .unwrap();
+    let r5 = replies.message().await.unwrap().unwrap();
+    assert_eq!(r5.request_id, 5);
+    let Some(pb::stream_reply::Result::Commit(c)) = r5.result else {
+        panic!("{r5:?}")
+    };
+    assert!(c.synced);
+}
+
+/// The parts of PoolStatus that must not move on a refused request.
+type Shape = (u64, Vec<pb::ClassStatus>, Vec<(u32, u64, i32, bool)>);
+
+fn shape(s: &pb::PoolStatus) -> Shape {
+    (
+        s.open_txg,
+        s.classes.clone(),
+        s.vdevs
+            .iter()
+            .map(|v| (v.vdev, v.alloc, v.health, v.online))
+            .collect(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_a_precise_status_and_changes_nothing() {
+    let mut h = start(config()).await;
+    let v = h.add_vdev(1, GIB).await;
+    h.add_vdev(2, GIB).await;
+    // Something committed and synced to free twice.
+    let a = h.allocate(8192).await.unwrap();
+    h.commit(vec![a.allocation_id]).await.unwrap();
+    h.sync().await;
+    let ext = a.extents[0];
+    h.alloc
+        .free(pb::FreeRequest { extents: vec![ext] })
+        .await
+        .unwrap();
+    h.sync().await;
+    let before = h.pool().await;
+
+    let mut c = h.alloc.clone();
+    let expect = |r: Result<(), tonic::Status>, code: Code, needle: &str| {
+        let e = r.expect_err(needle);
+        assert_eq!(e.code(), code, "{needle}: {e:?}");
+        assert!(
+            e.message().to_lowercase().contains(&needle.to_lowercase()),
+            "message {:?} should mention {needle:?}",
+            e.message()
+        );
+    };
+    let alloc = |r: pb::AllocateRequest| {
+        let mut c = c.clone();
+        async move { c.allocate(r).await.map(|_| ()) }
+    };
+    expect(
+        alloc(data(0)).await,
+        Code::InvalidArgument,
+        "at least 1 byte",
+    );
+    expect(
+        alloc(data(16 * MIB + 1)).await,
+        Code::InvalidArgument,
+        "16 MiB",
+    );
+    expect(
+        alloc(pb::AllocateRequest {
+            copies: 4,
+            ..data(4096)
+        })
+        .await,
+        Code::InvalidArgument,
+        "not 4",
+    );
+    expect(
+        alloc(pb::AllocateRequest {
+            class: 9,
+            ..data(4096)
+        })
+        .await,
+        Code::InvalidArgument,
+        "class 9",
+    );
+    let commit = c
+        .commit(pb::CommitRequest {
+            allocation_ids: vec![987654],
+            wait_synced: false,
+        })
+        .await
+        .map(|_| ());
+    expect(commit, Code::NotFound, "987654");
+    let abort = c
+        .abort(pb::AbortRequest {
+            allocation_ids: vec![987654],
+        })
+        .await
+        .map(|_| ());
+    expect(abort, Code::NotFound, "987654");
+    let free = |e: pb::Extent| {
+        let mut c = c.clone();
+        async move {
+            c.free(pb::FreeRequest { extents: vec![e] })
+                .await
+                .map(|_| ())
+        }
+    };
+    expect(
+        free(pb::Extent { vdev: 77, ..ext }).await,
+        Code::NotFound,
+        "vdev 77",
+    );
+    expect(free(ext).await, Code::FailedPrecondition, "not allocated");
+    expect(
+        free(pb::Extent { offset: 100, ..ext }).await,
+        Code::InvalidArgument,
+        "aligned",
+    );
+    expect(
+        free(pb::Extent {
+            offset: 1 << 40,
+            ..ext
+        })
+        .await,
+        Code::InvalidArgument,
+        "outside",
+    );
+    let tun = |n: &str, val: &str| {
+        let mut c = c.clone();
+        let r = pb::SetTunableRequest {
+            name: n.into(),
+            value: val.into(),
+        };
+        async move { c.set_tunable(r).await.map(|_| ()) }
+    };
+    expect(
+        tun("no_such_tunable", "1").await,
+        Code::NotFound,
+        "no_such_tunable",
+    );
+    expect(
+        tun("metaslab_perf_bias", "7").await,
+        Code::InvalidArgument,
+        "metaslab_perf_bias",
+    );
+    expect(
+        tun("zfs_txg_timeout", "0").await,
+        Code::InvalidArgument,
+        "zfs_txg_timeout",
+    );
+    let st = c
+        .set_vdev_state(pb::SetVdevStateRequest {
+            vdev: 55,
+            online: false,
+        })
+        .await
+        .map(|_| ());
+    expect(st, Code::NotFound, "vdev 55");
+    let claim = c
+        .claim(pb::ClaimRequest { extents: vec![] })
+        .await
+        .map(|_| ());
+    expect(claim, Code::InvalidArgument, "no extents");
+
+    let after = h.pool().await;
+    assert_eq!(shape(&before), shape(&after));
+    assert!(after.vdevs.iter().any(|x| x.vdev == v));
+    let _ = &mut c;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frees_are_reusable_only_after_two_synced_txgs() {
+    let mut h = start(config()).await;
+    h.add_vdev(1, GIB).await;
+    let base = h.normal().await.alloc;
+    let a = h.allocate(MIB).await.unwrap();
+    h.commit(vec![a.allocation_id]).await.unwrap();
+    h.sync().await;
+    assert_eq!(h.normal().await.alloc, base + MIB);
+    h.alloc
+        .free(pb::FreeRequest {
+            extents: a.extents.clone(),
+        })
+        .await
+        .unwrap();
+    // Deferred frees still count as allocated until their deferral ends.
+    h.sync().await;
+    assert_eq!(h.normal().await.alloc, base + MIB);
+    h.sync().await;
+    h.sync().await;
+    assert_eq!(h.normal().await.alloc, base);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registration_identity_and_endpoint_conflicts() {
+    let mut h = start(config()).await;
+    let v = h.add_vdev(1, GIB).await;
+    let w = h.add_vdev(2, GIB).await;
+    assert_ne!(v, w);
+    // The same device again, from a new endpoint: same vdev, endpoint moved.
+    let mut again = register_req(1, GIB);
+    again.endpoint = "http://127.0.0.1:2/moved".into();
+    let r = h.registry.register(again).await.unwrap().into_inner();
+    assert_eq!(r.vdev, v);
+    assert!(r.report_interval_ms > 0);
+    let s = h.pool().await;
+    assert_eq!(s.vdevs.len(), 2);
+    assert_eq!(
+        s.vdevs.iter().find(|x| x.vdev == v).unwrap().endpoint,
+        "http://127.0.0.1:2/moved"
+    );
+    // A different device claiming a live vdev's endpoint is refused.
+    let mut thief = register_req(3, GIB);
+    thief.endpoint = "http://127.0.0.1:2/moved".into();
+    let e = h.registry.register(thief).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert!(
+        e.message().contains(&format!("vdev {v}")),
+        "{}",
+        e.message()
+    );
+    assert_eq!(h.pool().await.vdevs.len(), 2);
+    // Growth reported at registration.
+    let r = h
+        .registry
+        .register(register_req(2, 2 * GIB))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.vdev, w);
+    let s = h.pool().await;
+    assert!(s.vdevs.iter().find(|x| x.vdev == w).unwrap().capacity >= 2 * GIB - GIB / 4);
+    // Allocations name the agent endpoint of each extent.
+    let a = h.allocate(4096).await.unwrap();
+    assert_eq!(a.endpoints.len(), a.extents.len());
+    let eps: Vec<_> = s.vdevs.iter().map(|x| x.endpoint.clone()).collect();
+    assert!(eps.contains(&a.endpoints[0]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_reloads_what_was_synced() {
+    let store = Arc::new(MemStore::new());
+    let mut h = start_with(config(), store.clone()).await;
+    let v = h.add_vdev(1, GIB).await;
+    let a = h.allocate(MIB).await.unwrap();
+    h.alloc
+        .commit(pb::CommitRequest {
+            allocation_ids: vec![a.allocation_id],
+            wait_synced: true,
+        })
+        .await
+        .unwrap();
+    // Committed, not yet synced: the shutdown's last sync persists it.
+    let b = h.allocate(MIB).await.unwrap();
+    h.commit(vec![b.allocation_id]).await.unwrap();
+    let before = h.pool().await;
+    let synced = store.synced_txg();
+    h.server.shutdown().await.unwrap();
+    let mut h2 = start_with(config(), store.clone()).await;
+    let s = h2.pool().await;
+    assert_eq!(s.guid, before.guid);
+    assert!(s.synced_txg >= synced);
+    assert_eq!(s.vdevs.len(), 1);
+    assert_eq!(s.vdevs[0].vdev, v);
+    assert_eq!(s.vdevs[0].name, "fake1");
+    // Both are durable (shutdown syncs the last txg); claiming them again
+    // exactly succeeds, an overlapping claim names the conflict.
+    let e0 = a.extents[0];
+    h2.alloc
+        .claim(pb::ClaimRequest {
+            extents: vec![e0, b.extents[0]],
+        })
+        .await
+        .unwrap();
+    let overlap = pb::Extent {
+        vdev: e0.vdev,
+        offset: e0.offset,
+        size: e0.size * 2,
+    };
+    let e = h2
+        .alloc
+        .claim(pb::ClaimRequest {
+            extents: vec![overlap],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    // The same device registers again and gets its vdev id back.
+    let r = h2
+        .registry
+        .register(register_req(1, GIB))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.vdev, v);
+}

@@ -1,1 +1,95 @@
-//! aliquotctl: local pool, status, tunables, write load generator, demo.
+//! aliquotctl: the operator's tool for an Aliquot pool. It starts a local
+//! pool of real processes (`up`, `demo`), shows the pool as `zpool list -v`
+//! would (`status`), drives the write path end to end (`write`), changes
+//! tunables and vdev states, and embeds every service (`serve`) so one
+//! binary is enough to run the whole system.
+
+pub mod admin;
+pub mod client;
+pub mod demo;
+pub mod health;
+pub mod history;
+pub mod local;
+pub mod pattern;
+pub mod serve;
+pub mod status;
+pub mod write;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "aliquotctl",
+    version,
+    about = "Operate an Aliquot pool: OpenZFS's allocation policy as a control plane",
+    long_about = "Operate an Aliquot pool: OpenZFS's allocation policy as a control plane.\n\n\
+        Start with `aliquotctl demo`, or `aliquotctl up` in one terminal and\n\
+        `aliquotctl status` / `aliquotctl write --total 1GiB --verify` in another.\n\
+        Every flag can also be given as an ALIQUOT_* environment variable."
+)]
+pub struct Cli {
+    #[command(flatten)]
+    pub telemetry: telemetry::TelemetryArgs,
+    #[command(subcommand)]
+    pub command: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Cmd {
+    /// Run one service in this process (what `up` starts as children).
+    #[command(subcommand)]
+    Serve(serve::ServeCmd),
+    /// Start a local pool: allocator, metrics and file (and sim) agents, until Ctrl-C.
+    Up(local::PoolArgs),
+    /// The pool, its classes and vdevs, like `zpool list -v`.
+    Status(status::StatusArgs),
+    /// Load generator: allocate, write real data to the agents, commit.
+    Write(write::WriteArgs),
+    /// List or set the allocator's tunables.
+    Tunables(admin::TunablesArgs),
+    /// Take a vdev offline (not allocatable) or back online.
+    Vdev(admin::VdevArgs),
+    /// Balance history from the metrics service (table or SVG).
+    History(history::Args),
+    /// Start a local pool, fill half of it, show status and the balance chart, stop.
+    Demo(demo::DemoArgs),
+    /// gRPC health probe of a service (exit 0 when SERVING), for health checks.
+    Health(health::HealthArgs),
+}
+
+impl Cli {
+    /// `service.name` for telemetry: the embedded service's own for `serve`.
+    pub fn service_name(&self) -> &'static str {
+        match &self.command {
+            Cmd::Serve(s) => s.service_name(),
+            _ => "aliquotctl",
+        }
+    }
+
+    /// The telemetry flags that apply: the service's own for `serve`.
+    pub fn telemetry_args(&self) -> &telemetry::TelemetryArgs {
+        match &self.command {
+            Cmd::Serve(s) => s.telemetry(),
+            _ => &self.telemetry,
+        }
+    }
+}
+
+pub async fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Cmd::Serve(s) => serve::run(s).await,
+        Cmd::Up(a) => local::up(a).await,
+        Cmd::Status(a) => status::run(a).await,
+        Cmd::Write(a) => write::run(a).await,
+        Cmd::Tunables(a) => admin::tunables(a).await,
+        Cmd::Vdev(a) => admin::vdev(a).await,
+        Cmd::History(a) => history::run(a).await,
+        Cmd::Demo(a) => demo::run(a).await,
+        Cmd::Health(a) => health::run(a).await,
+    }
+}
+
+/// A command used wrongly (exit code 2), as opposed to a failure (1).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct UsageError(pub String);

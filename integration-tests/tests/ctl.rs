@@ -1,0 +1,220 @@
+//! aliquotctl end to end with the real binary: `up` a pool of child
+//! processes in a temp dir on ephemeral ports, `write --verify` through it,
+//! check `status` (JSON sums and the table's header), tunable and vdev errors,
+//! and that SIGINT to `up` leaves no child behind.
+
+use std::path::Path;
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use integration_tests::{Proc, args, bin};
+
+fn ctl(args: &[String]) -> Output {
+    Command::new(bin("aliquotctl"))
+        .args(args)
+        .env_remove("ALIQUOT_ALLOCATOR")
+        .output()
+        .expect("run aliquotctl")
+}
+
+fn ok_stdout(o: &Output, what: &str) -> String {
+    assert!(
+        o.status.success(),
+        "{what} failed ({}):\nstdout: {}\nstderr: {}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8(o.stdout.clone()).expect("utf-8 stdout")
+}
+
+/// Pids whose parent is `pid` (from /proc).
+fn children_of(pid: u32) -> Vec<u32> {
+    let mut v = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(p) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else {
+            continue;
+        };
+        // "pid (comm) state ppid ...": comm may hold spaces, so split after ')'.
+        let after = &stat[stat.rfind(')').unwrap() + 2..];
+        let ppid: u32 = after.split_whitespace().nth(1).unwrap().parse().unwrap();
+        if ppid == pid {
+            v.push(p);
+        }
+    }
+    v
+}
+
+fn alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(s) => !s[s.rfind(')').unwrap() + 2..].starts_with('Z'),
+        Err(_) => false,
+    }
+}
+
+fn start_up(dir: &Path, extra: &[String]) -> Proc {
+    let mut a = args![
+        "up",
+        "--data-dir",
+        dir.display(),
+        "--ephemeral",
+        "--agents",
+        "256MiB,512MiB,1GiB",
+        "--zfs-txg-timeout",
+        "1s"
+    ];
+    a.extend(extra.iter().cloned());
+    Proc::start("aliquotctl-up", &bin("aliquotctl"), &a, &[], &["grpc"], dir).expect("aliquotctl up")
+}
+
+#[test]
+fn up_write_verify_status_tunables_and_clean_stop() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut up = start_up(tmp.path(), &args!["--no-metrics"]);
+    let url = up.url("grpc");
+    let up_pid = up.pid().unwrap();
+    let kids = children_of(up_pid);
+    assert_eq!(kids.len(), 4, "allocator + 3 agents, got {kids:?}");
+    // The sparse device files are where `up` said.
+    for i in 0..3 {
+        assert!(tmp.path().join(format!("vdevs/file{i}.img")).exists());
+    }
+
+    // write --verify: every block read back and compared.
+    let out = ctl(&args![
+        "write", "--allocator", url, "--total", "8MiB", "--block-size", "128KiB",
+        "--concurrency", "8", "--verify", "--json"
+    ]);
+    let report: serde_json::Value = serde_json::from_str(&ok_stdout(&out, "write --verify")).unwrap();
+    assert_eq!(report["blocks"], 64);
+    assert_eq!(report["verified_blocks"], 64);
+    assert_eq!(report["bytes"], 8 << 20);
+    assert!(report["synced_txg"].as_u64().unwrap() > 0);
+    for k in ["allocate", "write", "commit"] {
+        assert_eq!(report[k]["count"], 64, "{k} latencies recorded");
+        assert!(report[k]["p99_us"].as_u64().unwrap() >= report[k]["p50_us"].as_u64().unwrap());
+    }
+
+    // status --json: the keys, and the allocated bytes add up.
+    let st: serde_json::Value =
+        serde_json::from_str(&ok_stdout(&ctl(&args!["status", "--allocator", url, "--json"]), "status --json")).unwrap();
+    let classes = st["classes"].as_array().unwrap();
+    for c in classes {
+        for k in ["name", "space", "alloc", "reserved", "alloc_max", "alloc_io_size", "busy", "groups"] {
+            assert!(c.get(k).is_some(), "class key {k} in {c}");
+        }
+    }
+    let normal = classes.iter().find(|c| c["name"] == "normal").expect("normal class");
+    let groups = normal["groups"].as_array().unwrap();
+    assert_eq!(groups.len(), 3);
+    for g in groups {
+        for k in [
+            "vdev", "capacity", "alloc", "children", "parity", "aliquot", "queue_target",
+            "queue_depth", "fragmentation", "health",
+        ] {
+            assert!(g.get(k).is_some(), "group key {k} in {g}");
+        }
+        assert_eq!(g["health"], "healthy");
+        assert_eq!(g["queue_depth"], 0, "everything committed");
+        // What the writer placed on each vdev is what the allocator holds.
+        let placed = report["vdev_bytes"][g["vdev"].to_string()].as_u64().unwrap_or(0);
+        assert_eq!(g["alloc"].as_u64().unwrap(), placed, "vdev {}", g["vdev"]);
+    }
+    let sum: u64 = groups.iter().map(|g| g["alloc"].as_u64().unwrap()).sum();
+    assert_eq!(sum, normal["alloc"].as_u64().unwrap());
+    assert_eq!(sum, 8 << 20);
+    assert_eq!(normal["reserved"], 0);
+    let caps: Vec<u64> = groups.iter().map(|g| g["capacity"].as_u64().unwrap()).collect();
+    assert!(caps[0] < caps[1] && caps[1] < caps[2], "1:2:4 sizes, got {caps:?}");
+
+    // The table: header and one row per vdev.
+    let table = ok_stdout(&ctl(&args!["status", "--allocator", url]), "status");
+    let lines: Vec<&str> = table.lines().collect();
+    assert!(lines[0].starts_with("pool aliquot  guid "), "{table}");
+    let header: Vec<&str> = lines[2].split_whitespace().collect();
+    assert_eq!(
+        header,
+        ["NAME", "SIZE", "ALLOC", "FREE", "CAP", "FRAG", "HEALTH", "QDEPTH", "QTARGET", "ALIQUOT", "EMBLOG", "ALLOC'ABLE"],
+        "{table}"
+    );
+    for i in 0..3 {
+        let row = lines
+            .iter()
+            .find(|l| l.trim_start().starts_with(&format!("file{i} (")))
+            .unwrap_or_else(|| panic!("no row for file{i}:\n{table}"));
+        assert!(row.contains("HEALTHY"), "{row}");
+    }
+    assert!(lines.iter().any(|l| l.starts_with("CLASS")), "{table}");
+
+    // Tunables: list, a good set, a bad name, a bad value.
+    let list = ok_stdout(&ctl(&args!["tunables", "--allocator", url]), "tunables");
+    assert!(list.contains("metaslab_aliquot"), "{list}");
+    let bad = ctl(&args!["tunables", "--allocator", url, "set", "no_such_tunable", "1"]);
+    assert!(!bad.status.success());
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(err.contains("no_such_tunable") && err.contains("NotFound"), "{err}");
+    let bad = ctl(&args!["tunables", "--allocator", url, "set", "metaslab_perf_bias", "banana"]);
+    assert!(!bad.status.success());
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(err.contains("InvalidArgument"), "{err}");
+    let set = ok_stdout(
+        &ctl(&args!["tunables", "--allocator", url, "set", "metaslab_perf_bias", "0"]),
+        "tunables set",
+    );
+    assert!(set.starts_with("metaslab_perf_bias = 0"), "{set}");
+    let bad = ctl(&args!["vdev", "--allocator", url, "offline", "999"]);
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("NotFound"));
+
+    // status is unchanged by the rejected requests.
+    let st2: serde_json::Value =
+        serde_json::from_str(&ok_stdout(&ctl(&args!["status", "--allocator", url, "--json"]), "status")).unwrap();
+    assert_eq!(st2["alloc"], st["alloc"]);
+
+    // SIGINT to `up`: it stops every child and exits 0.
+    assert!(kids.iter().all(|&k| alive(k)));
+    Command::new("kill").args(["-INT", &up_pid.to_string()]).status().unwrap();
+    let t = Instant::now();
+    while up.is_running() {
+        assert!(t.elapsed() < Duration::from_secs(30), "up did not stop; log:\n{}", up.log_tail());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for k in kids {
+        assert!(!alive(k), "child {k} still running after up stopped");
+    }
+    let log = up.log_tail();
+    assert!(log.contains("pool stopped"), "{log}");
+    assert!(!log.contains("SIGKILL"), "children should stop on SIGTERM:\n{log}");
+}
+
+#[test]
+fn up_reports_a_dead_agent_and_usage_errors_exit_2() {
+    let bad = ctl(&args!["up", "--sim", "tape:1GiB:1MiB/s"]);
+    assert_eq!(bad.status.code(), Some(2), "{}", String::from_utf8_lossy(&bad.stderr));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("hdd or ssd"));
+
+    let tmp = tempfile::tempdir().unwrap();
+    let mut up = start_up(tmp.path(), &args!["--no-metrics", "--sim", "ssd:256MiB:1GiB/s"]);
+    let kids = children_of(up.pid().unwrap());
+    assert_eq!(kids.len(), 5);
+    let st: serde_json::Value =
+        serde_json::from_str(&ok_stdout(&ctl(&args!["status", "--allocator", up.url("grpc"), "--json"]), "status")).unwrap();
+    let names: Vec<&str> = st["vdevs"].as_array().unwrap().iter().map(|v| v["name"].as_str().unwrap()).collect();
+    assert!(names.contains(&"ssd0") && names.contains(&"file2"), "{names:?}");
+    // Kill one agent behind up's back: up reports it and keeps the pool.
+    let agent = *kids.last().unwrap();
+    Command::new("kill").args(["-KILL", &agent.to_string()]).status().unwrap();
+    let t = Instant::now();
+    while !up.log_tail().contains("exited (signal: 9") {
+        assert!(t.elapsed() < Duration::from_secs(10), "no death report:\n{}", up.log_tail());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(up.is_running());
+    up.kill();
+    for k in kids {
+        assert!(!alive(k), "child {k} still running");
+    }
+}

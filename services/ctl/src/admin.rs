@@ -1,0 +1,146 @@
+//! Administrative commands: tunables (list / get / set) and vdev online /
+//! offline. Each is one RPC; the allocator validates, and its message is
+//! passed on to the operator unchanged.
+
+use aliquot_proto::v1::{GetTunablesRequest, SetTunableRequest, SetVdevStateRequest};
+
+use crate::client::{self, AllocatorArgs};
+use crate::status::health_name;
+
+#[derive(Clone, Debug, clap::Args)]
+pub struct TunablesArgs {
+    #[command(flatten)]
+    pub conn: AllocatorArgs,
+    #[command(subcommand)]
+    pub cmd: Option<TunablesCmd>,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Clone, Debug, clap::Subcommand)]
+pub enum TunablesCmd {
+    /// List every tunable with its value, default and meaning (the default).
+    List,
+    /// Print one tunable's value.
+    Get { name: String },
+    /// Change a tunable at run time, e.g. `set metaslab_perf_bias 0`.
+    Set { name: String, value: String },
+}
+
+pub async fn tunables(args: TunablesArgs) -> anyhow::Result<()> {
+    let mut c = client::allocator(&args.conn.allocator).await?;
+    match args.cmd.unwrap_or(TunablesCmd::List) {
+        TunablesCmd::List => {
+            let list = c
+                .get_tunables(GetTunablesRequest {})
+                .await
+                .map_err(|s| client::status_msg("get tunables", &s))?
+                .into_inner();
+            if args.json {
+                let v: Vec<_> = list
+                    .tunables
+                    .iter()
+                    .map(|t| {
+                        serde_json::json!({"name": t.name, "value": t.value,
+                            "default": t.default, "description": t.description})
+                    })
+                    .collect();
+                println!("{}", serde_json::to_string_pretty(&v)?);
+                return Ok(());
+            }
+            let wn = list
+                .tunables
+                .iter()
+                .map(|t| t.name.len())
+                .max()
+                .unwrap_or(4)
+                .max(4);
+            let wv = list
+                .tunables
+                .iter()
+                .map(|t| t.value.len())
+                .max()
+                .unwrap_or(5)
+                .max(5);
+            let wd = list
+                .tunables
+                .iter()
+                .map(|t| t.default.len())
+                .max()
+                .unwrap_or(7)
+                .max(7);
+            println!(
+                "{:<wn$}  {:>wv$}  {:>wd$}  DESCRIPTION",
+                "NAME", "VALUE", "DEFAULT"
+            );
+            for t in &list.tunables {
+                let mark = if t.value != t.default { "*" } else { " " };
+                println!(
+                    "{:<wn$}  {:>wv$}  {:>wd$} {mark}{}",
+                    t.name, t.value, t.default, t.description
+                );
+            }
+        }
+        TunablesCmd::Get { name } => {
+            let list = c
+                .get_tunables(GetTunablesRequest {})
+                .await
+                .map_err(|s| client::status_msg("get tunables", &s))?
+                .into_inner();
+            match list.tunables.iter().find(|t| t.name == name) {
+                Some(t) => println!("{}", t.value),
+                None => anyhow::bail!("unknown tunable {name:?}; `aliquotctl tunables` lists them"),
+            }
+        }
+        TunablesCmd::Set { name, value } => {
+            let t = c
+                .set_tunable(SetTunableRequest {
+                    name: name.clone(),
+                    value: value.clone(),
+                })
+                .await
+                .map_err(|s| client::status_msg(&format!("set tunable {name}={value}"), &s))?
+                .into_inner();
+            println!("{} = {} (default {})", t.name, t.value, t.default);
+        }
+    }
+    Ok(())
+}
+
+#[derive(Clone, Debug, clap::Args)]
+pub struct VdevArgs {
+    #[command(flatten)]
+    pub conn: AllocatorArgs,
+    #[command(subcommand)]
+    pub cmd: VdevCmd,
+}
+
+#[derive(Clone, Debug, clap::Subcommand)]
+pub enum VdevCmd {
+    /// Make a vdev allocatable again.
+    Online { vdev: u32 },
+    /// Stop allocating on a vdev (its data stays readable).
+    Offline { vdev: u32 },
+}
+
+pub async fn vdev(args: VdevArgs) -> anyhow::Result<()> {
+    let mut c = client::allocator(&args.conn.allocator).await?;
+    let (vdev, online) = match args.cmd {
+        VdevCmd::Online { vdev } => (vdev, true),
+        VdevCmd::Offline { vdev } => (vdev, false),
+    };
+    let what = if online { "online" } else { "offline" };
+    let v = c
+        .set_vdev_state(SetVdevStateRequest { vdev, online })
+        .await
+        .map_err(|s| client::status_msg(&format!("vdev {what} {vdev}"), &s))?
+        .into_inner();
+    println!(
+        "vdev {} ({}) is {}",
+        v.vdev,
+        v.name,
+        health_name(v.health, v.online)
+    );
+    Ok(())
+}

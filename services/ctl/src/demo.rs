@@ -1,0 +1,121 @@
+//! `aliquotctl demo`: the whole system in one command on a fresh machine. A
+//! local pool of three file agents (1, 2 and 4 GiB), a full-speed write of
+//! half the pool with read-back, the pool's status, the balance chart from
+//! the metrics service, then everything stopped.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use aliquot_proto::v1::GetPoolRequest;
+
+use crate::client;
+use crate::local::{LocalPool, PoolArgs};
+use crate::write::{self, WriteArgs};
+
+#[derive(Clone, Debug, clap::Args)]
+pub struct DemoArgs {
+    #[command(flatten)]
+    pub pool: PoolArgs,
+    /// Share of the pool's normal-class space to write, in percent.
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=90))]
+    pub fill: u32,
+    /// Block size of the demo write.
+    #[arg(long, value_parser = units::size_arg, default_value = "1MiB")]
+    pub block_size: u64,
+    /// Blocks in flight.
+    #[arg(long, default_value_t = 32)]
+    pub concurrency: u32,
+    /// Skip reading every block back.
+    #[arg(long)]
+    pub no_verify: bool,
+    /// Where to write the balance chart (default: <data-dir>/demo/balance.svg).
+    #[arg(long)]
+    pub chart: Option<PathBuf>,
+    /// Keep the pool running after the demo, until Ctrl-C.
+    #[arg(long)]
+    pub keep: bool,
+}
+
+pub async fn run(mut args: DemoArgs) -> anyhow::Result<()> {
+    // A fresh pool each time: the demo owns <data-dir>/demo and nothing else.
+    let dir = args.pool.data_dir.join("demo");
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir).map_err(|e| {
+            anyhow::anyhow!("cannot clear the previous demo in {}: {e}", dir.display())
+        })?;
+    }
+    args.pool.data_dir = dir.clone();
+    let t0 = Instant::now();
+    println!(
+        "== starting a local pool (allocator, metrics, {} file agents)",
+        args.pool.agents.len() + args.pool.sim.len()
+    );
+    let mut pool = LocalPool::start(&args.pool).await?;
+    print!("{}", pool.describe());
+    let r = body(&args, &pool).await;
+    if r.is_ok() && args.keep {
+        println!("== the pool keeps running; Ctrl-C stops it");
+        let _ = tokio::signal::ctrl_c().await;
+    }
+    println!("== stopping the pool");
+    pool.stop().await;
+    r?;
+    println!("== demo done in {:.1} s", t0.elapsed().as_secs_f64());
+    Ok(())
+}
+
+async fn body(args: &DemoArgs, pool: &LocalPool) -> anyhow::Result<()> {
+    let mut c = client::allocator(&pool.allocator_url).await?;
+    let st = c
+        .get_pool(GetPoolRequest {})
+        .await
+        .map_err(|s| client::status_msg("get pool", &s))?
+        .into_inner();
+    let space = st
+        .classes
+        .iter()
+        .find(|c| c.name == "normal")
+        .map(|c| c.space)
+        .unwrap_or(0);
+    let total = space / 100 * args.fill as u64;
+    println!(
+        "\n== writing {} ({}% of the pool's {}) in {} blocks, {} in flight, then reading it back",
+        units::format_bytes(total),
+        args.fill,
+        units::format_bytes(space),
+        units::format_bytes(args.block_size),
+        args.concurrency
+    );
+    let mut w = WriteArgs::new(&pool.allocator_url);
+    w.total = total;
+    w.block_size = args.block_size;
+    w.concurrency = args.concurrency;
+    w.verify = !args.no_verify;
+    let report = write::write(&w).await?;
+    print!("{}", write::render(&report));
+
+    println!("\n== aliquotctl status");
+    let st = c
+        .get_pool(GetPoolRequest {})
+        .await
+        .map_err(|s| client::status_msg("get pool", &s))?
+        .into_inner();
+    print!("{}", crate::status::render_table(&st));
+
+    if let (Some(url), Some(http)) = (&pool.metrics_url, pool.metrics_http) {
+        // Let one more snapshot reach metrics so the chart ends at the end state.
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let chart = args
+            .chart
+            .clone()
+            .unwrap_or_else(|| pool.data_dir.join("balance.svg"));
+        match crate::history::chart(url, &pool.pool, &chart).await {
+            Ok(()) => println!(
+                "\n== balance chart: {}  (while the pool runs: http://{http}/)",
+                chart.display()
+            ),
+            Err(e) => println!("\n== no balance chart: {e:#}"),
+        }
+    }
+    Ok(())
+}

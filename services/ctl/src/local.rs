@@ -1,0 +1,696 @@
+//! A local pool as child processes: `aliquotctl up` and `demo`. Each child
+//! is this same binary (`current_exe() serve agent|allocator|metrics ...`),
+//! in its own process group (so a terminal's Ctrl-C reaches only us and we
+//! stop the children in order: agents, allocator, metrics), with its stdin
+//! a pipe from us: if we die without stopping them, they see EOF and shut
+//! themselves down. Addresses come from the children's `LISTEN` lines.
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use aliquot_proto::v1::{GetPoolRequest, PoolStatus, VdevHealth};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{ChildStdin, Command};
+use tokio::sync::{mpsc, watch};
+
+use crate::client;
+
+/// Set in a child's environment: watch stdin, stop at EOF.
+pub const SUPERVISED_ENV: &str = "ALIQUOTCTL_SUPERVISED";
+
+#[derive(Clone, Debug, clap::Args)]
+pub struct PoolArgs {
+    /// Where devices, databases and logs go.
+    #[arg(long, env = "ALIQUOT_DATA_DIR", default_value = "./aliquot-data")]
+    pub data_dir: PathBuf,
+    /// Pool name.
+    #[arg(long, env = "ALIQUOT_POOL", default_value = "aliquot")]
+    pub pool: String,
+    /// Sizes of the file agents (sparse files), comma-separated.
+    #[arg(long, env = "ALIQUOT_AGENTS", value_delimiter = ',', value_parser = units::size_arg,
+          default_value = "1GiB,2GiB,4GiB")]
+    pub agents: Vec<u64>,
+    /// A simulated agent, KIND:SIZE:BANDWIDTH[:LATENCY] with KIND hdd or ssd,
+    /// e.g. hdd:4GiB:150MiB/s or ssd:2GiB:1GiB/s:100us (repeatable).
+    #[arg(long, value_parser = parse_sim)]
+    pub sim: Vec<SimSpec>,
+    /// Do not start the metrics service.
+    #[arg(long, env = "ALIQUOT_NO_METRICS")]
+    pub no_metrics: bool,
+    /// Always use ephemeral ports (by default the well-known ones when free).
+    #[arg(long, env = "ALIQUOT_EPHEMERAL")]
+    pub ephemeral: bool,
+    /// Allocator address, used when free (else an ephemeral port).
+    #[arg(long, default_value = "127.0.0.1:7000")]
+    pub allocator_listen: SocketAddr,
+    /// Metrics gRPC address, used when free.
+    #[arg(long, default_value = "127.0.0.1:7100")]
+    pub metrics_listen: SocketAddr,
+    /// Metrics HTTP (charts) address, used when free.
+    #[arg(long, default_value = "127.0.0.1:7180")]
+    pub metrics_http_listen: SocketAddr,
+    /// Allocator tunable NAME=VALUE (repeatable), e.g. metaslab_perf_bias=0.
+    #[arg(long)]
+    pub tunable: Vec<String>,
+    /// Allocator txg interval (default: the allocator's, 5s).
+    #[arg(long)]
+    pub zfs_txg_timeout: Option<String>,
+    /// Allocator throttle policy: unified, legacy or off.
+    #[arg(long)]
+    pub throttle_policy: Option<String>,
+    /// How often the allocator sends a balance snapshot to metrics.
+    #[arg(long, default_value = "1s")]
+    pub snapshot_interval: String,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct SimSpec {
+    pub rotational: bool,
+    pub capacity: u64,
+    pub bandwidth: f64,
+    pub latency: Duration,
+}
+
+pub fn parse_sim(s: &str) -> Result<SimSpec, String> {
+    let parts: Vec<&str> = s.split(':').collect();
+    if !(3..=4).contains(&parts.len()) {
+        return Err(format!(
+            "{s:?}: expected KIND:SIZE:BANDWIDTH[:LATENCY], e.g. hdd:4GiB:150MiB/s"
+        ));
+    }
+    let rotational = match parts[0] {
+        "hdd" => true,
+        "ssd" => false,
+        k => return Err(format!("{s:?}: kind {k:?} is not hdd or ssd")),
+    };
+    let capacity = units::size_arg(parts[1])?;
+    let bandwidth = units::rate_arg(parts[2])?;
+    if bandwidth <= 0.0 {
+        return Err(format!("{s:?}: bandwidth must be positive"));
+    }
+    // Typical access times when none is given: a seek for disks, a flash read.
+    let latency = match parts.get(3) {
+        Some(l) => units::duration_arg(l)?,
+        None if rotational => Duration::from_millis(4),
+        None => Duration::from_micros(80),
+    };
+    Ok(SimSpec {
+        rotational,
+        capacity,
+        bandwidth,
+        latency,
+    })
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Role {
+    Agent,
+    Allocator,
+    Metrics,
+}
+
+struct Child {
+    name: String,
+    role: Role,
+    pid: i32,
+    log: PathBuf,
+    status: watch::Receiver<Option<ExitStatus>>,
+    // Held open: the child stops itself when this pipe closes.
+    _stdin: Option<ChildStdin>,
+}
+
+/// An agent of the local pool, as started.
+#[derive(Clone, Debug)]
+pub struct AgentInfo {
+    pub name: String,
+    pub kind: String,
+    pub capacity: u64,
+    pub path: Option<PathBuf>,
+    pub url: String,
+}
+
+/// A running local pool; [`LocalPool::stop`] ends it.
+pub struct LocalPool {
+    children: Vec<Child>,
+    pub data_dir: PathBuf,
+    pub pool: String,
+    pub allocator_url: String,
+    pub allocator_addr: SocketAddr,
+    pub metrics_url: Option<String>,
+    pub metrics_http: Option<SocketAddr>,
+    pub agents: Vec<AgentInfo>,
+    deaths: mpsc::UnboundedReceiver<(String, ExitStatus)>,
+    deaths_tx: mpsc::UnboundedSender<(String, ExitStatus)>,
+}
+
+/// The address to pass: the well-known one if we can bind it now, else port 0.
+fn pick(addr: SocketAddr, ephemeral: bool) -> SocketAddr {
+    if !ephemeral && TcpListener::bind(addr).is_ok() {
+        addr
+    } else {
+        SocketAddr::new(addr.ip(), 0)
+    }
+}
+
+impl LocalPool {
+    /// Start metrics, the allocator and every agent, and wait until every
+    /// agent has registered. On failure everything started is stopped.
+    pub async fn start(args: &PoolArgs) -> anyhow::Result<LocalPool> {
+        if args.agents.is_empty() && args.sim.is_empty() {
+            anyhow::bail!("no agents: give --agents SIZES and/or --sim SPEC");
+        }
+        for t in &args.tunable {
+            if !t.contains('=') {
+                anyhow::bail!("--tunable {t:?}: expected NAME=VALUE");
+            }
+        }
+        let logs = args.data_dir.join("logs");
+        std::fs::create_dir_all(&logs)
+            .map_err(|e| anyhow::anyhow!("cannot create {}: {e}", logs.display()))?;
+        std::fs::create_dir_all(args.data_dir.join("vdevs"))?;
+        let (deaths_tx, deaths) = mpsc::unbounded_channel();
+        let mut pool = LocalPool {
+            children: Vec::new(),
+            data_dir: args.data_dir.clone(),
+            pool: args.pool.clone(),
+            allocator_url: String::new(),
+            allocator_addr: args.allocator_listen,
+            metrics_url: None,
+            metrics_http: None,
+            agents: Vec::new(),
+            deaths,
+            deaths_tx,
+        };
+        match pool.start_all(args).await {
+            Ok(()) => Ok(pool),
+            Err(e) => {
+                pool.stop().await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn start_all(&mut self, args: &PoolArgs) -> anyhow::Result<()> {
+        let dir = &args.data_dir;
+        if !args.no_metrics {
+            let l = pick(args.metrics_listen, args.ephemeral);
+            let h = pick(args.metrics_http_listen, args.ephemeral);
+            let a = self
+                .spawn(
+                    "metrics",
+                    Role::Metrics,
+                    &[
+                        "metrics".into(),
+                        "--listen".into(),
+                        l.to_string(),
+                        "--http-listen".into(),
+                        h.to_string(),
+                        "--db".into(),
+                        dir.join("metrics.db").display().to_string(),
+                    ],
+                    &["grpc", "http"],
+                )
+                .await?;
+            self.metrics_url = Some(format!("http://{}", a[0]));
+            self.metrics_http = Some(a[1]);
+        }
+        let l = pick(args.allocator_listen, args.ephemeral);
+        let mut aargs: Vec<String> = vec![
+            "allocator".into(),
+            "--listen".into(),
+            l.to_string(),
+            "--pool".into(),
+            args.pool.clone(),
+            "--data-dir".into(),
+            dir.join("allocator").display().to_string(),
+        ];
+        if let Some(m) = &self.metrics_url {
+            aargs.extend(["--metrics".into(), m.clone()]);
+            aargs.extend(["--snapshot-interval".into(), args.snapshot_interval.clone()]);
+        }
+        if let Some(t) = &args.zfs_txg_timeout {
+            aargs.extend(["--zfs-txg-timeout".into(), t.clone()]);
+        }
+        if let Some(t) = &args.throttle_policy {
+            aargs.extend(["--throttle-policy".into(), t.clone()]);
+        }
+        for t in &args.tunable {
+            aargs.extend(["--tunable".into(), t.clone()]);
+        }
+        let a = self
+            .spawn("allocator", Role::Allocator, &aargs, &["grpc"])
+            .await?;
+        self.allocator_addr = a[0];
+        self.allocator_url = format!("http://{}", a[0]);
+
+        // Agents start side by side; each reports its own address.
+        let mut specs: Vec<(String, String, u64, Option<PathBuf>, Vec<String>)> = Vec::new();
+        for (i, cap) in args.agents.iter().enumerate() {
+            let name = format!("file{i}");
+            let path = dir.join("vdevs").join(format!("{name}.img"));
+            let extra = vec![
+                "--backend".into(),
+                "file".into(),
+                "--path".into(),
+                path.display().to_string(),
+            ];
+            specs.push((name, "file".into(), *cap, Some(path), extra));
+        }
+        let (mut nh, mut ns) = (0, 0);
+        for s in &args.sim {
+            let kind = if s.rotational { "hdd" } else { "ssd" };
+            let n = if s.rotational { &mut nh } else { &mut ns };
+            let name = format!("{kind}{n}");
+            *n += 1;
+            let mut extra = vec![
+                "--backend".into(),
+                "sim".into(),
+                "--bandwidth".into(),
+                format!("{}", s.bandwidth as u64),
+                "--latency".into(),
+                format!("{}us", s.latency.as_micros()),
+            ];
+            if s.rotational {
+                extra.push("--rotational".into());
+            }
+            specs.push((name, format!("sim {kind}"), s.capacity, None, extra));
+        }
+        let mut starts = Vec::new();
+        for (name, kind, cap, path, extra) in specs {
+            let mut fa: Vec<String> = vec![
+                "agent".into(),
+                "--listen".into(),
+                "127.0.0.1:0".into(),
+                "--allocator".into(),
+                self.allocator_url.clone(),
+                "--name".into(),
+                name.clone(),
+                "--capacity".into(),
+                cap.to_string(),
+            ];
+            fa.extend(extra);
+            starts.push((name, kind, cap, path, fa));
+        }
+        let spawned = {
+            let mut futs = Vec::new();
+            for (name, _, _, _, fa) in &starts {
+                futs.push(self.spawn_child(name, Role::Agent, fa, &["grpc"]));
+            }
+            futures_util::future::join_all(futs).await
+        };
+        let mut err = None;
+        for ((name, kind, cap, path, _), r) in starts.into_iter().zip(spawned) {
+            match r {
+                Ok((child, addrs)) => {
+                    self.children.push(child);
+                    self.agents.push(AgentInfo {
+                        name,
+                        kind,
+                        capacity: cap,
+                        path,
+                        url: format!("http://{}", addrs[0]),
+                    });
+                }
+                Err(e) => {
+                    err.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = err {
+            return Err(e);
+        }
+        self.wait_registered(Duration::from_secs(60)).await
+    }
+
+    async fn spawn(
+        &mut self,
+        name: &str,
+        role: Role,
+        args: &[String],
+        kinds: &[&str],
+    ) -> anyhow::Result<Vec<SocketAddr>> {
+        let (child, addrs) = self.spawn_child(name, role, args, kinds).await?;
+        self.children.push(child);
+        Ok(addrs)
+    }
+
+    /// Start `current_exe() serve ARGS`, return once it printed a LISTEN
+    /// line for each of `kinds` (addresses in that order).
+    async fn spawn_child(
+        &self,
+        name: &str,
+        role: Role,
+        args: &[String],
+        kinds: &[&str],
+    ) -> anyhow::Result<(Child, Vec<SocketAddr>)> {
+        let exe = std::env::current_exe()?;
+        let log = self.data_dir.join("logs").join(format!("{name}.log"));
+        let logf = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .map_err(|e| anyhow::anyhow!("cannot open {}: {e}", log.display()))?;
+        let mut cmd = Command::new(&exe);
+        cmd.arg("serve")
+            .args(args)
+            .env(SUPERVISED_ENV, "1")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::from(logf))
+            .process_group(0)
+            .kill_on_drop(false);
+        tracing::debug!(child = name, args = ?args, "starting");
+        let mut child = cmd.spawn().map_err(|e| {
+            anyhow::anyhow!("cannot start {} serve {}: {e}", exe.display(), args[0])
+        })?;
+        let pid = child.id().map(|p| p as i32).unwrap_or(-1);
+        let stdin = child.stdin.take();
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (tx, status) = watch::channel(None);
+        let deaths = self.deaths_tx.clone();
+        let n = name.to_string();
+        tokio::spawn(async move {
+            if let Ok(st) = child.wait().await {
+                let _ = tx.send(Some(st));
+                let _ = deaths.send((n, st));
+            }
+        });
+        let c = Child {
+            name: name.to_string(),
+            role,
+            pid,
+            log: log.clone(),
+            status,
+            _stdin: stdin,
+        };
+        // LISTEN lines, then keep draining stdout so the child never blocks on it.
+        let (ltx, mut lrx) = mpsc::unbounded_channel::<(String, SocketAddr)>();
+        tokio::spawn(async move {
+            let mut lines = BufReader::new(stdout).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                let mut it = line.split_whitespace();
+                if it.next() == Some("LISTEN")
+                    && let (Some(k), Some(a)) = (it.next(), it.next())
+                    && let Ok(a) = a.parse()
+                {
+                    let _ = ltx.send((k.to_string(), a));
+                }
+            }
+        });
+        let mut found: Vec<Option<SocketAddr>> = vec![None; kinds.len()];
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        let mut st = c.status.clone();
+        while found.iter().any(Option::is_none) {
+            tokio::select! {
+                m = lrx.recv() => match m {
+                    Some((k, a)) => {
+                        if let Some(i) = kinds.iter().position(|x| *x == k) {
+                            found[i] = Some(a);
+                        }
+                    }
+                    None => {
+                        // stdout closed: the child is exiting; report why.
+                        let mut st2 = c.status.clone();
+                        let _ = tokio::time::timeout(Duration::from_secs(5), st2.wait_for(|s| s.is_some())).await.is_ok();
+                        anyhow::bail!("{name} exited before listening; {}", tail_note(&log));
+                    }
+                },
+                _ = st.wait_for(|s| s.is_some()) => {
+                    anyhow::bail!("{name} exited before listening; {}", tail_note(&log));
+                }
+                _ = tokio::time::sleep_until(deadline) => {
+                    signal(pid, libc::SIGKILL);
+                    anyhow::bail!("{name} did not listen within 60 s; {}", tail_note(&log));
+                }
+            }
+        }
+        Ok((
+            c,
+            found.into_iter().map(|a| a.expect("all found")).collect(),
+        ))
+    }
+
+    /// Until every agent's vdev is in the pool, healthy and allocatable.
+    async fn wait_registered(&mut self, within: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + within;
+        let mut c = client::allocator(&self.allocator_url).await?;
+        loop {
+            if let Some(dead) = self.children.iter().find(|c| c.status.borrow().is_some()) {
+                anyhow::bail!(
+                    "{} exited while the pool was starting; {}",
+                    dead.name,
+                    tail_note(&dead.log)
+                );
+            }
+            let st = c
+                .get_pool(GetPoolRequest {})
+                .await
+                .ok()
+                .map(|r| r.into_inner());
+            let missing: Vec<&str> = self
+                .agents
+                .iter()
+                .filter(|a| !st.as_ref().is_some_and(|st| registered(st, &a.name)))
+                .map(|a| a.name.as_str())
+                .collect();
+            if missing.is_empty() {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                anyhow::bail!(
+                    "agents {} did not register with the allocator within {} s; see {}",
+                    missing.join(", "),
+                    within.as_secs(),
+                    self.data_dir.join("logs").display()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// The next child that exited on its own: (name, status).
+    pub async fn next_exit(&mut self) -> Option<(String, ExitStatus)> {
+        self.deaths.recv().await
+    }
+
+    pub fn is_allocator(&self, name: &str) -> bool {
+        self.children
+            .iter()
+            .any(|c| c.name == name && c.role == Role::Allocator)
+    }
+
+    pub fn log_of(&self, name: &str) -> Option<&Path> {
+        self.children
+            .iter()
+            .find(|c| c.name == name)
+            .map(|c| c.log.as_path())
+    }
+
+    /// SIGTERM agents, then the allocator, then metrics; SIGKILL whatever
+    /// has not exited 10 s later. Returns the names that needed SIGKILL.
+    pub async fn stop(&mut self) -> Vec<String> {
+        let mut killed = Vec::new();
+        for role in [Role::Agent, Role::Allocator, Role::Metrics] {
+            let group: Vec<&mut Child> = self
+                .children
+                .iter_mut()
+                .filter(|c| c.role == role)
+                .collect();
+            for c in &group {
+                if c.status.borrow().is_none() {
+                    signal(c.pid, libc::SIGTERM);
+                }
+            }
+            for c in group {
+                let mut st = c.status.clone();
+                let done =
+                    tokio::time::timeout(Duration::from_secs(10), st.wait_for(|s| s.is_some()))
+                        .await
+                        .is_ok();
+                if !done {
+                    signal(c.pid, libc::SIGKILL);
+                    let _ =
+                        tokio::time::timeout(Duration::from_secs(5), st.wait_for(|s| s.is_some()))
+                            .await
+                            .is_ok();
+                    killed.push(c.name.clone());
+                }
+                c._stdin = None;
+            }
+        }
+        self.children.clear();
+        killed
+    }
+
+    /// The human summary `up` prints.
+    pub fn describe(&self) -> String {
+        use std::fmt::Write as _;
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "pool {} is up; data, databases and logs in {}",
+            self.pool,
+            self.data_dir.display()
+        );
+        let _ = writeln!(s, "  allocator  {}", self.allocator_url);
+        if let (Some(m), Some(h)) = (&self.metrics_url, self.metrics_http) {
+            let _ = writeln!(s, "  metrics    {m}   charts http://{h}/");
+        }
+        for a in &self.agents {
+            let _ = writeln!(
+                s,
+                "  agent      {:<6} {:>8}  {:<8} {}{}",
+                a.name,
+                units::format_bytes_short(a.capacity),
+                a.kind,
+                a.url,
+                a.path
+                    .as_ref()
+                    .map(|p| format!("  {}", p.display()))
+                    .unwrap_or_default()
+            );
+        }
+        s
+    }
+}
+
+fn registered(st: &PoolStatus, name: &str) -> bool {
+    let Some(v) = st.vdevs.iter().find(|v| v.name == name) else {
+        return false;
+    };
+    let healthy = v.health == VdevHealth::Healthy as i32;
+    // Allocatable once its metaslabs were synced in (OpenZFS's ms_new rule).
+    let allocatable = st
+        .classes
+        .iter()
+        .flat_map(|c| &c.groups)
+        .any(|g| g.vdev == v.vdev && g.allocatable);
+    healthy && allocatable
+}
+
+fn signal(pid: i32, sig: libc::c_int) {
+    if pid > 0 {
+        // SAFETY: kill(2) has no memory-safety preconditions; pid is our child's.
+        unsafe {
+            libc::kill(pid, sig);
+        }
+    }
+}
+
+fn tail_note(log: &Path) -> String {
+    let s = std::fs::read_to_string(log).unwrap_or_default();
+    let lines: Vec<&str> = s.lines().collect();
+    let tail = lines[lines.len().saturating_sub(15)..].join("\n");
+    if tail.is_empty() {
+        format!("its log {} is empty", log.display())
+    } else {
+        format!("last lines of {}:\n{tail}", log.display())
+    }
+}
+
+/// `serve` side of supervision: when the parent's pipe closes, SIGTERM
+/// ourselves so the service shuts down by its usual path.
+pub fn watch_parent() {
+    if std::env::var_os(SUPERVISED_ENV).is_none() {
+        return;
+    }
+    std::thread::spawn(|| {
+        use std::io::Read;
+        let mut buf = [0u8; 64];
+        let mut stdin = std::io::stdin();
+        loop {
+            match stdin.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            }
+        }
+        // SAFETY: as in `signal`; getpid cannot fail.
+        unsafe {
+            libc::kill(libc::getpid(), libc::SIGTERM);
+        }
+    });
+}
+
+/// `aliquotctl up`: start, print where everything is, supervise until
+/// Ctrl-C or SIGTERM.
+pub async fn up(args: PoolArgs) -> anyhow::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal as unix_signal};
+    // Listen for signals before starting anything, so none is lost.
+    let mut term = unix_signal(SignalKind::terminate())?;
+    let mut int = unix_signal(SignalKind::interrupt())?;
+    let start = LocalPool::start(&args);
+    let mut pool = tokio::select! {
+        p = start => p?,
+        _ = term.recv() => anyhow::bail!("interrupted while starting (children stopped)"),
+        _ = int.recv() => anyhow::bail!("interrupted while starting (children stopped)"),
+    };
+    print!("{}", pool.describe());
+    let hint = if pool.allocator_url == "http://127.0.0.1:7000" {
+        String::new()
+    } else {
+        format!(" --allocator {}", pool.allocator_url)
+    };
+    println!("try: aliquotctl status{hint}   aliquotctl write{hint} --total 1GiB --verify");
+    println!("Ctrl-C stops the pool.");
+    // Machine-readable, last, once everything is ready (tests wait for these).
+    println!("LISTEN grpc {}", pool.allocator_addr);
+    if let Some(h) = pool.metrics_http {
+        println!("LISTEN http {h}");
+    }
+    {
+        use std::io::Write;
+        std::io::stdout().flush()?;
+    }
+    let mut failed = None;
+    loop {
+        tokio::select! {
+            _ = term.recv() => break,
+            _ = int.recv() => break,
+            Some((name, st)) = pool.next_exit() => {
+                let log = pool.log_of(&name).map(tail_note).unwrap_or_default();
+                eprintln!("aliquotctl: {name} exited ({st}); {log}");
+                if pool.is_allocator(&name) {
+                    eprintln!("aliquotctl: the allocator is gone; stopping the pool");
+                    failed = Some(name);
+                    break;
+                }
+            }
+        }
+    }
+    eprintln!("aliquotctl: stopping the pool");
+    let killed = pool.stop().await;
+    if !killed.is_empty() {
+        eprintln!("aliquotctl: had to SIGKILL {}", killed.join(", "));
+    }
+    eprintln!("aliquotctl: pool stopped");
+    match failed {
+        Some(n) => anyhow::bail!("{n} exited unexpectedly"),
+        None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sim_specs() {
+        let s = parse_sim("hdd:4GiB:150MiB/s").unwrap();
+        assert!(s.rotational);
+        assert_eq!(s.capacity, 4 << 30);
+        assert_eq!(s.bandwidth, 150.0 * 1048576.0);
+        assert_eq!(s.latency, Duration::from_millis(4));
+        let s = parse_sim("ssd:2GiB:1GiB/s:100us").unwrap();
+        assert!(!s.rotational);
+        assert_eq!(s.latency, Duration::from_micros(100));
+        assert!(
+            parse_sim("tape:1GiB:1MiB/s")
+                .unwrap_err()
+                .contains("hdd or ssd")
+        );
+        assert!(parse_sim("hdd:4GiB").is_err());
+        assert!(parse_sim("hdd:lots:1MiB/s").is_err());
+    }
+}

@@ -1,0 +1,619 @@
+//! `aliquotctl status`: the pool as `zpool list -v` shows it, plus the
+//! throttle's view of each class. Rendering is pure (PoolStatus → text or
+//! JSON) so it can be checked without a pool.
+
+use std::fmt::Write as _;
+
+use aliquot_proto::v1::{
+    ClassStatus, GetPoolRequest, GroupStatus, PoolStatus, VdevHealth, VdevStatus, WatchPoolRequest,
+};
+use serde::Serialize;
+use units::format_bytes_short as short;
+
+use crate::client::{self, AllocatorArgs};
+
+#[derive(Clone, Debug, clap::Args)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    pub conn: AllocatorArgs,
+    /// Print JSON instead of the table (with --watch: one object per line).
+    #[arg(long, env = "ALIQUOT_JSON")]
+    pub json: bool,
+    /// Keep refreshing, from the allocator's WatchPool stream.
+    #[arg(long, short = 'w')]
+    pub watch: bool,
+    /// Refresh interval for --watch.
+    #[arg(long, value_parser = units::duration_arg, default_value = "1s")]
+    pub interval: std::time::Duration,
+}
+
+pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
+    let mut c = client::allocator(&args.conn.allocator).await?;
+    if !args.watch {
+        let st = c
+            .get_pool(GetPoolRequest {})
+            .await
+            .map_err(|s| client::status_msg("get pool", &s))?
+            .into_inner();
+        print_status(&st, args.json)?;
+        return Ok(());
+    }
+    let interval_ms = args.interval.as_millis().clamp(1, u32::MAX as u128) as u32;
+    let mut stream = c
+        .watch_pool(WatchPoolRequest { interval_ms })
+        .await
+        .map_err(|s| client::status_msg("watch pool", &s))?
+        .into_inner();
+    loop {
+        tokio::select! {
+            msg = stream.message() => match msg.map_err(|s| client::status_msg("watch pool", &s))? {
+                Some(st) => {
+                    if !args.json {
+                        // Clear the screen and home the cursor, like `watch`.
+                        print!("\x1b[2J\x1b[H");
+                    }
+                    print_status(&st, args.json)?;
+                }
+                None => anyhow::bail!("the allocator ended the watch stream"),
+            },
+            _ = tokio::signal::ctrl_c() => return Ok(()),
+        }
+    }
+}
+
+fn print_status(st: &PoolStatus, json: bool) -> anyhow::Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    if json {
+        writeln!(out, "{}", serde_json::to_string(&PoolJson::from(st))?)?;
+    } else {
+        write!(out, "{}", render_table(st))?;
+    }
+    out.flush()?;
+    Ok(())
+}
+
+/// Health as operators read it; an administratively offline vdev is OFFLINE.
+pub fn health_name(h: i32, online: bool) -> &'static str {
+    if !online {
+        return "offline";
+    }
+    match VdevHealth::try_from(h).unwrap_or(VdevHealth::Unspecified) {
+        VdevHealth::Healthy => "healthy",
+        VdevHealth::Degraded => "degraded",
+        VdevHealth::Faulted => "faulted",
+        VdevHealth::Unavailable => "unavailable",
+        VdevHealth::Unspecified => "unknown",
+    }
+}
+
+fn pct(part: u64, whole: u64) -> String {
+    if whole == 0 {
+        "-".into()
+    } else {
+        format!("{}%", (part as u128 * 100 / whole as u128))
+    }
+}
+
+fn frag(f: i32) -> String {
+    if f < 0 { "-".into() } else { format!("{f}%") }
+}
+
+/// The table header; tests hold it fixed.
+pub const VDEV_HEADER: [&str; 12] = [
+    "NAME",
+    "SIZE",
+    "ALLOC",
+    "FREE",
+    "CAP",
+    "FRAG",
+    "HEALTH",
+    "QDEPTH",
+    "QTARGET",
+    "ALIQUOT",
+    "EMBLOG",
+    "ALLOC'ABLE",
+];
+pub const CLASS_HEADER: [&str; 8] = [
+    "CLASS",
+    "LIMIT",
+    "RESERVED",
+    "BUSY",
+    "WAITING",
+    "IO_SIZE",
+    "THROTTLE",
+    "USED/LIMIT",
+];
+
+fn vdev_of<'a>(st: &'a PoolStatus, id: u32) -> Option<&'a VdevStatus> {
+    st.vdevs.iter().find(|v| v.vdev == id)
+}
+
+fn vdev_label(st: &PoolStatus, id: u32) -> String {
+    match vdev_of(st, id) {
+        Some(v) if !v.name.is_empty() => format!("{} ({id})", v.name),
+        _ => format!("vdev {id}"),
+    }
+}
+
+/// `zpool list -v`-like: the pool, each class, each vdev of the class.
+pub fn render_table(st: &PoolStatus) -> String {
+    let mut rows: Vec<[String; 12]> = Vec::new();
+    let size: u64 = st.vdevs.iter().map(|v| v.capacity).sum();
+    let alloc: u64 = st.vdevs.iter().map(|v| v.alloc).sum();
+    let dash = || "-".to_string();
+    rows.push([
+        st.name.clone(),
+        short(size),
+        short(alloc),
+        short(size.saturating_sub(alloc)),
+        pct(alloc, size),
+        st.classes
+            .iter()
+            .find(|c| c.name == "normal")
+            .map(|c| frag(c.fragmentation))
+            .unwrap_or_else(dash),
+        dash(),
+        short(
+            st.classes
+                .iter()
+                .flat_map(|c| &c.groups)
+                .map(|g| g.queue_depth)
+                .sum(),
+        ),
+        dash(),
+        dash(),
+        dash(),
+        dash(),
+    ]);
+    for c in &st.classes {
+        if c.groups.is_empty() {
+            continue;
+        }
+        rows.push([
+            format!("  {}", c.name),
+            short(c.space),
+            short(c.alloc),
+            short(c.space.saturating_sub(c.alloc)),
+            pct(c.alloc, c.space),
+            frag(c.fragmentation),
+            dash(),
+            short(c.groups.iter().map(|g| g.queue_depth).sum()),
+            dash(),
+            dash(),
+            dash(),
+            dash(),
+        ]);
+        for g in &c.groups {
+            let v = vdev_of(st, g.vdev);
+            let online = v.map(|v| v.online).unwrap_or(true);
+            let emblog = match v.and_then(|v| v.embedded_log_metaslab) {
+                Some(ms) => format!("ms {ms}"),
+                None => dash(),
+            };
+            rows.push([
+                format!("    {}", vdev_label(st, g.vdev)),
+                short(g.capacity),
+                short(g.alloc),
+                short(g.capacity.saturating_sub(g.alloc)),
+                pct(g.alloc, g.capacity),
+                frag(g.fragmentation),
+                health_name(g.health, online).to_uppercase(),
+                short(g.queue_depth),
+                short(g.queue_target),
+                short(g.aliquot),
+                emblog,
+                if g.allocatable { "yes" } else { "no" }.to_string(),
+            ]);
+        }
+    }
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "pool {}  guid {:016x}  txg {} (synced {})  throttle {}  slop {}",
+        st.name,
+        st.guid,
+        st.open_txg,
+        st.synced_txg,
+        st.throttle_policy,
+        short(st.slop_space)
+    );
+    out.push('\n');
+    out.push_str(&layout(&VDEV_HEADER, &rows));
+    out.push('\n');
+    let crows: Vec<[String; 8]> = st
+        .classes
+        .iter()
+        .map(|c| {
+            [
+                c.name.clone(),
+                short(c.alloc_max),
+                short(c.reserved),
+                if c.busy { "yes" } else { "no" }.to_string(),
+                format!("{} ({})", c.waiting, short(c.waiting_bytes)),
+                short(c.alloc_io_size),
+                if c.throttle_enabled { "on" } else { "off" }.to_string(),
+                pct(c.reserved, c.alloc_max),
+            ]
+        })
+        .collect();
+    out.push_str(&layout(&CLASS_HEADER, &crows));
+    out
+}
+
+/// Left-aligned first column, the others right-aligned, two spaces apart.
+fn layout<const N: usize>(header: &[&str; N], rows: &[[String; N]]) -> String {
+    let mut w = [0usize; N];
+    for (i, h) in header.iter().enumerate() {
+        w[i] = h.len();
+    }
+    for r in rows {
+        for (i, cell) in r.iter().enumerate() {
+            w[i] = w[i].max(cell.chars().count());
+        }
+    }
+    let mut out = String::new();
+    let line = |cells: Vec<&str>, out: &mut String| {
+        let mut s = String::new();
+        for (i, cell) in cells.iter().enumerate() {
+            if i == 0 {
+                let _ = write!(s, "{cell:<width$}", width = w[0]);
+            } else {
+                let _ = write!(s, "  {cell:>width$}", width = w[i]);
+            }
+        }
+        out.push_str(s.trim_end());
+        out.push('\n');
+    };
+    line(header.to_vec(), &mut out);
+    for r in rows {
+        line(r.iter().map(String::as_str).collect(), &mut out);
+    }
+    out
+}
+
+// ---- JSON ------------------------------------------------------------------
+
+#[derive(Debug, Serialize)]
+pub struct PoolJson {
+    pub name: String,
+    pub guid: u64,
+    pub open_txg: u64,
+    pub synced_txg: u64,
+    pub throttle_policy: String,
+    pub slop_space: u64,
+    pub time_ms: u64,
+    pub size: u64,
+    pub alloc: u64,
+    pub free: u64,
+    pub classes: Vec<ClassJson>,
+    pub vdevs: Vec<VdevJson>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ClassJson {
+    pub name: String,
+    pub space: u64,
+    pub alloc: u64,
+    pub free: u64,
+    pub reserved: u64,
+    pub alloc_max: u64,
+    pub alloc_io_size: u64,
+    pub busy: bool,
+    pub waiting: u32,
+    pub waiting_bytes: u64,
+    pub throttle_enabled: bool,
+    pub fragmentation: i32,
+    pub groups: Vec<GroupJson>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct GroupJson {
+    pub vdev: u32,
+    pub name: String,
+    pub capacity: u64,
+    pub alloc: u64,
+    pub free: u64,
+    pub free_fraction: f64,
+    pub children: u32,
+    pub parity: u32,
+    pub aliquot: u64,
+    pub queue_target: u64,
+    pub queue_depth: u64,
+    pub fragmentation: i32,
+    pub health: String,
+    pub allocatable: bool,
+    pub embedded_log_metaslab: Option<u32>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct VdevJson {
+    pub vdev: u32,
+    pub guid: u64,
+    pub name: String,
+    pub endpoint: String,
+    pub class: String,
+    pub capacity: u64,
+    pub alloc: u64,
+    pub ashift: u32,
+    pub metaslab_size: u64,
+    pub metaslab_count: u32,
+    pub children: u32,
+    pub parity: u32,
+    pub rotational: bool,
+    pub health: String,
+    pub online: bool,
+    pub embedded_log_metaslab: Option<u32>,
+    pub last_report_age_ms: u64,
+    pub latency_p50_us: u64,
+    pub latency_p99_us: u64,
+    pub device_queue_ios: u32,
+    pub device_queue_bytes: u64,
+    pub bytes_written: u64,
+    pub bytes_read: u64,
+}
+
+impl From<&PoolStatus> for PoolJson {
+    fn from(st: &PoolStatus) -> Self {
+        let size: u64 = st.vdevs.iter().map(|v| v.capacity).sum();
+        let alloc: u64 = st.vdevs.iter().map(|v| v.alloc).sum();
+        PoolJson {
+            name: st.name.clone(),
+            guid: st.guid,
+            open_txg: st.open_txg,
+            synced_txg: st.synced_txg,
+            throttle_policy: st.throttle_policy.clone(),
+            slop_space: st.slop_space,
+            time_ms: st.time_ms,
+            size,
+            alloc,
+            free: size.saturating_sub(alloc),
+            classes: st.classes.iter().map(|c| class_json(st, c)).collect(),
+            vdevs: st.vdevs.iter().map(vdev_json).collect(),
+        }
+    }
+}
+
+fn class_json(st: &PoolStatus, c: &ClassStatus) -> ClassJson {
+    ClassJson {
+        name: c.name.clone(),
+        space: c.space,
+        alloc: c.alloc,
+        free: c.space.saturating_sub(c.alloc),
+        reserved: c.reserved,
+        alloc_max: c.alloc_max,
+        alloc_io_size: c.alloc_io_size,
+        busy: c.busy,
+        waiting: c.waiting,
+        waiting_bytes: c.waiting_bytes,
+        throttle_enabled: c.throttle_enabled,
+        fragmentation: c.fragmentation,
+        groups: c.groups.iter().map(|g| group_json(st, g)).collect(),
+    }
+}
+
+fn group_json(st: &PoolStatus, g: &GroupStatus) -> GroupJson {
+    let v = vdev_of(st, g.vdev);
+    GroupJson {
+        vdev: g.vdev,
+        name: v.map(|v| v.name.clone()).unwrap_or_default(),
+        capacity: g.capacity,
+        alloc: g.alloc,
+        free: g.capacity.saturating_sub(g.alloc),
+        free_fraction: g.free_fraction,
+        children: g.children,
+        parity: g.parity,
+        aliquot: g.aliquot,
+        queue_target: g.queue_target,
+        queue_depth: g.queue_depth,
+        fragmentation: g.fragmentation,
+        health: health_name(g.health, v.map(|v| v.online).unwrap_or(true)).to_string(),
+        allocatable: g.allocatable,
+        embedded_log_metaslab: v.and_then(|v| v.embedded_log_metaslab),
+    }
+}
+
+fn vdev_json(v: &VdevStatus) -> VdevJson {
+    let r = v.last_report.clone().unwrap_or_default();
+    VdevJson {
+        vdev: v.vdev,
+        guid: v.guid,
+        name: v.name.clone(),
+        endpoint: v.endpoint.clone(),
+        class: v.class.clone(),
+        capacity: v.capacity,
+        alloc: v.alloc,
+        ashift: v.ashift,
+        metaslab_size: v.metaslab_size,
+        metaslab_count: v.metaslab_count,
+        children: v.children,
+        parity: v.parity,
+        rotational: v.rotational,
+        health: health_name(v.health, v.online).to_string(),
+        online: v.online,
+        embedded_log_metaslab: v.embedded_log_metaslab,
+        last_report_age_ms: v.last_report_age_ms,
+        latency_p50_us: r.latency_p50_us,
+        latency_p99_us: r.latency_p99_us,
+        device_queue_ios: r.queue_depth_ios,
+        device_queue_bytes: r.queue_depth_bytes,
+        bytes_written: r.bytes_written,
+        bytes_read: r.bytes_read,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+    const MIB: u64 = 1 << 20;
+
+    fn group(vdev: u32, cap: u64, alloc: u64) -> GroupStatus {
+        GroupStatus {
+            vdev,
+            capacity: cap,
+            alloc,
+            children: 1,
+            parity: 0,
+            aliquot: 2 * MIB,
+            queue_target: 4 * MIB,
+            queue_depth: MIB,
+            fragmentation: 3,
+            health: VdevHealth::Healthy as i32,
+            free_fraction: 1.0 - alloc as f64 / cap as f64,
+            allocatable: true,
+        }
+    }
+
+    fn sample() -> PoolStatus {
+        let vdev = |id: u32, name: &str, cap: u64, alloc: u64, online: bool| VdevStatus {
+            vdev: id,
+            guid: 0xabc + id as u64,
+            name: name.into(),
+            endpoint: format!("http://127.0.0.1:{}", 7001 + id),
+            capacity: cap,
+            ashift: 12,
+            metaslab_size: 128 * MIB,
+            metaslab_count: (cap / (128 * MIB)) as u32,
+            children: 1,
+            parity: 0,
+            rotational: false,
+            class: "normal".into(),
+            health: VdevHealth::Healthy as i32,
+            online,
+            embedded_log_metaslab: if id == 2 { Some(5) } else { None },
+            alloc,
+            last_report: None,
+            last_report_age_ms: 300,
+        };
+        let groups = vec![
+            group(0, GIB, 100 * MIB),
+            group(1, 2 * GIB, 200 * MIB),
+            group(2, 4 * GIB, 400 * MIB),
+        ];
+        PoolStatus {
+            name: "aliquot".into(),
+            guid: 0x1234,
+            open_txg: 42,
+            synced_txg: 41,
+            throttle_policy: "unified".into(),
+            classes: vec![
+                ClassStatus {
+                    name: "normal".into(),
+                    space: 7 * GIB,
+                    alloc: 700 * MIB,
+                    reserved: 3 * MIB,
+                    alloc_max: 24 * MIB,
+                    alloc_io_size: MIB,
+                    busy: true,
+                    waiting: 2,
+                    waiting_bytes: 2 * MIB,
+                    throttle_enabled: true,
+                    groups,
+                    fragmentation: 3,
+                },
+                ClassStatus {
+                    name: "log".into(),
+                    fragmentation: -1,
+                    ..Default::default()
+                },
+            ],
+            vdevs: vec![
+                vdev(0, "file0", GIB, 100 * MIB, true),
+                vdev(1, "file1", 2 * GIB, 200 * MIB, false),
+                vdev(2, "file2", 4 * GIB, 400 * MIB, true),
+            ],
+            slop_space: 224 * MIB,
+            time_ms: 1,
+        }
+    }
+
+    #[test]
+    fn table_header_and_rows() {
+        let t = render_table(&sample());
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(
+            lines[0],
+            "pool aliquot  guid 0000000000001234  txg 42 (synced 41)  throttle unified  slop 224M"
+        );
+        let header: Vec<&str> = lines[2].split_whitespace().collect();
+        assert_eq!(header, VDEV_HEADER);
+        let pool: Vec<&str> = lines[3].split_whitespace().collect();
+        assert_eq!(pool[..5], ["aliquot", "7.00G", "700M", "6.32G", "9%"]);
+        let class: Vec<&str> = lines[4].split_whitespace().collect();
+        assert_eq!(class[0], "normal");
+        assert!(lines[5].starts_with("    file0 (0)"), "{}", lines[5]);
+        let f1: Vec<&str> = lines[6].split_whitespace().collect();
+        assert_eq!(
+            f1[..7],
+            ["file1", "(1)", "2.00G", "200M", "1.80G", "9%", "3%"]
+        );
+        assert_eq!(f1[7], "OFFLINE");
+        let f2: Vec<&str> = lines[7].split_whitespace().collect();
+        assert_eq!(
+            f2[7..],
+            ["HEALTHY", "1.00M", "4.00M", "2.00M", "ms", "5", "yes"]
+        );
+        // The empty log class has no vdev rows but does have a throttle row.
+        let chead = lines.iter().position(|l| l.starts_with("CLASS")).unwrap();
+        let ch: Vec<&str> = lines[chead].split_whitespace().collect();
+        assert_eq!(ch, CLASS_HEADER);
+        let normal: Vec<&str> = lines[chead + 1].split_whitespace().collect();
+        assert_eq!(
+            normal,
+            [
+                "normal", "24.0M", "3.00M", "yes", "2", "(2.00M)", "1.00M", "on", "12%"
+            ]
+        );
+        assert!(lines[chead + 2].starts_with("log"));
+        // Columns line up: every vdev row is right-aligned to the header's end.
+        let width = lines[2].len();
+        for l in &lines[3..chead - 1] {
+            assert_eq!(l.len(), width, "{l:?}");
+        }
+    }
+
+    #[test]
+    fn json_keys_and_sums() {
+        let v = serde_json::to_value(PoolJson::from(&sample())).unwrap();
+        let c = &v["classes"][0];
+        for k in [
+            "name",
+            "space",
+            "alloc",
+            "reserved",
+            "alloc_max",
+            "alloc_io_size",
+            "busy",
+            "groups",
+        ] {
+            assert!(c.get(k).is_some(), "class key {k}");
+        }
+        let g = &c["groups"][2];
+        for k in [
+            "vdev",
+            "capacity",
+            "alloc",
+            "children",
+            "parity",
+            "aliquot",
+            "queue_target",
+            "queue_depth",
+            "fragmentation",
+            "health",
+        ] {
+            assert!(g.get(k).is_some(), "group key {k}");
+        }
+        assert_eq!(g["embedded_log_metaslab"], 5);
+        assert_eq!(c["groups"][1]["health"], "offline");
+        let sum: u64 = c["groups"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|g| g["alloc"].as_u64().unwrap())
+            .sum();
+        assert_eq!(sum, c["alloc"].as_u64().unwrap());
+        assert_eq!(v["alloc"], 700 * MIB);
+    }
+}

@@ -1,0 +1,738 @@
+//! `aliquotctl write`: a load generator that does the whole write path.
+//! Per block: Allocate (unary, or pipelined over AllocateStream), write the
+//! block's pattern to every extent's agent, Commit. At the end: Flush every
+//! agent used and SyncTxg, so the figures are for durable data; `--verify`
+//! then reads every copy back. Each block is one `aliquotctl.write` root
+//! span, the parent of the allocator's and the agents' server spans.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use aliquot_proto::v1::stream_reply::Result as StreamResult;
+use aliquot_proto::v1::stream_request::Op;
+use aliquot_proto::v1::{
+    AbortRequest, AllocateReply, AllocateRequest, AllocationClass, CommitReply, CommitRequest,
+    Extent, FlushRequest, FreeRequest, LogTier, ReadRequest, StreamReply, StreamRequest,
+    SyncTxgRequest, WriteRequest,
+};
+use hdrhistogram::Histogram;
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use serde::Serialize;
+use tokio::sync::{mpsc, oneshot};
+use tracing::Instrument;
+
+use crate::client::{self, Agents, Allocator, AllocatorArgs};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ClassArg {
+    Data,
+    Log,
+}
+
+/// How allocations and commits reach the allocator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Api {
+    /// One Allocate and one Commit RPC per block (trace context per block).
+    Unary,
+    /// One AllocateStream per worker, requests pipelined by id.
+    Stream,
+}
+
+#[derive(Clone, Debug, clap::Args)]
+pub struct WriteArgs {
+    #[command(flatten)]
+    pub conn: AllocatorArgs,
+    /// Bytes to write in all (rounded up to whole blocks).
+    #[arg(long, env = "ALIQUOT_WRITE_TOTAL", value_parser = units::size_arg, default_value = "256MiB")]
+    pub total: u64,
+    /// Size of each allocation and write, 1 B ..= 16 MiB.
+    #[arg(long, env = "ALIQUOT_WRITE_BLOCK_SIZE", value_parser = units::size_arg, default_value = "1MiB")]
+    pub block_size: u64,
+    /// Blocks in flight at once.
+    #[arg(long, env = "ALIQUOT_WRITE_CONCURRENCY", default_value_t = 16,
+          value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub concurrency: u32,
+    /// Cap on the offered load, e.g. 200MiB/s (default: as fast as the pool goes).
+    #[arg(long, env = "ALIQUOT_WRITE_RATE", value_parser = units::rate_arg)]
+    pub rate: Option<f64>,
+    /// Allocation class: data (throttled) or log (intent-log blocks, never throttled).
+    #[arg(long, value_enum, default_value_t = ClassArg::Data)]
+    pub class: ClassArg,
+    /// Copies of each block, each on a different vdev.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=3))]
+    pub copies: u32,
+    /// Read every copy back and compare it with what was written.
+    #[arg(long)]
+    pub verify: bool,
+    /// Free every block at the end (the space is reusable after 2 synced txgs).
+    #[arg(long)]
+    pub free: bool,
+    #[arg(long, value_enum, default_value_t = Api::Unary)]
+    pub api: Api,
+    /// Lease of each allocation (default: the allocator's).
+    #[arg(long, value_parser = units::duration_arg)]
+    pub lease: Option<Duration>,
+    /// Skip the final agent Flush and SyncTxg.
+    #[arg(long)]
+    pub no_sync: bool,
+    /// Print the report as JSON on stdout.
+    #[arg(long)]
+    pub json: bool,
+    /// No progress bar (it is also hidden when stderr is not a terminal).
+    #[arg(long)]
+    pub no_progress: bool,
+}
+
+impl WriteArgs {
+    /// The defaults, aimed at `allocator` (for `demo` and tests).
+    pub fn new(allocator: &str) -> WriteArgs {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct P {
+            #[command(flatten)]
+            w: WriteArgs,
+        }
+        let mut w = P::parse_from(["write"]).w;
+        w.conn.allocator = allocator.to_string();
+        w
+    }
+}
+
+#[derive(Debug, Serialize, Clone, Copy, Default)]
+pub struct Latency {
+    pub count: u64,
+    pub p50_us: u64,
+    pub p99_us: u64,
+    pub max_us: u64,
+    pub mean_us: f64,
+}
+
+impl Latency {
+    fn of(h: &Histogram<u64>) -> Latency {
+        Latency {
+            count: h.len(),
+            p50_us: h.value_at_quantile(0.50),
+            p99_us: h.value_at_quantile(0.99),
+            max_us: h.max(),
+            mean_us: h.mean(),
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub struct WriteReport {
+    pub blocks: u64,
+    pub block_size: u64,
+    pub copies: u32,
+    pub class: ClassArg,
+    pub api: Api,
+    /// Bytes the client wrote (block bytes × copies).
+    pub bytes: u64,
+    /// From the first Allocate to the last Commit.
+    pub write_secs: f64,
+    /// Final Flush of the agents + SyncTxg.
+    pub sync_secs: f64,
+    /// bytes / (write_secs + sync_secs): durable throughput.
+    pub bytes_per_sec: f64,
+    pub allocate: Latency,
+    pub write: Latency,
+    pub commit: Latency,
+    pub throttle_wait: Latency,
+    /// Bytes placed per vdev id.
+    pub vdev_bytes: BTreeMap<u32, u64>,
+    /// LOG allocations by the tier that served them.
+    pub tiers: BTreeMap<String, u64>,
+    pub synced_txg: Option<u64>,
+    pub verified_blocks: u64,
+    pub freed_blocks: u64,
+}
+
+/// What a block went to, for verify and free.
+#[derive(Clone, Debug)]
+struct Placed {
+    block: u64,
+    extents: Vec<Extent>,
+    endpoints: Vec<String>,
+}
+
+fn hist() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 600_000_000, 3).expect("histogram bounds")
+}
+
+fn micros(d: Duration) -> u64 {
+    (d.as_micros() as u64).max(1)
+}
+
+/// Allocate/commit, unary or over a pipelined stream.
+#[derive(Clone)]
+enum Ops {
+    Unary(Allocator),
+    Stream(Arc<StreamOps>),
+}
+
+struct StreamOps {
+    tx: mpsc::Sender<StreamRequest>,
+    pending: Arc<std::sync::Mutex<HashMap<u64, oneshot::Sender<StreamReply>>>>,
+    next: AtomicU64,
+}
+
+impl StreamOps {
+    async fn open(mut c: Allocator) -> anyhow::Result<StreamOps> {
+        let (tx, rx) = mpsc::channel::<StreamRequest>(1024);
+        let mut replies = c
+            .allocate_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .map_err(|s| client::status_msg("allocate stream", &s))?
+            .into_inner();
+        let pending: Arc<std::sync::Mutex<HashMap<u64, oneshot::Sender<StreamReply>>>> =
+            Default::default();
+        let p = pending.clone();
+        tokio::spawn(async move {
+            loop {
+                match replies.message().await {
+                    Ok(Some(r)) => {
+                        if let Some(w) = p.lock().expect("pending lock").remove(&r.request_id) {
+                            let _ = w.send(r);
+                        }
+                    }
+                    Ok(None) | Err(_) => break,
+                }
+            }
+            // Dropping the senders fails every request still waiting.
+            p.lock().expect("pending lock").clear();
+        });
+        Ok(StreamOps {
+            tx,
+            pending,
+            next: AtomicU64::new(1),
+        })
+    }
+
+    async fn call(&self, op: Op) -> Result<StreamResult, tonic::Status> {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let (w, r) = oneshot::channel();
+        self.pending.lock().expect("pending lock").insert(id, w);
+        self.tx
+            .send(StreamRequest {
+                request_id: id,
+                op: Some(op),
+            })
+            .await
+            .map_err(|_| tonic::Status::unavailable("allocate stream closed"))?;
+        let reply = r
+            .await
+            .map_err(|_| tonic::Status::unavailable("allocate stream closed by the allocator"))?;
+        match reply.result {
+            Some(StreamResult::Error(e)) => {
+                Err(tonic::Status::new(tonic::Code::from_i32(e.code), e.message))
+            }
+            Some(r) => Ok(r),
+            None => Err(tonic::Status::internal("empty stream reply")),
+        }
+    }
+}
+
+impl Ops {
+    async fn allocate(&self, req: AllocateRequest) -> Result<AllocateReply, tonic::Status> {
+        match self {
+            Ops::Unary(c) => Ok(c.clone().allocate(req).await?.into_inner()),
+            Ops::Stream(s) => match s.call(Op::Allocate(req)).await? {
+                StreamResult::Allocate(a) => Ok(a),
+                _ => Err(tonic::Status::internal(
+                    "allocate stream: reply of the wrong kind",
+                )),
+            },
+        }
+    }
+
+    async fn commit(&self, id: u64) -> Result<CommitReply, tonic::Status> {
+        let req = CommitRequest {
+            allocation_ids: vec![id],
+            wait_synced: false,
+        };
+        match self {
+            Ops::Unary(c) => Ok(c.clone().commit(req).await?.into_inner()),
+            Ops::Stream(s) => match s.call(Op::Commit(req)).await? {
+                StreamResult::Commit(r) => Ok(r),
+                _ => Err(tonic::Status::internal(
+                    "allocate stream: reply of the wrong kind",
+                )),
+            },
+        }
+    }
+
+    async fn abort(&self, id: u64) {
+        let req = AbortRequest {
+            allocation_ids: vec![id],
+        };
+        let _ = match self {
+            Ops::Unary(c) => c.clone().abort(req).await.map(|_| ()),
+            Ops::Stream(s) => s.call(Op::Abort(req)).await.map(|_| ()),
+        };
+    }
+}
+
+struct WorkerOut {
+    allocate: Histogram<u64>,
+    write: Histogram<u64>,
+    commit: Histogram<u64>,
+    wait: Histogram<u64>,
+    vdev_bytes: HashMap<u32, u64>,
+    tiers: HashMap<i32, u64>,
+    placed: Vec<Placed>,
+}
+
+struct Shared {
+    args: WriteArgs,
+    blocks: u64,
+    next: AtomicU64,
+    stop: AtomicBool,
+    nonce: u64,
+    start: Instant,
+    agents: Agents,
+    bar: ProgressBar,
+}
+
+/// Run the workload and return its figures (no printing but the bar).
+pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
+    if args.block_size == 0 || args.block_size > 16 << 20 {
+        anyhow::bail!(
+            "--block-size {} is out of range: 1 B ..= 16 MiB",
+            units::format_bytes(args.block_size)
+        );
+    }
+    if args.total == 0 {
+        anyhow::bail!("--total must be more than 0");
+    }
+    let blocks = args.total.div_ceil(args.block_size);
+    let alloc = client::allocator(&args.conn.allocator).await?;
+    let bar = if args.no_progress || args.json {
+        ProgressBar::hidden()
+    } else {
+        let b = ProgressBar::with_draw_target(
+            Some(blocks * args.block_size * args.copies as u64),
+            ProgressDrawTarget::stderr(),
+        );
+        b.set_style(
+            ProgressStyle::with_template(
+                "{spinner} [{elapsed_precise}] {wide_bar} {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
+            )
+            .expect("progress template"),
+        );
+        b
+    };
+    let shared = Arc::new(Shared {
+        args: args.clone(),
+        blocks,
+        next: AtomicU64::new(0),
+        stop: AtomicBool::new(false),
+        nonce: rand::random(),
+        start: Instant::now(),
+        agents: Agents::default(),
+        bar,
+    });
+    let mut tasks = Vec::new();
+    // A stream per 8 workers: enough pipelining, without one HTTP/2 stream
+    // becoming the bottleneck.
+    let mut stream: Option<Ops> = None;
+    for w in 0..args.concurrency {
+        let ops = match args.api {
+            Api::Unary => Ops::Unary(alloc.clone()),
+            Api::Stream => {
+                if w % 8 == 0 || stream.is_none() {
+                    stream = Some(Ops::Stream(Arc::new(StreamOps::open(alloc.clone()).await?)));
+                }
+                stream.clone().expect("stream opened")
+            }
+        };
+        tasks.push(tokio::spawn(worker(shared.clone(), ops)));
+    }
+    let mut outs = Vec::new();
+    let mut first_err = None;
+    for t in tasks {
+        match t.await {
+            Ok(Ok(o)) => outs.push(o),
+            Ok(Err(e)) => {
+                first_err.get_or_insert(e);
+            }
+            Err(e) => {
+                first_err.get_or_insert(anyhow::anyhow!("write worker failed: {e}"));
+            }
+        }
+    }
+    shared.bar.finish_and_clear();
+    if let Some(e) = first_err {
+        return Err(e);
+    }
+    let write_secs = shared.start.elapsed().as_secs_f64();
+
+    let mut allocate = hist();
+    let mut writeh = hist();
+    let mut commit = hist();
+    let mut wait = hist();
+    let mut vdev_bytes = BTreeMap::new();
+    let mut tiers = BTreeMap::new();
+    let mut placed = Vec::new();
+    for o in outs {
+        allocate.add(&o.allocate).expect("same bounds");
+        writeh.add(&o.write).expect("same bounds");
+        commit.add(&o.commit).expect("same bounds");
+        wait.add(&o.wait).expect("same bounds");
+        for (v, b) in o.vdev_bytes {
+            *vdev_bytes.entry(v).or_insert(0) += b;
+        }
+        for (t, n) in o.tiers {
+            let name = LogTier::try_from(t)
+                .map(|t| {
+                    t.as_str_name()
+                        .trim_start_matches("LOG_TIER_")
+                        .to_lowercase()
+                })
+                .unwrap_or_else(|_| format!("tier {t}"));
+            *tiers.entry(name).or_insert(0) += n;
+        }
+        placed.extend(o.placed);
+    }
+
+    // Durable: data on stable storage at every agent, then the txg synced.
+    let t_sync = Instant::now();
+    let mut synced_txg = None;
+    if !args.no_sync {
+        let mut flushes = Vec::new();
+        for ep in shared.agents.endpoints() {
+            let agents = shared.agents.clone();
+            flushes.push(async move {
+                let mut c = agents.get(&ep).await?;
+                c.flush(FlushRequest {})
+                    .await
+                    .map_err(|s| client::status_msg(&format!("flush {ep}"), &s))?;
+                anyhow::Ok(())
+            });
+        }
+        for r in futures_util::future::join_all(flushes).await {
+            r?;
+        }
+        let r = alloc
+            .clone()
+            .sync_txg(SyncTxgRequest { txg: 0 })
+            .await
+            .map_err(|s| client::status_msg("sync txg", &s))?;
+        synced_txg = Some(r.into_inner().synced_txg);
+    }
+    let sync_secs = t_sync.elapsed().as_secs_f64();
+
+    let bytes = placed.len() as u64 * args.block_size * args.copies as u64;
+    let mut verified_blocks = 0;
+    if args.verify {
+        verified_blocks = verify(&shared, &placed).await?;
+    }
+    let mut freed_blocks = 0;
+    if args.free {
+        let mut c = alloc.clone();
+        for chunk in placed.chunks(1024) {
+            let extents = chunk
+                .iter()
+                .flat_map(|p| p.extents.iter().cloned())
+                .collect();
+            c.free(FreeRequest { extents })
+                .await
+                .map_err(|s| client::status_msg("free", &s))?;
+            freed_blocks += chunk.len() as u64;
+        }
+    }
+    Ok(WriteReport {
+        blocks: placed.len() as u64,
+        block_size: args.block_size,
+        copies: args.copies,
+        class: args.class,
+        api: args.api,
+        bytes,
+        write_secs,
+        sync_secs,
+        bytes_per_sec: bytes as f64 / (write_secs + sync_secs).max(1e-9),
+        allocate: Latency::of(&allocate),
+        write: Latency::of(&writeh),
+        commit: Latency::of(&commit),
+        throttle_wait: Latency::of(&wait),
+        vdev_bytes,
+        tiers,
+        synced_txg,
+        verified_blocks,
+        freed_blocks,
+    })
+}
+
+async fn worker(sh: Arc<Shared>, ops: Ops) -> anyhow::Result<WorkerOut> {
+    let mut out = WorkerOut {
+        allocate: hist(),
+        write: hist(),
+        commit: hist(),
+        wait: hist(),
+        vdev_bytes: HashMap::new(),
+        tiers: HashMap::new(),
+        placed: Vec::new(),
+    };
+    let a = &sh.args;
+    let class = match a.class {
+        ClassArg::Data => AllocationClass::Data,
+        ClassArg::Log => AllocationClass::Log,
+    };
+    let lease_ms = a
+        .lease
+        .map(|d| d.as_millis().clamp(1, u32::MAX as u128) as u32)
+        .unwrap_or(0);
+    loop {
+        if sh.stop.load(Ordering::Relaxed) {
+            break;
+        }
+        let block = sh.next.fetch_add(1, Ordering::Relaxed);
+        if block >= sh.blocks {
+            break;
+        }
+        if let Some(rate) = a.rate {
+            // Block n is due when n blocks' bytes have been offered at `rate`.
+            let due = sh.start + Duration::from_secs_f64(block as f64 * a.block_size as f64 / rate);
+            tokio::time::sleep_until(due.into()).await;
+        }
+        let span = tracing::info_span!(
+            "aliquotctl.write",
+            block,
+            size = a.block_size,
+            copies = a.copies,
+            class = ?a.class,
+            allocation = tracing::field::Empty,
+            txg = tracing::field::Empty,
+        );
+        let r = one_block(&sh, &ops, &mut out, block, class, lease_ms)
+            .instrument(span)
+            .await;
+        if let Err(e) = r {
+            sh.stop.store(true, Ordering::Relaxed);
+            return Err(e);
+        }
+        sh.bar.inc(a.block_size * a.copies as u64);
+    }
+    Ok(out)
+}
+
+async fn one_block(
+    sh: &Shared,
+    ops: &Ops,
+    out: &mut WorkerOut,
+    block: u64,
+    class: AllocationClass,
+    lease_ms: u32,
+) -> anyhow::Result<()> {
+    let a = &sh.args;
+    let t0 = Instant::now();
+    let reply = ops
+        .allocate(AllocateRequest {
+            class: class as i32,
+            size: a.block_size,
+            copies: a.copies,
+            lease_ms,
+        })
+        .await
+        .map_err(|s| client::status_msg(&format!("allocate block {block}"), &s))?;
+    out.allocate.saturating_record(micros(t0.elapsed()));
+    out.wait.saturating_record(reply.throttle_wait_us.max(1));
+    tracing::Span::current().record("allocation", reply.allocation_id);
+    if reply.extents.len() != reply.endpoints.len() || reply.extents.is_empty() {
+        ops.abort(reply.allocation_id).await;
+        anyhow::bail!(
+            "allocate block {block}: the reply has {} extents but {} endpoints",
+            reply.extents.len(),
+            reply.endpoints.len()
+        );
+    }
+    if class == AllocationClass::Log {
+        *out.tiers.entry(reply.tier).or_insert(0) += 1;
+    }
+
+    let t1 = Instant::now();
+    let len = reply.extents.iter().map(|e| e.size).max().unwrap_or(0) as usize;
+    let data = pattern_for(sh.nonce, block, len);
+    let mut writes = Vec::with_capacity(reply.extents.len());
+    for (e, ep) in reply.extents.iter().zip(&reply.endpoints) {
+        let agents = sh.agents.clone();
+        let buf = data[..e.size as usize].to_vec();
+        let (offset, vdev) = (e.offset, e.vdev);
+        writes.push(async move {
+            let mut c = agents.get(ep).await?;
+            c.write(WriteRequest { offset, data: buf })
+                .await
+                .map_err(|s| {
+                    client::status_msg(
+                        &format!("write block {block} to vdev {vdev} at {offset}"),
+                        &s,
+                    )
+                })?;
+            anyhow::Ok(())
+        });
+    }
+    let results = futures_util::future::join_all(writes).await;
+    if let Some(Err(e)) = results.into_iter().find(|r| r.is_err()) {
+        // Never written: give the space back now rather than at the lease.
+        ops.abort(reply.allocation_id).await;
+        return Err(e);
+    }
+    out.write.saturating_record(micros(t1.elapsed()));
+
+    let t2 = Instant::now();
+    let c = ops
+        .commit(reply.allocation_id)
+        .await
+        .map_err(|s| client::status_msg(&format!("commit block {block}"), &s))?;
+    out.commit.saturating_record(micros(t2.elapsed()));
+    tracing::Span::current().record("txg", c.txg);
+
+    for e in &reply.extents {
+        *out.vdev_bytes.entry(e.vdev).or_insert(0) += e.size;
+    }
+    out.placed.push(Placed {
+        block,
+        extents: reply.extents,
+        endpoints: reply.endpoints,
+    });
+    Ok(())
+}
+
+/// The block's pattern; the allocated size may exceed the block (ashift
+/// rounding), and the whole extent is written so reads compare whole.
+fn pattern_for(nonce: u64, block: u64, len: usize) -> Vec<u8> {
+    crate::pattern::make(len, nonce, block)
+}
+
+async fn verify(sh: &Arc<Shared>, placed: &[Placed]) -> anyhow::Result<u64> {
+    let next = Arc::new(AtomicU64::new(0));
+    let placed: Arc<Vec<Placed>> = Arc::new(placed.to_vec());
+    let mut tasks = Vec::new();
+    for _ in 0..sh.args.concurrency.min(64) {
+        let (sh, next, placed) = (sh.clone(), next.clone(), placed.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut n = 0u64;
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed) as usize;
+                let Some(p) = placed.get(i) else { break };
+                for (e, ep) in p.extents.iter().zip(&p.endpoints) {
+                    let mut c = sh.agents.get(ep).await?;
+                    let data = c
+                        .read(ReadRequest {
+                            offset: e.offset,
+                            size: e.size,
+                        })
+                        .await
+                        .map_err(|s| {
+                            client::status_msg(
+                                &format!("read block {} from vdev {}", p.block, e.vdev),
+                                &s,
+                            )
+                        })?
+                        .into_inner()
+                        .data;
+                    if data.len() as u64 != e.size {
+                        anyhow::bail!(
+                            "verify: block {} on vdev {} at offset {}: read {} bytes, expected {}",
+                            p.block,
+                            e.vdev,
+                            e.offset,
+                            data.len(),
+                            e.size
+                        );
+                    }
+                    if let Some(at) = crate::pattern::first_mismatch(&data, sh.nonce, p.block) {
+                        anyhow::bail!(
+                            "verify: block {} on vdev {} at offset {}: data differs at byte {at}",
+                            p.block,
+                            e.vdev,
+                            e.offset
+                        );
+                    }
+                }
+                n += 1;
+            }
+            anyhow::Ok(n)
+        }));
+    }
+    let mut total = 0;
+    for t in tasks {
+        total += t
+            .await
+            .map_err(|e| anyhow::anyhow!("verify worker failed: {e}"))??;
+    }
+    Ok(total)
+}
+
+/// `aliquotctl write`: run and print the report.
+pub async fn run(args: WriteArgs) -> anyhow::Result<()> {
+    let r = write(&args).await?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+    } else {
+        print!("{}", render(&r));
+    }
+    Ok(())
+}
+
+pub fn render(r: &WriteReport) -> String {
+    use std::fmt::Write as _;
+    let mut s = String::new();
+    let total = r.write_secs + r.sync_secs;
+    let _ = writeln!(
+        s,
+        "wrote {} in {} blocks of {} ({} cop{}, {:?}, {:?} api) in {:.2} s (+ {:.2} s flush and txg sync): {}",
+        units::format_bytes(r.bytes),
+        r.blocks,
+        units::format_bytes(r.block_size),
+        r.copies,
+        if r.copies == 1 { "y" } else { "ies" },
+        r.class,
+        r.api,
+        r.write_secs,
+        r.sync_secs,
+        units::format_rate(r.bytes as f64 / total.max(1e-9)),
+    );
+    let _ = writeln!(
+        s,
+        "{:<14} {:>10} {:>10} {:>10} {:>10}",
+        "latency (us)", "p50", "p99", "max", "count"
+    );
+    for (name, l) in [
+        ("allocate", r.allocate),
+        ("throttle wait", r.throttle_wait),
+        ("write", r.write),
+        ("commit", r.commit),
+    ] {
+        let _ = writeln!(
+            s,
+            "{name:<14} {:>10} {:>10} {:>10} {:>10}",
+            l.p50_us, l.p99_us, l.max_us, l.count
+        );
+    }
+    let _ = write!(s, "placed per vdev:");
+    for (v, b) in &r.vdev_bytes {
+        let _ = write!(s, "  vdev {v} {}", units::format_bytes_short(*b));
+    }
+    s.push('\n');
+    if !r.tiers.is_empty() {
+        let _ = write!(s, "log tiers:");
+        for (t, n) in &r.tiers {
+            let _ = write!(s, "  {t} {n}");
+        }
+        s.push('\n');
+    }
+    if let Some(t) = r.synced_txg {
+        let _ = writeln!(s, "durable: agents flushed, txg {t} synced");
+    }
+    if r.verified_blocks > 0 {
+        let _ = writeln!(s, "verified: {} blocks read back intact", r.verified_blocks);
+    }
+    if r.freed_blocks > 0 {
+        let _ = writeln!(s, "freed: {} blocks", r.freed_blocks);
+    }
+    s
+}

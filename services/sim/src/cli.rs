@@ -1,0 +1,235 @@
+//! The `aliquot-sim` command line: `run`, `check`, `list` and `tunables`.
+//! Exit codes: 0 ok, 1 a run failed, 2 bad usage or a bad scenario.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use clap::{Parser, Subcommand};
+use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+
+use crate::scenario::{self, Scenario, ScenarioError};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "aliquot-sim",
+    version,
+    about = "Simulate a pool of mixed devices filling under crates/metaslab, in virtual time",
+    long_about = "Simulate a pool of mixed devices filling under crates/metaslab, in virtual time.\n\n\
+        A scenario (TOML) names the vdevs, the write load, events (vdev adds, load start/stop), \
+        tunables and the throttle policies to compare; `run` simulates every policy × block size × \
+        variant and writes summary.json, timeseries.csv and SVG charts. See services/sim/README.md \
+        for the scenario keys."
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run every policy (× block size × variant) of a scenario and write the results.
+    Run {
+        /// The scenario file.
+        scenario: PathBuf,
+        /// Output directory (created): summary.json, timeseries.csv, *.svg.
+        #[arg(long, env = "ALIQUOT_SIM_OUT")]
+        out: PathBuf,
+        /// Runs simulated at once (default: the number of CPUs).
+        #[arg(long, env = "ALIQUOT_SIM_JOBS")]
+        jobs: Option<usize>,
+        /// Only the runs whose label (e.g. `unified`, `legacy-16K`) contains this.
+        #[arg(long, env = "ALIQUOT_SIM_ONLY")]
+        only: Option<String>,
+        /// No progress bars.
+        #[arg(long, short, env = "ALIQUOT_SIM_QUIET")]
+        quiet: bool,
+    },
+    /// Parse and validate a scenario (tunable names and values included) without running it.
+    Check {
+        scenario: PathBuf,
+    },
+    /// List the scenarios in a directory (default: the shipped ones).
+    List {
+        #[arg(env = "ALIQUOT_SIM_SCENARIOS")]
+        dir: Option<PathBuf>,
+    },
+    /// List the tunables a scenario's [tunables] table accepts.
+    Tunables,
+}
+
+/// Failure of a command, with the exit code it maps to.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    #[error(transparent)]
+    Scenario(#[from] ScenarioError),
+    #[error("{0:#}")]
+    Run(anyhow::Error),
+}
+
+impl CliError {
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            CliError::Scenario(_) => 2,
+            CliError::Run(_) => 1,
+        }
+    }
+}
+
+pub fn default_scenario_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios")
+}
+
+pub fn execute(cli: Cli) -> Result<(), CliError> {
+    match cli.command {
+        Command::Run {
+            scenario,
+            out,
+            jobs,
+            only,
+            quiet,
+        } => {
+            let sc = Scenario::from_file(&scenario)?;
+            let mut runs = sc.runs();
+            if let Some(f) = &only {
+                runs.retain(|r| r.label.contains(f.as_str()));
+                if runs.is_empty() {
+                    return Err(ScenarioError::Invalid {
+                        key: "--only".into(),
+                        reason: format!("no run label contains {f:?}"),
+                    }
+                    .into());
+                }
+            }
+            for r in &runs {
+                crate::build_pool(&sc, r)?;
+            }
+            let jobs = jobs
+                .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+                .max(1);
+            let results = run_many(&sc, &runs, jobs, quiet).map_err(CliError::Run)?;
+            let summary = crate::write_outputs(&out, &sc, &results).map_err(CliError::Run)?;
+            let mut o = std::io::stdout().lock();
+            for r in &summary.runs {
+                let _ = writeln!(
+                    o,
+                    "{:<24} {:>9.1} s  {:>12}  spread max {:>5.1}% final {:>5.1}%  ({})",
+                    r.label,
+                    r.total_time_s,
+                    units::format_rate(r.mean_throughput_bytes_per_s),
+                    r.max_spread * 100.0,
+                    r.final_spread * 100.0,
+                    r.stop_reason
+                );
+                if let Some(l) = &r.log {
+                    let _ = writeln!(
+                        o,
+                        "{:<24} sync writes {:.0}/s, latency mean {:.1} us p99 {:.1} us, txg-wait fallbacks {}, metaslab loads {}",
+                        "", l.sync_writes_per_s, l.latency_mean_us, l.latency_p99_us, l.txg_wait_fallbacks, l.metaslab_loads
+                    );
+                }
+            }
+            let _ = writeln!(o, "wrote {}", out.display());
+            Ok(())
+        }
+        Command::Check { scenario } => {
+            let sc = Scenario::from_file(&scenario)?;
+            for r in sc.runs() {
+                crate::build_pool(&sc, &r)?;
+            }
+            let labels: Vec<String> = sc.runs().into_iter().map(|r| r.label).collect();
+            println!("{}: ok, {} run(s): {}", sc.name, labels.len(), labels.join(", "));
+            Ok(())
+        }
+        Command::List { dir } => {
+            let dir = dir.unwrap_or_else(default_scenario_dir);
+            let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+                .map_err(|source| ScenarioError::Read {
+                    path: dir.display().to_string(),
+                    source,
+                })?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.extension().is_some_and(|x| x == "toml"))
+                .collect();
+            files.sort();
+            for f in files {
+                match Scenario::from_file(&f) {
+                    Ok(sc) => println!(
+                        "{:<40} {} run(s)  {}",
+                        f.file_name().unwrap().to_string_lossy(),
+                        sc.runs().len(),
+                        sc.description.lines().next().unwrap_or("")
+                    ),
+                    Err(e) => println!("{:<40} INVALID: {e}", f.file_name().unwrap().to_string_lossy()),
+                }
+            }
+            Ok(())
+        }
+        Command::Tunables => {
+            for (name, what) in scenario::SIM_TUNABLES {
+                println!("{name:<48} (simulator) {what}");
+            }
+            for (info, value) in metaslab::Tunables::default().list() {
+                println!("{:<48} {value:<12} {}", info.name, info.description);
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Simulate `runs` on up to `jobs` threads; results in `runs` order.
+pub fn run_many(
+    sc: &Scenario,
+    runs: &[crate::RunSpec],
+    jobs: usize,
+    quiet: bool,
+) -> anyhow::Result<Vec<crate::RunResult>> {
+    let multi = MultiProgress::new();
+    if quiet {
+        multi.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let style = ProgressStyle::with_template("{prefix:>24} [{bar:40}] {percent:>3}% {elapsed_precise}")
+        .expect("valid template")
+        .progress_chars("=> ");
+    let bars: Vec<ProgressBar> = runs
+        .iter()
+        .map(|r| {
+            let b = multi.add(ProgressBar::new(1000));
+            b.set_style(style.clone());
+            b.set_prefix(r.label.clone());
+            b
+        })
+        .collect();
+    let next = Mutex::new(0usize);
+    let results: Mutex<Vec<Option<anyhow::Result<crate::RunResult>>>> =
+        Mutex::new((0..runs.len()).map(|_| None).collect());
+    std::thread::scope(|s| {
+        for _ in 0..jobs.min(runs.len()) {
+            s.spawn(|| {
+                loop {
+                    let i = {
+                        let mut n = next.lock().unwrap();
+                        if *n >= runs.len() {
+                            return;
+                        }
+                        *n += 1;
+                        *n - 1
+                    };
+                    let bar = &bars[i];
+                    let r = crate::run_one(sc, &runs[i], &mut |f| {
+                        bar.set_position((f * 1000.0) as u64)
+                    })
+                    .map_err(|e| e.context(format!("run {}", runs[i].label)));
+                    bar.finish();
+                    results.lock().unwrap()[i] = Some(r);
+                }
+            });
+        }
+    });
+    results
+        .into_inner()
+        .unwrap()
+        .into_iter()
+        .map(|r| r.expect("every run ran"))
+        .collect()
+}

@@ -96,7 +96,7 @@ libs_of() {
 if [ "$make_base" = 1 ]; then
     t0=$(date +%s%N)
     rootfs="$work/rootfs"
-    mkdir -p "$rootfs"/{usr/bin,usr/sbin,usr/lib,usr/local/bin,etc,tmp,var/lib/aliquot,root,proc,sys,dev,run}
+    mkdir -p "$rootfs"/{usr/bin,usr/sbin,usr/lib,usr/local/bin,etc,tmp,var/lib,root,proc,sys,dev,run}
     # merged-/usr layout, as on Debian bookworm
     ln -s usr/bin "$rootfs/bin"
     ln -s usr/sbin "$rootfs/sbin"
@@ -159,7 +159,9 @@ EOF
     : >"$rootfs/etc/resolv.conf"
     : >"$rootfs/etc/hostname"
     if [ -r /etc/os-release ]; then cp /etc/os-release "$rootfs/etc/os-release"; fi
-    chown 10001:10001 "$rootfs/var/lib/aliquot"
+    # No /var/lib/aliquot here: the Dockerfile's COPY --chown makes it, and
+    # the classic builder fails ("layer does not exist") on a COPY whose
+    # layer would come out empty.
 
     tar --numeric-owner -C "$rootfs" -cf "$work/rootfs.tar" .
     docker import \
@@ -181,6 +183,11 @@ mkdir -p "$ctx/bin" "$ctx/empty"
 for b in "${bins[@]}"; do cp -L "$b" "$ctx/bin/"; done
 cp "$dockerfile" "$ctx/Dockerfile"
 say "docker build --target prebuilt -t $tag ($(ls "$ctx/bin" | tr '\n' ' '))"
-# The classic builder (no buildx here) prints a deprecation notice; quiet it.
-docker build -q --target prebuilt --build-arg "RUNTIME_BASE=$base" -t "$tag" "$ctx" >/dev/null
+# The classic builder (no buildx here) prints a deprecation notice: show the
+# build's output only when it fails.
+if ! docker build --target prebuilt --build-arg "RUNTIME_BASE=$base" -t "$tag" "$ctx" >"$work/build.log" 2>&1; then
+    cat "$work/build.log" >&2
+    say "docker build failed"
+    exit 1
+fi
 say "built $tag"

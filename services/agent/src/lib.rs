@@ -1,1 +1,160 @@
-//! Per-vdev agent: owns one device (file, block device or simulated), does the data I/O, reports to the allocator.
+//! `aliquot-agent`: one agent per vdev. It owns the device (a file, a block
+//! device or a simulated device), does the data I/O that clients send it over
+//! gRPC (`VdevAgent`: Write, Read, Flush, GetStats, SetTunables) through a
+//! per-device queue that aggregates contiguous writes, and registers with the
+//! allocator, reporting capacity, health, latency and queue depth every second.
+//!
+//! Library first: [`run`] is what `main.rs` and `aliquotctl serve agent`
+//! call; tests use [`Agent::open`] + [`serve`] on a port-0 listener.
+
+pub mod agent;
+pub mod backend;
+pub mod config;
+pub mod error;
+pub mod label;
+pub mod queue;
+pub mod registration;
+pub mod service;
+pub mod sim;
+pub mod stats;
+
+use std::future::Future;
+use std::io::Write as _;
+use std::time::Duration;
+
+use aliquot_proto::v1::vdev_agent_server::VdevAgentServer;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tonic::transport::Server;
+use tonic::transport::server::TcpIncoming;
+
+pub use agent::Agent;
+pub use config::{BackendKind, Config};
+pub use error::AgentError;
+
+/// How long in-flight RPCs get to finish once shutdown is asked for.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(3);
+
+/// Room for a 16 MiB write plus the message framing.
+const MAX_MESSAGE: usize = (agent::MAX_IO as usize) + (64 << 10);
+
+/// Validate, open the device, bind, print `LISTEN grpc <addr>`, serve until
+/// SIGINT/SIGTERM, then flush the device and stop.
+pub async fn run(config: Config) -> anyhow::Result<()> {
+    let agent = Agent::open(&config)?;
+    let listener = TcpListener::bind(config.listen)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot bind --listen {}: {e}", config.listen))?;
+    let addr = listener.local_addr()?;
+    {
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "LISTEN grpc {addr}")?;
+        out.flush()?;
+    }
+    serve(agent, &config, listener, shutdown_signal()).await
+}
+
+/// Serve `agent` on `listener` until `shutdown` resolves; registers with the
+/// allocator if the config names one. Flushes and stops the device at the end.
+pub async fn serve(
+    agent: Agent,
+    config: &Config,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send,
+) -> anyhow::Result<()> {
+    let addr = listener.local_addr()?;
+    let endpoint = config
+        .advertise
+        .clone()
+        .unwrap_or_else(|| format!("http://{addr}"));
+    tracing::info!(%addr, endpoint = %endpoint, "serving vdev agent");
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut tasks = Vec::new();
+    {
+        // The latency percentiles cover the last report interval.
+        let agent = agent.clone();
+        let mut stop = stop_rx.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            tick.tick().await;
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => agent.rotate_interval(),
+                    _ = stop.wait_for(|s| *s) => return,
+                }
+            }
+        }));
+    }
+    if config.registers() {
+        tasks.push(tokio::spawn(registration::run(
+            agent.clone(),
+            config.allocator.clone(),
+            endpoint,
+            stop_rx.clone(),
+        )));
+    } else {
+        tracing::info!("--allocator none: not registering");
+    }
+
+    let (health_reporter, health) = tonic_health::server::health_reporter();
+    health_reporter
+        .set_serving::<VdevAgentServer<service::VdevAgentService>>()
+        .await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(aliquot_proto::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()?;
+    let svc = VdevAgentServer::new(service::VdevAgentService::new(agent.clone()))
+        .max_decoding_message_size(MAX_MESSAGE)
+        .max_encoding_message_size(MAX_MESSAGE);
+
+    // Graceful stop, bounded: an idle client that never closes its
+    // connection must not keep the agent (and its device) alive.
+    let (signalled_tx, signalled_rx) = tokio::sync::oneshot::channel::<()>();
+    let shutdown = async move {
+        shutdown.await;
+        let _ = signalled_tx.send(());
+    };
+    let server = Server::builder()
+        .trace_fn(telemetry::server_span)
+        .tcp_nodelay(true)
+        .add_service(health)
+        .add_service(reflection)
+        .add_service(svc)
+        .serve_with_incoming_shutdown(TcpIncoming::from(listener), shutdown);
+    let served = tokio::select! {
+        r = server => r,
+        _ = async {
+            match signalled_rx.await {
+                Ok(()) => tokio::time::sleep(SHUTDOWN_GRACE).await,
+                Err(_) => std::future::pending().await,
+            }
+        } => {
+            tracing::warn!(grace_ms = SHUTDOWN_GRACE.as_millis() as u64, "connections still open after the grace period; stopping anyway");
+            Ok(())
+        }
+    };
+
+    let _ = stop_tx.send(true);
+    for t in tasks {
+        let _ = t.await;
+    }
+    let flushed = agent.flush().await;
+    agent.shutdown().await;
+    served?;
+    flushed?;
+    tracing::info!("vdev agent stopped");
+    Ok(())
+}
+
+/// Resolves on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).expect("install SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    tracing::info!("shutdown signal received");
+}

@@ -1,0 +1,160 @@
+//! Sequential write throughput through the file backend over gRPC, beside
+//! raw positioned writes (and `dd`, when installed) to the same filesystem.
+//! Every run ends with an fsync, so the page cache does not flatter anyone.
+//!
+//! `cargo bench -p aliquot-agent --bench seq_write`
+//! Env: ALIQUOT_BENCH_DIR (default: the temp dir), ALIQUOT_BENCH_MIB (512).
+
+use std::fs::OpenOptions;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use aliquot_agent::{Agent, BackendKind, Config};
+use aliquot_proto::v1::vdev_agent_client::VdevAgentClient;
+use aliquot_proto::v1::{FlushRequest, GetStatsRequest, WriteRequest};
+
+const MIB: u64 = 1 << 20;
+
+fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn mib_s(bytes: u64, d: Duration) -> f64 {
+    bytes as f64 / MIB as f64 / d.as_secs_f64()
+}
+
+fn raw(path: &Path, total: u64, block: usize) -> f64 {
+    let f = OpenOptions::new()
+        .create(true)
+        .truncate(true)
+        .read(true)
+        .write(true)
+        .open(path)
+        .expect("open raw file");
+    let buf = pattern(block, 7);
+    let t = Instant::now();
+    let mut off = 0;
+    while off < total {
+        f.write_all_at(&buf, off).expect("raw write");
+        off += block as u64;
+    }
+    f.sync_all().expect("fsync");
+    let r = mib_s(total, t.elapsed());
+    let _ = std::fs::remove_file(path);
+    r
+}
+
+fn dd(path: &Path, total: u64, block: usize) -> Option<f64> {
+    let t = Instant::now();
+    let st = std::process::Command::new("dd")
+        .arg("if=/dev/zero")
+        .arg(format!("of={}", path.display()))
+        .arg(format!("bs={block}"))
+        .arg(format!("count={}", total / block as u64))
+        .arg("conv=fsync")
+        .stderr(std::process::Stdio::null())
+        .status()
+        .ok()?;
+    let d = t.elapsed();
+    let _ = std::fs::remove_file(path);
+    st.success().then(|| mib_s(total, d))
+}
+
+async fn agent(path: &Path, total: u64, block: usize, inflight: usize) -> (f64, u64, u64) {
+    let _ = std::fs::remove_file(path);
+    let mut cfg = Config::new(BackendKind::File);
+    cfg.path = Some(path.to_path_buf());
+    cfg.capacity = Some(total + 2 * MIB);
+    let agent = Agent::open(&cfg).expect("open agent");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(async move {
+        aliquot_agent::serve(agent, &cfg, listener, async {
+            let _ = stopped.await;
+        })
+        .await
+    });
+    let client = VdevAgentClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap()
+        .max_encoding_message_size(32 << 20)
+        .max_decoding_message_size(32 << 20);
+    let buf = pattern(block, 11);
+    let blocks = total / block as u64;
+    let next = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let t = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..inflight {
+        let (mut c, next, buf) = (client.clone(), next.clone(), buf.clone());
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if i >= blocks {
+                    return;
+                }
+                c.write(WriteRequest {
+                    offset: i * block as u64,
+                    data: buf.clone(),
+                })
+                .await
+                .expect("agent write");
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let mut c = client.clone();
+    c.flush(FlushRequest {}).await.unwrap();
+    let d = t.elapsed();
+    let s = c.get_stats(GetStatsRequest {}).await.unwrap().into_inner();
+    drop((c, client));
+    let _ = stop.send(());
+    server.await.unwrap().unwrap();
+    let _ = std::fs::remove_file(path);
+    (mib_s(total, d), s.writes, s.device_writes)
+}
+
+fn main() {
+    // `cargo bench` passes --bench; nothing to parse.
+    let dir = std::env::var_os("ALIQUOT_BENCH_DIR")
+        .map(Into::into)
+        .unwrap_or_else(std::env::temp_dir);
+    let mib: u64 = std::env::var("ALIQUOT_BENCH_MIB")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(512);
+    let total = mib * MIB;
+    let dir = tempfile::tempdir_in(dir).expect("bench dir");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    println!(
+        "sequential write, {mib} MiB per run, fsync at the end, in {}",
+        dir.path().display()
+    );
+    for (block, inflight) in [(1 << 20, 4usize), (128 << 10, 16)] {
+        let r = raw(&dir.path().join("raw.img"), total, block);
+        let d = dd(&dir.path().join("dd.img"), total, block);
+        let (a, writes, device_writes) =
+            rt.block_on(agent(&dir.path().join("agent.img"), total, block, inflight));
+        println!("block {:>4} KiB:", block >> 10);
+        println!("  raw pwrite + fsync            {r:8.1} MiB/s");
+        match d {
+            Some(d) => println!("  dd bs={block} conv=fsync   {d:8.1} MiB/s"),
+            None => println!("  dd                            (not available)"),
+        }
+        println!(
+            "  agent gRPC, {inflight:>2} in flight      {a:8.1} MiB/s  = {:.0} % of raw  ({writes} writes, {device_writes} device writes)",
+            100.0 * a / r
+        );
+    }
+}

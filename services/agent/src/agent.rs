@@ -1,0 +1,279 @@
+//! The agent's state: the open device, its I/O queue, counters and
+//! tunables; what GetStats and the report stream read, and the request
+//! validation every Write and Read passes before touching the device.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use aliquot_proto::v1::{AgentReport, AgentStats, AgentTunables, VdevHealth};
+
+use crate::backend::{self, DeviceInfo};
+use crate::config::{self, Config};
+use crate::error::AgentError;
+use crate::queue::{Done, IoQueue};
+use crate::stats::Stats;
+
+/// Largest single Write or Read: OpenZFS's largest block (16 MiB).
+pub const MAX_IO: u64 = 16 << 20;
+const NO_VDEV: u64 = u64::MAX;
+
+/// One vdev's agent; cheap to clone (shared state).
+#[derive(Clone)]
+pub struct Agent {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    info: DeviceInfo,
+    children: u32,
+    parity: u32,
+    log: bool,
+    queue: Arc<IoQueue>,
+    stats: Arc<Stats>,
+    batch_pct: AtomicU32,
+    /// The vdev id the allocator gave us (NO_VDEV until registered).
+    vdev: AtomicU64,
+    tunables: std::sync::Mutex<()>,
+}
+
+impl Agent {
+    /// Validate the config, open (or create) the device, start the workers.
+    pub fn open(cfg: &Config) -> Result<Agent, AgentError> {
+        cfg.validate()?;
+        let opened = backend::open(cfg)?;
+        let stats = Arc::new(Stats::default());
+        let queue = IoQueue::new(
+            opened.device,
+            Arc::clone(&stats),
+            cfg.aggregation_limit(),
+            config::workers_for_pct(cfg.zio_taskq_batch_pct),
+        );
+        let agent = Agent {
+            inner: Arc::new(Inner {
+                info: opened.info,
+                children: cfg.children,
+                parity: cfg.parity,
+                log: cfg.log,
+                queue,
+                stats,
+                batch_pct: AtomicU32::new(cfg.zio_taskq_batch_pct),
+                vdev: AtomicU64::new(NO_VDEV),
+                tunables: std::sync::Mutex::new(()),
+            }),
+        };
+        let i = &agent.inner;
+        tracing::info!(
+            name = %i.info.name,
+            guid = i.info.guid,
+            backend = i.info.backend.as_str(),
+            capacity = i.info.capacity,
+            ashift = i.info.ashift,
+            rotational = i.info.rotational,
+            zfs_vdev_aggregation_limit = i.queue.aggregation_limit(),
+            zio_taskq_batch_pct = cfg.zio_taskq_batch_pct,
+            io_workers = i.queue.workers(),
+            "device open"
+        );
+        Ok(agent)
+    }
+
+    pub fn info(&self) -> &DeviceInfo {
+        &self.inner.info
+    }
+
+    pub fn children(&self) -> u32 {
+        self.inner.children
+    }
+    pub fn parity(&self) -> u32 {
+        self.inner.parity
+    }
+    pub fn log(&self) -> bool {
+        self.inner.log
+    }
+
+    pub fn vdev(&self) -> Option<u32> {
+        match self.inner.vdev.load(Relaxed) {
+            NO_VDEV => None,
+            v => Some(v as u32),
+        }
+    }
+
+    pub fn set_vdev(&self, vdev: u32) {
+        self.inner.vdev.store(vdev as u64, Relaxed);
+    }
+
+    pub fn io_workers(&self) -> usize {
+        self.inner.queue.workers()
+    }
+
+    /// Close the current latency interval (called once a report interval).
+    pub fn rotate_interval(&self) {
+        self.inner.stats.rotate();
+    }
+
+    fn sector(&self) -> u64 {
+        1 << self.inner.info.ashift
+    }
+
+    /// Refuse empty, unaligned, oversized or out-of-device requests.
+    fn check_range(&self, what: &str, offset: u64, len: u64) -> Result<(), AgentError> {
+        let sector = self.sector();
+        let ashift = self.inner.info.ashift;
+        let cap = self.inner.info.capacity;
+        let bad = |m: String| Err(AgentError::InvalidArgument(m));
+        if len == 0 {
+            return bad(format!(
+                "empty {what}: the size must be at least one {sector}-byte sector"
+            ));
+        }
+        if len > MAX_IO {
+            return bad(format!(
+                "{what} of {len} bytes exceeds the {MAX_IO}-byte (16 MiB) maximum"
+            ));
+        }
+        if !offset.is_multiple_of(sector) {
+            return bad(format!(
+                "{what} offset {offset} is not a multiple of the {sector}-byte sector (ashift {ashift})"
+            ));
+        }
+        if !len.is_multiple_of(sector) {
+            return bad(format!(
+                "{what} size {len} is not a multiple of the {sector}-byte sector (ashift {ashift})"
+            ));
+        }
+        match offset.checked_add(len) {
+            Some(end) if end <= cap => Ok(()),
+            _ => bad(format!(
+                "{what} [{offset}, {offset}+{len}) lies outside the device ({cap} bytes of data area)"
+            )),
+        }
+    }
+
+    /// Write `data` at `offset` through the queue; returns the requests the
+    /// carrying device I/O merged.
+    pub async fn write(&self, offset: u64, data: Vec<u8>) -> Result<u32, AgentError> {
+        self.check_range("write", offset, data.len() as u64)?;
+        match self.inner.queue.write(offset, data).await? {
+            Done::Written { aggregated } => Ok(aggregated),
+            other => unreachable!("a write completed as {other:?}"),
+        }
+    }
+
+    pub async fn read(&self, offset: u64, size: u64) -> Result<Vec<u8>, AgentError> {
+        self.check_range("read", offset, size)?;
+        match self.inner.queue.read(offset, size as usize).await? {
+            Done::Read(d) => Ok(d),
+            other => unreachable!("a read completed as {other:?}"),
+        }
+    }
+
+    pub async fn flush(&self) -> Result<(), AgentError> {
+        self.inner.queue.flush().await.map(|_| ())
+    }
+
+    pub fn tunables(&self) -> AgentTunables {
+        AgentTunables {
+            zfs_vdev_aggregation_limit: Some(self.inner.queue.aggregation_limit()),
+            zio_taskq_batch_pct: Some(self.inner.batch_pct.load(Relaxed)),
+        }
+    }
+
+    /// Validate every given field first, then apply them all (or none).
+    pub fn set_tunables(&self, t: &AgentTunables) -> Result<AgentTunables, AgentError> {
+        if let Some(v) = t.zfs_vdev_aggregation_limit {
+            config::validate_aggregation_limit(v).map_err(AgentError::InvalidArgument)?;
+        }
+        if let Some(v) = t.zio_taskq_batch_pct {
+            config::validate_batch_pct(v).map_err(AgentError::InvalidArgument)?;
+        }
+        let _serial = self
+            .inner
+            .tunables
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if let Some(v) = t.zfs_vdev_aggregation_limit {
+            let old = self.inner.queue.aggregation_limit();
+            self.inner.queue.set_aggregation_limit(v);
+            if old != v {
+                tracing::info!(old, new = v, "tunable zfs_vdev_aggregation_limit changed");
+            }
+        }
+        if let Some(v) = t.zio_taskq_batch_pct {
+            let old = self.inner.batch_pct.swap(v, Relaxed);
+            let workers = config::workers_for_pct(v);
+            self.inner.queue.set_workers(workers);
+            if old != v {
+                tracing::info!(
+                    old,
+                    new = v,
+                    io_workers = workers,
+                    "tunable zio_taskq_batch_pct changed"
+                );
+            }
+        }
+        Ok(self.tunables())
+    }
+
+    fn health(&self, recent_errors: u64) -> VdevHealth {
+        if recent_errors > 0 {
+            VdevHealth::Degraded
+        } else {
+            VdevHealth::Healthy
+        }
+    }
+
+    pub fn stats(&self) -> AgentStats {
+        let s = self.inner.stats.snapshot();
+        let i = &self.inner.info;
+        AgentStats {
+            name: i.name.clone(),
+            device_guid: i.guid,
+            backend: i.backend.as_str().into(),
+            capacity: i.capacity,
+            ashift: i.ashift,
+            rotational: i.rotational,
+            health: self.health(s.recent_errors) as i32,
+            latency_p50_us: s.latency_p50_us,
+            latency_p99_us: s.latency_p99_us,
+            queue_depth_ios: s.queue_ios.min(u32::MAX as u64) as u32,
+            queue_depth_bytes: s.queue_bytes,
+            bytes_written: s.bytes_written,
+            bytes_read: s.bytes_read,
+            writes: s.writes,
+            device_writes: s.device_writes,
+            write_errors: s.write_errors,
+            read_errors: s.read_errors,
+            tunables: Some(self.tunables()),
+            vdev: self.vdev(),
+        }
+    }
+
+    pub fn report(&self, vdev: u32) -> AgentReport {
+        let s = self.stats();
+        AgentReport {
+            vdev,
+            capacity: s.capacity,
+            health: s.health,
+            latency_p50_us: s.latency_p50_us,
+            latency_p99_us: s.latency_p99_us,
+            queue_depth_ios: s.queue_depth_ios,
+            queue_depth_bytes: s.queue_depth_bytes,
+            bytes_written: s.bytes_written,
+            bytes_read: s.bytes_read,
+            write_errors: s.write_errors,
+            read_errors: s.read_errors,
+            writes: s.writes,
+            device_writes: s.device_writes,
+            time_ms: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64),
+        }
+    }
+
+    /// Drain the queue and stop the workers (blocking, so off the runtime).
+    pub async fn shutdown(&self) {
+        let q = Arc::clone(&self.inner.queue);
+        let _ = tokio::task::spawn_blocking(move || q.shutdown()).await;
+    }
+}

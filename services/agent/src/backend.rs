@@ -1,0 +1,234 @@
+//! Device backends behind one blocking trait, called only from the I/O worker
+//! threads (never from the async runtime): `file` (a regular file or a block
+//! device, positioned I/O with `FileExt`) and `sim` (see [`crate::sim`]).
+//! Offsets here are relative to the data area; the label lives before it.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Seek, SeekFrom};
+use std::os::unix::fs::{FileExt, FileTypeExt};
+use std::path::Path;
+
+use crate::config::{BackendKind, Config};
+use crate::error::AgentError;
+use crate::label::{self, Found, LABEL_BLOCK, LABEL_SIZE, Label};
+use crate::sim::SimDevice;
+
+/// One device's data area. Implementations are called from several worker
+/// threads at once; the caller has validated range and alignment.
+pub trait Device: Send + Sync + 'static {
+    fn write_at(&self, offset: u64, data: &[u8]) -> io::Result<()>;
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()>;
+    /// Make every completed write durable.
+    fn flush(&self) -> io::Result<()>;
+}
+
+/// What the agent knows about its device once it is open.
+#[derive(Clone, Debug)]
+pub struct DeviceInfo {
+    pub guid: u64,
+    pub name: String,
+    pub backend: BackendKind,
+    /// Bytes of the data area (label excluded, a multiple of the sector).
+    pub capacity: u64,
+    pub ashift: u32,
+    pub rotational: bool,
+}
+
+pub struct Opened {
+    pub device: Box<dyn Device>,
+    pub info: DeviceInfo,
+}
+
+/// Open (or create) the device the config names.
+pub fn open(cfg: &Config) -> Result<Opened, AgentError> {
+    match cfg.backend {
+        BackendKind::File => {
+            let path = cfg.path.as_deref().ok_or_else(|| {
+                AgentError::Config("--backend file needs --path FILE_OR_DEVICE".into())
+            })?;
+            let (file, label) = open_file(path, cfg)?;
+            let name = cfg.name.clone().unwrap_or_else(|| label.name.clone());
+            Ok(Opened {
+                info: DeviceInfo {
+                    guid: label.guid,
+                    name,
+                    backend: BackendKind::File,
+                    capacity: label.data_capacity(),
+                    ashift: label.ashift,
+                    rotational: cfg.rotational,
+                },
+                device: Box::new(FileDevice { file }),
+            })
+        }
+        BackendKind::Sim => {
+            let size = cfg
+                .capacity
+                .ok_or_else(|| AgentError::Config("--backend sim needs --capacity SIZE".into()))?;
+            let capacity = label::data_capacity(size, cfg.ashift);
+            Ok(Opened {
+                info: DeviceInfo {
+                    guid: cfg.guid.unwrap_or_else(new_guid),
+                    name: cfg.name.clone().unwrap_or_else(|| "sim".into()),
+                    backend: BackendKind::Sim,
+                    capacity,
+                    ashift: cfg.ashift,
+                    rotational: cfg.rotational,
+                },
+                device: Box::new(SimDevice::new(
+                    capacity,
+                    cfg.bandwidth,
+                    cfg.latency.unwrap_or_default(),
+                )),
+            })
+        }
+    }
+}
+
+/// A random non-zero guid (std's `RandomState` is seeded from the OS).
+pub fn new_guid() -> u64 {
+    use std::hash::BuildHasher;
+    loop {
+        let g = std::collections::hash_map::RandomState::new()
+            .hash_one((std::time::SystemTime::now(), std::process::id()));
+        if g != 0 {
+            return g;
+        }
+    }
+}
+
+fn open_file(path: &Path, cfg: &Config) -> Result<(File, Label), AgentError> {
+    let shown = path.display();
+    let io = |what: &str| {
+        let what = format!("{what} {shown}");
+        move |e: io::Error| AgentError::Label(format!("cannot {what}: {e}"))
+    };
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)
+        .map_err(io("open"))?;
+    // One agent per device: a second agent on the same file would corrupt it.
+    file.try_lock().map_err(|e| {
+        AgentError::Label(format!("{shown} is in use (locked by another agent?): {e}"))
+    })?;
+    let meta = file.metadata().map_err(io("stat"))?;
+    let block = meta.file_type().is_block_device();
+    let size = if block {
+        (&file).seek(SeekFrom::End(0)).map_err(io("size"))?
+    } else {
+        meta.len()
+    };
+
+    let found = if size == 0 {
+        Found::Blank
+    } else if size < LABEL_BLOCK as u64 {
+        Found::Foreign(format!(
+            "{size} bytes of other data, too small for a device"
+        ))
+    } else {
+        let mut b = vec![0u8; LABEL_BLOCK];
+        file.read_exact_at(&mut b, 0)
+            .map_err(io("read the label of"))?;
+        Label::decode(&b)
+    };
+
+    match found {
+        Found::Label(l) => {
+            if l.ashift != cfg.ashift {
+                return Err(AgentError::Label(format!(
+                    "{shown} was labelled with ashift {}, not --ashift {}; pass --ashift {}",
+                    l.ashift, cfg.ashift, l.ashift
+                )));
+            }
+            if size < l.device_size {
+                return Err(AgentError::Label(format!(
+                    "{shown} is {size} bytes but its label says {}: the device was truncated",
+                    l.device_size
+                )));
+            }
+            if let Some(c) = cfg.capacity
+                && c != l.device_size
+            {
+                return Err(AgentError::Label(format!(
+                    "{shown} was created with --capacity {} ({} bytes), not {}; omit --capacity or pass the same",
+                    units::format_bytes(l.device_size),
+                    l.device_size,
+                    units::format_bytes(c)
+                )));
+            }
+            tracing::info!(path = %shown, guid = l.guid, device_size = l.device_size, "opened labelled device");
+            Ok((file, l))
+        }
+        Found::Foreign(why) => Err(AgentError::Label(format!(
+            "refusing {shown}: it holds {why}; point --path at a new or empty file, or at this vdev's own device"
+        ))),
+        Found::Blank => {
+            let device_size = match (cfg.capacity, block) {
+                (Some(c), true) if c > size => {
+                    return Err(AgentError::Label(format!(
+                        "--capacity {c} exceeds the block device {shown} ({size} bytes)"
+                    )));
+                }
+                (Some(c), _) => c,
+                (None, _) if size > 0 => size,
+                (None, _) => {
+                    return Err(AgentError::Config(format!(
+                        "{shown} is new: pass --capacity SIZE to create it"
+                    )));
+                }
+            };
+            if label::data_capacity(device_size, cfg.ashift) == 0 {
+                return Err(AgentError::Config(format!(
+                    "--capacity {device_size} leaves no room after the {LABEL_SIZE}-byte label"
+                )));
+            }
+            if !block && device_size != size {
+                file.set_len(device_size).map_err(io("size"))?;
+            }
+            let l = Label {
+                guid: new_guid(),
+                device_size,
+                ashift: cfg.ashift,
+                name: cfg.name.clone().unwrap_or_else(|| default_name(path)),
+            };
+            file.write_all_at(&l.encode(), 0)
+                .map_err(io("write the label of"))?;
+            file.sync_all().map_err(io("sync"))?;
+            if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty())
+                && let Ok(d) = File::open(dir)
+            {
+                // Make the new file's directory entry durable too.
+                let _ = d.sync_all();
+            }
+            tracing::info!(path = %shown, guid = l.guid, device_size, "labelled new device");
+            Ok((file, l))
+        }
+    }
+}
+
+fn default_name(path: &Path) -> String {
+    path.file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "vdev".into())
+}
+
+struct FileDevice {
+    file: File,
+}
+
+impl Device for FileDevice {
+    fn write_at(&self, offset: u64, data: &[u8]) -> io::Result<()> {
+        self.file.write_all_at(data, LABEL_SIZE + offset)
+    }
+
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.file.read_exact_at(buf, LABEL_SIZE + offset)
+    }
+
+    fn flush(&self) -> io::Result<()> {
+        // Data only: the size was fixed (and synced) when the label was written.
+        self.file.sync_data()
+    }
+}

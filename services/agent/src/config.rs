@@ -1,0 +1,257 @@
+//! The agent's configuration: one clap struct, every flag also an
+//! `ALIQUOT_*` environment variable, validated before anything is opened or
+//! bound.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::error::AgentError;
+
+/// OpenZFS `zfs_vdev_aggregation_limit` (rotational devices).
+pub const AGGREGATION_LIMIT_ROTATIONAL: u64 = 1 << 20;
+/// OpenZFS `zfs_vdev_aggregation_limit_non_rotating`.
+pub const AGGREGATION_LIMIT_NON_ROTATING: u64 = 128 << 10;
+/// OpenZFS caps any aggregation limit at `SPA_MAXBLOCKSIZE` (16 MiB).
+pub const AGGREGATION_LIMIT_MAX: u64 = 16 << 20;
+/// OpenZFS `zio_taskq_batch_pct` default.
+pub const ZIO_TASKQ_BATCH_PCT_DEFAULT: u32 = 80;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum BackendKind {
+    /// A regular file (created or extended to --capacity) or a block device.
+    File,
+    /// A simulated device in real time, its data in memory.
+    Sim,
+}
+
+impl BackendKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BackendKind::File => "file",
+            BackendKind::Sim => "sim",
+        }
+    }
+}
+
+/// `aliquot-agent`: serves one vdev over gRPC and reports it to the allocator.
+#[derive(Clone, Debug, clap::Parser)]
+#[command(name = "aliquot-agent", version, about)]
+pub struct Config {
+    /// Address the VdevAgent gRPC server binds (port 0 = any free port).
+    #[arg(long, env = "ALIQUOT_LISTEN", default_value = "127.0.0.1:0")]
+    pub listen: SocketAddr,
+
+    /// URL the allocator and clients use to reach this agent
+    /// (default: http://<bound address>).
+    #[arg(long, env = "ALIQUOT_ADVERTISE")]
+    pub advertise: Option<String>,
+
+    /// The allocator's URL; "none" runs the agent without registering.
+    #[arg(
+        long,
+        env = "ALIQUOT_ALLOCATOR",
+        default_value = "http://127.0.0.1:7000"
+    )]
+    pub allocator: String,
+
+    /// Vdev name (default: the file name, or "sim").
+    #[arg(long, env = "ALIQUOT_NAME")]
+    pub name: Option<String>,
+
+    /// Device backend.
+    #[arg(long, env = "ALIQUOT_BACKEND", value_enum, default_value_t = BackendKind::File)]
+    pub backend: BackendKind,
+
+    /// File or block device (file backend).
+    #[arg(long, env = "ALIQUOT_PATH")]
+    pub path: Option<PathBuf>,
+
+    /// Device size including the 1 MiB label area, e.g. 4GiB. Required for a
+    /// new file and for sim; an existing labelled file keeps its own.
+    #[arg(long, env = "ALIQUOT_CAPACITY", value_parser = units::size_arg)]
+    pub capacity: Option<u64>,
+
+    /// log2 of the device's sector size: offsets and lengths are multiples of 1 << ashift.
+    #[arg(long, env = "ALIQUOT_ASHIFT", default_value_t = 12)]
+    pub ashift: u32,
+
+    /// The device is rotational (an HDD): larger default aggregation.
+    #[arg(long, env = "ALIQUOT_ROTATIONAL")]
+    pub rotational: bool,
+
+    /// Data + parity children of this vdev (1 = a plain device).
+    #[arg(long, env = "ALIQUOT_CHILDREN", default_value_t = 1)]
+    pub children: u32,
+
+    /// Parity children (raidz level).
+    #[arg(long, env = "ALIQUOT_PARITY", default_value_t = 0)]
+    pub parity: u32,
+
+    /// A dedicated log (SLOG) vdev.
+    #[arg(long, env = "ALIQUOT_LOG")]
+    pub log: bool,
+
+    /// Simulated bandwidth, e.g. 150MiB/s (sim backend; default unlimited).
+    #[arg(long, env = "ALIQUOT_BANDWIDTH", value_parser = units::rate_arg)]
+    pub bandwidth: Option<f64>,
+
+    /// Simulated per-I/O latency, e.g. 100us or 8ms (sim backend; default 0).
+    #[arg(long, env = "ALIQUOT_LATENCY", value_parser = units::duration_arg)]
+    pub latency: Option<Duration>,
+
+    /// Device guid of a sim device (default: random at each start). File
+    /// devices keep theirs in the label.
+    #[arg(long, env = "ALIQUOT_GUID")]
+    pub guid: Option<u64>,
+
+    /// Largest merged write in bytes, 0 = no aggregation, at most 16MiB
+    /// (default 1MiB rotational, 128KiB otherwise).
+    #[arg(long, env = "ALIQUOT_ZFS_VDEV_AGGREGATION_LIMIT", value_parser = units::size_arg)]
+    pub zfs_vdev_aggregation_limit: Option<u64>,
+
+    /// I/O worker threads as a percentage of the cores (at least one worker).
+    #[arg(long, env = "ALIQUOT_ZIO_TASKQ_BATCH_PCT", default_value_t = ZIO_TASKQ_BATCH_PCT_DEFAULT)]
+    pub zio_taskq_batch_pct: u32,
+
+    #[command(flatten)]
+    pub telemetry: telemetry::TelemetryArgs,
+}
+
+impl Config {
+    /// A config with every default, for tests and embedding.
+    pub fn new(backend: BackendKind) -> Config {
+        Config {
+            listen: "127.0.0.1:0".parse().expect("literal address"),
+            advertise: None,
+            allocator: "none".into(),
+            name: None,
+            backend,
+            path: None,
+            capacity: None,
+            ashift: 12,
+            rotational: false,
+            children: 1,
+            parity: 0,
+            log: false,
+            bandwidth: None,
+            latency: None,
+            guid: None,
+            zfs_vdev_aggregation_limit: None,
+            zio_taskq_batch_pct: ZIO_TASKQ_BATCH_PCT_DEFAULT,
+            telemetry: Default::default(),
+        }
+    }
+
+    /// Checks everything that can be checked without touching the device.
+    pub fn validate(&self) -> Result<(), AgentError> {
+        let bad = |m: String| Err(AgentError::Config(m));
+        if !(9..=16).contains(&self.ashift) {
+            return bad(format!("--ashift {} is out of range 9..=16", self.ashift));
+        }
+        if self.children == 0 {
+            return bad("--children must be at least 1".into());
+        }
+        if self.parity > 3 || (self.parity > 0 && self.parity >= self.children) {
+            return bad(format!(
+                "--parity {} needs parity <= 3 and fewer parity than --children {}",
+                self.parity, self.children
+            ));
+        }
+        validate_aggregation_limit(self.aggregation_limit()).map_err(AgentError::Config)?;
+        validate_batch_pct(self.zio_taskq_batch_pct).map_err(AgentError::Config)?;
+        match self.backend {
+            BackendKind::File => {
+                if self.path.is_none() {
+                    return bad("--backend file needs --path FILE_OR_DEVICE".into());
+                }
+                if self.bandwidth.is_some() || self.latency.is_some() {
+                    return bad("--bandwidth and --latency apply to --backend sim only".into());
+                }
+                if self.guid.is_some() {
+                    return bad(
+                        "--guid applies to --backend sim only (a file keeps its guid in its label)"
+                            .into(),
+                    );
+                }
+            }
+            BackendKind::Sim => {
+                if self.path.is_some() {
+                    return bad("--path applies to --backend file only".into());
+                }
+                let Some(cap) = self.capacity else {
+                    return bad("--backend sim needs --capacity SIZE".into());
+                };
+                if cap < crate::label::LABEL_SIZE + (1 << self.ashift) {
+                    return bad(format!(
+                        "--capacity {} leaves no room after the {} label",
+                        units::format_bytes(cap),
+                        units::format_bytes(crate::label::LABEL_SIZE)
+                    ));
+                }
+                if let Some(bw) = self.bandwidth
+                    && !(bw.is_finite() && bw > 0.0)
+                {
+                    return bad(format!("--bandwidth {bw} must be a positive rate"));
+                }
+            }
+        }
+        if let Some(a) = &self.advertise
+            && !(a.starts_with("http://") || a.starts_with("https://"))
+        {
+            return bad(format!(
+                "--advertise {a} must be an http:// or https:// URL"
+            ));
+        }
+        if !self.registers()
+            || self.allocator.starts_with("http://")
+            || self.allocator.starts_with("https://")
+        {
+            Ok(())
+        } else {
+            bad(format!(
+                "--allocator {} must be an http:// URL or \"none\"",
+                self.allocator
+            ))
+        }
+    }
+
+    /// Whether the agent registers with an allocator at all.
+    pub fn registers(&self) -> bool {
+        !(self.allocator.is_empty() || self.allocator.eq_ignore_ascii_case("none"))
+    }
+
+    /// The configured aggregation limit, or OpenZFS's default for the medium.
+    pub fn aggregation_limit(&self) -> u64 {
+        self.zfs_vdev_aggregation_limit
+            .unwrap_or(if self.rotational {
+                AGGREGATION_LIMIT_ROTATIONAL
+            } else {
+                AGGREGATION_LIMIT_NON_ROTATING
+            })
+    }
+}
+
+pub fn validate_aggregation_limit(v: u64) -> Result<(), String> {
+    if v > AGGREGATION_LIMIT_MAX {
+        Err(format!(
+            "zfs_vdev_aggregation_limit {v} exceeds the maximum {AGGREGATION_LIMIT_MAX} (16 MiB); 0 disables aggregation"
+        ))
+    } else {
+        Ok(())
+    }
+}
+
+pub fn validate_batch_pct(v: u32) -> Result<(), String> {
+    if (1..=100).contains(&v) {
+        Ok(())
+    } else {
+        Err(format!("zio_taskq_batch_pct {v} is out of range 1..=100"))
+    }
+}
+
+/// I/O workers for a percentage of the cores, as OpenZFS sizes its taskqs.
+pub fn workers_for_pct(pct: u32) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores * pct as usize / 100).max(1)
+}

@@ -1,0 +1,145 @@
+//! Registration with the allocator's `AgentRegistry`: register the vdev,
+//! then keep the `Report` stream open with one report per interval. Any
+//! failure (allocator down, stream closed, refused registration) ends the
+//! session; the agent reconnects with exponential backoff capped at 5 s and
+//! registers again. It never exits because the allocator is away.
+
+use std::time::Duration;
+
+use aliquot_proto::v1::agent_registry_client::AgentRegistryClient;
+use aliquot_proto::v1::{RegisterRequest, VdevHealth};
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::Endpoint;
+
+use crate::agent::Agent;
+
+const BACKOFF_START: Duration = Duration::from_millis(100);
+const BACKOFF_MAX: Duration = Duration::from_secs(5);
+const DEFAULT_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Register and report until `stop` turns true.
+pub async fn run(
+    agent: Agent,
+    allocator: String,
+    endpoint: String,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut backoff = BACKOFF_START;
+    let mut failures: u32 = 0;
+    loop {
+        let mut registered = false;
+        let result = tokio::select! {
+            r = session(&agent, &allocator, &endpoint, &mut registered) => r,
+            _ = stop.wait_for(|s| *s) => return,
+        };
+        let Err(e) = result;
+        if registered {
+            // A working session ended: start over with a short backoff.
+            tracing::warn!(allocator = %allocator, error = %e, "lost the allocator, reconnecting");
+            backoff = BACKOFF_START;
+            failures = 0;
+        } else {
+            failures += 1;
+            if failures == 1 {
+                tracing::warn!(allocator = %allocator, error = %e, "allocator unreachable, retrying with backoff");
+            } else {
+                tracing::debug!(allocator = %allocator, error = %e, failures, "still no allocator");
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(backoff) => {}
+            _ = stop.wait_for(|s| *s) => return,
+        }
+        backoff = (backoff * 2).min(BACKOFF_MAX);
+    }
+}
+
+/// One connection: register, then report until something fails.
+async fn session(
+    agent: &Agent,
+    allocator: &str,
+    endpoint: &str,
+    registered: &mut bool,
+) -> Result<std::convert::Infallible, String> {
+    let channel = Endpoint::from_shared(allocator.to_string())
+        .map_err(|e| format!("bad allocator URL: {e}"))?
+        .connect_timeout(Duration::from_secs(2))
+        .tcp_nodelay(true)
+        // Notice a vanished allocator even when no report is due.
+        .http2_keep_alive_interval(Duration::from_secs(2))
+        .keep_alive_timeout(Duration::from_secs(3))
+        .keep_alive_while_idle(true)
+        .connect()
+        .await
+        .map_err(|e| format!("connect: {e}"))?;
+    let mut client = AgentRegistryClient::with_interceptor(channel, telemetry::TraceInjector);
+    let info = agent.info().clone();
+    let reply = client
+        .register(RegisterRequest {
+            endpoint: endpoint.to_string(),
+            device_guid: info.guid,
+            name: info.name.clone(),
+            capacity: info.capacity,
+            ashift: info.ashift,
+            rotational: info.rotational,
+            children: agent.children(),
+            parity: agent.parity(),
+            log: agent.log(),
+            backend: info.backend.as_str().into(),
+        })
+        .await
+        .map_err(|s| format!("register: {}: {}", s.code(), s.message()))?
+        .into_inner();
+    agent.set_vdev(reply.vdev);
+    *registered = true;
+    let interval = match reply.report_interval_ms {
+        0 => DEFAULT_INTERVAL,
+        ms => Duration::from_millis(ms as u64),
+    };
+    tracing::info!(
+        vdev = reply.vdev,
+        pool_guid = reply.pool_guid,
+        guid = info.guid,
+        endpoint,
+        interval_ms = interval.as_millis() as u64,
+        "registered with the allocator"
+    );
+
+    let (tx, rx) = mpsc::channel(4);
+    // The first report goes out with the stream, before any ack is awaited.
+    tx.send(agent.report(reply.vdev))
+        .await
+        .map_err(|_| "report stream closed".to_string())?;
+    let mut acks = client
+        .report(ReceiverStream::new(rx))
+        .await
+        .map_err(|s| format!("report: {}: {}", s.code(), s.message()))?
+        .into_inner();
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick.tick().await; // the first tick is immediate; that report is sent
+    let mut seen: Option<(i32, bool)> = None;
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {
+                if tx.send(agent.report(reply.vdev)).await.is_err() {
+                    return Err("report stream closed".into());
+                }
+            }
+            ack = acks.message() => match ack {
+                Ok(Some(ack)) => {
+                    let now = (ack.health, ack.online);
+                    if seen != Some(now) {
+                        let health = VdevHealth::try_from(ack.health)
+                            .map_or("unknown", |h| h.as_str_name());
+                        tracing::info!(vdev = reply.vdev, health, online = ack.online, "allocator view of the vdev");
+                        seen = Some(now);
+                    }
+                }
+                Ok(None) => return Err("the allocator ended the report stream".into()),
+                Err(s) => return Err(format!("report stream: {}: {}", s.code(), s.message())),
+            },
+        }
+    }
+}

@@ -1,0 +1,78 @@
+//! The `VdevAgent` gRPC service: a thin edge over [`Agent`], where agent
+//! errors become `tonic::Status` (once, via `From<AgentError>`).
+
+use aliquot_proto::v1::vdev_agent_server::VdevAgent;
+use aliquot_proto::v1::{
+    AgentStats, AgentTunables, FlushReply, FlushRequest, GetStatsRequest, ReadReply, ReadRequest,
+    WriteReply, WriteRequest,
+};
+use tonic::{Request, Response, Status};
+
+use crate::agent::Agent;
+
+pub struct VdevAgentService {
+    agent: Agent,
+}
+
+impl VdevAgentService {
+    pub fn new(agent: Agent) -> Self {
+        VdevAgentService { agent }
+    }
+}
+
+#[tonic::async_trait]
+impl VdevAgent for VdevAgentService {
+    #[tracing::instrument(skip_all, fields(
+        vdev = self.agent.vdev(),
+        offset = req.get_ref().offset,
+        len = req.get_ref().data.len(),
+        aggregated_ios,
+    ))]
+    async fn write(&self, req: Request<WriteRequest>) -> Result<Response<WriteReply>, Status> {
+        let WriteRequest { offset, data } = req.into_inner();
+        let bytes = data.len() as u64;
+        let aggregated_ios = self.agent.write(offset, data).await?;
+        tracing::Span::current().record("aggregated_ios", aggregated_ios);
+        Ok(Response::new(WriteReply {
+            bytes,
+            aggregated_ios,
+        }))
+    }
+
+    #[tracing::instrument(skip_all, fields(
+        vdev = self.agent.vdev(),
+        offset = req.get_ref().offset,
+        size = req.get_ref().size,
+    ))]
+    async fn read(&self, req: Request<ReadRequest>) -> Result<Response<ReadReply>, Status> {
+        let ReadRequest { offset, size } = req.into_inner();
+        let data = self.agent.read(offset, size).await?;
+        Ok(Response::new(ReadReply { data }))
+    }
+
+    #[tracing::instrument(skip_all, fields(vdev = self.agent.vdev()))]
+    async fn flush(&self, _req: Request<FlushRequest>) -> Result<Response<FlushReply>, Status> {
+        self.agent.flush().await?;
+        Ok(Response::new(FlushReply {}))
+    }
+
+    #[tracing::instrument(skip_all, fields(vdev = self.agent.vdev()))]
+    async fn get_stats(
+        &self,
+        _req: Request<GetStatsRequest>,
+    ) -> Result<Response<AgentStats>, Status> {
+        Ok(Response::new(self.agent.stats()))
+    }
+
+    #[tracing::instrument(skip_all, fields(
+        vdev = self.agent.vdev(),
+        zfs_vdev_aggregation_limit = req.get_ref().zfs_vdev_aggregation_limit,
+        zio_taskq_batch_pct = req.get_ref().zio_taskq_batch_pct,
+    ))]
+    async fn set_tunables(
+        &self,
+        req: Request<AgentTunables>,
+    ) -> Result<Response<AgentTunables>, Status> {
+        Ok(Response::new(self.agent.set_tunables(req.get_ref())?))
+    }
+}

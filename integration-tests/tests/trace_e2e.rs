@@ -318,9 +318,9 @@ async fn one_write_is_one_trace_across_ctl_allocator_and_agent() {
     // The spans worth looking at carry their facts.
     let allocate = trace
         .iter()
-        .find(|s| s.service == ALLOCATOR && s.kind == "internal" && s.name.contains("allocate"))
+        .find(|s| s.service == ALLOCATOR && (s.name == "allocate" || s.name == "stream.allocate"))
         .unwrap_or_else(|| panic!("no allocate handler span:\n{}", describe(&trace)));
-    for key in ["class", "size", "copies"] {
+    for key in ["class", "size", "copies", "vdevs"] {
         assert!(
             has_attr(allocate, key),
             "allocate span lacks {key}: {:?}",
@@ -329,11 +329,16 @@ async fn one_write_is_one_trace_across_ctl_allocator_and_agent() {
     }
     let agent_write = trace
         .iter()
-        .find(|s| s.service == AGENT && s.kind == "internal" && s.name.contains("write"))
+        .find(|s| s.service == AGENT && s.kind == "internal" && s.name == "write")
         .unwrap_or_else(|| panic!("no agent write handler span:\n{}", describe(&trace)));
     assert!(
-        has_attr(agent_write, "bytes"),
-        "agent write span lacks bytes: {:?}",
+        has_attr(agent_write, "bytes") || has_attr(agent_write, "len"),
+        "agent write span lacks its byte count: {:?}",
+        agent_write.attributes
+    );
+    assert!(
+        has_attr(agent_write, "aggregated_ios"),
+        "agent write span lacks aggregated_ios: {:?}",
         agent_write.attributes
     );
     assert!(

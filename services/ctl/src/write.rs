@@ -2,8 +2,9 @@
 //! Per block: Allocate (unary, or pipelined over AllocateStream), write the
 //! block's pattern to every extent's agent, Commit. At the end: Flush every
 //! agent used and SyncTxg, so the figures are for durable data; `--verify`
-//! then reads every copy back. Each block is one `aliquotctl.write` root
-//! span, the parent of the allocator's and the agents' server spans.
+//! then reads every copy back. The command is one `aliquotctl.write` root
+//! span (one trace); each block is an `aliquotctl.block` span under it, the
+//! parent of the allocator's and the agents' server spans.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -349,7 +350,7 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
                 stream.clone().expect("stream opened")
             }
         };
-        tasks.push(tokio::spawn(worker(shared.clone(), ops)));
+        tasks.push(tokio::spawn(worker(shared.clone(), ops).in_current_span()));
     }
     let mut outs = Vec::new();
     let mut first_err = None;
@@ -499,7 +500,7 @@ async fn worker(sh: Arc<Shared>, ops: Ops) -> anyhow::Result<WorkerOut> {
             tokio::time::sleep_until(due.into()).await;
         }
         let span = tracing::info_span!(
-            "aliquotctl.write",
+            "aliquotctl.block",
             block,
             size = a.block_size,
             copies = a.copies,
@@ -669,7 +670,17 @@ async fn verify(sh: &Arc<Shared>, placed: &[Placed]) -> anyhow::Result<u64> {
 
 /// `aliquotctl write`: run and print the report.
 pub async fn run(args: WriteArgs) -> anyhow::Result<()> {
-    let r = write(&args).await?;
+    // One trace per command: its blocks, streams, flushes and txg sync.
+    let root = tracing::info_span!(
+        "aliquotctl.write",
+        total = args.total,
+        block_size = args.block_size,
+        concurrency = args.concurrency,
+        copies = args.copies,
+        class = ?args.class,
+        api = ?args.api,
+    );
+    let r = write(&args).instrument(root).await?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&r)?);
     } else {

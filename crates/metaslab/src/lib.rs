@@ -166,112 +166,6 @@ pub struct TxgSync {
     pub undeferred_bytes: u64,
 }
 
-#[derive(Clone, Debug, PartialEq)]
-pub struct GroupStats {
-    pub vdev: VdevId,
-    /// Bytes (vs_space of the top-level vdev).
-    pub capacity: u64,
-    /// Bytes, deferred frees included (as OpenZFS counts them).
-    pub alloc: u64,
-    pub children: u32,
-    pub parity: u32,
-    pub aliquot: u64,
-    pub queue_target: u64,
-    /// Bytes placed and not yet committed.
-    pub queue_depth: u64,
-    /// Percent; `None` when not known.
-    pub fragmentation: Option<u32>,
-    pub health: Health,
-    pub online: bool,
-    pub free_fraction: f64,
-    pub allocatable: bool,
-    pub embedded_log_metaslab: Option<u32>,
-}
-
-#[derive(Clone, Debug, PartialEq)]
-pub struct ClassStats {
-    pub kind: ClassKind,
-    pub space: u64,
-    pub alloc: u64,
-    pub deferred: u64,
-    pub reserved: u64,
-    pub alloc_max: u64,
-    pub alloc_io_size: u64,
-    pub busy: bool,
-    pub waiting: u32,
-    pub waiting_bytes: u64,
-    pub throttle_enabled: bool,
-    pub fragmentation: Option<u32>,
-    pub groups: Vec<GroupStats>,
-}
-
-#[derive(Clone, Debug, PartialEq)]
-pub struct VdevStats {
-    pub id: VdevId,
-    pub spec: VdevSpec,
-    pub metaslab_shift: u8,
-    pub metaslab_count: u32,
-    pub health: Health,
-    pub online: bool,
-    pub alloc: u64,
-    pub embedded_log_metaslab: Option<u32>,
-}
-
-#[derive(Clone, Debug, PartialEq)]
-pub struct PoolStats {
-    pub open_txg: Txg,
-    pub policy: ThrottlePolicy,
-    /// Bytes kept back from data (spec §5.6).
-    pub slop: u64,
-    pub classes: Vec<ClassStats>,
-    pub vdevs: Vec<VdevStats>,
-}
-
-/// Every error leaves the pool exactly as it was.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum Error {
-    #[error("size must be at least 1 byte")]
-    ZeroSize,
-    #[error("size {0} is above the 16 MiB maximum block size")]
-    TooLarge(u64),
-    #[error("copies must be 1, 2 or 3, not {0}")]
-    BadCopies(u8),
-    #[error("extent {0} is not aligned to its vdev's ashift")]
-    Misaligned(Extent),
-    #[error("extent {0} lies outside its vdev")]
-    OutOfRange(Extent),
-    #[error("no vdev {0}")]
-    UnknownVdev(VdevId),
-    #[error("no allocation {0} in flight")]
-    UnknownAllocation(AllocationId),
-    #[error("no ticket {0}")]
-    UnknownTicket(Ticket),
-    #[error("ticket {0} has not been admitted by the throttle")]
-    NotAdmitted(Ticket),
-    #[error("no space for {size} bytes x{copies}")]
-    NoSpace { size: u64, copies: u8 },
-    /// Log allocation failed in every class: wait until `until` has synced
-    /// (OpenZFS's txg_wait_synced fallback, open txg + TXG_DEFER_SIZE).
-    #[error("no log space: wait for txg {until} to sync")]
-    TxgWaitRequired { until: Txg },
-    #[error("extent {0} is not allocated (double free?)")]
-    NotAllocated(Extent),
-    #[error("extent {0} is only partly allocated")]
-    PartlyAllocated(Extent),
-    #[error("claim of {requested} conflicts with allocated {conflicting}")]
-    ClaimConflict { requested: Extent, conflicting: Extent },
-    #[error("unknown tunable {0}")]
-    UnknownTunable(String),
-    #[error("bad value {value:?} for {name}: {reason}")]
-    BadTunableValue { name: String, value: String, reason: String },
-    #[error("bad vdev: {0}")]
-    BadVdev(String),
-    #[error("inconsistent state: {0}")]
-    Inconsistent(String),
-}
-
-pub type Result<T, E = Error> = std::result::Result<T, E>;
-
 /// Description of one tunable.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TunableInfo {
@@ -281,141 +175,19 @@ pub struct TunableInfo {
     pub description: &'static str,
 }
 
-/// OpenZFS's tunables with their names and defaults; validated on set.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Tunables {
-    pub throttle_policy: ThrottlePolicy,
-    pub metaslab_aliquot: u64,
-    pub metaslab_bias_enabled: bool,
-    pub metaslab_perf_bias: u8,
-    pub zio_dva_throttle_enabled: bool,
-    pub zfs_embedded_slog_min_ms: u64,
-    pub zfs_vdev_async_write_active_min_dirty_percent: u64,
-    pub zfs_vdev_async_write_active_max_dirty_percent: u64,
-    // ... the implementer adds the rest (fragmentation thresholds, df
-    // allocator, slop shift, legacy queue depths, metaslab sizing).
-}
+pub mod class;
+pub mod error;
+pub mod group;
+mod metaslab;
+pub mod pool;
+pub mod range_tree;
+pub mod stats;
+pub mod throttle;
+pub mod tunables;
+pub mod txg;
+pub mod vdev;
 
-impl Tunables {
-    /// Set by OpenZFS name from a string ("1", "true", "2097152", "2MiB" ...).
-    pub fn set(&mut self, _name: &str, _value: &str) -> Result<()> {
-        unimplemented!("contract")
-    }
-    pub fn get(&self, _name: &str) -> Result<String> {
-        unimplemented!("contract")
-    }
-    /// Every tunable with its current value.
-    pub fn list(&self) -> Vec<(TunableInfo, String)> {
-        unimplemented!("contract")
-    }
-}
-
-impl Default for Tunables {
-    fn default() -> Self {
-        unimplemented!("contract")
-    }
-}
-
-/// The pool: vdevs, their metaslab groups, the classes and the throttle.
-pub struct Pool {
-    _private: (),
-}
-
-impl Pool {
-    pub fn new(_tunables: Tunables) -> Pool {
-        unimplemented!("contract")
-    }
-    /// Rebuild a pool from the store: vdevs with their persisted ids and
-    /// metaslab shifts, the durable allocated extents, the last synced txg.
-    /// Re-selects the embedded log metaslabs. Overlaps or extents outside
-    /// their vdev give `Error::Inconsistent` naming the first one.
-    pub fn restore(
-        _tunables: Tunables,
-        _vdevs: Vec<(VdevId, VdevSpec)>,
-        _allocated: &[Extent],
-        _synced_txg: Txg,
-    ) -> Result<Pool> {
-        unimplemented!("contract")
-    }
-    /// Online vdev add; ids are assigned in order from 0. Its metaslabs are
-    /// usable after the next sync (OpenZFS's ms_new).
-    pub fn add_vdev(&mut self, _spec: VdevSpec) -> Result<VdevId> {
-        unimplemented!("contract")
-    }
-    /// Capacity growth: appends metaslabs of the same size.
-    pub fn grow_vdev(&mut self, _vdev: VdevId, _capacity: u64) -> Result<()> {
-        unimplemented!("contract")
-    }
-    pub fn set_health(&mut self, _vdev: VdevId, _health: Health) -> Result<()> {
-        unimplemented!("contract")
-    }
-    /// Administrative online/offline; offline vdevs are not allocatable.
-    pub fn set_online(&mut self, _vdev: VdevId, _online: bool) -> Result<()> {
-        unimplemented!("contract")
-    }
-    pub fn tunables(&self) -> &Tunables {
-        unimplemented!("contract")
-    }
-    /// Validated; rebalances the classes.
-    pub fn set_tunable(&mut self, _name: &str, _value: &str) -> Result<()> {
-        unimplemented!("contract")
-    }
-    pub fn open_txg(&self) -> Txg {
-        unimplemented!("contract")
-    }
-    /// Validate a request and pass it through the throttle. Log requests are
-    /// always `Ready`.
-    pub fn submit(&mut self, _req: AllocRequest) -> Result<Submitted> {
-        unimplemented!("contract")
-    }
-    /// Tickets admitted from the FIFO since the last call, in order.
-    pub fn take_admitted(&mut self) -> Vec<Ticket> {
-        unimplemented!("contract")
-    }
-    /// Drop a queued or admitted-but-not-placed ticket (the client went away).
-    pub fn cancel(&mut self, _ticket: Ticket) -> Result<()> {
-        unimplemented!("contract")
-    }
-    /// The spec's "busy" for a class (preface): reserved + waiting bytes over
-    /// alloc_max × (min% + max%) / 200, or any request waiting.
-    pub fn busy(&self, _class: ClassKind) -> bool {
-        unimplemented!("contract")
-    }
-    /// Place an admitted ticket. On failure the ticket is consumed and its
-    /// reservation released.
-    pub fn allocate(&mut self, _ticket: Ticket, _busy: bool) -> Result<Allocation> {
-        unimplemented!("contract")
-    }
-    /// The writes finished: release throttle bytes and queue depth; the
-    /// allocation becomes part of the open txg, which is returned.
-    pub fn commit(&mut self, _id: AllocationId) -> Result<Txg> {
-        unimplemented!("contract")
-    }
-    /// Never written: release and free the space at once.
-    pub fn abort(&mut self, _id: AllocationId) -> Result<()> {
-        unimplemented!("contract")
-    }
-    /// Free committed space; reusable after TXG_DEFER_SIZE more syncs.
-    /// All-or-nothing over the slice.
-    pub fn free(&mut self, _extents: &[Extent]) -> Result<Txg> {
-        unimplemented!("contract")
-    }
-    /// Re-assert extents after a restart: succeeds when free (allocates them
-    /// as committed) or already allocated exactly so. All-or-nothing.
-    pub fn claim(&mut self, _extents: &[Extent]) -> Result<Txg> {
-        unimplemented!("contract")
-    }
-    /// Close the open txg: deferred frees move on, balance is recomputed, and
-    /// exactly what changed is returned.
-    pub fn sync(&mut self) -> TxgSync {
-        unimplemented!("contract")
-    }
-    pub fn stats(&self) -> PoolStats {
-        unimplemented!("contract")
-    }
-    /// Check invariants (no overlaps, per-vdev sums match); the first broken
-    /// one is named.
-    pub fn verify(&self) -> Result<()> {
-        unimplemented!("contract")
-    }
-}
+pub use error::{Error, Result};
+pub use pool::Pool;
+pub use stats::{ClassStats, GroupStats, PoolStats, VdevStats};
+pub use tunables::Tunables;

@@ -1,0 +1,56 @@
+//! The crate's one error enum. Every error leaves the pool exactly as it
+//! was: operations validate fully before they mutate.
+
+use crate::{AllocationId, Extent, Ticket, Txg, VdevId};
+
+/// Every error leaves the pool exactly as it was.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Error {
+    #[error("size must be at least 1 byte")]
+    ZeroSize,
+    #[error("size {0} is above the 16 MiB maximum block size")]
+    TooLarge(u64),
+    #[error("copies must be 1, 2 or 3, not {0}")]
+    BadCopies(u8),
+    #[error("extent {0} is not aligned to its vdev's ashift")]
+    Misaligned(Extent),
+    #[error("extent {0} lies outside its vdev")]
+    OutOfRange(Extent),
+    #[error("no vdev {0}")]
+    UnknownVdev(VdevId),
+    #[error("no allocation {0} in flight")]
+    UnknownAllocation(AllocationId),
+    #[error("no ticket {0}")]
+    UnknownTicket(Ticket),
+    #[error("ticket {0} has not been admitted by the throttle")]
+    NotAdmitted(Ticket),
+    #[error("no space for {size} bytes x{copies}")]
+    NoSpace { size: u64, copies: u8 },
+    /// Log allocation failed in every class: wait until `until` has synced
+    /// (OpenZFS's txg_wait_synced fallback, open txg + TXG_DEFER_SIZE).
+    #[error("no log space: wait for txg {until} to sync")]
+    TxgWaitRequired { until: Txg },
+    #[error("extent {0} is not allocated (double free?)")]
+    NotAllocated(Extent),
+    #[error("extent {0} is only partly allocated")]
+    PartlyAllocated(Extent),
+    #[error("claim of {requested} conflicts with allocated {conflicting}")]
+    ClaimConflict {
+        requested: Extent,
+        conflicting: Extent,
+    },
+    #[error("unknown tunable {0}")]
+    UnknownTunable(String),
+    #[error("bad value {value:?} for {name}: {reason}")]
+    BadTunableValue {
+        name: String,
+        value: String,
+        reason: String,
+    },
+    #[error("bad vdev: {0}")]
+    BadVdev(String),
+    #[error("inconsistent state: {0}")]
+    Inconsistent(String),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

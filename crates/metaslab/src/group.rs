@@ -1,0 +1,308 @@
+//! A metaslab group: the metaslabs one vdev contributes to one class,
+//! ordered for selection (inactive first, then primary, then secondary;
+//! by descending weight, ties by offset — spec §1.3), with the group's
+//! activation (§2.5), `find_valid_metaslab` (§2.6), eligibility state
+//! (§2.7) and the per-group throttle counters of both policies.
+
+use std::cmp::Reverse;
+use std::collections::BTreeSet;
+use std::ops::Bound;
+
+use crate::metaslab::{Metaslab, Role, weight_index, weight_is_space};
+use crate::{ClassKind, Tunables, Txg, VdevId};
+
+/// Tree key: (band, descending weight, id).
+type Key = (u8, Reverse<u64>, u32);
+
+fn band(role: Role) -> u8 {
+    match role {
+        Role::Inactive => 0,
+        Role::Primary => 1,
+        Role::Secondary => 2,
+    }
+}
+
+fn key(ms: &Metaslab) -> Key {
+    (band(ms.role), Reverse(ms.weight), ms.id)
+}
+
+/// What one `group_alloc` did.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GroupAllocOutcome {
+    pub offset: Option<(u32, u64)>,
+    /// Metaslabs activated while not loaded.
+    pub loads: u32,
+}
+
+/// Facts `group_alloc` needs from its vdev and the pool.
+pub struct AllocCtx<'a> {
+    pub t: &'a Tunables,
+    pub txg: Txg,
+    pub try_hard: bool,
+    pub rotational: bool,
+    pub ms_count: u64,
+    pub min_alloc: u64,
+}
+
+#[derive(Clone, Debug)]
+pub struct Group {
+    pub vdev: VdevId,
+    pub class: ClassKind,
+    tree: BTreeSet<Key>,
+    pub primary: Option<u32>,
+    pub secondary: Option<u32>,
+    /// Bytes of members that finished their first sync.
+    pub space: u64,
+    /// Bytes of members not allocatable (in flight, allocated, deferred).
+    pub alloc: u64,
+    pub ready: u32,
+    // Unified throttle (spec §3.3, §3.6).
+    pub aliquot: u64,
+    pub queue_target: u64,
+    /// Bytes placed by throttled allocations, not yet committed.
+    pub queue_depth: u64,
+    // Legacy throttle (spec §4).
+    pub queue_requests: u64,
+    pub legacy_cur_max: u64,
+    pub legacy_max: u64,
+    pub legacy_aliquot: u64,
+    pub legacy_bias: i64,
+    // Eligibility (spec §2.7).
+    pub allocatable: bool,
+    pub no_free_space: bool,
+    pub fragmentation: Option<u64>,
+    pub dirty: bool,
+}
+
+impl Group {
+    pub fn new(vdev: VdevId, class: ClassKind) -> Group {
+        Group {
+            vdev,
+            class,
+            tree: BTreeSet::new(),
+            primary: None,
+            secondary: None,
+            space: 0,
+            alloc: 0,
+            ready: 0,
+            aliquot: 0,
+            queue_target: 0,
+            queue_depth: 0,
+            queue_requests: 0,
+            legacy_cur_max: 0,
+            legacy_max: 0,
+            legacy_aliquot: 0,
+            legacy_bias: 0,
+            allocatable: false,
+            no_free_space: true,
+            fragmentation: Some(0),
+            dirty: false,
+        }
+    }
+
+    pub fn members(&self) -> impl Iterator<Item = u32> + '_ {
+        self.tree.iter().map(|k| k.2)
+    }
+
+    pub fn member_count(&self) -> usize {
+        self.tree.len()
+    }
+
+    pub fn insert(&mut self, ms: &Metaslab) {
+        self.tree.insert(key(ms));
+        self.alloc += ms.alloc();
+        if !ms.new {
+            self.space += ms.size;
+            self.ready += 1;
+        }
+    }
+
+    /// Re-key `ms` after its weight changed.
+    pub fn set_weight(&mut self, ms: &mut Metaslab, weight: u64) {
+        if ms.weight != weight {
+            self.tree.remove(&key(ms));
+            ms.weight = weight;
+            self.tree.insert(key(ms));
+        }
+    }
+
+    fn set_role(&mut self, ms: &mut Metaslab, role: Role) {
+        self.tree.remove(&key(ms));
+        ms.role = role;
+        self.tree.insert(key(ms));
+    }
+
+    pub fn activate(&mut self, ms: &mut Metaslab) {
+        ms.activation_weight = ms.weight;
+        self.set_role(ms, Role::Primary);
+        self.primary = Some(ms.id);
+    }
+
+    /// Passivate `ms` with its recomputed weight.
+    pub fn passivate(&mut self, ms: &mut Metaslab) {
+        if self.primary == Some(ms.id) {
+            self.primary = None;
+        }
+        if self.secondary == Some(ms.id) {
+            self.secondary = None;
+        }
+        ms.activation_weight = 0;
+        self.set_role(ms, Role::Inactive);
+    }
+
+    /// Recompute `ms`'s weight and re-key it (keeping its role).
+    pub fn reweigh(&mut self, ms: &mut Metaslab, rotational: bool, ms_count: u64, t: &Tunables) {
+        self.tree.remove(&key(ms));
+        ms.compute_weight(rotational, ms_count, t);
+        self.tree.insert(key(ms));
+    }
+
+    /// `find_valid_metaslab` (spec §2.6) for a PRIMARY request.
+    fn find_valid(
+        &self,
+        ms: &[Metaslab],
+        search: Option<Key>,
+        asize: u64,
+        ctx: &AllocCtx<'_>,
+    ) -> Option<Key> {
+        let lower = match search {
+            Some(k) => Bound::Excluded(k),
+            None => Bound::Unbounded,
+        };
+        let mut tries = 0u64;
+        for k in self.tree.range((lower, Bound::Unbounded)) {
+            tries += 1;
+            if !ctx.try_hard && tries > ctx.t.zfs_metaslab_find_max_tries {
+                return None;
+            }
+            let m = &ms[k.2 as usize];
+            if m.new || !m.should_allocate(asize) {
+                continue;
+            }
+            return Some(*k);
+        }
+        None
+    }
+
+    /// `metaslab_group_alloc` (spec §2.5) for one DVA: use the primary
+    /// metaslab, else the best valid one; on failure reweigh and move on.
+    /// `lru` is told of (re)selections: `(old selected txg, id)` pairs.
+    pub fn alloc(
+        &mut self,
+        ms: &mut [Metaslab],
+        asize: u64,
+        ctx: &AllocCtx<'_>,
+        selected: &mut impl FnMut(u32, Txg, bool),
+    ) -> GroupAllocOutcome {
+        let mut out = GroupAllocOutcome::default();
+        let mut search: Option<Key> = None;
+        let mut tried_primary = false;
+        // Bounded: each iteration either succeeds or moves the search past
+        // a metaslab; the cap guards against a weight that does not drop.
+        let mut budget = self.tree.len() + 2;
+        while budget > 0 {
+            budget -= 1;
+            let id = match self.primary {
+                Some(p) if !tried_primary => {
+                    tried_primary = true;
+                    p
+                }
+                _ => match self.find_valid(ms, search, asize, ctx) {
+                    Some(k) => {
+                        search = Some(k);
+                        k.2
+                    }
+                    None => break,
+                },
+            };
+            let m = &mut ms[id as usize];
+            // Mark selected; load if it was unloaded.
+            let was_loaded = m.loaded;
+            if m.selected_txg != ctx.txg || !was_loaded {
+                selected(id, m.selected_txg, was_loaded);
+                m.selected_txg = ctx.txg;
+            }
+            if !was_loaded {
+                m.loaded = true;
+                out.loads += 1;
+            }
+            if m.role == Role::Inactive {
+                if m.weight == 0 || m.new {
+                    continue;
+                }
+                if let Some(p) = self.primary {
+                    // Slot taken (cannot happen with one allocator, whose
+                    // primary is tried first); use it without owning it.
+                    let _ = p;
+                } else {
+                    self.activate(m);
+                }
+            }
+            let owned = self.primary == Some(id);
+            if m.should_allocate(asize)
+                && let Some(off) = m.df_alloc(asize, ctx.t)
+            {
+                if owned {
+                    self.may_passivate(ms, id, ctx);
+                }
+                out.offset = Some((id, off));
+                return out;
+            }
+            // Failed: reweigh, and passivate if ours.
+            let m = &mut ms[id as usize];
+            if owned {
+                m.compute_weight(ctx.rotational, ctx.ms_count, ctx.t);
+                self.passivate(m);
+            } else {
+                self.reweigh(m, ctx.rotational, ctx.ms_count, ctx.t);
+            }
+        }
+        if asize <= ctx.min_alloc {
+            self.no_free_space = true;
+        }
+        out
+    }
+
+    /// Switch away from a segment-weighted metaslab whose best bucket has
+    /// dropped (spec §2.9).
+    fn may_passivate(&mut self, ms: &mut [Metaslab], id: u32, ctx: &AllocCtx<'_>) {
+        let m = &mut ms[id as usize];
+        if weight_is_space(m.activation_weight) {
+            return;
+        }
+        let free = m.allocatable.space();
+        if m.allocatable.max_size() > free / 16 * 15 {
+            return;
+        }
+        let w = m.segment_weight_from_tree();
+        let act = weight_index(m.activation_weight);
+        if act >= weight_index(w) + ctx.t.zfs_metaslab_switch_threshold as u32 {
+            m.weight = w;
+            m.compute_fragmentation();
+            self.passivate(m);
+        }
+    }
+
+    /// Refresh fragmentation (spec §2.4, group: weighted by free space in
+    /// 512-byte units) and the allocatable state (spec §2.7).
+    pub fn refresh(&mut self, ms: &[Metaslab], vs_space: u64, vs_alloc: u64, t: &Tunables) {
+        let mut weighted: u128 = 0;
+        let mut total: u128 = 0;
+        for id in self.members() {
+            let m = &ms[id as usize];
+            let free = (m.allocatable.space() >> 9) as u128;
+            weighted += free * m.fragmentation as u128;
+            total += free;
+        }
+        self.fragmentation = weighted.checked_div(total).map(|f| f as u64);
+        let free_pct = vs_space.saturating_sub(vs_alloc) as u128 * 100 / (vs_space as u128 + 1);
+        self.allocatable = self.ready > 0
+            && free_pct > t.zfs_mg_noalloc_threshold as u128
+            && self
+                .fragmentation
+                .is_none_or(|f| f <= t.zfs_mg_fragmentation_threshold);
+        if self.ready > 0 {
+            self.no_free_space = false;
+        }
+    }
+}

@@ -1,0 +1,7 @@
+//! The allocation throttles: the unified byte-based throttle of OpenZFS
+//! #17020 (spec §3) and the request-based legacy throttle it replaced
+//! (spec §4). Both are written as pure functions over plain numbers so the
+//! spec's worked examples can be checked bit for bit; `pool` applies them.
+
+pub mod legacy;
+pub mod unified;

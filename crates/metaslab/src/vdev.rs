@@ -1,0 +1,121 @@
+//! Vdev geometry (spec §1.6, §1.7): the metaslab size OpenZFS picks for a
+//! top-level vdev, psize → asize rounding (plain and RAIDZ), and the data
+//! children count that scales the aliquot.
+
+use crate::range_tree::highbit;
+use crate::{Tunables, VdevSpec};
+
+/// The metaslab shift OpenZFS chooses for a vdev of `asize` bytes
+/// (`vdev_metaslab_set_size`, spec §1.6).
+pub fn metaslab_shift(asize: u64, t: &Tunables) -> u8 {
+    let default_shift = t.zfs_vdev_default_ms_shift as u32;
+    let count0 = asize >> default_shift;
+    let mut shift = if count0 < t.zfs_vdev_min_ms_count {
+        highbit(asize / t.zfs_vdev_min_ms_count)
+    } else if count0 > t.zfs_vdev_default_ms_count {
+        highbit(asize / t.zfs_vdev_default_ms_count)
+    } else {
+        default_shift
+    };
+    let max_shift = t.zfs_vdev_max_ms_shift as u32;
+    // Never below the maximum block size (SPA_MAXBLOCKSHIFT).
+    if shift < 24 {
+        shift = 24;
+    } else if shift > max_shift {
+        shift = max_shift;
+        if (asize >> max_shift) > t.zfs_vdev_ms_count_limit {
+            shift = highbit(asize / t.zfs_vdev_ms_count_limit);
+        }
+    }
+    shift as u8
+}
+
+/// Metaslab count for `asize` at `shift`; the trailing partial metaslab is
+/// unused.
+pub fn metaslab_count(asize: u64, shift: u8) -> u64 {
+    asize >> shift
+}
+
+/// Data children: children − parity, at least 1 (spec §1.7).
+pub fn data_children(spec: &VdevSpec) -> u64 {
+    (spec.children.saturating_sub(spec.parity)).max(1) as u64
+}
+
+/// psize → asize (spec §1.7). A vdev with one data child (plain disk or a
+/// mirror: children − parity = 1) rounds up to the sector; a RAIDZ-like vdev
+/// with parity adds parity sectors and rounds to a multiple of parity + 1.
+pub fn psize_to_asize(spec: &VdevSpec, psize: u64) -> u64 {
+    let a = spec.ashift as u32;
+    let p = spec.parity as u64;
+    let cols = spec.children as u64;
+    if p == 0 || cols <= p + 1 {
+        let sector = 1u64 << a;
+        return psize.div_ceil(sector) * sector;
+    }
+    let mut s = psize.div_ceil(1 << a);
+    s += p * s.div_ceil(cols - p);
+    (s.div_ceil(p + 1) * (p + 1)) << a
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::VdevRole;
+
+    const GIB: u64 = 1 << 30;
+    const MIB: u64 = 1 << 20;
+    const TIB: u64 = 1 << 40;
+    const PIB: u64 = 1 << 50;
+
+    fn check(asize: u64, count: u64, ms_size: u64) {
+        let t = Tunables::default();
+        let shift = metaslab_shift(asize, &t);
+        assert_eq!(
+            (metaslab_count(asize, shift), 1u64 << shift),
+            (count, ms_size),
+            "asize {asize}"
+        );
+    }
+
+    #[test]
+    fn metaslab_size_spec_examples() {
+        check(4 * GIB, 8, 512 * MIB);
+        check(4 * GIB - 4 * MIB - 512 * 1024, 15, 256 * MIB);
+        check(6 * GIB, 12, 512 * MIB);
+        check(123 * MIB + 512 * 1024, 7, 16 * MIB);
+        check(8 * GIB, 16, 512 * MIB);
+        check(100 * GIB, 200, 512 * MIB);
+        check(TIB, 128, 8 * GIB);
+        check(3 * TIB, 192, 16 * GIB);
+        check(100 * TIB, 6400, 16 * GIB);
+        check(3 * PIB, 98304, 32 * GIB);
+        // The preface's small device: 1 GiB gives 8 × 128 MiB.
+        check(GIB, 8, 128 * MIB);
+    }
+
+    fn spec(children: u32, parity: u32, ashift: u8) -> VdevSpec {
+        VdevSpec {
+            capacity: GIB,
+            ashift,
+            children,
+            parity,
+            rotational: false,
+            role: VdevRole::Normal,
+            metaslab_shift: None,
+        }
+    }
+
+    #[test]
+    fn asize_rounding() {
+        assert_eq!(psize_to_asize(&spec(1, 0, 12), 1), 4096);
+        assert_eq!(psize_to_asize(&spec(1, 0, 12), 4097), 8192);
+        assert_eq!(psize_to_asize(&spec(2, 1, 12), 4096), 4096); // mirror
+        // raidz1 of 5 (4 data): 128 KiB = 32 sectors + 8 parity = 40, round to 2 → 40.
+        assert_eq!(psize_to_asize(&spec(5, 1, 12), 128 << 10), 40 << 12);
+        // raidz2 of 6: 1 sector + 2 parity = 3, round up to 3 → 3 sectors.
+        assert_eq!(psize_to_asize(&spec(6, 2, 12), 4096), 3 << 12);
+        assert_eq!(data_children(&spec(10, 2, 12)), 8);
+        assert_eq!(data_children(&spec(1, 0, 12)), 1);
+        assert_eq!(data_children(&spec(2, 1, 12)), 1);
+    }
+}

@@ -1,16 +1,26 @@
 //! `aliquotctl history` and the demo's chart: the metrics service's own
 //! client (`aliquot_metrics::cli`), wired here.
 
-#[derive(Debug, Clone, clap::Args)]
-pub struct Args {}
+use std::path::Path;
 
-pub async fn run(_args: Args) -> anyhow::Result<()> {
-    Err(
-        crate::UsageError("history needs the metrics service's client, not built in yet".into())
-            .into(),
-    )
+pub use aliquot_metrics::cli::HistoryArgs as Args;
+
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    aliquot_metrics::cli::history(args).await
 }
 
-pub async fn chart(_url: &str, _pool: &str, _path: &std::path::Path) -> anyhow::Result<()> {
-    anyhow::bail!("the metrics client is not built in yet")
+/// Write pool `pool`'s balance chart (used fraction per vdev over time) from
+/// the metrics service at `metrics_url` to `path`.
+pub async fn chart(metrics_url: &str, pool: &str, path: &Path) -> anyhow::Result<()> {
+    use clap::Parser;
+    #[derive(clap::Parser)]
+    struct P {
+        #[command(flatten)]
+        a: Args,
+    }
+    let mut a = P::try_parse_from(["history"])?.a;
+    a.endpoint = metrics_url.to_string();
+    a.pool = pool.to_string();
+    a.svg = Some(path.to_path_buf());
+    aliquot_metrics::cli::history(a).await
 }

@@ -9,6 +9,8 @@ pub enum ServeCmd {
     Agent(aliquot_agent::Config),
     /// The pool's allocator: aliquot-allocator.
     Allocator(aliquot_allocator::Config),
+    /// Balance history, charts: aliquot-metrics.
+    Metrics(aliquot_metrics::Config),
 }
 
 impl ServeCmd {
@@ -16,6 +18,7 @@ impl ServeCmd {
         match self {
             ServeCmd::Agent(_) => "aliquot-agent",
             ServeCmd::Allocator(_) => "aliquot-allocator",
+            ServeCmd::Metrics(_) => "aliquot-metrics",
         }
     }
 
@@ -23,6 +26,7 @@ impl ServeCmd {
         match self {
             ServeCmd::Agent(c) => &c.telemetry,
             ServeCmd::Allocator(c) => &c.telemetry,
+            ServeCmd::Metrics(c) => &c.telemetry,
         }
     }
 }
@@ -32,6 +36,7 @@ pub async fn run(cmd: ServeCmd) -> anyhow::Result<()> {
     match cmd {
         ServeCmd::Agent(c) => aliquot_agent::run(c).await,
         ServeCmd::Allocator(c) => aliquot_allocator::run(c).await,
+        ServeCmd::Metrics(c) => aliquot_metrics::run(c).await,
     }
 }
 
@@ -40,5 +45,6 @@ pub fn is_usage_error(e: &anyhow::Error) -> bool {
     e.downcast_ref::<aliquot_agent::AgentError>()
         .is_some_and(|e| e.is_usage())
         || e.downcast_ref::<aliquot_allocator::ConfigError>().is_some()
+        || aliquot_metrics::exit_code(e) == 2
         || e.downcast_ref::<crate::UsageError>().is_some()
 }

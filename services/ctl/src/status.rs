@@ -125,6 +125,15 @@ pub const CLASS_HEADER: [&str; 8] = [
     "USED/LIMIT",
 ];
 
+/// A class that is never throttled has no meaningful limit.
+fn limit(c: &ClassStatus) -> String {
+    if !c.throttle_enabled && c.alloc_max >= u64::MAX / 4 {
+        "-".into()
+    } else {
+        short(c.alloc_max)
+    }
+}
+
 fn vdev_of<'a>(st: &'a PoolStatus, id: u32) -> Option<&'a VdevStatus> {
     st.vdevs.iter().find(|v| v.vdev == id)
 }
@@ -167,7 +176,9 @@ pub fn render_table(st: &PoolStatus) -> String {
         dash(),
     ]);
     for c in &st.classes {
-        if c.groups.is_empty() {
+        // A class with no space (e.g. embedded_log on vdevs too small for a
+        // log metaslab) has nothing to show per vdev; JSON still lists it.
+        if c.groups.is_empty() || c.space == 0 {
             continue;
         }
         rows.push([
@@ -227,13 +238,17 @@ pub fn render_table(st: &PoolStatus) -> String {
         .map(|c| {
             [
                 c.name.clone(),
-                short(c.alloc_max),
+                limit(c),
                 short(c.reserved),
                 if c.busy { "yes" } else { "no" }.to_string(),
                 format!("{} ({})", c.waiting, short(c.waiting_bytes)),
                 short(c.alloc_io_size),
                 if c.throttle_enabled { "on" } else { "off" }.to_string(),
-                pct(c.reserved, c.alloc_max),
+                if c.throttle_enabled {
+                    pct(c.reserved, c.alloc_max)
+                } else {
+                    "-".into()
+                },
             ]
         })
         .collect();

@@ -19,7 +19,11 @@ fn parse_svg(svg: &str) -> (Vec<String>, String) {
     for n in doc.descendants() {
         match n.tag_name().name() {
             "polyline" => {
-                let pts = n.attribute("points").unwrap_or("").split_whitespace().count();
+                let pts = n
+                    .attribute("points")
+                    .unwrap_or("")
+                    .split_whitespace()
+                    .count();
                 if pts >= 3 {
                     lines.push(n.attribute("stroke").unwrap_or("").to_string());
                 }
@@ -55,7 +59,9 @@ async fn charts_have_one_series_per_vdev() {
         }
         snaps.push(sn);
     }
-    c.record_batch(SnapshotBatch { snapshots: snaps }).await.unwrap();
+    c.record_batch(SnapshotBatch { snapshots: snaps })
+        .await
+        .unwrap();
 
     for kind in ChartKind::ALL {
         let (status, ctype, body) =
@@ -64,11 +70,21 @@ async fn charts_have_one_series_per_vdev() {
         assert_eq!(ctype, "image/svg+xml");
         let (lines, text) = parse_svg(&body);
         assert_eq!(lines.len(), 3, "{kind:?}: one line per vdev");
-        assert_eq!(lines.iter().collect::<BTreeSet<_>>().len(), 3, "distinct colours");
+        assert_eq!(
+            lines.iter().collect::<BTreeSet<_>>().len(),
+            3,
+            "distinct colours"
+        );
         for v in 0..3 {
-            assert!(text.contains(&format!("disk{v} ({v})")), "legend for vdev {v}");
+            assert!(
+                text.contains(&format!("disk{v} ({v})")),
+                "legend for vdev {v}"
+            );
         }
-        assert!(text.contains("add 2") && text.contains("offline 1"), "event markers");
+        assert!(
+            text.contains("add 2") && text.contains("offline 1"),
+            "event markers"
+        );
         assert!(text.contains("time (UTC)"));
         let unit = match kind {
             ChartKind::Balance => "used (% of capacity)",
@@ -81,14 +97,21 @@ async fn charts_have_one_series_per_vdev() {
     // A window: absolute ms and relative times both parse.
     let (status, _, body) = http_get(
         svc.http_addr,
-        &format!("/pools/tank/balance.svg?since={}&until={}", T0 + 50_000, T0 + 100_000),
+        &format!(
+            "/pools/tank/balance.svg?since={}&until={}",
+            T0 + 50_000,
+            T0 + 100_000
+        ),
     )
     .await;
     assert_eq!(status, 200);
     assert_eq!(parse_svg(&body).0.len(), 3);
     let (status, _, body) = http_get(svc.http_addr, "/pools/tank/balance.svg?since=-1h").await;
     assert_eq!(status, 200);
-    assert!(parse_svg(&body).1.contains("no samples"), "T0 is not within the last hour");
+    assert!(
+        parse_svg(&body).1.contains("no samples"),
+        "T0 is not within the last hour"
+    );
 
     // The page: auto-refresh, the pool and its three charts.
     let (status, ctype, page) = http_get(svc.http_addr, "/?since=-7d").await;
@@ -97,13 +120,24 @@ async fn charts_have_one_series_per_vdev() {
     assert!(page.contains("http-equiv=\"refresh\""));
     assert!(page.contains("pool tank"));
     for k in ["balance", "throughput", "queues"] {
-        assert!(page.contains(&format!("/pools/tank/{k}.svg?since=-7d")), "{k}");
+        assert!(
+            page.contains(&format!("/pools/tank/{k}.svg?since=-7d")),
+            "{k}"
+        );
     }
 
     // Errors.
-    assert_eq!(http_get(svc.http_addr, "/pools/nope/balance.svg").await.0, 404);
+    assert_eq!(
+        http_get(svc.http_addr, "/pools/nope/balance.svg").await.0,
+        404
+    );
     assert_eq!(http_get(svc.http_addr, "/pools/tank/pie.svg").await.0, 404);
-    assert_eq!(http_get(svc.http_addr, "/pools/tank/balance.svg?since=soon").await.0, 400);
+    assert_eq!(
+        http_get(svc.http_addr, "/pools/tank/balance.svg?since=soon")
+            .await
+            .0,
+        400
+    );
     let (status, _, _) = http_get(
         svc.http_addr,
         &format!("/pools/tank/balance.svg?since={}&until={}", T0 + 10, T0),
@@ -125,7 +159,9 @@ fn plain_series_render_without_a_service() {
         series: (0..12)
             .map(|v| Series {
                 label: format!("v{v}"),
-                points: (0..50).map(|i| (T0 + i * 1000, 0.01 * (v + i) as f64)).collect(),
+                points: (0..50)
+                    .map(|i| (T0 + i * 1000, 0.01 * (v + i) as f64))
+                    .collect(),
             })
             .collect(),
         markers: vec![Marker {
@@ -147,5 +183,9 @@ fn plain_series_render_without_a_service() {
         markers: vec![],
         ..chart
     };
-    assert!(parse_svg(&render_svg(&empty).unwrap()).1.contains("no samples"));
+    assert!(
+        parse_svg(&render_svg(&empty).unwrap())
+            .1
+            .contains("no samples")
+    );
 }

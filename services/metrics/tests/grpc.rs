@@ -73,10 +73,18 @@ async fn ingest_then_history_in_order_and_downsampled() {
     // Downsampled: at most max_points, strictly increasing time, and each
     // point the average of its bucket (linear data: value at average time).
     for max_points in [1u32, 7, 50, 599] {
-        let h = c.history(req("tank", max_points)).await.unwrap().into_inner();
+        let h = c
+            .history(req("tank", max_points))
+            .await
+            .unwrap()
+            .into_inner();
         for (i, s) in h.series.iter().enumerate() {
             assert!(!s.points.is_empty());
-            assert!(s.points.len() <= max_points as usize, "{} > {max_points}", s.points.len());
+            assert!(
+                s.points.len() <= max_points as usize,
+                "{} > {max_points}",
+                s.points.len()
+            );
             assert!(s.points.len() * 2 >= max_points as usize, "too few points");
             assert!(s.points.windows(2).all(|w| w[0].time_ms < w[1].time_ms));
             for p in &s.points {
@@ -125,7 +133,9 @@ async fn summary_of_a_constructed_history() {
     }
     // Out of order on the wire: the store sorts each pool's snapshots.
     snaps.reverse();
-    c.record_batch(SnapshotBatch { snapshots: snaps }).await.unwrap();
+    c.record_batch(SnapshotBatch { snapshots: snaps })
+        .await
+        .unwrap();
 
     let before = aliquot_metrics::service::now_ms();
     let r = c
@@ -140,7 +150,11 @@ async fn summary_of_a_constructed_history() {
     assert_eq!(p.samples, 60 * 2 + 141 * 3);
     assert_eq!((p.first_ms, p.last_ms), (T0, T0 + 200_000));
     assert!(p.current_spread < 1e-6, "current {}", p.current_spread);
-    assert!((p.worst_spread - 0.31).abs() < 1e-3, "worst {}", p.worst_spread);
+    assert!(
+        (p.worst_spread - 0.31).abs() < 1e-3,
+        "worst {}",
+        p.worst_spread
+    );
     assert_eq!(p.last_vdev_add_ms, Some(T0 + 60_000));
     // 0.31 * (1 - x/100) < 0.05 first at x = 84 s.
     assert_eq!(p.rebalance_ms, Some(84_000));
@@ -161,8 +175,16 @@ async fn summary_of_a_constructed_history() {
     sn.events.push(event(T0, "vdev_add", 1));
     snaps.push(sn);
     snaps.push(snap("q", T0 + 1000, &[0.5, 0.2]));
-    c.record_batch(SnapshotBatch { snapshots: snaps }).await.unwrap();
-    let all = c.summary(SummaryRequest { pool: String::new() }).await.unwrap().into_inner();
+    c.record_batch(SnapshotBatch { snapshots: snaps })
+        .await
+        .unwrap();
+    let all = c
+        .summary(SummaryRequest {
+            pool: String::new(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
     let names: Vec<_> = all.pools.iter().map(|p| p.pool.as_str()).collect();
     assert_eq!(names, ["p", "q"]);
     assert_eq!(all.pools[1].rebalance_ms, None);
@@ -171,7 +193,10 @@ async fn summary_of_a_constructed_history() {
     // History carries the event.
     let h = c.history(req("p", 10)).await.unwrap().into_inner();
     assert_eq!(h.events.len(), 1);
-    assert_eq!((h.events[0].kind.as_str(), h.events[0].vdev), ("vdev_add", 2));
+    assert_eq!(
+        (h.events[0].kind.as_str(), h.events[0].vdev),
+        ("vdev_add", 2)
+    );
 
     drop(c);
     svc.shutdown().await.unwrap();
@@ -212,7 +237,9 @@ async fn bad_queries_are_refused() {
     assert_eq!(code(c.history(r).await).0, Code::NotFound);
 
     let s = c
-        .summary(SummaryRequest { pool: "nosuchpool".into() })
+        .summary(SummaryRequest {
+            pool: "nosuchpool".into(),
+        })
         .await
         .unwrap_err();
     assert_eq!(s.code(), Code::NotFound);

@@ -40,8 +40,14 @@ async fn backlog_survives_an_outage_and_overflow_is_counted() {
     let mut cfg = config(&dir.path().join("m.db"), &[]);
     cfg.listen = listen.parse().unwrap();
     let svc = aliquot_metrics::start(&cfg).await.unwrap();
-    assert!(pusher.flush(Duration::from_secs(20)).await, "backlog not sent");
-    assert_eq!((pusher.sent(), pusher.pending(), pusher.dropped()), (50, 0, 30));
+    assert!(
+        pusher.flush(Duration::from_secs(20)).await,
+        "backlog not sent"
+    );
+    assert_eq!(
+        (pusher.sent(), pusher.pending(), pusher.dropped()),
+        (50, 0, 30)
+    );
     assert!(pusher.is_connected());
 
     let mut c = client(&svc).await;
@@ -56,9 +62,14 @@ async fn backlog_survives_an_outage_and_overflow_is_counted() {
         .into_inner();
     let times: Vec<i64> = h.series[0].points.iter().map(|p| p.time_ms).collect();
     let want: Vec<i64> = (30..80).map(|s| T0 + s * 1000).collect();
-    assert_eq!(times, want, "the 30 oldest were dropped, the rest arrived in order");
+    assert_eq!(
+        times, want,
+        "the 30 oldest were dropped, the rest arrived in order"
+    );
     let sum = c
-        .summary(SummaryRequest { pool: "tank".into() })
+        .summary(SummaryRequest {
+            pool: "tank".into(),
+        })
         .await
         .unwrap()
         .into_inner();

@@ -35,9 +35,13 @@ async fn refused(path: &Path) -> String {
 }
 
 async fn raw_sqlite(path: &Path) -> SqliteConnection {
-    SqliteConnection::connect_with(&SqliteConnectOptions::new().filename(path).create_if_missing(true))
-        .await
-        .unwrap()
+    SqliteConnection::connect_with(
+        &SqliteConnectOptions::new()
+            .filename(path)
+            .create_if_missing(true),
+    )
+    .await
+    .unwrap()
 }
 
 fn siblings(path: &Path) -> Vec<String> {
@@ -67,7 +71,10 @@ async fn random_bytes_are_refused_untouched() {
     bytes.extend(noise(8192, 42));
     std::fs::write(&path, &bytes).unwrap();
     let msg = refused(&path).await;
-    assert!(msg.contains("corrupt") || msg.contains("cannot open"), "{msg}");
+    assert!(
+        msg.contains("corrupt") || msg.contains("cannot open"),
+        "{msg}"
+    );
     assert_eq!(std::fs::read(&path).unwrap(), bytes);
 }
 
@@ -88,7 +95,10 @@ async fn foreign_sqlite_is_refused_untouched() {
     c.close().await.unwrap();
     let bytes = std::fs::read(&path).unwrap();
     let msg = refused(&path).await;
-    assert!(msg.contains("foreign") && msg.contains("customers"), "{msg}");
+    assert!(
+        msg.contains("foreign") && msg.contains("customers"),
+        "{msg}"
+    );
     assert_eq!(std::fs::read(&path).unwrap(), bytes);
 
     // Another sqlx application's database (a migrations table, other tables).
@@ -116,7 +126,10 @@ async fn newer_schema_is_refused_untouched_and_ours_reopens() {
     let path = dir.path().join("sub").join("metrics.db");
     // Fresh file (and its directory) just work; data survives a reopen.
     let store = Store::open(&path).await.unwrap();
-    store.ingest(&[snap("tank", T0, &[0.25, 0.5])]).await.unwrap();
+    store
+        .ingest(&[snap("tank", T0, &[0.25, 0.5])])
+        .await
+        .unwrap();
     store.close().await;
     let mode: String = sqlx::query_scalar("PRAGMA journal_mode")
         .fetch_one(&mut raw_sqlite(&path).await)
@@ -152,7 +165,10 @@ async fn newer_schema_is_refused_untouched_and_ours_reopens() {
     assert_eq!(std::fs::read(&path).unwrap(), bytes);
 
     // The service refuses it before binding, with exit code 2.
-    let err = aliquot_metrics::start(&config(&path, &[])).await.err().unwrap();
+    let err = aliquot_metrics::start(&config(&path, &[]))
+        .await
+        .err()
+        .unwrap();
     assert_eq!(aliquot_metrics::exit_code(&err), 2);
     assert_eq!(std::fs::read(&path).unwrap(), bytes);
 }
@@ -175,12 +191,18 @@ async fn retention_keeps_minute_aggregates() {
     let before = store.raw_rows().await.unwrap();
     assert_eq!(before, snaps.len() as i64 * 2);
 
-    let st = store.maintain(end, Duration::from_secs(3600)).await.unwrap();
+    let st = store
+        .maintain(end, Duration::from_secs(3600))
+        .await
+        .unwrap();
     assert_eq!(st.minutes_aggregated, 2 * 174, "{st:?}");
     let after = store.raw_rows().await.unwrap();
     assert_eq!(after, 3600 * 2, "only the last hour stays raw");
     // vdev rows, plus one snapshot row and one class row per pruned snapshot.
-    assert_eq!(st.rows_pruned as i64, before - after + 2 * (snaps.len() as i64 - 3600));
+    assert_eq!(
+        st.rows_pruned as i64,
+        before - after + 2 * (snaps.len() as i64 - 3600)
+    );
 
     // The whole range, one point per minute: older minutes come from the
     // aggregates, with the same averages raw samples would give.
@@ -198,7 +220,11 @@ async fn retention_keeps_minute_aggregates() {
         for p in &s.points {
             let secs = (p.time_ms - T0) as f64 / 1000.0;
             let want = ((used(i, 0) + secs * 1e-5) * GIB as f64) / GIB as f64;
-            assert!((p.used_fraction - want).abs() < 1e-6, "{} vs {want}", p.used_fraction);
+            assert!(
+                (p.used_fraction - want).abs() < 1e-6,
+                "{} vs {want}",
+                p.used_fraction
+            );
             assert_eq!(p.queue_depth, (i as u64 + 1) << 20);
             assert_eq!(p.latency_p99_us, 900 + i as u64);
         }
@@ -234,7 +260,10 @@ async fn retention_keeps_minute_aggregates() {
     assert_eq!(h.series[0].points.len(), 1);
     assert!((h.series[0].points[0].used_fraction - 0.9).abs() < 1e-6);
     // Maintenance again does not count anything twice.
-    store.maintain(end + 120_000, Duration::from_secs(3600)).await.unwrap();
+    store
+        .maintain(end + 120_000, Duration::from_secs(3600))
+        .await
+        .unwrap();
     let h2 = store
         .history(&HistoryRequest {
             pool: "tank".into(),

@@ -74,7 +74,9 @@ pub fn config(db: &std::path::Path, extra: &[&str]) -> Config {
 }
 
 pub async fn start(db: &std::path::Path) -> Running {
-    aliquot_metrics::start(&config(db, &[])).await.expect("start metrics")
+    aliquot_metrics::start(&config(db, &[]))
+        .await
+        .expect("start metrics")
 }
 
 pub async fn client(r: &Running) -> MetricsClient<Channel> {
@@ -86,7 +88,9 @@ pub async fn client(r: &Running) -> MetricsClient<Channel> {
 /// Minimal HTTP/1.1 GET: (status, content-type, body).
 pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect http");
+    let mut s = tokio::net::TcpStream::connect(addr)
+        .await
+        .expect("connect http");
     let req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
     s.write_all(req.as_bytes()).await.unwrap();
     let mut buf = Vec::new();
@@ -98,7 +102,8 @@ pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String, S
         .lines()
         .find_map(|l| {
             let (k, v) = l.split_once(':')?;
-            k.eq_ignore_ascii_case("content-type").then(|| v.trim().to_string())
+            k.eq_ignore_ascii_case("content-type")
+                .then(|| v.trim().to_string())
         })
         .unwrap_or_default();
     (status, ctype, body.to_string())

@@ -79,7 +79,8 @@ async fn main() {
     let path = dir.path().join("month.db");
     let store = Store::open(&path).await.unwrap();
     let day = 86_400_000i64;
-    let now = 1_800_000_000_000i64 - 1_800_000_000_000i64 % 60_000;
+    // A whole minute (1.8e12 ms is one).
+    let now = 1_800_000_000_000i64;
     let first = now - 30 * day;
     let raw_from = now - 7 * day;
     // Seed the pool and vdev rows through the real ingest path.

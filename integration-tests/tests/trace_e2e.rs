@@ -5,6 +5,9 @@
 //! each gRPC hop carries; txg sync and metrics ingest spans arrive too; and a
 //! service flushes its spans when it is stopped with SIGTERM.
 
+// `args![..]` builds a Vec of Strings; `Proc::start` borrows it as a slice.
+#![allow(clippy::useless_vec)]
+
 use std::collections::HashMap;
 use std::path::Path;
 use std::process::Command;
@@ -264,6 +267,13 @@ async fn one_write_is_one_trace_across_ctl_allocator_and_agent() {
 
     let trace = sink.trace(&root.trace_id);
     let ids = by_id(&trace);
+    let mut census: std::collections::BTreeMap<(String, String), usize> = Default::default();
+    for s in &trace {
+        *census
+            .entry((s.service.clone(), s.name.clone()))
+            .or_default() += 1;
+    }
+    eprintln!("the write's trace, {} spans: {census:?}", trace.len());
     let services: std::collections::BTreeSet<&str> =
         trace.iter().map(|s| s.service.as_str()).collect();
     for svc in [CTL, ALLOCATOR, AGENT] {
@@ -459,4 +469,88 @@ async fn sigterm_flushes_pending_spans() {
         allocator.log_tail(),
         metrics.log_tail()
     );
+}
+
+/// The pipelined API: the AllocateStream RPC is opened inside the command's
+/// root span, so the allocator's stream span (and what it does for each
+/// request) lands in the same trace as the agents' writes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allocate_stream_carries_the_trace_context() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let sink = TraceSink::new();
+    let endpoint = sink.spawn_local().await.expect("receiver");
+    let mut pool = start_pool(dir.path(), &endpoint, 1).await;
+    let out = Command::new(bin(CTL))
+        .args(args![
+            "write",
+            "--allocator",
+            pool.allocator.url("grpc"),
+            "--total",
+            "192KiB",
+            "--block-size",
+            "64KiB",
+            "--concurrency",
+            "2",
+            "--api",
+            "stream"
+        ])
+        .envs(otel_env(&endpoint, 200))
+        .output()
+        .expect("run aliquotctl write");
+    assert!(
+        out.status.success(),
+        "aliquotctl write --api stream failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The stream's server span ends when the stream does, before ctl exits;
+    // the allocator exports it within 200 ms.
+    let arrived = sink
+        .wait_until(Duration::from_secs(20), |spans| {
+            spans
+                .iter()
+                .any(|s| s.service == ALLOCATOR && s.name == "/aliquot.v1.Allocator/AllocateStream")
+                && spans
+                    .iter()
+                    .filter(|s| s.service == AGENT && s.name == "/aliquot.v1.VdevAgent/Write")
+                    .count()
+                    >= 3
+        })
+        .await;
+    let spans = sink.spans();
+    assert!(arrived, "spans missing:\n{}", describe(&spans));
+    let root = spans
+        .iter()
+        .find(|s| s.service == CTL && s.name == "aliquotctl.write")
+        .expect("root span");
+    let trace = sink.trace(&root.trace_id);
+    let ids = by_id(&trace);
+    let stream = trace
+        .iter()
+        .find(|s| s.service == ALLOCATOR && s.name == "/aliquot.v1.Allocator/AllocateStream")
+        .unwrap_or_else(|| {
+            panic!(
+                "AllocateStream is not in the write's trace:\n{}",
+                describe(&spans)
+            )
+        });
+    let parent = ids
+        .get(stream.parent_span_id.as_str())
+        .expect("stream span's parent in the trace");
+    assert_eq!(parent.service, CTL);
+    assert!(
+        ancestors(parent, &ids)
+            .iter()
+            .any(|a| a.span_id == root.span_id)
+    );
+    let writes = trace
+        .iter()
+        .filter(|s| s.service == AGENT && s.name == "/aliquot.v1.VdevAgent/Write")
+        .count();
+    assert_eq!(writes, 3, "every block's Write in the one trace");
+
+    for a in &mut pool.agents {
+        a.kill();
+    }
+    pool.allocator.kill();
+    pool.metrics.kill();
 }

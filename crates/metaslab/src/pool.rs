@@ -550,6 +550,12 @@ impl Pool {
         self.open_txg
     }
 
+    /// Bytes the open txg has changed so far (committed allocations, claims
+    /// and frees): the service closes a txg early past a bound.
+    pub fn dirty_bytes(&self) -> u64 {
+        self.txg.bytes
+    }
+
     /// Validate a request and pass it through the throttle. Log requests are
     /// always `Ready`.
     pub fn submit(&mut self, req: AllocRequest) -> Result<Submitted> {
@@ -1204,7 +1210,7 @@ impl Pool {
             }
         }
         for e in a.extents() {
-            self.txg.changes.push(SpaceChange {
+            self.txg.push(SpaceChange {
                 kind: SpaceChangeKind::Alloc,
                 extent: *e,
             });
@@ -1291,7 +1297,7 @@ impl Pool {
                 debug_assert!(ok);
                 self.txg.mark_dirty(e.vdev, ms);
             }
-            self.txg.changes.push(SpaceChange {
+            self.txg.push(SpaceChange {
                 kind: SpaceChangeKind::Free,
                 extent: *e,
             });
@@ -1359,7 +1365,7 @@ impl Pool {
                 v.group_mut(ci).expect("group of its class").alloc += len;
                 self.classes[ci].alloc += len;
             }
-            self.txg.changes.push(SpaceChange {
+            self.txg.push(SpaceChange {
                 kind: SpaceChangeKind::Alloc,
                 extent: *e,
             });
@@ -1372,6 +1378,7 @@ impl Pool {
     pub fn sync(&mut self) -> TxgSync {
         let txg = self.open_txg;
         let changes = std::mem::take(&mut self.txg.changes);
+        self.txg.bytes = 0;
         let normal = &self.classes[NORMAL];
         let nodefer = normal.space.saturating_sub(normal.alloc) <= self.slop();
         let dirty = std::mem::take(&mut self.txg.dirty);

@@ -1,7 +1,11 @@
 //! Transaction groups (spec §6.1–6.2): what the open txg has changed, the
 //! metaslabs it dirtied, and the defer pipeline run at sync: frees of txg
 //! T wait in `defer[T % 2]` and become allocatable at the end of T+2's sync,
-//! unless the class is within its slop, where deferral is skipped.
+//! unless the class is within its slop, where deferral is shortened to one
+//! sync: `sync` runs before the store has the txg, so a free must not become
+//! allocatable in the very sync that closes its txg (OpenZFS's nodefer frees
+//! return in `metaslab_sync_done`, after the txg is on disk; here that is the
+//! next sync, which starts only once this one was persisted).
 
 use crate::metaslab::Metaslab;
 use crate::{SpaceChange, TXG_DEFER_SIZE, Txg, VdevId};
@@ -13,9 +17,16 @@ pub struct TxgLog {
     pub changes: Vec<SpaceChange>,
     /// Metaslabs to visit at sync.
     pub dirty: Vec<(VdevId, u32)>,
+    /// Bytes of `changes` (allocations, claims and frees), for a dirty bound.
+    pub bytes: u64,
 }
 
 impl TxgLog {
+    pub fn push(&mut self, change: SpaceChange) {
+        self.bytes += change.extent.size;
+        self.changes.push(change);
+    }
+
     pub fn mark_dirty(&mut self, v: VdevId, ms: &mut Metaslab) {
         if !ms.dirty {
             ms.dirty = true;
@@ -25,17 +36,21 @@ impl TxgLog {
 }
 
 /// `metaslab_sync_done` for one metaslab: the defer slot of `txg` (frees
-/// of txg − 2) returns to allocatable, this txg's frees take its place (or
-/// return at once when `nodefer`). Returns the bytes made allocatable.
+/// of txg − 2) returns to allocatable, this txg's frees take its place (or,
+/// when `nodefer`, join the slot the next sync releases). Returns the bytes
+/// made allocatable.
 pub fn sync_done(ms: &mut Metaslab, txg: Txg, nodefer: bool) -> u64 {
     let slot = (txg % TXG_DEFER_SIZE) as usize;
-    let mut moved = {
+    let moved = {
         let (defer, alloc) = (&mut ms.defer[slot], &mut ms.allocatable);
         defer.move_into(alloc)
     };
     if nodefer {
-        let (freeing, alloc) = (&mut ms.freeing, &mut ms.allocatable);
-        moved += freeing.move_into(alloc);
+        // Not allocatable before this txg is durable: released by the next
+        // sync (the metaslab stays dirty while anything is deferred).
+        let next = ((txg + 1) % TXG_DEFER_SIZE) as usize;
+        let (freeing, defer) = (&mut ms.freeing, &mut ms.defer[next]);
+        freeing.move_into(defer);
     } else {
         std::mem::swap(&mut ms.freeing, &mut ms.defer[slot]);
     }

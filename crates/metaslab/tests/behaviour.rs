@@ -83,7 +83,7 @@ fn fuller_vdev_is_cut_until_free_fractions_meet() {
             pool.free(&[old]).unwrap();
         }
         n += 1;
-        if n % 64 == 0 {
+        if n.is_multiple_of(64) {
             pool.sync();
         }
         a.extents[0].vdev

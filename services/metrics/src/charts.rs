@@ -250,19 +250,21 @@ fn draw<'a>(chart: &Chart, buf: &'a mut String) -> Result<(), Box<dyn std::error
         .light_line_style(RGBColor(235, 235, 235))
         .draw()?;
 
-    for m in chart
+    let shown = chart
         .markers
         .iter()
-        .filter(|m| m.time_ms >= x0 && m.time_ms <= x1)
-    {
+        .filter(|m| m.time_ms >= x0 && m.time_ms <= x1);
+    for (i, m) in shown.enumerate() {
         let color = marker_color(&m.kind);
+        // Stagger labels over three rows so close events stay readable.
+        let label_y = y1 * (0.97 - 0.05 * (i % 3) as f64);
         cc.draw_series(LineSeries::new(
             [(m.time_ms, 0.0), (m.time_ms, y1)],
             color.stroke_width(1),
         ))?;
         cc.draw_series(std::iter::once(Text::new(
             m.label.clone(),
-            (m.time_ms, y1 * 0.97),
+            (m.time_ms, label_y),
             ("sans-serif", 12).into_font().color(&color),
         )))?;
     }

@@ -1,9 +1,9 @@
 //! The durability seam. A txg sync hands the store exactly what changed in
 //! that txg ([`TxgRecord`]); SyncTxg waiters are released only after
 //! `persist` returned. At start the service `load`s what was persisted and
-//! rebuilds the pool from it (`metaslab::Pool::restore`). This issue keeps
-//! the records in memory ([`MemStore`]); the SQLite store of the next issue
-//! implements the same trait, one transaction per txg.
+//! rebuilds the pool from it (`metaslab::Pool::restore`). [`MemStore`] keeps
+//! the records in memory (tests); `crate::sqlite_store::SqliteStore` is the
+//! durable one (one SQLite transaction per txg).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
@@ -39,6 +39,8 @@ pub struct Persisted {
     /// Durable allocated extents (deferred frees not yet reusable included:
     /// after a restart they are simply free, as nothing references them).
     pub allocated: Vec<Extent>,
+    /// Tunables set at run time, `(name, value)`, in the order they were set.
+    pub tunables: Vec<(String, String)>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -52,6 +54,13 @@ pub trait Store: Send + Sync + 'static {
     fn create(&self, pool_guid: u64) -> BoxFuture<'_, Result<(), StoreError>>;
     /// Persist one txg, atomically. Called in txg order, one at a time.
     fn persist<'a>(&'a self, record: &'a TxgRecord) -> BoxFuture<'a, Result<(), StoreError>>;
+    /// Remember a tunable set at run time (outside any txg: it is durable
+    /// when this returns).
+    fn set_tunable<'a>(
+        &'a self,
+        name: &'a str,
+        value: &'a str,
+    ) -> BoxFuture<'a, Result<(), StoreError>>;
 }
 
 /// Keeps the persisted state in memory (for tests and until the SQLite
@@ -68,6 +77,7 @@ struct MemState {
     synced_txg: Txg,
     vdevs: BTreeMap<VdevId, VdevRecord>,
     allocated: BTreeSet<Extent>,
+    tunables: Vec<(String, String)>,
 }
 
 impl MemStore {
@@ -150,6 +160,7 @@ impl Store for MemStore {
             synced_txg: s.synced_txg,
             vdevs: s.vdevs.values().cloned().collect(),
             allocated: s.allocated.iter().copied().collect(),
+            tunables: s.tunables.clone(),
         });
         Box::pin(async move { Ok(out) })
     }
@@ -170,6 +181,23 @@ impl Store for MemStore {
 
     fn persist<'a>(&'a self, record: &'a TxgRecord) -> BoxFuture<'a, Result<(), StoreError>> {
         let r = self.apply(record);
+        Box::pin(async move { r })
+    }
+
+    fn set_tunable<'a>(
+        &'a self,
+        name: &'a str,
+        value: &'a str,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        let mut g = self.state.lock().unwrap();
+        let r = match g.as_mut() {
+            None => Err(StoreError("set_tunable before create".into())),
+            Some(st) => {
+                st.tunables.retain(|(n, _)| n != name);
+                st.tunables.push((name.to_string(), value.to_string()));
+                Ok(())
+            }
+        };
         Box::pin(async move { r })
     }
 }

@@ -8,8 +8,11 @@
 
 pub mod convert;
 pub mod error;
+pub mod metrics_push;
+pub mod recovery;
 pub mod registry;
 pub mod service;
+pub mod sqlite_store;
 pub mod state;
 pub mod store;
 pub mod txg;
@@ -24,11 +27,11 @@ use std::time::{Duration, Instant};
 use aliquot_proto::v1::agent_registry_server::AgentRegistryServer;
 use aliquot_proto::v1::allocator_server::AllocatorServer;
 use metaslab::{Pool, ThrottlePolicy, Tunables};
-use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 pub use error::Error;
 pub use state::Shared;
+pub use sqlite_store::SqliteStore;
 pub use store::{MemStore, Store};
 
 /// How the unified throttle is replaced, if at all.
@@ -62,14 +65,21 @@ pub struct Config {
     /// Pool name.
     #[arg(long, env = "ALIQUOT_POOL", default_value = "aliquot")]
     pub pool: String,
-    /// Where the durable store will live (the SQLite store is the next
-    /// issue; this build keeps txgs in memory).
+    /// Where the durable store lives (`<data-dir>/pool.db`, SQLite).
     #[arg(
         long,
         env = "ALIQUOT_DATA_DIR",
         default_value = "./aliquot-data/allocator"
     )]
     pub data_dir: PathBuf,
+    /// Refuse a store whose pool guid is not this (decimal or 0x-hex); a
+    /// fresh pool is created with it.
+    #[arg(long, env = "ALIQUOT_POOL_GUID", value_parser = parse_guid)]
+    pub pool_guid: Option<u64>,
+    /// Close the open txg early once its committed allocations, claims and
+    /// frees pass this many bytes (as OpenZFS syncs early on dirty data).
+    #[arg(long, env = "ALIQUOT_TXG_DIRTY_MAX", default_value = "1GiB", value_parser = units::size_arg)]
+    pub txg_dirty_max: u64,
     /// Close the open txg after this long (OpenZFS zfs_txg_timeout).
     #[arg(long, env = "ALIQUOT_ZFS_TXG_TIMEOUT", default_value = "5s", value_parser = units::duration_arg)]
     pub zfs_txg_timeout: Duration,
@@ -105,6 +115,19 @@ impl Config {
     }
 }
 
+fn parse_guid(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let r = match t.strip_prefix("0x").or_else(|| t.strip_prefix("0X")) {
+        Some(h) => u64::from_str_radix(h, 16),
+        None => t.parse::<u64>(),
+    };
+    match r {
+        Ok(0) => Err("a pool guid is never 0".into()),
+        Ok(g) => Ok(g),
+        Err(e) => Err(format!("{s:?} is not a guid: {e}")),
+    }
+}
+
 /// Bad configuration (exit code 2), as opposed to a runtime failure.
 #[derive(Debug, thiserror::Error)]
 #[error("invalid configuration: {0}")]
@@ -114,6 +137,8 @@ pub struct ConfigError(pub String);
 struct Validated {
     tunables: Tunables,
     txg_timeout: Duration,
+    /// Names given with --tunable: they win over values in the store.
+    explicit: Vec<String>,
 }
 
 fn validate(c: &Config) -> Result<Validated, ConfigError> {
@@ -122,11 +147,13 @@ fn validate(c: &Config) -> Result<Validated, ConfigError> {
         ..Tunables::default()
     };
     let mut txg_timeout = c.zfs_txg_timeout;
+    let mut explicit = Vec::new();
     for t in &c.tunables {
         let Some((name, value)) = t.split_once('=') else {
             return Err(ConfigError(format!("--tunable {t:?}: expected NAME=VALUE")));
         };
         let (name, value) = (name.trim(), value.trim());
+        explicit.push(name.to_string());
         if name == service::ZFS_TXG_TIMEOUT {
             txg_timeout = service::parse_txg_timeout(value)
                 .map_err(|e| ConfigError(format!("--tunable {t}: {e}")))?;
@@ -147,6 +174,9 @@ fn validate(c: &Config) -> Result<Validated, ConfigError> {
     nonzero("lease", c.lease)?;
     nonzero("snapshot-interval", c.snapshot_interval)?;
     nonzero("report-interval", c.report_interval)?;
+    if c.txg_dirty_max == 0 {
+        return Err(ConfigError("--txg-dirty-max must be above zero".into()));
+    }
     if c.pool.trim().is_empty() {
         return Err(ConfigError("--pool must not be empty".into()));
     }
@@ -158,6 +188,7 @@ fn validate(c: &Config) -> Result<Validated, ConfigError> {
     Ok(Validated {
         tunables,
         txg_timeout,
+        explicit,
     })
 }
 
@@ -165,7 +196,6 @@ fn validate(c: &Config) -> Result<Validated, ConfigError> {
 pub struct Running {
     pub addr: SocketAddr,
     pub shared: Arc<Shared>,
-    shutdown: watch::Sender<bool>,
     server: JoinHandle<Result<(), tonic::transport::Error>>,
     background: Vec<JoinHandle<()>>,
 }
@@ -179,7 +209,7 @@ impl Running {
     pub async fn shutdown(self) -> anyhow::Result<()> {
         self.shared.shutting_down.store(true, Ordering::Relaxed);
         self.shared.lock().drop_waiters();
-        let _ = self.shutdown.send(true);
+        self.shared.stop.send_replace(true);
         let served = self.server.await;
         for h in self.background {
             let _ = h.await;
@@ -191,12 +221,27 @@ impl Running {
 
 /// Validate, rebuild the pool from `store`, bind and serve in the background.
 pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Running> {
-    let v = validate(&config)?;
+    let mut v = validate(&config)?;
     let (pool, guid, synced) = match store.load().await? {
         Some(p) => {
-            let vdevs = p.vdevs.iter().map(|r| (r.id, r.spec.clone())).collect();
-            let pool = Pool::restore(v.tunables, vdevs, &p.allocated, p.synced_txg)
-                .map_err(|e| anyhow::anyhow!("store is inconsistent: {e}"))?;
+            if let Some(want) = config.pool_guid
+                && want != p.pool_guid
+            {
+                return Err(ConfigError(format!(
+                    "the store holds pool guid {:#x}, not the expected --pool-guid {want:#x}",
+                    p.pool_guid
+                ))
+                .into());
+            }
+            restore_tunables(&mut v, &p.tunables);
+            let pool = recovery::rebuild(v.tunables.clone(), &p).map_err(|e| {
+                anyhow::anyhow!(
+                    "refusing to start: the store is inconsistent: {e} (nothing was changed; \
+                     inspect it with `aliquotctl verify`)"
+                )
+            })?;
+            tracing::info!(synced_txg = p.synced_txg, vdevs = p.vdevs.len(),
+                extents = p.allocated.len(), "pool recovered from the store");
             (pool, Some((p.pool_guid, p.vdevs)), p.synced_txg)
         }
         None => {
@@ -208,7 +253,7 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
     let pool_guid = match &guid {
         Some((g, _)) => *g,
         None => {
-            let g = rand::random::<u64>() | 1;
+            let g = config.pool_guid.unwrap_or_else(|| rand::random::<u64>() | 1);
             store.create(g).await?;
             g
         }
@@ -218,6 +263,7 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
         default_lease: config.lease,
         report_interval: config.report_interval,
         txg_timeout_us: AtomicU64::new(v.txg_timeout.as_micros() as u64),
+        txg_dirty_max: config.txg_dirty_max,
     };
     let shared = Shared::new(pool, settings, pool_guid, store, synced);
     if let Some((_, vdevs)) = guid {
@@ -261,17 +307,15 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()?;
 
-    let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let mut background = vec![
-        tokio::spawn(txg::run(shared.clone(), shutdown_rx.clone())),
-        tokio::spawn(housekeeping(shared.clone(), shutdown_rx.clone())),
+        tokio::spawn(txg::run(shared.clone())),
+        tokio::spawn(housekeeping(shared.clone())),
     ];
     if let Some(url) = &config.metrics {
         background.push(tokio::spawn(metrics_push::run(
             shared.clone(),
             url.clone(),
             config.snapshot_interval,
-            shutdown_rx.clone(),
         )));
     }
 
@@ -281,7 +325,7 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
     let reg_svc = registry::RegistryService {
         shared: shared.clone(),
     };
-    let mut rx = shutdown_rx;
+    let stop = shared.clone();
     let server = tokio::spawn(
         tonic::transport::Server::builder()
             .trace_fn(telemetry::server_span)
@@ -291,9 +335,7 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
             .add_service(AgentRegistryServer::new(reg_svc))
             .serve_with_incoming_shutdown(
                 tonic::transport::server::TcpIncoming::from(listener),
-                async move {
-                    let _ = rx.wait_for(|s| *s).await;
-                },
+                async move { stop.stopping().await },
             ),
     );
     tracing::info!(%addr, pool = %config.pool, guid = pool_guid, policy = ?config.throttle_policy,
@@ -301,20 +343,42 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
     Ok(Running {
         addr,
         shared,
-        shutdown: shutdown_tx,
         server,
         background,
     })
 }
 
+/// Tunables set at run time come back from the store, except those given
+/// with --tunable at this start (the operator's latest word).
+fn restore_tunables(v: &mut Validated, stored: &[(String, String)]) {
+    for (name, value) in stored {
+        if v.explicit.iter().any(|n| n == name) {
+            tracing::info!(name = %name, stored = %value, "tunable from --tunable overrides the stored value");
+            continue;
+        }
+        let r = if name == service::ZFS_TXG_TIMEOUT {
+            service::parse_txg_timeout(value)
+                .map(|d| v.txg_timeout = d)
+                .map_err(|e| e.to_string())
+        } else {
+            v.tunables.set(name, value).map_err(|e| e.to_string())
+        };
+        match r {
+            Ok(()) => tracing::info!(name = %name, value = %value, "tunable restored from the store"),
+            Err(e) => tracing::warn!(name = %name, value = %value, error = %e,
+                "stored tunable not applied"),
+        }
+    }
+}
+
 /// Leases and liveness, checked every 50 ms.
-async fn housekeeping(shared: Arc<Shared>, mut shutdown: watch::Receiver<bool>) {
+async fn housekeeping(shared: Arc<Shared>) {
     let mut tick = tokio::time::interval(Duration::from_millis(50));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             _ = tick.tick() => {}
-            _ = shutdown.wait_for(|s| *s) => return,
+            _ = shared.stopping() => return,
         }
         let now = Instant::now();
         let expired = shared.lock().expire_leases(now);
@@ -354,7 +418,23 @@ pub async fn shutdown_signal() {
 
 /// The binary's body: start, print the LISTEN line, serve until a signal.
 pub async fn run(config: Config) -> anyhow::Result<()> {
-    let running = start(config, Arc::new(MemStore::new())).await?;
+    // Refuse bad flags before touching the store.
+    validate(&config)?;
+    let path = config.data_dir.join(sqlite_store::DB_FILE);
+    let store = match SqliteStore::open(&path, &config.pool, config.pool_guid).await {
+        Ok(s) => Arc::new(s),
+        Err(e @ sqlite_store::OpenError::OtherPool { .. }) => {
+            return Err(ConfigError(e.to_string()).into());
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let running = match start(config, store.clone()).await {
+        Ok(r) => r,
+        Err(e) => {
+            store.close().await;
+            return Err(e);
+        }
+    };
     {
         let mut out = std::io::stdout().lock();
         writeln!(out, "LISTEN grpc {}", running.addr)?;
@@ -362,7 +442,8 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     }
     shutdown_signal().await;
     tracing::info!("shutting down");
-    running.shutdown().await
+    let r = running.shutdown().await;
+    store.close().await;
+    r
 }
 
-pub mod metrics_push;

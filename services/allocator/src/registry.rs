@@ -145,10 +145,15 @@ impl RegistryService {
             tracing::info!(vdev = id, endpoint = %endpoint, guid = r.device_guid, "vdev re-registered");
             return Ok((reply(id), None));
         }
-        if let Some(owner) = endpoint_owner(&g, &endpoint, None) {
+        // A new device where a known vdev (live or silent, e.g. just
+        // recovered from the store) was last seen is refused: its extents
+        // would be read from the wrong device. The known device frees the
+        // endpoint by re-registering from elsewhere.
+        if let Some((&owner, v)) = g.vdevs.iter().find(|(_, v)| v.endpoint == endpoint) {
+            let state = if v.silent { "silent" } else { "live" };
             return Err(Error::FailedPrecondition(format!(
-                "endpoint {endpoint} belongs to live vdev {owner} (device guid {:#x}); a different device cannot take it over",
-                g.vdevs[&owner].guid
+                "endpoint {endpoint} belongs to {state} vdev {owner} (device guid {:#x}); a different device (guid {:#x}) cannot take it over",
+                v.guid, r.device_guid
             )));
         }
         let spec = VdevSpec {
@@ -298,7 +303,12 @@ impl AgentRegistry for RegistryService {
         let svc = self.clone();
         tokio::spawn(
             async move {
-                while let Some(msg) = inbound.next().await {
+                loop {
+                    let msg = tokio::select! {
+                        m = inbound.next() => m,
+                        _ = svc.shared.stopping() => break,
+                    };
+                    let Some(msg) = msg else { break };
                     let reply = match msg {
                         Ok(r) => svc.report_one(r).map_err(Status::from),
                         Err(status) => {

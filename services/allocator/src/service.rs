@@ -98,7 +98,12 @@ pub fn parse_txg_timeout(v: &str) -> Result<Duration> {
 impl AllocatorService {
     async fn commit_inner(&self, r: pb::CommitRequest) -> Result<pb::CommitReply> {
         self.shared.check_serving()?;
-        let txg = self.shared.lock().commit(&r.allocation_ids)?;
+        let txg = {
+            let mut g = self.shared.lock();
+            let txg = g.commit(&r.allocation_ids)?;
+            self.shared.kick_if_dirty(&g);
+            txg
+        };
         let synced = if r.wait_synced {
             self.shared.wait_synced(txg).await?;
             true
@@ -112,6 +117,19 @@ impl AllocatorService {
         self.shared.check_serving()?;
         self.shared.lock().abort(&r.allocation_ids)?;
         Ok(pb::AbortReply {})
+    }
+
+    /// Run-time tunables survive restarts: durable before the reply.
+    async fn persist_tunable(&self, name: &str, value: &str) -> Result<()> {
+        self.shared
+            .store
+            .set_tunable(name, value)
+            .await
+            .map_err(|e| {
+                Error::Store(format!(
+                    "{name} = {value} is in effect but was not persisted ({e}); set it again"
+                ))
+            })
     }
 
     fn status(&self) -> pb::PoolStatus {
@@ -162,6 +180,7 @@ async fn stream_op(
                     tokio::spawn(
                         async move {
                             let res = tokio::select! {
+                                biased;
                                 r = shared.finish_allocate(ticket, rx, lease) => r,
                                 // Client gone: dropping the wait cancels the ticket.
                                 _ = out.closed() => return,
@@ -202,7 +221,12 @@ async fn stream_op(
         }
         Some(Op::Commit(r)) => {
             let res = svc.shared.check_serving().and_then(|_| {
-                let txg = svc.shared.lock().commit(&r.allocation_ids)?;
+                let txg = {
+                    let mut g = svc.shared.lock();
+                    let txg = g.commit(&r.allocation_ids)?;
+                    svc.shared.kick_if_dirty(&g);
+                    txg
+                };
                 Ok(pb::CommitReply {
                     txg,
                     synced: svc.shared.synced_txg() >= txg,
@@ -253,6 +277,7 @@ impl Allocator for AllocatorService {
                     let next = tokio::select! {
                         n = inbound.next() => n,
                         _ = tx.closed() => break,
+                        _ = svc.shared.stopping() => break,
                     };
                     match next {
                         Some(Ok(r)) => stream_op(&svc, r, &tx).await,
@@ -291,12 +316,12 @@ impl Allocator for AllocatorService {
     async fn free(&self, req: Request<pb::FreeRequest>) -> Result<Response<pb::FreeReply>, Status> {
         self.shared.check_serving()?;
         let extents = convert::extents_from_pb(&req.get_ref().extents)?;
-        let txg = self
-            .shared
-            .lock()
-            .pool
-            .free(&extents)
-            .map_err(Error::from)?;
+        let txg = {
+            let mut g = self.shared.lock();
+            let txg = g.pool.free(&extents).map_err(Error::from)?;
+            self.shared.kick_if_dirty(&g);
+            txg
+        };
         Span::current().record("txg", txg);
         Ok(Response::new(pb::FreeReply { txg }))
     }
@@ -308,12 +333,14 @@ impl Allocator for AllocatorService {
     ) -> Result<Response<pb::ClaimReply>, Status> {
         self.shared.check_serving()?;
         let extents = convert::extents_from_pb(&req.get_ref().extents)?;
-        let txg = self
-            .shared
-            .lock()
-            .pool
-            .claim(&extents)
-            .map_err(Error::from)?;
+        // Free space is claimed; space allocated exactly so is already
+        // theirs; anything else fails naming the conflicting extent.
+        let txg = {
+            let mut g = self.shared.lock();
+            let txg = g.pool.claim(&extents).map_err(Error::from)?;
+            self.shared.kick_if_dirty(&g);
+            txg
+        };
         Span::current().record("txg", txg);
         Ok(Response::new(pb::ClaimReply { txg }))
     }
@@ -369,6 +396,7 @@ impl Allocator for AllocatorService {
                 tokio::select! {
                     _ = tick.tick() => {}
                     _ = tx.closed() => return,
+                    _ = svc.shared.stopping() => return,
                 }
                 if svc.shared.shutting_down.load(Ordering::Relaxed) {
                     return;
@@ -425,6 +453,7 @@ impl Allocator for AllocatorService {
                 .txg_timeout_us
                 .store(d.as_micros() as u64, Ordering::Relaxed);
             self.shared.txg_timeout_changed.notify_one();
+            self.persist_tunable(&name, &format_txg_timeout(d)).await?;
             tracing::info!(name = %name, old = %format_txg_timeout(old), new = %format_txg_timeout(d), "tunable changed");
             return Ok(Response::new(pb::Tunable {
                 name,
@@ -433,19 +462,22 @@ impl Allocator for AllocatorService {
                 description: String::new(),
             }));
         }
-        let mut g = self.shared.lock();
-        let old = g.pool.tunables().get(&name).map_err(Error::from)?;
-        g.pool.set_tunable(&name, &value).map_err(Error::from)?;
-        // A larger limit or a policy change can admit waiters.
-        g.wake_admitted();
-        let new = g.pool.tunables().get(&name).map_err(Error::from)?;
-        let info = g
-            .pool
-            .tunables()
-            .list()
-            .into_iter()
-            .find(|(i, _)| i.name == name);
-        drop(g);
+        let (old, new, info) = {
+            let mut g = self.shared.lock();
+            let old = g.pool.tunables().get(&name).map_err(Error::from)?;
+            g.pool.set_tunable(&name, &value).map_err(Error::from)?;
+            // A larger limit or a policy change can admit waiters.
+            g.wake_admitted();
+            let new = g.pool.tunables().get(&name).map_err(Error::from)?;
+            let info = g
+                .pool
+                .tunables()
+                .list()
+                .into_iter()
+                .find(|(i, _)| i.name == name);
+            (old, new, info)
+        };
+        self.persist_tunable(&name, &new).await?;
         tracing::info!(name = %name, old = %old, new = %new, "tunable changed");
         Ok(Response::new(pb::Tunable {
             name,

@@ -216,6 +216,8 @@ pub struct ServiceSettings {
     pub report_interval: Duration,
     /// `zfs_txg_timeout`, in microseconds (settable at run time).
     pub txg_timeout_us: AtomicU64,
+    /// The open txg closes early once it changed this many bytes.
+    pub txg_dirty_max: u64,
 }
 
 pub struct Shared {
@@ -230,6 +232,11 @@ pub struct Shared {
     pub shutting_down: AtomicBool,
     /// Wakes the txg clock when `zfs_txg_timeout` changed.
     pub txg_timeout_changed: tokio::sync::Notify,
+    /// Turns true when shutdown starts: streams end, the txg clock does
+    /// its last sync.
+    pub stop: watch::Sender<bool>,
+    /// Turns true after the last sync: nothing more will become durable.
+    pub closed: watch::Sender<bool>,
 }
 
 /// How a `begin_allocate` ended.
@@ -255,6 +262,8 @@ impl Shared {
             wanted: watch::Sender::new(synced_txg),
             shutting_down: AtomicBool::new(false),
             txg_timeout_changed: tokio::sync::Notify::new(),
+            stop: watch::Sender::new(false),
+            closed: watch::Sender::new(false),
         })
     }
 
@@ -262,6 +271,22 @@ impl Shared {
         // A panic while holding the lock would be a bug in the policy; keep
         // serving what state there is rather than poisoning every RPC.
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Past the dirty bound, ask the txg clock to close the open txg now
+    /// (without waiting for it). Called after commits, frees and claims.
+    pub fn kick_if_dirty(&self, g: &Inner) {
+        if g.pool.dirty_bytes() >= self.settings.txg_dirty_max {
+            let open = g.pool.open_txg();
+            self.wanted.send_if_modified(|w| {
+                if *w < open {
+                    *w = open;
+                    true
+                } else {
+                    false
+                }
+            });
+        }
     }
 
     pub fn txg_timeout(&self) -> Duration {
@@ -279,8 +304,9 @@ impl Shared {
     /// Submit a request; place it at once when the throttle admits it,
     /// otherwise park it (FIFO) and return the receiver to wait on.
     pub fn begin_allocate(&self, req: AllocRequest, lease: Duration) -> Result<Begun> {
-        self.check_serving()?;
         let mut g = self.lock();
+        // Checked under the lock: shutdown drops the waiters under it too.
+        self.check_serving()?;
         match g.pool.submit(req)? {
             Submitted::Ready(t) => {
                 let a = g.place(t, lease)?;
@@ -363,11 +389,24 @@ impl Shared {
                 false
             }
         });
-        let r = rx.wait_for(|s| *s >= txg).await;
-        match r {
-            Ok(s) => Ok(*s),
-            Err(_) => Err(Error::ShuttingDown),
+        let mut closed = self.closed.subscribe();
+        tokio::select! {
+            r = rx.wait_for(|s| *s >= txg) => match r {
+                Ok(s) => Ok(*s),
+                Err(_) => Err(Error::ShuttingDown),
+            },
+            _ = closed.wait_for(|c| *c) => {
+                // The last sync is done; it may have covered `txg`.
+                let s = *self.synced.borrow();
+                if s >= txg { Ok(s) } else { Err(Error::ShuttingDown) }
+            }
         }
+    }
+
+    /// Resolves when shutdown starts.
+    pub async fn stopping(&self) {
+        let mut rx = self.stop.subscribe();
+        let _ = rx.wait_for(|s| *s).await;
     }
 
     pub fn synced_txg(&self) -> Txg {

@@ -1,0 +1,728 @@
+//! The durable store: the pool's state in one SQLite file (WAL,
+//! `synchronous = FULL`), schema from `migrations/allocator/`. Each txg sync
+//! is ONE transaction (its space changes, the vdevs it added or changed, and
+//! `pool.synced_txg`), so after any crash the file holds exactly the pool as
+//! of some synced txg.
+//!
+//! Opening checks the file read-only BEFORE anything may write to it: not an
+//! SQLite file, truncated, corrupt, a newer schema, a foreign database, or
+//! the store of another pool (name or expected guid) is refused and left
+//! byte-for-byte untouched. A store that opens but is inconsistent is
+//! refused by recovery (`crate::recovery`), never repaired.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use futures_util::future::BoxFuture;
+use metaslab::{Extent, SpaceChangeKind, Txg, VdevRole, VdevSpec};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
+    SqliteSynchronous,
+};
+use sqlx::{Connection, QueryBuilder, Row, Sqlite};
+
+use crate::store::{Persisted, Store, StoreError, TxgRecord, VdevRecord};
+
+/// The schema, embedded from `migrations/allocator/`.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/allocator");
+
+/// The store's file name inside `--data-dir`.
+pub const DB_FILE: &str = "pool.db";
+
+/// Tables of the newest schema; anything else marks a foreign database.
+const OUR_TABLES: &[&str] = &["_sqlx_migrations", "pool", "vdevs", "extents", "tunables"];
+
+/// Rows per multi-row INSERT (4 binds each, well under SQLite's limit).
+const INSERT_CHUNK: usize = 200;
+
+/// Why a store was not opened. Every refusal leaves the file untouched.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    /// The store belongs to another pool: a configuration mistake.
+    #[error(
+        "refusing store {path}: {detail}; point --data-dir at this pool's store (the file was left untouched)"
+    )]
+    OtherPool { path: String, detail: String },
+    /// Not a store this binary can trust (corrupt, truncated, newer, foreign).
+    #[error("refusing store {path}: {reason} (the file was left untouched)")]
+    Refused { path: String, reason: String },
+    #[error("store {path}: {reason}")]
+    Io { path: String, reason: String },
+}
+
+/// Who a store belongs to, read without writing.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Identity {
+    pub guid: u64,
+    pub name: String,
+    pub synced_txg: Txg,
+}
+
+/// The SQLite store of one pool.
+pub struct SqliteStore {
+    path: PathBuf,
+    db: SqlitePool,
+    pool_name: String,
+}
+
+fn u(v: i64) -> u64 {
+    v as u64
+}
+
+fn i(v: u64) -> i64 {
+    v as i64
+}
+
+fn now_ms() -> i64 {
+    crate::convert::unix_ms() as i64
+}
+
+/// Check that `path` is absent, empty, or a sound store of ours at a schema
+/// this binary knows; returns its identity if it has one. Read-only.
+pub async fn preflight(path: &Path) -> Result<Option<Identity>, OpenError> {
+    let p = path.display().to_string();
+    let refuse = |reason: String| OpenError::Refused {
+        path: p.clone(),
+        reason,
+    };
+    let meta = match std::fs::metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => {
+            return Err(OpenError::Io {
+                path: p,
+                reason: format!("cannot stat it: {e}"),
+            });
+        }
+    };
+    if !meta.is_file() {
+        return Err(refuse("it is not a regular file".into()));
+    }
+    if meta.len() == 0 {
+        return Ok(None);
+    }
+    check_header(path, meta.len()).map_err(refuse)?;
+    let opts = SqliteConnectOptions::new()
+        .filename(path)
+        .read_only(true)
+        .create_if_missing(false);
+    let mut conn = SqliteConnection::connect_with(&opts)
+        .await
+        .map_err(|e| refuse(format!("cannot open it read-only: {e}")))?;
+    let r = async {
+        check_schema(&mut conn).await?;
+        quick_check(&mut conn).await?;
+        read_identity(&mut conn).await
+    }
+    .await;
+    let _ = conn.close().await;
+    r.map_err(refuse)
+}
+
+/// The SQLite header: magic, page size, and a file at least as long as the
+/// page count it declares (a truncated copy fails here, before SQLite reads
+/// garbage).
+fn check_header(path: &Path, len: u64) -> Result<(), String> {
+    use std::io::Read;
+    let mut head = [0u8; 100];
+    let mut f = std::fs::File::open(path).map_err(|e| format!("cannot read it: {e}"))?;
+    let n = f
+        .read(&mut head)
+        .map_err(|e| format!("cannot read it: {e}"))?;
+    if n < 16 || &head[..16] != b"SQLite format 3\0" {
+        return Err("it is not an SQLite database (bad file header)".into());
+    }
+    if n < 100 {
+        return Err(format!(
+            "it is truncated ({len} bytes, shorter than an SQLite header)"
+        ));
+    }
+    let page_size = match u16::from_be_bytes([head[16], head[17]]) {
+        1 => 65536,
+        s => s as u64,
+    };
+    if page_size < 512 || !page_size.is_power_of_two() {
+        return Err(format!("its header is corrupt (page size {page_size})"));
+    }
+    if len % page_size != 0 {
+        return Err(format!(
+            "it is truncated ({len} bytes is not a whole number of {page_size}-byte pages)"
+        ));
+    }
+    let pages = u32::from_be_bytes([head[28], head[29], head[30], head[31]]) as u64;
+    // The page count is valid when "version-valid-for" equals the change
+    // counter (SQLite file format, header offsets 92 and 24).
+    let valid = head[92..96] == head[24..28];
+    if valid && pages > 0 && len < pages * page_size {
+        return Err(format!(
+            "it is truncated ({len} bytes; its header declares {pages} pages of {page_size} bytes)"
+        ));
+    }
+    Ok(())
+}
+
+async fn check_schema(conn: &mut SqliteConnection) -> Result<(), String> {
+    let tables: Vec<String> = sqlx::query_scalar(
+        "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' ORDER BY name",
+    )
+    .fetch_all(&mut *conn)
+    .await
+    .map_err(|e| format!("cannot read its schema (corrupt?): {e}"))?;
+    if tables.is_empty() {
+        return Ok(());
+    }
+    if !tables.iter().any(|t| t == "_sqlx_migrations") {
+        return Err(format!(
+            "it is a foreign SQLite database (tables {tables:?}, no _sqlx_migrations)"
+        ));
+    }
+    let applied =
+        sqlx::query("SELECT version, checksum, success FROM _sqlx_migrations ORDER BY version")
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(|e| format!("cannot read _sqlx_migrations: {e}"))?;
+    let known_max = MIGRATOR.iter().map(|m| m.version).max().unwrap_or(0);
+    for row in applied {
+        let version: i64 = row.try_get(0).map_err(|e| e.to_string())?;
+        let checksum: Vec<u8> = row.try_get(1).map_err(|e| e.to_string())?;
+        let success: bool = row.try_get(2).map_err(|e| e.to_string())?;
+        if version > known_max {
+            return Err(format!(
+                "its schema version {version} is newer than this binary knows ({known_max}); run a newer aliquot-allocator"
+            ));
+        }
+        let Some(known) = MIGRATOR.iter().find(|m| m.version == version) else {
+            return Err(format!(
+                "it records migration {version}, which this binary does not have (foreign database)"
+            ));
+        };
+        if *known.checksum != *checksum {
+            return Err(format!(
+                "its migration {version} ({}) differs from this binary's (foreign or edited database)",
+                known.description
+            ));
+        }
+        if !success {
+            return Err(format!(
+                "migration {version} failed earlier and left the schema dirty; restore a backup"
+            ));
+        }
+    }
+    let foreign: Vec<&String> = tables
+        .iter()
+        .filter(|t| !OUR_TABLES.contains(&t.as_str()))
+        .collect();
+    if !foreign.is_empty() {
+        return Err(format!(
+            "it is a foreign SQLite database (tables this binary does not know: {foreign:?})"
+        ));
+    }
+    Ok(())
+}
+
+async fn quick_check(conn: &mut SqliteConnection) -> Result<(), String> {
+    let rows: Vec<String> = sqlx::query_scalar("PRAGMA quick_check(5)")
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(|e| format!("it is corrupt ({e})"))?;
+    if rows.len() == 1 && rows[0] == "ok" {
+        Ok(())
+    } else {
+        Err(format!("it is corrupt (quick_check: {})", rows.join("; ")))
+    }
+}
+
+async fn has_table(conn: &mut SqliteConnection, name: &str) -> Result<bool, String> {
+    let n: i64 =
+        sqlx::query_scalar("SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = ?")
+            .bind(name)
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(|e| e.to_string())?;
+    Ok(n > 0)
+}
+
+async fn read_identity(conn: &mut SqliteConnection) -> Result<Option<Identity>, String> {
+    if !has_table(conn, "pool").await? {
+        return Ok(None);
+    }
+    let row = sqlx::query("SELECT guid, name, synced_txg FROM pool WHERE id = 1")
+        .fetch_optional(&mut *conn)
+        .await
+        .map_err(|e| format!("cannot read its pool row: {e}"))?;
+    Ok(row.map(|r| Identity {
+        guid: u(r.get(0)),
+        name: r.get(1),
+        synced_txg: u(r.get(2)),
+    }))
+}
+
+/// Everything persisted, with the store's own per-vdev check (the recorded
+/// `vdevs.allocated` against the sum of its extents). `None`: no pool yet.
+async fn load_state(conn: &mut SqliteConnection) -> Result<Option<Persisted>, String> {
+    let Some(id) = read_identity(conn).await? else {
+        return Ok(None);
+    };
+    let db = |e: sqlx::Error| e.to_string();
+    let rows = sqlx::query(
+        "SELECT id, guid, name, endpoint, capacity, ashift, metaslab_shift, metaslab_size,
+                children, parity, rotational, class, allocated
+         FROM vdevs ORDER BY id",
+    )
+    .fetch_all(&mut *conn)
+    .await
+    .map_err(db)?;
+    let mut vdevs = Vec::with_capacity(rows.len());
+    let mut recorded: BTreeMap<u32, u64> = BTreeMap::new();
+    for r in rows {
+        let vid: i64 = r.get(0);
+        let shift: i64 = r.get(6);
+        let ms_size: i64 = r.get(7);
+        if !(0..64).contains(&shift) || 1i64.checked_shl(shift as u32) != Some(ms_size) {
+            return Err(format!(
+                "vdev {vid}: metaslab size {ms_size} does not match its shift {shift}"
+            ));
+        }
+        let class: String = r.get(11);
+        let role = match class.as_str() {
+            "normal" => VdevRole::Normal,
+            "log" => VdevRole::Log,
+            other => return Err(format!("vdev {vid}: unknown class {other:?}")),
+        };
+        let vid = u32::try_from(vid).map_err(|_| format!("vdev id {vid} is out of range"))?;
+        recorded.insert(vid, u(r.get(12)));
+        vdevs.push(VdevRecord {
+            id: vid,
+            guid: u(r.get(1)),
+            name: r.get(2),
+            endpoint: r.get(3),
+            spec: VdevSpec {
+                capacity: u(r.get(4)),
+                ashift: u8::try_from(r.get::<i64, _>(5))
+                    .map_err(|_| format!("vdev {vid}: ashift out of range"))?,
+                children: r.get::<i64, _>(8) as u32,
+                parity: r.get::<i64, _>(9) as u32,
+                rotational: r.get::<i64, _>(10) != 0,
+                role,
+                metaslab_shift: Some(shift as u8),
+            },
+        });
+    }
+    let rows = sqlx::query("SELECT vdev, offset, size FROM extents ORDER BY vdev, offset")
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(db)?;
+    let mut allocated = Vec::with_capacity(rows.len());
+    let mut sums: BTreeMap<u32, u64> = BTreeMap::new();
+    for r in rows {
+        let vdev: i64 = r.get(0);
+        let e = Extent {
+            vdev: vdev as u32,
+            offset: u(r.get(1)),
+            size: u(r.get(2)),
+        };
+        if !recorded.contains_key(&e.vdev) {
+            return Err(format!("extent {e}: no vdev {vdev}"));
+        }
+        *sums.entry(e.vdev).or_default() += e.size;
+        allocated.push(e);
+    }
+    for (vid, want) in &recorded {
+        let got = sums.get(vid).copied().unwrap_or(0);
+        if got != *want {
+            return Err(format!(
+                "vdev {vid}: its extents sum to {got} bytes but the vdev records {want} allocated"
+            ));
+        }
+    }
+    let tunables = sqlx::query_as::<_, (String, String)>(
+        "SELECT name, value FROM tunables ORDER BY set_ms, name",
+    )
+    .fetch_all(&mut *conn)
+    .await
+    .map_err(db)?;
+    Ok(Some(Persisted {
+        pool_guid: id.guid,
+        synced_txg: id.synced_txg,
+        vdevs,
+        allocated,
+        tunables,
+    }))
+}
+
+/// Read a store without changing it (for `aliquotctl verify`, on a stopped
+/// or a running pool: WAL readers see the last committed txg).
+pub async fn read_only(path: &Path) -> Result<Option<(Identity, Persisted)>, OpenError> {
+    let p = path.display().to_string();
+    if !path.exists() {
+        return Err(OpenError::Io {
+            path: p,
+            reason: "no such file".into(),
+        });
+    }
+    let Some(id) = preflight(path).await? else {
+        return Ok(None);
+    };
+    let refuse = |reason: String| OpenError::Refused {
+        path: p.clone(),
+        reason,
+    };
+    let opts = SqliteConnectOptions::new()
+        .filename(path)
+        .read_only(true)
+        .create_if_missing(false);
+    let mut conn = SqliteConnection::connect_with(&opts)
+        .await
+        .map_err(|e| refuse(format!("cannot open it read-only: {e}")))?;
+    // One read transaction: a consistent snapshot even while a sync commits.
+    let r = async {
+        sqlx::query("BEGIN")
+            .execute(&mut conn)
+            .await
+            .map_err(|e| e.to_string())?;
+        let s = load_state(&mut conn).await;
+        let _ = sqlx::query("COMMIT").execute(&mut conn).await;
+        s
+    }
+    .await;
+    let _ = conn.close().await;
+    let persisted = r.map_err(|e| refuse(format!("it is inconsistent: {e}")))?;
+    Ok(persisted.map(|p| (id, p)))
+}
+
+impl SqliteStore {
+    /// Open (creating it if absent) the store at `path` for pool
+    /// `pool_name`; `expect_guid` refuses a store of another guid.
+    pub async fn open(
+        path: &Path,
+        pool_name: &str,
+        expect_guid: Option<u64>,
+    ) -> Result<SqliteStore, OpenError> {
+        let p = path.display().to_string();
+        if let Some(id) = preflight(path).await? {
+            if id.name != pool_name {
+                return Err(OpenError::OtherPool {
+                    path: p,
+                    detail: format!(
+                        "it holds pool {:?} (guid {:#x}), not {pool_name:?}",
+                        id.name, id.guid
+                    ),
+                });
+            }
+            if let Some(g) = expect_guid
+                && g != id.guid
+            {
+                return Err(OpenError::OtherPool {
+                    path: p,
+                    detail: format!(
+                        "it holds pool {:?} with guid {:#x}, not the expected {g:#x}",
+                        id.name, id.guid
+                    ),
+                });
+            }
+        }
+        let io = |reason: String| OpenError::Io {
+            path: p.clone(),
+            reason,
+        };
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| io(format!("cannot create {}: {e}", dir.display())))?;
+        }
+        let opts = SqliteConnectOptions::new()
+            .filename(path)
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            // Every txg commit is fsynced before SyncTxg waiters are told.
+            .synchronous(SqliteSynchronous::Full)
+            .foreign_keys(true)
+            .busy_timeout(Duration::from_secs(10));
+        // One connection: SQLite has one writer, and txgs persist in order.
+        let db = SqlitePoolOptions::new()
+            .max_connections(1)
+            .min_connections(1)
+            .idle_timeout(None)
+            .max_lifetime(None)
+            .connect_with(opts)
+            .await
+            .map_err(|e| io(format!("cannot open it: {e}")))?;
+        MIGRATOR
+            .run(&db)
+            .await
+            .map_err(|e| io(format!("cannot migrate it: {e}")))?;
+        tracing::info!(path = %p, "store opened");
+        Ok(SqliteStore {
+            path: path.to_path_buf(),
+            db,
+            pool_name: pool_name.to_string(),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Close the connection (the WAL is checkpointed into the file).
+    pub async fn close(&self) {
+        self.db.close().await;
+    }
+
+    async fn persist_txg(&self, rec: &TxgRecord) -> Result<(), String> {
+        let db = |e: sqlx::Error| e.to_string();
+        let txg = rec.sync.txg;
+        let mut tx = self.db.begin().await.map_err(db)?;
+        let synced: i64 = sqlx::query_scalar("SELECT synced_txg FROM pool WHERE id = 1")
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(db)?
+            .ok_or("persist before create")?;
+        let synced = u(synced);
+        if txg <= synced {
+            if txg == synced {
+                // A retry of a txg whose commit did land: nothing to do.
+                return Ok(());
+            }
+            return Err(format!(
+                "txg {txg} persisted out of order (last {synced})"
+            ));
+        }
+        for v in &rec.vdevs {
+            let shift = v.spec.metaslab_shift.ok_or_else(|| {
+                format!("vdev {}: no metaslab shift to persist", v.id)
+            })?;
+            sqlx::query(
+                "INSERT INTO vdevs (id, guid, name, endpoint, capacity, ashift, metaslab_shift,
+                    metaslab_size, children, parity, rotational, class, allocated, added_txg)
+                 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)
+                 ON CONFLICT (id) DO UPDATE SET guid = excluded.guid, name = excluded.name,
+                    endpoint = excluded.endpoint, capacity = excluded.capacity,
+                    ashift = excluded.ashift, metaslab_shift = excluded.metaslab_shift,
+                    metaslab_size = excluded.metaslab_size, children = excluded.children,
+                    parity = excluded.parity, rotational = excluded.rotational,
+                    class = excluded.class",
+            )
+            .bind(v.id as i64)
+            .bind(i(v.guid))
+            .bind(&v.name)
+            .bind(&v.endpoint)
+            .bind(i(v.spec.capacity))
+            .bind(v.spec.ashift as i64)
+            .bind(shift as i64)
+            .bind(1i64 << shift)
+            .bind(v.spec.children as i64)
+            .bind(v.spec.parity as i64)
+            .bind(v.spec.rotational as i64)
+            .bind(match v.spec.role {
+                VdevRole::Normal => "normal",
+                VdevRole::Log => "log",
+            })
+            .bind(i(txg))
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
+        }
+        // In order; runs of allocations go in multi-row INSERTs.
+        let mut delta: BTreeMap<u32, i64> = BTreeMap::new();
+        let mut run: Vec<Extent> = Vec::new();
+        for c in &rec.sync.changes {
+            let e = c.extent;
+            if e.offset > i64::MAX as u64 || e.size > i64::MAX as u64 || e.size == 0 {
+                return Err(format!("txg {txg}: extent {e} cannot be stored"));
+            }
+            match c.kind {
+                SpaceChangeKind::Alloc => {
+                    *delta.entry(e.vdev).or_default() += e.size as i64;
+                    run.push(e);
+                    if run.len() == INSERT_CHUNK {
+                        insert_extents(&mut tx, &run, txg).await?;
+                        run.clear();
+                    }
+                }
+                SpaceChangeKind::Free => {
+                    insert_extents(&mut tx, &run, txg).await?;
+                    run.clear();
+                    *delta.entry(e.vdev).or_default() -= e.size as i64;
+                    free_extent(&mut tx, e, txg).await?;
+                }
+            }
+        }
+        insert_extents(&mut tx, &run, txg).await?;
+        for (vdev, d) in delta {
+            if d != 0 {
+                sqlx::query("UPDATE vdevs SET allocated = allocated + ? WHERE id = ?")
+                    .bind(d)
+                    .bind(vdev as i64)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db)?;
+            }
+        }
+        sqlx::query("UPDATE pool SET synced_txg = ? WHERE id = 1")
+            .bind(i(txg))
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
+        tx.commit().await.map_err(db)
+    }
+}
+
+async fn insert_extents(
+    tx: &mut sqlx::Transaction<'_, Sqlite>,
+    run: &[Extent],
+    txg: Txg,
+) -> Result<(), String> {
+    if run.is_empty() {
+        return Ok(());
+    }
+    let mut qb = QueryBuilder::<Sqlite>::new("INSERT INTO extents (vdev, offset, size, txg) ");
+    qb.push_values(run, |mut b, e| {
+        b.push_bind(e.vdev as i64)
+            .push_bind(i(e.offset))
+            .push_bind(i(e.size))
+            .push_bind(i(txg));
+    });
+    qb.build().execute(&mut **tx).await.map_err(|e| {
+        format!(
+            "txg {txg}: allocating {} extents from {}: {e} (the store already holds one of them)",
+            run.len(),
+            run[0]
+        )
+    })?;
+    Ok(())
+}
+
+/// Remove `f` from the durable extents, splitting the ones it covers in
+/// part. A free of space the store does not hold is an error: the store and
+/// the pool disagree, and that must not be papered over.
+async fn free_extent(
+    tx: &mut sqlx::Transaction<'_, Sqlite>,
+    f: Extent,
+    txg: Txg,
+) -> Result<(), String> {
+    let db = |e: sqlx::Error| e.to_string();
+    let exact = sqlx::query("DELETE FROM extents WHERE vdev = ? AND offset = ? AND size = ?")
+        .bind(f.vdev as i64)
+        .bind(i(f.offset))
+        .bind(i(f.size))
+        .execute(&mut **tx)
+        .await
+        .map_err(db)?;
+    if exact.rows_affected() == 1 {
+        return Ok(());
+    }
+    let end = f.offset + f.size;
+    // The extent starting at or before f.offset, and those starting inside.
+    let rows = sqlx::query(
+        "SELECT offset, size, txg FROM extents
+         WHERE vdev = ?1 AND offset < ?3 AND offset >= COALESCE(
+             (SELECT MAX(offset) FROM extents WHERE vdev = ?1 AND offset <= ?2), ?2)
+         ORDER BY offset",
+    )
+    .bind(f.vdev as i64)
+    .bind(i(f.offset))
+    .bind(i(end))
+    .fetch_all(&mut **tx)
+    .await
+    .map_err(db)?;
+    let mut covered = 0u64;
+    let mut pieces: Vec<(u64, u64, i64)> = Vec::new();
+    let mut hits: Vec<i64> = Vec::new();
+    for r in rows {
+        let (off, size, etxg) = (u(r.get(0)), u(r.get(1)), r.get::<i64, _>(2));
+        let e_end = off + size;
+        if e_end <= f.offset {
+            continue;
+        }
+        covered += e_end.min(end) - off.max(f.offset);
+        hits.push(i(off));
+        if off < f.offset {
+            pieces.push((off, f.offset - off, etxg));
+        }
+        if e_end > end {
+            pieces.push((end, e_end - end, etxg));
+        }
+    }
+    if covered != f.size {
+        return Err(format!(
+            "txg {txg}: free of {f} covers {covered} of its {} bytes in the store",
+            f.size
+        ));
+    }
+    for off in hits {
+        sqlx::query("DELETE FROM extents WHERE vdev = ? AND offset = ?")
+            .bind(f.vdev as i64)
+            .bind(off)
+            .execute(&mut **tx)
+            .await
+            .map_err(db)?;
+    }
+    for (off, size, etxg) in pieces {
+        sqlx::query("INSERT INTO extents (vdev, offset, size, txg) VALUES (?, ?, ?, ?)")
+            .bind(f.vdev as i64)
+            .bind(i(off))
+            .bind(i(size))
+            .bind(etxg)
+            .execute(&mut **tx)
+            .await
+            .map_err(db)?;
+    }
+    Ok(())
+}
+
+impl Store for SqliteStore {
+    fn load(&self) -> BoxFuture<'_, Result<Option<Persisted>, StoreError>> {
+        Box::pin(async move {
+            let mut conn = self
+                .db
+                .acquire()
+                .await
+                .map_err(|e| StoreError(e.to_string()))?;
+            load_state(&mut conn).await.map_err(|e| {
+                StoreError(format!(
+                    "store {} is inconsistent: {e}",
+                    self.path.display()
+                ))
+            })
+        })
+    }
+
+    fn create(&self, pool_guid: u64) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(async move {
+            sqlx::query(
+                "INSERT INTO pool (id, guid, name, synced_txg, created_ms) VALUES (1, ?, ?, 0, ?)",
+            )
+            .bind(i(pool_guid))
+            .bind(&self.pool_name)
+            .bind(now_ms())
+            .execute(&self.db)
+            .await
+            .map_err(|e| StoreError(format!("create pool: {e}")))?;
+            Ok(())
+        })
+    }
+
+    fn persist<'a>(&'a self, record: &'a TxgRecord) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move { self.persist_txg(record).await.map_err(StoreError) })
+    }
+
+    fn set_tunable<'a>(
+        &'a self,
+        name: &'a str,
+        value: &'a str,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            sqlx::query(
+                "INSERT INTO tunables (name, value, set_ms) VALUES (?, ?, ?)
+                 ON CONFLICT (name) DO UPDATE SET value = excluded.value, set_ms = excluded.set_ms",
+            )
+            .bind(name)
+            .bind(value)
+            .bind(now_ms())
+            .execute(&self.db)
+            .await
+            .map_err(|e| StoreError(format!("persist tunable {name}: {e}")))?;
+            Ok(())
+        })
+    }
+}

@@ -190,4 +190,7 @@ if ! docker build --target prebuilt --build-arg "RUNTIME_BASE=$base" -t "$tag" "
     say "docker build failed"
     exit 1
 fi
+# The image this tag had before is now untagged: drop such leftovers of our
+# own builds (only images carrying this Dockerfile's title label).
+docker image prune -f --filter "label=org.opencontainers.image.title=aliquot" >/dev/null 2>&1 || true
 say "built $tag"

@@ -18,8 +18,6 @@ use std::time::{Duration, Instant};
 use aliquot_proto::v1::SummaryRequest;
 use aliquot_proto::v1::metrics_client::MetricsClient;
 
-const IMAGE: &str = "aliquot:compose-test";
-
 fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
@@ -225,6 +223,20 @@ impl Drop for Project {
     }
 }
 
+/// The run's image tag, removed when the test ends (after the project's
+/// `down`, which is dropped first).
+struct ImageGuard(String);
+
+impl Drop for ImageGuard {
+    fn drop(&mut self) {
+        let _ = Command::new("docker")
+            .args(["rmi", "-f", &self.0])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
 /// `aliquotctl status --json` from the host against the published port.
 fn status(allocator: &str) -> serde_json::Value {
     let mut c = Command::new(integration_tests::bin("aliquotctl"));
@@ -307,16 +319,22 @@ fn compose_deployment_end_to_end() {
     integration_tests::bin("aliquotctl");
     let bin_dir = integration_tests::bin_dir();
     let mut build = Command::new(root.join("deploy/build-images.sh"));
-    build.args(["--bin-dir", &bin_dir.display().to_string(), "--tag", IMAGE]);
-    let o = run(build, Duration::from_secs(180));
-    assert!(o.status.success(), "build-images.sh failed: {}", text(&o));
-
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.subsec_nanos())
         .unwrap_or(0);
+    let run_id = format!("{}-{nanos:x}", std::process::id());
+    let image = ImageGuard(format!("aliquot:compose-test-{run_id}"));
+    build.args([
+        "--bin-dir",
+        &bin_dir.display().to_string(),
+        "--tag",
+        &image.0,
+    ]);
+    let o = run(build, Duration::from_secs(180));
+    assert!(o.status.success(), "build-images.sh failed: {}", text(&o));
     let mut env: Vec<(String, String)> = vec![
-        ("ALIQUOT_IMAGE".into(), IMAGE.into()),
+        ("ALIQUOT_IMAGE".into(), image.0.clone()),
         ("OTEL_BSP_SCHEDULE_DELAY".into(), "300".into()),
         ("ALIQUOT_LOADGEN_TOTAL".into(), "16MiB".into()),
         ("ALIQUOT_LOADGEN_BLOCK_SIZE".into(), "128KiB".into()),
@@ -334,7 +352,7 @@ fn compose_deployment_end_to_end() {
     }
     let project = Project {
         program,
-        name: format!("aliquot-test-{}-{nanos:x}", std::process::id()),
+        name: format!("aliquot-test-{run_id}"),
         files: vec![
             root.join("deploy/docker-compose.yml"),
             root.join("deploy/docker-compose.test.yml"),

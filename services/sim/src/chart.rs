@@ -175,7 +175,7 @@ fn block_size_chart(
         .x_label_area_size(44)
         .y_label_area_size(72)
         .build_cartesian_2d(-0.5..n - 0.5, 0.0..ymax)?;
-    let labels: Vec<String> = sizes.iter().map(|&b| units::format_bytes_short(b)).collect();
+    let labels: Vec<String> = sizes.iter().map(|&b| crate::scenario::size_label(b)).collect();
     chart
         .configure_mesh()
         .x_desc("block size")

@@ -44,6 +44,10 @@ pub enum Command {
         /// No progress bars.
         #[arg(long, short, env = "ALIQUOT_SIM_QUIET")]
         quiet: bool,
+        /// Run the experiment N times smaller and faster (capacities, amounts
+        /// and times divided by N; bandwidths kept) for a quick look.
+        #[arg(long, env = "ALIQUOT_SIM_SCALE", default_value_t = 1)]
+        scale: u64,
     },
     /// Parse and validate a scenario (tunable names and values included) without running it.
     Check {
@@ -88,8 +92,9 @@ pub fn execute(cli: Cli) -> Result<(), CliError> {
             jobs,
             only,
             quiet,
+            scale,
         } => {
-            let sc = Scenario::from_file(&scenario)?;
+            let sc = Scenario::from_file(&scenario)?.scaled_down(scale);
             let mut runs = sc.runs();
             if let Some(f) = &only {
                 runs.retain(|r| r.label.contains(f.as_str()));

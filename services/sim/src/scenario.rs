@@ -694,6 +694,41 @@ impl Scenario {
         })
     }
 
+    /// The same experiment `f` times smaller and faster: capacities, byte
+    /// amounts, the dirty limit and every time (txg timeout, event times,
+    /// log duration) divided by `f`, bandwidths and latencies kept, so a txg
+    /// covers the same fraction of a device as at full scale. Used by the
+    /// tests to run the shipped scenarios in seconds.
+    pub fn scaled_down(&self, f: u64) -> Scenario {
+        let f = f.max(1);
+        let mut s = self.clone();
+        let shrink_vdev = |v: &mut VdevModel| v.capacity = (v.capacity / f).max(64 << 20);
+        s.vdevs.iter_mut().for_each(shrink_vdev);
+        for e in &mut s.events {
+            if let Trigger::Time(t) = &mut e.trigger {
+                *t /= f;
+            }
+            if let Action::AddVdev(v) = &mut e.action {
+                shrink_vdev(v);
+            }
+        }
+        s.txg_timeout = (s.txg_timeout / f).max(1);
+        s.max_time /= f;
+        if let Some(l) = &mut s.load {
+            if let Amount::Bytes(b) = &mut l.amount {
+                *b /= f;
+            }
+            l.dirty_max = (l.dirty_max / f).max(64 << 20);
+            l.start /= f;
+        }
+        if let Some(l) = &mut s.log {
+            l.dataset = (l.dataset / f).max(l.size);
+            l.duration = (l.duration / f).max(1);
+            l.start /= f;
+        }
+        s
+    }
+
     /// Every (policy, block size, variant) combination, in file order.
     pub fn runs(&self) -> Vec<RunSpec> {
         let mut out = Vec::new();
@@ -703,7 +738,7 @@ impl Scenario {
                     let mut label = policy_name(policy).to_string();
                     if self.block_sizes.len() > 1 {
                         label.push('-');
-                        label.push_str(&units::format_bytes_short(block_size));
+                        label.push_str(&size_label(block_size));
                     }
                     if !variant.name.is_empty() {
                         label.push('-');
@@ -730,6 +765,16 @@ pub struct RunSpec {
     pub policy: ThrottlePolicy,
     pub block_size: u64,
     pub variant: usize,
+}
+
+/// `16K`, `128K`, `1M`, `16M`: exact sizes in the largest unit that divides them.
+pub fn size_label(b: u64) -> String {
+    for (shift, unit) in [(40, "T"), (30, "G"), (20, "M"), (10, "K")] {
+        if b >= 1 << shift && b % (1 << shift) == 0 {
+            return format!("{}{unit}", b >> shift);
+        }
+    }
+    units::format_bytes_short(b)
 }
 
 fn vdev_model(key: &str, v: &RawVdev) -> Result<VdevModel, ScenarioError> {

@@ -1,0 +1,175 @@
+//! The seed experiments (OpenZFS #17020 tests 1–6, the ZIL metaslab test),
+//! run from the shipped scenario files scaled down (capacities, amounts and
+//! times divided, bandwidths kept) on the real `metaslab::Pool`, asserting
+//! the claims of the seed text: the unified policy's behaviour, and the
+//! direction of the legacy policy's faults.
+
+use std::path::Path;
+
+use aliquot_sim::engine::{RunResult, Sample};
+use aliquot_sim::report::spread;
+use aliquot_sim::{Scenario, log_vdevs, run_one};
+
+fn load(file: &str, scale: u64) -> Scenario {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios").join(file);
+    Scenario::from_file(&path).unwrap().scaled_down(scale)
+}
+
+fn run_label(sc: &Scenario, label: &str) -> RunResult {
+    let spec = sc
+        .runs()
+        .into_iter()
+        .find(|r| r.label == label)
+        .unwrap_or_else(|| panic!("no run {label}"));
+    let r = run_one(sc, &spec, &mut |_| {}).unwrap();
+    assert!(
+        r.stop_reason == "done" || r.stop_reason == "pool full",
+        "{label}: {}",
+        r.stop_reason
+    );
+    assert!(r.samples.len() >= 200, "{label}: {} samples", r.samples.len());
+    r
+}
+
+fn used(s: &Sample, v: usize) -> f64 {
+    s.vdevs[v].used_fraction()
+}
+
+/// First sample at which vdev `v` is at least `f` used.
+fn when_used(r: &RunResult, v: usize, f: f64) -> usize {
+    r.samples
+        .iter()
+        .position(|s| s.vdevs.len() > v && used(s, v) >= f)
+        .unwrap_or_else(|| panic!("vdev {v} never reached {f}"))
+}
+
+/// Mean device write rate of vdev `v` between samples `a` and `b`.
+fn rate(r: &RunResult, v: usize, a: usize, b: usize) -> f64 {
+    let (sa, sb) = (&r.samples[a], &r.samples[b]);
+    let bytes = sb.vdevs[v].bytes_done - sa.vdevs.get(v).map_or(0, |x| x.bytes_done);
+    bytes as f64 / ((sb.t - sa.t) as f64 / 1e9)
+}
+
+fn max_spread(r: &RunResult, sc: &Scenario) -> f64 {
+    let is_log = log_vdevs(sc);
+    r.samples.iter().map(|s| spread(s, &is_log)).fold(0.0, f64::max)
+}
+
+fn final_spread(r: &RunResult, sc: &Scenario) -> f64 {
+    spread(r.samples.last().unwrap(), &log_vdevs(sc))
+}
+
+#[test]
+fn test1_unequal_ssds_full_speed() {
+    let sc = load("1-ssd-128g-256g-full.toml", 32);
+    let r = run_label(&sc, "unified");
+    // Same speed until the small one is ~25 % used.
+    let early = when_used(&r, 0, 0.2);
+    let (small, large) = (rate(&r, 0, 1, early), rate(&r, 1, 1, early));
+    assert!((small / large - 1.0).abs() < 0.1, "early rates {small} vs {large}");
+    // Then the small one is throttled.
+    let (a, b) = (when_used(&r, 0, 0.5), when_used(&r, 0, 0.7));
+    let (small, large) = (rate(&r, 0, a, b), rate(&r, 1, a, b));
+    assert!(small < 0.8 * large, "mid rates {small} vs {large}");
+    // And they end within a few percent.
+    let f = final_spread(&r, &sc);
+    assert!(f < 0.05, "final spread {f}");
+}
+
+#[test]
+fn test2_unequal_ssds_slow_rate_stay_balanced() {
+    let sc = load("2-ssd-128g-256g-rate.toml", 64);
+    let r = run_label(&sc, "unified");
+    let m = max_spread(&r, &sc);
+    assert!(m < 0.02, "max spread {m}");
+}
+
+#[test]
+fn test3_ssd_and_hdd_full_speed() {
+    let sc = load("3-ssd-hdd-full.toml", 32);
+    let r = run_label(&sc, "unified");
+    let early = when_used(&r, 0, 0.1);
+    let (ssd, hdd) = (rate(&r, 0, 1, early), rate(&r, 1, 1, early));
+    assert!(ssd >= 2.0 * hdd, "empty: ssd {ssd} vs hdd {hdd}");
+    let (a, b) = (when_used(&r, 0, 0.5), when_used(&r, 0, 0.6));
+    let (ssd, hdd) = (rate(&r, 0, a, b), rate(&r, 1, a, b));
+    assert!(ssd <= 1.3 * hdd, "half full: ssd {ssd} vs hdd {hdd}");
+    let f = final_spread(&r, &sc);
+    assert!(f < 0.05, "final spread {f}");
+
+    let legacy = run_label(&sc, "legacy");
+    let (lu, uu) = (max_spread(&legacy, &sc), max_spread(&r, &sc));
+    assert!(lu > uu, "legacy spread {lu} should exceed unified {uu}");
+    let (lf, uf) = (final_spread(&legacy, &sc), f);
+    assert!(lf > uf, "legacy final spread {lf} should exceed unified {uf}");
+}
+
+#[test]
+fn test4_ssd_and_hdd_slow_rate_stay_balanced() {
+    let sc = load("4-ssd-hdd-rate.toml", 64);
+    let r = run_label(&sc, "unified");
+    let m = max_spread(&r, &sc);
+    assert!(m < 0.02, "max spread {m}");
+}
+
+/// Spread at the moment the first overwrite pass has been committed.
+fn spread_after_pass(r: &RunResult, sc: &Scenario, pass: u64) -> f64 {
+    let per_pass = r.bytes_planned / sc.load.as_ref().unwrap().passes as u64;
+    let s = r
+        .samples
+        .iter()
+        .find(|s| s.committed >= pass * per_pass)
+        .expect("pass completed");
+    spread(s, &log_vdevs(sc))
+}
+
+#[test]
+fn test5_added_vdev_rebalances_in_one_overwrite() {
+    let sc = load("5-add-vdev.toml", 32);
+    let r = run_label(&sc, "unified");
+    assert!(r.events.iter().any(|e| e.1 == "add_vdev new"), "{:?}", r.events);
+    assert!(max_spread(&r, &sc) > 0.8, "the new vdev starts empty");
+    let u = spread_after_pass(&r, &sc, 2);
+    assert!(u < 0.05, "spread after one overwrite {u}");
+
+    let legacy = run_label(&sc, "legacy");
+    let l = spread_after_pass(&legacy, &sc, 2);
+    assert!(l > u, "legacy spread after one overwrite {l} should exceed unified {u}");
+}
+
+#[test]
+fn test6_raidz_new_at_least_old_gain_largest_at_small_blocks() {
+    let sc = load("6-raidz-hdd-blocksizes.toml", 64);
+    let mut gains = Vec::new();
+    for bs in ["16K", "128K", "1M", "16M"] {
+        let new = run_label(&sc, &format!("unified-{bs}"));
+        let old = run_label(&sc, &format!("legacy-{bs}"));
+        let tput = |r: &RunResult| r.bytes_committed as f64 / (r.end_time as f64 / 1e9);
+        let gain = tput(&new) / tput(&old);
+        eprintln!("{bs}: unified {:.0} MiB/s legacy {:.0} MiB/s gain {gain:.3}", tput(&new) / 1048576.0, tput(&old) / 1048576.0);
+        assert!(gain >= 0.98, "{bs}: new/old = {gain}");
+        gains.push(gain);
+    }
+    let best_small = gains[0].max(gains[1]);
+    let best_large = gains[2].max(gains[3]);
+    assert!(best_small > best_large, "gains {gains:?}");
+}
+
+#[test]
+fn test7_embedded_log_cuts_sync_latency_and_txg_waits() {
+    let sc = load("7-zil-embedded-log.toml", 6);
+    let on = run_label(&sc, "unified-elog-on");
+    let off = run_label(&sc, "unified-elog-off");
+    let (lon, loff) = (on.log.unwrap(), off.log.unwrap());
+    eprintln!("on: {lon:?}\noff: {loff:?}");
+    assert!(lon.tier_embedded_log > 0, "{lon:?}");
+    assert_eq!(loff.tier_embedded_log, 0, "{loff:?}");
+    assert!(lon.latency_mean < loff.latency_mean, "latency on {lon:?} off {loff:?}");
+    assert!(lon.ops_per_sec > loff.ops_per_sec);
+    assert!(
+        lon.txg_wait_fallbacks < loff.txg_wait_fallbacks,
+        "fallbacks on {} off {}",
+        lon.txg_wait_fallbacks,
+        loff.txg_wait_fallbacks
+    );
+}

@@ -1,0 +1,568 @@
+//! Durability in-process, over real gRPC and real SQLite files: what a synced
+//! txg holds survives a restart, stores that cannot be trusted are refused
+//! and left byte-for-byte untouched, run-time tunables persist, the dirty
+//! bound closes txgs, allocation goes on while a sync is being written, and
+//! a free is never reusable before the txg that freed it is durable.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use aliquot_allocator::sqlite_store::{self, OpenError};
+use aliquot_allocator::store::{Persisted, StoreError, TxgRecord};
+use aliquot_allocator::{Config, MemStore, SqliteStore, Store};
+use aliquot_proto::v1 as pb;
+use common::*;
+use futures_util::future::BoxFuture;
+use sqlx::Connection;
+use tokio::sync::watch;
+use tonic::Code;
+
+const POOL: &str = "aliquot";
+
+fn db_path(dir: &Path) -> PathBuf {
+    dir.join(sqlite_store::DB_FILE)
+}
+
+async fn open(path: &Path) -> Arc<SqliteStore> {
+    Arc::new(SqliteStore::open(path, POOL, None).await.expect("open store"))
+}
+
+fn ext(e: &pb::Extent) -> pb::Extent {
+    *e
+}
+
+async fn claim(h: &mut Harness, extents: Vec<pb::Extent>) -> Result<u64, tonic::Status> {
+    h.alloc
+        .claim(pb::ClaimRequest { extents })
+        .await
+        .map(|r| r.into_inner().txg)
+}
+
+async fn alloc_commit(h: &mut Harness, size: u64, wait_synced: bool) -> (pb::Extent, u64) {
+    let a = h.allocate(size).await.expect("allocate");
+    let c = h
+        .alloc
+        .commit(pb::CommitRequest {
+            allocation_ids: vec![a.allocation_id],
+            wait_synced,
+        })
+        .await
+        .expect("commit")
+        .into_inner();
+    (ext(&a.extents[0]), c.txg)
+}
+
+fn vdev_alloc(s: &pb::PoolStatus) -> Vec<(u32, u64)> {
+    s.vdevs.iter().map(|v| (v.vdev, v.alloc)).collect()
+}
+
+/// A pool in `dir` with two vdevs, synced extents, a freed one, and a
+/// committed-but-unsynced one; shut down cleanly. Returns (kept, freed).
+async fn populated(dir: &Path) -> (Vec<pb::Extent>, Vec<pb::Extent>) {
+    let store = open(&db_path(dir)).await;
+    let mut h = start_with(config(), store.clone()).await;
+    h.add_vdev(11, 2 * GIB).await;
+    h.add_vdev(12, 2 * GIB).await;
+    let mut kept = Vec::new();
+    for _ in 0..20 {
+        kept.push(alloc_commit(&mut h, 128 << 10, false).await.0);
+    }
+    let freed: Vec<pb::Extent> = kept.drain(..5).collect();
+    h.sync().await;
+    h.alloc
+        .free(pb::FreeRequest {
+            extents: freed.clone(),
+        })
+        .await
+        .unwrap();
+    h.sync().await;
+    h.server.shutdown().await.unwrap();
+    store.close().await;
+    (kept, freed)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn synced_state_survives_restart_and_claims_follow_the_contract() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = db_path(dir.path());
+    let store = open(&path).await;
+    let mut h = start_with(config(), store.clone()).await;
+    let v0 = h.add_vdev(11, 2 * GIB).await;
+    let v1 = h.add_vdev(12, 2 * GIB).await;
+    let mut synced = Vec::new();
+    for _ in 0..30 {
+        synced.push(alloc_commit(&mut h, 64 << 10, false).await.0);
+    }
+    let freed: Vec<pb::Extent> = synced.drain(..10).collect();
+    // A wait_synced commit covers everything committed before it.
+    let (last, txg) = alloc_commit(&mut h, 64 << 10, true).await;
+    synced.push(last);
+    assert!(h.pool().await.synced_txg >= txg);
+    h.alloc
+        .free(pb::FreeRequest {
+            extents: freed.clone(),
+        })
+        .await
+        .unwrap();
+    h.sync().await;
+    let before = h.pool().await;
+    let guid = before.guid;
+    // Not durable: committed after the last sync, lost with the process.
+    let (unsynced, _) = alloc_commit(&mut h, 64 << 10, false).await;
+    // A crash at the store level: close the store under the running server
+    // (nothing more can land) and abandon the server without its shutdown.
+    store.close().await;
+    drop(h);
+
+    let store = open(&path).await;
+    let mut h = start_with(config(), store.clone()).await;
+    let after = h.pool().await;
+    assert_eq!(after.guid, guid, "pool identity survives");
+    assert_eq!(after.synced_txg, before.synced_txg);
+    // `alloc` counts deferred frees; after a restart they are simply free.
+    let freed_bytes: u64 = freed.iter().map(|e| e.size).sum();
+    let want: Vec<(u32, u64)> = vdev_alloc(&before)
+        .into_iter()
+        .map(|(v, a)| {
+            let f: u64 = freed.iter().filter(|e| e.vdev == v).map(|e| e.size).sum();
+            (v, a - f)
+        })
+        .collect();
+    assert!(freed_bytes > 0);
+    assert_eq!(vdev_alloc(&after), want);
+    let by_guid: Vec<(u64, u32)> = after.vdevs.iter().map(|v| (v.guid, v.vdev)).collect();
+    assert_eq!(by_guid, vec![(11, v0), (12, v1)]);
+
+    // Re-registration by device guid gives the old vdev id back.
+    assert_eq!(h.add_vdev(11, 2 * GIB).await, v0);
+    // A different device at a known (silent or live) endpoint is refused.
+    let mut thief = register_req(99, 2 * GIB);
+    thief.endpoint = register_req(12, 0).endpoint;
+    let e = h.registry.register(thief).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+    assert!(e.message().contains("vdev 1"), "{e}");
+
+    // Synced extents are still theirs: claiming them succeeds and changes
+    // nothing; the unsynced one's space is free again (claimable).
+    claim(&mut h, synced.clone()).await.expect("synced extents are theirs");
+    claim(&mut h, vec![unsynced])
+        .await
+        .expect("the unsynced extent's space is free again");
+    // Freed (durably) space is free: claiming it works too.
+    claim(&mut h, freed[..2].to_vec()).await.expect("freed space");
+    // A claim that is partly free and partly allocated names the
+    // allocated part: claim the last 8 KiB of vdev 0, then the last 16 KiB.
+    let vd = after.vdevs.iter().find(|v| v.vdev == v0).unwrap();
+    let end = vd.metaslab_size * vd.metaslab_count as u64;
+    let tail = pb::Extent {
+        vdev: v0,
+        offset: end - 8192,
+        size: 8192,
+    };
+    claim(&mut h, vec![tail]).await.expect("free tail");
+    let wider = pb::Extent {
+        vdev: v0,
+        offset: end - 16384,
+        size: 16384,
+    };
+    let e = claim(&mut h, vec![wider]).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+    assert!(
+        e.message().contains(&format!("{v0}:{:#x}", end - 8192)),
+        "names the conflicting extent: {e}"
+    );
+    // Freed but still deferred: not free yet, a conflict.
+    let (d, _) = alloc_commit(&mut h, 64 << 10, false).await;
+    h.alloc
+        .free(pb::FreeRequest { extents: vec![d] })
+        .await
+        .unwrap();
+    let e = claim(&mut h, vec![d]).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+    // An in-flight allocation is not "theirs" to claim.
+    let a = h.allocate(64 << 10).await.unwrap();
+    let e = claim(&mut h, vec![a.extents[0]]).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+    h.server.shutdown().await.unwrap();
+    store.close().await;
+
+    // The same state read-only, as `aliquotctl verify` does.
+    let (id, p) = sqlite_store::read_only(&path).await.unwrap().unwrap();
+    assert_eq!(id.guid, guid);
+    let report = aliquot_allocator::recovery::verify(&p).expect("verify passes");
+    assert_eq!(report.vdevs.len(), 2);
+}
+
+fn bytes(path: &Path) -> Vec<u8> {
+    std::fs::read(path).unwrap()
+}
+
+async fn refused(path: &Path, pool: &str, guid: Option<u64>) -> OpenError {
+    match SqliteStore::open(path, pool, guid).await {
+        Ok(_) => panic!("{} must be refused", path.display()),
+        Err(e) => e,
+    }
+}
+
+async fn rw(path: &Path) -> sqlx::SqliteConnection {
+    let o = sqlx::sqlite::SqliteConnectOptions::new().filename(path);
+    sqlx::SqliteConnection::connect_with(&o).await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn untrusted_stores_are_refused_and_left_untouched() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = db_path(dir.path());
+    let (kept, _) = populated(dir.path()).await;
+    assert!(
+        !dir.path().join("pool.db-wal").exists(),
+        "a clean close checkpoints"
+    );
+    let guid = sqlite_store::preflight(&good).await.unwrap().unwrap().guid;
+
+    // Another pool's store: by name, and by an expected guid.
+    let before = bytes(&good);
+    let e = refused(&good, "other", None).await;
+    assert!(matches!(e, OpenError::OtherPool { .. }), "{e}");
+    assert!(e.to_string().contains("\"aliquot\""), "{e}");
+    let e = refused(&good, POOL, Some(guid ^ 1)).await;
+    assert!(e.to_string().contains("expected"), "{e}");
+    assert_eq!(bytes(&good), before, "refusal left the file untouched");
+    // Through the binary's own entry point: a configuration error.
+    let mut c = Config::with_listen("127.0.0.1:0".parse().unwrap());
+    c.data_dir = dir.path().to_path_buf();
+    c.pool = "other".into();
+    let e = aliquot_allocator::run(c).await.unwrap_err();
+    assert!(
+        e.downcast_ref::<aliquot_allocator::ConfigError>().is_some(),
+        "{e:#}"
+    );
+    assert_eq!(bytes(&good), before);
+
+    // Truncated copies (mid-page and at a page boundary).
+    for cut in [before.len() / 2 + 100, 2 * 4096] {
+        let p = dir.path().join(format!("cut{cut}.db"));
+        std::fs::write(&p, &before[..cut]).unwrap();
+        let snap = bytes(&p);
+        let e = refused(&p, POOL, None).await;
+        assert!(e.to_string().contains("truncated"), "{e}");
+        assert_eq!(bytes(&p), snap);
+    }
+    // Not SQLite at all.
+    let p = dir.path().join("garbage.db");
+    std::fs::write(&p, vec![0x5a; 8192]).unwrap();
+    let e = refused(&p, POOL, None).await;
+    assert!(e.to_string().contains("not an SQLite database"), "{e}");
+    assert_eq!(bytes(&p), vec![0x5a; 8192]);
+
+    // A newer schema.
+    let newer = dir.path().join("newer.db");
+    std::fs::write(&newer, &before).unwrap();
+    {
+        let mut c = rw(&newer).await;
+        sqlx::query(
+            "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
+             VALUES (99, 'from the future', 1, x'00', 0)",
+        )
+        .execute(&mut c)
+        .await
+        .unwrap();
+        c.close().await.unwrap();
+    }
+    let snap = bytes(&newer);
+    let e = refused(&newer, POOL, None).await;
+    assert!(e.to_string().contains("newer"), "{e}");
+    assert_eq!(bytes(&newer), snap);
+
+    // Opens, but inconsistent: the first inconsistency is named and the
+    // allocator refuses to start; nothing is repaired.
+    let overlap = dir.path().join("overlap");
+    std::fs::create_dir_all(&overlap).unwrap();
+    let op = db_path(&overlap);
+    std::fs::write(&op, &before).unwrap();
+    let k = kept[0];
+    {
+        let mut c = rw(&op).await;
+        sqlx::query("INSERT INTO extents (vdev, offset, size, txg) VALUES (?, ?, ?, 1)")
+            .bind(k.vdev as i64)
+            .bind((k.offset + 4096) as i64)
+            .bind(k.size as i64)
+            .execute(&mut c)
+            .await
+            .unwrap();
+        sqlx::query("UPDATE vdevs SET allocated = allocated + ? WHERE id = ?")
+            .bind(k.size as i64)
+            .bind(k.vdev as i64)
+            .execute(&mut c)
+            .await
+            .unwrap();
+        c.close().await.unwrap();
+    }
+    let snap = bytes(&op);
+    let mut c = Config::with_listen("127.0.0.1:0".parse().unwrap());
+    c.data_dir = overlap.clone();
+    let e = aliquot_allocator::run(c).await.unwrap_err().to_string();
+    assert!(e.contains("inconsistent") && e.contains("overlaps"), "{e}");
+    assert_eq!(bytes(&op), snap, "an inconsistent store is not repaired");
+    let e = sqlite_store::read_only(&op)
+        .await
+        .map(|r| aliquot_allocator::recovery::verify(&r.unwrap().1))
+        .unwrap()
+        .unwrap_err();
+    assert!(e.contains("overlaps"), "{e}");
+
+    // A lost row: the per-vdev sum no longer matches.
+    let lost = dir.path().join("lost.db");
+    std::fs::write(&lost, &before).unwrap();
+    {
+        let mut c = rw(&lost).await;
+        sqlx::query("DELETE FROM extents WHERE vdev = ? AND offset = ?")
+            .bind(k.vdev as i64)
+            .bind(k.offset as i64)
+            .execute(&mut c)
+            .await
+            .unwrap();
+        c.close().await.unwrap();
+    }
+    let snap = bytes(&lost);
+    let e = match SqliteStore::open(&lost, POOL, None).await.unwrap().load().await {
+        Ok(_) => panic!("a lost extent must be noticed"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains(&format!("vdev {}", k.vdev)) && e.contains("sum"), "{e}");
+    assert_eq!(bytes(&lost), snap);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_time_tunables_survive_restarts_unless_overridden() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = db_path(dir.path());
+    let store = open(&path).await;
+    let mut h = start_with(config(), store.clone()).await;
+    for (n, v) in [("metaslab_aliquot", "2097152"), ("zfs_txg_timeout", "7")] {
+        h.alloc
+            .set_tunable(pb::SetTunableRequest {
+                name: n.into(),
+                value: v.into(),
+            })
+            .await
+            .unwrap();
+    }
+    h.server.shutdown().await.unwrap();
+    store.close().await;
+
+    let get = |list: &pb::TunableList, n: &str| {
+        list.tunables
+            .iter()
+            .find(|t| t.name == n)
+            .map(|t| t.value.clone())
+            .unwrap()
+    };
+    let store = open(&path).await;
+    let mut h = start_with(config(), store.clone()).await;
+    let list = h
+        .alloc
+        .get_tunables(pb::GetTunablesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(get(&list, "zfs_txg_timeout"), "7");
+    let aliquot = get(&list, "metaslab_aliquot");
+    assert!(aliquot == "2097152" || aliquot == "2MiB", "{aliquot}");
+    h.server.shutdown().await.unwrap();
+    store.close().await;
+
+    // An explicit --tunable at start wins over the stored value.
+    let store = open(&path).await;
+    let mut c = config();
+    c.tunables = vec!["zfs_txg_timeout=9".into()];
+    let mut h = start_with(c, store.clone()).await;
+    let list = h
+        .alloc
+        .get_tunables(pb::GetTunablesRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(get(&list, "zfs_txg_timeout"), "9");
+    h.server.shutdown().await.unwrap();
+    store.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dirty_bound_closes_the_txg_early() {
+    let mut c = config(); // zfs_txg_timeout 600 s
+    c.txg_dirty_max = 4 * MIB;
+    let mut h = start(c).await;
+    h.add_vdev(1, 4 * GIB).await;
+    let synced = h.pool().await.synced_txg;
+    let mut first_txg = 0;
+    for i in 0..3 {
+        let (_, t) = alloc_commit(&mut h, MIB, false).await;
+        if i == 0 {
+            first_txg = t;
+        }
+    }
+    // 3 MiB: below the bound, nothing syncs.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(h.pool().await.synced_txg, synced);
+    alloc_commit(&mut h, MIB, false).await;
+    let mut probe = h.alloc.clone();
+    eventually("dirty bound sync", Duration::from_secs(5), || {
+        let mut p = probe.clone();
+        async move {
+            p.get_pool(pb::GetPoolRequest {})
+                .await
+                .unwrap()
+                .into_inner()
+                .synced_txg
+                >= first_txg
+        }
+    })
+    .await;
+    let _ = &mut probe;
+}
+
+/// A store whose `persist` waits for the test to open a gate, so a sync can
+/// be held "in flight".
+struct GateStore {
+    inner: MemStore,
+    open: watch::Sender<bool>,
+    persisting: watch::Sender<u64>,
+}
+
+impl GateStore {
+    fn new() -> Arc<GateStore> {
+        Arc::new(GateStore {
+            inner: MemStore::new(),
+            open: watch::Sender::new(true),
+            persisting: watch::Sender::new(0),
+        })
+    }
+}
+
+impl Store for GateStore {
+    fn load(&self) -> BoxFuture<'_, Result<Option<Persisted>, StoreError>> {
+        self.inner.load()
+    }
+    fn create(&self, g: u64) -> BoxFuture<'_, Result<(), StoreError>> {
+        self.inner.create(g)
+    }
+    fn persist<'a>(&'a self, r: &'a TxgRecord) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            self.persisting.send_replace(r.sync.txg);
+            let mut rx = self.open.subscribe();
+            let _ = rx.wait_for(|o| *o).await;
+            self.inner.persist(r).await
+        })
+    }
+    fn set_tunable<'a>(&'a self, n: &'a str, v: &'a str) -> BoxFuture<'a, Result<(), StoreError>> {
+        self.inner.set_tunable(n, v)
+    }
+}
+
+/// Start a sync of the open txg and wait until its persist is in flight.
+async fn hold_sync(h: &Harness, gate: &GateStore) -> (u64, tokio::task::JoinHandle<u64>) {
+    gate.open.send_replace(false);
+    let txg = {
+        let mut a = h.alloc.clone();
+        a.get_pool(pb::GetPoolRequest {}).await.unwrap().into_inner().open_txg
+    };
+    let mut a = h.alloc.clone();
+    let waiter = tokio::spawn(async move {
+        a.sync_txg(pb::SyncTxgRequest { txg })
+            .await
+            .unwrap()
+            .into_inner()
+            .synced_txg
+    });
+    let mut rx = gate.persisting.subscribe();
+    tokio::time::timeout(Duration::from_secs(5), rx.wait_for(|t| *t == txg))
+        .await
+        .expect("sync started")
+        .unwrap();
+    (txg, waiter)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allocation_goes_on_while_a_sync_is_written() {
+    let gate = GateStore::new();
+    let mut h = start_with(config(), gate.clone()).await;
+    h.add_vdev(1, 4 * GIB).await;
+    alloc_commit(&mut h, MIB, false).await;
+    let (txg, waiter) = hold_sync(&h, &gate).await;
+    // The store is "writing" txg; allocate and commit go on in txg + 1.
+    for _ in 0..10 {
+        let (_, t) = tokio::time::timeout(Duration::from_secs(2), alloc_commit(&mut h, MIB, false))
+            .await
+            .expect("allocation must not wait for the sync");
+        assert_eq!(t, txg + 1);
+    }
+    let s = h.pool().await;
+    assert!(s.synced_txg < txg, "not durable before the store returned");
+    assert!(!waiter.is_finished(), "SyncTxg waits for the store");
+    gate.open.send_replace(true);
+    assert!(waiter.await.unwrap() >= txg);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_free_is_not_reusable_before_its_txg_is_durable() {
+    // A full pool (claimed end to end, which ignores slop) makes the next
+    // sync skip the two-txg deferral ("nodefer"); even then the freed range
+    // must not be handed out while the txg that freed it is being written.
+    let gate = GateStore::new();
+    let mut h = start_with(config(), gate.clone()).await;
+    let v = h.add_vdev(1, GIB).await;
+    let s = h.pool().await;
+    let vd = &s.vdevs[0];
+    let end = vd.metaslab_size * vd.metaslab_count as u64;
+    let whole: Vec<pb::Extent> = (0..vd.metaslab_count as u64)
+        .map(|m| pb::Extent {
+            vdev: v,
+            offset: m * vd.metaslab_size,
+            size: vd.metaslab_size,
+        })
+        .collect();
+    claim(&mut h, whole).await.expect("claim the whole vdev");
+    h.sync().await;
+    let log = pb::AllocateRequest {
+        class: pb::AllocationClass::Log as i32,
+        size: 4096,
+        copies: 1,
+        lease_ms: 0,
+    };
+    assert!(h.alloc.allocate(log).await.is_err(), "the pool is full");
+    let freed = pb::Extent {
+        vdev: v,
+        offset: 0,
+        size: 4 * MIB,
+    };
+    h.alloc
+        .free(pb::FreeRequest {
+            extents: vec![freed],
+        })
+        .await
+        .unwrap();
+    let (txg, waiter) = hold_sync(&h, &gate).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // While txg is being written, the freed range is not allocatable.
+    match h.alloc.allocate(log).await {
+        Ok(a) => {
+            let e = a.into_inner().extents[0];
+            panic!(
+                "allocated {}:{:#x} while the free of txg {txg} was not durable (vdev end {end:#x})",
+                e.vdev, e.offset
+            );
+        }
+        Err(e) => assert_ne!(e.code(), Code::Internal, "{e}"),
+    }
+    gate.open.send_replace(true);
+    waiter.await.unwrap();
+    // Durable now: after the following sync the space comes back.
+    h.sync().await;
+    let a = h.alloc.allocate(log).await.expect("reusable once durable");
+    let e = a.into_inner().extents[0];
+    assert!(e.offset < freed.size, "from the freed range: {e:?}");
+}

@@ -52,13 +52,19 @@ pub async fn run(mut args: DemoArgs) -> anyhow::Result<()> {
     );
     let mut pool = LocalPool::start(&args.pool).await?;
     print!("{}", pool.describe());
+    println!("(up in {:.1} s)", t0.elapsed().as_secs_f64());
     let r = body(&args, &pool).await;
     if r.is_ok() && args.keep {
         println!("== the pool keeps running; Ctrl-C stops it");
         let _ = tokio::signal::ctrl_c().await;
     }
     println!("== stopping the pool");
-    pool.stop().await;
+    let t_stop = Instant::now();
+    let killed = pool.stop().await;
+    if !killed.is_empty() {
+        println!("(had to SIGKILL {})", killed.join(", "));
+    }
+    println!("(stopped in {:.1} s)", t_stop.elapsed().as_secs_f64());
     r?;
     println!("== demo done in {:.1} s", t0.elapsed().as_secs_f64());
     Ok(())

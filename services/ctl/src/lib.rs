@@ -13,6 +13,7 @@ pub mod local;
 pub mod pattern;
 pub mod serve;
 pub mod status;
+pub mod verify;
 pub mod write;
 
 use clap::{Parser, Subcommand};
@@ -55,6 +56,8 @@ pub enum Cmd {
     Demo(demo::DemoArgs),
     /// gRPC health probe of a service (exit 0 when SERVING), for health checks.
     Health(health::HealthArgs),
+    /// Check the allocator's store (stopped or running pool), like `zdb -b`.
+    Verify(verify::VerifyArgs),
 }
 
 impl Cli {
@@ -86,6 +89,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::History(a) => history::run(a).await,
         Cmd::Demo(a) => demo::run(a).await,
         Cmd::Health(a) => health::run(a).await,
+        Cmd::Verify(a) => verify::run(a).await,
     }
 }
 

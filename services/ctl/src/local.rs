@@ -246,7 +246,9 @@ impl LocalPool {
         self.allocator_url = format!("http://{}", a[0]);
 
         // Agents start side by side; each reports its own address.
-        let mut specs: Vec<(String, String, u64, Option<PathBuf>, Vec<String>)> = Vec::new();
+        // (name, kind, capacity, path, backend flags)
+        type Spec = (String, String, u64, Option<PathBuf>, Vec<String>);
+        let mut specs: Vec<Spec> = Vec::new();
         for (i, cap) in args.agents.iter().enumerate() {
             let name = format!("file{i}");
             let path = dir.join("vdevs").join(format!("{name}.img"));

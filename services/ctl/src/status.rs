@@ -134,7 +134,7 @@ fn limit(c: &ClassStatus) -> String {
     }
 }
 
-fn vdev_of<'a>(st: &'a PoolStatus, id: u32) -> Option<&'a VdevStatus> {
+fn vdev_of(st: &PoolStatus, id: u32) -> Option<&VdevStatus> {
     st.vdevs.iter().find(|v| v.vdev == id)
 }
 
@@ -429,7 +429,7 @@ fn group_json(st: &PoolStatus, g: &GroupStatus) -> GroupJson {
 }
 
 fn vdev_json(v: &VdevStatus) -> VdevJson {
-    let r = v.last_report.clone().unwrap_or_default();
+    let r = v.last_report.unwrap_or_default();
     VdevJson {
         vdev: v.vdev,
         guid: v.guid,

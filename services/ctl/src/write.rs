@@ -149,6 +149,7 @@ pub struct WriteReport {
     pub tiers: BTreeMap<String, u64>,
     pub synced_txg: Option<u64>,
     pub verified_blocks: u64,
+    pub verify_secs: f64,
     pub freed_blocks: u64,
 }
 
@@ -193,14 +194,9 @@ impl StreamOps {
             Default::default();
         let p = pending.clone();
         tokio::spawn(async move {
-            loop {
-                match replies.message().await {
-                    Ok(Some(r)) => {
-                        if let Some(w) = p.lock().expect("pending lock").remove(&r.request_id) {
-                            let _ = w.send(r);
-                        }
-                    }
-                    Ok(None) | Err(_) => break,
+            while let Ok(Some(r)) = replies.message().await {
+                if let Some(w) = p.lock().expect("pending lock").remove(&r.request_id) {
+                    let _ = w.send(r);
                 }
             }
             // Dropping the senders fails every request still waiting.
@@ -428,9 +424,11 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
 
     let bytes = placed.len() as u64 * args.block_size * args.copies as u64;
     let mut verified_blocks = 0;
+    let t_verify = Instant::now();
     if args.verify {
         verified_blocks = verify(&shared, &placed).await?;
     }
+    let verify_secs = t_verify.elapsed().as_secs_f64();
     let mut freed_blocks = 0;
     if args.free {
         let mut c = alloc.clone();
@@ -463,6 +461,7 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
         tiers,
         synced_txg,
         verified_blocks,
+        verify_secs,
         freed_blocks,
     })
 }
@@ -556,11 +555,17 @@ async fn one_block(
 
     let t1 = Instant::now();
     let len = reply.extents.iter().map(|e| e.size).max().unwrap_or(0) as usize;
-    let data = pattern_for(sh.nonce, block, len);
+    let mut data = Some(pattern_for(sh.nonce, block, len));
     let mut writes = Vec::with_capacity(reply.extents.len());
-    for (e, ep) in reply.extents.iter().zip(&reply.endpoints) {
+    let n = reply.extents.len();
+    for (i, (e, ep)) in reply.extents.iter().zip(&reply.endpoints).enumerate() {
         let agents = sh.agents.clone();
-        let buf = data[..e.size as usize].to_vec();
+        // The last copy takes the buffer itself; the others a copy.
+        let buf = if i + 1 == n && e.size as usize == len {
+            data.take().expect("buffer still here")
+        } else {
+            data.as_ref().expect("buffer still here")[..e.size as usize].to_vec()
+        };
         let (offset, vdev) = (e.offset, e.vdev);
         writes.push(async move {
             let mut c = agents.get(ep).await?;
@@ -740,7 +745,11 @@ pub fn render(r: &WriteReport) -> String {
         let _ = writeln!(s, "durable: agents flushed, txg {t} synced");
     }
     if r.verified_blocks > 0 {
-        let _ = writeln!(s, "verified: {} blocks read back intact", r.verified_blocks);
+        let _ = writeln!(
+            s,
+            "verified: {} blocks read back intact in {:.2} s",
+            r.verified_blocks, r.verify_secs
+        );
     }
     if r.freed_blocks > 0 {
         let _ = writeln!(s, "freed: {} blocks", r.freed_blocks);

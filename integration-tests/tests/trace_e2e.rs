@@ -15,7 +15,8 @@ use std::time::Duration;
 
 use aliquot_proto::v1::allocator_client::AllocatorClient;
 use aliquot_proto::v1::metrics_client::MetricsClient;
-use aliquot_proto::v1::{GetPoolRequest, SummaryRequest};
+use aliquot_proto::v1::vdev_agent_client::VdevAgentClient;
+use aliquot_proto::v1::{GetPoolRequest, GetStatsRequest, SummaryRequest};
 use integration_tests::{Proc, args, bin};
 use telemetry::sink::{SpanRecord, TraceSink};
 
@@ -212,22 +213,30 @@ async fn one_write_is_one_trace_across_ctl_allocator_and_agent() {
     // every 200 ms. Wait for the pieces the assertions need.
     let arrived = sink
         .wait_until(Duration::from_secs(20), |spans| {
-            let root = spans
+            // Everything of the write's trace: ctl's root and its 4 blocks'
+            // Allocate, Commit and Write server spans.
+            let Some(root) = spans
                 .iter()
-                .any(|s| s.service == CTL && s.name == "aliquotctl.write");
-            let alloc = spans.iter().any(|s| {
-                s.service == ALLOCATOR && s.kind == "server" && s.name.contains("Allocat")
-            });
-            let agent = spans
-                .iter()
-                .any(|s| s.service == AGENT && s.kind == "server" && s.name.ends_with("/Write"));
+                .find(|s| s.service == CTL && s.name == "aliquotctl.write")
+            else {
+                return false;
+            };
+            let in_trace = |svc: &str, name: &str| {
+                spans
+                    .iter()
+                    .filter(|s| s.trace_id == root.trace_id && s.service == svc && s.name == name)
+                    .count()
+            };
+            let alloc = in_trace(ALLOCATOR, "/aliquot.v1.Allocator/Allocate") >= 4
+                && in_trace(ALLOCATOR, "/aliquot.v1.Allocator/Commit") >= 4;
+            let agent = in_trace(AGENT, "/aliquot.v1.VdevAgent/Write") >= 4;
             let txg = spans.iter().any(|s| {
                 s.service == ALLOCATOR && s.name.contains("txg") && s.name.contains("sync")
             });
             let ingest = spans
                 .iter()
                 .any(|s| s.service == METRICS && s.kind == "server" && s.name.contains("Record"));
-            root && alloc && agent && txg && ingest
+            alloc && agent && txg && ingest
         })
         .await;
     let spans = sink.spans();
@@ -430,10 +439,35 @@ async fn sigterm_flushes_pending_spans() {
     )
     .expect("start allocator");
 
+    let mut agent = Proc::start(
+        "agent",
+        &bin(AGENT),
+        &args![
+            "--listen",
+            "127.0.0.1:0",
+            "--allocator",
+            allocator.url("grpc"),
+            "--name",
+            "agent0",
+            "--backend",
+            "sim",
+            "--capacity",
+            "256MiB"
+        ],
+        &env,
+        &["grpc"],
+        dir.path(),
+    )
+    .expect("start agent");
+
     let mut client = AllocatorClient::connect(allocator.url("grpc"))
         .await
         .expect("allocator");
     client.get_pool(GetPoolRequest {}).await.expect("GetPool");
+    let mut ac = VdevAgentClient::connect(agent.url("grpc"))
+        .await
+        .expect("agent");
+    ac.get_stats(GetStatsRequest {}).await.expect("GetStats");
     let mut mc = MetricsClient::connect(metrics.url("grpc"))
         .await
         .expect("metrics");
@@ -450,6 +484,7 @@ async fn sigterm_flushes_pending_spans() {
         "spans arrived before shutdown: the batch delay was not honoured"
     );
 
+    agent.kill();
     allocator.kill();
     metrics.kill();
     let arrived = sink
@@ -460,12 +495,16 @@ async fn sigterm_flushes_pending_spans() {
                 && spans
                     .iter()
                     .any(|s| s.service == METRICS && s.name == "/aliquot.v1.Metrics/Summary")
+                && spans
+                    .iter()
+                    .any(|s| s.service == AGENT && s.name == "/aliquot.v1.VdevAgent/GetStats")
         })
         .await;
     assert!(
         arrived,
-        "spans not flushed at SIGTERM; got:\n{}\nallocator log:\n{}\nmetrics log:\n{}",
+        "spans not flushed at SIGTERM; got:\n{}\nagent log:\n{}\nallocator log:\n{}\nmetrics log:\n{}",
         describe(&sink.spans()),
+        agent.log_tail(),
         allocator.log_tail(),
         metrics.log_tail()
     );

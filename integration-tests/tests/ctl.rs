@@ -259,6 +259,31 @@ fn up_write_verify_status_tunables_and_clean_stop() {
     .unwrap();
     assert_eq!(st2["alloc"], st["alloc"]);
 
+    // status --watch follows WatchPool: two snapshots, txgs moving on.
+    let mut watch = Command::new(bin("aliquotctl"))
+        .args(args![
+            "status",
+            "--allocator",
+            url,
+            "--watch",
+            "--json",
+            "--interval",
+            "300ms"
+        ])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufRead::lines(std::io::BufReader::new(watch.stdout.take().unwrap()));
+    let a: serde_json::Value = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
+    let b: serde_json::Value = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
+    assert!(
+        b["time_ms"].as_u64() > a["time_ms"].as_u64(),
+        "{a} then {b}"
+    );
+    assert_eq!(b["alloc"], st["alloc"]);
+    watch.kill().unwrap();
+    watch.wait().unwrap();
+
     // SIGINT to `up`: it stops every child and exits 0.
     assert!(kids.iter().all(|&k| alive(k)));
     Command::new("kill")
@@ -338,4 +363,35 @@ fn up_reports_a_dead_agent_and_usage_errors_exit_2() {
     for k in kids {
         assert!(!alive(k), "child {k} still running");
     }
+}
+
+#[test]
+fn demo_runs_end_to_end_with_metrics_and_a_chart() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = ctl(&args![
+        "demo",
+        "--data-dir",
+        tmp.path().display(),
+        "--ephemeral",
+        "--agents",
+        "128MiB,256MiB,512MiB",
+        "--fill",
+        "10",
+        "--block-size",
+        "256KiB"
+    ]);
+    let text = ok_stdout(&out, "demo");
+    assert!(text.contains("verified: "), "{text}");
+    assert!(text.contains("NAME "), "status table in:\n{text}");
+    assert!(text.contains("== demo done"), "{text}");
+    let chart = tmp.path().join("demo/balance.svg");
+    let svg = std::fs::read_to_string(&chart)
+        .unwrap_or_else(|e| panic!("{}: {e}\n{text}", chart.display()));
+    assert!(svg.contains("<svg"), "not an SVG");
+    // Every child was stopped: none is left holding the demo's files.
+    let logs = std::fs::read_dir(tmp.path().join("demo/logs"))
+        .unwrap()
+        .count();
+    assert_eq!(logs, 5, "allocator, metrics and 3 agents logged");
+    assert!(!text.contains("SIGKILL"), "{text}");
 }

@@ -1461,6 +1461,10 @@ impl Pool {
         self.lru.extend(keep);
     }
 
+    pub(crate) fn txg_dirty(&self, v: VdevId, m: u32) -> bool {
+        self.txg.dirty.contains(&(v, m))
+    }
+
     pub fn stats(&self) -> crate::PoolStats {
         crate::stats::pool_stats(self)
     }

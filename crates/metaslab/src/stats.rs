@@ -238,6 +238,18 @@ pub(crate) fn verify(pool: &Pool) -> Result<()> {
                     }
                 }
             }
+            if (ms.deferred() > 0 || ms.new) && !ms.dirty {
+                return broken(format!(
+                    "vdev {} metaslab {}: deferred or new but not dirty",
+                    v.id, ms.id
+                ));
+            }
+            if ms.dirty != pool.txg_dirty(v.id, ms.id) {
+                return broken(format!(
+                    "vdev {} metaslab {}: dirty flag drifted",
+                    v.id, ms.id
+                ));
+            }
             let space: u64 = ms.allocatable.iter().map(|(s, e)| e - s).sum();
             if space != ms.allocatable.space() {
                 return broken(format!(

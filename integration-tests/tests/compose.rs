@@ -469,34 +469,25 @@ fn compose_deployment_end_to_end() {
         st["guid"].as_u64().is_some(),
         "status --json has the pool guid: {st}"
     );
-    if st["guid"] == guid_before {
-        // Same pool: every vdev the restarted allocator knows has exactly the
-        // bytes it had (the killed agent may be known from the store only).
-        for (vdev, alloc) in &after {
-            assert_eq!(
-                before_restart.get(vdev),
-                Some(alloc),
-                "vdev {vdev}: allocated bytes before the restart {:?}, after {alloc}: {st}",
-                before_restart.get(vdev)
-            );
-        }
-        assert!(
-            after.values().sum::<u64>() > 0,
-            "state after the restart: {st}"
-        );
-    } else {
-        // No durable store yet: the allocator comes back as a new, empty
-        // pool, and the agents re-register with it. Assert exactly that.
-        eprintln!(
-            "NOTE: the restarted allocator is a new pool (guid {guid_before} -> {}): \
-             its state did not survive the restart",
-            st["guid"]
-        );
-        assert!(
-            after.values().all(|a| *a == 0),
-            "a new pool has nothing allocated: {st}"
+    // The same pool (the allocator's SQLite store on its volume), and every
+    // vdev it knows has exactly the bytes it had (the killed agent's vdev
+    // may be known from the store only).
+    assert_eq!(
+        st["guid"], guid_before,
+        "the restarted allocator is a new pool: its state did not survive: {st}"
+    );
+    for (vdev, alloc) in &after {
+        assert_eq!(
+            before_restart.get(vdev),
+            Some(alloc),
+            "vdev {vdev}: allocated bytes before the restart {:?}, after {alloc}: {st}",
+            before_restart.get(vdev)
         );
     }
+    assert!(
+        after.values().sum::<u64>() > 0,
+        "state after the restart: {st}"
+    );
     assert!(after.len() >= 3, "the live agents re-registered: {st}");
 
     // 7. Spans reached the receiver standing in for Jaeger.

@@ -100,12 +100,11 @@ impl Proc {
             for line in BufReader::new(stdout).lines() {
                 let Ok(line) = line else { break };
                 let mut it = line.split_whitespace();
-                if it.next() == Some("LISTEN") {
-                    if let (Some(kind), Some(addr)) = (it.next(), it.next()) {
-                        if let Ok(a) = addr.parse::<SocketAddr>() {
-                            let _ = tx.send((kind.to_string(), a));
-                        }
-                    }
+                if it.next() == Some("LISTEN")
+                    && let (Some(kind), Some(addr)) = (it.next(), it.next())
+                    && let Ok(a) = addr.parse::<SocketAddr>()
+                {
+                    let _ = tx.send((kind.to_string(), a));
                 }
             }
         });
@@ -176,11 +175,11 @@ impl Proc {
     /// Replace one `--flag value` pair's value for the next `restart` (e.g.
     /// pin the port an agent listened on so the allocator can reach it).
     pub fn set_arg(&mut self, flag: &str, value: &str) {
-        if let Some(i) = self.args.iter().position(|a| a == flag) {
-            if i + 1 < self.args.len() {
-                self.args[i + 1] = value.to_string();
-                return;
-            }
+        if let Some(i) = self.args.iter().position(|a| a == flag)
+            && i + 1 < self.args.len()
+        {
+            self.args[i + 1] = value.to_string();
+            return;
         }
         self.args.push(flag.to_string());
         self.args.push(value.to_string());

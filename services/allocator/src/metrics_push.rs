@@ -10,7 +10,6 @@ use std::time::Duration;
 
 use aliquot_metrics::pusher::SnapshotPusher;
 use aliquot_proto::v1 as pb;
-use tokio::sync::watch;
 
 use crate::convert;
 use crate::state::{Inner, Shared};
@@ -89,12 +88,7 @@ pub fn snapshot(shared: &Shared, g: &mut Inner) -> pb::PoolSnapshot {
     }
 }
 
-pub async fn run(
-    shared: Arc<Shared>,
-    url: String,
-    interval: Duration,
-    mut shutdown: watch::Receiver<bool>,
-) {
+pub async fn run(shared: Arc<Shared>, url: String, interval: Duration) {
     let pusher = SnapshotPusher::spawn(url.clone(), BUFFER);
     tracing::info!(metrics = %url, interval_ms = interval.as_millis() as u64, "pushing balance snapshots");
     let mut tick = tokio::time::interval(interval);
@@ -102,7 +96,7 @@ pub async fn run(
     loop {
         tokio::select! {
             _ = tick.tick() => {}
-            _ = shutdown.wait_for(|s| *s) => break,
+            _ = shared.stopping() => break,
         }
         let snap = {
             let mut g = shared.lock();

@@ -6,22 +6,22 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::sync::watch;
 use tracing::Instrument;
 
 use crate::state::Shared;
 use crate::store::TxgRecord;
 
-/// Run until `shutdown` turns true; a last sync is done on the way out so
+/// Run until shutdown starts; a last sync is done on the way out so
 /// committed allocations are not lost.
-pub async fn run(shared: Arc<Shared>, mut shutdown: watch::Receiver<bool>) {
+pub async fn run(shared: Arc<Shared>) {
+    let mut shutdown = shared.stop.subscribe();
     let mut wanted = shared.wanted.subscribe();
     loop {
         let timeout = shared.txg_timeout();
         let by_timer = tokio::select! {
             _ = tokio::time::sleep(timeout) => true,
             r = wanted.changed() => {
-                if r.is_err() { return; }
+                if r.is_err() { break; }
                 false
             }
             _ = shared.txg_timeout_changed.notified() => continue,
@@ -40,6 +40,7 @@ pub async fn run(shared: Arc<Shared>, mut shutdown: watch::Receiver<bool>) {
         }
     }
     sync_once(&shared).await;
+    shared.closed.send_replace(true);
 }
 
 /// Close the open txg and persist it.

@@ -729,3 +729,51 @@ async fn a_restart_reloads_what_was_synced() {
         .into_inner();
     assert_eq!(r.vdev, v);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_ends_streams_and_waiters_promptly() {
+    let mut h = start(config()).await;
+    let v = h.add_vdev(1, 4 * GIB).await;
+    let rep = reporter(&h.registry, v, 4 * GIB, Duration::from_millis(50));
+    let mut watch = h
+        .alloc
+        .watch_pool(pb::WatchPoolRequest { interval_ms: 20 })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(watch.message().await.unwrap().is_some());
+    let held = h.fill_throttle(MIB).await;
+    assert!(!held.is_empty());
+    let mut c = h.alloc.clone();
+    let waiter = tokio::spawn(async move { c.allocate(data(MIB)).await });
+    let mut p = h.alloc.clone();
+    eventually("queued", Duration::from_secs(5), || {
+        let mut p = p.clone();
+        async move {
+            let s = p
+                .get_pool(pb::GetPoolRequest {})
+                .await
+                .unwrap()
+                .into_inner();
+            s.classes
+                .iter()
+                .any(|c| c.name == "normal" && c.waiting == 1)
+        }
+    })
+    .await;
+    let _ = &mut p;
+    tokio::time::timeout(Duration::from_secs(5), h.server.shutdown())
+        .await
+        .expect("shutdown is prompt with streams open")
+        .unwrap();
+    let e = waiter.await.unwrap().unwrap_err();
+    assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+    assert!(e.message().contains("shutting down"), "{}", e.message());
+    // The watch stream ended rather than hanging.
+    let end = tokio::time::timeout(Duration::from_secs(2), async {
+        while let Ok(Some(_)) = watch.message().await {}
+    })
+    .await;
+    assert!(end.is_ok());
+    rep.abort();
+}

@@ -47,6 +47,9 @@ pub struct VdevSample {
     /// Bytes placed and not yet committed (the pool's view).
     pub queue_depth: u64,
     pub fragmentation: Option<u32>,
+    /// The normal group's quota and queue target at the sample (psize bytes).
+    pub aliquot: u64,
+    pub queue_target: u64,
 }
 
 impl VdevSample {
@@ -355,7 +358,7 @@ impl<P: SimPool> Sim<'_, P> {
         // Pool creation: the vdevs' metaslabs become usable once this syncs.
         self.pool.sync();
         if let Some(p) = &sc.prefill {
-            self.prefill(p.fill, &p.holes.clone())?;
+            self.prefill(p.fill, &p.holes.clone(), &p.weights.clone())?;
         }
         let view = self.pool.view();
         // Data capacity in psize terms: parity is not data.
@@ -469,9 +472,15 @@ impl<P: SimPool> Sim<'_, P> {
     /// allocated runs alternate with free holes of the given sizes so that
     /// `fill` of the space is used. The embedded log metaslab, which data
     /// never uses, is left as the pool reports it.
-    fn prefill(&mut self, fill: f64, holes: &[u64]) -> anyhow::Result<()> {
+    fn prefill(&mut self, fill: f64, holes: &[u64], weights: &[u32]) -> anyhow::Result<()> {
         let view = self.pool.view();
-        let mean_hole = holes.iter().sum::<u64>() as f64 / holes.len() as f64;
+        let total_w: u64 = weights.iter().map(|&w| w as u64).sum();
+        let mean_hole = holes
+            .iter()
+            .zip(weights)
+            .map(|(&h, &w)| h as f64 * w as f64)
+            .sum::<f64>()
+            / total_w as f64;
         let mean_run = mean_hole * fill / (1.0 - fill);
         let mut batch = Vec::with_capacity(4096);
         for (i, v) in view.vdevs.iter().enumerate() {
@@ -498,7 +507,13 @@ impl<P: SimPool> Sim<'_, P> {
                         offset: off,
                         size: run,
                     });
-                    let hole = holes[self.rng.random_range(0..holes.len())];
+                    let mut pick = self.rng.random_range(0..total_w);
+                    let mut k = 0;
+                    while pick >= weights[k] as u64 {
+                        pick -= weights[k] as u64;
+                        k += 1;
+                    }
+                    let hole = holes[k];
                     off += run + hole.div_ceil(align) * align;
                     if batch.len() == batch.capacity() {
                         self.pool.claim(&batch).context("prefill claim")?;
@@ -978,7 +993,6 @@ impl<P: SimPool> Sim<'_, P> {
                 d.used_fraction = v.alloc as f64 / v.capacity.max(1) as f64;
             }
         }
-        let mut forced = false;
         if let Some(l) = &mut self.log {
             while l.frees.front().is_some_and(|(t, _)| *t <= synced) {
                 let (_, ext) = l.frees.pop_front().unwrap();
@@ -1000,11 +1014,15 @@ impl<P: SimPool> Sim<'_, P> {
                         self.log_issue(op.stream)?;
                     }
                     self.zil_try_issue()?;
-                } else {
-                    forced = true;
                 }
             }
         }
+        // Still waiting for a txg (perhaps anew after the waiters retried):
+        // keep syncing back to back.
+        let forced = self
+            .log
+            .as_ref()
+            .is_some_and(|l| matches!(l.stall, Stall::Txg(until) if until > synced));
         self.sync_gen += 1;
         let g = self.sync_gen;
         let next = if forced {
@@ -1238,6 +1256,8 @@ impl<P: SimPool> Sim<'_, P> {
                 bytes_done: self.devices.get(v.id as usize).map(|d| d.bytes_done).unwrap_or(0),
                 queue_depth: v.queue_depth,
                 fragmentation: v.fragmentation,
+                aliquot: v.aliquot,
+                queue_target: v.queue_target,
             })
             .collect();
         if self.samples.last().is_some_and(|s| s.t == t) {
@@ -1514,7 +1534,7 @@ latency = "100us"
 
     #[test]
     fn prefill_claims_the_fill_fraction() {
-        let sc = scenario("[log]\nduration = \"10ms\"\n[prefill]\nfill = 0.6\nholes = [\"8K\"]");
+        let sc = scenario("[log]\nduration = \"10ms\"\n[prefill]\nfill = 0.6\nholes = [\"8K\", \"64K\"]\nweights = [7, 1]");
         let r = go(&sc, Fake::default());
         let v = &r.start_view;
         let f = v.normal_alloc as f64 / v.normal_space as f64;

@@ -82,6 +82,11 @@ pub struct SampleSummary {
     /// Per vdev, in summary order (absent vdevs: null).
     pub used_fraction: Vec<Option<f64>>,
     pub write_bytes_per_s: Vec<Option<f64>>,
+    /// Per vdev: the normal group's aliquot and queue target, and the bytes
+    /// placed and not yet committed (psize).
+    pub aliquot: Vec<Option<u64>>,
+    pub queue_target: Vec<Option<u64>>,
+    pub queue_depth: Vec<Option<u64>>,
     pub spread: f64,
     pub throughput_bytes_per_s: f64,
     pub sync_writes_per_s: f64,
@@ -189,13 +194,22 @@ pub fn run_summary(sc: &Scenario, r: &RunResult, is_log: &[bool]) -> RunSummary 
             }
         };
         let mut used = vec![None; n];
+        let mut aliquot = vec![None; n];
+        let mut queue_target = vec![None; n];
+        let mut queue_depth = vec![None; n];
         for (i, v) in s.vdevs.iter().enumerate() {
             used[i] = Some(v.used_fraction());
+            aliquot[i] = Some(v.aliquot);
+            queue_target[i] = Some(v.queue_target);
+            queue_depth[i] = Some(v.queue_depth);
         }
         samples.push(SampleSummary {
             t_s: s.t as f64 / 1e9,
             used_fraction: used,
             write_bytes_per_s: rates[k].clone(),
+            aliquot,
+            queue_target,
+            queue_depth,
             spread: sp,
             throughput_bytes_per_s: tput,
             sync_writes_per_s: ops_rate,

@@ -308,6 +308,8 @@ struct RawPrefill {
     fill: f64,
     #[serde(default)]
     holes: Option<Vec<Size>>,
+    #[serde(default)]
+    weights: Option<Vec<u32>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -450,6 +452,8 @@ pub struct LogLoad {
 pub struct Prefill {
     pub fill: f64,
     pub holes: Vec<u64>,
+    /// Relative frequency of each hole size (all 1 when not given).
+    pub weights: Vec<u32>,
 }
 
 #[derive(Clone, Debug)]
@@ -653,9 +657,17 @@ impl Scenario {
                 if holes.is_empty() || holes.contains(&0) {
                     return Err(invalid("prefill.holes", "give one or more non-zero sizes"));
                 }
+                let weights = p.weights.unwrap_or_else(|| vec![1; holes.len()]);
+                if weights.len() != holes.len() || weights.iter().all(|&w| w == 0) {
+                    return Err(invalid(
+                        "prefill.weights",
+                        "give one weight per hole size, not all zero",
+                    ));
+                }
                 Some(Prefill {
                     fill: p.fill,
                     holes,
+                    weights,
                 })
             }
         };
@@ -695,7 +707,7 @@ impl Scenario {
     }
 
     /// The same experiment `f` times smaller and faster: capacities, byte
-    /// amounts, the dirty limit and every time (txg timeout, event times,
+    /// amounts and every time (txg timeout, event times,
     /// log duration) divided by `f`, bandwidths and latencies kept, so a txg
     /// covers the same fraction of a device as at full scale. Used by the
     /// tests to run the shipped scenarios in seconds.
@@ -718,7 +730,6 @@ impl Scenario {
             if let Amount::Bytes(b) = &mut l.amount {
                 *b /= f;
             }
-            l.dirty_max = (l.dirty_max / f).max(64 << 20);
             l.start /= f;
         }
         if let Some(l) = &mut s.log {

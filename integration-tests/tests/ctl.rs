@@ -382,6 +382,8 @@ fn demo_runs_end_to_end_with_metrics_and_a_chart() {
     ]);
     let text = ok_stdout(&out, "demo");
     assert!(text.contains("verified: "), "{text}");
+    // The log burst is served by the embedded log metaslabs.
+    assert!(text.contains("log tiers:  embedded_log "), "{text}");
     assert!(text.contains("NAME "), "status table in:\n{text}");
     assert!(text.contains("== demo done"), "{text}");
     let chart = tmp.path().join("demo/balance.svg");

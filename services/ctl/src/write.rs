@@ -539,7 +539,7 @@ async fn one_block(
         .await
         .map_err(|s| client::status_msg(&format!("allocate block {block}"), &s))?;
     out.allocate.saturating_record(micros(t0.elapsed()));
-    out.wait.saturating_record(reply.throttle_wait_us.max(1));
+    out.wait.saturating_record(reply.throttle_wait_us);
     tracing::Span::current().record("allocation", reply.allocation_id);
     if reply.extents.len() != reply.endpoints.len() || reply.extents.is_empty() {
         ops.abort(reply.allocation_id).await;

@@ -3,7 +3,9 @@
 //! Every run ends with an fsync, so the page cache does not flatter anyone.
 //!
 //! `cargo bench -p aliquot-agent --bench seq_write`
-//! Env: ALIQUOT_BENCH_DIR (default: the temp dir), ALIQUOT_BENCH_MIB (512).
+//! Env: ALIQUOT_BENCH_DIR (default: the temp dir), ALIQUOT_BENCH_MIB (512),
+//! ALIQUOT_BENCH_BLOCK_KIB + ALIQUOT_BENCH_INFLIGHT (one run instead of the
+//! default two), ALIQUOT_BENCH_PCT (the agent's zio_taskq_batch_pct).
 
 use std::fs::OpenOptions;
 use std::os::unix::fs::FileExt;
@@ -72,6 +74,9 @@ fn dd(path: &Path, total: u64, block: usize) -> Option<f64> {
 async fn agent(path: &Path, total: u64, block: usize, inflight: usize) -> (f64, u64, u64) {
     let _ = std::fs::remove_file(path);
     let mut cfg = Config::new(BackendKind::File);
+    if let Some(p) = env_u64("ALIQUOT_BENCH_PCT") {
+        cfg.zio_taskq_batch_pct = p as u32;
+    }
     cfg.path = Some(path.to_path_buf());
     cfg.capacity = Some(total + 2 * MIB);
     let agent = Agent::open(&cfg).expect("open agent");
@@ -118,11 +123,19 @@ async fn agent(path: &Path, total: u64, block: usize, inflight: usize) -> (f64, 
     c.flush(FlushRequest {}).await.unwrap();
     let d = t.elapsed();
     let s = c.get_stats(GetStatsRequest {}).await.unwrap().into_inner();
+    println!(
+        "    (agent-side latency p50 {} us, p99 {} us)",
+        s.latency_p50_us, s.latency_p99_us
+    );
     drop((c, client));
     let _ = stop.send(());
     server.await.unwrap().unwrap();
     let _ = std::fs::remove_file(path);
     (mib_s(total, d), s.writes, s.device_writes)
+}
+
+fn env_u64(name: &str) -> Option<u64> {
+    std::env::var(name).ok().and_then(|s| s.parse().ok())
 }
 
 fn main() {
@@ -141,7 +154,14 @@ fn main() {
         "sequential write, {mib} MiB per run, fsync at the end, in {}",
         dir.path().display()
     );
-    for (block, inflight) in [(1 << 20, 4usize), (128 << 10, 16)] {
+    let runs = match (
+        env_u64("ALIQUOT_BENCH_BLOCK_KIB"),
+        env_u64("ALIQUOT_BENCH_INFLIGHT"),
+    ) {
+        (Some(b), Some(n)) => vec![((b as usize) << 10, n as usize)],
+        _ => vec![(1 << 20, 4usize), (128 << 10, 16)],
+    };
+    for (block, inflight) in runs {
         let r = raw(&dir.path().join("raw.img"), total, block);
         let d = dd(&dir.path().join("dd.img"), total, block);
         let (a, writes, device_writes) =

@@ -35,6 +35,12 @@ pub use error::AgentError;
 /// How long in-flight RPCs get to finish once shutdown is asked for.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(3);
 
+/// HTTP/2 flow control sized for 16 MiB writes, several in flight.
+pub const STREAM_WINDOW: u32 = 16 << 20;
+pub const CONNECTION_WINDOW: u32 = 64 << 20;
+/// Largest HTTP/2 frame (the protocol allows up to 16 MiB - 1).
+pub const MAX_FRAME: u32 = 1 << 20;
+
 /// Room for a 16 MiB write plus the message framing.
 const MAX_MESSAGE: usize = (agent::MAX_IO as usize) + (64 << 10);
 
@@ -63,10 +69,12 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send,
 ) -> anyhow::Result<()> {
     let addr = listener.local_addr()?;
-    let endpoint = config
-        .advertise
-        .clone()
-        .unwrap_or_else(|| format!("http://{addr}"));
+    let endpoint = config.advertise.clone().unwrap_or_else(|| {
+        if addr.ip().is_unspecified() {
+            tracing::warn!(%addr, "listening on a wildcard address without --advertise: the allocator will be told an unroutable endpoint");
+        }
+        format!("http://{addr}")
+    });
     tracing::info!(%addr, endpoint = %endpoint, "serving vdev agent");
 
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -119,6 +127,11 @@ pub async fn serve(
     let server = Server::builder()
         .trace_fn(telemetry::server_span)
         .tcp_nodelay(true)
+        // Writes are large: HTTP/2's default 64 KiB windows and 16 KiB frames
+        // would make every 1 MiB write wait on many window updates.
+        .initial_stream_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
+        .max_frame_size(MAX_FRAME)
         .add_service(health)
         .add_service(reflection)
         .add_service(svc)

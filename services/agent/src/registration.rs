@@ -122,11 +122,17 @@ async fn session(
     let mut seen: Option<(i32, bool)> = None;
     loop {
         tokio::select! {
-            _ = tick.tick() => {
-                if tx.send(agent.report(reply.vdev)).await.is_err() {
+            _ = tick.tick() => match tx.try_send(agent.report(reply.vdev)) {
+                Ok(()) => {}
+                // The allocator is not reading: skip this report rather than
+                // stall; missed reports are how it notices a sick agent.
+                Err(mpsc::error::TrySendError::Full(_)) => {
+                    tracing::debug!(vdev = reply.vdev, "report stream full, report skipped");
+                }
+                Err(mpsc::error::TrySendError::Closed(_)) => {
                     return Err("report stream closed".into());
                 }
-            }
+            },
             ack = acks.message() => match ack {
                 Ok(Some(ack)) => {
                     let now = (ack.health, ack.online);

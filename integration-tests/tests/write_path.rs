@@ -17,7 +17,7 @@ use tonic::transport::Channel;
 
 const MIB: u64 = 1 << 20;
 
-fn allocator(dir: &Path, extra: &[String]) -> Proc {
+fn allocator(dir: &Path, extra: &[&str]) -> Proc {
     let mut a = args![
         "--listen",
         "127.0.0.1:0",
@@ -27,7 +27,7 @@ fn allocator(dir: &Path, extra: &[String]) -> Proc {
         "--zfs-txg-timeout",
         "600s",
     ];
-    a.extend_from_slice(extra);
+    a.extend(extra.iter().map(|s| s.to_string()));
     Proc::start(
         "allocator",
         &bin("aliquot-allocator"),
@@ -57,7 +57,7 @@ fn file_agent(dir: &Path, name: &str, alloc: &Proc, capacity: &str) -> Proc {
     Proc::start(name, &bin("aliquot-agent"), &a, &[], &["grpc"], dir).expect("start agent")
 }
 
-fn sim_agent(dir: &Path, name: &str, alloc: &Proc, guid: u64, extra: &[String]) -> Proc {
+fn sim_agent(dir: &Path, name: &str, alloc: &Proc, guid: u64, extra: &[&str]) -> Proc {
     let mut a = args![
         "--listen",
         "127.0.0.1:0",
@@ -70,7 +70,7 @@ fn sim_agent(dir: &Path, name: &str, alloc: &Proc, guid: u64, extra: &[String]) 
         "--guid",
         guid,
     ];
-    a.extend_from_slice(extra);
+    a.extend(extra.iter().map(|s| s.to_string()));
     Proc::start(name, &bin("aliquot-agent"), &a, &[], &["grpc"], dir).expect("start agent")
 }
 
@@ -312,14 +312,14 @@ async fn load(
 async fn the_faster_vdev_takes_more_while_busy_unless_perf_bias_is_0() {
     let dir = tempfile::tempdir().unwrap();
     let alloc = allocator(dir.path(), &[]);
-    let sim = |bw: &str| {
-        args![
+    let sim = |bw| {
+        [
             "--capacity",
             "16GiB",
             "--bandwidth",
             bw,
             "--latency",
-            "200us"
+            "200us",
         ]
     };
     let _slow = sim_agent(dir.path(), "slow", &alloc, 11, &sim("20MiB/s"));
@@ -364,9 +364,9 @@ async fn the_faster_vdev_takes_more_while_busy_unless_perf_bias_is_0() {
 async fn a_killed_agent_is_unavailable_within_3s_and_rejoins() {
     let dir = tempfile::tempdir().unwrap();
     let alloc = allocator(dir.path(), &[]);
-    let _a = sim_agent(dir.path(), "a", &alloc, 21, &args!["--capacity", "4GiB"]);
-    let _b = sim_agent(dir.path(), "b", &alloc, 22, &args!["--capacity", "4GiB"]);
-    let mut victim = sim_agent(dir.path(), "c", &alloc, 23, &args!["--capacity", "4GiB"]);
+    let _a = sim_agent(dir.path(), "a", &alloc, 21, &["--capacity", "4GiB"]);
+    let _b = sim_agent(dir.path(), "b", &alloc, 22, &["--capacity", "4GiB"]);
+    let mut victim = sim_agent(dir.path(), "c", &alloc, 23, &["--capacity", "4GiB"]);
     let mut c = client(&alloc).await;
     let s = wait_vdevs(&mut c, 3).await;
     let v = s.vdevs.iter().find(|x| x.name == "c").unwrap().vdev;
@@ -437,8 +437,8 @@ async fn a_killed_agent_is_unavailable_within_3s_and_rejoins() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_uncommitted_allocation_expires_at_its_lease() {
     let dir = tempfile::tempdir().unwrap();
-    let alloc = allocator(dir.path(), &args!["--lease", "700ms"]);
-    let _a = sim_agent(dir.path(), "a", &alloc, 31, &args!["--capacity", "2GiB"]);
+    let alloc = allocator(dir.path(), &["--lease", "700ms"]);
+    let _a = sim_agent(dir.path(), "a", &alloc, 31, &["--capacity", "2GiB"]);
     let mut c = client(&alloc).await;
     let s0 = wait_vdevs(&mut c, 1).await;
     let base = normal(&s0).alloc;

@@ -14,7 +14,7 @@ pub struct TunablesArgs {
     #[command(subcommand)]
     pub cmd: Option<TunablesCmd>,
     /// Print JSON.
-    #[arg(long)]
+    #[arg(long, env = "ALIQUOT_JSON")]
     pub json: bool,
 }
 

@@ -18,22 +18,22 @@ pub struct DemoArgs {
     #[command(flatten)]
     pub pool: PoolArgs,
     /// Share of the pool's normal-class space to write, in percent.
-    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=90))]
+    #[arg(long, env = "ALIQUOT_DEMO_FILL", default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=90))]
     pub fill: u32,
     /// Block size of the demo write.
-    #[arg(long, value_parser = units::size_arg, default_value = "1MiB")]
+    #[arg(long, env = "ALIQUOT_DEMO_BLOCK_SIZE", value_parser = units::size_arg, default_value = "1MiB")]
     pub block_size: u64,
     /// Blocks in flight.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, env = "ALIQUOT_DEMO_CONCURRENCY", default_value_t = 32)]
     pub concurrency: u32,
     /// Skip reading every block back.
-    #[arg(long)]
+    #[arg(long, env = "ALIQUOT_DEMO_NO_VERIFY")]
     pub no_verify: bool,
     /// Where to write the balance chart (default: <data-dir>/demo/balance.svg).
-    #[arg(long)]
+    #[arg(long, env = "ALIQUOT_DEMO_CHART")]
     pub chart: Option<PathBuf>,
     /// Keep the pool running after the demo, until Ctrl-C.
-    #[arg(long)]
+    #[arg(long, env = "ALIQUOT_DEMO_KEEP")]
     pub keep: bool,
 }
 

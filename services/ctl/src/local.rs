@@ -34,7 +34,7 @@ pub struct PoolArgs {
     pub agents: Vec<u64>,
     /// A simulated agent, KIND:SIZE:BANDWIDTH[:LATENCY] with KIND hdd or ssd,
     /// e.g. hdd:4GiB:150MiB/s or ssd:2GiB:1GiB/s:100us (repeatable).
-    #[arg(long, value_parser = parse_sim)]
+    #[arg(long, env = "ALIQUOT_SIM", value_delimiter = ',', value_parser = parse_sim)]
     pub sim: Vec<SimSpec>,
     /// Do not start the metrics service.
     #[arg(long, env = "ALIQUOT_NO_METRICS")]
@@ -43,25 +43,33 @@ pub struct PoolArgs {
     #[arg(long, env = "ALIQUOT_EPHEMERAL")]
     pub ephemeral: bool,
     /// Allocator address, used when free (else an ephemeral port).
-    #[arg(long, default_value = "127.0.0.1:7000")]
+    #[arg(
+        long,
+        env = "ALIQUOT_ALLOCATOR_LISTEN",
+        default_value = "127.0.0.1:7000"
+    )]
     pub allocator_listen: SocketAddr,
     /// Metrics gRPC address, used when free.
-    #[arg(long, default_value = "127.0.0.1:7100")]
+    #[arg(long, env = "ALIQUOT_METRICS_LISTEN", default_value = "127.0.0.1:7100")]
     pub metrics_listen: SocketAddr,
     /// Metrics HTTP (charts) address, used when free.
-    #[arg(long, default_value = "127.0.0.1:7180")]
+    #[arg(
+        long,
+        env = "ALIQUOT_METRICS_HTTP_LISTEN",
+        default_value = "127.0.0.1:7180"
+    )]
     pub metrics_http_listen: SocketAddr,
     /// Allocator tunable NAME=VALUE (repeatable), e.g. metaslab_perf_bias=0.
-    #[arg(long)]
+    #[arg(long, env = "ALIQUOT_TUNABLE", value_delimiter = ',')]
     pub tunable: Vec<String>,
     /// Allocator txg interval (default: the allocator's, 5s).
-    #[arg(long)]
+    #[arg(long, env = "ALIQUOT_ZFS_TXG_TIMEOUT")]
     pub zfs_txg_timeout: Option<String>,
     /// Allocator throttle policy: unified, legacy or off.
-    #[arg(long)]
+    #[arg(long, env = "ALIQUOT_THROTTLE_POLICY")]
     pub throttle_policy: Option<String>,
     /// How often the allocator sends a balance snapshot to metrics.
-    #[arg(long, default_value = "1s")]
+    #[arg(long, env = "ALIQUOT_SNAPSHOT_INTERVAL", default_value = "1s")]
     pub snapshot_interval: String,
 }
 

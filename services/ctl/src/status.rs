@@ -20,10 +20,10 @@ pub struct StatusArgs {
     #[arg(long, env = "ALIQUOT_JSON")]
     pub json: bool,
     /// Keep refreshing, from the allocator's WatchPool stream.
-    #[arg(long, short = 'w')]
+    #[arg(long, short = 'w', env = "ALIQUOT_WATCH")]
     pub watch: bool,
     /// Refresh interval for --watch.
-    #[arg(long, value_parser = units::duration_arg, default_value = "1s")]
+    #[arg(long, env = "ALIQUOT_WATCH_INTERVAL", value_parser = units::duration_arg, default_value = "1s")]
     pub interval: std::time::Duration,
 }
 

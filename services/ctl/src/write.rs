@@ -57,34 +57,35 @@ pub struct WriteArgs {
     #[arg(long, env = "ALIQUOT_WRITE_CONCURRENCY", default_value_t = 16,
           value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub concurrency: u32,
-    /// Cap on the offered load, e.g. 200MiB/s (default: as fast as the pool goes).
+    /// Cap on the offered load in block bytes (copies not counted), e.g.
+    /// 200MiB/s (default: as fast as the pool goes).
     #[arg(long, env = "ALIQUOT_WRITE_RATE", value_parser = units::rate_arg)]
     pub rate: Option<f64>,
     /// Allocation class: data (throttled) or log (intent-log blocks, never throttled).
-    #[arg(long, value_enum, default_value_t = ClassArg::Data)]
+    #[arg(long, env = "ALIQUOT_WRITE_CLASS", value_enum, default_value_t = ClassArg::Data)]
     pub class: ClassArg,
     /// Copies of each block, each on a different vdev.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=3))]
+    #[arg(long, env = "ALIQUOT_WRITE_COPIES", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=3))]
     pub copies: u32,
     /// Read every copy back and compare it with what was written.
-    #[arg(long)]
+    #[arg(long, env = "ALIQUOT_WRITE_VERIFY")]
     pub verify: bool,
     /// Free every block at the end (the space is reusable after 2 synced txgs).
-    #[arg(long)]
+    #[arg(long, env = "ALIQUOT_WRITE_FREE")]
     pub free: bool,
-    #[arg(long, value_enum, default_value_t = Api::Unary)]
+    #[arg(long, env = "ALIQUOT_WRITE_API", value_enum, default_value_t = Api::Unary)]
     pub api: Api,
     /// Lease of each allocation (default: the allocator's).
-    #[arg(long, value_parser = units::duration_arg)]
+    #[arg(long, env = "ALIQUOT_WRITE_LEASE", value_parser = units::duration_arg)]
     pub lease: Option<Duration>,
     /// Skip the final agent Flush and SyncTxg.
-    #[arg(long)]
+    #[arg(long, env = "ALIQUOT_WRITE_NO_SYNC")]
     pub no_sync: bool,
     /// Print the report as JSON on stdout.
-    #[arg(long)]
+    #[arg(long, env = "ALIQUOT_JSON")]
     pub json: bool,
     /// No progress bar (it is also hidden when stderr is not a terminal).
-    #[arg(long)]
+    #[arg(long, env = "ALIQUOT_NO_PROGRESS")]
     pub no_progress: bool,
 }
 

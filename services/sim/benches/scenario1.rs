@@ -28,6 +28,10 @@ fn main() {
         r.end_time as f64 / 1e9,
         wall,
         r.allocations as f64 / wall / 1e6,
-        if wall < 10.0 { "under the 10 s target" } else { "OVER the 10 s target" }
+        if wall < 10.0 {
+            "under the 10 s target"
+        } else {
+            "OVER the 10 s target"
+        }
     );
 }

@@ -98,7 +98,13 @@ fn smooth(pts: &[(f64, f64)], k: usize) -> Vec<(f64, f64)> {
 fn file_label(label: &str) -> String {
     label
         .chars()
-        .map(|c| if c.is_ascii_alphanumeric() || c == '-' { c } else { '_' })
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
         .collect()
 }
 
@@ -115,7 +121,10 @@ pub fn draw_all(dir: &Path, s: &Summary) -> anyhow::Result<Vec<PathBuf>> {
             .map(|r| {
                 (
                     r.label.clone(),
-                    r.samples.iter().map(|p| (p.t_s, p.spread * 100.0)).collect(),
+                    r.samples
+                        .iter()
+                        .map(|p| (p.t_s, p.spread * 100.0))
+                        .collect(),
                 )
             })
             .collect();
@@ -170,12 +179,18 @@ fn block_size_chart(
     root.fill(&WHITE)?;
     let n = sizes.len() as f64;
     let mut chart = ChartBuilder::on(&root)
-        .caption(format!("{scenario}: mean write throughput by block size"), ("sans-serif", 20))
+        .caption(
+            format!("{scenario}: mean write throughput by block size"),
+            ("sans-serif", 20),
+        )
         .margin(12)
         .x_label_area_size(44)
         .y_label_area_size(72)
         .build_cartesian_2d(-0.5..n - 0.5, 0.0..ymax)?;
-    let labels: Vec<String> = sizes.iter().map(|&b| crate::scenario::size_label(b)).collect();
+    let labels: Vec<String> = sizes
+        .iter()
+        .map(|&b| crate::scenario::size_label(b))
+        .collect();
     chart
         .configure_mesh()
         .x_desc("block size")
@@ -253,7 +268,10 @@ fn draw_run(dir: &Path, scenario: &str, r: &RunSummary) -> anyhow::Result<Vec<Pa
     let p = dir.join(format!("{base}-throughput.svg"));
     line_chart(
         &p,
-        &format!("{scenario} [{}]: device write throughput ({k}-sample mean)", r.label),
+        &format!(
+            "{scenario} [{}]: device write throughput ({k}-sample mean)",
+            r.label
+        ),
         "virtual time (s)",
         "write throughput (MiB/s, asize)",
         &tput,
@@ -267,7 +285,12 @@ fn draw_run(dir: &Path, scenario: &str, r: &RunSummary) -> anyhow::Result<Vec<Pa
             .iter()
             .filter_map(|s| s.sync_latency_mean_us.map(|l| (s.t_s, l / 1e3)))
             .collect();
-        let ops: Vec<(f64, f64)> = r.samples.iter().skip(1).map(|s| (s.t_s, s.sync_writes_per_s / 1e3)).collect();
+        let ops: Vec<(f64, f64)> = r
+            .samples
+            .iter()
+            .skip(1)
+            .map(|s| (s.t_s, s.sync_writes_per_s / 1e3))
+            .collect();
         let p = dir.join(format!("{base}-sync-latency.svg"));
         line_chart(
             &p,

@@ -50,9 +50,7 @@ pub enum Command {
         scale: u64,
     },
     /// Parse and validate a scenario (tunable names and values included) without running it.
-    Check {
-        scenario: PathBuf,
-    },
+    Check { scenario: PathBuf },
     /// List the scenarios in a directory (default: the shipped ones).
     List {
         #[arg(env = "ALIQUOT_SIM_SCENARIOS")]
@@ -130,7 +128,12 @@ pub fn execute(cli: Cli) -> Result<(), CliError> {
                     let _ = writeln!(
                         o,
                         "{:<24} sync writes {:.0}/s, latency mean {:.1} us p99 {:.1} us, txg-wait fallbacks {}, metaslab loads {}",
-                        "", l.sync_writes_per_s, l.latency_mean_us, l.latency_p99_us, l.txg_wait_fallbacks, l.metaslab_loads
+                        "",
+                        l.sync_writes_per_s,
+                        l.latency_mean_us,
+                        l.latency_p99_us,
+                        l.txg_wait_fallbacks,
+                        l.metaslab_loads
                     );
                 }
             }
@@ -143,7 +146,12 @@ pub fn execute(cli: Cli) -> Result<(), CliError> {
                 crate::build_pool(&sc, &r)?;
             }
             let labels: Vec<String> = sc.runs().into_iter().map(|r| r.label).collect();
-            println!("{}: ok, {} run(s): {}", sc.name, labels.len(), labels.join(", "));
+            println!(
+                "{}: ok, {} run(s): {}",
+                sc.name,
+                labels.len(),
+                labels.join(", ")
+            );
             Ok(())
         }
         Command::List { dir } => {
@@ -165,7 +173,10 @@ pub fn execute(cli: Cli) -> Result<(), CliError> {
                         sc.runs().len(),
                         sc.description.lines().next().unwrap_or("")
                     ),
-                    Err(e) => println!("{:<40} INVALID: {e}", f.file_name().unwrap().to_string_lossy()),
+                    Err(e) => println!(
+                        "{:<40} INVALID: {e}",
+                        f.file_name().unwrap().to_string_lossy()
+                    ),
                 }
             }
             Ok(())
@@ -193,9 +204,10 @@ pub fn run_many(
     if quiet {
         multi.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
-    let style = ProgressStyle::with_template("{prefix:>24} [{bar:40}] {percent:>3}% {elapsed_precise}")
-        .expect("valid template")
-        .progress_chars("=> ");
+    let style =
+        ProgressStyle::with_template("{prefix:>24} [{bar:40}] {percent:>3}% {elapsed_precise}")
+            .expect("valid template")
+            .progress_chars("=> ");
     let bars: Vec<ProgressBar> = runs
         .iter()
         .map(|r| {

@@ -338,7 +338,11 @@ impl<P: SimPool> Sim<'_, P> {
             .add_vdev(vdev_spec(m))
             .with_context(|| format!("adding vdev {:?}", m.name))?;
         if id as usize != self.devices.len() {
-            bail!("the pool gave vdev {:?} id {id}, expected {}", m.name, self.devices.len());
+            bail!(
+                "the pool gave vdev {:?} id {id}, expected {}",
+                m.name,
+                self.devices.len()
+            );
         }
         let limit = if m.rotational {
             self.agg_limit
@@ -366,9 +370,7 @@ impl<P: SimPool> Sim<'_, P> {
             .vdevs
             .iter()
             .filter(|m| !m.log)
-            .map(|m| {
-                m.total_capacity() as f64 * (m.children - m.parity) as f64 / m.children as f64
-            })
+            .map(|m| m.total_capacity() as f64 * (m.children - m.parity) as f64 / m.children as f64)
             .sum();
         let copies = self.copies;
         let mut total_blocks: u64 = 0;
@@ -589,7 +591,7 @@ impl<P: SimPool> Sim<'_, P> {
                 break;
             }
             steps += 1;
-            if steps % 8192 == 0 {
+            if steps.is_multiple_of(8192) {
                 progress(self.fraction_done(planned));
             }
         }
@@ -608,7 +610,10 @@ impl<P: SimPool> Sim<'_, P> {
                 r.latency_p99 = l.latencies[(n * 99 / 100).min(n - 1)];
                 r.latency_max = l.latencies[n - 1];
             }
-            let span = l.end_at.min(end).saturating_sub(self.sc.log.as_ref().unwrap().start);
+            let span = l
+                .end_at
+                .min(end)
+                .saturating_sub(self.sc.log.as_ref().unwrap().start);
             r.ops_per_sec = if span > 0 {
                 n as f64 / (span as f64 / 1e9)
             } else {
@@ -645,9 +650,10 @@ impl<P: SimPool> Sim<'_, P> {
     }
 
     fn finished(&self) -> bool {
-        let data_done = self.data.as_ref().is_none_or(|d| {
-            d.streams.iter().all(|s| s.finished && s.outstanding == 0)
-        });
+        let data_done = self
+            .data
+            .as_ref()
+            .is_none_or(|d| d.streams.iter().all(|s| s.finished && s.outstanding == 0));
         let log_done = self.log.as_ref().is_none_or(|l| {
             self.now >= l.end_at
                 && l.pending.is_empty()
@@ -811,7 +817,8 @@ impl<P: SimPool> Sim<'_, P> {
                 self.release_req(req);
                 if !self.pool_full {
                     self.pool_full = true;
-                    self.events.push((self.now, "pool full: data load stopped".into()));
+                    self.events
+                        .push((self.now, "pool full: data load stopped".into()));
                 }
                 if let Some(d) = &mut self.data {
                     for s in &mut d.streams {
@@ -850,7 +857,9 @@ impl<P: SimPool> Sim<'_, P> {
                 let b = req.block as usize * c;
                 if self.blocks[b].size > 0 {
                     let old: Vec<Extent> = self.blocks[b..b + c].to_vec();
-                    self.pool.free(&old).context("free of an overwritten block")?;
+                    self.pool
+                        .free(&old)
+                        .context("free of an overwritten block")?;
                 }
                 for (i, e) in slot.extents.iter().enumerate().take(c) {
                     self.blocks[b + i] = *e;
@@ -949,14 +958,15 @@ impl<P: SimPool> Sim<'_, P> {
             LoadMode::Rate => {
                 for s in 0..n {
                     let d = self.data.as_ref().unwrap();
-                    if d.streams[s].blocked {
-                        if let Some(req) = self.next_block(s) {
-                            let d = self.data.as_mut().unwrap();
-                            d.streams[s].blocked = false;
-                            let at = self.now + d.interval;
-                            self.push(at, Ev::Tick(s as u32));
-                            self.submit_data(req)?;
-                        }
+                    if !d.streams[s].blocked {
+                        continue;
+                    }
+                    if let Some(req) = self.next_block(s) {
+                        let d = self.data.as_mut().unwrap();
+                        d.streams[s].blocked = false;
+                        let at = self.now + d.interval;
+                        self.push(at, Ev::Tick(s as u32));
+                        self.submit_data(req)?;
                     }
                 }
             }
@@ -998,23 +1008,21 @@ impl<P: SimPool> Sim<'_, P> {
                 let (_, ext) = l.frees.pop_front().unwrap();
                 self.pool.free(&ext).context("free of a log block")?;
             }
-            if let Stall::Txg(until) = l.stall {
-                if synced >= until {
-                    l.stall = Stall::None;
-                    let now = self.now;
-                    let waiters = std::mem::take(&mut l.txg_waiters);
-                    for op in &waiters {
-                        let lat = now - op.issued;
-                        l.latencies.push(lat);
-                        self.log_ops_acc += 1;
-                        self.log_lat_acc += lat;
-                        self.log_max_acc = self.log_max_acc.max(lat);
-                    }
-                    for op in waiters {
-                        self.log_issue(op.stream)?;
-                    }
-                    self.zil_try_issue()?;
+            if matches!(l.stall, Stall::Txg(until) if synced >= until) {
+                l.stall = Stall::None;
+                let now = self.now;
+                let waiters = std::mem::take(&mut l.txg_waiters);
+                for op in &waiters {
+                    let lat = now - op.issued;
+                    l.latencies.push(lat);
+                    self.log_ops_acc += 1;
+                    self.log_lat_acc += lat;
+                    self.log_max_acc = self.log_max_acc.max(lat);
                 }
+                for op in waiters {
+                    self.log_issue(op.stream)?;
+                }
+                self.zil_try_issue()?;
             }
         }
         // Still waiting for a txg (perhaps anew after the waiters retried):
@@ -1181,7 +1189,9 @@ impl<P: SimPool> Sim<'_, P> {
             };
             let t = match self.pool.submit(req).context("log submit")? {
                 Submitted::Ready(t) => t,
-                Submitted::Queued(t) => bail!("the pool queued log ticket {t}; log requests are never throttled"),
+                Submitted::Queued(t) => {
+                    bail!("the pool queued log ticket {t}; log requests are never throttled")
+                }
             };
             let busy = self.pool.busy(ClassKind::Normal);
             match self.pool.allocate(t, busy) {
@@ -1253,7 +1263,11 @@ impl<P: SimPool> Sim<'_, P> {
             .map(|v| VdevSample {
                 alloc: v.alloc,
                 capacity: v.capacity,
-                bytes_done: self.devices.get(v.id as usize).map(|d| d.bytes_done).unwrap_or(0),
+                bytes_done: self
+                    .devices
+                    .get(v.id as usize)
+                    .map(|d| d.bytes_done)
+                    .unwrap_or(0),
                 queue_depth: v.queue_depth,
                 fragmentation: v.fragmentation,
                 aliquot: v.aliquot,
@@ -1355,7 +1369,9 @@ mod tests {
         fn allocate(&mut self, t: Ticket, _busy: bool) -> PResult<Allocation> {
             let req = self.pending.remove(&t).ok_or(PoolError::UnknownTicket(t))?;
             if req.kind == AllocKind::Log && self.log_fails {
-                return Err(PoolError::TxgWaitRequired { until: self.txg + 2 });
+                return Err(PoolError::TxgWaitRequired {
+                    until: self.txg + 2,
+                });
             }
             let size = req.size.div_ceil(4096) * 4096;
             let mut extents = Vec::new();
@@ -1367,7 +1383,11 @@ mod tests {
                     if let Some(i) = self.reuse[v].iter().position(|e| e.size == size) {
                         found = Some(self.reuse[v].swap_remove(i));
                     } else if self.next[v] + size <= self.caps[v] {
-                        found = Some(Extent { vdev: v as u32, offset: self.next[v], size });
+                        found = Some(Extent {
+                            vdev: v as u32,
+                            offset: self.next[v],
+                            size,
+                        });
                         self.next[v] += size;
                     }
                     if found.is_some() {
@@ -1375,7 +1395,10 @@ mod tests {
                         break;
                     }
                 }
-                let e = found.ok_or(PoolError::NoSpace { size, copies: req.copies })?;
+                let e = found.ok_or(PoolError::NoSpace {
+                    size,
+                    copies: req.copies,
+                })?;
                 self.alloc[e.vdev as usize] += size;
                 extents.push(e);
             }
@@ -1386,11 +1409,17 @@ mod tests {
                 extents,
                 txg: self.txg,
                 tier: (req.kind == AllocKind::Log).then_some(LogTier::Normal),
-                metaslab_loads: if req.kind == AllocKind::Log { self.log_loads } else { 0 },
+                metaslab_loads: if req.kind == AllocKind::Log {
+                    self.log_loads
+                } else {
+                    0
+                },
             })
         }
         fn commit(&mut self, id: AllocationId) -> PResult<Txg> {
-            self.placed.remove(&id).ok_or(PoolError::UnknownAllocation(id))?;
+            self.placed
+                .remove(&id)
+                .ok_or(PoolError::UnknownAllocation(id))?;
             Ok(self.txg)
         }
         fn free(&mut self, extents: &[Extent]) -> PResult<Txg> {
@@ -1411,7 +1440,10 @@ mod tests {
             }
             self.usable = self.caps.len();
             self.txg += 1;
-            TxgSync { txg: self.txg - 1, ..Default::default() }
+            TxgSync {
+                txg: self.txg - 1,
+                ..Default::default()
+            }
         }
         fn view(&self) -> PoolView {
             PoolView {
@@ -1460,7 +1492,9 @@ latency = "100us"
 
     #[test]
     fn full_load_writes_everything_at_device_speed() {
-        let sc = scenario("[load]\nmode = \"full\"\nsize = \"1000MB\"\nstreams = 4\ndirty_max = \"64MiB\"");
+        let sc = scenario(
+            "[load]\nmode = \"full\"\nsize = \"1000MB\"\nstreams = 4\ndirty_max = \"64MiB\"",
+        );
         let r = go(&sc, Fake::default());
         assert_eq!(r.stop_reason, "done");
         let blocks = 1_000_000_000 / (128 << 10);
@@ -1468,7 +1502,10 @@ latency = "100us"
         assert_eq!(r.allocations, blocks);
         let last = r.samples.last().unwrap();
         // Round-robin puts half on each; the slower device decides the time.
-        assert_eq!(last.vdevs[0].bytes_done + last.vdevs[1].bytes_done, r.bytes_committed);
+        assert_eq!(
+            last.vdevs[0].bytes_done + last.vdevs[1].bytes_done,
+            r.bytes_committed
+        );
         let secs = r.end_time as f64 / 1e9;
         assert!((0.99..1.02).contains(&secs), "{secs}");
         assert!(r.samples.len() >= 200, "{}", r.samples.len());
@@ -1500,7 +1537,11 @@ latency = "100us"
         let r = go(&sc, Fake::default());
         assert_eq!(r.stop_reason, "pool full");
         let what: Vec<&str> = r.events.iter().map(|e| e.1.as_str()).collect();
-        assert_eq!(what[..3], ["add_vdev c", "stop_load", "start_load"], "{what:?}");
+        assert_eq!(
+            what[..3],
+            ["add_vdev c", "stop_load", "start_load"],
+            "{what:?}"
+        );
         assert_eq!(r.vdev_names, ["a", "b", "c"]);
         assert_eq!(r.bytes_committed, 3 << 30);
         // Nothing was written while stopped.
@@ -1512,21 +1553,40 @@ latency = "100us"
 
     #[test]
     fn sync_writes_batch_into_log_blocks_and_fall_back_to_txg_wait() {
-        let sc = scenario("[log]\nstreams = 8\nsize = \"8K\"\nduration = \"2s\"\ndataset = \"64MiB\"");
+        let sc =
+            scenario("[log]\nstreams = 8\nsize = \"8K\"\nduration = \"2s\"\ndataset = \"64MiB\"");
         let r = go(&sc, Fake::default());
         let l = r.log.unwrap();
         assert!(l.ops > 1000, "{l:?}");
         assert_eq!(l.txg_wait_fallbacks, 0);
-        assert!(l.block_bytes / l.blocks > 12 << 10, "records were batched: {l:?}");
+        assert!(
+            l.block_bytes / l.blocks > 12 << 10,
+            "records were batched: {l:?}"
+        );
         // A write's latency is at least the device latency.
         assert!(l.latency_p50 >= 100_000, "{l:?}");
 
-        let r = go(&sc, Fake { log_fails: true, ..Default::default() });
+        let r = go(
+            &sc,
+            Fake {
+                log_fails: true,
+                ..Default::default()
+            },
+        );
         let slow = r.log.unwrap();
         assert!(slow.txg_wait_fallbacks > 0);
-        assert!(slow.latency_mean > 100.0 * l.latency_mean, "{slow:?} vs {l:?}");
+        assert!(
+            slow.latency_mean > 100.0 * l.latency_mean,
+            "{slow:?} vs {l:?}"
+        );
 
-        let r = go(&sc, Fake { log_loads: 1, ..Default::default() });
+        let r = go(
+            &sc,
+            Fake {
+                log_loads: 1,
+                ..Default::default()
+            },
+        );
         let loaded = r.log.unwrap();
         assert_eq!(loaded.metaslab_loads, loaded.blocks);
         assert!(loaded.latency_p50 >= 100_000_000, "{loaded:?}");
@@ -1534,7 +1594,9 @@ latency = "100us"
 
     #[test]
     fn prefill_claims_the_fill_fraction() {
-        let sc = scenario("[log]\nduration = \"10ms\"\n[prefill]\nfill = 0.6\nholes = [\"8K\", \"64K\"]\nweights = [7, 1]");
+        let sc = scenario(
+            "[log]\nduration = \"10ms\"\n[prefill]\nfill = 0.6\nholes = [\"8K\", \"64K\"]\nweights = [7, 1]",
+        );
         let r = go(&sc, Fake::default());
         let v = &r.start_view;
         let f = v.normal_alloc as f64 / v.normal_space as f64;

@@ -26,8 +26,10 @@ pub use scenario::{RunSpec, Scenario, ScenarioError};
 /// A fresh pool with the run's policy, then the scenario's and the variant's
 /// tunables (sim-level names excepted) applied by name, in file order.
 pub fn build_pool(sc: &Scenario, run: &RunSpec) -> Result<Pool, ScenarioError> {
-    let mut t = Tunables::default();
-    t.throttle_policy = run.policy;
+    let mut t = Tunables {
+        throttle_policy: run.policy,
+        ..Tunables::default()
+    };
     let variant = &sc.variants[run.variant];
     let base = sc.tunables.iter().map(|kv| ("tunables".to_string(), kv));
     let extra = variant
@@ -69,11 +71,7 @@ pub fn run_one(
 }
 
 /// Write `summary.json`, `timeseries.csv` and the charts into `dir`.
-pub fn write_outputs(
-    dir: &Path,
-    sc: &Scenario,
-    results: &[RunResult],
-) -> anyhow::Result<Summary> {
+pub fn write_outputs(dir: &Path, sc: &Scenario, results: &[RunResult]) -> anyhow::Result<Summary> {
     std::fs::create_dir_all(dir)?;
     let summary = report::summarize(sc, results, &log_vdevs(sc));
     report::write_summary(dir, &summary)?;

@@ -10,8 +10,8 @@ use std::fmt;
 use std::path::Path;
 
 use metaslab::ThrottlePolicy;
-use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde::Deserialize;
+use serde::de::{self, Deserializer, SeqAccess, Visitor};
 
 /// Why a scenario was refused; every message names the offending key.
 #[derive(Debug, thiserror::Error)]
@@ -466,7 +466,10 @@ pub struct Variant {
 /// allocation policy); every other `[tunables]` name goes to
 /// `metaslab::Tunables::set`.
 pub const SIM_TUNABLES: &[(&str, &str)] = &[
-    ("zfs_txg_timeout", "seconds between txg syncs (same as txg_timeout)"),
+    (
+        "zfs_txg_timeout",
+        "seconds between txg syncs (same as txg_timeout)",
+    ),
     (
         "zfs_vdev_aggregation_limit",
         "largest merged write on rotational vdevs, per child (default 1MiB; 0 = off)",
@@ -536,7 +539,10 @@ impl Scenario {
                 out
             }
         };
-        let block_sizes = raw.block_size.map(|b| b.0).unwrap_or_else(|| vec![128 << 10]);
+        let block_sizes = raw
+            .block_size
+            .map(|b| b.0)
+            .unwrap_or_else(|| vec![128 << 10]);
         if block_sizes.is_empty() {
             return Err(invalid("block_size", "name at least one block size"));
         }
@@ -565,7 +571,8 @@ impl Scenario {
         }
         for (k, v) in &tunables {
             if k.starts_with("zfs_vdev_aggregation_limit") {
-                units::parse_size(v).map_err(|e| invalid(format!("tunables.{k}"), e.to_string()))?;
+                units::parse_size(v)
+                    .map_err(|e| invalid(format!("tunables.{k}"), e.to_string()))?;
             }
         }
 
@@ -597,7 +604,10 @@ impl Scenario {
             let action = match e.action.as_str() {
                 "add_vdev" => {
                     let v = e.vdev.as_ref().ok_or_else(|| {
-                        invalid(format!("{key}.vdev"), "add_vdev needs vdev = { name, capacity, write_bandwidth, ... }")
+                        invalid(
+                            format!("{key}.vdev"),
+                            "add_vdev needs vdev = { name, capacity, write_bandwidth, ... }",
+                        )
                     })?;
                     let m = vdev_model(&format!("{key}.vdev"), v)?;
                     Action::AddVdev(m)
@@ -606,17 +616,25 @@ impl Scenario {
                 "stop_load" => Action::StopLoad,
                 "set_tunable" => {
                     let name = e.tunable.clone().ok_or_else(|| {
-                        invalid(format!("{key}.tunable"), "set_tunable needs tunable and value")
+                        invalid(
+                            format!("{key}.tunable"),
+                            "set_tunable needs tunable and value",
+                        )
                     })?;
                     let value = e.value.clone().ok_or_else(|| {
-                        invalid(format!("{key}.value"), "set_tunable needs tunable and value")
+                        invalid(
+                            format!("{key}.value"),
+                            "set_tunable needs tunable and value",
+                        )
                     })?;
                     Action::SetTunable(name, value.0)
                 }
                 other => {
                     return Err(invalid(
                         format!("{key}.action"),
-                        format!("unknown action {other:?} (expected add_vdev, start_load, stop_load, set_tunable)"),
+                        format!(
+                            "unknown action {other:?} (expected add_vdev, start_load, stop_load, set_tunable)"
+                        ),
                     ));
                 }
             };
@@ -640,7 +658,10 @@ impl Scenario {
             Some(l) => Some(log_model(l)?),
         };
         if load.is_none() && log.is_none() {
-            return Err(invalid("load", "give a [load] section, a [log] section or both"));
+            return Err(invalid(
+                "load",
+                "give a [load] section, a [log] section or both",
+            ));
         }
         let prefill = match raw.prefill {
             None => None,
@@ -685,7 +706,10 @@ impl Scenario {
                 tunables: Vec::new(),
             });
         }
-        let max_time = raw.max_time.map(|d| d.0).unwrap_or(24 * 3600 * 1_000_000_000);
+        let max_time = raw
+            .max_time
+            .map(|d| d.0)
+            .unwrap_or(24 * 3600 * 1_000_000_000);
         Ok(Scenario {
             name: raw.name,
             description: raw.description,
@@ -781,7 +805,7 @@ pub struct RunSpec {
 /// `16K`, `128K`, `1M`, `16M`: exact sizes in the largest unit that divides them.
 pub fn size_label(b: u64) -> String {
     for (shift, unit) in [(40, "T"), (30, "G"), (20, "M"), (10, "K")] {
-        if b >= 1 << shift && b % (1 << shift) == 0 {
+        if b >= 1 << shift && b.is_multiple_of(1 << shift) {
             return format!("{}{unit}", b >> shift);
         }
     }
@@ -811,11 +835,17 @@ fn vdev_model(key: &str, v: &RawVdev) -> Result<VdevModel, ScenarioError> {
         return Err(invalid(format!("{key}.capacity"), "must be at least 64MiB"));
     }
     if v.write_bandwidth.0 <= 0.0 {
-        return Err(invalid(format!("{key}.write_bandwidth"), "must be above zero"));
+        return Err(invalid(
+            format!("{key}.write_bandwidth"),
+            "must be above zero",
+        ));
     }
     let fill_slowdown = v.fill_slowdown.unwrap_or(0.0);
     if !(0.0..1.0).contains(&fill_slowdown) {
-        return Err(invalid(format!("{key}.fill_slowdown"), "must be within 0 ..< 1"));
+        return Err(invalid(
+            format!("{key}.fill_slowdown"),
+            "must be within 0 ..< 1",
+        ));
     }
     let rotational = v.rotational.unwrap_or(false);
     Ok(VdevModel {
@@ -892,7 +922,7 @@ fn log_model(l: RawLog) -> Result<LogLoad, ScenarioError> {
         return Err(invalid("log.size", "must be within 1 ..= 1MiB"));
     }
     let max_block = l.max_block.map(|s| s.0).unwrap_or(128 << 10);
-    if max_block < (4 << 10) || max_block > metaslab::SPA_MAXBLOCKSIZE {
+    if !((4 << 10)..=metaslab::SPA_MAXBLOCKSIZE).contains(&max_block) {
         return Err(invalid("log.max_block", "must be within 4K ..= 16MiB"));
     }
     let dataset = l.dataset.map(|s| s.0).unwrap_or(1 << 30);
@@ -1031,7 +1061,9 @@ vdev = { name = "b", capacity = "2GiB", write_bandwidth = "1GB/s" }
         assert!(e.starts_with("policies[0]:"), "{e}");
         let e = err(&format!("{MIN}parity = 1\n"));
         assert!(e.starts_with("vdev[0].parity:"), "{e}");
-        let e = err(&format!("{MIN}[[event]]\nat_time = 1\naction = \"explode\"\n"));
+        let e = err(&format!(
+            "{MIN}[[event]]\nat_time = 1\naction = \"explode\"\n"
+        ));
         assert!(e.starts_with("event[0].action:"), "{e}");
         let e = err(&format!("{MIN}[[event]]\naction = \"stop_load\"\n"));
         assert!(e.starts_with("event[0]:"), "{e}");

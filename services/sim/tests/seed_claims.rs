@@ -11,7 +11,9 @@ use aliquot_sim::report::spread;
 use aliquot_sim::{Scenario, log_vdevs, run_one};
 
 fn load(file: &str, scale: u64) -> Scenario {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios").join(file);
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("scenarios")
+        .join(file);
     Scenario::from_file(&path).unwrap().scaled_down(scale)
 }
 
@@ -27,7 +29,11 @@ fn run_label(sc: &Scenario, label: &str) -> RunResult {
         "{label}: {}",
         r.stop_reason
     );
-    assert!(r.samples.len() >= 200, "{label}: {} samples", r.samples.len());
+    assert!(
+        r.samples.len() >= 200,
+        "{label}: {} samples",
+        r.samples.len()
+    );
     r
 }
 
@@ -52,7 +58,10 @@ fn rate(r: &RunResult, v: usize, a: usize, b: usize) -> f64 {
 
 fn max_spread(r: &RunResult, sc: &Scenario) -> f64 {
     let is_log = log_vdevs(sc);
-    r.samples.iter().map(|s| spread(s, &is_log)).fold(0.0, f64::max)
+    r.samples
+        .iter()
+        .map(|s| spread(s, &is_log))
+        .fold(0.0, f64::max)
 }
 
 fn final_spread(r: &RunResult, sc: &Scenario) -> f64 {
@@ -66,7 +75,10 @@ fn test1_unequal_ssds_full_speed() {
     // Same speed until the small one is ~25 % used.
     let early = when_used(&r, 0, 0.2);
     let (small, large) = (rate(&r, 0, 1, early), rate(&r, 1, 1, early));
-    assert!((small / large - 1.0).abs() < 0.1, "early rates {small} vs {large}");
+    assert!(
+        (small / large - 1.0).abs() < 0.1,
+        "early rates {small} vs {large}"
+    );
     // Then the small one is throttled.
     let (a, b) = (when_used(&r, 0, 0.5), when_used(&r, 0, 0.7));
     let (small, large) = (rate(&r, 0, a, b), rate(&r, 1, a, b));
@@ -101,7 +113,10 @@ fn test3_ssd_and_hdd_full_speed() {
     let (lu, uu) = (max_spread(&legacy, &sc), max_spread(&r, &sc));
     assert!(lu > uu, "legacy spread {lu} should exceed unified {uu}");
     let (lf, uf) = (final_spread(&legacy, &sc), f);
-    assert!(lf > uf, "legacy final spread {lf} should exceed unified {uf}");
+    assert!(
+        lf > uf,
+        "legacy final spread {lf} should exceed unified {uf}"
+    );
 }
 
 #[test]
@@ -112,20 +127,14 @@ fn test4_ssd_and_hdd_slow_rate_stay_balanced() {
     assert!(m < 0.02, "max spread {m}");
 }
 
-/// Spread at the moment the first overwrite pass has been committed.
-fn spread_after_pass(r: &RunResult, sc: &Scenario, pass: u64) -> f64 {
-    let per_pass = r.bytes_planned / sc.load.as_ref().unwrap().passes as u64;
-    let s = r
-        .samples
-        .iter()
-        .find(|s| s.committed >= pass * per_pass)
-        .expect("pass completed");
-    spread(s, &log_vdevs(sc))
-}
-
 /// Time from the vdev add until the spread first falls under 5 %.
 fn rebalance_time(r: &RunResult, sc: &Scenario) -> f64 {
-    let add = r.events.iter().find(|e| e.1 == "add_vdev new").expect("vdev added").0;
+    let add = r
+        .events
+        .iter()
+        .find(|e| e.1 == "add_vdev new")
+        .expect("vdev added")
+        .0;
     let is_log = log_vdevs(sc);
     let s = r
         .samples
@@ -151,7 +160,10 @@ fn test5_added_vdev_rebalances_in_one_overwrite() {
         .filter(|s| s.t > add && s.committed <= 2 * per_pass)
         .map(|s| spread(s, &is_log))
         .fold(1.0, f64::min);
-    assert!(best < 0.05, "least spread during the first overwrite {best}");
+    assert!(
+        best < 0.05,
+        "least spread during the first overwrite {best}"
+    );
     let f = final_spread(&r, &sc);
     assert!(f < 0.05, "final spread {f}");
 }
@@ -172,8 +184,16 @@ fn test5_legacy_rebalances_slower() {
 
 /// Steady-state write rate: data committed between 20 % and 80 % of the plan.
 fn steady_rate(r: &RunResult) -> f64 {
-    let a = r.samples.iter().find(|s| s.committed * 5 >= r.bytes_planned).unwrap();
-    let b = r.samples.iter().find(|s| s.committed * 5 >= r.bytes_planned * 4).unwrap();
+    let a = r
+        .samples
+        .iter()
+        .find(|s| s.committed * 5 >= r.bytes_planned)
+        .unwrap();
+    let b = r
+        .samples
+        .iter()
+        .find(|s| s.committed * 5 >= r.bytes_planned * 4)
+        .unwrap();
     (b.committed - a.committed) as f64 / ((b.t - a.t) as f64 / 1e9)
 }
 
@@ -185,7 +205,11 @@ fn test6_raidz_new_at_least_old_gain_largest_at_small_blocks() {
         let new = steady_rate(&run_label(&sc, &format!("unified-{bs}")));
         let old = steady_rate(&run_label(&sc, &format!("legacy-{bs}")));
         let gain = new / old;
-        eprintln!("{bs}: unified {:.0} MiB/s legacy {:.0} MiB/s gain {gain:.3}", new / 1048576.0, old / 1048576.0);
+        eprintln!(
+            "{bs}: unified {:.0} MiB/s legacy {:.0} MiB/s gain {gain:.3}",
+            new / 1048576.0,
+            old / 1048576.0
+        );
         assert!(gain >= 0.98, "{bs}: new/old = {gain}");
         gains.push(gain);
     }
@@ -203,7 +227,10 @@ fn test7_embedded_log_cuts_sync_latency_and_txg_waits() {
     eprintln!("on: {lon:?}\noff: {loff:?}");
     assert!(lon.tier_embedded_log > 0, "{lon:?}");
     assert_eq!(loff.tier_embedded_log, 0, "{loff:?}");
-    assert!(lon.latency_mean < loff.latency_mean, "latency on {lon:?} off {loff:?}");
+    assert!(
+        lon.latency_mean < loff.latency_mean,
+        "latency on {lon:?} off {loff:?}"
+    );
     assert!(lon.ops_per_sec > loff.ops_per_sec);
     assert!(
         lon.txg_wait_fallbacks < loff.txg_wait_fallbacks,

@@ -1,0 +1,121 @@
+//! The `aliquot-sim` binary end to end: a small scenario produces
+//! summary.json, timeseries.csv and the SVG charts; bad scenarios exit 2
+//! naming the key.
+
+use std::process::Command;
+
+const SMALL: &str = r#"
+name = "cli-small"
+policies = ["unified", "off"]
+txg_timeout = "200ms"
+[load]
+mode = "full"
+streams = 2
+size = "1GiB"
+[[vdev]]
+name = "fast"
+capacity = "2GiB"
+write_bandwidth = "1GiB/s"
+latency = "100us"
+[[vdev]]
+name = "slow"
+capacity = "2GiB"
+write_bandwidth = "250MiB/s"
+latency = "1ms"
+rotational = true
+"#;
+
+fn sim() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_aliquot-sim"))
+}
+
+#[test]
+fn run_writes_summary_csv_and_charts() {
+    let dir = tempfile::tempdir().unwrap();
+    let sc = dir.path().join("s.toml");
+    std::fs::write(&sc, SMALL).unwrap();
+    let out = dir.path().join("out");
+    let o = sim()
+        .arg("run")
+        .arg(&sc)
+        .arg("--out")
+        .arg(&out)
+        .arg("-q")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        stdout.contains("unified") && stdout.contains("off"),
+        "{stdout}"
+    );
+
+    let s: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    let runs = s["runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 2);
+    for r in runs {
+        assert_eq!(r["stop_reason"], "done");
+        assert_eq!(r["bytes_written"], 1u64 << 30);
+        assert!(r["samples"].as_array().unwrap().len() >= 200);
+        assert!(r["mean_throughput_bytes_per_s"].as_f64().unwrap() > 0.0);
+        let vdevs = r["vdevs"].as_array().unwrap();
+        assert_eq!(vdevs.len(), 2);
+        let used: f64 = vdevs
+            .iter()
+            .map(|v| v["final_used_fraction"].as_f64().unwrap())
+            .sum();
+        assert!(used > 0.45 && used < 0.55, "{used}");
+    }
+    let csv = std::fs::read_to_string(out.join("timeseries.csv")).unwrap();
+    assert!(csv.starts_with("run,time_s,vdev,used_fraction,write_bytes_per_s"));
+    assert!(csv.lines().count() > 800);
+    for f in ["unified-used.svg", "unified-throughput.svg", "off-used.svg"] {
+        let svg = std::fs::read_to_string(out.join(f)).unwrap();
+        assert!(
+            svg.contains("<svg") && svg.contains("\nfast\n") && svg.contains("\nslow\n"),
+            "{f}"
+        );
+    }
+    let svg = std::fs::read_to_string(out.join("spread.svg")).unwrap();
+    assert!(svg.contains("\nunified\n") && svg.contains("\noff\n"));
+}
+
+#[test]
+fn bad_scenarios_exit_2_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    for (text, key) in [
+        (
+            SMALL.replace("streams = 2", "streams = 2\nsprint = true"),
+            "sprint",
+        ),
+        (SMALL.replace("\"2GiB\"", "\"2 furlongs\""), "not a size"),
+        (SMALL.replace("[[vdev]]", "[[nope]]"), "nope"),
+        (
+            "name = \"x\"\n[load]\nmode = \"full\"\n".to_string(),
+            "vdev: no data vdevs",
+        ),
+        (
+            format!("{SMALL}[tunables]\nmetaslab_no_such_thing = 1\n"),
+            "tunables.metaslab_no_such_thing",
+        ),
+    ] {
+        let sc = dir.path().join("bad.toml");
+        std::fs::write(&sc, &text).unwrap();
+        let o = sim().arg("check").arg(&sc).output().unwrap();
+        assert_eq!(o.status.code(), Some(2), "{key}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains(key), "{key}: {err}");
+    }
+    let o = sim().arg("run").arg("--help").output().unwrap();
+    assert!(String::from_utf8_lossy(&o.stdout).contains("ALIQUOT_SIM_OUT"));
+}
+
+#[test]
+fn shipped_scenarios_all_check() {
+    let o = sim().arg("list").output().unwrap();
+    assert!(o.status.success());
+    let s = String::from_utf8_lossy(&o.stdout);
+    assert_eq!(s.lines().count(), 7, "{s}");
+    assert!(!s.contains("INVALID"), "{s}");
+}

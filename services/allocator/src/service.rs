@@ -163,13 +163,26 @@ async fn stream_op(
             "stream request {id} has no operation"
         ))),
         Some(Op::Allocate(r)) => {
-            let span = tracing::debug_span!("stream.allocate", request_id = id, size = r.size);
+            // Same fields as the unary Allocate span, so a pipelined write reads
+            // the same in a trace.
+            let span = tracing::info_span!(
+                "stream.allocate",
+                request_id = id,
+                class = r.class,
+                size = r.size,
+                copies = r.copies,
+                allocation = tracing::field::Empty,
+                throttle_wait_us = tracing::field::Empty,
+                vdevs = tracing::field::Empty,
+                tier = tracing::field::Empty,
+            );
             let _e = span.enter();
             let begun = parse_request(&svc.shared, &r)
                 .and_then(|(areq, lease)| Ok((svc.shared.begin_allocate(areq, lease)?, lease)));
             match begun {
                 Err(e) => err(e),
                 Ok((Begun::Placed(a, eps), _)) => {
+                    record_allocation(&span, &a, Duration::ZERO);
                     pb::stream_reply::Result::Allocate(allocate_reply(&a, eps, Duration::ZERO))
                 }
                 Ok((Begun::Queued(ticket, rx), lease)) => {
@@ -187,6 +200,7 @@ async fn stream_op(
                             };
                             let result = match res {
                                 Ok((a, eps)) => {
+                                    record_allocation(&Span::current(), &a, start.elapsed());
                                     let id_a = a.id;
                                     let msg = reply(pb::stream_reply::Result::Allocate(
                                         allocate_reply(&a, eps, start.elapsed()),
@@ -210,16 +224,32 @@ async fn stream_op(
         Some(Op::Commit(r)) if r.wait_synced => {
             let svc = svc.clone();
             let out = out.clone();
-            tokio::spawn(async move {
-                let result = match svc.commit_inner(r).await {
-                    Ok(c) => pb::stream_reply::Result::Commit(c),
-                    Err(e) => err(e),
-                };
-                let _ = out.send(Ok(reply(result))).await;
-            });
+            let span = tracing::info_span!(
+                "stream.commit",
+                request_id = id,
+                ids = r.allocation_ids.len(),
+                wait_synced = true
+            );
+            tokio::spawn(
+                async move {
+                    let result = match svc.commit_inner(r).await {
+                        Ok(c) => pb::stream_reply::Result::Commit(c),
+                        Err(e) => err(e),
+                    };
+                    let _ = out.send(Ok(reply(result))).await;
+                }
+                .instrument(span),
+            );
             return;
         }
         Some(Op::Commit(r)) => {
+            let span = tracing::info_span!(
+                "stream.commit",
+                request_id = id,
+                ids = r.allocation_ids.len(),
+                txg = tracing::field::Empty
+            );
+            let _e = span.enter();
             let res = svc.shared.check_serving().and_then(|_| {
                 let txg = {
                     let mut g = svc.shared.lock();
@@ -227,6 +257,7 @@ async fn stream_op(
                     svc.shared.kick_if_dirty(&g);
                     txg
                 };
+                span.record("txg", txg);
                 Ok(pb::CommitReply {
                     txg,
                     synced: svc.shared.synced_txg() >= txg,
@@ -237,7 +268,13 @@ async fn stream_op(
                 Err(e) => err(e),
             }
         }
-        Some(Op::Abort(r)) => match svc.abort_inner(&r) {
+        Some(Op::Abort(r)) => match tracing::info_span!(
+            "stream.abort",
+            request_id = id,
+            ids = r.allocation_ids.len()
+        )
+        .in_scope(|| svc.abort_inner(&r))
+        {
             Ok(a) => pb::stream_reply::Result::Abort(a),
             Err(e) => err(e),
         },

@@ -30,11 +30,25 @@ fn pattern(len: usize, seed: u64) -> Vec<u8> {
         .collect()
 }
 
+/// CPU time (user + system) of this process so far, from /proc (10 ms
+/// ticks): load-independent, unlike wall time on a shared machine.
+fn cpu() -> Duration {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let after = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<u64> = after
+        .split_whitespace()
+        .map(|x| x.parse().unwrap_or(0))
+        .collect();
+    // Fields 14 and 15 of stat(5), counted from the state field (3).
+    let ticks = f.get(11).copied().unwrap_or(0) + f.get(12).copied().unwrap_or(0);
+    Duration::from_millis(ticks * 10)
+}
+
 fn mib_s(bytes: u64, d: Duration) -> f64 {
     bytes as f64 / MIB as f64 / d.as_secs_f64()
 }
 
-fn raw(path: &Path, total: u64, block: usize) -> f64 {
+fn raw(path: &Path, total: u64, block: usize) -> (f64, Duration) {
     let f = OpenOptions::new()
         .create(true)
         .truncate(true)
@@ -43,14 +57,14 @@ fn raw(path: &Path, total: u64, block: usize) -> f64 {
         .open(path)
         .expect("open raw file");
     let buf = pattern(block, 7);
-    let t = Instant::now();
+    let (t, c) = (Instant::now(), cpu());
     let mut off = 0;
     while off < total {
         f.write_all_at(&buf, off).expect("raw write");
         off += block as u64;
     }
     f.sync_all().expect("fsync");
-    let r = mib_s(total, t.elapsed());
+    let r = (mib_s(total, t.elapsed()), cpu() - c);
     let _ = std::fs::remove_file(path);
     r
 }
@@ -71,7 +85,12 @@ fn dd(path: &Path, total: u64, block: usize) -> Option<f64> {
     st.success().then(|| mib_s(total, d))
 }
 
-async fn agent(path: &Path, total: u64, block: usize, inflight: usize) -> (f64, u64, u64) {
+async fn agent(
+    path: &Path,
+    total: u64,
+    block: usize,
+    inflight: usize,
+) -> (f64, Duration, u64, u64) {
     let _ = std::fs::remove_file(path);
     let mut cfg = Config::new(BackendKind::File);
     if let Some(p) = env_u64("ALIQUOT_BENCH_PCT") {
@@ -97,7 +116,7 @@ async fn agent(path: &Path, total: u64, block: usize, inflight: usize) -> (f64, 
     let buf = pattern(block, 11);
     let blocks = total / block as u64;
     let next = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let t = Instant::now();
+    let (t, c0) = (Instant::now(), cpu());
     let mut tasks = Vec::new();
     for _ in 0..inflight {
         let (mut c, next, buf) = (client.clone(), next.clone(), buf.clone());
@@ -121,7 +140,7 @@ async fn agent(path: &Path, total: u64, block: usize, inflight: usize) -> (f64, 
     }
     let mut c = client.clone();
     c.flush(FlushRequest {}).await.unwrap();
-    let d = t.elapsed();
+    let (d, used) = (t.elapsed(), cpu() - c0);
     let s = c.get_stats(GetStatsRequest {}).await.unwrap().into_inner();
     println!(
         "    (agent-side latency p50 {} us, p99 {} us)",
@@ -131,7 +150,7 @@ async fn agent(path: &Path, total: u64, block: usize, inflight: usize) -> (f64, 
     let _ = stop.send(());
     server.await.unwrap().unwrap();
     let _ = std::fs::remove_file(path);
-    (mib_s(total, d), s.writes, s.device_writes)
+    (mib_s(total, d), used, s.writes, s.device_writes)
 }
 
 fn env_u64(name: &str) -> Option<u64> {
@@ -161,19 +180,30 @@ fn main() {
         (Some(b), Some(n)) => vec![((b as usize) << 10, n as usize)],
         _ => vec![(1 << 20, 4usize), (128 << 10, 16)],
     };
+    // Warm up the filesystem and page cache so the first figure is not an outlier.
+    let _ = raw(
+        &dir.path().join("warmup.img"),
+        total.min(128 * MIB),
+        1 << 20,
+    );
     for (block, inflight) in runs {
-        let r = raw(&dir.path().join("raw.img"), total, block);
+        let (r, rc) = raw(&dir.path().join("raw.img"), total, block);
         let d = dd(&dir.path().join("dd.img"), total, block);
-        let (a, writes, device_writes) =
+        let (a, ac, writes, device_writes) =
             rt.block_on(agent(&dir.path().join("agent.img"), total, block, inflight));
+        let per_mib = |c: Duration| c.as_secs_f64() * 1e3 / mib as f64;
         println!("block {:>4} KiB:", block >> 10);
-        println!("  raw pwrite + fsync            {r:8.1} MiB/s");
+        println!(
+            "  raw pwrite + fsync            {r:8.1} MiB/s  cpu {:.2} ms/MiB",
+            per_mib(rc)
+        );
         match d {
-            Some(d) => println!("  dd bs={block} conv=fsync   {d:8.1} MiB/s"),
+            Some(d) => println!("  dd bs={:<7} conv=fsync     {d:8.1} MiB/s", block),
             None => println!("  dd                            (not available)"),
         }
         println!(
-            "  agent gRPC, {inflight:>2} in flight      {a:8.1} MiB/s  = {:.0} % of raw  ({writes} writes, {device_writes} device writes)",
+            "  agent gRPC, {inflight:>2} in flight      {a:8.1} MiB/s  cpu {:.2} ms/MiB (client + agent)  = {:.0} % of raw  ({writes} writes, {device_writes} device writes)",
+            per_mib(ac),
             100.0 * a / r
         );
     }

@@ -131,7 +131,22 @@ fn open_file(path: &Path, cfg: &Config) -> Result<(File, Label), AgentError> {
         let mut b = vec![0u8; LABEL_BLOCK];
         file.read_exact_at(&mut b, 0)
             .map_err(io("read the label of"))?;
-        Label::decode(&b)
+        match Label::decode(&b) {
+            // Blank only if the whole label area is: a ZFS vdev label, for
+            // one, starts 16 KiB in, after zeroed boot blocks.
+            Found::Blank => {
+                let mut area = vec![0u8; size.min(LABEL_SIZE) as usize];
+                file.read_exact_at(&mut area, 0)
+                    .map_err(io("read the label area of"))?;
+                match area.iter().position(|&x| x != 0) {
+                    None => Found::Blank,
+                    Some(at) => Found::Foreign(format!(
+                        "other data at byte {at} of its first MiB (another label or a filesystem?)"
+                    )),
+                }
+            }
+            found => found,
+        }
     };
 
     match found {

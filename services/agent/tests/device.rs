@@ -119,6 +119,31 @@ async fn foreign_files_are_refused_and_left_alone() {
     );
     assert_eq!(std::fs::read(&path).unwrap(), text, "file untouched");
 
+    // Zeroed boot blocks followed by someone else's label (as ZFS lays its
+    // vdev labels out) are not blank either.
+    let zfs_like = dir.path().join("zfs-like.img");
+    let mut img = vec![0u8; 2 << 20];
+    img[(16 << 10) + 2..(16 << 10) + 9].copy_from_slice(b"version");
+    std::fs::write(&zfs_like, &img).unwrap();
+    let err = Agent::open(&file_config(&zfs_like, 2 * MIB))
+        .err()
+        .expect("refused");
+    assert!(err.to_string().contains("byte 16386"), "{err}");
+    assert_eq!(std::fs::read(&zfs_like).unwrap(), img, "file untouched");
+
+    // A file of zeros (say, from truncate) is a new device; it keeps its size.
+    let zeros = dir.path().join("zeros.img");
+    std::fs::File::create(&zeros)
+        .unwrap()
+        .set_len(4 * MIB)
+        .unwrap();
+    let mut cfg = file_config(&zeros, 0);
+    cfg.capacity = None;
+    let agent = Agent::open(&cfg).expect("zeroed file is labelled");
+    assert_eq!(agent.info().capacity, 3 * MIB);
+    agent.shutdown().await;
+    drop(agent);
+
     // An existing empty file is a new device.
     let empty = dir.path().join("empty.img");
     std::fs::write(&empty, b"").unwrap();

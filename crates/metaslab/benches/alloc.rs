@@ -43,7 +43,7 @@ fn cycle(pool: &mut Pool, size: u64, n: &mut u64) {
     pool.commit(a.id).unwrap();
     pool.free(&a.extents).unwrap();
     *n += 1;
-    if *n % 256 == 0 {
+    if n.is_multiple_of(256) {
         black_box(pool.sync());
     }
 }

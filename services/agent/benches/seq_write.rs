@@ -5,7 +5,8 @@
 //! `cargo bench -p aliquot-agent --bench seq_write`
 //! Env: ALIQUOT_BENCH_DIR (default: the temp dir), ALIQUOT_BENCH_MIB (512),
 //! ALIQUOT_BENCH_BLOCK_KIB + ALIQUOT_BENCH_INFLIGHT (one run instead of the
-//! default two), ALIQUOT_BENCH_PCT (the agent's zio_taskq_batch_pct).
+//! default two), ALIQUOT_BENCH_PCT (the agent's zio_taskq_batch_pct),
+//! ALIQUOT_BENCH_MALLOC=default (skip the binary's malloc tuning).
 
 use std::fs::OpenOptions;
 use std::os::unix::fs::FileExt;
@@ -158,6 +159,10 @@ fn env_u64(name: &str) -> Option<u64> {
 }
 
 fn main() {
+    // As the aliquot-agent binary does (set ALIQUOT_BENCH_MALLOC=default to compare).
+    if std::env::var("ALIQUOT_BENCH_MALLOC").as_deref() != Ok("default") {
+        aliquot_agent::tune_allocator();
+    }
     // `cargo bench` passes --bench; nothing to parse.
     let dir = std::env::var_os("ALIQUOT_BENCH_DIR")
         .map(Into::into)

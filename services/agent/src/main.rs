@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use clap::Parser;
 
 fn main() -> ExitCode {
+    aliquot_agent::tune_allocator();
     let config = aliquot_agent::Config::parse();
     let rt = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,

@@ -1,0 +1,734 @@
+//! What ztest does, across real processes: a writer allocates, writes a
+//! unique pattern per extent to file agents, commits (with `wait_synced` and
+//! without), frees; the allocator is `kill -9`ed at random instants (and an
+//! agent, and both). After each crash, with the allocator still dead, its
+//! SQLite store is read as `aliquotctl verify` reads it: every extent whose
+//! commit was acknowledged as synced is allocated in it, exactly; no
+//! uncommitted allocation is; the store passes the consistency check (and
+//! the `aliquotctl verify` binary agrees). After the restart the writer
+//! re-asserts what it committed without knowing it synced with `Claim`
+//! (which must succeed), every durable extent still holds its own pattern
+//! (read back from the agents), and no allocation ever overlaps an extent
+//! the writer still holds.
+//!
+//! The seed is printed; `ALIQUOT_CRASH_SEED=<n>` replays a run's choices.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use aliquot_allocator::recovery;
+use aliquot_allocator::sqlite_store;
+use aliquot_proto::v1 as pb;
+use integration_tests::{Proc, args, bin};
+use pb::allocator_client::AllocatorClient;
+use pb::vdev_agent_client::VdevAgentClient;
+use tonic::Code;
+use tonic::transport::{Channel, Endpoint};
+
+const AGENTS: usize = 3;
+
+/// xorshift64*: deterministic choices from a printed seed.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+    fn chance(&mut self, pct: u64) -> bool {
+        self.below(100) < pct
+    }
+}
+
+/// The bytes extent `id` must hold: a header naming it, then a stream.
+fn pattern(id: u64, len: usize) -> Vec<u8> {
+    let mut r = Rng(id.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+    let mut v = Vec::with_capacity(len);
+    v.extend_from_slice(b"ALQTCRSH");
+    v.extend_from_slice(&id.to_le_bytes());
+    while v.len() < len {
+        v.extend_from_slice(&r.next().to_le_bytes());
+    }
+    v.truncate(len);
+    v
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum St {
+    /// Allocated, commit not sent: must be free after a crash.
+    Inflight,
+    /// Commit sent, no reply yet.
+    CommitSent,
+    /// Commit acknowledged in this txg, not known to be synced.
+    Committed(u64),
+    /// Commit acknowledged as synced: must survive every crash.
+    Durable,
+    /// Free sent, not known to be durable.
+    Freeing,
+}
+
+#[derive(Clone, Debug)]
+struct Block {
+    alloc_id: u64,
+    extents: Vec<pb::Extent>,
+    /// Pattern id of each extent.
+    ids: Vec<u64>,
+    st: St,
+}
+
+#[derive(Default)]
+struct Model {
+    blocks: BTreeMap<u64, Block>,
+    /// Every extent the writer holds, by (vdev, offset) → (end, block).
+    index: BTreeMap<(u32, u64), (u64, u64)>,
+    known_synced: u64,
+    next_id: u64,
+    // Figures for the report.
+    allocations: u64,
+    durable_acks: u64,
+    frees: u64,
+    claims: u64,
+    aborts: u64,
+    verified_extents: u64,
+    lost_uncommitted: u64,
+}
+
+impl Model {
+    fn insert(&mut self, b: Block) -> u64 {
+        let key = self.next_id;
+        self.next_id += 1;
+        for e in &b.extents {
+            let end = e.offset + e.size;
+            // The extent at or before our offset, and any starting inside.
+            if let Some((&(v, off), &(pend, other))) =
+                self.index.range(..=(e.vdev, e.offset)).next_back()
+                && v == e.vdev
+                && pend > e.offset
+            {
+                panic!(
+                    "extent {}:{:#x}+{:#x} handed out twice: block {other} holds {v}:{off:#x}..{pend:#x}",
+                    e.vdev, e.offset, e.size
+                );
+            }
+            if let Some((&(v, off), &(_, other))) =
+                self.index.range((e.vdev, e.offset)..(e.vdev, end)).next()
+            {
+                panic!(
+                    "extent {}:{:#x}+{:#x} handed out twice: block {other} holds {v}:{off:#x}",
+                    e.vdev, e.offset, e.size
+                );
+            }
+        }
+        for e in &b.extents {
+            self.index
+                .insert((e.vdev, e.offset), (e.offset + e.size, key));
+        }
+        self.blocks.insert(key, b);
+        key
+    }
+
+    fn remove(&mut self, key: u64) {
+        if let Some(b) = self.blocks.remove(&key) {
+            for e in &b.extents {
+                self.index.remove(&(e.vdev, e.offset));
+            }
+        }
+    }
+
+    fn synced(&mut self, txg: u64) {
+        self.known_synced = self.known_synced.max(txg);
+        let k = self.known_synced;
+        for b in self.blocks.values_mut() {
+            if let St::Committed(t) = b.st
+                && t <= k
+            {
+                b.st = St::Durable;
+            }
+        }
+    }
+
+    fn keys(&self, f: impl Fn(St) -> bool) -> Vec<u64> {
+        self.blocks
+            .iter()
+            .filter(|(_, b)| f(b.st))
+            .map(|(k, _)| *k)
+            .collect()
+    }
+}
+
+struct Cluster {
+    dir: PathBuf,
+    alloc: Proc,
+    agents: Vec<Proc>,
+    alloc_url: String,
+    client: AllocatorClient<Channel>,
+    agent_clients: HashMap<String, VdevAgentClient<Channel>>,
+    /// vdev id → endpoint, as the allocator reported them.
+    endpoints: HashMap<u32, String>,
+    guids: Vec<(u32, u64)>,
+}
+
+fn lazy(url: &str) -> Channel {
+    Endpoint::from_shared(url.to_string())
+        .unwrap()
+        .connect_timeout(Duration::from_secs(2))
+        .timeout(Duration::from_secs(5))
+        // Without it, Nagle and delayed ACKs add ~40 ms to each small RPC.
+        .tcp_nodelay(true)
+        .connect_lazy()
+}
+
+impl Cluster {
+    async fn start(dir: &Path) -> Cluster {
+        let mut alloc = Proc::start(
+            "allocator",
+            &bin("aliquot-allocator"),
+            &args![
+                "--listen",
+                "127.0.0.1:0",
+                "--pool",
+                "crash",
+                "--data-dir",
+                dir.join("allocator").display(),
+                "--zfs-txg-timeout",
+                "100ms",
+                "--lease",
+                "120s",
+                "--report-interval",
+                "200ms",
+            ],
+            &[],
+            &["grpc"],
+            dir,
+        )
+        .expect("start allocator");
+        // Restarts come back on the same port, where the agents look.
+        let addr = alloc.addr("grpc");
+        alloc.set_arg("--listen", &addr.to_string());
+        let alloc_url = alloc.url("grpc");
+        let mut agents = Vec::new();
+        for i in 0..AGENTS {
+            let name = format!("v{i}");
+            let mut a = Proc::start(
+                &name,
+                &bin("aliquot-agent"),
+                &args![
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--allocator",
+                    alloc_url,
+                    "--name",
+                    name,
+                    "--backend",
+                    "file",
+                    "--path",
+                    dir.join(format!("{name}.img")).display(),
+                    "--capacity",
+                    "256MiB",
+                ],
+                &[],
+                &["grpc"],
+                dir,
+            )
+            .expect("start agent");
+            let a_addr = a.addr("grpc");
+            a.set_arg("--listen", &a_addr.to_string());
+            agents.push(a);
+        }
+        let client = AllocatorClient::new(lazy(&alloc_url));
+        let mut c = Cluster {
+            dir: dir.to_path_buf(),
+            alloc,
+            agents,
+            alloc_url,
+            client,
+            agent_clients: HashMap::new(),
+            endpoints: HashMap::new(),
+            guids: Vec::new(),
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let s = c.pool().await;
+            if s.vdevs.len() == AGENTS {
+                c.guids = s.vdevs.iter().map(|v| (v.vdev, v.guid)).collect();
+                c.endpoints = s
+                    .vdevs
+                    .iter()
+                    .map(|v| (v.vdev, v.endpoint.clone()))
+                    .collect();
+                break;
+            }
+            assert!(Instant::now() < deadline, "agents did not register");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        c
+    }
+
+    fn db(&self) -> PathBuf {
+        self.dir.join("allocator").join(sqlite_store::DB_FILE)
+    }
+
+    async fn pool(&mut self) -> pb::PoolStatus {
+        self.client
+            .get_pool(pb::GetPoolRequest {})
+            .await
+            .expect("get pool")
+            .into_inner()
+    }
+
+    fn agent(&mut self, endpoint: &str) -> VdevAgentClient<Channel> {
+        self.agent_clients
+            .entry(endpoint.to_string())
+            .or_insert_with(|| VdevAgentClient::new(lazy(endpoint)))
+            .clone()
+    }
+
+    fn agent_of_vdev(&self, vdev: u32) -> usize {
+        let ep = &self.endpoints[&vdev];
+        self.agents
+            .iter()
+            .position(|a| &a.url("grpc") == ep)
+            .expect("agent of vdev")
+    }
+
+    async fn restart_allocator(&mut self) {
+        self.alloc.restart().expect("restart allocator");
+        self.client = AllocatorClient::new(lazy(&self.alloc_url));
+        // Same pool, same vdevs, same ids.
+        let s = self.pool().await;
+        let guids: Vec<(u32, u64)> = s.vdevs.iter().map(|v| (v.vdev, v.guid)).collect();
+        assert_eq!(guids, self.guids, "vdevs recovered with their ids");
+    }
+}
+
+/// Outcome of one writer step when the allocator is alive.
+type StepResult = Result<(), String>;
+
+async fn step(c: &mut Cluster, m: &mut Model, rng: &mut Rng) -> StepResult {
+    let durable = m.keys(|s| s == St::Durable);
+    if durable.len() > 120 && rng.chance(30) {
+        // Free a durable block and wait for the free to be durable.
+        let key = durable[rng.below(durable.len() as u64) as usize];
+        m.blocks.get_mut(&key).unwrap().st = St::Freeing;
+        let extents = m.blocks[&key].extents.clone();
+        let txg = c
+            .client
+            .free(pb::FreeRequest { extents })
+            .await
+            .map_err(|e| format!("free: {e}"))?
+            .into_inner()
+            .txg;
+        let s = c
+            .client
+            .sync_txg(pb::SyncTxgRequest { txg })
+            .await
+            .map_err(|e| format!("sync: {e}"))?
+            .into_inner()
+            .synced_txg;
+        m.remove(key);
+        m.synced(s);
+        m.frees += 1;
+        return Ok(());
+    }
+    if rng.chance(5) {
+        let s = c
+            .client
+            .sync_txg(pb::SyncTxgRequest { txg: 0 })
+            .await
+            .map_err(|e| format!("sync: {e}"))?
+            .into_inner()
+            .synced_txg;
+        m.synced(s);
+    }
+    let log = rng.chance(10);
+    let req = pb::AllocateRequest {
+        class: if log {
+            pb::AllocationClass::Log
+        } else {
+            pb::AllocationClass::Data
+        } as i32,
+        size: 4096 * (1 + rng.below(16)),
+        copies: if rng.chance(30) { 2 } else { 1 },
+        lease_ms: 0,
+    };
+    let a = match c.client.allocate(req).await {
+        Ok(r) => r.into_inner(),
+        Err(e) if e.code() == Code::ResourceExhausted => return Ok(()),
+        Err(e) => return Err(format!("allocate: {e}")),
+    };
+    m.allocations += 1;
+    let ids: Vec<u64> = a
+        .extents
+        .iter()
+        .map(|_| {
+            m.next_id += 1;
+            m.next_id
+        })
+        .collect();
+    let key = m.insert(Block {
+        alloc_id: a.allocation_id,
+        extents: a.extents.clone(),
+        ids: ids.clone(),
+        st: St::Inflight,
+    });
+    for (i, e) in a.extents.iter().enumerate() {
+        let mut agent = c.agent(&a.endpoints[i]);
+        let w = agent
+            .write(pb::WriteRequest {
+                offset: e.offset,
+                data: pattern(ids[i], e.size as usize),
+            })
+            .await;
+        if let Err(err) = w {
+            // The agent is away: give the allocation back (never written).
+            m.aborts += 1;
+            if let Err(e) = c
+                .client
+                .abort(pb::AbortRequest {
+                    allocation_ids: vec![a.allocation_id],
+                })
+                .await
+            {
+                return Err(format!("abort after write error {err}: {e}"));
+            }
+            m.remove(key);
+            return Ok(());
+        }
+    }
+    if rng.chance(4) {
+        // Left uncommitted on purpose: a crash must give its space back.
+        return Ok(());
+    }
+    let wait_synced = rng.chance(65);
+    m.blocks.get_mut(&key).unwrap().st = St::CommitSent;
+    let r = c
+        .client
+        .commit(pb::CommitRequest {
+            allocation_ids: vec![a.allocation_id],
+            wait_synced,
+        })
+        .await
+        .map_err(|e| format!("commit: {e}"))?
+        .into_inner();
+    let b = m.blocks.get_mut(&key).unwrap();
+    if r.synced {
+        b.st = St::Durable;
+        m.durable_acks += 1;
+        m.synced(r.txg);
+    } else {
+        b.st = St::Committed(r.txg);
+    }
+    Ok(())
+}
+
+/// Write until `deadline` (the allocator stays alive: errors are bugs).
+async fn write_until(c: &mut Cluster, m: &mut Model, rng: &mut Rng, deadline: Instant) {
+    while Instant::now() < deadline {
+        if let Err(e) = step(c, m, rng).await {
+            panic!("writer: {e}");
+        }
+    }
+}
+
+/// Write until cancelled (the allocator is killed under it).
+async fn write_forever(c: &mut Cluster, m: &mut Model, rng: &mut Rng) {
+    loop {
+        if let Err(e) = step(c, m, rng).await {
+            panic!("writer: {e}");
+        }
+    }
+}
+
+/// With the allocator dead: the store as `aliquotctl verify` reads it.
+async fn check_store(c: &mut Cluster, m: &mut Model) {
+    let (_, p) = sqlite_store::read_only(&c.db())
+        .await
+        .expect("store readable")
+        .expect("pool exists");
+    recovery::verify(&p).unwrap_or_else(|e| panic!("store inconsistent after kill -9: {e}"));
+    let exact: HashSet<(u32, u64, u64)> =
+        p.allocated.iter().map(|e| (e.vdev, e.offset, e.size)).collect();
+    let mut by_vdev: BTreeMap<(u32, u64), u64> = BTreeMap::new();
+    for e in &p.allocated {
+        by_vdev.insert((e.vdev, e.offset), e.offset + e.size);
+    }
+    let overlaps = |e: &pb::Extent| {
+        let before = by_vdev
+            .range(..=(e.vdev, e.offset))
+            .next_back()
+            .is_some_and(|(&(v, _), &end)| v == e.vdev && end > e.offset);
+        let inside = by_vdev
+            .range((e.vdev, e.offset)..(e.vdev, e.offset + e.size))
+            .next()
+            .is_some();
+        before || inside
+    };
+    for key in m.keys(|_| true) {
+        let b = m.blocks[&key].clone();
+        match b.st {
+            St::Durable => {
+                for e in &b.extents {
+                    assert!(
+                        exact.contains(&(e.vdev, e.offset, e.size)),
+                        "extent {}:{:#x}+{:#x} was acknowledged as synced but is not in the store (synced txg {})",
+                        e.vdev,
+                        e.offset,
+                        e.size,
+                        p.synced_txg
+                    );
+                }
+            }
+            St::Inflight => {
+                for e in &b.extents {
+                    assert!(
+                        !overlaps(e),
+                        "uncommitted extent {}:{:#x}+{:#x} is allocated in the store",
+                        e.vdev,
+                        e.offset,
+                        e.size
+                    );
+                }
+                m.remove(key);
+                m.lost_uncommitted += 1;
+            }
+            St::Freeing => {
+                // Durable free or not: either the exact extent or nothing.
+                for e in &b.extents {
+                    let present = exact.contains(&(e.vdev, e.offset, e.size));
+                    assert!(present || !overlaps(e), "half-freed extent {e:?}");
+                }
+            }
+            St::CommitSent | St::Committed(_) => {
+                for e in &b.extents {
+                    let present = exact.contains(&(e.vdev, e.offset, e.size));
+                    assert!(present || !overlaps(e), "half-committed extent {e:?}");
+                }
+            }
+        }
+    }
+    // The operator's tool on the stopped pool says the same.
+    let out = std::process::Command::new(bin("aliquotctl"))
+        .args(["verify", "--db"])
+        .arg(c.db())
+        .output()
+        .expect("run aliquotctl verify");
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).contains("OK"),
+        "aliquotctl verify failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// After a restart: re-assert what may have been lost (Claim), finish the
+/// frees that may have been lost, and make it all durable.
+async fn resolve(c: &mut Cluster, m: &mut Model) {
+    for key in m.keys(|s| matches!(s, St::CommitSent | St::Committed(_))) {
+        let extents = m.blocks[&key].extents.clone();
+        c.client
+            .claim(pb::ClaimRequest {
+                extents: extents.clone(),
+            })
+            .await
+            .unwrap_or_else(|e| panic!("claim of our own {extents:?} failed: {e}"));
+        m.claims += 1;
+        m.blocks.get_mut(&key).unwrap().st = St::Committed(u64::MAX);
+    }
+    for key in m.keys(|s| s == St::Freeing) {
+        let extents = m.blocks[&key].extents.clone();
+        match c.client.free(pb::FreeRequest { extents }).await {
+            Ok(_) => {}
+            // The free was durable before the crash.
+            Err(e) if e.code() == Code::FailedPrecondition => {}
+            Err(e) => panic!("free again: {e}"),
+        }
+        m.remove(key);
+    }
+    let s = c
+        .client
+        .sync_txg(pb::SyncTxgRequest { txg: 0 })
+        .await
+        .expect("sync after recovery")
+        .into_inner()
+        .synced_txg;
+    for b in m.blocks.values_mut() {
+        if let St::Committed(_) = b.st {
+            b.st = St::Durable;
+        }
+    }
+    // Txg numbers restart from the store's: old acks say nothing any more.
+    m.known_synced = s;
+}
+
+/// Read back every durable extent (or those of one vdev).
+async fn check_patterns(c: &mut Cluster, m: &mut Model, only: Option<u32>) {
+    let mut n = 0;
+    let blocks: Vec<Block> = m
+        .blocks
+        .values()
+        .filter(|b| b.st == St::Durable)
+        .cloned()
+        .collect();
+    for b in blocks {
+        for (i, e) in b.extents.iter().enumerate() {
+            if only.is_some_and(|v| v != e.vdev) {
+                continue;
+            }
+            let ep = c.endpoints[&e.vdev].clone();
+            let data = c
+                .agent(&ep)
+                .read(pb::ReadRequest {
+                    offset: e.offset,
+                    size: e.size,
+                })
+                .await
+                .unwrap_or_else(|err| panic!("read {e:?} from {ep}: {err}"))
+                .into_inner()
+                .data;
+            assert!(
+                data == pattern(b.ids[i], e.size as usize),
+                "extent {}:{:#x}+{:#x} (pattern {}) lost its data",
+                e.vdev,
+                e.offset,
+                e.size,
+                b.ids[i]
+            );
+            n += 1;
+        }
+    }
+    m.verified_extents += n;
+}
+
+/// Abort what was left uncommitted (rounds without an allocator crash).
+async fn abort_inflight(c: &mut Cluster, m: &mut Model) {
+    for key in m.keys(|s| s == St::Inflight) {
+        let id = m.blocks[&key].alloc_id;
+        c.client
+            .abort(pb::AbortRequest {
+                allocation_ids: vec![id],
+            })
+            .await
+            .expect("abort");
+        m.remove(key);
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Kill {
+    Allocator,
+    Agent,
+    Both,
+}
+
+async fn crash_run(allocator_kills: usize, agent_kills: usize, both_kills: usize) {
+    let seed = std::env::var("ALIQUOT_CRASH_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+                | 1
+        });
+    eprintln!("crash test seed {seed} (ALIQUOT_CRASH_SEED={seed} replays it)");
+    let mut rng = Rng(seed);
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = Cluster::start(tmp.path()).await;
+    let mut m = Model::default();
+    let mut plan: Vec<Kill> = std::iter::repeat_n(Kill::Allocator, allocator_kills)
+        .chain(std::iter::repeat_n(Kill::Agent, agent_kills))
+        .chain(std::iter::repeat_n(Kill::Both, both_kills))
+        .collect();
+    for i in (1..plan.len()).rev() {
+        let j = rng.below(i as u64 + 1) as usize;
+        plan.swap(i, j);
+    }
+    let started = Instant::now();
+    for (round, kill) in plan.iter().enumerate() {
+        let run_for = Duration::from_millis(100 + rng.below(500));
+        match kill {
+            Kill::Allocator | Kill::Both => {
+                tokio::select! {
+                    _ = write_forever(&mut c, &mut m, &mut rng) => unreachable!(),
+                    _ = tokio::time::sleep(run_for) => {}
+                }
+                c.alloc.kill9();
+                let victim = rng.below(AGENTS as u64) as usize;
+                if matches!(kill, Kill::Both) {
+                    c.agents[victim].kill9();
+                }
+                check_store(&mut c, &mut m).await;
+                if matches!(kill, Kill::Both) {
+                    c.agents[victim].restart().expect("restart agent");
+                }
+                c.restart_allocator().await;
+                resolve(&mut c, &mut m).await;
+                check_patterns(&mut c, &mut m, None).await;
+            }
+            Kill::Agent => {
+                write_until(&mut c, &mut m, &mut rng, Instant::now() + run_for).await;
+                let victim = rng.below(AGENTS as u64) as usize;
+                c.agents[victim].kill9();
+                // Writes to it fail and are aborted; the rest goes on.
+                let down = Duration::from_millis(100 + rng.below(300));
+                write_until(&mut c, &mut m, &mut rng, Instant::now() + down).await;
+                c.agents[victim].restart().expect("restart agent");
+                let vdev = c
+                    .endpoints
+                    .iter()
+                    .find(|(_, ep)| **ep == c.agents[victim].url("grpc"))
+                    .map(|(v, _)| *v)
+                    .unwrap();
+                check_patterns(&mut c, &mut m, Some(vdev)).await;
+                abort_inflight(&mut c, &mut m).await;
+                assert_eq!(c.agent_of_vdev(vdev), victim);
+            }
+        }
+        eprintln!(
+            "round {round:>3} {kill:?}: {} blocks held, {} durable acks, {} allocations",
+            m.blocks.len(),
+            m.durable_acks,
+            m.allocations
+        );
+    }
+    // Let agents re-register everywhere: still the same three vdevs.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let s = c.pool().await;
+    assert_eq!(s.vdevs.len(), AGENTS, "no device became a second vdev");
+    let elapsed = started.elapsed();
+    eprintln!(
+        "crash test: {} kills ({allocator_kills} allocator, {agent_kills} agent, {both_kills} both) in {:.1} s; \
+         {} allocations, {} acknowledged synced, {} frees, {} claims, {} aborts, \
+         {} uncommitted allocations checked free, {} extent read-backs verified",
+        plan.len(),
+        elapsed.as_secs_f64(),
+        m.allocations,
+        m.durable_acks,
+        m.frees,
+        m.claims,
+        m.aborts,
+        m.lost_uncommitted,
+        m.verified_extents
+    );
+    assert!(m.durable_acks > 0 && m.verified_extents > 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill9_allocator_and_agents_loses_nothing_durable() {
+    crash_run(20, 4, 4).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: 200 kills, a few minutes"]
+async fn kill9_many_times() {
+    crash_run(150, 25, 25).await;
+}

@@ -135,7 +135,11 @@ pub async fn serve(
         .add_service(health)
         .add_service(reflection)
         .add_service(svc)
-        .serve_with_incoming_shutdown(TcpIncoming::from(listener), shutdown);
+        // Builder::tcp_nodelay applies only to listeners tonic binds itself.
+        .serve_with_incoming_shutdown(
+            TcpIncoming::from(listener).with_nodelay(Some(true)),
+            shutdown,
+        );
     let served = tokio::select! {
         r = server => r,
         _ = async {

@@ -6,7 +6,8 @@
 //! Env: ALIQUOT_BENCH_DIR (default: the temp dir), ALIQUOT_BENCH_MIB (512),
 //! ALIQUOT_BENCH_BLOCK_KIB + ALIQUOT_BENCH_INFLIGHT (one run instead of the
 //! default two), ALIQUOT_BENCH_PCT (the agent's zio_taskq_batch_pct),
-//! ALIQUOT_BENCH_MALLOC=default (skip the binary's malloc tuning).
+//! ALIQUOT_BENCH_MALLOC=default (skip the binary's malloc tuning),
+//! ALIQUOT_BENCH_ROUNDS (3), ALIQUOT_BENCH_CONNS (client connections, 1).
 
 use std::fs::OpenOptions;
 use std::os::unix::fs::FileExt;
@@ -109,18 +110,25 @@ async fn agent(
         })
         .await
     });
-    let client = VdevAgentClient::connect(format!("http://{addr}"))
-        .await
-        .unwrap()
-        .max_encoding_message_size(32 << 20)
-        .max_decoding_message_size(32 << 20);
+    let conns = env_u64("ALIQUOT_BENCH_CONNS").unwrap_or(1).max(1) as usize;
+    let mut clients = Vec::new();
+    for _ in 0..conns {
+        clients.push(
+            VdevAgentClient::connect(format!("http://{addr}"))
+                .await
+                .unwrap()
+                .max_encoding_message_size(32 << 20)
+                .max_decoding_message_size(32 << 20),
+        );
+    }
+    let client = clients[0].clone();
     let buf = pattern(block, 11);
     let blocks = total / block as u64;
     let next = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let (t, c0) = (Instant::now(), cpu());
     let mut tasks = Vec::new();
-    for _ in 0..inflight {
-        let (mut c, next, buf) = (client.clone(), next.clone(), buf.clone());
+    for i in 0..inflight {
+        let (mut c, next, buf) = (clients[i % conns].clone(), next.clone(), buf.clone());
         tasks.push(tokio::spawn(async move {
             loop {
                 let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -143,15 +151,16 @@ async fn agent(
     c.flush(FlushRequest {}).await.unwrap();
     let (d, used) = (t.elapsed(), cpu() - c0);
     let s = c.get_stats(GetStatsRequest {}).await.unwrap().into_inner();
-    println!(
-        "    (agent-side latency p50 {} us, p99 {} us)",
-        s.latency_p50_us, s.latency_p99_us
-    );
-    drop((c, client));
+    drop((c, client, clients));
     let _ = stop.send(());
     server.await.unwrap().unwrap();
     let _ = std::fs::remove_file(path);
     (mib_s(total, d), used, s.writes, s.device_writes)
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }
 
 fn env_u64(name: &str) -> Option<u64> {
@@ -191,25 +200,45 @@ fn main() {
         total.min(128 * MIB),
         1 << 20,
     );
+    let rounds = env_u64("ALIQUOT_BENCH_ROUNDS").unwrap_or(3).max(1) as usize;
+    let per_mib = |c: Duration| c.as_secs_f64() * 1e3 / mib as f64;
     for (block, inflight) in runs {
-        let (r, rc) = raw(&dir.path().join("raw.img"), total, block);
-        let d = dd(&dir.path().join("dd.img"), total, block);
-        let (a, ac, writes, device_writes) =
-            rt.block_on(agent(&dir.path().join("agent.img"), total, block, inflight));
-        let per_mib = |c: Duration| c.as_secs_f64() * 1e3 / mib as f64;
-        println!("block {:>4} KiB:", block >> 10);
-        println!(
-            "  raw pwrite + fsync            {r:8.1} MiB/s  cpu {:.2} ms/MiB",
-            per_mib(rc)
+        // Interleaved rounds, so page-cache and writeback state (and other
+        // load on a shared machine) hit every method alike; report medians.
+        let (mut r, mut rc, mut d, mut a, mut ac) = (vec![], vec![], vec![], vec![], vec![]);
+        let mut counts = (0, 0);
+        for _ in 0..rounds {
+            let (x, c) = raw(&dir.path().join("raw.img"), total, block);
+            r.push(x);
+            rc.push(per_mib(c));
+            if let Some(x) = dd(&dir.path().join("dd.img"), total, block) {
+                d.push(x);
+            }
+            let (x, c, w, dw) =
+                rt.block_on(agent(&dir.path().join("agent.img"), total, block, inflight));
+            a.push(x);
+            ac.push(per_mib(c));
+            counts = (w, dw);
+        }
+        let (r, rc, a, ac) = (
+            median(&mut r),
+            median(&mut rc),
+            median(&mut a),
+            median(&mut ac),
         );
-        match d {
-            Some(d) => println!("  dd bs={:<7} conv=fsync     {d:8.1} MiB/s", block),
+        println!("block {:>4} KiB, median of {rounds}:", block >> 10);
+        println!("  raw pwrite + fsync            {r:8.1} MiB/s  cpu {rc:.2} ms/MiB");
+        let dd_rate = (!d.is_empty()).then(|| median(&mut d));
+        match dd_rate {
+            Some(x) => println!("  dd bs={block:<7} conv=fsync     {x:8.1} MiB/s"),
             None => println!("  dd                            (not available)"),
         }
         println!(
-            "  agent gRPC, {inflight:>2} in flight      {a:8.1} MiB/s  cpu {:.2} ms/MiB (client + agent)  = {:.0} % of raw  ({writes} writes, {device_writes} device writes)",
-            per_mib(ac),
-            100.0 * a / r
+            "  agent gRPC, {inflight:>2} in flight      {a:8.1} MiB/s  cpu {ac:.2} ms/MiB (client + agent)  = {:.0} % of raw{}  ({} writes, {} device writes)",
+            100.0 * a / r,
+            dd_rate.map_or(String::new(), |x| format!(", {:.0} % of dd", 100.0 * a / x)),
+            counts.0,
+            counts.1
         );
     }
 }

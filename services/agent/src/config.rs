@@ -77,7 +77,7 @@ pub struct Config {
     pub ashift: u32,
 
     /// The device is rotational (an HDD): larger default aggregation.
-    #[arg(long, env = "ALIQUOT_ROTATIONAL")]
+    #[arg(long, env = "ALIQUOT_ROTATIONAL", value_parser = clap::builder::BoolishValueParser::new())]
     pub rotational: bool,
 
     /// Data + parity children of this vdev (1 = a plain device).
@@ -89,7 +89,7 @@ pub struct Config {
     pub parity: u32,
 
     /// A dedicated log (SLOG) vdev.
-    #[arg(long, env = "ALIQUOT_LOG")]
+    #[arg(long, env = "ALIQUOT_LOG", value_parser = clap::builder::BoolishValueParser::new())]
     pub log: bool,
 
     /// Simulated bandwidth, e.g. 150MiB/s (sim backend; default unlimited).

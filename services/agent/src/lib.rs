@@ -126,7 +126,6 @@ pub async fn serve(
     };
     let server = Server::builder()
         .trace_fn(telemetry::server_span)
-        .tcp_nodelay(true)
         // Writes are large: HTTP/2's default 64 KiB windows and 16 KiB frames
         // would make every 1 MiB write wait on many window updates.
         .initial_stream_window_size(STREAM_WINDOW)

@@ -15,6 +15,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         protox::prost::Message::encode_to_vec(&fds),
     )?;
     tonic_prost_build::configure()
+        // Block payloads as `bytes::Bytes`: the server decodes them as a view
+        // of the received buffer, not a copy (one memcpy less per MiB).
+        .bytes(".aliquot.v1.WriteRequest.data")
+        .bytes(".aliquot.v1.ReadReply.data")
         .build_server(true)
         .build_client(true)
         .compile_fds(fds)?;

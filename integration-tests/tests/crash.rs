@@ -384,7 +384,7 @@ async fn step(c: &mut Cluster, m: &mut Model, rng: &mut Rng) -> StepResult {
         let w = agent
             .write(pb::WriteRequest {
                 offset: e.offset,
-                data: pattern(ids[i], e.size as usize),
+                data: pattern(ids[i], e.size as usize).into(),
             })
             .await;
         if let Err(err) = w {

@@ -121,7 +121,7 @@ fn writer(
                     .clone()
                     .write(pb::WriteRequest {
                         offset: e.offset,
-                        data,
+                        data: data.into(),
                     })
                     .await
                     .ok()?;

@@ -179,7 +179,7 @@ async fn allocate_write_read_commit_then_frees_wait_two_txgs() {
                 .await
                 .write(pb::WriteRequest {
                     offset: e.offset,
-                    data: buf,
+                    data: buf.into(),
                 })
                 .await
                 .expect("write to agent")
@@ -284,7 +284,7 @@ async fn load(
                     .await
                     .write(pb::WriteRequest {
                         offset: e.offset,
-                        data: payload.clone(),
+                        data: payload.clone().into(),
                     })
                     .await
                     .unwrap();
@@ -580,7 +580,7 @@ async fn bad_input_gets_a_precise_status_and_leaves_the_pool_unchanged() {
     let w = agent
         .write(pb::WriteRequest {
             offset: cap,
-            data: vec![0; 4096],
+            data: vec![0; 4096].into(),
         })
         .await
         .map(|_| ());

@@ -122,7 +122,8 @@ async fn agent(
         );
     }
     let client = clients[0].clone();
-    let buf = pattern(block, 11);
+    // Shared, not copied per request (as `aliquotctl write` shares a block's copies).
+    let buf = tonic::codegen::Bytes::from(pattern(block, 11));
     let blocks = total / block as u64;
     let next = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let (t, c0) = (Instant::now(), cpu());

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use aliquot_proto::v1::{AgentReport, AgentStats, AgentTunables, VdevHealth};
+use tonic::codegen::Bytes;
 
 use crate::backend::{self, DeviceInfo};
 use crate::config::{self, Config};
@@ -152,7 +153,7 @@ impl Agent {
 
     /// Write `data` at `offset` through the queue; returns the requests the
     /// carrying device I/O merged.
-    pub async fn write(&self, offset: u64, data: Vec<u8>) -> Result<u32, AgentError> {
+    pub async fn write(&self, offset: u64, data: Bytes) -> Result<u32, AgentError> {
         self.check_range("write", offset, data.len() as u64)?;
         match self.inner.queue.write(offset, data).await? {
             Done::Written { aggregated } => Ok(aggregated),

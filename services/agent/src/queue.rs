@@ -14,6 +14,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use tokio::sync::oneshot;
+use tonic::codegen::Bytes;
 
 use crate::backend::Device;
 use crate::error::AgentError;
@@ -31,7 +32,8 @@ pub enum Done {
 }
 
 enum Kind {
-    Write(Vec<u8>),
+    /// The payload as received: a view of the RPC's buffer, never copied.
+    Write(Bytes),
     Read(usize),
     Flush,
 }
@@ -136,7 +138,7 @@ impl IoQueue {
         self.work.notify_all();
     }
 
-    pub async fn write(&self, offset: u64, data: Vec<u8>) -> Result<Done, AgentError> {
+    pub async fn write(&self, offset: u64, data: Bytes) -> Result<Done, AgentError> {
         self.submit(offset, Kind::Write(data)).await
     }
 

@@ -47,7 +47,7 @@ impl VdevAgent for VdevAgentService {
     async fn read(&self, req: Request<ReadRequest>) -> Result<Response<ReadReply>, Status> {
         let ReadRequest { offset, size } = req.into_inner();
         let data = self.agent.read(offset, size).await?;
-        Ok(Response::new(ReadReply { data }))
+        Ok(Response::new(ReadReply { data: data.into() }))
     }
 
     #[tracing::instrument(skip_all, fields(vdev = self.agent.vdev()))]

@@ -24,7 +24,7 @@ async fn burst(a: &Running, base: u64, n: u64, seed: u64) -> Vec<u32> {
             tokio::spawn(async move {
                 c.write(aliquot_proto::v1::WriteRequest {
                     offset: base + i * BLOCK as u64,
-                    data: pattern(BLOCK, seed + i),
+                    data: pattern(BLOCK, seed + i).into(),
                 })
                 .await
                 .expect("write")

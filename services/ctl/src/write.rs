@@ -22,6 +22,7 @@ use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
 use tokio::sync::{mpsc, oneshot};
+use tonic::codegen::Bytes;
 use tracing::Instrument;
 
 use crate::client::{self, Agents, Allocator, AllocatorArgs};
@@ -556,17 +557,12 @@ async fn one_block(
 
     let t1 = Instant::now();
     let len = reply.extents.iter().map(|e| e.size).max().unwrap_or(0) as usize;
-    let mut data = Some(pattern_for(sh.nonce, block, len));
+    // One buffer for every copy: each write sends a view of it, no copies.
+    let data = Bytes::from(pattern_for(sh.nonce, block, len));
     let mut writes = Vec::with_capacity(reply.extents.len());
-    let n = reply.extents.len();
-    for (i, (e, ep)) in reply.extents.iter().zip(&reply.endpoints).enumerate() {
+    for (e, ep) in reply.extents.iter().zip(&reply.endpoints) {
         let agents = sh.agents.clone();
-        // The last copy takes the buffer itself; the others a copy.
-        let buf = if i + 1 == n && e.size as usize == len {
-            data.take().expect("buffer still here")
-        } else {
-            data.as_ref().expect("buffer still here")[..e.size as usize].to_vec()
-        };
+        let buf = data.slice(..e.size as usize);
         let (offset, vdev) = (e.offset, e.vdev);
         writes.push(async move {
             let mut c = agents.get(ep).await?;

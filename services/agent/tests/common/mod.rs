@@ -73,7 +73,10 @@ impl Running {
 
     pub async fn write(&mut self, offset: u64, data: Vec<u8>) -> Result<u32, tonic::Status> {
         self.client
-            .write(WriteRequest { offset, data })
+            .write(WriteRequest {
+                offset,
+                data: data.into(),
+            })
             .await
             .map(|r| r.into_inner().aggregated_ios)
     }
@@ -82,7 +85,7 @@ impl Running {
         self.client
             .read(ReadRequest { offset, size })
             .await
-            .map(|r| r.into_inner().data)
+            .map(|r| r.into_inner().data.to_vec())
     }
 
     pub async fn stats(&mut self) -> AgentStats {

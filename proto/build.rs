@@ -2,8 +2,8 @@
 use std::path::PathBuf;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let files = ["common", "allocator", "agent", "metrics"]
-        .map(|f| format!("aliquot/v1/{f}.proto"));
+    let files =
+        ["common", "allocator", "agent", "metrics"].map(|f| format!("aliquot/v1/{f}.proto"));
     for f in &files {
         println!("cargo:rerun-if-changed={f}");
     }

@@ -56,7 +56,10 @@ pub fn parse_size(s: &str) -> Result<u64, UnitError> {
 /// Bytes per second from `500MiB/s`, `1.2GB/s`, `150M` (the `/s` is optional).
 pub fn parse_rate(s: &str) -> Result<f64, UnitError> {
     let t = s.trim();
-    let t = t.strip_suffix("/s").or_else(|| t.strip_suffix("ps")).unwrap_or(t);
+    let t = t
+        .strip_suffix("/s")
+        .or_else(|| t.strip_suffix("ps"))
+        .unwrap_or(t);
     let v = parse_size(t).map_err(|_| UnitError::Rate(s.to_string()))?;
     Ok(v as f64)
 }
@@ -157,7 +160,10 @@ mod tests {
         assert_eq!(parse_duration("100us").unwrap(), Duration::from_micros(100));
         assert_eq!(parse_duration("4ms").unwrap(), Duration::from_millis(4));
         assert_eq!(parse_duration("5").unwrap(), Duration::from_secs(5));
-        assert_eq!(parse_duration("7d").unwrap(), Duration::from_secs(7 * 86400));
+        assert_eq!(
+            parse_duration("7d").unwrap(),
+            Duration::from_secs(7 * 86400)
+        );
         assert!(parse_duration("5 fortnights").is_err());
     }
 

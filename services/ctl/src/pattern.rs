@@ -12,31 +12,65 @@ fn splitmix64(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// Word `j` (bytes 8j..8j+8, little-endian) of a block whose pattern base is `base`.
+#[inline(always)]
+fn word(base: u64, j: usize) -> [u8; 8] {
+    (base ^ (j as u64).wrapping_mul(GOLDEN)).to_le_bytes()
+}
+
+fn base(nonce: u64, block: u64) -> u64 {
+    splitmix64(nonce ^ block.wrapping_mul(GOLDEN))
+}
+
 /// Fill `buf` with block `block`'s pattern for run `nonce`.
 pub fn fill(buf: &mut [u8], nonce: u64, block: u64) {
-    let base = splitmix64(nonce ^ block.wrapping_mul(GOLDEN));
+    let base = base(nonce, block);
     let j = buf.len() / 8;
     let mut chunks = buf.chunks_exact_mut(8);
     for (j, c) in (&mut chunks).enumerate() {
-        let w = base ^ (j as u64).wrapping_mul(GOLDEN);
-        c.copy_from_slice(&w.to_le_bytes());
+        c.copy_from_slice(&word(base, j));
     }
     let rest = chunks.into_remainder();
-    let w = (base ^ (j as u64).wrapping_mul(GOLDEN)).to_le_bytes();
     let n = rest.len();
-    rest.copy_from_slice(&w[..n]);
+    rest.copy_from_slice(&word(base, j)[..n]);
 }
 
+/// A new buffer holding the block's pattern. Written once, never zeroed
+/// first: at 1 MiB blocks a memset would double the generator's memory traffic.
 pub fn make(len: usize, nonce: u64, block: u64) -> Vec<u8> {
-    let mut v = vec![0u8; len];
-    fill(&mut v, nonce, block);
+    use std::mem::MaybeUninit;
+    let base = base(nonce, block);
+    let mut v: Vec<u8> = Vec::with_capacity(len);
+    let spare = &mut v.spare_capacity_mut()[..len];
+    let j = len / 8;
+    let mut chunks = spare.chunks_exact_mut(8);
+    for (j, c) in (&mut chunks).enumerate() {
+        c.copy_from_slice(&word(base, j).map(MaybeUninit::new));
+    }
+    let rest = chunks.into_remainder();
+    let n = rest.len();
+    rest.copy_from_slice(&word(base, j).map(MaybeUninit::new)[..n]);
+    // SAFETY: every one of the first `len` bytes was written just above.
+    unsafe { v.set_len(len) };
     v
 }
 
 /// The first byte offset where `data` differs from the block's pattern.
 pub fn first_mismatch(data: &[u8], nonce: u64, block: u64) -> Option<usize> {
-    let want = make(data.len(), nonce, block);
-    data.iter().zip(&want).position(|(a, b)| a != b)
+    let base = base(nonce, block);
+    let mut chunks = data.chunks_exact(8);
+    for (j, c) in (&mut chunks).enumerate() {
+        let w = word(base, j);
+        if c != w {
+            return Some(8 * j + c.iter().zip(&w).position(|(a, b)| a != b).unwrap_or(0));
+        }
+    }
+    let rest = chunks.remainder();
+    let j = data.len() / 8;
+    rest.iter()
+        .zip(&word(base, j))
+        .position(|(a, b)| a != b)
+        .map(|i| 8 * j + i)
 }
 
 #[cfg(test)]
@@ -58,5 +92,12 @@ mod tests {
         let c = make(13, 7, 3);
         assert_eq!(&c[..8], &make(16, 7, 3)[..8]);
         assert_eq!(first_mismatch(&c, 7, 3), None);
+        let mut d = c.clone();
+        d[11] ^= 0x80;
+        assert_eq!(first_mismatch(&d, 7, 3), Some(11));
+        // make and fill agree.
+        let mut e = vec![0u8; 4099];
+        fill(&mut e, 5, 9);
+        assert_eq!(e, make(4099, 5, 9));
     }
 }

@@ -454,8 +454,11 @@ async fn check_store(c: &mut Cluster, m: &mut Model) {
         .expect("store readable")
         .expect("pool exists");
     recovery::verify(&p).unwrap_or_else(|e| panic!("store inconsistent after kill -9: {e}"));
-    let exact: HashSet<(u32, u64, u64)> =
-        p.allocated.iter().map(|e| (e.vdev, e.offset, e.size)).collect();
+    let exact: HashSet<(u32, u64, u64)> = p
+        .allocated
+        .iter()
+        .map(|e| (e.vdev, e.offset, e.size))
+        .collect();
     let mut by_vdev: BTreeMap<(u32, u64), u64> = BTreeMap::new();
     for e in &p.allocated {
         by_vdev.insert((e.vdev, e.offset), e.offset + e.size);

@@ -51,8 +51,8 @@ pub fn rebuild(tunables: Tunables, p: &Persisted) -> Result<Pool, String> {
         }
     }
     let vdevs = p.vdevs.iter().map(|r| (r.id, r.spec.clone())).collect();
-    let pool = Pool::restore(tunables, vdevs, &p.allocated, p.synced_txg)
-        .map_err(|e| e.to_string())?;
+    let pool =
+        Pool::restore(tunables, vdevs, &p.allocated, p.synced_txg).map_err(|e| e.to_string())?;
     pool.verify().map_err(|e| e.to_string())?;
     // The rebuilt pool's accounting against the store's own sums.
     let mut sums: BTreeMap<VdevId, u64> = BTreeMap::new();

@@ -35,6 +35,8 @@ const OUR_TABLES: &[&str] = &["_sqlx_migrations", "pool", "vdevs", "extents", "t
 
 /// Rows per multi-row INSERT (4 binds each, well under SQLite's limit).
 const INSERT_CHUNK: usize = 200;
+/// Frees per multi-row DELETE (3 binds each).
+const DELETE_CHUNK: usize = 250;
 
 /// Why a store was not opened. Every refusal leaves the file untouched.
 #[derive(Debug, thiserror::Error)]
@@ -145,7 +147,7 @@ fn check_header(path: &Path, len: u64) -> Result<(), String> {
     if page_size < 512 || !page_size.is_power_of_two() {
         return Err(format!("its header is corrupt (page size {page_size})"));
     }
-    if len % page_size != 0 {
+    if !len.is_multiple_of(page_size) {
         return Err(format!(
             "it is truncated ({len} bytes is not a whole number of {page_size}-byte pages)"
         ));
@@ -483,14 +485,13 @@ impl SqliteStore {
                 // A retry of a txg whose commit did land: nothing to do.
                 return Ok(());
             }
-            return Err(format!(
-                "txg {txg} persisted out of order (last {synced})"
-            ));
+            return Err(format!("txg {txg} persisted out of order (last {synced})"));
         }
         for v in &rec.vdevs {
-            let shift = v.spec.metaslab_shift.ok_or_else(|| {
-                format!("vdev {}: no metaslab shift to persist", v.id)
-            })?;
+            let shift = v
+                .spec
+                .metaslab_shift
+                .ok_or_else(|| format!("vdev {}: no metaslab shift to persist", v.id))?;
             sqlx::query(
                 "INSERT INTO vdevs (id, guid, name, endpoint, capacity, ashift, metaslab_shift,
                     metaslab_size, children, parity, rotational, class, allocated, added_txg)
@@ -522,9 +523,11 @@ impl SqliteStore {
             .await
             .map_err(db)?;
         }
-        // In order; runs of allocations go in multi-row INSERTs.
+        // In order; runs of allocations go in multi-row INSERTs, runs of
+        // frees in multi-row DELETEs.
         let mut delta: BTreeMap<u32, i64> = BTreeMap::new();
         let mut run: Vec<Extent> = Vec::new();
+        let mut frees: Vec<Extent> = Vec::new();
         for c in &rec.sync.changes {
             let e = c.extent;
             if e.offset > i64::MAX as u64 || e.size > i64::MAX as u64 || e.size == 0 {
@@ -532,6 +535,8 @@ impl SqliteStore {
             }
             match c.kind {
                 SpaceChangeKind::Alloc => {
+                    free_extents(&mut tx, &frees, txg).await?;
+                    frees.clear();
                     *delta.entry(e.vdev).or_default() += e.size as i64;
                     run.push(e);
                     if run.len() == INSERT_CHUNK {
@@ -543,11 +548,16 @@ impl SqliteStore {
                     insert_extents(&mut tx, &run, txg).await?;
                     run.clear();
                     *delta.entry(e.vdev).or_default() -= e.size as i64;
-                    free_extent(&mut tx, e, txg).await?;
+                    frees.push(e);
+                    if frees.len() == DELETE_CHUNK {
+                        free_extents(&mut tx, &frees, txg).await?;
+                        frees.clear();
+                    }
                 }
             }
         }
         insert_extents(&mut tx, &run, txg).await?;
+        free_extents(&mut tx, &frees, txg).await?;
         for (vdev, d) in delta {
             if d != 0 {
                 sqlx::query("UPDATE vdevs SET allocated = allocated + ? WHERE id = ?")
@@ -589,6 +599,56 @@ async fn insert_extents(
             run[0]
         )
     })?;
+    Ok(())
+}
+
+/// Remove a run of frees: one DELETE when each frees exactly one stored
+/// extent (the common case), else (rolled back) one at a time with splits.
+async fn free_extents(
+    tx: &mut sqlx::Transaction<'_, Sqlite>,
+    frees: &[Extent],
+    txg: Txg,
+) -> Result<(), String> {
+    let db = |e: sqlx::Error| e.to_string();
+    match frees {
+        [] => return Ok(()),
+        [f] => return free_extent(tx, *f, txg).await,
+        _ => {}
+    }
+    sqlx::query("SAVEPOINT frees")
+        .execute(&mut **tx)
+        .await
+        .map_err(db)?;
+    let mut qb =
+        QueryBuilder::<Sqlite>::new("DELETE FROM extents WHERE (vdev, offset, size) IN (VALUES ");
+    for (n, f) in frees.iter().enumerate() {
+        if n > 0 {
+            qb.push(", ");
+        }
+        qb.push("(")
+            .push_bind(f.vdev as i64)
+            .push(", ")
+            .push_bind(i(f.offset))
+            .push(", ")
+            .push_bind(i(f.size))
+            .push(")");
+    }
+    qb.push(")");
+    let done = qb.build().execute(&mut **tx).await.map_err(db)?;
+    if done.rows_affected() == frees.len() as u64 {
+        sqlx::query("RELEASE frees")
+            .execute(&mut **tx)
+            .await
+            .map_err(db)?;
+        return Ok(());
+    }
+    sqlx::query("ROLLBACK TO frees; RELEASE frees")
+        .execute(&mut **tx)
+        .await
+        .map_err(db)?;
+    for f in frees {
+        free_extent(tx, *f, txg).await?;
+    }
     Ok(())
 }
 

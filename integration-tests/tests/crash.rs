@@ -188,23 +188,24 @@ fn lazy(url: &str) -> Channel {
 
 impl Cluster {
     async fn start(dir: &Path) -> Cluster {
+        let alloc_args = args![
+            "--listen",
+            "127.0.0.1:0",
+            "--pool",
+            "crash",
+            "--data-dir",
+            dir.join("allocator").display(),
+            "--zfs-txg-timeout",
+            "100ms",
+            "--lease",
+            "120s",
+            "--report-interval",
+            "200ms",
+        ];
         let mut alloc = Proc::start(
             "allocator",
             &bin("aliquot-allocator"),
-            &args![
-                "--listen",
-                "127.0.0.1:0",
-                "--pool",
-                "crash",
-                "--data-dir",
-                dir.join("allocator").display(),
-                "--zfs-txg-timeout",
-                "100ms",
-                "--lease",
-                "120s",
-                "--report-interval",
-                "200ms",
-            ],
+            &alloc_args,
             &[],
             &["grpc"],
             dir,
@@ -217,23 +218,24 @@ impl Cluster {
         let mut agents = Vec::new();
         for i in 0..AGENTS {
             let name = format!("v{i}");
+            let agent_args = args![
+                "--listen",
+                "127.0.0.1:0",
+                "--allocator",
+                alloc_url,
+                "--name",
+                name,
+                "--backend",
+                "file",
+                "--path",
+                dir.join(format!("{name}.img")).display(),
+                "--capacity",
+                "256MiB",
+            ];
             let mut a = Proc::start(
                 &name,
                 &bin("aliquot-agent"),
-                &args![
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--allocator",
-                    alloc_url,
-                    "--name",
-                    name,
-                    "--backend",
-                    "file",
-                    "--path",
-                    dir.join(format!("{name}.img")).display(),
-                    "--capacity",
-                    "256MiB",
-                ],
+                &agent_args,
                 &[],
                 &["grpc"],
                 dir,

@@ -16,16 +16,15 @@ use aliquot_proto::v1::stream_request::Op;
 use aliquot_proto::v1::{
     AbortRequest, AllocateReply, AllocateRequest, AllocationClass, CommitReply, CommitRequest,
     Extent, FlushRequest, FreeRequest, LogTier, ReadRequest, StreamReply, StreamRequest,
-    SyncTxgRequest, WriteRequest,
+    SyncTxgRequest,
 };
 use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
 use tokio::sync::{mpsc, oneshot};
-use tonic::codegen::Bytes;
 use tracing::Instrument;
 
-use crate::client::{self, Agents, Allocator, AllocatorArgs};
+use crate::client::{self, Agents, Allocator, AllocatorArgs, PatternWrite};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -556,24 +555,28 @@ async fn one_block(
     }
 
     let t1 = Instant::now();
-    let len = reply.extents.iter().map(|e| e.size).max().unwrap_or(0) as usize;
-    // One buffer for every copy: each write sends a view of it, no copies.
-    let data = Bytes::from(pattern_for(sh.nonce, block, len));
     let mut writes = Vec::with_capacity(reply.extents.len());
     for (e, ep) in reply.extents.iter().zip(&reply.endpoints) {
         let agents = sh.agents.clone();
-        let buf = data.slice(..e.size as usize);
+        // Every copy's pattern is generated into its own request as it is
+        // encoded (cheaper than copying one buffer into each). The extent
+        // may exceed the block (ashift rounding): it is written whole, so
+        // reads compare whole.
+        let w = PatternWrite {
+            offset: e.offset,
+            len: e.size as usize,
+            nonce: sh.nonce,
+            block,
+        };
         let (offset, vdev) = (e.offset, e.vdev);
         writes.push(async move {
-            let mut c = agents.get(ep).await?;
-            c.write(WriteRequest { offset, data: buf })
-                .await
-                .map_err(|s| {
-                    client::status_msg(
-                        &format!("write block {block} to vdev {vdev} at {offset}"),
-                        &s,
-                    )
-                })?;
+            let mut c = agents.pattern_writer(ep).await?;
+            c.write(w).await.map_err(|s| {
+                client::status_msg(
+                    &format!("write block {block} to vdev {vdev} at {offset}"),
+                    &s,
+                )
+            })?;
             anyhow::Ok(())
         });
     }
@@ -602,12 +605,6 @@ async fn one_block(
         endpoints: reply.endpoints,
     });
     Ok(())
-}
-
-/// The block's pattern; the allocated size may exceed the block (ashift
-/// rounding), and the whole extent is written so reads compare whole.
-fn pattern_for(nonce: u64, block: u64, len: usize) -> Vec<u8> {
-    crate::pattern::make(len, nonce, block)
 }
 
 async fn verify(sh: &Arc<Shared>, placed: &[Placed]) -> anyhow::Result<u64> {

@@ -149,7 +149,7 @@ pub async fn start(config: &Config) -> anyhow::Result<Running> {
                 .add_service(reflection)
                 .add_service(metrics)
                 .serve_with_incoming_shutdown(
-                    tonic::transport::server::TcpIncoming::from(grpc),
+                    tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true)),
                     stopped(rx),
                 )
                 .await

@@ -205,5 +205,5 @@ impl Drop for Proc {
 /// Strings from anything displayable, for argument lists.
 #[macro_export]
 macro_rules! args {
-    ($($a:expr),* $(,)?) => { vec![$($a.to_string()),*] };
+    ($($a:expr),* $(,)?) => { ::std::vec::Vec::<String>::from([$($a.to_string()),*]) };
 }

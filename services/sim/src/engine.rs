@@ -247,7 +247,17 @@ struct Sim<'a, P: SimPool> {
     tags: Vec<u32>,
     events: Vec<(u64, String)>,
     pump_wanted: bool,
+    /// Data bytes committed into the open txg (OpenZFS's dirty data of
+    /// that txg) and the amount that pushes a sync early.
+    txg_dirty: u64,
+    dirty_sync_bytes: u64,
+    dirty_sync_pending: bool,
 }
+
+/// OpenZFS's `zfs_dirty_data_sync_percent`: a txg is pushed as soon as its
+/// dirty data exceeds this share of `zfs_dirty_data_max` (here the load's
+/// `dirty_max`), not only after `zfs_txg_timeout`.
+pub const ZFS_DIRTY_DATA_SYNC_PERCENT: u64 = 20;
 
 fn vdev_spec(m: &VdevModel) -> VdevSpec {
     VdevSpec {
@@ -321,6 +331,11 @@ pub fn run<P: SimPool>(
         tags: Vec::new(),
         events: Vec::new(),
         pump_wanted: false,
+        txg_dirty: 0,
+        dirty_sync_bytes: sc.load.as_ref().map(|l| l.dirty_max).unwrap_or(4 << 30)
+            * ZFS_DIRTY_DATA_SYNC_PERCENT
+            / 100,
+        dirty_sync_pending: false,
     };
     sim.setup()?;
     sim.main_loop(progress)
@@ -866,6 +881,12 @@ impl<P: SimPool> Sim<'_, P> {
                 }
                 self.committed += req.size;
                 self.allocations += 1;
+                self.txg_dirty += req.size;
+                if self.txg_dirty >= self.dirty_sync_bytes && !self.dirty_sync_pending {
+                    // The open txg holds enough dirty data: push it now.
+                    self.dirty_sync_pending = true;
+                    self.force_sync();
+                }
                 self.release_req(req);
                 if req.stream == LOG_STREAM {
                     self.unblock_log_streams()?;
@@ -997,6 +1018,8 @@ impl<P: SimPool> Sim<'_, P> {
     fn sync(&mut self) -> anyhow::Result<()> {
         let synced = self.pool.sync().txg;
         self.last_sync = self.now;
+        self.txg_dirty = 0;
+        self.dirty_sync_pending = false;
         let view = self.pool.view();
         for v in &view.vdevs {
             if let Some(d) = self.devices.get_mut(v.id as usize) {

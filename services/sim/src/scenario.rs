@@ -749,6 +749,7 @@ impl Scenario {
             }
         }
         s.txg_timeout = (s.txg_timeout / f).max(1);
+        s.txg_sync_time = (s.txg_sync_time / f).max(1);
         s.max_time /= f;
         if let Some(l) = &mut s.load {
             if let Amount::Bytes(b) = &mut l.amount {

@@ -131,68 +131,16 @@ pub async fn preflight(path: &Path) -> Result<()> {
     let mut conn = SqliteConnection::connect_with(&opts)
         .await
         .map_err(|e| refuse(format!("cannot open it read-only: {e}")))?;
-    let checked = check_schema(&mut conn).await;
+    let checked = sqlite_preflight::check_schema(
+        &mut conn,
+        &MIGRATOR,
+        OUR_TABLES,
+        "aliquot-metrics",
+        "point --db at a new path",
+    )
+    .await;
     let _ = conn.close().await;
     checked.map_err(refuse)
-}
-
-async fn check_schema(conn: &mut SqliteConnection) -> std::result::Result<(), String> {
-    let tables: Vec<String> = sqlx::query_scalar(
-        "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' ORDER BY name",
-    )
-    .fetch_all(&mut *conn)
-    .await
-    .map_err(|e| format!("cannot read its schema (corrupt?): {e}"))?;
-    if tables.is_empty() {
-        return Ok(());
-    }
-    if !tables.iter().any(|t| t == "_sqlx_migrations") {
-        return Err(format!(
-            "foreign SQLite database (tables {tables:?}, no _sqlx_migrations); point --db at a new path"
-        ));
-    }
-    let foreign: Vec<&String> = tables
-        .iter()
-        .filter(|t| !OUR_TABLES.contains(&t.as_str()))
-        .collect();
-    if !foreign.is_empty() {
-        return Err(format!(
-            "foreign SQLite database (tables this binary does not know: {foreign:?}); point --db at a new path"
-        ));
-    }
-    let applied =
-        sqlx::query("SELECT version, checksum, success FROM _sqlx_migrations ORDER BY version")
-            .fetch_all(&mut *conn)
-            .await
-            .map_err(|e| format!("cannot read _sqlx_migrations: {e}"))?;
-    let known_max = MIGRATOR.iter().map(|m| m.version).max().unwrap_or(0);
-    for row in applied {
-        let version: i64 = row.try_get(0).map_err(|e| e.to_string())?;
-        let checksum: Vec<u8> = row.try_get(1).map_err(|e| e.to_string())?;
-        let success: bool = row.try_get(2).map_err(|e| e.to_string())?;
-        if version > known_max {
-            return Err(format!(
-                "its schema version {version} is newer than this binary knows ({known_max}); run a newer aliquot-metrics"
-            ));
-        }
-        let Some(known) = MIGRATOR.iter().find(|m| m.version == version) else {
-            return Err(format!(
-                "it records migration {version}, which this binary does not have (foreign database)"
-            ));
-        };
-        if *known.checksum != *checksum {
-            return Err(format!(
-                "its migration {version} ({}) differs from this binary's (foreign or edited database)",
-                known.description
-            ));
-        }
-        if !success {
-            return Err(format!(
-                "migration {version} failed earlier and left the schema dirty; restore a backup or use a new path"
-            ));
-        }
-    }
-    Ok(())
 }
 
 /// One vdev sample, ready to bind.

@@ -1,6 +1,7 @@
 //! The chart server (axum): `/` lists pools with their charts and refreshes
 //! itself; `/pools/{pool}/{balance,throughput,queues}.svg` draw one chart,
-//! over `?since=&until=` (unix ms, `now`, or relative like `-1h`).
+//! over `?since=&until=` (unix ms, `now`, or relative like `-1h`);
+//! `/metrics` is the Prometheus scrape target ([`crate::exposition`]).
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -15,17 +16,31 @@ use axum::routing::get;
 
 use crate::charts::ChartKind;
 use crate::error::MetricsError;
+use crate::exposition::{self, RpcMetrics};
 use crate::service::now_ms;
 use crate::store::Store;
 
 /// Points per vdev a served chart asks for (about one per 2 pixels).
 const CHART_POINTS: u32 = 500;
 
-pub fn router(store: Arc<Store>) -> Router {
+pub fn router(store: Arc<Store>, rpc: Arc<RpcMetrics>) -> Router {
+    let metrics = Router::new()
+        .route("/metrics", get(prometheus))
+        .with_state((store.clone(), rpc));
     Router::new()
         .route("/", get(index))
         .route("/pools/{pool}/{chart}", get(chart))
         .with_state(store)
+        .merge(metrics)
+}
+
+/// Prometheus/OpenMetrics scrape target.
+async fn prometheus(State((store, rpc)): State<(Arc<Store>, Arc<RpcMetrics>)>) -> Response {
+    (
+        [(header::CONTENT_TYPE, exposition::CONTENT_TYPE)],
+        exposition::render(store.latest(), &rpc),
+    )
+        .into_response()
 }
 
 /// `since`/`until` as given on a URL or the command line: unix ms, `now`,

@@ -3,13 +3,14 @@
 //! The allocator pushes a snapshot of its pool every few seconds (through
 //! [`pusher::SnapshotPusher`]); this service stores it ([`store`]), answers
 //! `History`/`Summary` over gRPC ([`service`]) and draws the charts over HTTP
-//! ([`http`], [`charts`]). [`cli`] is `aliquotctl history`.
+//! ([`http`], [`charts`]) with a Prometheus `/metrics` ([`exposition`]). [`cli`] is `aliquotctl history`.
 
 #![forbid(unsafe_code)]
 
 pub mod charts;
 pub mod cli;
 pub mod error;
+pub mod exposition;
 pub mod http;
 pub mod pusher;
 pub mod service;
@@ -40,7 +41,7 @@ pub struct Config {
     /// gRPC listen address.
     #[arg(long, env = "ALIQUOT_LISTEN", default_value = "127.0.0.1:7100")]
     pub listen: SocketAddr,
-    /// HTTP (charts) listen address.
+    /// HTTP listen address (charts, and Prometheus `/metrics`).
     #[arg(long, env = "ALIQUOT_HTTP_LISTEN", default_value = "127.0.0.1:7180")]
     pub http_listen: SocketAddr,
     /// SQLite database file (created if absent; a foreign file is refused).
@@ -130,6 +131,7 @@ pub async fn start(config: &Config) -> anyhow::Result<Running> {
     let http_addr = http.local_addr()?;
     let (stop, stop_rx) = watch::channel(false);
 
+    let rpc = Arc::new(exposition::RpcMetrics::default());
     let (health, health_service) = tonic_health::server::health_reporter();
     health
         .set_serving::<MetricsServer<service::MetricsService>>()
@@ -142,9 +144,11 @@ pub async fn start(config: &Config) -> anyhow::Result<Running> {
         .max_decoding_message_size(64 << 20);
     let grpc_task = tokio::spawn({
         let rx = stop_rx.clone();
+        let rpc = rpc.clone();
         async move {
             tonic::transport::Server::builder()
                 .trace_fn(telemetry::server_span)
+                .layer(exposition::RpcMetricsLayer(rpc))
                 .add_service(health_service)
                 .add_service(reflection)
                 .add_service(metrics)
@@ -158,7 +162,7 @@ pub async fn start(config: &Config) -> anyhow::Result<Running> {
     });
     let http_task = tokio::spawn({
         let rx = stop_rx.clone();
-        let app = http::router(store.clone());
+        let app = http::router(store.clone(), rpc.clone());
         async move {
             axum::serve(http, app)
                 .with_graceful_shutdown(stopped(rx))

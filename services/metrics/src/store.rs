@@ -70,6 +70,7 @@ pub struct Store {
     path: PathBuf,
     writer: SqlitePool,
     reader: SqlitePool,
+    latest: crate::exposition::Latest,
 }
 
 fn floor_minute(ms: i64) -> i64 {
@@ -253,7 +254,13 @@ impl Store {
             path: path.to_path_buf(),
             writer,
             reader,
+            latest: Default::default(),
         })
+    }
+
+    /// The newest stored snapshot of each pool (for `/metrics`).
+    pub fn latest(&self) -> &crate::exposition::Latest {
+        &self.latest
     }
 
     pub fn path(&self) -> &Path {
@@ -298,6 +305,9 @@ impl Store {
             stats.rows += rows;
         }
         tx.commit().await?;
+        for s in snaps {
+            self.latest.offer(s);
+        }
         Ok(stats)
     }
 

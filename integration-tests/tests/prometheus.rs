@@ -1,0 +1,329 @@
+//! `/metrics` on a real pool: `aliquot-metrics`, an allocator pushing a
+//! snapshot every 200 ms, three sim agents and some committed writes. The
+//! scrape is fetched and parsed by the Python `prometheus_client` OpenMetrics
+//! parser (a real, independent parser: `$ALIQUOT_TEST_PYTHON`, default
+//! `python3`, must import it), and its per-vdev figures must match what the
+//! allocator's `GetPool` (what `status` prints) reports: the per-group
+//! (metaslab-rounded) capacity and allocated of the normal class.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use aliquot_proto::v1 as pb;
+use integration_tests::{Proc, args, bin};
+use pb::allocator_client::AllocatorClient;
+use pb::vdev_agent_client::VdevAgentClient;
+
+/// Fetch the URL, check the content type, parse, print one JSON sample a line.
+const PARSE: &str = r#"
+import json, sys, urllib.request
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
+with urllib.request.urlopen(sys.argv[1], timeout=10) as r:
+    ct = r.headers.get("Content-Type", "")
+    assert ct.startswith("application/openmetrics-text"), ct
+    text = r.read().decode()
+for fam in text_string_to_metric_families(text):
+    for s in fam.samples:
+        print(json.dumps({"family": fam.name, "type": fam.type, "name": s.name,
+                          "labels": s.labels, "value": s.value}))
+"#;
+
+#[derive(Debug)]
+struct Sample {
+    family: String,
+    kind: String,
+    name: String,
+    labels: HashMap<String, String>,
+    value: f64,
+}
+
+fn scrape(url: &str) -> Vec<Sample> {
+    let py = std::env::var("ALIQUOT_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
+    let out = Command::new(&py)
+        .args(["-c", PARSE, url])
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {py}: {e}"));
+    assert!(
+        out.status.success(),
+        "the prometheus_client parser refused the scrape (is it installed for {py}?):\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            Sample {
+                family: v["family"].as_str().unwrap().into(),
+                kind: v["type"].as_str().unwrap().into(),
+                name: v["name"].as_str().unwrap().into(),
+                labels: serde_json::from_value(v["labels"].clone()).unwrap(),
+                value: v["value"].as_f64().unwrap(),
+            }
+        })
+        .collect()
+}
+
+fn get<'a>(s: &'a [Sample], name: &str, labels: &[(&str, &str)]) -> Option<&'a Sample> {
+    s.iter().find(|x| {
+        x.name == name
+            && labels
+                .iter()
+                .all(|(k, v)| x.labels.get(*k).map(String::as_str) == Some(*v))
+    })
+}
+
+fn start(dir: &Path) -> (Proc, Proc, Vec<Proc>) {
+    let met = Proc::start(
+        "metrics",
+        &bin("aliquot-metrics"),
+        &args![
+            "--listen",
+            "127.0.0.1:0",
+            "--http-listen",
+            "127.0.0.1:0",
+            "--db",
+            dir.join("metrics.db").display(),
+        ],
+        &[],
+        &["grpc", "http"],
+        dir,
+    )
+    .expect("start metrics");
+    let alloc = Proc::start(
+        "allocator",
+        &bin("aliquot-allocator"),
+        &args![
+            "--listen",
+            "127.0.0.1:0",
+            "--data-dir",
+            dir.join("allocator").display(),
+            "--metrics",
+            met.url("grpc"),
+            "--snapshot-interval",
+            "200ms",
+        ],
+        &[],
+        &["grpc"],
+        dir,
+    )
+    .expect("start allocator");
+    let agents = (0..3u64)
+        .map(|i| {
+            let name = format!("sim{i}");
+            Proc::start(
+                &name,
+                &bin("aliquot-agent"),
+                &args![
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--allocator",
+                    alloc.url("grpc"),
+                    "--name",
+                    name,
+                    "--backend",
+                    "sim",
+                    "--guid",
+                    41 + i,
+                    "--capacity",
+                    "4GiB",
+                ],
+                &[],
+                &["grpc"],
+                dir,
+            )
+            .expect("start agent")
+        })
+        .collect();
+    (met, alloc, agents)
+}
+
+/// The normal class's groups (one per top-level vdev here).
+fn groups(p: &pb::PoolStatus) -> Vec<pb::GroupStatus> {
+    p.classes
+        .iter()
+        .find(|c| c.name == "normal")
+        .map(|c| c.groups.clone())
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_parse_and_agree_with_get_pool() {
+    let dir = tempfile::tempdir().unwrap();
+    let (met, alloc, _agents) = start(dir.path());
+    let mut c = AllocatorClient::connect(alloc.url("grpc")).await.unwrap();
+    let t0 = Instant::now();
+    loop {
+        let s = c
+            .get_pool(pb::GetPoolRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        let ready = s
+            .classes
+            .iter()
+            .find(|c| c.name == "normal")
+            .map_or(0, |c| c.groups.iter().filter(|g| g.allocatable).count());
+        if ready >= 3 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "pool never allocatable"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // Some committed writes, so allocated is not zero everywhere.
+    let mut agents: HashMap<String, VdevAgentClient<tonic::transport::Channel>> = HashMap::new();
+    for _ in 0..24 {
+        let a = c
+            .allocate(pb::AllocateRequest {
+                class: pb::AllocationClass::Data as i32,
+                size: 1 << 20,
+                copies: 1,
+                lease_ms: 0,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        for (e, ep) in a.extents.iter().zip(&a.endpoints) {
+            if !agents.contains_key(ep) {
+                agents.insert(
+                    ep.clone(),
+                    VdevAgentClient::connect(ep.clone()).await.unwrap(),
+                );
+            }
+            agents[ep]
+                .clone()
+                .write(pb::WriteRequest {
+                    offset: e.offset,
+                    data: vec![0xa5u8; e.size as usize].into(),
+                })
+                .await
+                .unwrap();
+        }
+        c.commit(pb::CommitRequest {
+            allocation_ids: vec![a.allocation_id],
+            wait_synced: true,
+        })
+        .await
+        .unwrap();
+    }
+
+    // Writes are over: within a few snapshot intervals the scrape must show
+    // exactly what GetPool shows.
+    let url = format!("{}/metrics", met.url("http"));
+    let t0 = Instant::now();
+    let (pool, samples) = loop {
+        let pool = c
+            .get_pool(pb::GetPoolRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        let samples = scrape(&url);
+        let agree = groups(&pool).iter().all(|v| {
+            let id = v.vdev.to_string();
+            let l = [("pool", pool.name.as_str()), ("vdev", id.as_str())];
+            get(&samples, "aliquot_vdev_allocated_bytes", &l).map(|s| s.value)
+                == Some(v.alloc as f64)
+                && get(&samples, "aliquot_vdev_capacity_bytes", &l).map(|s| s.value)
+                    == Some(v.capacity as f64)
+        });
+        if agree && !groups(&pool).is_empty() {
+            break (pool, samples);
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(15),
+            "scrape never agreed with GetPool:\n{pool:#?}\n{samples:#?}"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    let gs = groups(&pool);
+    assert_eq!(gs.len(), 3);
+    let total_alloc: u64 = gs.iter().map(|v| v.alloc).sum();
+    let total_cap: u64 = gs.iter().map(|v| v.capacity).sum();
+    assert!(total_alloc >= 24 << 20, "writes not counted: {total_alloc}");
+    let p = [("pool", pool.name.as_str())];
+
+    // Derived figures, recomputed here from GetPool.
+    let used: Vec<f64> = gs
+        .iter()
+        .map(|v| v.alloc as f64 / v.capacity as f64)
+        .collect();
+    let pool_used = total_alloc as f64 / total_cap as f64;
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * b.abs().max(1e-9);
+    let spread = used.iter().copied().fold(f64::MIN, f64::max)
+        - used.iter().copied().fold(f64::MAX, f64::min);
+    assert!(close(
+        get(&samples, "aliquot_pool_used_ratio", &p).unwrap().value,
+        pool_used
+    ));
+    assert!(close(
+        get(&samples, "aliquot_pool_spread_ratio", &p)
+            .unwrap()
+            .value,
+        spread
+    ));
+    for (g, u) in gs.iter().zip(&used) {
+        let v = pool.vdevs.iter().find(|v| v.vdev == g.vdev).unwrap();
+        let id = v.vdev.to_string();
+        let l = [
+            ("pool", pool.name.as_str()),
+            ("vdev", id.as_str()),
+            ("name", v.name.as_str()),
+        ];
+        let var = get(&samples, "aliquot_vdev_var_ratio", &l).unwrap().value;
+        assert!(
+            close(var, u / pool_used),
+            "VAR of {}: {var} vs {}",
+            v.name,
+            u / pool_used
+        );
+        let online = get(
+            &samples,
+            "aliquot_vdev_health",
+            &[l[0], l[1], ("state", "ONLINE")],
+        )
+        .unwrap();
+        assert_eq!(online.value, 1.0, "{} not ONLINE", v.name);
+    }
+    let health = |st| {
+        get(&samples, "aliquot_pool_health", &[p[0], ("state", st)])
+            .unwrap()
+            .value
+    };
+    assert_eq!(
+        (health("ONLINE"), health("DEGRADED"), health("SUSPENDED")),
+        (1.0, 0.0, 0.0)
+    );
+    let limit = get(
+        &samples,
+        "aliquot_class_limit_bytes",
+        &[p[0], ("class", "normal")],
+    )
+    .unwrap();
+    assert!(limit.value > 0.0, "class limit {limit:?}");
+    assert_eq!(limit.kind, "gauge");
+
+    // The service's own RPC counters: the allocator has pushed batches.
+    let pushes = samples
+        .iter()
+        .filter(|s| {
+            s.family == "aliquot_grpc_server_requests"
+                && s.labels
+                    .get("method")
+                    .is_some_and(|m| m.starts_with("/aliquot.v1.Metrics/"))
+                && s.labels.get("code").map(String::as_str) == Some("OK")
+        })
+        .map(|s| s.value)
+        .sum::<f64>();
+    assert!(pushes >= 2.0, "RPC counter: {pushes}");
+    let hist = samples
+        .iter()
+        .find(|s| s.name == "aliquot_grpc_server_duration_seconds_count")
+        .expect("latency histogram");
+    assert!(hist.value >= 1.0);
+}

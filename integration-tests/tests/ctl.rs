@@ -179,7 +179,8 @@ fn up_write_verify_status_tunables_and_clean_stop() {
     let table = ok_stdout(&ctl(&args!["status", "--allocator", url]), "status");
     let lines: Vec<&str> = table.lines().collect();
     assert!(lines[0].starts_with("pool aliquot  guid "), "{table}");
-    let header: Vec<&str> = lines[2].split_whitespace().collect();
+    assert_eq!(lines[1], "health ONLINE", "{table}");
+    let header: Vec<&str> = lines[3].split_whitespace().collect();
     assert_eq!(
         header,
         [
@@ -188,6 +189,7 @@ fn up_write_verify_status_tunables_and_clean_stop() {
             "ALLOC",
             "FREE",
             "CAP",
+            "VAR",
             "FRAG",
             "HEALTH",
             "QDEPTH",

@@ -100,12 +100,13 @@ fn frag(f: i32) -> String {
 }
 
 /// The table header; tests hold it fixed.
-pub const VDEV_HEADER: [&str; 12] = [
+pub const VDEV_HEADER: [&str; 13] = [
     "NAME",
     "SIZE",
     "ALLOC",
     "FREE",
     "CAP",
+    "VAR",
     "FRAG",
     "HEALTH",
     "QDEPTH",
@@ -145,9 +146,90 @@ fn vdev_label(st: &PoolStatus, id: u32) -> String {
     }
 }
 
+/// Pool health rolled up from its vdevs as `zpool status` names it: ONLINE
+/// when every vdev is healthy and online, SUSPENDED when no vdev is, else
+/// DEGRADED; with the vdevs that are not ("file1 offline").
+pub fn pool_health(st: &PoolStatus) -> (&'static str, Vec<String>) {
+    let why: Vec<String> = st
+        .vdevs
+        .iter()
+        .filter_map(|v| {
+            let h = health_name(v.health, v.online);
+            (h != "healthy").then(|| format!("{} {h}", vdev_label(st, v.vdev)))
+        })
+        .collect();
+    let state = if st.vdevs.is_empty() || why.len() == st.vdevs.len() {
+        "SUSPENDED"
+    } else if why.is_empty() {
+        "ONLINE"
+    } else {
+        "DEGRADED"
+    };
+    (state, why)
+}
+
+/// Balance of a class as `ceph osd df` ends: VAR = a vdev's used fraction
+/// over the class's; STDDEV (population) and spread of the used fractions.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Balance {
+    pub min_var: f64,
+    pub max_var: f64,
+    pub stddev: f64,
+    pub spread: f64,
+}
+
+fn used(g: &GroupStatus) -> f64 {
+    g.alloc as f64 / g.capacity as f64
+}
+
+fn class_used(c: &ClassStatus) -> f64 {
+    let cap: u128 = c.groups.iter().map(|g| u128::from(g.capacity)).sum();
+    let alloc: u128 = c
+        .groups
+        .iter()
+        .filter(|g| g.capacity > 0)
+        .map(|g| u128::from(g.alloc))
+        .sum();
+    if cap == 0 {
+        0.0
+    } else {
+        alloc as f64 / cap as f64
+    }
+}
+
+/// VAR of one group in its class; `None` when either is empty.
+fn var(c: &ClassStatus, g: &GroupStatus) -> Option<f64> {
+    let cu = class_used(c);
+    (g.capacity > 0 && cu > 0.0).then(|| used(g) / cu)
+}
+
+pub fn balance(c: &ClassStatus) -> Option<Balance> {
+    let fr: Vec<f64> = c
+        .groups
+        .iter()
+        .filter(|g| g.capacity > 0)
+        .map(used)
+        .collect();
+    if fr.is_empty() {
+        return None;
+    }
+    let vars: Vec<f64> = c.groups.iter().filter_map(|g| var(c, g)).collect();
+    let mean = fr.iter().sum::<f64>() / fr.len() as f64;
+    let sd = (fr.iter().map(|f| (f - mean).powi(2)).sum::<f64>() / fr.len() as f64).sqrt();
+    let max = |v: &[f64]| v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let min = |v: &[f64]| v.iter().copied().fold(f64::INFINITY, f64::min);
+    Some(Balance {
+        min_var: if vars.is_empty() { 0.0 } else { min(&vars) },
+        max_var: if vars.is_empty() { 0.0 } else { max(&vars) },
+        stddev: sd,
+        spread: max(&fr) - min(&fr),
+    })
+}
+
 /// `zpool list -v`-like: the pool, each class, each vdev of the class.
 pub fn render_table(st: &PoolStatus) -> String {
-    let mut rows: Vec<[String; 12]> = Vec::new();
+    let mut rows: Vec<[String; 13]> = Vec::new();
+    let (health, why) = pool_health(st);
     let size: u64 = st.vdevs.iter().map(|v| v.capacity).sum();
     let alloc: u64 = st.vdevs.iter().map(|v| v.alloc).sum();
     let dash = || "-".to_string();
@@ -157,12 +239,13 @@ pub fn render_table(st: &PoolStatus) -> String {
         short(alloc),
         short(size.saturating_sub(alloc)),
         pct(alloc, size),
+        dash(),
         st.classes
             .iter()
             .find(|c| c.name == "normal")
             .map(|c| frag(c.fragmentation))
             .unwrap_or_else(dash),
-        dash(),
+        health.to_string(),
         short(
             st.classes
                 .iter()
@@ -187,6 +270,7 @@ pub fn render_table(st: &PoolStatus) -> String {
             short(c.alloc),
             short(c.space.saturating_sub(c.alloc)),
             pct(c.alloc, c.space),
+            dash(),
             frag(c.fragmentation),
             dash(),
             short(c.groups.iter().map(|g| g.queue_depth).sum()),
@@ -208,6 +292,7 @@ pub fn render_table(st: &PoolStatus) -> String {
                 short(g.alloc),
                 short(g.capacity.saturating_sub(g.alloc)),
                 pct(g.alloc, g.capacity),
+                var(c, g).map_or_else(dash, |v| format!("{v:.2}")),
                 frag(g.fragmentation),
                 health_name(g.health, online).to_uppercase(),
                 short(g.queue_depth),
@@ -229,8 +314,29 @@ pub fn render_table(st: &PoolStatus) -> String {
         st.throttle_policy,
         short(st.slop_space)
     );
+    if why.is_empty() {
+        let _ = writeln!(out, "health {health}");
+    } else {
+        let _ = writeln!(out, "health {health}: {}", why.join(", "));
+    }
     out.push('\n');
     out.push_str(&layout(&VDEV_HEADER, &rows));
+    for c in &st.classes {
+        if c.space == 0 {
+            continue;
+        }
+        if let Some(b) = balance(c) {
+            let _ = writeln!(
+                out,
+                "{}: MIN/MAX VAR: {:.2}/{:.2}  STDDEV: {:.2}%  SPREAD: {:.2}%",
+                c.name,
+                b.min_var,
+                b.max_var,
+                b.stddev * 100.0,
+                b.spread * 100.0
+            );
+        }
+    }
     out.push('\n');
     let crows: Vec<[String; 8]> = st
         .classes
@@ -552,22 +658,24 @@ mod tests {
             lines[0],
             "pool aliquot  guid 0000000000001234  txg 42 (synced 41)  throttle unified  slop 224M"
         );
-        let header: Vec<&str> = lines[2].split_whitespace().collect();
+        assert_eq!(lines[1], "health DEGRADED: file1 (1) offline");
+        let header: Vec<&str> = lines[3].split_whitespace().collect();
         assert_eq!(header, VDEV_HEADER);
-        let pool: Vec<&str> = lines[3].split_whitespace().collect();
+        let pool: Vec<&str> = lines[4].split_whitespace().collect();
         assert_eq!(pool[..5], ["aliquot", "7.00G", "700M", "6.32G", "9%"]);
-        let class: Vec<&str> = lines[4].split_whitespace().collect();
+        assert_eq!(pool[7], "DEGRADED");
+        let class: Vec<&str> = lines[5].split_whitespace().collect();
         assert_eq!(class[0], "normal");
-        assert!(lines[5].starts_with("    file0 (0)"), "{}", lines[5]);
-        let f1: Vec<&str> = lines[6].split_whitespace().collect();
+        assert!(lines[6].starts_with("    file0 (0)"), "{}", lines[6]);
+        let f1: Vec<&str> = lines[7].split_whitespace().collect();
         assert_eq!(
-            f1[..7],
-            ["file1", "(1)", "2.00G", "200M", "1.80G", "9%", "3%"]
+            f1[..8],
+            ["file1", "(1)", "2.00G", "200M", "1.80G", "9%", "1.00", "3%"]
         );
-        assert_eq!(f1[7], "OFFLINE");
-        let f2: Vec<&str> = lines[7].split_whitespace().collect();
+        assert_eq!(f1[8], "OFFLINE");
+        let f2: Vec<&str> = lines[8].split_whitespace().collect();
         assert_eq!(
-            f2[7..],
+            f2[8..],
             ["HEALTHY", "1.00M", "4.00M", "2.00M", "ms", "5", "yes"]
         );
         // The empty log class has no vdev rows but does have a throttle row.
@@ -583,8 +691,8 @@ mod tests {
         );
         assert!(lines[chead + 2].starts_with("log"));
         // Columns line up: every vdev row is right-aligned to the header's end.
-        let width = lines[2].len();
-        for l in &lines[3..chead - 1] {
+        let width = lines[3].len();
+        for l in &lines[4..9] {
             assert_eq!(l.len(), width, "{l:?}");
         }
     }
@@ -630,5 +738,40 @@ mod tests {
             .sum();
         assert_eq!(sum, c["alloc"].as_u64().unwrap());
         assert_eq!(v["alloc"], 700 * MIB);
+    }
+
+    /// The whole table for a fixed, unbalanced pool (the 88/35/41 % fill
+    /// of the issue), byte for byte.
+    #[test]
+    fn golden_unbalanced_pool() {
+        let mut st = sample();
+        let allocs = [901 * MIB, 717 * MIB, 1679 * MIB];
+        for (g, a) in st.classes[0].groups.iter_mut().zip(allocs) {
+            g.alloc = a;
+        }
+        for (v, a) in st.vdevs.iter_mut().zip(allocs) {
+            v.alloc = a;
+            v.online = true;
+        }
+        st.classes[0].alloc = allocs.iter().sum();
+        st.vdevs[2].health = VdevHealth::Unavailable as i32;
+        st.classes[0].groups[2].health = VdevHealth::Unavailable as i32;
+        let want = "\
+pool aliquot  guid 0000000000001234  txg 42 (synced 41)  throttle unified  slop 224M
+health DEGRADED: file2 (2) unavailable
+
+NAME            SIZE  ALLOC   FREE  CAP   VAR  FRAG       HEALTH  QDEPTH  QTARGET  ALIQUOT  EMBLOG  ALLOC'ABLE
+aliquot        7.00G  3.22G  3.78G  45%     -    3%     DEGRADED   3.00M        -        -       -           -
+  normal       7.00G  3.22G  3.78G  45%     -    3%            -   3.00M        -        -       -           -
+    file0 (0)  1.00G   901M   123M  87%  1.91    3%      HEALTHY   1.00M    4.00M    2.00M       -         yes
+    file1 (1)  2.00G   717M  1.30G  35%  0.76    3%      HEALTHY   1.00M    4.00M    2.00M       -         yes
+    file2 (2)  4.00G  1.64G  2.36G  40%  0.89    3%  UNAVAILABLE   1.00M    4.00M    2.00M    ms 5         yes
+normal: MIN/MAX VAR: 0.76/1.91  STDDEV: 23.69%  SPREAD: 52.98%
+
+CLASS   LIMIT  RESERVED  BUSY    WAITING  IO_SIZE  THROTTLE  USED/LIMIT
+normal  24.0M     3.00M   yes  2 (2.00M)    1.00M        on         12%
+log         0         0    no      0 (0)        0       off           -
+";
+        assert_eq!(render_table(&st), want);
     }
 }

@@ -330,7 +330,7 @@ async fn step(c: &mut Cluster, m: &mut Model, rng: &mut Rng) -> StepResult {
             .txg;
         let s = c
             .client
-            .sync_txg(pb::SyncTxgRequest { txg })
+            .sync_txg(pb::SyncTxgRequest { txg, generation: 0 })
             .await
             .map_err(|e| format!("sync: {e}"))?
             .into_inner()
@@ -343,7 +343,10 @@ async fn step(c: &mut Cluster, m: &mut Model, rng: &mut Rng) -> StepResult {
     if rng.chance(5) {
         let s = c
             .client
-            .sync_txg(pb::SyncTxgRequest { txg: 0 })
+            .sync_txg(pb::SyncTxgRequest {
+                txg: 0,
+                generation: 0,
+            })
             .await
             .map_err(|e| format!("sync: {e}"))?
             .into_inner()
@@ -416,6 +419,7 @@ async fn step(c: &mut Cluster, m: &mut Model, rng: &mut Rng) -> StepResult {
         .commit(pb::CommitRequest {
             allocation_ids: vec![a.allocation_id],
             wait_synced,
+            generation: 0,
         })
         .await
         .map_err(|e| format!("commit: {e}"))?
@@ -559,7 +563,10 @@ async fn resolve(c: &mut Cluster, m: &mut Model) {
     }
     let s = c
         .client
-        .sync_txg(pb::SyncTxgRequest { txg: 0 })
+        .sync_txg(pb::SyncTxgRequest {
+            txg: 0,
+            generation: 0,
+        })
         .await
         .expect("sync after recovery")
         .into_inner()

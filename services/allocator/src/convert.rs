@@ -209,5 +209,9 @@ pub fn pool_status(shared: &Shared, g: &Inner) -> pb::PoolStatus {
         vdevs,
         slop_space: stats.slop,
         time_ms: unix_ms(),
+        generation: shared.generation,
+        claim_window_ms: 0,
+        claim_window_left_ms: 0,
+        max_lease_ms: 0,
     }
 }

@@ -18,6 +18,8 @@ pub enum Error {
     ShuttingDown,
     #[error("store: {0}")]
     Store(String),
+    #[error("{0} is not served by this allocator yet")]
+    Unimplemented(&'static str),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -50,6 +52,7 @@ impl Error {
             Error::FailedPrecondition(_) => Code::FailedPrecondition,
             Error::ShuttingDown => Code::Unavailable,
             Error::Store(_) => Code::Internal,
+            Error::Unimplemented(_) => Code::Unimplemented,
         }
     }
 }

@@ -118,6 +118,7 @@ impl RegistryService {
             vdev,
             pool_guid: self.shared.pool_guid,
             report_interval_ms: self.shared.settings.report_interval.as_millis() as u32,
+            generation: self.shared.generation,
         };
         let mut g = self.shared.lock();
         if let Some(&id) = g.by_guid.get(&r.device_guid) {
@@ -250,6 +251,10 @@ impl RegistryService {
         Ok(pb::ReportAck {
             health: convert::health_to_pb(v.map_or(Health::Unavailable, |v| v.health)) as i32,
             online: v.is_some_and(|v| v.online),
+            generation: self.shared.generation,
+            allocatable: v.is_some_and(|v| {
+                v.online && matches!(v.health, Health::Healthy | Health::Degraded)
+            }),
         })
     }
 }

@@ -48,8 +48,15 @@ fn parse_request(shared: &Shared, r: &pb::AllocateRequest) -> Result<(AllocReque
     ))
 }
 
-fn allocate_reply(a: &Allocation, endpoints: Vec<String>, waited: Duration) -> pb::AllocateReply {
+fn allocate_reply(
+    generation: u64,
+    a: &Allocation,
+    endpoints: Vec<String>,
+    waited: Duration,
+) -> pb::AllocateReply {
     pb::AllocateReply {
+        generation,
+        lease_deadline_ms: 0,
         allocation_id: a.id,
         extents: a.extents.iter().map(convert::extent_to_pb).collect(),
         txg: a.txg,
@@ -110,7 +117,11 @@ impl AllocatorService {
         } else {
             self.shared.synced_txg() >= txg
         };
-        Ok(pb::CommitReply { txg, synced })
+        Ok(pb::CommitReply {
+            txg,
+            synced,
+            generation: self.shared.generation,
+        })
     }
 
     fn abort_inner(&self, r: &pb::AbortRequest) -> Result<pb::AbortReply> {
@@ -152,10 +163,7 @@ async fn stream_op(
         result: Some(result),
     };
     let err = |e: Error| {
-        pb::stream_reply::Result::Error(pb::StreamError {
-            code: e.code() as i32,
-            message: e.to_string(),
-        })
+        pb::stream_reply::Result::Error(aliquot_proto::error_info::stream_error(&Status::from(e)))
     };
     use pb::stream_request::Op;
     let result = match req.op {
@@ -183,7 +191,12 @@ async fn stream_op(
                 Err(e) => err(e),
                 Ok((Begun::Placed(a, eps), _)) => {
                     record_allocation(&span, &a, Duration::ZERO);
-                    pb::stream_reply::Result::Allocate(allocate_reply(&a, eps, Duration::ZERO))
+                    pb::stream_reply::Result::Allocate(allocate_reply(
+                        svc.shared.generation,
+                        &a,
+                        eps,
+                        Duration::ZERO,
+                    ))
                 }
                 Ok((Begun::Queued(ticket, rx), lease)) => {
                     let shared = svc.shared.clone();
@@ -203,7 +216,7 @@ async fn stream_op(
                                     record_allocation(&Span::current(), &a, start.elapsed());
                                     let id_a = a.id;
                                     let msg = reply(pb::stream_reply::Result::Allocate(
-                                        allocate_reply(&a, eps, start.elapsed()),
+                                        allocate_reply(shared.generation, &a, eps, start.elapsed()),
                                     ));
                                     if out.send(Ok(msg)).await.is_err() {
                                         // Nobody will write or commit it.
@@ -261,6 +274,7 @@ async fn stream_op(
                 Ok(pb::CommitReply {
                     txg,
                     synced: svc.shared.synced_txg() >= txg,
+                    generation: svc.shared.generation,
                 })
             });
             match res {
@@ -268,6 +282,7 @@ async fn stream_op(
                 Err(e) => err(e),
             }
         }
+        Some(Op::Renew(_)) => err(Error::Unimplemented("RenewLease")),
         Some(Op::Abort(r)) => match tracing::info_span!(
             "stream.abort",
             request_id = id,
@@ -295,7 +310,12 @@ impl Allocator for AllocatorService {
         let (areq, lease) = parse_request(&self.shared, req.get_ref())?;
         let (a, eps, waited) = self.shared.allocate(areq, lease).await?;
         record_allocation(&Span::current(), &a, waited);
-        Ok(Response::new(allocate_reply(&a, eps, waited)))
+        Ok(Response::new(allocate_reply(
+            self.shared.generation,
+            &a,
+            eps,
+            waited,
+        )))
     }
 
     type AllocateStreamStream = BoxStream<pb::StreamReply>;
@@ -360,7 +380,10 @@ impl Allocator for AllocatorService {
             txg
         };
         Span::current().record("txg", txg);
-        Ok(Response::new(pb::FreeReply { txg }))
+        Ok(Response::new(pb::FreeReply {
+            txg,
+            generation: self.shared.generation,
+        }))
     }
 
     #[tracing::instrument(skip_all, fields(extents = req.get_ref().extents.len(), txg))]
@@ -379,7 +402,10 @@ impl Allocator for AllocatorService {
             txg
         };
         Span::current().record("txg", txg);
-        Ok(Response::new(pb::ClaimReply { txg }))
+        Ok(Response::new(pb::ClaimReply {
+            txg,
+            generation: self.shared.generation,
+        }))
     }
 
     #[tracing::instrument(skip_all, fields(txg = req.get_ref().txg, synced_txg))]
@@ -402,7 +428,10 @@ impl Allocator for AllocatorService {
         };
         let synced = self.shared.wait_synced(txg).await?;
         Span::current().record("synced_txg", synced);
-        Ok(Response::new(pb::SyncTxgReply { synced_txg: synced }))
+        Ok(Response::new(pb::SyncTxgReply {
+            synced_txg: synced,
+            generation: self.shared.generation,
+        }))
     }
 
     #[tracing::instrument(skip_all)]
@@ -527,6 +556,20 @@ impl Allocator for AllocatorService {
                 .map(|(i, _)| i.description.to_string())
                 .unwrap_or_default(),
         }))
+    }
+
+    async fn renew_lease(
+        &self,
+        _req: Request<pb::RenewLeaseRequest>,
+    ) -> Result<Response<pb::RenewLeaseReply>, Status> {
+        Err(Error::Unimplemented("RenewLease").into())
+    }
+
+    async fn expand_vdev(
+        &self,
+        _req: Request<pb::ExpandVdevRequest>,
+    ) -> Result<Response<pb::VdevStatus>, Status> {
+        Err(Error::Unimplemented("ExpandVdev").into())
     }
 
     #[tracing::instrument(skip_all, fields(vdev = req.get_ref().vdev, online = req.get_ref().online))]

@@ -224,6 +224,8 @@ pub struct Shared {
     inner: Mutex<Inner>,
     pub settings: ServiceSettings,
     pub pool_guid: u64,
+    /// The store's generation: counts allocator opens (the fencing token).
+    pub generation: u64,
     pub store: Arc<dyn Store>,
     /// The last txg whose sync was persisted.
     pub synced: watch::Sender<Txg>,
@@ -257,6 +259,7 @@ impl Shared {
             inner: Mutex::new(Inner::new(pool)),
             settings,
             pool_guid,
+            generation: 0,
             store,
             synced: watch::Sender::new(synced_txg),
             wanted: watch::Sender::new(synced_txg),

@@ -52,6 +52,7 @@ async fn alloc_commit(h: &mut Harness, size: u64, wait_synced: bool) -> (pb::Ext
         .commit(pb::CommitRequest {
             allocation_ids: vec![a.allocation_id],
             wait_synced,
+            generation: 0,
         })
         .await
         .expect("commit")
@@ -492,7 +493,7 @@ async fn hold_sync(h: &Harness, gate: &GateStore) -> (u64, tokio::task::JoinHand
     };
     let mut a = h.alloc.clone();
     let waiter = tokio::spawn(async move {
-        a.sync_txg(pb::SyncTxgRequest { txg })
+        a.sync_txg(pb::SyncTxgRequest { txg, generation: 0 })
             .await
             .unwrap()
             .into_inner()

@@ -201,7 +201,10 @@ async fn sync_txg_and_commit_wait_synced() {
     // An old txg answers at once; one too far ahead is refused.
     let again = h
         .alloc
-        .sync_txg(pb::SyncTxgRequest { txg: open })
+        .sync_txg(pb::SyncTxgRequest {
+            txg: open,
+            generation: 0,
+        })
         .await
         .unwrap()
         .into_inner();
@@ -210,6 +213,7 @@ async fn sync_txg_and_commit_wait_synced() {
         .alloc
         .sync_txg(pb::SyncTxgRequest {
             txg: s1.open_txg + 100,
+            generation: 0,
         })
         .await
         .unwrap_err();
@@ -219,7 +223,10 @@ async fn sync_txg_and_commit_wait_synced() {
     let ahead = s1.open_txg + 1;
     let r = h
         .alloc
-        .sync_txg(pb::SyncTxgRequest { txg: ahead })
+        .sync_txg(pb::SyncTxgRequest {
+            txg: ahead,
+            generation: 0,
+        })
         .await
         .unwrap()
         .into_inner();
@@ -236,6 +243,7 @@ async fn sync_txg_and_commit_wait_synced() {
         .commit(pb::CommitRequest {
             allocation_ids: vec![b.allocation_id],
             wait_synced: true,
+            generation: 0,
         })
         .await
         .unwrap()
@@ -391,6 +399,7 @@ async fn stream_replies_come_back_out_of_order_by_id() {
         op: Some(Op::Commit(pb::CommitRequest {
             allocation_ids: vec![log.allocation_id],
             wait_synced: false,
+            generation: 0,
         })),
     })
     .await
@@ -431,6 +440,7 @@ async fn stream_replies_come_back_out_of_order_by_id() {
         op: Some(Op::Commit(pb::CommitRequest {
             allocation_ids: vec![a1.allocation_id],
             wait_synced: true,
+            generation: 0,
         })),
     })
     .await
@@ -520,6 +530,7 @@ async fn bad_input_gets_a_precise_status_and_changes_nothing() {
         .commit(pb::CommitRequest {
             allocation_ids: vec![987654],
             wait_synced: false,
+            generation: 0,
         })
         .await
         .map(|_| ());
@@ -681,6 +692,7 @@ async fn a_restart_reloads_what_was_synced() {
         .commit(pb::CommitRequest {
             allocation_ids: vec![a.allocation_id],
             wait_synced: true,
+            generation: 0,
         })
         .await
         .unwrap();

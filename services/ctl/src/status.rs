@@ -541,6 +541,7 @@ mod tests {
             ],
             slop_space: 224 * MIB,
             time_ms: 1,
+            ..Default::default()
         }
     }
 

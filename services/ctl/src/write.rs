@@ -251,6 +251,7 @@ impl Ops {
         let req = CommitRequest {
             allocation_ids: vec![id],
             wait_synced: false,
+            generation: 0,
         };
         match self {
             Ops::Unary(c) => Ok(c.clone().commit(req).await?.into_inner()),
@@ -416,7 +417,10 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
         }
         let r = alloc
             .clone()
-            .sync_txg(SyncTxgRequest { txg: 0 })
+            .sync_txg(SyncTxgRequest {
+                txg: 0,
+                generation: 0,
+            })
             .await
             .map_err(|s| client::status_msg("sync txg", &s))?;
         synced_txg = Some(r.into_inner().synced_txg);

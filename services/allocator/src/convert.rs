@@ -18,11 +18,14 @@ pub fn unix_ms() -> u64 {
 pub fn alloc_kind(class: i32) -> Result<AllocKind> {
     match pb::AllocationClass::try_from(class) {
         // proto3's default: an unset class is a data allocation.
-        Ok(pb::AllocationClass::Unspecified) | Ok(pb::AllocationClass::Data) => Ok(AllocKind::Data),
+        Ok(pb::AllocationClass::Data) => Ok(AllocKind::Data),
         Ok(pb::AllocationClass::Log) => Ok(AllocKind::Log),
-        Err(_) => Err(Error::InvalidArgument(format!(
-            "unknown allocation class {class} (expected DATA=1 or LOG=2)"
-        ))),
+        // Unset is refused: a client that forgot the class must not get
+        // data placement for what may be an intent-log block.
+        Ok(pb::AllocationClass::Unspecified) | Err(_) => Err(Error::invalid(
+            "class",
+            format!("allocation class {class} is not DATA=1 or LOG=2 (it must be set)"),
+        )),
     }
 }
 
@@ -30,9 +33,10 @@ pub fn copies(c: u32) -> Result<u8> {
     match c {
         0 => Ok(1),
         1..=255 => Ok(c as u8),
-        _ => Err(Error::InvalidArgument(format!(
-            "copies must be 1, 2 or 3, not {c}"
-        ))),
+        _ => Err(Error::invalid(
+            "copies",
+            format!("copies must be 1, 2 or 3, not {c}"),
+        )),
     }
 }
 
@@ -64,16 +68,16 @@ pub fn extent_to_pb(e: &Extent) -> pb::Extent {
 
 pub fn extent_from_pb(e: &pb::Extent) -> Result<Extent> {
     if e.size == 0 {
-        return Err(Error::InvalidArgument(format!(
-            "extent {}:{:#x}+0 has no size",
-            e.vdev, e.offset
-        )));
+        return Err(Error::invalid(
+            "extents",
+            format!("extent {}:{:#x}+0 has no size", e.vdev, e.offset),
+        ));
     }
     if e.offset.checked_add(e.size).is_none() {
-        return Err(Error::InvalidArgument(format!(
-            "extent {}:{:#x}+{:#x} overflows",
-            e.vdev, e.offset, e.size
-        )));
+        return Err(Error::invalid(
+            "extents",
+            format!("extent {}:{:#x}+{:#x} overflows", e.vdev, e.offset, e.size),
+        ));
     }
     Ok(Extent {
         vdev: e.vdev,
@@ -84,7 +88,7 @@ pub fn extent_from_pb(e: &pb::Extent) -> Result<Extent> {
 
 pub fn extents_from_pb(es: &[pb::Extent]) -> Result<Vec<Extent>> {
     if es.is_empty() {
-        return Err(Error::InvalidArgument("no extents given".into()));
+        return Err(Error::invalid("extents", "no extents given"));
     }
     es.iter().map(extent_from_pb).collect()
 }
@@ -210,8 +214,8 @@ pub fn pool_status(shared: &Shared, g: &Inner) -> pb::PoolStatus {
         slop_space: stats.slop,
         time_ms: unix_ms(),
         generation: shared.generation,
-        claim_window_ms: 0,
-        claim_window_left_ms: 0,
-        max_lease_ms: 0,
+        claim_window_ms: shared.settings.claim_window.as_millis() as u64,
+        claim_window_left_ms: shared.claim_window_left().as_millis() as u64,
+        max_lease_ms: shared.settings.max_lease.as_millis() as u64,
     }
 }

@@ -8,6 +8,7 @@
 
 pub mod convert;
 pub mod error;
+pub mod lock;
 pub mod metrics_push;
 pub mod recovery;
 pub mod registry;
@@ -16,6 +17,7 @@ pub mod sqlite_store;
 pub mod state;
 pub mod store;
 pub mod txg;
+pub mod vdev_rules;
 
 use std::io::Write;
 use std::net::SocketAddr;
@@ -65,7 +67,9 @@ pub struct Config {
     /// Pool name.
     #[arg(long, env = "ALIQUOT_POOL", default_value = "aliquot")]
     pub pool: String,
-    /// Where the durable store lives (`<data-dir>/pool.db`, SQLite).
+    /// Where the durable store lives (`<data-dir>/pool.db`, SQLite). The
+    /// allocator locks it for its lifetime (`<data-dir>/allocator.lock`); a
+    /// second allocator on it exits at once naming the holder.
     #[arg(
         long,
         env = "ALIQUOT_DATA_DIR",
@@ -83,9 +87,20 @@ pub struct Config {
     /// Close the open txg after this long (OpenZFS zfs_txg_timeout).
     #[arg(long, env = "ALIQUOT_ZFS_TXG_TIMEOUT", default_value = "5s", value_parser = units::duration_arg)]
     pub zfs_txg_timeout: Duration,
-    /// Default lease: an allocation not committed within it is aborted.
+    /// Default lease: an allocation not committed within it is aborted (its
+    /// space is then deferred like a free, so a late write cannot land on
+    /// a block handed to someone else meanwhile).
     #[arg(long, env = "ALIQUOT_LEASE", default_value = "30s", value_parser = units::duration_arg)]
     pub lease: Duration,
+    /// The longest lease a client may ask for (lease_ms above it is refused
+    /// with INVALID_ARGUMENT, reason LEASE_TOO_LONG; RenewLease extends).
+    #[arg(long, env = "ALIQUOT_MAX_LEASE", default_value = "5m", value_parser = units::duration_arg)]
+    pub max_lease: Duration,
+    /// After a restart, how long Claim is served before Allocate is (like
+    /// ZFS claiming its intent log at import); 0 disables it. Shown in
+    /// `aliquotctl status`.
+    #[arg(long, env = "ALIQUOT_CLAIM_WINDOW", default_value = "10s", value_parser = units::duration_arg)]
+    pub claim_window: Duration,
     /// Admission throttle policy.
     #[arg(long, env = "ALIQUOT_THROTTLE_POLICY", value_enum, default_value_t = ThrottlePolicyArg::Unified)]
     pub throttle_policy: ThrottlePolicyArg,
@@ -172,6 +187,19 @@ fn validate(c: &Config) -> Result<Validated, ConfigError> {
     };
     nonzero("zfs-txg-timeout", txg_timeout)?;
     nonzero("lease", c.lease)?;
+    nonzero("max-lease", c.max_lease)?;
+    if c.lease > c.max_lease {
+        return Err(ConfigError(format!(
+            "--lease {:?} is above --max-lease {:?}",
+            c.lease, c.max_lease
+        )));
+    }
+    if c.max_lease > Duration::from_secs(24 * 3600) {
+        return Err(ConfigError("--max-lease must be at most 24h".into()));
+    }
+    if c.claim_window > Duration::from_secs(3600) {
+        return Err(ConfigError("--claim-window must be at most 1h".into()));
+    }
     nonzero("snapshot-interval", c.snapshot_interval)?;
     nonzero("report-interval", c.report_interval)?;
     if c.txg_dirty_max == 0 {
@@ -254,6 +282,7 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
             (pool, None, synced)
         }
     };
+    let restarted = guid.is_some();
     let pool_guid = match &guid {
         Some((g, _)) => *g,
         None => {
@@ -270,8 +299,25 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
         report_interval: config.report_interval,
         txg_timeout_us: AtomicU64::new(v.txg_timeout.as_micros() as u64),
         txg_dirty_max: config.txg_dirty_max,
+        max_lease: config.max_lease,
+        claim_window: config.claim_window,
     };
-    let shared = Shared::new(pool, settings, pool_guid, store, synced);
+    let opened_by = format!(
+        "aliquot-allocator pid {} listening on {}",
+        std::process::id(),
+        config.listen
+    );
+    let generations = store.open_generation(&opened_by).await?;
+    tracing::info!(generation = generations.current, "store generation opened");
+    let shared = Shared::new(
+        pool,
+        settings,
+        pool_guid,
+        store,
+        synced,
+        generations,
+        restarted,
+    );
     if let Some((_, vdevs)) = guid {
         // Known vdevs come back silent until their agents report.
         let now = Instant::now();
@@ -290,6 +336,9 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
                     prev_report: None,
                     last_report_at: None,
                     silent: false,
+                    stalled: false,
+                    stuck_reports: 0,
+                    stream: None,
                     reported_health: metaslab::Health::Healthy,
                 },
             );
@@ -346,6 +395,8 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
             ),
     );
     tracing::info!(%addr, pool = %config.pool, guid = pool_guid, policy = ?config.throttle_policy,
+        generation = shared.generation,
+        claim_window_ms = shared.claim_window_left().as_millis() as u64,
         txg_timeout_ms = v.txg_timeout.as_millis() as u64, "allocator serving");
     Ok(Running {
         addr,
@@ -429,6 +480,10 @@ pub async fn shutdown_signal() {
 pub async fn run(config: Config) -> anyhow::Result<()> {
     // Refuse bad flags before touching the store.
     validate(&config)?;
+    // One owner per store, for our whole life: taken before the store is
+    // opened (opening may migrate it) and released by the kernel at exit.
+    let _lock = lock::DataDirLock::acquire(&config.data_dir, "aliquot-allocator")
+        .map_err(|e| ConfigError(e.to_string()))?;
     let path = config.data_dir.join(sqlite_store::DB_FILE);
     let store = match SqliteStore::open(&path, &config.pool, config.pool_guid).await {
         Ok(s) => Arc::new(s),

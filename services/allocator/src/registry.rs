@@ -1,15 +1,21 @@
 //! The `AgentRegistry` service: agents register their device (a new device
 //! becomes a vdev; a known device guid gets its vdev id back) and keep a
 //! report stream open. Reports carry health and capacity; a vdev whose agent
-//! stays silent for `MISSED_REPORTS` intervals is made unavailable
-//! (allocation goes on elsewhere) until its reports resume.
+//! stays silent for `MISSED_REPORTS` intervals, or whose reports show its
+//! queue not draining for as long (a hung device), is made unavailable
+//! (allocation goes on elsewhere) until it recovers. Registrations are
+//! checked by the store's own rules (`crate::vdev_rules`) before anything is
+//! persisted; a report never resizes a vdev (`ExpandVdev` or a
+//! re-registration by the device's owner does), and one report stream owns
+//! a vdev at a time.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use aliquot_proto::v1 as pb;
 use aliquot_proto::v1::agent_registry_server::AgentRegistry;
-use metaslab::{Health, VdevId, VdevRole, VdevSpec};
+use metaslab::{Health, VdevId};
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
@@ -20,6 +26,10 @@ use crate::convert;
 use crate::error::{Error, Result};
 use crate::state::{Inner, MISSED_REPORTS, Shared, VdevInfo};
 use crate::store::VdevRecord;
+use crate::vdev_rules;
+
+/// Report streams get an id each, so a vdev knows which stream owns it.
+static NEXT_STREAM: AtomicU64 = AtomicU64::new(1);
 
 #[derive(Clone)]
 pub struct RegistryService {
@@ -58,6 +68,44 @@ fn endpoint_owner(g: &Inner, endpoint: &str, me: Option<VdevId>) -> Option<VdevI
         .map(|(id, _)| *id)
 }
 
+/// The health the pool should apply: forced unavailable while silent or hung.
+fn effective_health(v: &VdevInfo) -> Health {
+    if v.silent || v.stalled {
+        Health::Unavailable
+    } else {
+        v.reported_health
+    }
+}
+
+/// Grow vdev `vdev` to `capacity` (the operator's `aliquotctl vdev expand`,
+/// or a re-registration by the device's owner): checked by the store's
+/// rules first; never shrinks.
+pub fn expand(g: &mut Inner, vdev: VdevId, capacity: u64) -> Result<()> {
+    let stats = g.pool.stats();
+    let v = stats
+        .vdevs
+        .iter()
+        .find(|v| v.id == vdev)
+        .ok_or(metaslab::Error::UnknownVdev(vdev))?;
+    if capacity < v.spec.capacity {
+        return Err(Error::ResizeRefused(format!(
+            "vdev {vdev} cannot shrink from {} to {capacity} bytes",
+            v.spec.capacity
+        )));
+    }
+    if capacity == v.spec.capacity {
+        return Ok(());
+    }
+    vdev_rules::check_capacity(capacity, v.metaslab_shift)?;
+    g.pool.grow_vdev(vdev, capacity)?;
+    if let Some(rec) = record_of(g, vdev) {
+        g.pending_vdevs.push(rec);
+    }
+    g.event("vdev_expand", vdev, format!("capacity {capacity} bytes"));
+    tracing::info!(vdev, capacity, "vdev expanded");
+    Ok(())
+}
+
 /// A vdev heard from again: its reported health applies once more.
 fn mark_alive(g: &mut Inner, id: VdevId, now: Instant, why: &str) {
     let Some(info) = g.vdevs.get_mut(&id) else {
@@ -66,7 +114,7 @@ fn mark_alive(g: &mut Inner, id: VdevId, now: Instant, why: &str) {
     info.last_seen = now;
     if info.silent {
         info.silent = false;
-        let health = info.reported_health;
+        let health = effective_health(info);
         let _ = g.pool.set_health(id, health);
         g.wake_admitted();
         g.event("vdev_online", id, why.to_string());
@@ -91,28 +139,10 @@ impl RegistryService {
         r: pb::RegisterRequest,
     ) -> Result<(pb::RegisterReply, Option<metaslab::Txg>)> {
         self.shared.check_serving()?;
-        if r.device_guid == 0 {
-            return Err(Error::InvalidArgument(
-                "device_guid must be set (the device's stable identity)".into(),
-            ));
-        }
         let endpoint = r.endpoint.trim().to_string();
-        if endpoint.parse::<tonic::transport::Uri>().is_err() || !endpoint.contains("://") {
-            return Err(Error::InvalidArgument(format!(
-                "endpoint {endpoint:?} is not a URL such as http://127.0.0.1:7001"
-            )));
-        }
-        if r.capacity == 0 {
-            return Err(Error::InvalidArgument(
-                "capacity must be above 0 bytes".into(),
-            ));
-        }
-        if r.ashift > 24 {
-            return Err(Error::InvalidArgument(format!(
-                "ashift {} is out of range (9 ..= 16 expected)",
-                r.ashift
-            )));
-        }
+        let tunables = self.shared.lock().pool.tunables().clone();
+        // Everything the store would refuse at the next open is refused now.
+        let spec = vdev_rules::spec_of(&r, &tunables)?;
         let now = Instant::now();
         let reply = |vdev| pb::RegisterReply {
             vdev,
@@ -127,6 +157,17 @@ impl RegistryService {
                     "endpoint {endpoint} belongs to live vdev {owner}; a different device cannot take it over"
                 )));
             }
+            if let Some(info) = g.vdevs.get(&id)
+                && info.endpoint != endpoint
+                && info.stream.is_some()
+                && !info.silent
+            {
+                return Err(Error::VdevConflict(format!(
+                    "device guid {:#x} is vdev {id}, served live from {} (its report stream is open); \
+                     it cannot move to {endpoint} until that agent stops",
+                    r.device_guid, info.endpoint
+                )));
+            }
             let mut changed = false;
             if let Some(info) = g.vdevs.get_mut(&id) {
                 changed |= info.endpoint != endpoint || info.name != r.name;
@@ -134,9 +175,9 @@ impl RegistryService {
                 info.name = r.name.clone();
                 info.backend = r.backend.clone();
             }
+            // Growth by the device's owner: the guid comes from its label.
             if vdev_capacity(&g, id).is_some_and(|c| r.capacity > c) {
-                g.pool.grow_vdev(id, r.capacity)?;
-                changed = true;
+                expand(&mut g, id, r.capacity)?;
             }
             mark_alive(&mut g, id, now, "agent registered again");
             if changed && let Some(rec) = record_of(&g, id) {
@@ -157,19 +198,6 @@ impl RegistryService {
                 v.guid, r.device_guid
             )));
         }
-        let spec = VdevSpec {
-            capacity: r.capacity,
-            ashift: r.ashift as u8,
-            children: r.children.max(1),
-            parity: r.parity,
-            rotational: r.rotational,
-            role: if r.log {
-                VdevRole::Log
-            } else {
-                VdevRole::Normal
-            },
-            metaslab_shift: None,
-        };
         let id = g.pool.add_vdev(spec)?;
         g.vdevs.insert(
             id,
@@ -183,6 +211,9 @@ impl RegistryService {
                 prev_report: None,
                 last_report_at: None,
                 silent: false,
+                stalled: false,
+                stuck_reports: 0,
+                stream: None,
                 reported_health: Health::Healthy,
             },
         );
@@ -206,7 +237,7 @@ impl RegistryService {
         Ok((reply(id), Some(txg)))
     }
 
-    fn report_one(&self, r: pb::AgentReport) -> Result<pb::ReportAck> {
+    fn report_one(&self, stream: u64, r: pb::AgentReport) -> Result<pb::ReportAck> {
         let now = Instant::now();
         let mut g = self.shared.lock();
         let id = r.vdev;
@@ -215,6 +246,26 @@ impl RegistryService {
                 "vdev {id} is not registered here; register first"
             )));
         };
+        match info.stream {
+            Some(owner) if owner != stream && !info.silent => {
+                return Err(Error::VdevConflict(format!(
+                    "vdev {id} already reports on another live stream (from {}); \
+                     two agents claim one device",
+                    info.endpoint
+                )));
+            }
+            _ => info.stream = Some(stream),
+        }
+        // A hung device: I/Os queued and no write completed since the last
+        // report, for MISSED_REPORTS reports in a row.
+        let stuck = r.queue_depth_ios > 0
+            && info
+                .last_report
+                .as_ref()
+                .is_some_and(|p| p.writes == r.writes);
+        info.stuck_reports = if stuck { info.stuck_reports + 1 } else { 0 };
+        let was_stalled = info.stalled;
+        info.stalled = info.stuck_reports >= MISSED_REPORTS;
         let health = convert::health_from_pb(r.health);
         let old_health = info.reported_health;
         info.reported_health = health;
@@ -222,29 +273,41 @@ impl RegistryService {
             info.prev_report = Some((info.last_report_at.unwrap_or(now), prev));
         }
         let capacity = r.capacity;
+        let (queued, writes) = (r.queue_depth_ios, r.writes);
         info.last_report = Some(r);
         info.last_report_at = Some(now);
+        let stalled = info.stalled;
         let was_silent = info.silent;
         if was_silent {
             mark_alive(&mut g, id, now, "reports resumed");
         } else {
             g.vdevs.get_mut(&id).expect("present").last_seen = now;
-            if health != old_health {
+            if stalled != was_stalled {
+                let h = if stalled { Health::Unavailable } else { health };
+                g.pool.set_health(id, h)?;
+                g.wake_admitted();
+                let (kind, detail) = if stalled {
+                    (
+                        "vdev_unavailable",
+                        format!(
+                            "queue not draining: {queued} I/Os queued, writes stuck at {writes}"
+                        ),
+                    )
+                } else {
+                    ("vdev_online", "queue draining again".to_string())
+                };
+                g.event(kind, id, detail.clone());
+                tracing::warn!(vdev = id, stalled, "{detail}");
+            } else if health != old_health && !stalled {
                 g.pool.set_health(id, health)?;
                 g.wake_admitted();
                 tracing::info!(vdev = id, ?health, "vdev health changed");
             }
         }
-        if vdev_capacity(&g, id).is_some_and(|c| capacity > c) {
-            match g.pool.grow_vdev(id, capacity) {
-                Ok(()) => {
-                    tracing::info!(vdev = id, capacity, "vdev grew");
-                    if let Some(rec) = record_of(&g, id) {
-                        g.pending_vdevs.push(rec);
-                    }
-                }
-                Err(e) => tracing::warn!(vdev = id, capacity, error = %e, "vdev growth refused"),
-            }
+        // A report never resizes a vdev: a wrong number in one message must
+        // not move the device end for good (ExpandVdev does that).
+        if vdev_capacity(&g, id).is_some_and(|c| capacity != c) {
+            tracing::debug!(vdev = id, capacity, "reported capacity differs; ignored");
         }
         let stats = g.pool.stats();
         let v = stats.vdevs.iter().find(|v| v.id == id);
@@ -306,8 +369,14 @@ impl AgentRegistry for RegistryService {
         let mut inbound = req.into_inner();
         let (tx, rx) = mpsc::channel(16);
         let svc = self.clone();
+        let stream = NEXT_STREAM.fetch_add(1, Ordering::Relaxed);
         tokio::spawn(
             async move {
+                // Whatever ends the loop, the stream no longer owns its vdev.
+                let _release = ReleaseStream {
+                    shared: svc.shared.clone(),
+                    stream,
+                };
                 loop {
                     let msg = tokio::select! {
                         m = inbound.next() => m,
@@ -315,7 +384,7 @@ impl AgentRegistry for RegistryService {
                     };
                     let Some(msg) = msg else { break };
                     let reply = match msg {
-                        Ok(r) => svc.report_one(r).map_err(Status::from),
+                        Ok(r) => svc.report_one(stream, r).map_err(Status::from),
                         Err(status) => {
                             tracing::debug!(%status, "report stream ended");
                             break;
@@ -330,5 +399,22 @@ impl AgentRegistry for RegistryService {
             .in_current_span(),
         );
         Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// Clears a report stream's ownership of its vdev when the stream ends.
+struct ReleaseStream {
+    shared: Arc<Shared>,
+    stream: u64,
+}
+
+impl Drop for ReleaseStream {
+    fn drop(&mut self) {
+        let mut g = self.shared.lock();
+        for v in g.vdevs.values_mut() {
+            if v.stream == Some(self.stream) {
+                v.stream = None;
+            }
+        }
     }
 }

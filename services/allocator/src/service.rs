@@ -19,6 +19,7 @@ use tracing::{Instrument, Span};
 use crate::convert;
 use crate::error::{Error, Result};
 use crate::state::{Begun, Shared};
+use crate::store::TxgFate;
 
 type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
 
@@ -33,11 +34,7 @@ pub struct AllocatorService {
 fn parse_request(shared: &Shared, r: &pb::AllocateRequest) -> Result<(AllocRequest, Duration)> {
     let kind = convert::alloc_kind(r.class)?;
     let copies = convert::copies(r.copies)?;
-    let lease = if r.lease_ms == 0 {
-        shared.settings.default_lease
-    } else {
-        Duration::from_millis(r.lease_ms as u64)
-    };
+    let lease = lease(shared, r.lease_ms)?;
     Ok((
         AllocRequest {
             kind,
@@ -48,16 +45,34 @@ fn parse_request(shared: &Shared, r: &pb::AllocateRequest) -> Result<(AllocReque
     ))
 }
 
+/// A requested lease: 0 is the default; above --max-lease is refused.
+fn lease(shared: &Shared, lease_ms: u32) -> Result<Duration> {
+    if lease_ms == 0 {
+        return Ok(shared.settings.default_lease);
+    }
+    let d = Duration::from_millis(lease_ms as u64);
+    if d > shared.settings.max_lease {
+        return Err(Error::LeaseTooLong {
+            asked: lease_ms as u64,
+            max: shared.settings.max_lease.as_millis() as u64,
+        });
+    }
+    Ok(d)
+}
+
 fn allocate_reply(
-    generation: u64,
+    shared: &Shared,
     a: &Allocation,
     endpoints: Vec<String>,
     waited: Duration,
+    lease: Duration,
 ) -> pb::AllocateReply {
     pb::AllocateReply {
-        generation,
-        lease_deadline_ms: 0,
-        allocation_id: a.id,
+        generation: shared.generation,
+        // Measured from the reply: the lease started a little earlier, so
+        // the client's view is never later than the allocator's.
+        lease_deadline_ms: convert::unix_ms() + lease.as_millis() as u64,
+        allocation_id: shared.wire_id(a.id),
         extents: a.extents.iter().map(convert::extent_to_pb).collect(),
         txg: a.txg,
         tier: convert::tier(a.tier) as i32,
@@ -66,9 +81,9 @@ fn allocate_reply(
     }
 }
 
-fn record_allocation(span: &Span, a: &Allocation, waited: Duration) {
+fn record_allocation(span: &Span, shared: &Shared, a: &Allocation, waited: Duration) {
     let vdevs: Vec<String> = a.extents.iter().map(|e| e.vdev.to_string()).collect();
-    span.record("allocation", a.id);
+    span.record("allocation", shared.wire_id(a.id));
     span.record("throttle_wait_us", waited.as_micros() as u64);
     span.record("vdevs", vdevs.join(",").as_str());
     span.record("tier", convert::tier_name(a.tier));
@@ -104,13 +119,7 @@ pub fn parse_txg_timeout(v: &str) -> Result<Duration> {
 
 impl AllocatorService {
     async fn commit_inner(&self, r: pb::CommitRequest) -> Result<pb::CommitReply> {
-        self.shared.check_serving()?;
-        let txg = {
-            let mut g = self.shared.lock();
-            let txg = g.commit(&r.allocation_ids)?;
-            self.shared.kick_if_dirty(&g);
-            txg
-        };
+        let txg = self.commit_now(&r)?;
         let synced = if r.wait_synced {
             self.shared.wait_synced(txg).await?;
             true
@@ -124,10 +133,59 @@ impl AllocatorService {
         })
     }
 
+    /// The part of a Commit that does not wait: checks, commits, returns
+    /// the txg (the first txg for ids committed before).
+    fn commit_now(&self, r: &pb::CommitRequest) -> Result<metaslab::Txg> {
+        self.shared.check_serving()?;
+        self.shared.check_generation(r.generation, || {
+            format!("the commit of allocations {:?}", r.allocation_ids)
+        })?;
+        let ids = self.shared.local_ids(&r.allocation_ids, true)?;
+        let mut g = self.shared.lock();
+        let txg = g.commit(&ids).map_err(|e| self.wire_error(e))?;
+        self.shared.kick_if_dirty(&g);
+        Ok(txg)
+    }
+
+    /// Errors name allocations by their wire ids.
+    fn wire_error(&self, e: Error) -> Error {
+        match e {
+            Error::Pool(metaslab::Error::UnknownAllocation(id)) => {
+                Error::Pool(metaslab::Error::UnknownAllocation(self.shared.wire_id(id)))
+            }
+            Error::LeaseExpired(id) => Error::LeaseExpired(self.shared.wire_id(id)),
+            e => e,
+        }
+    }
+
     fn abort_inner(&self, r: &pb::AbortRequest) -> Result<pb::AbortReply> {
         self.shared.check_serving()?;
-        self.shared.lock().abort(&r.allocation_ids)?;
+        if r.allocation_ids.is_empty() {
+            return Err(Error::invalid("allocation_ids", "no allocation ids given"));
+        }
+        let ids = self.shared.local_ids(&r.allocation_ids, false)?;
+        if !ids.is_empty() {
+            self.shared
+                .lock()
+                .abort(&ids)
+                .map_err(|e| self.wire_error(e))?;
+        }
         Ok(pb::AbortReply {})
+    }
+
+    fn renew_inner(&self, r: &pb::RenewLeaseRequest) -> Result<pb::RenewLeaseReply> {
+        self.shared.check_serving()?;
+        let lease = lease(&self.shared, r.lease_ms)?;
+        let ids = self.shared.local_ids(&r.allocation_ids, true)?;
+        let deadline = Instant::now() + lease;
+        self.shared
+            .lock()
+            .renew(&ids, deadline)
+            .map_err(|e| self.wire_error(e))?;
+        Ok(pb::RenewLeaseReply {
+            lease_deadline_ms: convert::unix_ms() + lease.as_millis() as u64,
+            generation: self.shared.generation,
+        })
     }
 
     /// Run-time tunables survive restarts: durable before the reply.
@@ -167,9 +225,10 @@ async fn stream_op(
     };
     use pb::stream_request::Op;
     let result = match req.op {
-        None => err(Error::InvalidArgument(format!(
-            "stream request {id} has no operation"
-        ))),
+        None => err(Error::invalid(
+            "op",
+            format!("stream request {id} has no operation"),
+        )),
         Some(Op::Allocate(r)) => {
             // Same fields as the unary Allocate span, so a pipelined write reads
             // the same in a trace.
@@ -185,17 +244,60 @@ async fn stream_op(
                 tier = tracing::field::Empty,
             );
             let _e = span.enter();
-            let begun = parse_request(&svc.shared, &r)
+            let parsed = parse_request(&svc.shared, &r);
+            if let Ok((areq, lease)) = &parsed
+                && !svc.shared.claim_window_left().is_zero()
+            {
+                // The claim window: this allocate waits for it in its own
+                // task, so commits and claims on the stream go on.
+                let (areq, lease) = (*areq, *lease);
+                let shared = svc.shared.clone();
+                let out = out.clone();
+                drop(_e);
+                tokio::spawn(
+                    async move {
+                        let start = Instant::now();
+                        let res = tokio::select! {
+                            biased;
+                            r = async {
+                                shared.wait_claim_window().await?;
+                                shared.allocate(areq, lease).await
+                            } => r,
+                            _ = out.closed() => return,
+                        };
+                        let result = match res {
+                            Ok((a, eps, _)) => {
+                                let waited = start.elapsed();
+                                record_allocation(&Span::current(), &shared, &a, waited);
+                                let id_a = a.id;
+                                let msg = reply(pb::stream_reply::Result::Allocate(
+                                    allocate_reply(&shared, &a, eps, waited, lease),
+                                ));
+                                if out.send(Ok(msg)).await.is_err() {
+                                    let _ = shared.lock().abort(&[id_a]);
+                                }
+                                return;
+                            }
+                            Err(e) => err(e),
+                        };
+                        let _ = out.send(Ok(reply(result))).await;
+                    }
+                    .instrument(span.clone()),
+                );
+                return;
+            }
+            let begun = parsed
                 .and_then(|(areq, lease)| Ok((svc.shared.begin_allocate(areq, lease)?, lease)));
             match begun {
                 Err(e) => err(e),
-                Ok((Begun::Placed(a, eps), _)) => {
-                    record_allocation(&span, &a, Duration::ZERO);
+                Ok((Begun::Placed(a, eps), lease)) => {
+                    record_allocation(&span, &svc.shared, &a, Duration::ZERO);
                     pb::stream_reply::Result::Allocate(allocate_reply(
-                        svc.shared.generation,
+                        &svc.shared,
                         &a,
                         eps,
                         Duration::ZERO,
+                        lease,
                     ))
                 }
                 Ok((Begun::Queued(ticket, rx), lease)) => {
@@ -213,10 +315,15 @@ async fn stream_op(
                             };
                             let result = match res {
                                 Ok((a, eps)) => {
-                                    record_allocation(&Span::current(), &a, start.elapsed());
+                                    record_allocation(
+                                        &Span::current(),
+                                        &shared,
+                                        &a,
+                                        start.elapsed(),
+                                    );
                                     let id_a = a.id;
                                     let msg = reply(pb::stream_reply::Result::Allocate(
-                                        allocate_reply(shared.generation, &a, eps, start.elapsed()),
+                                        allocate_reply(&shared, &a, eps, start.elapsed(), lease),
                                     ));
                                     if out.send(Ok(msg)).await.is_err() {
                                         // Nobody will write or commit it.
@@ -263,26 +370,29 @@ async fn stream_op(
                 txg = tracing::field::Empty
             );
             let _e = span.enter();
-            let res = svc.shared.check_serving().and_then(|_| {
-                let txg = {
-                    let mut g = svc.shared.lock();
-                    let txg = g.commit(&r.allocation_ids)?;
-                    svc.shared.kick_if_dirty(&g);
-                    txg
-                };
+            let res = svc.commit_now(&r).map(|txg| {
                 span.record("txg", txg);
-                Ok(pb::CommitReply {
+                pb::CommitReply {
                     txg,
                     synced: svc.shared.synced_txg() >= txg,
                     generation: svc.shared.generation,
-                })
+                }
             });
             match res {
                 Ok(c) => pb::stream_reply::Result::Commit(c),
                 Err(e) => err(e),
             }
         }
-        Some(Op::Renew(_)) => err(Error::Unimplemented("RenewLease")),
+        Some(Op::Renew(r)) => match tracing::info_span!(
+            "stream.renew",
+            request_id = id,
+            ids = r.allocation_ids.len()
+        )
+        .in_scope(|| svc.renew_inner(&r))
+        {
+            Ok(a) => pb::stream_reply::Result::Renew(a),
+            Err(e) => err(e),
+        },
         Some(Op::Abort(r)) => match tracing::info_span!(
             "stream.abort",
             request_id = id,
@@ -308,13 +418,17 @@ impl Allocator for AllocatorService {
         req: Request<pb::AllocateRequest>,
     ) -> Result<Response<pb::AllocateReply>, Status> {
         let (areq, lease) = parse_request(&self.shared, req.get_ref())?;
-        let (a, eps, waited) = self.shared.allocate(areq, lease).await?;
-        record_allocation(&Span::current(), &a, waited);
+        let start = Instant::now();
+        self.shared.wait_claim_window().await?;
+        let (a, eps, _) = self.shared.allocate(areq, lease).await?;
+        let waited = start.elapsed();
+        record_allocation(&Span::current(), &self.shared, &a, waited);
         Ok(Response::new(allocate_reply(
-            self.shared.generation,
+            &self.shared,
             &a,
             eps,
             waited,
+            lease,
         )))
     }
 
@@ -375,7 +489,7 @@ impl Allocator for AllocatorService {
         let extents = convert::extents_from_pb(&req.get_ref().extents)?;
         let txg = {
             let mut g = self.shared.lock();
-            let txg = g.pool.free(&extents).map_err(Error::from)?;
+            let txg = g.free(&extents)?;
             self.shared.kick_if_dirty(&g);
             txg
         };
@@ -414,18 +528,52 @@ impl Allocator for AllocatorService {
         req: Request<pb::SyncTxgRequest>,
     ) -> Result<Response<pb::SyncTxgReply>, Status> {
         self.shared.check_serving()?;
+        let pb::SyncTxgRequest { txg, generation } = *req.get_ref();
+        if generation != 0 && generation != self.shared.generation {
+            // A txg of an ended generation: it synced then, or it is lost.
+            if txg == 0 {
+                return Err(Error::invalid(
+                    "txg",
+                    "txg 0 (the open txg) only means something in the current generation",
+                )
+                .into());
+            }
+            return match self
+                .shared
+                .generations
+                .fate(generation, txg, self.shared.synced_txg())
+            {
+                TxgFate::Synced => Ok(Response::new(pb::SyncTxgReply {
+                    synced_txg: txg,
+                    generation,
+                })),
+                TxgFate::Lost { last_synced } => Err(Error::AllocatorRestarted {
+                    what: format!("txg {txg}"),
+                    generation,
+                    current: self.shared.generation,
+                    last_synced,
+                }
+                .into()),
+                TxgFate::Pending | TxgFate::UnknownGeneration => Err(Error::GenerationMismatch {
+                    asked: generation,
+                    current: self.shared.generation,
+                }
+                .into()),
+            };
+        }
         let open = self.shared.lock().pool.open_txg();
-        let txg = match req.get_ref().txg {
-            0 => open,
-            t if t > open + TXG_DEFER_SIZE => {
-                return Err(Error::InvalidArgument(format!(
+        let txg =
+            match req.get_ref().txg {
+                0 => open,
+                t if t > open + TXG_DEFER_SIZE => {
+                    return Err(Error::invalid("txg", format!(
                     "txg {t} is too far ahead: the open txg is {open} (wait for at most {})",
                     open + TXG_DEFER_SIZE
                 ))
                 .into());
-            }
-            t => t,
-        };
+                }
+                t => t,
+            };
         let synced = self.shared.wait_synced(txg).await?;
         Span::current().record("synced_txg", synced);
         Ok(Response::new(pb::SyncTxgReply {
@@ -558,18 +706,31 @@ impl Allocator for AllocatorService {
         }))
     }
 
+    #[tracing::instrument(skip_all, fields(ids = req.get_ref().allocation_ids.len(), lease_ms = req.get_ref().lease_ms))]
     async fn renew_lease(
         &self,
-        _req: Request<pb::RenewLeaseRequest>,
+        req: Request<pb::RenewLeaseRequest>,
     ) -> Result<Response<pb::RenewLeaseReply>, Status> {
-        Err(Error::Unimplemented("RenewLease").into())
+        Ok(Response::new(self.renew_inner(req.get_ref())?))
     }
 
+    #[tracing::instrument(skip_all, fields(vdev = req.get_ref().vdev, capacity = req.get_ref().capacity))]
     async fn expand_vdev(
         &self,
-        _req: Request<pb::ExpandVdevRequest>,
+        req: Request<pb::ExpandVdevRequest>,
     ) -> Result<Response<pb::VdevStatus>, Status> {
-        Err(Error::Unimplemented("ExpandVdev").into())
+        self.shared.check_serving()?;
+        let pb::ExpandVdevRequest { vdev, capacity } = *req.get_ref();
+        let mut g = self.shared.lock();
+        crate::registry::expand(&mut g, vdev, capacity)?;
+        let status = convert::pool_status(&self.shared, &g);
+        drop(g);
+        status
+            .vdevs
+            .into_iter()
+            .find(|v| v.vdev == vdev)
+            .map(Response::new)
+            .ok_or_else(|| Error::Pool(metaslab::Error::UnknownVdev(vdev)).into())
     }
 
     #[tracing::instrument(skip_all, fields(vdev = req.get_ref().vdev, online = req.get_ref().online))]

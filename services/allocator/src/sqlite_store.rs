@@ -22,7 +22,7 @@ use sqlx::sqlite::{
 };
 use sqlx::{Connection, QueryBuilder, Row, Sqlite};
 
-use crate::store::{Persisted, Store, StoreError, TxgRecord, VdevRecord};
+use crate::store::{Generations, Persisted, Store, StoreError, TxgRecord, VdevRecord};
 
 /// The schema, embedded from `migrations/allocator/`.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/allocator");
@@ -31,7 +31,14 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/
 pub const DB_FILE: &str = "pool.db";
 
 /// Tables of the newest schema; anything else marks a foreign database.
-const OUR_TABLES: &[&str] = &["_sqlx_migrations", "pool", "vdevs", "extents", "tunables"];
+const OUR_TABLES: &[&str] = &[
+    "_sqlx_migrations",
+    "pool",
+    "vdevs",
+    "extents",
+    "tunables",
+    "generations",
+];
 
 /// Rows per multi-row INSERT (4 binds each, well under SQLite's limit).
 const INSERT_CHUNK: usize = 200;
@@ -701,6 +708,43 @@ impl Store for SqliteStore {
             .await
             .map_err(|e| StoreError(format!("create pool: {e}")))?;
             Ok(())
+        })
+    }
+
+    fn open_generation<'a>(
+        &'a self,
+        opened_by: &'a str,
+    ) -> BoxFuture<'a, Result<Generations, StoreError>> {
+        Box::pin(async move {
+            let db = |e: sqlx::Error| StoreError(format!("open a generation: {e}"));
+            let mut tx = self.db.begin().await.map_err(db)?;
+            sqlx::query(
+                "INSERT INTO generations (generation, synced_txg_at_open, opened_ms, opened_by)
+                 SELECT COALESCE((SELECT MAX(generation) FROM generations), 0) + 1,
+                        synced_txg, ?, ? FROM pool WHERE id = 1",
+            )
+            .bind(now_ms())
+            .bind(opened_by)
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
+            let rows = sqlx::query_as::<_, (i64, i64)>(
+                "SELECT generation, synced_txg_at_open FROM generations ORDER BY generation",
+            )
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(db)?;
+            tx.commit().await.map_err(db)?;
+            let synced_at_open: BTreeMap<u64, Txg> =
+                rows.into_iter().map(|(g, t)| (u(g), u(t))).collect();
+            let current = *synced_at_open
+                .keys()
+                .next_back()
+                .ok_or_else(|| StoreError("open a generation: no pool row".into()))?;
+            Ok(Generations {
+                current,
+                synced_at_open,
+            })
         })
     }
 

@@ -83,4 +83,5 @@ pub async fn sync_once(shared: &Shared) {
     .instrument(span)
     .await;
     shared.synced.send_replace(txg);
+    shared.lock().forget_synced(txg, Instant::now());
 }

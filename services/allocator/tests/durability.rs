@@ -467,6 +467,12 @@ impl Store for GateStore {
     fn create(&self, g: u64) -> BoxFuture<'_, Result<(), StoreError>> {
         self.inner.create(g)
     }
+    fn open_generation<'a>(
+        &'a self,
+        by: &'a str,
+    ) -> BoxFuture<'a, Result<aliquot_allocator::store::Generations, StoreError>> {
+        self.inner.open_generation(by)
+    }
     fn persist<'a>(&'a self, r: &'a TxgRecord) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
             self.persisting.send_replace(r.sync.txg);

@@ -8,15 +8,16 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::class::Class;
-use crate::group::{AllocCtx, Group};
+use crate::group::{Activation, AllocCtx, Group};
 use crate::metaslab::{Metaslab, Role};
 use crate::throttle::{legacy, unified};
 use crate::txg::{TxgLog, sync_done};
 use crate::vdev::{data_children, metaslab_count, metaslab_shift, psize_to_asize};
 use crate::{
     AllocKind, AllocRequest, Allocation, AllocationId, ClassKind, Error, Extent, Health, LogTier,
-    Result, SPA_MAXBLOCKSIZE, SpaceChange, SpaceChangeKind, Submitted, TXG_DEFER_SIZE, TXG_INITIAL,
-    ThrottlePolicy, Ticket, Tunables, Txg, TxgSync, VdevId, VdevRole, VdevSpec,
+    NoSpaceReason, Result, SPA_MAXBLOCKSIZE, SPA_MINBLOCKSIZE, SpaceChange, SpaceChangeKind,
+    Submitted, TXG_DEFER_SIZE, TXG_INITIAL, ThrottlePolicy, Ticket, Tunables, Txg, TxgSync, VdevId,
+    VdevRole, VdevSpec,
 };
 
 pub(crate) const NORMAL: usize = 0;
@@ -206,8 +207,15 @@ impl Default for Placed {
 }
 
 impl Placed {
-    fn has_vdev(&self, v: VdevId) -> bool {
-        self.extents[..self.n].iter().any(|e| e.vdev == v)
+    /// Metaslabs of vdev `v` (shift `shift`) holding a DVA of this block.
+    fn holding(&self, v: VdevId, shift: u8) -> ([u32; 3], usize) {
+        let mut out = [0u32; 3];
+        let mut n = 0;
+        for e in self.extents[..self.n].iter().filter(|e| e.vdev == v) {
+            out[n] = (e.offset >> shift) as u32;
+            n += 1;
+        }
+        (out, n)
     }
 }
 
@@ -747,17 +755,19 @@ impl Pool {
                 let free = c.space.saturating_sub(c.alloc);
                 let need = req.copies as u64 * req.size;
                 let placed = if free < self.slop().saturating_add(need) {
-                    None
+                    Err(NoSpaceReason::Full)
                 } else {
                     self.place(NORMAL, req.size, req.copies, busy, false)
+                        .ok_or_else(|| self.no_space_reason(&[NORMAL]))
                 };
                 match placed {
-                    Some(p) => (p, None),
-                    None => {
+                    Ok(p) => (p, None),
+                    Err(reason) => {
                         self.release(st.res);
                         return Err(Error::NoSpace {
                             size: req.size,
                             copies: req.copies,
+                            reason,
                         });
                     }
                 }
@@ -779,9 +789,18 @@ impl Pool {
                 }
                 match out {
                     Some(o) => o,
-                    None => {
+                    // A sync helps only if it will make freed space
+                    // allocatable; otherwise waiting never ends.
+                    None if self.frees_pending() => {
                         return Err(Error::TxgWaitRequired {
                             until: self.open_txg + TXG_DEFER_SIZE,
+                        });
+                    }
+                    None => {
+                        return Err(Error::NoSpace {
+                            size: req.size,
+                            copies: req.copies,
+                            reason: self.no_space_reason(&[LOG, ELOG, NORMAL]),
                         });
                     }
                 }
@@ -848,6 +867,54 @@ impl Pool {
         Some(placed)
     }
 
+    /// `spa_min_alloc`: the smallest allocation any vdev can make.
+    fn spa_min_alloc(&self) -> u64 {
+        self.vdevs
+            .iter()
+            .filter(|v| v.vs_space() > 0)
+            .map(|v| v.min_alloc())
+            .min()
+            .unwrap_or(SPA_MINBLOCKSIZE)
+    }
+
+    /// Whether a txg sync would make freed space allocatable again.
+    fn frees_pending(&self) -> bool {
+        self.vdevs
+            .iter()
+            .any(|v| v.ms.iter().any(|m| m.deferred() > 0))
+    }
+
+    /// Why an allocation failed in classes `cis` (it was not
+    /// the slop check): no allocatable vdev, or no free segment large
+    /// enough (including where OpenZFS would gang), or simply full.
+    fn no_space_reason(&self, cis: &[usize]) -> NoSpaceReason {
+        let mut any = false;
+        let mut largest_free = 0u64;
+        for &ci in cis {
+            for &v in &self.classes[ci].ring {
+                let vd = &self.vdevs[v as usize];
+                if !vd.allocatable() {
+                    continue;
+                }
+                any = true;
+                if let Some(g) = vd.group(ci) {
+                    for m in g.members() {
+                        largest_free = largest_free.max(vd.ms[m as usize].allocatable.max_size());
+                    }
+                }
+            }
+        }
+        if !any {
+            NoSpaceReason::VdevsOffline
+        } else if largest_free == 0 {
+            NoSpaceReason::Full
+        } else {
+            // Space is free but the request did not fit: smaller blocks
+            // (gang members, in OpenZFS) would.
+            NoSpaceReason::Fragmented { largest_free }
+        }
+    }
+
     /// Return a placed-but-uncommitted extent to its metaslab.
     fn unplace(&mut self, e: &Extent) {
         let v = &mut self.vdevs[e.vdev as usize];
@@ -874,6 +941,17 @@ impl Pool {
             return None;
         }
         for try_hard in [false, true] {
+            // The try-hard pass (ignoring the group checks) is for blocks
+            // OpenZFS cannot gang: intent-log blocks and blocks at the minimum
+            // size, or every block with zfs_metaslab_try_hard_before_gang
+            // (spec §2.11). Any other block fails here as FRAGMENTED.
+            if try_hard
+                && !(zil
+                    || self.tun.zfs_metaslab_try_hard_before_gang
+                    || psize <= self.spa_min_alloc())
+            {
+                break;
+            }
             let c = &self.classes[ci];
             let start = if d == 0 {
                 c.rotor % n
@@ -882,15 +960,14 @@ impl Pool {
                 c.position(prev).map_or(c.rotor % n, |p| (p + 1) % n)
             };
             for k in 0..n {
+                // A vdev holding a copy already is not skipped: the copy goes
+                // to another of its metaslabs (spec §2.5, §2.6).
                 let v = self.classes[ci].ring[(start + k) % n];
-                if placed.has_vdev(v) {
-                    continue;
-                }
                 if !self.eligible(ci, v, d, try_hard, zil) {
                     self.rotate(ci, v, psize, 0, false, busy, zil);
                     continue;
                 }
-                match self.group_alloc(ci, v, psize, try_hard) {
+                match self.group_alloc(ci, v, psize, placed, try_hard) {
                     Some((e, loads)) => {
                         self.rotate(ci, v, psize, e.size, true, busy, zil);
                         return Some((e, loads));
@@ -912,7 +989,9 @@ impl Pool {
         if try_hard {
             return true;
         }
-        if d == 0 && vd.health == Health::Degraded {
+        // Only a non-redundant (leaf) vdev below healthy is spared the first
+        // copy; a degraded RAIDZ or mirror still takes its share (§2.7 rule 3).
+        if d == 0 && vd.health == Health::Degraded && vd.spec.children <= 1 {
             return false;
         }
         let c = &self.classes[ci];
@@ -964,6 +1043,7 @@ impl Pool {
         ci: usize,
         v: VdevId,
         psize: u64,
+        placed: &Placed,
         try_hard: bool,
     ) -> Option<(Extent, u32)> {
         let Pool {
@@ -996,7 +1076,16 @@ impl Pool {
             }
             lru.insert((*open_txg, v, id));
         };
-        let out = g.alloc(&mut vd.ms, asize, &ctx, &mut selected);
+        let (holding, n) = placed.holding(v, vd.shift);
+        let activation = Activation::for_copies_on_vdev(n);
+        let out = g.alloc(
+            &mut vd.ms,
+            asize,
+            activation,
+            &holding[..n],
+            &ctx,
+            &mut selected,
+        );
         let (m, off) = out.offset?;
         g.alloc += asize;
         classes[ci].alloc += asize;
@@ -1105,7 +1194,7 @@ impl Pool {
         let c = &mut self.classes[ci];
         if onsync || (!c.throttle_initialized && c.groups > 0) {
             if onsync {
-                c.alloc_io_size = unified::io_size_onsync(c.alloc_io_size, t.metaslab_aliquot);
+                c.alloc_io_size = unified::io_size_onsync(c.alloc_io_size, t.aliquot());
             }
             c.throttle_enabled = !c.is_log && t.zio_dva_throttle_enabled && c.groups > 0;
             c.throttle_initialized = c.groups > 0;
@@ -1134,7 +1223,7 @@ impl Pool {
             space,
             alloc,
             alloc_io_size: c.alloc_io_size,
-            metaslab_aliquot: t.metaslab_aliquot,
+            metaslab_aliquot: t.aliquot(),
             bias_enabled: t.metaslab_bias_enabled,
         };
         c.alloc_max = unified::balance(&mc, &inputs, &mut quotas);
@@ -1148,7 +1237,7 @@ impl Pool {
                 });
                 g.aliquot = q.aliquot;
                 g.queue_target = q.queue_target;
-                g.legacy_aliquot = legacy::group_aliquot(t.metaslab_aliquot, dc);
+                g.legacy_aliquot = legacy::group_aliquot(t.aliquot(), dc);
             }
         }
         c.inputs = inputs;

@@ -1421,6 +1421,7 @@ mod tests {
                 let e = found.ok_or(PoolError::NoSpace {
                     size,
                     copies: req.copies,
+                    reason: metaslab::NoSpaceReason::Full,
                 })?;
                 self.alloc[e.vdev as usize] += size;
                 extents.push(e);

@@ -1,0 +1,217 @@
+//! Issue 12: places where the policy used to decide differently from
+//! OpenZFS, each checked against what OpenZFS does (spec §2.5–§2.7, §2.11).
+
+use metaslab::*;
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+fn spec(capacity: u64) -> VdevSpec {
+    VdevSpec {
+        capacity,
+        ashift: 12,
+        children: 1,
+        parity: 0,
+        rotational: false,
+        role: VdevRole::Normal,
+        metaslab_shift: None,
+    }
+}
+
+fn raidz1(capacity: u64) -> VdevSpec {
+    VdevSpec {
+        children: 5,
+        parity: 1,
+        ..spec(capacity)
+    }
+}
+
+fn req(kind: AllocKind, size: u64, copies: u8) -> AllocRequest {
+    AllocRequest { kind, size, copies }
+}
+
+fn place(pool: &mut Pool, r: AllocRequest) -> Result<Allocation> {
+    match pool.submit(r)? {
+        Submitted::Ready(t) => pool.allocate(t, false),
+        Submitted::Queued(t) => panic!("ticket {t} queued"),
+    }
+}
+
+fn metaslab_of(pool: &Pool, e: &Extent) -> u64 {
+    e.offset >> pool.stats().vdevs[e.vdev as usize].metaslab_shift
+}
+
+/// Item 1: ditto copies on a one-vdev pool land on distinct metaslabs of
+/// vdev 0 (SECONDARY activation for the second, CLAIM for the third).
+#[test]
+fn copies_share_a_vdev_but_never_a_metaslab() {
+    let mut pool = Pool::new(Tunables::default());
+    pool.add_vdev(spec(4 * GIB)).unwrap();
+    pool.sync();
+    for copies in [2u8, 3] {
+        for _ in 0..50 {
+            let a = place(&mut pool, req(AllocKind::Data, 128 << 10, copies)).unwrap();
+            assert_eq!(a.extents.len(), copies as usize);
+            assert!(a.extents.iter().all(|e| e.vdev == 0));
+            let mut ms: Vec<u64> = a.extents.iter().map(|e| metaslab_of(&pool, e)).collect();
+            ms.sort();
+            ms.dedup();
+            assert_eq!(ms.len(), copies as usize, "{:?}", a.extents);
+            pool.commit(a.id).unwrap();
+        }
+    }
+    pool.verify().unwrap();
+}
+
+/// Item 1: with two vdevs, the second copy still goes to the other vdev
+/// while it can; with that vdev offline it shares vdev 0.
+#[test]
+fn copies_prefer_the_next_vdev_and_share_when_alone() {
+    let mut pool = Pool::new(Tunables::default());
+    pool.add_vdev(spec(4 * GIB)).unwrap();
+    pool.add_vdev(spec(4 * GIB)).unwrap();
+    pool.sync();
+    for _ in 0..100 {
+        let a = place(&mut pool, req(AllocKind::Data, 128 << 10, 2)).unwrap();
+        assert_ne!(a.extents[0].vdev, a.extents[1].vdev);
+        pool.commit(a.id).unwrap();
+    }
+    pool.set_online(1, false).unwrap();
+    let a = place(&mut pool, req(AllocKind::Data, 128 << 10, 2)).unwrap();
+    assert_eq!((a.extents[0].vdev, a.extents[1].vdev), (0, 0));
+    assert_ne!(
+        metaslab_of(&pool, &a.extents[0]),
+        metaslab_of(&pool, &a.extents[1])
+    );
+}
+
+/// Item 2: a degraded RAIDZ still takes first copies (OpenZFS skips only a
+/// degraded leaf); a degraded leaf takes none while another vdev can.
+#[test]
+fn degraded_redundant_vdev_keeps_its_share() {
+    for (make, expect_even) in [(raidz1 as fn(u64) -> VdevSpec, true), (spec, false)] {
+        let mut pool = Pool::new(Tunables::default());
+        pool.add_vdev(make(16 * GIB)).unwrap();
+        pool.add_vdev(make(16 * GIB)).unwrap();
+        pool.sync();
+        pool.set_health(1, Health::Degraded).unwrap();
+        let mut on = [0u64; 2];
+        for _ in 0..2000 {
+            let a = place(&mut pool, req(AllocKind::Data, 128 << 10, 1)).unwrap();
+            on[a.extents[0].vdev as usize] += 1;
+            pool.commit(a.id).unwrap();
+        }
+        if expect_even {
+            let share = on[1] as f64 / 2000.0;
+            assert!((0.45..=0.55).contains(&share), "raidz split {on:?}");
+        } else {
+            assert_eq!(on, [2000, 0], "leaf split");
+        }
+    }
+}
+
+/// Item 3: legacy pools use the aliquot of the legacy code (1 MiB).
+#[test]
+fn legacy_policy_defaults_to_a_1mib_aliquot() {
+    let mut t = Tunables::default();
+    t.set("throttle_policy", "legacy").unwrap();
+    assert_eq!(t.aliquot(), MIB);
+    let mut t = Tunables::default();
+    assert_eq!(t.aliquot(), 2 * MIB);
+    t.set("metaslab_aliquot", "3MiB").unwrap();
+    t.set("throttle_policy", "legacy").unwrap();
+    assert_eq!(t.aliquot(), 3 * MIB, "an explicit value holds");
+}
+
+/// Fill a one-vdev pool with 4 KiB blocks (log blocks: they may use the
+/// slop space), free three of every four and let the frees mature: every
+/// free segment is 12 KiB (88 % fragmented), 3/4 of the pool free.
+fn fragmented_pool(t: Tunables) -> Pool {
+    let mut pool = Pool::new(t);
+    pool.add_vdev(spec(256 * MIB)).unwrap();
+    pool.sync();
+    let mut blocks = vec![];
+    loop {
+        match place(&mut pool, req(AllocKind::Log, 4096, 1)) {
+            Ok(a) => {
+                pool.commit(a.id).unwrap();
+                blocks.push(a.extents[0]);
+            }
+            Err(Error::NoSpace { .. }) => break,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    pool.sync();
+    blocks.sort();
+    let freed: Vec<Extent> = blocks
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| i % 4 != 0)
+        .map(|(_, e)| *e)
+        .collect();
+    pool.free(&freed).unwrap();
+    for _ in 0..4 {
+        pool.sync();
+    }
+    pool
+}
+
+/// Item 4: without gang blocks, a 1 MiB data block that does not fit
+/// fails as FRAGMENTED with the largest free segment (no try-hard pass),
+/// while a log block and a minimum-size block are placed.
+#[test]
+fn fragmented_pool_fails_large_data_as_fragmented() {
+    let mut t = Tunables::default();
+    // Free segments of 12 KiB read 88 %; make that "too fragmented".
+    t.set("zfs_mg_fragmentation_threshold", "80").unwrap();
+    let mut pool = fragmented_pool(t);
+    let frag = pool.stats().classes[0].groups[0].fragmentation;
+    assert!(frag.is_some_and(|f| f > 80), "{frag:?}");
+    match place(&mut pool, req(AllocKind::Data, MIB, 1)) {
+        Err(Error::NoSpace {
+            reason: NoSpaceReason::Fragmented { largest_free },
+            ..
+        }) => assert_eq!(largest_free, 12288),
+        other => panic!("{other:?}"),
+    }
+    let log = place(&mut pool, req(AllocKind::Log, 4096, 1)).unwrap();
+    assert_eq!(log.tier, Some(LogTier::Normal));
+    place(&mut pool, req(AllocKind::Data, 4096, 1)).unwrap();
+    pool.verify().unwrap();
+}
+
+/// Item 4: with zfs_metaslab_try_hard_before_gang the try-hard pass runs
+/// for every block; a degraded leaf, alone, then takes first copies.
+#[test]
+fn try_hard_before_gang_opens_the_try_hard_pass() {
+    for (set, placed) in [(false, false), (true, true)] {
+        let mut t = Tunables::default();
+        if set {
+            t.set("zfs_metaslab_try_hard_before_gang", "1").unwrap();
+        }
+        let mut pool = Pool::new(t);
+        pool.add_vdev(spec(4 * GIB)).unwrap();
+        pool.sync();
+        pool.set_health(0, Health::Degraded).unwrap();
+        let r = place(&mut pool, req(AllocKind::Data, 128 << 10, 1));
+        assert_eq!(r.is_ok(), placed, "{r:?}");
+        // Minimum-size blocks always get the try-hard pass.
+        place(&mut pool, req(AllocKind::Data, 4096, 1)).unwrap();
+    }
+}
+
+/// Issue 10 item 8: no vdev allocatable says so.
+#[test]
+fn no_space_says_vdevs_offline() {
+    let mut pool = Pool::new(Tunables::default());
+    pool.add_vdev(spec(4 * GIB)).unwrap();
+    pool.sync();
+    pool.set_online(0, false).unwrap();
+    match place(&mut pool, req(AllocKind::Data, 128 << 10, 1)) {
+        Err(Error::NoSpace {
+            reason: NoSpaceReason::VdevsOffline,
+            ..
+        }) => {}
+        other => panic!("{other:?}"),
+    }
+}

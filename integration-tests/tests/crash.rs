@@ -330,7 +330,10 @@ async fn step(c: &mut Cluster, m: &mut Model, rng: &mut Rng) -> StepResult {
             .txg;
         let s = c
             .client
-            .sync_txg(pb::SyncTxgRequest { txg })
+            .sync_txg(pb::SyncTxgRequest {
+                txg,
+                ..Default::default()
+            })
             .await
             .map_err(|e| format!("sync: {e}"))?
             .into_inner()
@@ -343,7 +346,10 @@ async fn step(c: &mut Cluster, m: &mut Model, rng: &mut Rng) -> StepResult {
     if rng.chance(5) {
         let s = c
             .client
-            .sync_txg(pb::SyncTxgRequest { txg: 0 })
+            .sync_txg(pb::SyncTxgRequest {
+                txg: 0,
+                ..Default::default()
+            })
             .await
             .map_err(|e| format!("sync: {e}"))?
             .into_inner()
@@ -416,6 +422,7 @@ async fn step(c: &mut Cluster, m: &mut Model, rng: &mut Rng) -> StepResult {
         .commit(pb::CommitRequest {
             allocation_ids: vec![a.allocation_id],
             wait_synced,
+            ..Default::default()
         })
         .await
         .map_err(|e| format!("commit: {e}"))?
@@ -559,7 +566,10 @@ async fn resolve(c: &mut Cluster, m: &mut Model) {
     }
     let s = c
         .client
-        .sync_txg(pb::SyncTxgRequest { txg: 0 })
+        .sync_txg(pb::SyncTxgRequest {
+            txg: 0,
+            ..Default::default()
+        })
         .await
         .expect("sync after recovery")
         .into_inner()

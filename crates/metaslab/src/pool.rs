@@ -24,6 +24,9 @@ pub(crate) const NORMAL: usize = 0;
 pub(crate) const LOG: usize = 1;
 pub(crate) const ELOG: usize = 2;
 
+/// The largest vdev: 2^17 metaslabs (`zfs_vdev_ms_count_limit`) of 2^40.
+pub const MAX_VDEV_CAPACITY: u64 = 1 << 57;
+
 /// Most metaslabs one vdev may have (memory bound on caller input).
 const MAX_METASLABS: u64 = 1 << 20;
 
@@ -336,18 +339,23 @@ impl Pool {
                 spec.parity, spec.children
             )));
         }
-        let shift = match spec.metaslab_shift {
-            Some(s) => {
-                if s < spec.ashift.max(24) || s > 40 {
-                    return Err(Error::BadVdev(format!(
-                        "metaslab shift {s} is outside {}..=40",
-                        spec.ashift.max(24)
-                    )));
-                }
-                s
-            }
-            None => metaslab_shift(spec.capacity, &self.tun),
-        };
+        let shift = spec
+            .metaslab_shift
+            .unwrap_or_else(|| metaslab_shift(spec.capacity, &self.tun));
+        // The same bound for a new vdev as for one restored from the store:
+        // anything accepted here must come back after a restart.
+        if shift < spec.ashift.max(24) || shift > 40 {
+            return Err(Error::BadVdev(match spec.metaslab_shift {
+                Some(s) => format!("metaslab shift {s} is outside {}..=40", spec.ashift.max(24)),
+                None => format!(
+                    "capacity {} bytes needs metaslabs of 2^{shift} bytes, outside 2^{}..=2^40 \
+                     (at most {} bytes per vdev)",
+                    spec.capacity,
+                    spec.ashift.max(24),
+                    MAX_VDEV_CAPACITY
+                ),
+            }));
+        }
         let count = metaslab_count(spec.capacity, shift);
         if count == 0 {
             return Err(Error::BadVdev(format!(
@@ -1316,6 +1324,42 @@ impl Pool {
             .ok_or(Error::UnknownAllocation(id))?;
         for e in a.extents() {
             self.unplace(e);
+        }
+        self.finish(&a);
+        Ok(())
+    }
+
+    /// The extents of an in-flight allocation.
+    pub fn extents_of(&self, id: AllocationId) -> Result<Vec<Extent>> {
+        self.inflight
+            .get(&id)
+            .map(|a| a.extents().to_vec())
+            .ok_or(Error::UnknownAllocation(id))
+    }
+
+    /// Number allocations from `first` on (the allocator starts each
+    /// generation in its own range, so an id never names two allocations).
+    pub fn start_allocation_ids_at(&mut self, first: AllocationId) {
+        self.next_alloc = self.next_alloc.max(first);
+    }
+
+    /// A lease ended before the commit: release the allocation like an
+    /// abort, but defer its space like a free (`TXG_DEFER_SIZE` syncs), so
+    /// a late writer still holding the extent cannot land on a block that a
+    /// newer allocation placed there. Nothing is persisted: the extents
+    /// were never durable.
+    pub fn expire(&mut self, id: AllocationId) -> Result<()> {
+        let a = self
+            .inflight
+            .remove(&id)
+            .ok_or(Error::UnknownAllocation(id))?;
+        for e in a.extents() {
+            let v = &mut self.vdevs[e.vdev as usize];
+            let m = (e.offset >> v.shift) as u32;
+            let ms = &mut v.ms[m as usize];
+            let ok = ms.freeing.add(e.offset, e.size).is_ok();
+            debug_assert!(ok, "expired extent {e} already free");
+            self.txg.mark_dirty(e.vdev, ms);
         }
         self.finish(&a);
         Ok(())

@@ -215,3 +215,54 @@ fn no_space_says_vdevs_offline() {
         other => panic!("{other:?}"),
     }
 }
+
+/// Issue 10 item 6: a vdev the store could not bring back is refused when
+/// it is added, not after a restart.
+#[test]
+fn huge_capacity_is_refused_at_add() {
+    let mut pool = Pool::new(Tunables::default());
+    assert!(matches!(
+        pool.add_vdev(spec(1 << 63)),
+        Err(Error::BadVdev(_))
+    ));
+    assert_eq!(pool.stats().vdevs.len(), 0);
+}
+
+/// Issue 10 item 3: an expired allocation's space is deferred like a free,
+/// so nothing else is placed there before TXG_DEFER_SIZE syncs.
+#[test]
+fn expired_space_is_deferred() {
+    let mut t = Tunables::default();
+    // Fill without the throttle queueing the in-flight allocations.
+    t.set("zio_dva_throttle_enabled", "0").unwrap();
+    let mut pool = Pool::new(t);
+    pool.add_vdev(spec(256 * MIB)).unwrap();
+    pool.sync();
+    let a = place(&mut pool, req(AllocKind::Data, 128 << 10, 1)).unwrap();
+    let e = a.extents[0];
+    pool.expire(a.id).unwrap();
+    assert_eq!(pool.commit(a.id), Err(Error::UnknownAllocation(a.id)));
+    let overlaps = |x: &Extent| {
+        x.vdev == e.vdev && x.offset < e.offset + e.size && e.offset < x.offset + x.size
+    };
+    let mut first_reuse = None;
+    for round in 0..=TXG_DEFER_SIZE + 1 {
+        let mut placed = vec![];
+        while let Ok(b) = place(&mut pool, req(AllocKind::Data, 128 << 10, 1)) {
+            placed.push(b);
+        }
+        if first_reuse.is_none() && placed.iter().any(|b| overlaps(&b.extents[0])) {
+            first_reuse = Some(round);
+        }
+        for b in placed {
+            pool.abort(b.id).unwrap();
+        }
+        pool.sync();
+    }
+    // Not before TXG_DEFER_SIZE syncs, as a free.
+    assert!(
+        first_reuse.is_some_and(|r| r >= TXG_DEFER_SIZE),
+        "{first_reuse:?}"
+    );
+    pool.verify().unwrap();
+}

@@ -708,6 +708,57 @@ impl Store for SqliteStore {
         Box::pin(async move { self.persist_txg(record).await.map_err(StoreError) })
     }
 
+    fn open_generation(&self) -> BoxFuture<'_, Result<u64, StoreError>> {
+        Box::pin(async move {
+            let g: i64 = sqlx::query_scalar(
+                "UPDATE pool SET generation = generation + 1 WHERE id = 1 RETURNING generation",
+            )
+            .fetch_one(&self.db)
+            .await
+            .map_err(|e| StoreError(format!("bump the generation: {e}")))?;
+            Ok(u(g))
+        })
+    }
+
+    fn allocated_overlapping(&self, e: Extent) -> BoxFuture<'_, Result<Vec<Extent>, StoreError>> {
+        Box::pin(async move {
+            let db = |err: sqlx::Error| StoreError(format!("extents overlapping {e}: {err}"));
+            let end = e.offset.saturating_add(e.size);
+            // By the primary key (vdev, offset): the extent starting before
+            // `e`, then those starting inside it.
+            let mut rows = sqlx::query(
+                "SELECT offset, size FROM extents WHERE vdev = ? AND offset < ? \
+                 ORDER BY offset DESC LIMIT 1",
+            )
+            .bind(e.vdev as i64)
+            .bind(i(e.offset))
+            .fetch_all(&self.db)
+            .await
+            .map_err(db)?;
+            rows.extend(
+                sqlx::query(
+                    "SELECT offset, size FROM extents WHERE vdev = ? AND offset >= ? AND offset < ? \
+                     ORDER BY offset",
+                )
+                .bind(e.vdev as i64)
+                .bind(i(e.offset))
+                .bind(i(end))
+                .fetch_all(&self.db)
+                .await
+                .map_err(db)?,
+            );
+            Ok(rows
+                .into_iter()
+                .map(|r| Extent {
+                    vdev: e.vdev,
+                    offset: u(r.get(0)),
+                    size: u(r.get(1)),
+                })
+                .filter(|x| x.offset + x.size > e.offset)
+                .collect())
+        })
+    }
+
     fn set_tunable<'a>(
         &'a self,
         name: &'a str,

@@ -61,6 +61,11 @@ pub trait Store: Send + Sync + 'static {
         name: &'a str,
         value: &'a str,
     ) -> BoxFuture<'a, Result<(), StoreError>>;
+    /// Bump the pool's generation (once per start, after `load`/`create`)
+    /// and return the new one; durable when this returns.
+    fn open_generation(&self) -> BoxFuture<'_, Result<u64, StoreError>>;
+    /// Durable allocated extents overlapping `e` (for Claim's exact check).
+    fn allocated_overlapping(&self, e: Extent) -> BoxFuture<'_, Result<Vec<Extent>, StoreError>>;
 }
 
 /// Keeps the persisted state in memory (for tests and until the SQLite
@@ -78,6 +83,7 @@ struct MemState {
     vdevs: BTreeMap<VdevId, VdevRecord>,
     allocated: BTreeSet<Extent>,
     tunables: Vec<(String, String)>,
+    generation: u64,
 }
 
 impl MemStore {
@@ -199,6 +205,32 @@ impl Store for MemStore {
             }
         };
         Box::pin(async move { r })
+    }
+
+    fn open_generation(&self) -> BoxFuture<'_, Result<u64, StoreError>> {
+        let mut g = self.state.lock().unwrap();
+        let r = match g.as_mut() {
+            None => Err(StoreError("open_generation before create".into())),
+            Some(st) => {
+                st.generation += 1;
+                Ok(st.generation)
+            }
+        };
+        Box::pin(async move { r })
+    }
+
+    fn allocated_overlapping(&self, e: Extent) -> BoxFuture<'_, Result<Vec<Extent>, StoreError>> {
+        let g = self.state.lock().unwrap();
+        let out = g.as_ref().map_or_else(Vec::new, |st| {
+            st.allocated
+                .iter()
+                .filter(|a| {
+                    a.vdev == e.vdev && a.offset < e.offset + e.size && e.offset < a.offset + a.size
+                })
+                .copied()
+                .collect()
+        });
+        Box::pin(async move { Ok(out) })
     }
 }
 

@@ -82,5 +82,8 @@ pub async fn sync_once(shared: &Shared) {
     }
     .instrument(span)
     .await;
+    // Retries of what this txg made durable no longer need remembering
+    // (commit ids for a few txgs more), and the store now has its extents.
+    shared.lock().synced(txg, Instant::now());
     shared.synced.send_replace(txg);
 }

@@ -541,6 +541,9 @@ mod tests {
             ],
             slop_space: 224 * MIB,
             time_ms: 1,
+            generation: 3,
+            claim_window_remaining_ms: 0,
+            max_lease_ms: 300_000,
         }
     }
 

@@ -201,6 +201,10 @@ impl Cluster {
             "120s",
             "--report-interval",
             "200ms",
+            // After each restart Allocate waits this long while the writer
+            // claims what it committed without knowing it synced.
+            "--claim-window",
+            "300ms",
         ];
         let mut alloc = Proc::start(
             "allocator",

@@ -1,8 +1,9 @@
-//! One allocator per data dir. Two allocators on one store would hand the
-//! same extents to two clients; the lock (an exclusive `flock` on
+//! One owner per data dir. Two allocators on one store would hand the same
+//! extents to two clients; the lock (an exclusive `flock` on
 //! `<data-dir>/allocator.lock`, held for the process's lifetime and dropped
 //! by the kernel however the process ends) makes a second one exit at once,
-//! naming the holder recorded in the file.
+//! naming the holder recorded in the file. `aliquotctl up` takes one of its
+//! own (`up.lock`) so a second `up` on a running pool starts nothing.
 
 use std::fs::{File, OpenOptions, TryLockError};
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -14,10 +15,14 @@ pub const LOCK_FILE: &str = "allocator.lock";
 #[derive(Debug, thiserror::Error)]
 pub enum LockError {
     #[error(
-        "data dir {dir} is in use by another allocator ({holder}); stop it first, or point \
+        "data dir {dir} is in use by another {what} ({holder}); stop it first, or point \
          --data-dir elsewhere"
     )]
-    Held { dir: String, holder: String },
+    Held {
+        dir: String,
+        what: String,
+        holder: String,
+    },
     #[error("cannot lock data dir {dir}: {reason}")]
     Io { dir: String, reason: String },
 }
@@ -30,13 +35,19 @@ pub struct DataDirLock {
 }
 
 impl DataDirLock {
+    /// The allocator's lock on its data dir.
     pub fn acquire(dir: &Path) -> Result<DataDirLock, LockError> {
+        Self::acquire_named(dir, LOCK_FILE, "allocator")
+    }
+
+    /// Lock `dir/file` for a `what` (named in the refusal).
+    pub fn acquire_named(dir: &Path, file: &str, what: &str) -> Result<DataDirLock, LockError> {
         let io = |reason: String| LockError::Io {
             dir: dir.display().to_string(),
             reason,
         };
         std::fs::create_dir_all(dir).map_err(|e| io(format!("cannot create it: {e}")))?;
-        let path = dir.join(LOCK_FILE);
+        let path = dir.join(file);
         let mut file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -52,6 +63,7 @@ impl DataDirLock {
                 let holder = holder.trim();
                 return Err(LockError::Held {
                     dir: dir.display().to_string(),
+                    what: what.to_string(),
                     holder: if holder.is_empty() {
                         "holder unknown".into()
                     } else {

@@ -447,9 +447,13 @@ impl Pool {
     }
 
     /// Put the vdev's groups in or out of their class rings per its state.
+    /// Ring membership follows the administrative state only (OpenZFS's
+    /// `noalloc`/removal passivate a group). A faulted, degraded or silent
+    /// vdev stays in the ring and in the class balance, keeping its aliquot,
+    /// and is skipped at each allocation (`eligible`).
     fn update_membership(&mut self, id: VdevId) {
         let v = &self.vdevs[id as usize];
-        let want = v.allocatable();
+        let want = v.online;
         let main = v.main_class();
         let has_log = v.log_mg.is_some();
         for (ci, present) in [(main, true), (ELOG, has_log)] {

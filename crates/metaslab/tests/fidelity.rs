@@ -266,3 +266,71 @@ fn expired_space_is_deferred() {
     );
     pool.verify().unwrap();
 }
+
+/// Item 8: a metaslab never allocated from has no space map: 0 %
+/// fragmented (it used to read 3–17 % for its one big free segment).
+#[test]
+fn a_fresh_metaslab_reads_zero_fragmentation() {
+    let mut pool = Pool::new(Tunables::default());
+    pool.add_vdev(spec(GIB)).unwrap();
+    pool.sync();
+    assert_eq!(pool.stats().classes[0].groups[0].fragmentation, Some(0));
+    // One block: its metaslab now has a space map, the others still none.
+    let a = place(&mut pool, req(AllocKind::Data, 4096, 1)).unwrap();
+    pool.commit(a.id).unwrap();
+    pool.sync();
+    let f = pool.stats().classes[0].groups[0].fragmentation.unwrap();
+    assert!(f <= 3, "{f}");
+}
+
+/// Item 8: frees still deferred count as free segments in the histogram
+/// (OpenZFS adds the freed and both defer trees), so fragmentation moves
+/// as soon as the free syncs, not two txgs later.
+#[test]
+fn deferred_frees_count_in_fragmentation() {
+    let mut pool = Pool::new(Tunables::default());
+    pool.add_vdev(spec(256 * MIB)).unwrap();
+    pool.sync();
+    let mut blocks = vec![];
+    for _ in 0..2000 {
+        let a = place(&mut pool, req(AllocKind::Log, 4096, 1)).unwrap();
+        pool.commit(a.id).unwrap();
+        blocks.push(a.extents[0]);
+    }
+    pool.sync();
+    let before = pool.stats().classes[0].groups[0].fragmentation.unwrap();
+    blocks.sort();
+    let freed: Vec<Extent> = blocks.iter().step_by(2).copied().collect();
+    pool.free(&freed).unwrap();
+    pool.sync(); // the frees are now deferred, not allocatable
+    let deferred = pool.stats().classes[0].groups[0].fragmentation.unwrap();
+    assert!(
+        deferred > before,
+        "4 KiB deferred holes raise fragmentation at once: {before} -> {deferred}"
+    );
+}
+
+/// Item 7: a faulted vdev stays in the ring and the class balance: its
+/// group keeps its aliquot and the class limit does not move; it is
+/// skipped at each allocation.
+#[test]
+fn a_faulted_vdev_keeps_its_aliquot_and_is_skipped() {
+    let mut pool = Pool::new(Tunables::default());
+    pool.add_vdev(spec(4 * GIB)).unwrap();
+    pool.add_vdev(spec(4 * GIB)).unwrap();
+    pool.sync();
+    let before = pool.stats().classes[0].clone();
+    pool.set_health(1, Health::Faulted).unwrap();
+    let during = pool.stats().classes[0].clone();
+    assert_eq!(during.alloc_max, before.alloc_max);
+    assert_eq!(during.groups[1].aliquot, before.groups[1].aliquot);
+    for _ in 0..50 {
+        let a = place(&mut pool, req(AllocKind::Data, 128 << 10, 1)).unwrap();
+        assert_eq!(a.extents[0].vdev, 0);
+        pool.commit(a.id).unwrap();
+    }
+    // Administrative offline (OpenZFS noalloc) does leave the ring.
+    pool.set_health(1, Health::Healthy).unwrap();
+    pool.set_online(1, false).unwrap();
+    assert_ne!(pool.stats().classes[0].alloc_max, before.alloc_max);
+}

@@ -59,6 +59,8 @@ pub struct GroupAllocOutcome {
 pub struct AllocCtx<'a> {
     pub t: &'a Tunables,
     pub txg: Txg,
+    /// The caller's time at the last sync, ms (selection time).
+    pub now_ms: u64,
     pub try_hard: bool,
     pub rotational: bool,
     pub ms_count: u64,
@@ -265,6 +267,7 @@ impl Group {
             if m.selected_txg != ctx.txg || !was_loaded {
                 selected(id, m.selected_txg, was_loaded);
                 m.selected_txg = ctx.txg;
+                m.selected_ms = ctx.now_ms;
             }
             if !was_loaded {
                 m.loaded = true;

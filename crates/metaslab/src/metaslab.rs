@@ -62,6 +62,8 @@ pub struct Metaslab {
     pub new: bool,
     pub loaded: bool,
     pub selected_txg: Txg,
+    /// Caller's time (ms) of the sync before the last selection.
+    pub selected_ms: u64,
     /// Weight without activation bits (the tree key).
     pub weight: u64,
     /// Weight when activated (0 when inactive), for the switch rule.
@@ -95,6 +97,7 @@ impl Metaslab {
             new,
             loaded: false,
             selected_txg: 0,
+            selected_ms: 0,
             weight: 0,
             activation_weight: 0,
             role: Role::Inactive,

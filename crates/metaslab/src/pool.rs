@@ -184,6 +184,8 @@ pub struct Pool {
     txg: TxgLog,
     /// Loaded metaslabs by last selection: (selected txg, vdev, metaslab).
     lru: BTreeSet<(Txg, VdevId, u32)>,
+    /// The caller's clock at the last sync, ms (never read here).
+    now_ms: u64,
 }
 
 /// Placement result of one allocation.
@@ -240,6 +242,7 @@ impl Pool {
             admitted: Vec::new(),
             txg: TxgLog::default(),
             lru: BTreeSet::new(),
+            now_ms: 0,
         }
     }
 
@@ -1063,6 +1066,7 @@ impl Pool {
             classes,
             tun,
             lru,
+            now_ms,
             txg,
             open_txg,
             ..
@@ -1072,6 +1076,7 @@ impl Pool {
         let ctx = AllocCtx {
             t: tun,
             txg: *open_txg,
+            now_ms: *now_ms,
             try_hard,
             rotational: vd.spec.rotational,
             ms_count: vd.ms.len() as u64,
@@ -1510,9 +1515,19 @@ impl Pool {
         Ok(self.open_txg)
     }
 
-    /// Close the open txg: deferred frees move on, balance is recomputed, and
-    /// exactly what changed is returned.
+    /// `sync_at` the time of the previous sync: for callers without a clock
+    /// (tests); metaslabs then never pass `metaslab_unload_delay_ms`.
     pub fn sync(&mut self) -> TxgSync {
+        self.sync_at(self.now_ms)
+    }
+
+    /// Close the open txg at the caller's time `now_ms` (a clock of its own:
+    /// wall time in the allocator, virtual time in the simulator; never
+    /// read here): deferred frees move on, balance is recomputed, metaslabs
+    /// unload after both delays and the best of each group are preloaded,
+    /// and exactly what changed is returned.
+    pub fn sync_at(&mut self, now_ms: u64) -> TxgSync {
+        self.now_ms = self.now_ms.max(now_ms);
         let txg = self.open_txg;
         let changes = std::mem::take(&mut self.txg.changes);
         self.txg.bytes = 0;
@@ -1560,6 +1575,7 @@ impl Pool {
             refresh_groups(&mut self.vdevs[v as usize], &self.tun);
         }
         self.unload(txg);
+        self.preload();
         self.open_txg += 1;
         for ci in 0..3 {
             self.recount(ci);
@@ -1577,13 +1593,20 @@ impl Pool {
         }
     }
 
-    /// Unload metaslabs not selected for `metaslab_unload_delay` txgs
-    /// (spec §2.10); active and embedded-log metaslabs stay loaded.
+    /// Unload metaslabs not selected for `metaslab_unload_delay` txgs *and*
+    /// `metaslab_unload_delay_ms` (spec §2.10; `metaslab_evict`); active
+    /// and embedded-log metaslabs stay loaded. The LRU is in selection
+    /// order, so the walk stops at the first one too young.
     fn unload(&mut self, txg: Txg) {
         let delay = self.tun.metaslab_unload_delay;
+        let delay_ms = self.tun.metaslab_unload_delay_ms;
         let mut keep = Vec::new();
         while let Some(&(sel, v, m)) = self.lru.first() {
             if txg <= sel.saturating_add(delay) {
+                break;
+            }
+            let sel_ms = self.vdevs[v as usize].ms[m as usize].selected_ms;
+            if self.now_ms < sel_ms.saturating_add(delay_ms) {
                 break;
             }
             self.lru.pop_first();
@@ -1596,6 +1619,39 @@ impl Pool {
             }
         }
         self.lru.extend(keep);
+    }
+
+    /// `metaslab_group_preload` (spec §2.10): after a sync, the first
+    /// `metaslab_preload_limit` metaslabs of each group in tree order are
+    /// loaded off the allocation path, so a data allocation rarely pays a
+    /// load. They join the LRU as selected now.
+    fn preload(&mut self) {
+        if !self.tun.metaslab_preload_enabled || self.tun.metaslab_preload_limit == 0 {
+            return;
+        }
+        let limit = self.tun.metaslab_preload_limit as usize;
+        let (txg, now_ms) = (self.open_txg, self.now_ms);
+        for vd in &mut self.vdevs {
+            let v = vd.id;
+            let groups: Vec<Vec<u32>> = [Some(&vd.mg), vd.log_mg.as_ref()]
+                .into_iter()
+                .flatten()
+                .map(|g| g.members().take(limit).collect())
+                .collect();
+            for id in groups.into_iter().flatten() {
+                let ms = &mut vd.ms[id as usize];
+                if ms.loaded || ms.new {
+                    continue;
+                }
+                ms.loaded = true;
+                if ms.selected_txg != 0 {
+                    self.lru.remove(&(ms.selected_txg, v, id));
+                }
+                ms.selected_txg = txg;
+                ms.selected_ms = now_ms;
+                self.lru.insert((txg, v, id));
+            }
+        }
     }
 
     pub(crate) fn txg_dirty(&self, v: VdevId, m: u32) -> bool {

@@ -34,6 +34,9 @@ pub struct Tunables {
     pub zfs_metaslab_find_max_tries: u64,
     pub zfs_metaslab_try_hard_before_gang: bool,
     pub metaslab_unload_delay: u64,
+    pub metaslab_unload_delay_ms: u64,
+    pub metaslab_preload_enabled: bool,
+    pub metaslab_preload_limit: u64,
     pub spa_slop_shift: u64,
     pub zfs_vdev_default_ms_count: u64,
     pub zfs_vdev_min_ms_count: u64,
@@ -70,6 +73,9 @@ impl Default for Tunables {
             zfs_metaslab_find_max_tries: 100,
             zfs_metaslab_try_hard_before_gang: false,
             metaslab_unload_delay: 32,
+            metaslab_unload_delay_ms: 600_000,
+            metaslab_preload_enabled: true,
+            metaslab_preload_limit: 10,
             spa_slop_shift: 5,
             zfs_vdev_default_ms_count: 200,
             zfs_vdev_min_ms_count: 16,
@@ -211,6 +217,21 @@ const DEFS: &[Def] = &[
         description: "metaslabs examined per group before giving up (unless trying hard)",
     },
     Def {
+        name: "metaslab_unload_delay_ms",
+        kind: int(0, 1 << 40),
+        description: "ms a metaslab also stays loaded after it was last selected (both delays must pass)",
+    },
+    Def {
+        name: "metaslab_preload_enabled",
+        kind: Kind::Bool,
+        description: "after each sync, load the best metaslab_preload_limit metaslabs of each group",
+    },
+    Def {
+        name: "metaslab_preload_limit",
+        kind: int(0, 1 << 20),
+        description: "metaslabs per group preloaded after each sync",
+    },
+    Def {
         name: "metaslab_unload_delay",
         kind: int(0, 1 << 32),
         description: "txgs a metaslab stays loaded after it was last selected",
@@ -336,6 +357,8 @@ impl Tunables {
             "zfs_metaslab_switch_threshold" => &mut self.zfs_metaslab_switch_threshold,
             "zfs_metaslab_find_max_tries" => &mut self.zfs_metaslab_find_max_tries,
             "metaslab_unload_delay" => &mut self.metaslab_unload_delay,
+            "metaslab_unload_delay_ms" => &mut self.metaslab_unload_delay_ms,
+            "metaslab_preload_limit" => &mut self.metaslab_preload_limit,
             "spa_slop_shift" => &mut self.spa_slop_shift,
             "zfs_vdev_default_ms_count" => &mut self.zfs_vdev_default_ms_count,
             "zfs_vdev_min_ms_count" => &mut self.zfs_vdev_min_ms_count,
@@ -360,6 +383,7 @@ impl Tunables {
             "zfs_metaslab_segment_weight_enabled" => &mut self.zfs_metaslab_segment_weight_enabled,
             "metaslab_df_use_largest_segment" => &mut self.metaslab_df_use_largest_segment,
             "zfs_metaslab_try_hard_before_gang" => &mut self.zfs_metaslab_try_hard_before_gang,
+            "metaslab_preload_enabled" => &mut self.metaslab_preload_enabled,
             _ => return None,
         })
     }

@@ -334,3 +334,36 @@ fn a_faulted_vdev_keeps_its_aliquot_and_is_skipped() {
     pool.set_online(1, false).unwrap();
     assert_ne!(pool.stats().classes[0].alloc_max, before.alloc_max);
 }
+
+/// Item 6: after a sync the best `metaslab_preload_limit` metaslabs of a
+/// group are loaded; an inactive one unloads only once both 32 txgs and
+/// `metaslab_unload_delay_ms` (600 s of the caller's time) have passed.
+#[test]
+fn metaslabs_preload_and_unload_only_after_600_seconds() {
+    let mut pool = Pool::new(Tunables::default());
+    pool.add_vdev(spec(64 * GIB)).unwrap();
+    pool.sync_at(0);
+    pool.sync_at(1000);
+    let loaded = |p: &Pool| p.stats().vdevs[0].loaded_metaslabs;
+    // 10 of the normal group, and the embedded log metaslab (its own group).
+    assert!(pool.stats().vdevs[0].embedded_log_metaslab.is_some());
+    assert_eq!(loaded(&pool), 11, "preloaded");
+    let a = place(&mut pool, req(AllocKind::Data, 128 << 10, 1)).unwrap();
+    assert_eq!(
+        a.metaslab_loads, 0,
+        "the allocation found its metaslab loaded"
+    );
+    pool.commit(a.id).unwrap();
+    // No more preloading, then 40 txgs within 40 s: nothing unloads.
+    pool.set_tunable("metaslab_preload_limit", "0").unwrap();
+    for i in 0..40 {
+        pool.sync_at(2_000 + i * 1000);
+    }
+    assert_eq!(loaded(&pool), 11, "32 txgs passed but not 600 s");
+    // 600 s later (and 32 more txgs) the inactive ones go; the active one
+    // and the embedded log metaslab (never evicted) stay.
+    for i in 0..40 {
+        pool.sync_at(700_000 + i * 1000);
+    }
+    assert_eq!(loaded(&pool), 2, "only the active and embedded log stay");
+}

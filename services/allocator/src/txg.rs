@@ -48,7 +48,8 @@ pub async fn sync_once(shared: &Shared) {
     let start = Instant::now();
     let record = {
         let mut g = shared.lock();
-        let sync = g.pool.sync();
+        // The policy's clock is ours: unload delays and preload use it.
+        let sync = g.pool.sync_at(crate::convert::unix_ms());
         // Undeferred space and the new balance can let waiters in.
         g.wake_admitted();
         let vdevs = std::mem::take(&mut g.pending_vdevs);

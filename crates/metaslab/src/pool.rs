@@ -745,6 +745,16 @@ impl Pool {
         }
     }
 
+    /// OpenZFS's own busy rule, from the caller's dirty data: `dirty`
+    /// bytes written and not yet synced, against its `dirty_max`
+    /// (`zfs_dirty_data_max`), with the two percentages by their OpenZFS
+    /// names; `sync_pending` as a pending sync task. The caller measures
+    /// dirty data (the allocator: bytes in the open and syncing txgs and in
+    /// flight; the simulator: its modelled dirty data).
+    pub fn busy_dirty(&self, dirty: u64, dirty_max: u64, sync_pending: bool) -> bool {
+        unified::busy_dirty(dirty, dirty_max, self.tun.busy_pct_sum(), sync_pending)
+    }
+
     /// Slop space (spec §5.6), raw bytes.
     pub(crate) fn slop(&self) -> u64 {
         let rd = self.classes[NORMAL].space;

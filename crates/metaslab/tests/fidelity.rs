@@ -367,3 +367,22 @@ fn metaslabs_preload_and_unload_only_after_600_seconds() {
     }
     assert_eq!(loaded(&pool), 2, "only the active and embedded log stay");
 }
+
+/// Item 5: busy switches where OpenZFS's dirty-data rule says, at
+/// `zfs_dirty_data_max × (30 + 60) / 200` = 45 % of it, or with a sync
+/// task pending; the percentages are the tunables of those names.
+#[test]
+fn busy_switches_at_the_dirty_threshold() {
+    let mut pool = Pool::new(Tunables::default());
+    let max = 4 * GIB;
+    let at = max * 45 / 100;
+    assert!(!pool.busy_dirty(at, max, false));
+    assert!(pool.busy_dirty(at + 1, max, false));
+    assert!(pool.busy_dirty(0, max, true), "a pending sync task");
+    pool.set_tunable("zfs_vdev_async_write_active_max_dirty_percent", "80")
+        .unwrap();
+    assert!(
+        !pool.busy_dirty(at + 1, max, false),
+        "threshold moved to 55 %"
+    );
+}

@@ -80,6 +80,8 @@ pub struct Config {
     pub pool_guid: Option<u64>,
     /// Close the open txg early once its committed allocations, claims and
     /// frees pass this many bytes (as OpenZFS syncs early on dirty data).
+    /// Also the `zfs_dirty_data_max` of the perf-bias busy rule: the pool is
+    /// busy past 45 % of it in the open and syncing txgs.
     #[arg(long, env = "ALIQUOT_TXG_DIRTY_MAX", default_value = "1GiB", value_parser = units::size_arg)]
     pub txg_dirty_max: u64,
     /// Close the open txg after this long (OpenZFS zfs_txg_timeout).

@@ -69,6 +69,10 @@ pub struct Inner {
     /// Extents committed or claimed in txgs not yet persisted → txg (the
     /// store does not have them yet; Claim's exact check looks here too).
     pub recent_allocs: BTreeMap<(VdevId, u64), (u64, Txg)>,
+    /// Bytes of the txg being persisted (dirty until the store has them).
+    pub syncing_bytes: u64,
+    /// `--txg-dirty-max`: plays `zfs_dirty_data_max` for the busy rule.
+    pub dirty_max: u64,
 }
 
 /// Txgs after its sync that a committed id is still remembered.
@@ -92,6 +96,8 @@ impl Inner {
             expired: HashMap::new(),
             recent_frees: HashMap::new(),
             recent_allocs: BTreeMap::new(),
+            syncing_bytes: 0,
+            dirty_max: u64::MAX,
         }
     }
 
@@ -122,7 +128,13 @@ impl Inner {
 
     /// Place an admitted ticket and start its lease.
     fn place(&mut self, ticket: Ticket, lease: Duration) -> Result<(Allocation, Instant)> {
-        let busy = self.pool.busy(ClassKind::Normal);
+        // Busy: OpenZFS's dirty-data rule on the bytes of the open and
+        // syncing txgs, or the throttle's own measure (bytes admitted or
+        // waiting), which is what moves first when clients write faster
+        // than the pool (the spec preface's proxy).
+        let dirty = self.pool.dirty_bytes().saturating_add(self.syncing_bytes);
+        let busy =
+            self.pool.busy(ClassKind::Normal) || self.pool.busy_dirty(dirty, self.dirty_max, false);
         match self.pool.allocate(ticket, busy) {
             Ok(a) => {
                 let deadline = Instant::now() + lease;
@@ -405,8 +417,10 @@ impl Shared {
         // Each generation numbers its allocations in its own range, so an id
         // from before a restart never names a newer allocation.
         pool.start_allocation_ids_at((fencing.generation << 40) | 1);
+        let mut inner = Inner::new(pool);
+        inner.dirty_max = settings.txg_dirty_max;
         Arc::new(Shared {
-            inner: Mutex::new(Inner::new(pool)),
+            inner: Mutex::new(inner),
             settings,
             pool_guid,
             fencing,

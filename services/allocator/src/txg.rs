@@ -50,6 +50,7 @@ pub async fn sync_once(shared: &Shared) {
         let mut g = shared.lock();
         // The policy's clock is ours: unload delays and preload use it.
         let sync = g.pool.sync_at(crate::convert::unix_ms());
+        g.syncing_bytes = sync.changes.iter().map(|c| c.extent.size).sum();
         // Undeferred space and the new balance can let waiters in.
         g.wake_admitted();
         let vdevs = std::mem::take(&mut g.pending_vdevs);
@@ -85,6 +86,10 @@ pub async fn sync_once(shared: &Shared) {
     .await;
     // Retries of what this txg made durable no longer need remembering
     // (commit ids for a few txgs more), and the store now has its extents.
-    shared.lock().synced(txg, Instant::now());
+    {
+        let mut g = shared.lock();
+        g.syncing_bytes = 0;
+        g.synced(txg, Instant::now());
+    }
     shared.synced.send_replace(txg);
 }

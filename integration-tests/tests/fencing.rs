@@ -547,3 +547,62 @@ async fn log_blocks_on_a_full_pool_end_in_resource_exhausted() {
         "{e:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_bricked_by_a_bad_vdev_row_is_named_and_repaired_without_sql() {
+    use sqlx::Connection;
+    let dir = tempfile::tempdir().unwrap();
+    let mut alloc = allocator(dir.path(), &[]);
+    let addr = alloc.addr("grpc");
+    alloc.set_arg("--listen", &addr.to_string());
+    register(&alloc, 51, 256 * MIB).await;
+    let mut c = client(&alloc).await;
+    let a = c.allocate(data(MIB)).await.unwrap().into_inner();
+    c.commit(pb::CommitRequest {
+        allocation_ids: vec![a.allocation_id],
+        wait_synced: true,
+        generation: a.generation,
+    })
+    .await
+    .unwrap();
+    alloc.kill();
+    // What an older allocator let a Register(capacity = 2^62) store.
+    let db = dir.path().join("allocator/pool.db");
+    {
+        let mut conn = sqlx::SqliteConnection::connect(&format!("sqlite://{}", db.display()))
+            .await
+            .unwrap();
+        sqlx::query("UPDATE vdevs SET capacity = ?, metaslab_shift = 46, metaslab_size = ?")
+            .bind(1i64 << 62)
+            .bind(1i64 << 46)
+            .execute(&mut conn)
+            .await
+            .unwrap();
+        conn.close().await.unwrap();
+    }
+    assert!(alloc.restart().is_err(), "the allocator refuses the store");
+    let data_dir = dir.path().join("allocator");
+    let out = integration_tests::ctl(&args!["verify", "--data-dir", data_dir.display()]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("vdev 0"), "the row is named: {err}");
+    let out = integration_tests::ctl(&args![
+        "verify",
+        "--data-dir",
+        data_dir.display(),
+        "--repair-vdev",
+        "0",
+        "--capacity",
+        "256MiB"
+    ]);
+    integration_tests::ok_stdout(&out, "verify --repair-vdev");
+    alloc.restart().expect("the repaired pool opens");
+    let st = client(&alloc)
+        .await
+        .get_pool(pb::GetPoolRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(st.vdevs[0].capacity, 256 * MIB);
+    assert_eq!(st.vdevs[0].alloc, a.extents[0].size, "the block survived");
+}

@@ -335,6 +335,69 @@ pub async fn read_only(path: &Path) -> Result<Option<(Identity, Persisted)>, Ope
     Ok(persisted.map(|p| (id, p)))
 }
 
+/// Repair one vdev's row so the pool opens again, without editing SQLite by
+/// hand: set its capacity (when given) and the metaslab shift a new vdev of
+/// that capacity gets, and recount its `allocated` from its extents. The
+/// capacity must hold every extent of the vdev. The caller holds the data
+/// dir's lock (no allocator is running). Returns what changed.
+pub async fn repair_vdev(path: &Path, vdev: u32, capacity: Option<u64>) -> Result<String, String> {
+    // The sizing rule of a new vdev under the default tunables.
+    let tunables = metaslab::Tunables::default();
+    let opts = SqliteConnectOptions::new()
+        .filename(path)
+        .create_if_missing(false)
+        .synchronous(SqliteSynchronous::Full);
+    let mut conn = SqliteConnection::connect_with(&opts)
+        .await
+        .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+    let db = |e: sqlx::Error| e.to_string();
+    let mut tx = conn.begin().await.map_err(db)?;
+    let row = sqlx::query("SELECT capacity, metaslab_shift, allocated FROM vdevs WHERE id = ?")
+        .bind(vdev as i64)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(db)?
+        .ok_or_else(|| format!("the store has no vdev {vdev}"))?;
+    let (old_cap, old_shift, old_alloc) = (u(row.get(0)), row.get::<i64, _>(1), u(row.get(2)));
+    let (sum, end): (i64, i64) = sqlx::query_as(
+        "SELECT COALESCE(SUM(size), 0), COALESCE(MAX(offset + size), 0) FROM extents WHERE vdev = ?",
+    )
+    .bind(vdev as i64)
+    .fetch_one(&mut *tx)
+    .await
+    .map_err(db)?;
+    let cap = capacity.unwrap_or(old_cap);
+    if (end as u64) > cap {
+        return Err(format!(
+            "vdev {vdev} has extents up to byte {end}: a capacity of {cap} cannot hold them"
+        ));
+    }
+    if cap == 0 || cap > metaslab::pool::MAX_VDEV_CAPACITY {
+        return Err(format!(
+            "capacity {cap} is outside 1 ..= {} bytes",
+            metaslab::pool::MAX_VDEV_CAPACITY
+        ));
+    }
+    let shift = metaslab::vdev::metaslab_shift(cap, &tunables) as i64;
+    sqlx::query(
+        "UPDATE vdevs SET capacity = ?, metaslab_shift = ?, metaslab_size = ?, allocated = ? WHERE id = ?",
+    )
+    .bind(i(cap))
+    .bind(shift)
+    .bind(1i64 << shift)
+    .bind(sum)
+    .bind(vdev as i64)
+    .execute(&mut *tx)
+    .await
+    .map_err(db)?;
+    tx.commit().await.map_err(db)?;
+    let _ = conn.close().await;
+    Ok(format!(
+        "vdev {vdev}: capacity {old_cap} -> {cap}, metaslab shift {old_shift} -> {shift}, \
+         allocated {old_alloc} -> {sum}"
+    ))
+}
+
 impl SqliteStore {
     /// Open (creating it if absent) the store at `path` for pool
     /// `pool_name`; `expect_guid` refuses a store of another guid.

@@ -4,8 +4,6 @@
 //! unit of every number in its comment; keep `common.proto` for types more
 //! than one service uses; bump to `aliquot.v2` only for a breaking change.
 
-pub mod error_info;
-
 pub mod v1 {
     #![allow(clippy::all)]
     tonic::include_proto!("aliquot.v1");

@@ -35,7 +35,7 @@ impl AgentRegistry for Fake {
             vdev: 7,
             pool_guid: 42,
             report_interval_ms: 200,
-            generation: 1,
+            ..Default::default()
         }))
     }
 
@@ -56,12 +56,7 @@ impl AgentRegistry for Fake {
                     m = inbound.message() => match m {
                         Ok(Some(r)) => {
                             reports.lock().unwrap().push(r);
-                            let ack = ReportAck {
-                                health: VdevHealth::Healthy as i32,
-                                online: true,
-                                generation: 1,
-                                allocatable: true,
-                            };
+                            let ack = ReportAck { health: VdevHealth::Healthy as i32, online: true, ..Default::default() };
                             if tx.send(Ok(ack)).await.is_err() {
                                 return;
                             }

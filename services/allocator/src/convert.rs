@@ -17,15 +17,15 @@ pub fn unix_ms() -> u64 {
 
 pub fn alloc_kind(class: i32) -> Result<AllocKind> {
     match pb::AllocationClass::try_from(class) {
-        // proto3's default: an unset class is a data allocation.
+        // An unset class is a client bug, not a guess at DATA.
+        Ok(pb::AllocationClass::Unspecified) => Err(Error::InvalidArgument(
+            "allocation class is unset: ask for DATA=1 or LOG=2".into(),
+        )),
         Ok(pb::AllocationClass::Data) => Ok(AllocKind::Data),
         Ok(pb::AllocationClass::Log) => Ok(AllocKind::Log),
-        // Unset is refused: a client that forgot the class must not get
-        // data placement for what may be an intent-log block.
-        Ok(pb::AllocationClass::Unspecified) | Err(_) => Err(Error::invalid(
-            "class",
-            format!("allocation class {class} is not DATA=1 or LOG=2 (it must be set)"),
-        )),
+        Err(_) => Err(Error::InvalidArgument(format!(
+            "unknown allocation class {class} (expected DATA=1 or LOG=2)"
+        ))),
     }
 }
 
@@ -33,10 +33,9 @@ pub fn copies(c: u32) -> Result<u8> {
     match c {
         0 => Ok(1),
         1..=255 => Ok(c as u8),
-        _ => Err(Error::invalid(
-            "copies",
-            format!("copies must be 1, 2 or 3, not {c}"),
-        )),
+        _ => Err(Error::InvalidArgument(format!(
+            "copies must be 1, 2 or 3, not {c}"
+        ))),
     }
 }
 
@@ -68,16 +67,16 @@ pub fn extent_to_pb(e: &Extent) -> pb::Extent {
 
 pub fn extent_from_pb(e: &pb::Extent) -> Result<Extent> {
     if e.size == 0 {
-        return Err(Error::invalid(
-            "extents",
-            format!("extent {}:{:#x}+0 has no size", e.vdev, e.offset),
-        ));
+        return Err(Error::InvalidArgument(format!(
+            "extent {}:{:#x}+0 has no size",
+            e.vdev, e.offset
+        )));
     }
     if e.offset.checked_add(e.size).is_none() {
-        return Err(Error::invalid(
-            "extents",
-            format!("extent {}:{:#x}+{:#x} overflows", e.vdev, e.offset, e.size),
-        ));
+        return Err(Error::InvalidArgument(format!(
+            "extent {}:{:#x}+{:#x} overflows",
+            e.vdev, e.offset, e.size
+        )));
     }
     Ok(Extent {
         vdev: e.vdev,
@@ -88,7 +87,7 @@ pub fn extent_from_pb(e: &pb::Extent) -> Result<Extent> {
 
 pub fn extents_from_pb(es: &[pb::Extent]) -> Result<Vec<Extent>> {
     if es.is_empty() {
-        return Err(Error::invalid("extents", "no extents given"));
+        return Err(Error::InvalidArgument("no extents given".into()));
     }
     es.iter().map(extent_from_pb).collect()
 }
@@ -213,9 +212,14 @@ pub fn pool_status(shared: &Shared, g: &Inner) -> pb::PoolStatus {
         vdevs,
         slop_space: stats.slop,
         time_ms: unix_ms(),
-        generation: shared.generation,
-        claim_window_ms: shared.settings.claim_window.as_millis() as u64,
-        claim_window_left_ms: shared.claim_window_left().as_millis() as u64,
+        generation: shared.fencing.generation,
+        claim_window_remaining_ms: shared.claim_window_remaining().as_millis() as u64,
         max_lease_ms: shared.settings.max_lease.as_millis() as u64,
     }
+}
+
+/// Unix ms of a monotonic deadline.
+pub fn deadline_unix_ms(deadline: std::time::Instant) -> u64 {
+    let left = deadline.saturating_duration_since(std::time::Instant::now());
+    unix_ms().saturating_add(left.as_millis() as u64)
 }

@@ -1,87 +1,79 @@
 //! The allocator's errors, and their one mapping to `tonic::Status` at the
-//! gRPC edge: each code tells an operator what to do next, and each carries
-//! a `google.rpc.ErrorInfo` whose reason (an `ErrorReason` name) a client
-//! can act on without parsing the message.
+//! gRPC edge: each code tells an operator what to do next, and each status
+//! carries a `google.rpc.ErrorInfo` whose reason (an `ErrorReason` name of
+//! the proto) a client can branch and retry on.
 
-use std::collections::BTreeMap;
+use std::collections::HashMap;
 
-use aliquot_proto::error_info;
 use aliquot_proto::v1::ErrorReason;
-use metaslab::{AllocationId, Txg};
+use metaslab::{NoSpaceReason, Txg};
 use tonic::{Code, Status};
+use tonic_types::{ErrorDetails, StatusExt};
+
+/// The ErrorInfo domain of every reason.
+pub const DOMAIN: &str = "aliquot.v1";
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// The policy refused; every such error left the pool unchanged.
     #[error(transparent)]
     Pool(#[from] metaslab::Error),
-    /// A request field out of range; `field` names it.
-    #[error("{msg}")]
-    InvalidArgument { field: &'static str, msg: String },
+    #[error("{0}")]
+    InvalidArgument(String),
     #[error("{0}")]
     NotFound(String),
     #[error("{0}")]
     FailedPrecondition(String),
+    /// A registration or report that conflicts with what the pool knows.
+    #[error("{0}")]
+    VdevConflict(String),
+    #[error(
+        "allocation {0}'s lease expired before its commit: it was aborted and its space deferred; \
+         allocate again and rewrite the block"
+    )]
+    LeaseExpired(u64),
+    #[error(
+        "the allocator restarted (generation {current}, you saw {seen}) before txg {txg} synced; \
+         the last txg synced in generation {seen} is {synced}: re-assert what you wrote after it \
+         with Claim (the claim window is open for {window_ms} ms)"
+    )]
+    AllocatorRestarted {
+        seen: u64,
+        current: u64,
+        txg: Txg,
+        synced: Txg,
+        window_ms: u64,
+    },
+    #[error(
+        "generation {seen} is newer than this allocator's ({current}): another allocator serves this pool?"
+    )]
+    GenerationAhead { seen: u64, current: u64 },
+    #[error(
+        "claim of {requested} overlaps allocated extents {} and is not exactly one of them: \
+         a claim names exactly the extent it was given",
+        fmt_extents(.overlapping)
+    )]
+    ClaimOverlaps {
+        requested: metaslab::Extent,
+        overlapping: Vec<metaslab::Extent>,
+    },
     #[error("the allocator is shutting down; retry against its successor")]
     ShuttingDown,
     #[error("store: {0}")]
     Store(String),
-    #[error(
-        "allocation {0}: its lease expired before the commit, so its space was given back and \
-         what was written under it is not durable; allocate and write again"
-    )]
-    LeaseExpired(AllocationId),
-    /// The generation asked about ended before `what` became durable.
-    #[error(
-        "{what} belongs to generation {generation}, which ended (allocator restart) before it \
-         synced; the last txg synced then was {last_synced}: Claim what you wrote after it, \
-         then carry on with generation {current}"
-    )]
-    AllocatorRestarted {
-        what: String,
-        generation: u64,
-        current: u64,
-        last_synced: Txg,
-    },
-    #[error(
-        "generation {asked} is unknown to this allocator (its store is at generation {current}): \
-         wrong allocator, or a store restored from an older copy"
-    )]
-    GenerationMismatch { asked: u64, current: u64 },
-    #[error("lease_ms {asked} is above this allocator's --max-lease of {max} ms")]
-    LeaseTooLong { asked: u64, max: u64 },
-    /// Register/Report values the store would not accept.
-    #[error("{msg}")]
-    VdevInvalid { field: &'static str, msg: String },
-    #[error("{0}")]
-    VdevConflict(String),
-    #[error("{0}")]
-    ResizeRefused(String),
-    #[error("{0} is not served by this allocator yet")]
-    Unimplemented(&'static str),
+}
+
+fn fmt_extents(v: &[metaslab::Extent]) -> String {
+    v.iter()
+        .map(|e| e.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 impl Error {
-    pub fn invalid(field: &'static str, msg: impl Into<String>) -> Error {
-        Error::InvalidArgument {
-            field,
-            msg: msg.into(),
-        }
-    }
-
     pub fn code(&self) -> Code {
-        self.classify().0
-    }
-
-    pub fn reason(&self) -> ErrorReason {
-        self.classify().1
-    }
-
-    /// Code and reason, in one place.
-    fn classify(&self) -> (Code, ErrorReason) {
-        use ErrorReason as R;
         use metaslab::Error as M;
         match self {
             Error::Pool(e) => match e {
@@ -90,77 +82,137 @@ impl Error {
                 | M::BadCopies(_)
                 | M::Misaligned(_)
                 | M::OutOfRange(_)
-                | M::BadTunableValue { .. } => (Code::InvalidArgument, R::InvalidRequest),
-                M::BadVdev(_) => (Code::InvalidArgument, R::VdevInvalid),
-                M::UnknownVdev(_) => (Code::NotFound, R::UnknownVdev),
-                M::UnknownAllocation(_) => (Code::NotFound, R::UnknownAllocation),
-                M::UnknownTicket(_) | M::UnknownTunable(_) => (Code::NotFound, R::InvalidRequest),
-                M::NotAllocated(_) => (Code::FailedPrecondition, R::DoubleFree),
-                M::PartlyAllocated(_) | M::ClaimConflict { .. } => {
-                    (Code::FailedPrecondition, R::ClaimConflict)
+                | M::BadTunableValue { .. }
+                | M::BadVdev(_) => Code::InvalidArgument,
+                M::UnknownVdev(_)
+                | M::UnknownAllocation(_)
+                | M::UnknownTicket(_)
+                | M::UnknownTunable(_) => Code::NotFound,
+                M::NotAllocated(_) | M::PartlyAllocated(_) | M::ClaimConflict { .. } => {
+                    Code::FailedPrecondition
                 }
-                M::NoSpace { .. } => (Code::ResourceExhausted, R::NoSpace),
-                M::TxgWaitRequired { .. } => (Code::Unavailable, R::TxgWaitRequired),
-                M::NotAdmitted(_) | M::Inconsistent(_) => (Code::Internal, R::Unspecified),
+                M::NoSpace {
+                    reason: NoSpaceReason::VdevsOffline,
+                    ..
+                } => Code::Unavailable,
+                M::NoSpace { .. } => Code::ResourceExhausted,
+                M::TxgWaitRequired { .. } => Code::Unavailable,
+                M::NotAdmitted(_) | M::Inconsistent(_) => Code::Internal,
             },
-            Error::InvalidArgument { .. } => (Code::InvalidArgument, R::InvalidRequest),
-            Error::NotFound(_) => (Code::NotFound, R::Unspecified),
-            Error::FailedPrecondition(_) => (Code::FailedPrecondition, R::Unspecified),
-            Error::ShuttingDown => (Code::Unavailable, R::ShuttingDown),
-            Error::Store(_) => (Code::Internal, R::StoreFailure),
-            Error::LeaseExpired(_) => (Code::FailedPrecondition, R::LeaseExpired),
-            Error::AllocatorRestarted { .. } => (Code::Aborted, R::AllocatorRestarted),
-            Error::GenerationMismatch { .. } => (Code::FailedPrecondition, R::GenerationMismatch),
-            Error::LeaseTooLong { .. } => (Code::InvalidArgument, R::LeaseTooLong),
-            Error::VdevInvalid { .. } => (Code::InvalidArgument, R::VdevInvalid),
-            Error::VdevConflict(_) => (Code::FailedPrecondition, R::VdevConflict),
-            Error::ResizeRefused(_) => (Code::FailedPrecondition, R::VdevResizeRefused),
-            Error::Unimplemented(_) => (Code::Unimplemented, R::Unspecified),
+            Error::InvalidArgument(_) => Code::InvalidArgument,
+            Error::NotFound(_) => Code::NotFound,
+            Error::FailedPrecondition(_) => Code::FailedPrecondition,
+            Error::VdevConflict(_) | Error::ClaimOverlaps { .. } => Code::FailedPrecondition,
+            Error::LeaseExpired(_) | Error::AllocatorRestarted { .. } => Code::Aborted,
+            Error::GenerationAhead { .. } => Code::FailedPrecondition,
+            Error::ShuttingDown => Code::Unavailable,
+            Error::Store(_) => Code::Internal,
         }
     }
 
-    /// ErrorInfo metadata: the numbers a client acts on.
-    fn metadata(&self) -> BTreeMap<String, String> {
-        let mut m = BTreeMap::new();
-        let mut put = |k: &str, v: String| {
-            m.insert(k.to_string(), v);
-        };
+    /// The machine-readable reason and the values a client needs.
+    pub fn reason(&self) -> (ErrorReason, Vec<(&'static str, String)>) {
+        use metaslab::Error as M;
         match self {
-            Error::Pool(metaslab::Error::TxgWaitRequired { until }) => {
-                put("txg", until.to_string())
-            }
-            Error::Pool(metaslab::Error::ClaimConflict { conflicting, .. }) => {
-                put("conflicts", conflicting.to_string())
-            }
-            Error::Pool(metaslab::Error::UnknownAllocation(id)) | Error::LeaseExpired(id) => {
-                put("allocation_id", id.to_string())
-            }
+            Error::Pool(e) => match e {
+                M::ZeroSize
+                | M::TooLarge(_)
+                | M::BadCopies(_)
+                | M::Misaligned(_)
+                | M::OutOfRange(_)
+                | M::BadTunableValue { .. }
+                | M::BadVdev(_) => (ErrorReason::InvalidArgument, vec![]),
+                M::UnknownAllocation(id) => (
+                    ErrorReason::UnknownAllocation,
+                    vec![("allocation_id", id.to_string())],
+                ),
+                M::UnknownVdev(_) | M::UnknownTicket(_) | M::UnknownTunable(_) => {
+                    (ErrorReason::NotFound, vec![])
+                }
+                M::NotAllocated(e) | M::PartlyAllocated(e) => {
+                    (ErrorReason::NotAllocated, vec![("extent", e.to_string())])
+                }
+                M::ClaimConflict {
+                    requested,
+                    conflicting,
+                } => (
+                    ErrorReason::ClaimConflict,
+                    vec![
+                        ("requested", requested.to_string()),
+                        ("conflicting", conflicting.to_string()),
+                    ],
+                ),
+                M::NoSpace { reason, .. } => match reason {
+                    NoSpaceReason::VdevsOffline => (ErrorReason::VdevsOffline, vec![]),
+                    NoSpaceReason::Full => (ErrorReason::NoSpace, vec![]),
+                    NoSpaceReason::Fragmented { largest_free } => (
+                        ErrorReason::Fragmented,
+                        vec![("largest_free", largest_free.to_string())],
+                    ),
+                },
+                M::TxgWaitRequired { until } => {
+                    (ErrorReason::TxgWait, vec![("until", until.to_string())])
+                }
+                M::NotAdmitted(_) | M::Inconsistent(_) => (ErrorReason::Internal, vec![]),
+            },
+            Error::InvalidArgument(_) => (ErrorReason::InvalidArgument, vec![]),
+            Error::NotFound(_) => (ErrorReason::NotFound, vec![]),
+            Error::FailedPrecondition(_) => (ErrorReason::GenerationMismatch, vec![]),
+            Error::VdevConflict(_) => (ErrorReason::VdevConflict, vec![]),
+            Error::ClaimOverlaps {
+                requested,
+                overlapping,
+            } => (
+                ErrorReason::ClaimConflict,
+                vec![
+                    ("requested", requested.to_string()),
+                    ("conflicting", fmt_extents(overlapping)),
+                ],
+            ),
+            Error::LeaseExpired(id) => (
+                ErrorReason::LeaseExpired,
+                vec![("allocation_id", id.to_string())],
+            ),
             Error::AllocatorRestarted {
-                generation,
+                seen,
                 current,
-                last_synced,
-                ..
-            } => {
-                put("last_synced_txg", last_synced.to_string());
-                put("generation", generation.to_string());
-                put("current_generation", current.to_string());
-            }
-            Error::GenerationMismatch { current, .. } => {
-                put("current_generation", current.to_string())
-            }
-            Error::LeaseTooLong { max, .. } => put("max_lease_ms", max.to_string()),
-            Error::InvalidArgument { field, .. } | Error::VdevInvalid { field, .. } => {
-                put("field", field.to_string())
-            }
-            _ => {}
+                txg,
+                synced,
+                window_ms,
+            } => (
+                ErrorReason::AllocatorRestarted,
+                vec![
+                    ("seen_generation", seen.to_string()),
+                    ("generation", current.to_string()),
+                    ("txg", txg.to_string()),
+                    ("synced_txg", synced.to_string()),
+                    ("claim_window_remaining_ms", window_ms.to_string()),
+                ],
+            ),
+            Error::GenerationAhead { current, .. } => (
+                ErrorReason::GenerationMismatch,
+                vec![("generation", current.to_string())],
+            ),
+            Error::ShuttingDown => (ErrorReason::ShuttingDown, vec![]),
+            Error::Store(_) => (ErrorReason::Store, vec![]),
         }
-        m
+    }
+
+    /// The reason's proto name (ErrorInfo.reason, StreamError.reason).
+    pub fn reason_name(&self) -> &'static str {
+        self.reason().0.as_str_name()
     }
 }
 
 impl From<Error> for Status {
     fn from(e: Error) -> Status {
-        let (code, reason) = e.classify();
-        error_info::status(code, reason, e.to_string(), e.metadata())
+        let (reason, meta) = e.reason();
+        let metadata: HashMap<String, String> =
+            meta.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+        Status::with_error_details(
+            e.code(),
+            e.to_string(),
+            ErrorDetails::with_error_info(reason.as_str_name(), DOMAIN, metadata),
+        )
     }
 }

@@ -6,6 +6,7 @@
 //! start, print `LISTEN grpc <addr>`, serve until SIGINT/SIGTERM.
 //! The policy lives in `crates/metaslab`; this crate waits, wakes and times.
 
+pub mod claim;
 pub mod convert;
 pub mod error;
 pub mod lock;
@@ -17,7 +18,6 @@ pub mod sqlite_store;
 pub mod state;
 pub mod store;
 pub mod txg;
-pub mod vdev_rules;
 
 use std::io::Write;
 use std::net::SocketAddr;
@@ -67,9 +67,7 @@ pub struct Config {
     /// Pool name.
     #[arg(long, env = "ALIQUOT_POOL", default_value = "aliquot")]
     pub pool: String,
-    /// Where the durable store lives (`<data-dir>/pool.db`, SQLite). The
-    /// allocator locks it for its lifetime (`<data-dir>/allocator.lock`); a
-    /// second allocator on it exits at once naming the holder.
+    /// Where the durable store lives (`<data-dir>/pool.db`, SQLite).
     #[arg(
         long,
         env = "ALIQUOT_DATA_DIR",
@@ -82,23 +80,25 @@ pub struct Config {
     pub pool_guid: Option<u64>,
     /// Close the open txg early once its committed allocations, claims and
     /// frees pass this many bytes (as OpenZFS syncs early on dirty data).
+    /// Also the `zfs_dirty_data_max` of the perf-bias busy rule: the pool is
+    /// busy past 45 % of it in the open and syncing txgs.
     #[arg(long, env = "ALIQUOT_TXG_DIRTY_MAX", default_value = "1GiB", value_parser = units::size_arg)]
     pub txg_dirty_max: u64,
     /// Close the open txg after this long (OpenZFS zfs_txg_timeout).
     #[arg(long, env = "ALIQUOT_ZFS_TXG_TIMEOUT", default_value = "5s", value_parser = units::duration_arg)]
     pub zfs_txg_timeout: Duration,
-    /// Default lease: an allocation not committed within it is aborted (its
-    /// space is then deferred like a free, so a late write cannot land on
-    /// a block handed to someone else meanwhile).
+    /// Default lease: an allocation not committed within it is aborted (and
+    /// its space deferred like a free, so a late writer cannot land on a
+    /// block given to someone else).
     #[arg(long, env = "ALIQUOT_LEASE", default_value = "30s", value_parser = units::duration_arg)]
     pub lease: Duration,
-    /// The longest lease a client may ask for (lease_ms above it is refused
-    /// with INVALID_ARGUMENT, reason LEASE_TOO_LONG; RenewLease extends).
-    #[arg(long, env = "ALIQUOT_MAX_LEASE", default_value = "5m", value_parser = units::duration_arg)]
+    /// The longest lease a client may ask for (Allocate lease_ms, RenewLease);
+    /// longer requests are refused.
+    #[arg(long, env = "ALIQUOT_MAX_LEASE", default_value = "5min", value_parser = units::duration_arg)]
     pub max_lease: Duration,
-    /// After a restart, how long Claim is served before Allocate is (like
-    /// ZFS claiming its intent log at import); 0 disables it. Shown in
-    /// `aliquotctl status`.
+    /// After a restart, how long Claim is served before Allocate may place
+    /// anything (clients re-assert what they wrote after the last synced txg,
+    /// as ZFS claims its intent log at import). 0 disables it.
     #[arg(long, env = "ALIQUOT_CLAIM_WINDOW", default_value = "10s", value_parser = units::duration_arg)]
     pub claim_window: Duration,
     /// Admission throttle policy.
@@ -190,15 +190,9 @@ fn validate(c: &Config) -> Result<Validated, ConfigError> {
     nonzero("max-lease", c.max_lease)?;
     if c.lease > c.max_lease {
         return Err(ConfigError(format!(
-            "--lease {:?} is above --max-lease {:?}",
+            "--lease ({:?}) must not exceed --max-lease ({:?})",
             c.lease, c.max_lease
         )));
-    }
-    if c.max_lease > Duration::from_secs(24 * 3600) {
-        return Err(ConfigError("--max-lease must be at most 24h".into()));
-    }
-    if c.claim_window > Duration::from_secs(3600) {
-        return Err(ConfigError("--claim-window must be at most 1h".into()));
     }
     nonzero("snapshot-interval", c.snapshot_interval)?;
     nonzero("report-interval", c.report_interval)?;
@@ -282,7 +276,6 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
             (pool, None, synced)
         }
     };
-    let restarted = guid.is_some();
     let pool_guid = match &guid {
         Some((g, _)) => *g,
         None => {
@@ -300,24 +293,22 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
         txg_timeout_us: AtomicU64::new(v.txg_timeout.as_micros() as u64),
         txg_dirty_max: config.txg_dirty_max,
         max_lease: config.max_lease,
-        claim_window: config.claim_window,
     };
-    let opened_by = format!(
-        "aliquot-allocator pid {} listening on {}",
-        std::process::id(),
-        config.listen
-    );
-    let generations = store.open_generation(&opened_by).await?;
-    tracing::info!(generation = generations.current, "store generation opened");
-    let shared = Shared::new(
-        pool,
-        settings,
-        pool_guid,
-        store,
-        synced,
-        generations,
-        restarted,
-    );
+    let generation = store.open_generation().await?;
+    // A restarted pool (one the store already held) opens with a claim
+    // window; a new one has nothing to claim.
+    let restarted = guid.is_some();
+    let fencing = state::Fencing {
+        generation,
+        synced_at_open: synced,
+        claim_window_until: (restarted && !config.claim_window.is_zero())
+            .then(|| Instant::now() + config.claim_window),
+    };
+    if restarted {
+        tracing::info!(generation, synced_txg = synced, claim_window = ?config.claim_window,
+            "claim window open: Claim is served, Allocate waits");
+    }
+    let shared = Shared::new(pool, settings, pool_guid, fencing, store, synced);
     if let Some((_, vdevs)) = guid {
         // Known vdevs come back silent until their agents report.
         let now = Instant::now();
@@ -336,10 +327,9 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
                     prev_report: None,
                     last_report_at: None,
                     silent: false,
-                    stalled: false,
-                    stuck_reports: 0,
-                    stream: None,
                     reported_health: metaslab::Health::Healthy,
+                    stalled_reports: 0,
+                    stalled: false,
                 },
             );
         }
@@ -395,8 +385,6 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
             ),
     );
     tracing::info!(%addr, pool = %config.pool, guid = pool_guid, policy = ?config.throttle_policy,
-        generation = shared.generation,
-        claim_window_ms = shared.claim_window_left().as_millis() as u64,
         txg_timeout_ms = v.txg_timeout.as_millis() as u64, "allocator serving");
     Ok(Running {
         addr,
@@ -480,10 +468,9 @@ pub async fn shutdown_signal() {
 pub async fn run(config: Config) -> anyhow::Result<()> {
     // Refuse bad flags before touching the store.
     validate(&config)?;
-    // One owner per store, for our whole life: taken before the store is
-    // opened (opening may migrate it) and released by the kernel at exit.
-    let _lock = lock::DataDirLock::acquire(&config.data_dir, "aliquot-allocator")
-        .map_err(|e| ConfigError(e.to_string()))?;
+    // One owner per store, for this process's lifetime (released by the
+    // kernel however it ends).
+    let _lock = lock::DataDirLock::acquire(&config.data_dir)?;
     let path = config.data_dir.join(sqlite_store::DB_FILE);
     let store = match SqliteStore::open(&path, &config.pool, config.pool_guid).await {
         Ok(s) => Arc::new(s),

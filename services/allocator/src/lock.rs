@@ -1,55 +1,53 @@
-//! One owner per store: the allocator holds an exclusive `flock` on
-//! `<data-dir>/allocator.lock` for its whole life (the kernel drops it when
-//! the process dies, even by `kill -9`, so a crash never leaves it stale).
-//! The file says who holds it (pid, host, since) so a second allocator, or
-//! `aliquotctl verify --repair-vdev`, refuses at once naming the holder
-//! instead of sharing the SQLite files (which handed one extent to two
-//! clients in issue 10).
+//! One owner per data dir. Two allocators on one store would hand the same
+//! extents to two clients; the lock (an exclusive `flock` on
+//! `<data-dir>/allocator.lock`, held for the process's lifetime and dropped
+//! by the kernel however the process ends) makes a second one exit at once,
+//! naming the holder recorded in the file. `aliquotctl up` takes one of its
+//! own (`up.lock`) so a second `up` on a running pool starts nothing.
 
 use std::fs::{File, OpenOptions, TryLockError};
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
-/// The lock file inside `--data-dir`.
+/// The lock file's name inside `--data-dir`.
 pub const LOCK_FILE: &str = "allocator.lock";
 
 #[derive(Debug, thiserror::Error)]
 pub enum LockError {
     #[error(
-        "data dir {dir} is in use by another allocator ({holder}); stop it first, or point --data-dir elsewhere"
+        "data dir {dir} is in use by another {what} ({holder}); stop it first, or point \
+         --data-dir elsewhere"
     )]
-    Held { dir: String, holder: String },
+    Held {
+        dir: String,
+        what: String,
+        holder: String,
+    },
     #[error("cannot lock data dir {dir}: {reason}")]
     Io { dir: String, reason: String },
 }
 
-/// The held lock; dropping it (or exiting) releases it.
+/// Held while the allocator runs.
 #[derive(Debug)]
 pub struct DataDirLock {
     _file: File,
-    path: PathBuf,
-}
-
-fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_string())
-        .ok()
-        .filter(|h| !h.is_empty())
-        .or_else(|| std::env::var("HOSTNAME").ok())
-        .unwrap_or_else(|| "unknown host".into())
+    pub path: PathBuf,
 }
 
 impl DataDirLock {
-    /// Take the lock on `dir` (created if absent) or fail naming the holder.
-    /// `what` says who takes it (written into the file), e.g. "allocator".
-    pub fn acquire(dir: &Path, what: &str) -> Result<DataDirLock, LockError> {
-        let d = dir.display().to_string();
+    /// The allocator's lock on its data dir.
+    pub fn acquire(dir: &Path) -> Result<DataDirLock, LockError> {
+        Self::acquire_named(dir, LOCK_FILE, "allocator")
+    }
+
+    /// Lock `dir/file` for a `what` (named in the refusal).
+    pub fn acquire_named(dir: &Path, file: &str, what: &str) -> Result<DataDirLock, LockError> {
         let io = |reason: String| LockError::Io {
-            dir: d.clone(),
+            dir: dir.display().to_string(),
             reason,
         };
         std::fs::create_dir_all(dir).map_err(|e| io(format!("cannot create it: {e}")))?;
-        let path = dir.join(LOCK_FILE);
+        let path = dir.join(file);
         let mut file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -64,7 +62,8 @@ impl DataDirLock {
                 let _ = file.read_to_string(&mut holder);
                 let holder = holder.trim();
                 return Err(LockError::Held {
-                    dir: d,
+                    dir: dir.display().to_string(),
+                    what: what.to_string(),
                     holder: if holder.is_empty() {
                         "holder unknown".into()
                     } else {
@@ -74,22 +73,25 @@ impl DataDirLock {
             }
             Err(TryLockError::Error(e)) => return Err(io(format!("flock: {e}"))),
         }
-        let since = crate::convert::unix_ms();
-        let line = format!(
-            "{what} pid {} on {} since unix ms {since}\n",
-            std::process::id(),
-            hostname()
+        let since = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_else(|_| "?".into());
+        let who = format!(
+            "pid {} on host {host}, since unix time {since}\n",
+            std::process::id()
         );
-        file.set_len(0)
-            .and_then(|_| file.seek(SeekFrom::Start(0)))
-            .and_then(|_| file.write_all(line.as_bytes()))
-            .and_then(|_| file.sync_all())
-            .map_err(|e| io(format!("cannot write {}: {e}", path.display())))?;
+        let write = |f: &mut File| -> std::io::Result<()> {
+            f.set_len(0)?;
+            f.seek(SeekFrom::Start(0))?;
+            f.write_all(who.as_bytes())?;
+            f.sync_all()
+        };
+        write(&mut file).map_err(|e| io(format!("cannot record the holder: {e}")))?;
         Ok(DataDirLock { _file: file, path })
-    }
-
-    pub fn path(&self) -> &Path {
-        &self.path
     }
 }
 
@@ -98,18 +100,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_second_lock_on_the_same_dir_fails_naming_the_first_holder() {
+    fn second_lock_names_the_holder() {
         let dir = tempfile::tempdir().unwrap();
-        let first = DataDirLock::acquire(dir.path(), "allocator").unwrap();
-        // flock locks belong to the open file description: a second open in
-        // this process conflicts exactly as another process would.
-        let e = DataDirLock::acquire(dir.path(), "allocator").unwrap_err();
-        let msg = e.to_string();
+        let first = DataDirLock::acquire(dir.path()).unwrap();
+        let err = DataDirLock::acquire(dir.path()).unwrap_err();
+        let msg = err.to_string();
+        assert!(matches!(err, LockError::Held { .. }), "{msg}");
         assert!(
             msg.contains(&format!("pid {}", std::process::id())),
             "{msg}"
         );
         drop(first);
-        DataDirLock::acquire(dir.path(), "allocator").expect("released on drop");
+        DataDirLock::acquire(dir.path()).unwrap();
     }
 }

@@ -1,21 +1,15 @@
 //! The `AgentRegistry` service: agents register their device (a new device
 //! becomes a vdev; a known device guid gets its vdev id back) and keep a
 //! report stream open. Reports carry health and capacity; a vdev whose agent
-//! stays silent for `MISSED_REPORTS` intervals, or whose reports show its
-//! queue not draining for as long (a hung device), is made unavailable
-//! (allocation goes on elsewhere) until it recovers. Registrations are
-//! checked by the store's own rules (`crate::vdev_rules`) before anything is
-//! persisted; a report never resizes a vdev (`ExpandVdev` or a
-//! re-registration by the device's owner does), and one report stream owns
-//! a vdev at a time.
+//! stays silent for `MISSED_REPORTS` intervals is made unavailable
+//! (allocation goes on elsewhere) until its reports resume.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use aliquot_proto::v1 as pb;
 use aliquot_proto::v1::agent_registry_server::AgentRegistry;
-use metaslab::{Health, VdevId};
+use metaslab::{Health, VdevId, VdevRole, VdevSpec};
 use tokio::sync::mpsc;
 use tokio_stream::StreamExt;
 use tokio_stream::wrappers::ReceiverStream;
@@ -26,10 +20,6 @@ use crate::convert;
 use crate::error::{Error, Result};
 use crate::state::{Inner, MISSED_REPORTS, Shared, VdevInfo};
 use crate::store::VdevRecord;
-use crate::vdev_rules;
-
-/// Report streams get an id each, so a vdev knows which stream owns it.
-static NEXT_STREAM: AtomicU64 = AtomicU64::new(1);
 
 #[derive(Clone)]
 pub struct RegistryService {
@@ -68,44 +58,6 @@ fn endpoint_owner(g: &Inner, endpoint: &str, me: Option<VdevId>) -> Option<VdevI
         .map(|(id, _)| *id)
 }
 
-/// The health the pool should apply: forced unavailable while silent or hung.
-fn effective_health(v: &VdevInfo) -> Health {
-    if v.silent || v.stalled {
-        Health::Unavailable
-    } else {
-        v.reported_health
-    }
-}
-
-/// Grow vdev `vdev` to `capacity` (the operator's `aliquotctl vdev expand`,
-/// or a re-registration by the device's owner): checked by the store's
-/// rules first; never shrinks.
-pub fn expand(g: &mut Inner, vdev: VdevId, capacity: u64) -> Result<()> {
-    let stats = g.pool.stats();
-    let v = stats
-        .vdevs
-        .iter()
-        .find(|v| v.id == vdev)
-        .ok_or(metaslab::Error::UnknownVdev(vdev))?;
-    if capacity < v.spec.capacity {
-        return Err(Error::ResizeRefused(format!(
-            "vdev {vdev} cannot shrink from {} to {capacity} bytes",
-            v.spec.capacity
-        )));
-    }
-    if capacity == v.spec.capacity {
-        return Ok(());
-    }
-    vdev_rules::check_capacity(capacity, v.metaslab_shift)?;
-    g.pool.grow_vdev(vdev, capacity)?;
-    if let Some(rec) = record_of(g, vdev) {
-        g.pending_vdevs.push(rec);
-    }
-    g.event("vdev_expand", vdev, format!("capacity {capacity} bytes"));
-    tracing::info!(vdev, capacity, "vdev expanded");
-    Ok(())
-}
-
 /// A vdev heard from again: its reported health applies once more.
 fn mark_alive(g: &mut Inner, id: VdevId, now: Instant, why: &str) {
     let Some(info) = g.vdevs.get_mut(&id) else {
@@ -114,11 +66,111 @@ fn mark_alive(g: &mut Inner, id: VdevId, now: Instant, why: &str) {
     info.last_seen = now;
     if info.silent {
         info.silent = false;
-        let health = effective_health(info);
+        let health = info.reported_health;
         let _ = g.pool.set_health(id, health);
         g.wake_admitted();
         g.event("vdev_online", id, why.to_string());
         tracing::info!(vdev = id, ?health, "vdev available again");
+    }
+}
+
+/// Longest vdev name (the store and every table must hold it).
+pub const MAX_NAME_LEN: usize = 128;
+
+/// Check a registration by the store's own rules before anything is
+/// persisted (the pool's `add_vdev` then checks the metaslab sizing).
+fn validate_registration(r: &pb::RegisterRequest) -> Result<()> {
+    let bad = |m: String| Err(Error::InvalidArgument(m));
+    if r.capacity == 0 {
+        return bad("capacity must be above 0 bytes".into());
+    }
+    if r.capacity > metaslab::pool::MAX_VDEV_CAPACITY {
+        return bad(format!(
+            "capacity {} bytes is above the largest vdev ({} bytes)",
+            r.capacity,
+            metaslab::pool::MAX_VDEV_CAPACITY
+        ));
+    }
+    if !(9..=16).contains(&r.ashift) {
+        return bad(format!("ashift {} is out of range (9 ..= 16)", r.ashift));
+    }
+    if r.children > 255 {
+        return bad(format!(
+            "children {} is out of range (1 ..= 255)",
+            r.children
+        ));
+    }
+    if r.parity > 3 || r.parity >= r.children.max(1) {
+        return bad(format!(
+            "parity {} must be at most 3 and leave a data child of {}",
+            r.parity,
+            r.children.max(1)
+        ));
+    }
+    if r.name.is_empty() || r.name.len() > MAX_NAME_LEN {
+        return bad(format!(
+            "name must be 1 ..= {MAX_NAME_LEN} bytes (got {})",
+            r.name.len()
+        ));
+    }
+    if let Some(c) = r
+        .name
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || "-_.:/@+".contains(*c)))
+    {
+        return bad(format!(
+            "name {:?} has the character {c:?}; use letters, digits and - _ . : / @ +",
+            r.name.chars().take(40).collect::<String>()
+        ));
+    }
+    if !matches!(r.backend.as_str(), "" | "file" | "sim") {
+        return bad(format!("backend {:?} is not file or sim", r.backend));
+    }
+    Ok(())
+}
+
+/// Reports that show writes queued at the device but none completing for
+/// `STALLED_REPORTS` reports in a row: the agent's device is hung. The
+/// vdev stops taking allocations (health Unavailable) until it drains.
+pub const STALLED_REPORTS: u32 = 2;
+
+fn stall_check(g: &mut Inner, id: VdevId) {
+    let Some(info) = g.vdevs.get_mut(&id) else {
+        return;
+    };
+    let (Some(last), Some((_, prev))) = (&info.last_report, &info.prev_report) else {
+        return;
+    };
+    let stuck = last.queue_depth_ios > 0
+        && last.writes == prev.writes
+        && last.bytes_written == prev.bytes_written;
+    if stuck {
+        info.stalled_reports += 1;
+    } else {
+        info.stalled_reports = 0;
+    }
+    let stalled = info.stalled_reports >= STALLED_REPORTS;
+    let health = info.reported_health;
+    let depth = last.queue_depth_ios;
+    if stalled && !info.stalled {
+        info.stalled = true;
+        let _ = g.pool.set_health(id, Health::Unavailable);
+        g.event(
+            "vdev_stalled",
+            id,
+            format!("{depth} writes queued, none completing"),
+        );
+        tracing::warn!(
+            vdev = id,
+            queued = depth,
+            "vdev stalled: its queue is not draining; not allocating there"
+        );
+    } else if !stalled && info.stalled {
+        info.stalled = false;
+        let _ = g.pool.set_health(id, health);
+        g.wake_admitted();
+        g.event("vdev_online", id, "queue draining again".into());
+        tracing::info!(vdev = id, "vdev draining again");
     }
 }
 
@@ -139,32 +191,42 @@ impl RegistryService {
         r: pb::RegisterRequest,
     ) -> Result<(pb::RegisterReply, Option<metaslab::Txg>)> {
         self.shared.check_serving()?;
+        if r.device_guid == 0 {
+            return Err(Error::InvalidArgument(
+                "device_guid must be set (the device's stable identity)".into(),
+            ));
+        }
         let endpoint = r.endpoint.trim().to_string();
-        let tunables = self.shared.lock().pool.tunables().clone();
-        // Everything the store would refuse at the next open is refused now.
-        let spec = vdev_rules::spec_of(&r, &tunables)?;
+        if endpoint.parse::<tonic::transport::Uri>().is_err() || !endpoint.contains("://") {
+            return Err(Error::InvalidArgument(format!(
+                "endpoint {endpoint:?} is not a URL such as http://127.0.0.1:7001"
+            )));
+        }
+        validate_registration(&r)?;
         let now = Instant::now();
         let reply = |vdev| pb::RegisterReply {
             vdev,
             pool_guid: self.shared.pool_guid,
             report_interval_ms: self.shared.settings.report_interval.as_millis() as u32,
-            generation: self.shared.generation,
+            generation: self.shared.fencing.generation,
         };
         let mut g = self.shared.lock();
         if let Some(&id) = g.by_guid.get(&r.device_guid) {
             if let Some(owner) = endpoint_owner(&g, &endpoint, Some(id)) {
-                return Err(Error::FailedPrecondition(format!(
+                return Err(Error::VdevConflict(format!(
                     "endpoint {endpoint} belongs to live vdev {owner}; a different device cannot take it over"
                 )));
             }
+            // While the device's agent reports from its endpoint, nobody
+            // moves the device elsewhere (that would redirect its writes).
             if let Some(info) = g.vdevs.get(&id)
-                && info.endpoint != endpoint
-                && info.stream.is_some()
                 && !info.silent
+                && info.last_report.is_some()
+                && info.endpoint != endpoint
             {
                 return Err(Error::VdevConflict(format!(
-                    "device guid {:#x} is vdev {id}, served live from {} (its report stream is open); \
-                     it cannot move to {endpoint} until that agent stops",
+                    "device {:#x} is vdev {id}, live at {}; it cannot move to {endpoint} while \
+                     its agent there keeps reporting (stop that agent first)",
                     r.device_guid, info.endpoint
                 )));
             }
@@ -175,9 +237,9 @@ impl RegistryService {
                 info.name = r.name.clone();
                 info.backend = r.backend.clone();
             }
-            // Growth by the device's owner: the guid comes from its label.
             if vdev_capacity(&g, id).is_some_and(|c| r.capacity > c) {
-                expand(&mut g, id, r.capacity)?;
+                g.pool.grow_vdev(id, r.capacity)?;
+                changed = true;
             }
             mark_alive(&mut g, id, now, "agent registered again");
             if changed && let Some(rec) = record_of(&g, id) {
@@ -193,11 +255,24 @@ impl RegistryService {
         // endpoint by re-registering from elsewhere.
         if let Some((&owner, v)) = g.vdevs.iter().find(|(_, v)| v.endpoint == endpoint) {
             let state = if v.silent { "silent" } else { "live" };
-            return Err(Error::FailedPrecondition(format!(
+            return Err(Error::VdevConflict(format!(
                 "endpoint {endpoint} belongs to {state} vdev {owner} (device guid {:#x}); a different device (guid {:#x}) cannot take it over",
                 v.guid, r.device_guid
             )));
         }
+        let spec = VdevSpec {
+            capacity: r.capacity,
+            ashift: r.ashift as u8,
+            children: r.children.max(1),
+            parity: r.parity,
+            rotational: r.rotational,
+            role: if r.log {
+                VdevRole::Log
+            } else {
+                VdevRole::Normal
+            },
+            metaslab_shift: None,
+        };
         let id = g.pool.add_vdev(spec)?;
         g.vdevs.insert(
             id,
@@ -211,10 +286,9 @@ impl RegistryService {
                 prev_report: None,
                 last_report_at: None,
                 silent: false,
-                stalled: false,
-                stuck_reports: 0,
-                stream: None,
                 reported_health: Health::Healthy,
+                stalled_reports: 0,
+                stalled: false,
             },
         );
         g.by_guid.insert(r.device_guid, id);
@@ -237,7 +311,7 @@ impl RegistryService {
         Ok((reply(id), Some(txg)))
     }
 
-    fn report_one(&self, stream: u64, r: pb::AgentReport) -> Result<pb::ReportAck> {
+    fn report_one(&self, r: pb::AgentReport) -> Result<pb::ReportAck> {
         let now = Instant::now();
         let mut g = self.shared.lock();
         let id = r.vdev;
@@ -246,26 +320,6 @@ impl RegistryService {
                 "vdev {id} is not registered here; register first"
             )));
         };
-        match info.stream {
-            Some(owner) if owner != stream && !info.silent => {
-                return Err(Error::VdevConflict(format!(
-                    "vdev {id} already reports on another live stream (from {}); \
-                     two agents claim one device",
-                    info.endpoint
-                )));
-            }
-            _ => info.stream = Some(stream),
-        }
-        // A hung device: I/Os queued and no write completed since the last
-        // report, for MISSED_REPORTS reports in a row.
-        let stuck = r.queue_depth_ios > 0
-            && info
-                .last_report
-                .as_ref()
-                .is_some_and(|p| p.writes == r.writes);
-        info.stuck_reports = if stuck { info.stuck_reports + 1 } else { 0 };
-        let was_stalled = info.stalled;
-        info.stalled = info.stuck_reports >= MISSED_REPORTS;
         let health = convert::health_from_pb(r.health);
         let old_health = info.reported_health;
         info.reported_health = health;
@@ -273,51 +327,35 @@ impl RegistryService {
             info.prev_report = Some((info.last_report_at.unwrap_or(now), prev));
         }
         let capacity = r.capacity;
-        let (queued, writes) = (r.queue_depth_ios, r.writes);
         info.last_report = Some(r);
         info.last_report_at = Some(now);
-        let stalled = info.stalled;
         let was_silent = info.silent;
         if was_silent {
             mark_alive(&mut g, id, now, "reports resumed");
         } else {
             g.vdevs.get_mut(&id).expect("present").last_seen = now;
-            if stalled != was_stalled {
-                let h = if stalled { Health::Unavailable } else { health };
-                g.pool.set_health(id, h)?;
-                g.wake_admitted();
-                let (kind, detail) = if stalled {
-                    (
-                        "vdev_unavailable",
-                        format!(
-                            "queue not draining: {queued} I/Os queued, writes stuck at {writes}"
-                        ),
-                    )
-                } else {
-                    ("vdev_online", "queue draining again".to_string())
-                };
-                g.event(kind, id, detail.clone());
-                tracing::warn!(vdev = id, stalled, "{detail}");
-            } else if health != old_health && !stalled {
+            if health != old_health {
                 g.pool.set_health(id, health)?;
                 g.wake_admitted();
                 tracing::info!(vdev = id, ?health, "vdev health changed");
             }
         }
-        // A report never resizes a vdev: a wrong number in one message must
-        // not move the device end for good (ExpandVdev does that).
-        if vdev_capacity(&g, id).is_some_and(|c| capacity != c) {
-            tracing::debug!(vdev = id, capacity, "reported capacity differs; ignored");
+        // A report never grows a vdev: growth is a re-registration by the
+        // agent that owns the device (its label proves it).
+        if vdev_capacity(&g, id).is_some_and(|c| capacity > c) {
+            tracing::debug!(
+                vdev = id,
+                capacity,
+                "report of a larger capacity ignored; re-register to grow"
+            );
         }
+        stall_check(&mut g, id);
         let stats = g.pool.stats();
         let v = stats.vdevs.iter().find(|v| v.id == id);
         Ok(pb::ReportAck {
             health: convert::health_to_pb(v.map_or(Health::Unavailable, |v| v.health)) as i32,
             online: v.is_some_and(|v| v.online),
-            generation: self.shared.generation,
-            allocatable: v.is_some_and(|v| {
-                v.online && matches!(v.health, Health::Healthy | Health::Degraded)
-            }),
+            generation: self.shared.fencing.generation,
         })
     }
 }
@@ -369,14 +407,8 @@ impl AgentRegistry for RegistryService {
         let mut inbound = req.into_inner();
         let (tx, rx) = mpsc::channel(16);
         let svc = self.clone();
-        let stream = NEXT_STREAM.fetch_add(1, Ordering::Relaxed);
         tokio::spawn(
             async move {
-                // Whatever ends the loop, the stream no longer owns its vdev.
-                let _release = ReleaseStream {
-                    shared: svc.shared.clone(),
-                    stream,
-                };
                 loop {
                     let msg = tokio::select! {
                         m = inbound.next() => m,
@@ -384,7 +416,7 @@ impl AgentRegistry for RegistryService {
                     };
                     let Some(msg) = msg else { break };
                     let reply = match msg {
-                        Ok(r) => svc.report_one(stream, r).map_err(Status::from),
+                        Ok(r) => svc.report_one(r).map_err(Status::from),
                         Err(status) => {
                             tracing::debug!(%status, "report stream ended");
                             break;
@@ -399,22 +431,5 @@ impl AgentRegistry for RegistryService {
             .in_current_span(),
         );
         Ok(Response::new(ReceiverStream::new(rx)))
-    }
-}
-
-/// Clears a report stream's ownership of its vdev when the stream ends.
-struct ReleaseStream {
-    shared: Arc<Shared>,
-    stream: u64,
-}
-
-impl Drop for ReleaseStream {
-    fn drop(&mut self) {
-        let mut g = self.shared.lock();
-        for v in g.vdevs.values_mut() {
-            if v.stream == Some(self.stream) {
-                v.stream = None;
-            }
-        }
     }
 }

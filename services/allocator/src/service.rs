@@ -19,7 +19,6 @@ use tracing::{Instrument, Span};
 use crate::convert;
 use crate::error::{Error, Result};
 use crate::state::{Begun, Shared};
-use crate::store::TxgFate;
 
 type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
 
@@ -34,7 +33,7 @@ pub struct AllocatorService {
 fn parse_request(shared: &Shared, r: &pb::AllocateRequest) -> Result<(AllocRequest, Duration)> {
     let kind = convert::alloc_kind(r.class)?;
     let copies = convert::copies(r.copies)?;
-    let lease = lease(shared, r.lease_ms)?;
+    let lease = shared.lease(r.lease_ms)?;
     Ok((
         AllocRequest {
             kind,
@@ -45,45 +44,28 @@ fn parse_request(shared: &Shared, r: &pb::AllocateRequest) -> Result<(AllocReque
     ))
 }
 
-/// A requested lease: 0 is the default; above --max-lease is refused.
-fn lease(shared: &Shared, lease_ms: u32) -> Result<Duration> {
-    if lease_ms == 0 {
-        return Ok(shared.settings.default_lease);
-    }
-    let d = Duration::from_millis(lease_ms as u64);
-    if d > shared.settings.max_lease {
-        return Err(Error::LeaseTooLong {
-            asked: lease_ms as u64,
-            max: shared.settings.max_lease.as_millis() as u64,
-        });
-    }
-    Ok(d)
-}
-
 fn allocate_reply(
     shared: &Shared,
     a: &Allocation,
     endpoints: Vec<String>,
+    deadline: Instant,
     waited: Duration,
-    lease: Duration,
 ) -> pb::AllocateReply {
     pb::AllocateReply {
-        generation: shared.generation,
-        // Measured from the reply: the lease started a little earlier, so
-        // the client's view is never later than the allocator's.
-        lease_deadline_ms: convert::unix_ms() + lease.as_millis() as u64,
-        allocation_id: shared.wire_id(a.id),
+        allocation_id: a.id,
         extents: a.extents.iter().map(convert::extent_to_pb).collect(),
         txg: a.txg,
         tier: convert::tier(a.tier) as i32,
         throttle_wait_us: waited.as_micros() as u64,
         endpoints,
+        generation: shared.fencing.generation,
+        lease_deadline_ms: convert::deadline_unix_ms(deadline),
     }
 }
 
-fn record_allocation(span: &Span, shared: &Shared, a: &Allocation, waited: Duration) {
+fn record_allocation(span: &Span, a: &Allocation, waited: Duration) {
     let vdevs: Vec<String> = a.extents.iter().map(|e| e.vdev.to_string()).collect();
-    span.record("allocation", shared.wire_id(a.id));
+    span.record("allocation", a.id);
     span.record("throttle_wait_us", waited.as_micros() as u64);
     span.record("vdevs", vdevs.join(",").as_str());
     span.record("tier", convert::tier_name(a.tier));
@@ -119,7 +101,16 @@ pub fn parse_txg_timeout(v: &str) -> Result<Duration> {
 
 impl AllocatorService {
     async fn commit_inner(&self, r: pb::CommitRequest) -> Result<pb::CommitReply> {
-        let txg = self.commit_now(&r)?;
+        self.shared.check_serving()?;
+        // Ids of another generation name nothing here (they were lost with
+        // the restart): say so rather than "unknown allocation".
+        self.shared.check_generation(r.generation, 0)?;
+        let txg = {
+            let mut g = self.shared.lock();
+            let txg = g.commit(&r.allocation_ids)?;
+            self.shared.kick_if_dirty(&g);
+            txg
+        };
         let synced = if r.wait_synced {
             self.shared.wait_synced(txg).await?;
             true
@@ -129,63 +120,24 @@ impl AllocatorService {
         Ok(pb::CommitReply {
             txg,
             synced,
-            generation: self.shared.generation,
+            generation: self.shared.fencing.generation,
         })
-    }
-
-    /// The part of a Commit that does not wait: checks, commits, returns
-    /// the txg (the first txg for ids committed before).
-    fn commit_now(&self, r: &pb::CommitRequest) -> Result<metaslab::Txg> {
-        self.shared.check_serving()?;
-        self.shared.check_generation(r.generation, || {
-            format!("the commit of allocations {:?}", r.allocation_ids)
-        })?;
-        let ids = self.shared.local_ids(&r.allocation_ids, true)?;
-        let mut g = self.shared.lock();
-        let txg = g.commit(&ids).map_err(|e| self.wire_error(e))?;
-        self.shared.kick_if_dirty(&g);
-        Ok(txg)
-    }
-
-    /// Errors name allocations by their wire ids.
-    fn wire_error(&self, e: Error) -> Error {
-        match e {
-            Error::Pool(metaslab::Error::UnknownAllocation(id)) => {
-                Error::Pool(metaslab::Error::UnknownAllocation(self.shared.wire_id(id)))
-            }
-            Error::LeaseExpired(id) => Error::LeaseExpired(self.shared.wire_id(id)),
-            e => e,
-        }
-    }
-
-    fn abort_inner(&self, r: &pb::AbortRequest) -> Result<pb::AbortReply> {
-        self.shared.check_serving()?;
-        if r.allocation_ids.is_empty() {
-            return Err(Error::invalid("allocation_ids", "no allocation ids given"));
-        }
-        let ids = self.shared.local_ids(&r.allocation_ids, false)?;
-        if !ids.is_empty() {
-            self.shared
-                .lock()
-                .abort(&ids)
-                .map_err(|e| self.wire_error(e))?;
-        }
-        Ok(pb::AbortReply {})
     }
 
     fn renew_inner(&self, r: &pb::RenewLeaseRequest) -> Result<pb::RenewLeaseReply> {
         self.shared.check_serving()?;
-        let lease = lease(&self.shared, r.lease_ms)?;
-        let ids = self.shared.local_ids(&r.allocation_ids, true)?;
-        let deadline = Instant::now() + lease;
-        self.shared
-            .lock()
-            .renew(&ids, deadline)
-            .map_err(|e| self.wire_error(e))?;
+        let lease = self.shared.lease(r.lease_ms)?;
+        let deadline = self.shared.lock().renew(&r.allocation_ids, lease)?;
         Ok(pb::RenewLeaseReply {
-            lease_deadline_ms: convert::unix_ms() + lease.as_millis() as u64,
-            generation: self.shared.generation,
+            lease_deadline_ms: convert::deadline_unix_ms(deadline),
+            generation: self.shared.fencing.generation,
         })
+    }
+
+    fn abort_inner(&self, r: &pb::AbortRequest) -> Result<pb::AbortReply> {
+        self.shared.check_serving()?;
+        self.shared.lock().abort(&r.allocation_ids)?;
+        Ok(pb::AbortReply {})
     }
 
     /// Run-time tunables survive restarts: durable before the reply.
@@ -221,14 +173,17 @@ async fn stream_op(
         result: Some(result),
     };
     let err = |e: Error| {
-        pb::stream_reply::Result::Error(aliquot_proto::error_info::stream_error(&Status::from(e)))
+        pb::stream_reply::Result::Error(pb::StreamError {
+            code: e.code() as i32,
+            message: e.to_string(),
+            reason: e.reason_name().to_string(),
+        })
     };
     use pb::stream_request::Op;
     let result = match req.op {
-        None => err(Error::invalid(
-            "op",
-            format!("stream request {id} has no operation"),
-        )),
+        None => err(Error::InvalidArgument(format!(
+            "stream request {id} has no operation"
+        ))),
         Some(Op::Allocate(r)) => {
             // Same fields as the unary Allocate span, so a pipelined write reads
             // the same in a trace.
@@ -244,39 +199,27 @@ async fn stream_op(
                 tier = tracing::field::Empty,
             );
             let _e = span.enter();
-            let parsed = parse_request(&svc.shared, &r);
-            if let Ok((areq, lease)) = &parsed
-                && !svc.shared.claim_window_left().is_zero()
-            {
-                // The claim window: this allocate waits for it in its own
-                // task, so commits and claims on the stream go on.
-                let (areq, lease) = (*areq, *lease);
+            if !svc.shared.claim_window_remaining().is_zero() {
+                // After a restart: wait out the claim window off the stream.
+                drop(_e);
                 let shared = svc.shared.clone();
                 let out = out.clone();
-                drop(_e);
                 tokio::spawn(
                     async move {
-                        let start = Instant::now();
-                        let res = tokio::select! {
-                            biased;
-                            r = async {
-                                shared.wait_claim_window().await?;
-                                shared.allocate(areq, lease).await
-                            } => r,
-                            _ = out.closed() => return,
+                        let res = match parse_request(&shared, &r) {
+                            Ok((areq, lease)) => tokio::select! {
+                                biased;
+                                r = shared.allocate(areq, lease) => r,
+                                _ = out.closed() => return,
+                            },
+                            Err(e) => Err(e),
                         };
                         let result = match res {
-                            Ok((a, eps, _)) => {
-                                let waited = start.elapsed();
-                                record_allocation(&Span::current(), &shared, &a, waited);
-                                let id_a = a.id;
-                                let msg = reply(pb::stream_reply::Result::Allocate(
-                                    allocate_reply(&shared, &a, eps, waited, lease),
-                                ));
-                                if out.send(Ok(msg)).await.is_err() {
-                                    let _ = shared.lock().abort(&[id_a]);
-                                }
-                                return;
+                            Ok((a, eps, deadline, waited)) => {
+                                record_allocation(&Span::current(), &a, waited);
+                                pb::stream_reply::Result::Allocate(allocate_reply(
+                                    &shared, &a, eps, deadline, waited,
+                                ))
                             }
                             Err(e) => err(e),
                         };
@@ -286,18 +229,18 @@ async fn stream_op(
                 );
                 return;
             }
-            let begun = parsed
+            let begun = parse_request(&svc.shared, &r)
                 .and_then(|(areq, lease)| Ok((svc.shared.begin_allocate(areq, lease)?, lease)));
             match begun {
                 Err(e) => err(e),
-                Ok((Begun::Placed(a, eps), lease)) => {
-                    record_allocation(&span, &svc.shared, &a, Duration::ZERO);
+                Ok((Begun::Placed(a, eps, deadline), _)) => {
+                    record_allocation(&span, &a, Duration::ZERO);
                     pb::stream_reply::Result::Allocate(allocate_reply(
                         &svc.shared,
                         &a,
                         eps,
+                        deadline,
                         Duration::ZERO,
-                        lease,
                     ))
                 }
                 Ok((Begun::Queued(ticket, rx), lease)) => {
@@ -314,16 +257,11 @@ async fn stream_op(
                                 _ = out.closed() => return,
                             };
                             let result = match res {
-                                Ok((a, eps)) => {
-                                    record_allocation(
-                                        &Span::current(),
-                                        &shared,
-                                        &a,
-                                        start.elapsed(),
-                                    );
+                                Ok((a, eps, deadline)) => {
+                                    record_allocation(&Span::current(), &a, start.elapsed());
                                     let id_a = a.id;
                                     let msg = reply(pb::stream_reply::Result::Allocate(
-                                        allocate_reply(&shared, &a, eps, start.elapsed(), lease),
+                                        allocate_reply(&shared, &a, eps, deadline, start.elapsed()),
                                     ));
                                     if out.send(Ok(msg)).await.is_err() {
                                         // Nobody will write or commit it.
@@ -370,29 +308,26 @@ async fn stream_op(
                 txg = tracing::field::Empty
             );
             let _e = span.enter();
-            let res = svc.commit_now(&r).map(|txg| {
+            let res = svc.shared.check_serving().and_then(|_| {
+                svc.shared.check_generation(r.generation, 0)?;
+                let txg = {
+                    let mut g = svc.shared.lock();
+                    let txg = g.commit(&r.allocation_ids)?;
+                    svc.shared.kick_if_dirty(&g);
+                    txg
+                };
                 span.record("txg", txg);
-                pb::CommitReply {
+                Ok(pb::CommitReply {
                     txg,
                     synced: svc.shared.synced_txg() >= txg,
-                    generation: svc.shared.generation,
-                }
+                    generation: svc.shared.fencing.generation,
+                })
             });
             match res {
                 Ok(c) => pb::stream_reply::Result::Commit(c),
                 Err(e) => err(e),
             }
         }
-        Some(Op::Renew(r)) => match tracing::info_span!(
-            "stream.renew",
-            request_id = id,
-            ids = r.allocation_ids.len()
-        )
-        .in_scope(|| svc.renew_inner(&r))
-        {
-            Ok(a) => pb::stream_reply::Result::Renew(a),
-            Err(e) => err(e),
-        },
         Some(Op::Abort(r)) => match tracing::info_span!(
             "stream.abort",
             request_id = id,
@@ -401,6 +336,16 @@ async fn stream_op(
         .in_scope(|| svc.abort_inner(&r))
         {
             Ok(a) => pb::stream_reply::Result::Abort(a),
+            Err(e) => err(e),
+        },
+        Some(Op::Renew(r)) => match tracing::info_span!(
+            "stream.renew",
+            request_id = id,
+            ids = r.allocation_ids.len()
+        )
+        .in_scope(|| svc.renew_inner(&r))
+        {
+            Ok(a) => pb::stream_reply::Result::Renew(a),
             Err(e) => err(e),
         },
     };
@@ -418,17 +363,14 @@ impl Allocator for AllocatorService {
         req: Request<pb::AllocateRequest>,
     ) -> Result<Response<pb::AllocateReply>, Status> {
         let (areq, lease) = parse_request(&self.shared, req.get_ref())?;
-        let start = Instant::now();
-        self.shared.wait_claim_window().await?;
-        let (a, eps, _) = self.shared.allocate(areq, lease).await?;
-        let waited = start.elapsed();
-        record_allocation(&Span::current(), &self.shared, &a, waited);
+        let (a, eps, deadline, waited) = self.shared.allocate(areq, lease).await?;
+        record_allocation(&Span::current(), &a, waited);
         Ok(Response::new(allocate_reply(
             &self.shared,
             &a,
             eps,
+            deadline,
             waited,
-            lease,
         )))
     }
 
@@ -483,6 +425,14 @@ impl Allocator for AllocatorService {
         Ok(Response::new(self.abort_inner(req.get_ref())?))
     }
 
+    #[tracing::instrument(skip_all, fields(ids = req.get_ref().allocation_ids.len()))]
+    async fn renew_lease(
+        &self,
+        req: Request<pb::RenewLeaseRequest>,
+    ) -> Result<Response<pb::RenewLeaseReply>, Status> {
+        Ok(Response::new(self.renew_inner(req.get_ref())?))
+    }
+
     #[tracing::instrument(skip_all, fields(extents = req.get_ref().extents.len(), txg))]
     async fn free(&self, req: Request<pb::FreeRequest>) -> Result<Response<pb::FreeReply>, Status> {
         self.shared.check_serving()?;
@@ -496,7 +446,7 @@ impl Allocator for AllocatorService {
         Span::current().record("txg", txg);
         Ok(Response::new(pb::FreeReply {
             txg,
-            generation: self.shared.generation,
+            generation: self.shared.fencing.generation,
         }))
     }
 
@@ -507,18 +457,19 @@ impl Allocator for AllocatorService {
     ) -> Result<Response<pb::ClaimReply>, Status> {
         self.shared.check_serving()?;
         let extents = convert::extents_from_pb(&req.get_ref().extents)?;
-        // Free space is claimed; space allocated exactly so is already
-        // theirs; anything else fails naming the conflicting extent.
+        // Free space is claimed; space allocated as exactly that extent is
+        // already theirs; anything else fails naming what it overlaps.
+        crate::claim::check_exact(&self.shared, &extents).await?;
         let txg = {
             let mut g = self.shared.lock();
-            let txg = g.pool.claim(&extents).map_err(Error::from)?;
+            let txg = g.claim(&extents)?;
             self.shared.kick_if_dirty(&g);
             txg
         };
         Span::current().record("txg", txg);
         Ok(Response::new(pb::ClaimReply {
             txg,
-            generation: self.shared.generation,
+            generation: self.shared.fencing.generation,
         }))
     }
 
@@ -528,57 +479,25 @@ impl Allocator for AllocatorService {
         req: Request<pb::SyncTxgRequest>,
     ) -> Result<Response<pb::SyncTxgReply>, Status> {
         self.shared.check_serving()?;
-        let pb::SyncTxgRequest { txg, generation } = *req.get_ref();
-        if generation != 0 && generation != self.shared.generation {
-            // A txg of an ended generation: it synced then, or it is lost.
-            if txg == 0 {
-                return Err(Error::invalid(
-                    "txg",
-                    "txg 0 (the open txg) only means something in the current generation",
-                )
-                .into());
-            }
-            return match self
-                .shared
-                .generations
-                .fate(generation, txg, self.shared.synced_txg())
-            {
-                TxgFate::Synced => Ok(Response::new(pb::SyncTxgReply {
-                    synced_txg: txg,
-                    generation,
-                })),
-                TxgFate::Lost { last_synced } => Err(Error::AllocatorRestarted {
-                    what: format!("txg {txg}"),
-                    generation,
-                    current: self.shared.generation,
-                    last_synced,
-                }
-                .into()),
-                TxgFate::Pending | TxgFate::UnknownGeneration => Err(Error::GenerationMismatch {
-                    asked: generation,
-                    current: self.shared.generation,
-                }
-                .into()),
-            };
-        }
+        self.shared
+            .check_generation(req.get_ref().generation, req.get_ref().txg)?;
         let open = self.shared.lock().pool.open_txg();
-        let txg =
-            match req.get_ref().txg {
-                0 => open,
-                t if t > open + TXG_DEFER_SIZE => {
-                    return Err(Error::invalid("txg", format!(
+        let txg = match req.get_ref().txg {
+            0 => open,
+            t if t > open + TXG_DEFER_SIZE => {
+                return Err(Error::InvalidArgument(format!(
                     "txg {t} is too far ahead: the open txg is {open} (wait for at most {})",
                     open + TXG_DEFER_SIZE
                 ))
                 .into());
-                }
-                t => t,
-            };
+            }
+            t => t,
+        };
         let synced = self.shared.wait_synced(txg).await?;
         Span::current().record("synced_txg", synced);
         Ok(Response::new(pb::SyncTxgReply {
             synced_txg: synced,
-            generation: self.shared.generation,
+            generation: self.shared.fencing.generation,
         }))
     }
 
@@ -704,33 +623,6 @@ impl Allocator for AllocatorService {
                 .map(|(i, _)| i.description.to_string())
                 .unwrap_or_default(),
         }))
-    }
-
-    #[tracing::instrument(skip_all, fields(ids = req.get_ref().allocation_ids.len(), lease_ms = req.get_ref().lease_ms))]
-    async fn renew_lease(
-        &self,
-        req: Request<pb::RenewLeaseRequest>,
-    ) -> Result<Response<pb::RenewLeaseReply>, Status> {
-        Ok(Response::new(self.renew_inner(req.get_ref())?))
-    }
-
-    #[tracing::instrument(skip_all, fields(vdev = req.get_ref().vdev, capacity = req.get_ref().capacity))]
-    async fn expand_vdev(
-        &self,
-        req: Request<pb::ExpandVdevRequest>,
-    ) -> Result<Response<pb::VdevStatus>, Status> {
-        self.shared.check_serving()?;
-        let pb::ExpandVdevRequest { vdev, capacity } = *req.get_ref();
-        let mut g = self.shared.lock();
-        crate::registry::expand(&mut g, vdev, capacity)?;
-        let status = convert::pool_status(&self.shared, &g);
-        drop(g);
-        status
-            .vdevs
-            .into_iter()
-            .find(|v| v.vdev == vdev)
-            .map(Response::new)
-            .ok_or_else(|| Error::Pool(metaslab::Error::UnknownVdev(vdev)).into())
     }
 
     #[tracing::instrument(skip_all, fields(vdev = req.get_ref().vdev, online = req.get_ref().online))]

@@ -17,19 +17,10 @@ use metaslab::{
 use tokio::sync::{oneshot, watch};
 
 use crate::error::{Error, Result};
-use crate::store::{Generations, Store, TxgFate, VdevRecord};
+use crate::store::{Store, VdevRecord};
 
 /// How many report intervals a vdev may stay silent before it is unavailable.
 pub const MISSED_REPORTS: u32 = 3;
-
-/// A committed id is remembered (a repeated Commit answers its txg) until
-/// its txg synced and at least this long after the commit.
-pub const COMMIT_MEMORY: Duration = Duration::from_secs(120);
-/// An id aborted by its lease is remembered this long (a late Commit gets
-/// LEASE_EXPIRED rather than "unknown allocation").
-pub const EXPIRED_MEMORY: Duration = Duration::from_secs(600);
-/// Bound on the remembered ids of each kind (memory on a busy pool).
-const MEMORY_LIMIT: usize = 1 << 20;
 
 /// What the registry knows about one vdev besides the pool's view.
 #[derive(Clone, Debug)]
@@ -46,30 +37,20 @@ pub struct VdevInfo {
     pub last_report_at: Option<Instant>,
     /// Silent for `MISSED_REPORTS` intervals: health forced to Unavailable.
     pub silent: bool,
-    /// Reports keep coming but its queue does not drain (a hung device):
-    /// health forced to Unavailable until writes move again.
-    pub stalled: bool,
-    /// Consecutive reports with I/Os queued and no write completed.
-    pub stuck_reports: u32,
-    /// The report stream that owns this vdev (a stream id), while it is open.
-    pub stream: Option<u64>,
     /// The health the agent itself reported last.
     pub reported_health: metaslab::Health,
+    /// Reports in a row with writes queued and none completing.
+    pub stalled_reports: u32,
+    /// Made unavailable because its queue does not drain.
+    pub stalled: bool,
 }
 
 pub struct Inner {
     pub pool: Pool,
     /// Tickets queued in the throttle → the parked request.
     waiters: HashMap<Ticket, oneshot::Sender<()>>,
-    /// In-flight allocations → lease deadline and extents.
-    inflight: HashMap<AllocationId, (Instant, Vec<Extent>)>,
-    /// Committed ids → (txg, when): a repeated Commit answers the same txg.
-    committed: HashMap<AllocationId, (Txg, Instant)>,
-    /// Ids aborted by their lease → when.
-    expired: HashMap<AllocationId, Instant>,
-    /// Extents freed in a txg not yet synced → that txg (a repeated Free
-    /// answers it).
-    recent_frees: HashMap<Extent, Txg>,
+    /// In-flight allocations → lease deadline.
+    inflight: HashMap<AllocationId, Instant>,
     leases: BinaryHeap<Reverse<(Instant, AllocationId)>>,
     pub vdevs: BTreeMap<VdevId, VdevInfo>,
     pub by_guid: HashMap<u64, VdevId>,
@@ -77,7 +58,28 @@ pub struct Inner {
     pub pending_vdevs: Vec<VdevRecord>,
     /// Events since the last metrics snapshot.
     pub events: Vec<pb::PoolEvent>,
+    /// Committed ids → their txg, kept until that txg synced plus
+    /// `COMMIT_MEMORY_TXGS`, so a repeated Commit gets the first answer.
+    committed: HashMap<AllocationId, Txg>,
+    /// Ids whose lease expired → when, so a late Commit is told so.
+    expired: HashMap<AllocationId, Instant>,
+    /// Extents freed in txgs not yet synced → the txg, so a repeated Free
+    /// gets the first answer (after the sync, a repeat is a double free).
+    recent_frees: HashMap<Extent, Txg>,
+    /// Extents committed or claimed in txgs not yet persisted → txg (the
+    /// store does not have them yet; Claim's exact check looks here too).
+    pub recent_allocs: BTreeMap<(VdevId, u64), (u64, Txg)>,
+    /// Bytes of the txg being persisted (dirty until the store has them).
+    pub syncing_bytes: u64,
+    /// `--txg-dirty-max`: plays `zfs_dirty_data_max` for the busy rule.
+    pub dirty_max: u64,
 }
+
+/// Txgs after its sync that a committed id is still remembered.
+const COMMIT_MEMORY_TXGS: Txg = 4;
+/// How long an expired lease is remembered (and at most how many).
+const EXPIRED_MEMORY: Duration = Duration::from_secs(600);
+const EXPIRED_MEMORY_MAX: usize = 1 << 20;
 
 impl Inner {
     pub fn new(pool: Pool) -> Inner {
@@ -85,14 +87,17 @@ impl Inner {
             pool,
             waiters: HashMap::new(),
             inflight: HashMap::new(),
-            committed: HashMap::new(),
-            expired: HashMap::new(),
-            recent_frees: HashMap::new(),
             leases: BinaryHeap::new(),
             vdevs: BTreeMap::new(),
             by_guid: HashMap::new(),
             pending_vdevs: Vec::new(),
             events: Vec::new(),
+            committed: HashMap::new(),
+            expired: HashMap::new(),
+            recent_frees: HashMap::new(),
+            recent_allocs: BTreeMap::new(),
+            syncing_bytes: 0,
+            dirty_max: u64::MAX,
         }
     }
 
@@ -122,14 +127,20 @@ impl Inner {
     }
 
     /// Place an admitted ticket and start its lease.
-    fn place(&mut self, ticket: Ticket, lease: Duration) -> Result<Allocation> {
-        let busy = self.pool.busy(ClassKind::Normal);
+    fn place(&mut self, ticket: Ticket, lease: Duration) -> Result<(Allocation, Instant)> {
+        // Busy: OpenZFS's dirty-data rule on the bytes of the open and
+        // syncing txgs, or the throttle's own measure (bytes admitted or
+        // waiting), which is what moves first when clients write faster
+        // than the pool (the spec preface's proxy).
+        let dirty = self.pool.dirty_bytes().saturating_add(self.syncing_bytes);
+        let busy =
+            self.pool.busy(ClassKind::Normal) || self.pool.busy_dirty(dirty, self.dirty_max, false);
         match self.pool.allocate(ticket, busy) {
             Ok(a) => {
                 let deadline = Instant::now() + lease;
-                self.inflight.insert(a.id, (deadline, a.extents.clone()));
+                self.inflight.insert(a.id, deadline);
                 self.leases.push(Reverse((deadline, a.id)));
-                Ok(a)
+                Ok((a, deadline))
             }
             Err(e) => {
                 // The failed allocate released its reservation.
@@ -151,163 +162,167 @@ impl Inner {
             .collect()
     }
 
-    /// Commit allocations, all or nothing; returns the txg. Ids committed
-    /// before answer their first txg (retry-safe); an id whose lease ran
-    /// out fails with LeaseExpired, one never seen with UnknownAllocation.
+    /// Commit in-flight allocations, all or nothing; returns the txg that
+    /// makes them durable. Ids committed already (a retry) answer their
+    /// first txg; ids whose lease expired fail with LeaseExpired.
     pub fn commit(&mut self, ids: &[AllocationId]) -> Result<Txg> {
-        check_ids(ids)?;
+        if ids.is_empty() {
+            return Err(Error::InvalidArgument("no allocation ids given".into()));
+        }
         let mut txg = 0;
-        let mut todo = Vec::with_capacity(ids.len());
-        for id in ids {
-            if self.inflight.contains_key(id) {
-                todo.push(*id);
-            } else if let Some((t, _)) = self.committed.get(id) {
-                txg = txg.max(*t);
-            } else if self.expired.contains_key(id) {
-                return Err(Error::LeaseExpired(*id));
-            } else {
-                return Err(metaslab::Error::UnknownAllocation(*id).into());
+        for (i, id) in ids.iter().enumerate() {
+            if ids[..i].contains(id) {
+                return Err(Error::InvalidArgument(format!(
+                    "allocation {id} is listed twice"
+                )));
+            }
+            if let Some(&t) = self.committed.get(id) {
+                txg = txg.max(t);
+            } else if !self.inflight.contains_key(id) {
+                return Err(self.not_inflight(*id));
             }
         }
-        let now = Instant::now();
-        for id in todo {
-            let t = self.pool.commit(id)?;
-            txg = txg.max(t);
-            self.inflight.remove(&id);
-            self.remember_commit(id, t, now);
-        }
-        self.wake_admitted();
-        Ok(txg)
-    }
-
-    fn remember_commit(&mut self, id: AllocationId, txg: Txg, now: Instant) {
-        if self.committed.len() >= MEMORY_LIMIT {
-            // Oldest first would need an ordered map; dropping synced ones
-            // (their durability can be read from SyncTxg) is enough.
-            let synced_before = self.pool.open_txg();
-            self.committed.retain(|_, (t, _)| *t >= synced_before);
-        }
-        self.committed.insert(id, (txg, now));
-    }
-
-    /// Give back in-flight allocations. Ids already given back by their
-    /// lease are fine (retry-safe); committed or unknown ids fail.
-    pub fn abort(&mut self, ids: &[AllocationId]) -> Result<()> {
-        check_ids(ids)?;
+        let open = self.pool.open_txg();
+        let mut fresh = false;
         for id in ids {
-            if !self.inflight.contains_key(id) && !self.expired.contains_key(id) {
-                return Err(metaslab::Error::UnknownAllocation(*id).into());
-            }
-        }
-        for id in ids {
-            if self.inflight.remove(id).is_some() {
-                self.pool.abort(*id)?;
-            }
-        }
-        self.wake_admitted();
-        Ok(())
-    }
-
-    /// Extend the leases of in-flight allocations to `now + lease`.
-    pub fn renew(&mut self, ids: &[AllocationId], deadline: Instant) -> Result<()> {
-        check_ids(ids)?;
-        for id in ids {
-            if self.inflight.contains_key(id) || self.committed.contains_key(id) {
+            if self.committed.contains_key(id) {
                 continue;
             }
-            if self.expired.contains_key(id) {
-                return Err(Error::LeaseExpired(*id));
+            let extents = self.pool.extents_of(*id)?;
+            let t = self.pool.commit(*id)?;
+            txg = txg.max(t);
+            fresh = true;
+            self.inflight.remove(id);
+            self.committed.insert(*id, t);
+            for e in extents {
+                self.recent_allocs.insert((e.vdev, e.offset), (e.size, t));
             }
-            return Err(metaslab::Error::UnknownAllocation(*id).into());
+        }
+        if fresh {
+            self.wake_admitted();
+        }
+        Ok(if txg == 0 { open } else { txg })
+    }
+
+    /// Why `id` is not in flight: committed, expired, or never seen.
+    fn not_inflight(&self, id: AllocationId) -> Error {
+        if self.expired.contains_key(&id) {
+            Error::LeaseExpired(id)
+        } else {
+            metaslab::Error::UnknownAllocation(id).into()
+        }
+    }
+
+    /// Extend the leases of in-flight allocations, all or nothing; returns
+    /// the new deadline. Committed ids are left as they are (nothing to
+    /// renew), expired ones fail.
+    pub fn renew(&mut self, ids: &[AllocationId], lease: Duration) -> Result<Instant> {
+        if ids.is_empty() {
+            return Err(Error::InvalidArgument("no allocation ids given".into()));
         }
         for id in ids {
-            if let Some((d, _)) = self.inflight.get_mut(id) {
+            if !self.inflight.contains_key(id) && !self.committed.contains_key(id) {
+                return Err(self.not_inflight(*id));
+            }
+        }
+        let deadline = Instant::now() + lease;
+        for id in ids {
+            if let Some(d) = self.inflight.get_mut(id) {
                 *d = deadline;
                 self.leases.push(Reverse((deadline, *id)));
             }
         }
-        Ok(())
+        Ok(deadline)
     }
 
-    /// Free committed extents; extents freed in a txg not yet synced answer
-    /// that txg (retry-safe). Returns the txg the frees belong to.
+    /// Free committed extents; a retry of a Free whose txg has not synced
+    /// answers that txg.
     pub fn free(&mut self, extents: &[Extent]) -> Result<Txg> {
-        let mut txg = 0;
-        let todo: Vec<Extent> = extents
-            .iter()
-            .filter(|e| match self.recent_frees.get(e) {
-                Some(t) => {
-                    txg = txg.max(*t);
-                    false
+        match self.pool.free(extents) {
+            Ok(txg) => {
+                for e in extents {
+                    self.recent_frees.insert(*e, txg);
                 }
-                None => true,
-            })
-            .copied()
-            .collect();
-        if todo.is_empty() {
-            return Ok(txg);
+                Ok(txg)
+            }
+            Err(err @ (metaslab::Error::NotAllocated(_) | metaslab::Error::PartlyAllocated(_))) => {
+                let again: Option<Txg> = extents
+                    .iter()
+                    .map(|e| self.recent_frees.get(e).copied())
+                    .try_fold(0, |m, t| t.map(|t| m.max(t)));
+                again.ok_or(err.into())
+            }
+            Err(e) => Err(e.into()),
         }
-        let t = self.pool.free(&todo)?;
-        for e in todo {
-            self.recent_frees.insert(e, t);
-        }
-        Ok(txg.max(t))
     }
 
-    /// After txg `synced` is durable: forget what no retry needs any more.
-    pub fn forget_synced(&mut self, synced: Txg, now: Instant) {
-        self.recent_frees.retain(|_, t| *t > synced);
+    /// Claim extents (after `claim::check_exact`); remembered until their
+    /// txg is persisted.
+    pub fn claim(&mut self, extents: &[Extent]) -> Result<Txg> {
+        let txg = self.pool.claim(extents)?;
+        for e in extents {
+            self.recent_allocs.insert((e.vdev, e.offset), (e.size, txg));
+        }
+        Ok(txg)
+    }
+
+    /// After txg `synced` persisted: forget what retries no longer need.
+    pub fn synced(&mut self, synced: Txg, now: Instant) {
         self.committed
-            .retain(|_, (t, at)| *t > synced || now.duration_since(*at) < COMMIT_MEMORY);
+            .retain(|_, t| *t + COMMIT_MEMORY_TXGS > synced);
+        self.recent_frees.retain(|_, t| *t > synced);
+        self.recent_allocs.retain(|_, (_, t)| *t > synced);
+        if self.expired.len() > EXPIRED_MEMORY_MAX {
+            self.expired.clear();
+        }
         self.expired
             .retain(|_, at| now.duration_since(*at) < EXPIRED_MEMORY);
     }
-}
 
-/// A non-empty id list without duplicates.
-fn check_ids(ids: &[AllocationId]) -> Result<()> {
-    if ids.is_empty() {
-        return Err(Error::invalid("allocation_ids", "no allocation ids given"));
-    }
-    for (i, id) in ids.iter().enumerate() {
-        if ids[..i].contains(id) {
-            return Err(Error::invalid(
-                "allocation_ids",
-                format!("allocation {id} is listed twice"),
-            ));
+    pub fn abort(&mut self, ids: &[AllocationId]) -> Result<()> {
+        self.check_inflight(ids)?;
+        for id in ids {
+            self.pool.abort(*id)?;
+            self.inflight.remove(id);
         }
+        self.wake_admitted();
+        Ok(())
     }
-    Ok(())
-}
 
-impl Inner {
-    /// End the allocations whose lease ended by `now`; returns them. Their
-    /// space is NOT free at once: the late writer may still land on it, so
-    /// it is committed and freed in the open txg, i.e. deferred like any
-    /// free (TXG_DEFER_SIZE synced txgs) before it can be handed out again.
+    fn check_inflight(&self, ids: &[AllocationId]) -> Result<()> {
+        if ids.is_empty() {
+            return Err(Error::InvalidArgument("no allocation ids given".into()));
+        }
+        for (i, id) in ids.iter().enumerate() {
+            if !self.inflight.contains_key(id) {
+                return Err(self.not_inflight(*id));
+            }
+            if ids[..i].contains(id) {
+                return Err(Error::InvalidArgument(format!(
+                    "allocation {id} is listed twice"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Abort the allocations whose lease ended by `now`; returns them.
+    /// Their space is deferred like a free (`Pool::expire`): a late writer
+    /// cannot land on a block that another client was given meanwhile.
     pub fn expire_leases(&mut self, now: Instant) -> Vec<AllocationId> {
         let mut expired = Vec::new();
-        while let Some(Reverse((deadline, id))) = self.leases.peek().cloned() {
+        while let Some(Reverse((deadline, id))) = self.leases.peek().copied() {
             if deadline > now {
                 break;
             }
             self.leases.pop();
-            // Stale heap entries (committed, aborted or renewed since) are skipped.
-            if self.inflight.get(&id).map(|(d, _)| *d) == Some(deadline) {
-                let (_, extents) = self.inflight.remove(&id).expect("present");
-                let fenced = self
-                    .pool
-                    .commit(id)
-                    .and_then(|_| self.pool.free(&extents).map(|_| ()));
-                if let Err(e) = fenced {
-                    // Cannot happen for a placed allocation; never hand the
-                    // space out early because of it.
-                    tracing::error!(allocation = id, error = %e, "expired allocation not fenced");
-                }
-                if self.expired.len() < MEMORY_LIMIT {
+            // Stale heap entries (committed or aborted since) are skipped.
+            if self.inflight.get(&id) == Some(&deadline) {
+                self.inflight.remove(&id);
+                if self.pool.expire(id).is_ok() {
                     self.expired.insert(id, now);
+                    expired.push(id);
                 }
-                expired.push(id);
             }
         }
         if !expired.is_empty() {
@@ -348,25 +363,27 @@ pub struct ServiceSettings {
     pub txg_timeout_us: AtomicU64,
     /// The open txg closes early once it changed this many bytes.
     pub txg_dirty_max: u64,
-    /// The longest lease a client may ask for (`--max-lease`).
+    /// The longest lease an Allocate or RenewLease may ask for.
     pub max_lease: Duration,
-    /// Length of the claim window after a restart (`--claim-window`).
-    pub claim_window: Duration,
 }
 
-/// Allocation ids on the wire carry their generation in the top bits, so
-/// an id of a dead generation can never name an allocation of this one.
-pub const ID_GENERATION_SHIFT: u32 = 40;
+/// This start of the allocator, as fencing sees it.
+#[derive(Clone, Copy, Debug)]
+pub struct Fencing {
+    /// Bumped in the store at every start.
+    pub generation: u64,
+    /// The last synced txg when this generation opened: txgs above it that a
+    /// client saw in an older generation never synced.
+    pub synced_at_open: Txg,
+    /// After a restart, Allocate waits until then (Claim is served).
+    pub claim_window_until: Option<Instant>,
+}
 
 pub struct Shared {
     inner: Mutex<Inner>,
     pub settings: ServiceSettings,
     pub pool_guid: u64,
-    /// The store's generation: counts allocator opens (the fencing token).
-    pub generation: u64,
-    pub generations: Generations,
-    /// After a restart: until then Claim is served and Allocate waits.
-    pub claim_until: Option<Instant>,
+    pub fencing: Fencing,
     pub store: Arc<dyn Store>,
     /// The last txg whose sync was persisted.
     pub synced: watch::Sender<Txg>,
@@ -384,32 +401,29 @@ pub struct Shared {
 
 /// How a `begin_allocate` ended.
 pub enum Begun {
-    Placed(Allocation, Vec<String>),
+    Placed(Allocation, Vec<String>, Instant),
     Queued(Ticket, oneshot::Receiver<()>),
 }
 
 impl Shared {
     pub fn new(
-        pool: Pool,
+        mut pool: Pool,
         settings: ServiceSettings,
         pool_guid: u64,
+        fencing: Fencing,
         store: Arc<dyn Store>,
         synced_txg: Txg,
-        generations: Generations,
-        restarted: bool,
     ) -> Arc<Shared> {
-        // Like ZFS claiming its intent log at import: what clients wrote
-        // after the last synced txg is re-asserted before anything new is
-        // allocated.
-        let claim_until = (restarted && !settings.claim_window.is_zero())
-            .then(|| Instant::now() + settings.claim_window);
+        // Each generation numbers its allocations in its own range, so an id
+        // from before a restart never names a newer allocation.
+        pool.start_allocation_ids_at((fencing.generation << 40) | 1);
+        let mut inner = Inner::new(pool);
+        inner.dirty_max = settings.txg_dirty_max;
         Arc::new(Shared {
-            inner: Mutex::new(Inner::new(pool)),
+            inner: Mutex::new(inner),
             settings,
             pool_guid,
-            generation: generations.current,
-            generations,
-            claim_until,
+            fencing,
             store,
             synced: watch::Sender::new(synced_txg),
             wanted: watch::Sender::new(synced_txg),
@@ -418,80 +432,6 @@ impl Shared {
             stop: watch::Sender::new(false),
             closed: watch::Sender::new(false),
         })
-    }
-
-    /// Time left in the claim window (zero when closed).
-    pub fn claim_window_left(&self) -> Duration {
-        self.claim_until.map_or(Duration::ZERO, |t| {
-            t.saturating_duration_since(Instant::now())
-        })
-    }
-
-    /// Allocate waits here while the claim window is open.
-    pub async fn wait_claim_window(&self) -> Result<()> {
-        let left = self.claim_window_left();
-        if left.is_zero() {
-            return Ok(());
-        }
-        tokio::select! {
-            _ = tokio::time::sleep(left) => self.check_serving(),
-            _ = self.stopping() => Err(Error::ShuttingDown),
-        }
-    }
-
-    /// An allocation id as the client sees it.
-    pub fn wire_id(&self, id: AllocationId) -> u64 {
-        (self.generation << ID_GENERATION_SHIFT) | id
-    }
-
-    /// The ids of this generation behind wire ids. Ids of an ended
-    /// generation are `Err(AllocatorRestarted)` when `strict`, dropped
-    /// otherwise (an Abort of them has nothing left to give back); ids no
-    /// generation handed out are UnknownAllocation.
-    pub fn local_ids(&self, wire: &[u64], strict: bool) -> Result<Vec<AllocationId>> {
-        let mut out = Vec::with_capacity(wire.len());
-        for &w in wire {
-            let g = w >> ID_GENERATION_SHIFT;
-            let id = w & ((1 << ID_GENERATION_SHIFT) - 1);
-            if g == self.generation {
-                out.push(id);
-            } else if g > 0 && g < self.generation {
-                if strict {
-                    return Err(self.restarted(g, format!("allocation {w}")));
-                }
-            } else {
-                return Err(metaslab::Error::UnknownAllocation(w).into());
-            }
-        }
-        Ok(out)
-    }
-
-    /// The error for something of ended generation `g`.
-    pub fn restarted(&self, g: u64, what: String) -> Error {
-        let last_synced = match self.generations.fate(g, u64::MAX, self.synced_txg()) {
-            TxgFate::Lost { last_synced } => last_synced,
-            _ => self.synced_txg(),
-        };
-        Error::AllocatorRestarted {
-            what,
-            generation: g,
-            current: self.generation,
-            last_synced,
-        }
-    }
-
-    /// A request's generation (0 = current) must be the current one.
-    pub fn check_generation(&self, g: u64, what: impl FnOnce() -> String) -> Result<()> {
-        if g == 0 || g == self.generation {
-            Ok(())
-        } else if self.generations.synced_at_open.contains_key(&g) && g < self.generation {
-            Err(self.restarted(g, what()))
-        } else {
-            Err(Error::GenerationMismatch {
-                asked: g,
-                current: self.generation,
-            })
-        }
     }
 
     pub fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -516,6 +456,64 @@ impl Shared {
         }
     }
 
+    /// Time left in the claim window (zero once it closed).
+    pub fn claim_window_remaining(&self) -> Duration {
+        self.fencing.claim_window_until.map_or(Duration::ZERO, |u| {
+            u.saturating_duration_since(Instant::now())
+        })
+    }
+
+    /// Resolves when the claim window has closed (at once if there is none).
+    pub async fn claim_window_closed(&self) -> Result<()> {
+        if let Some(until) = self.fencing.claim_window_until
+            && until > Instant::now()
+        {
+            tokio::select! {
+                _ = tokio::time::sleep_until(until.into()) => {}
+                _ = self.stopping() => return Err(Error::ShuttingDown),
+            }
+        }
+        Ok(())
+    }
+
+    /// A txg a client saw in generation `seen` (0: this one): refuse it if
+    /// it belongs to an older generation and never synced there.
+    pub fn check_generation(&self, seen: u64, txg: Txg) -> Result<()> {
+        let current = self.fencing.generation;
+        if seen == 0 || seen == current {
+            return Ok(());
+        }
+        if seen > current {
+            return Err(Error::GenerationAhead { seen, current });
+        }
+        if txg == 0 || txg > self.fencing.synced_at_open {
+            return Err(Error::AllocatorRestarted {
+                seen,
+                current,
+                txg,
+                synced: self.fencing.synced_at_open,
+                window_ms: self.claim_window_remaining().as_millis() as u64,
+            });
+        }
+        Ok(())
+    }
+
+    /// A requested lease (0: the default), bounded by `--max-lease`.
+    pub fn lease(&self, lease_ms: u32) -> Result<Duration> {
+        if lease_ms == 0 {
+            return Ok(self.settings.default_lease);
+        }
+        let d = Duration::from_millis(lease_ms as u64);
+        if d > self.settings.max_lease {
+            return Err(Error::InvalidArgument(format!(
+                "lease_ms {lease_ms} is above the allocator's --max-lease of {} ms; ask for less \
+                 and renew it with RenewLease",
+                self.settings.max_lease.as_millis()
+            )));
+        }
+        Ok(d)
+    }
+
     pub fn txg_timeout(&self) -> Duration {
         Duration::from_micros(self.settings.txg_timeout_us.load(Ordering::Relaxed))
     }
@@ -536,9 +534,9 @@ impl Shared {
         self.check_serving()?;
         match g.pool.submit(req)? {
             Submitted::Ready(t) => {
-                let a = g.place(t, lease)?;
+                let (a, deadline) = g.place(t, lease)?;
                 let eps = g.endpoints(&a);
-                Ok(Begun::Placed(a, eps))
+                Ok(Begun::Placed(a, eps, deadline))
             }
             Submitted::Queued(t) => {
                 let (tx, rx) = oneshot::channel();
@@ -559,7 +557,7 @@ impl Shared {
         ticket: Ticket,
         rx: oneshot::Receiver<()>,
         lease: Duration,
-    ) -> Result<(Allocation, Vec<String>)> {
+    ) -> Result<(Allocation, Vec<String>, Instant)> {
         let mut guard = CancelOnDrop {
             shared: self,
             ticket,
@@ -580,24 +578,26 @@ impl Shared {
             g.wake_admitted();
         })?;
         let mut g = self.lock();
-        let a = g.place(ticket, lease)?;
+        let (a, deadline) = g.place(ticket, lease)?;
         let eps = g.endpoints(&a);
-        Ok((a, eps))
+        Ok((a, eps, deadline))
     }
 
-    /// Allocate, waiting in the throttle if need be; returns the allocation,
-    /// its endpoints and the time waited.
+    /// Allocate, waiting for the claim window and in the throttle if need
+    /// be; returns the allocation, its endpoints, its lease deadline and the
+    /// time waited.
     pub async fn allocate(
         self: &Arc<Self>,
         req: AllocRequest,
         lease: Duration,
-    ) -> Result<(Allocation, Vec<String>, Duration)> {
+    ) -> Result<(Allocation, Vec<String>, Instant, Duration)> {
         let start = Instant::now();
+        self.claim_window_closed().await?;
         match self.begin_allocate(req, lease)? {
-            Begun::Placed(a, eps) => Ok((a, eps, Duration::ZERO)),
+            Begun::Placed(a, eps, deadline) => Ok((a, eps, deadline, start.elapsed())),
             Begun::Queued(t, rx) => {
-                let (a, eps) = self.finish_allocate(t, rx, lease).await?;
-                Ok((a, eps, start.elapsed()))
+                let (a, eps, deadline) = self.finish_allocate(t, rx, lease).await?;
+                Ok((a, eps, deadline, start.elapsed()))
             }
         }
     }

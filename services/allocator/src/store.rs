@@ -47,74 +47,11 @@ pub struct Persisted {
 #[error("{0}")]
 pub struct StoreError(pub String);
 
-/// The store's generations: one per allocator open, each with the last txg
-/// synced before it opened (what every earlier generation left behind).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Generations {
-    /// The generation this open started.
-    pub current: u64,
-    /// generation -> last synced txg when it opened.
-    pub synced_at_open: BTreeMap<u64, Txg>,
-}
-
-/// Whether txg `txg` of generation `gen` synced, as far as the store knows.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TxgFate {
-    /// It synced (in its generation).
-    Synced,
-    /// Its generation is the current one and it has not synced yet.
-    Pending,
-    /// Its generation ended before it synced: lost in a crash. The number
-    /// is the last txg that generation synced.
-    Lost { last_synced: Txg },
-    /// A generation this store never had.
-    UnknownGeneration,
-}
-
-impl Generations {
-    /// The fate of `txg` of generation `generation` (0 = current), given
-    /// the current synced txg.
-    pub fn fate(&self, generation: u64, txg: Txg, synced_now: Txg) -> TxgFate {
-        let g = if generation == 0 {
-            self.current
-        } else {
-            generation
-        };
-        if g == self.current {
-            return if txg <= synced_now {
-                TxgFate::Synced
-            } else {
-                TxgFate::Pending
-            };
-        }
-        if !self.synced_at_open.contains_key(&g) || g > self.current {
-            return TxgFate::UnknownGeneration;
-        }
-        // What generation g left behind: the synced txg at the next open.
-        let last = self
-            .synced_at_open
-            .range(g + 1..)
-            .next()
-            .map_or(synced_now, |(_, t)| *t);
-        if txg <= last {
-            TxgFate::Synced
-        } else {
-            TxgFate::Lost { last_synced: last }
-        }
-    }
-}
-
 pub trait Store: Send + Sync + 'static {
     /// The persisted pool, or `None` for a fresh one.
     fn load(&self) -> BoxFuture<'_, Result<Option<Persisted>, StoreError>>;
     /// Record the pool guid of a fresh pool.
     fn create(&self, pool_guid: u64) -> BoxFuture<'_, Result<(), StoreError>>;
-    /// Start a new generation (at every allocator open, after `load` and
-    /// `create`): durable when this returns. `opened_by` says who opened it.
-    fn open_generation<'a>(
-        &'a self,
-        opened_by: &'a str,
-    ) -> BoxFuture<'a, Result<Generations, StoreError>>;
     /// Persist one txg, atomically. Called in txg order, one at a time.
     fn persist<'a>(&'a self, record: &'a TxgRecord) -> BoxFuture<'a, Result<(), StoreError>>;
     /// Remember a tunable set at run time (outside any txg: it is durable
@@ -124,6 +61,11 @@ pub trait Store: Send + Sync + 'static {
         name: &'a str,
         value: &'a str,
     ) -> BoxFuture<'a, Result<(), StoreError>>;
+    /// Bump the pool's generation (once per start, after `load`/`create`)
+    /// and return the new one; durable when this returns.
+    fn open_generation(&self) -> BoxFuture<'_, Result<u64, StoreError>>;
+    /// Durable allocated extents overlapping `e` (for Claim's exact check).
+    fn allocated_overlapping(&self, e: Extent) -> BoxFuture<'_, Result<Vec<Extent>, StoreError>>;
 }
 
 /// Keeps the persisted state in memory (for tests and until the SQLite
@@ -141,7 +83,7 @@ struct MemState {
     vdevs: BTreeMap<VdevId, VdevRecord>,
     allocated: BTreeSet<Extent>,
     tunables: Vec<(String, String)>,
-    generations: BTreeMap<u64, Txg>,
+    generation: u64,
 }
 
 impl MemStore {
@@ -243,25 +185,6 @@ impl Store for MemStore {
         Box::pin(async move { r })
     }
 
-    fn open_generation<'a>(
-        &'a self,
-        _opened_by: &'a str,
-    ) -> BoxFuture<'a, Result<Generations, StoreError>> {
-        let mut g = self.state.lock().unwrap();
-        let r = match g.as_mut() {
-            None => Err(StoreError("open_generation before create".into())),
-            Some(st) => {
-                let next = st.generations.keys().next_back().map_or(1, |g| g + 1);
-                st.generations.insert(next, st.synced_txg);
-                Ok(Generations {
-                    current: next,
-                    synced_at_open: st.generations.clone(),
-                })
-            }
-        };
-        Box::pin(async move { r })
-    }
-
     fn persist<'a>(&'a self, record: &'a TxgRecord) -> BoxFuture<'a, Result<(), StoreError>> {
         let r = self.apply(record);
         Box::pin(async move { r })
@@ -282,6 +205,32 @@ impl Store for MemStore {
             }
         };
         Box::pin(async move { r })
+    }
+
+    fn open_generation(&self) -> BoxFuture<'_, Result<u64, StoreError>> {
+        let mut g = self.state.lock().unwrap();
+        let r = match g.as_mut() {
+            None => Err(StoreError("open_generation before create".into())),
+            Some(st) => {
+                st.generation += 1;
+                Ok(st.generation)
+            }
+        };
+        Box::pin(async move { r })
+    }
+
+    fn allocated_overlapping(&self, e: Extent) -> BoxFuture<'_, Result<Vec<Extent>, StoreError>> {
+        let g = self.state.lock().unwrap();
+        let out = g.as_ref().map_or_else(Vec::new, |st| {
+            st.allocated
+                .iter()
+                .filter(|a| {
+                    a.vdev == e.vdev && a.offset < e.offset + e.size && e.offset < a.offset + a.size
+                })
+                .copied()
+                .collect()
+        });
+        Box::pin(async move { Ok(out) })
     }
 }
 
@@ -325,22 +274,5 @@ mod tests {
         assert_eq!(p.pool_guid, 7);
         assert_eq!(p.synced_txg, 5);
         assert_eq!(p.allocated, vec![ext(0, 4096), ext(8192, 8192)]);
-    }
-
-    #[test]
-    fn a_txg_of_an_ended_generation_synced_only_up_to_what_it_left() {
-        let g = Generations {
-            current: 3,
-            // Gen 1 opened at 0 and synced 5; gen 2 synced up to 9.
-            synced_at_open: BTreeMap::from([(1, 0), (2, 5), (3, 9)]),
-        };
-        assert_eq!(g.fate(1, 5, 12), TxgFate::Synced);
-        // Txg 6 was open in gen 1 when it crashed; gen 2 reused the number.
-        assert_eq!(g.fate(1, 6, 12), TxgFate::Lost { last_synced: 5 });
-        assert_eq!(g.fate(2, 9, 12), TxgFate::Synced);
-        assert_eq!(g.fate(2, 10, 12), TxgFate::Lost { last_synced: 9 });
-        assert_eq!(g.fate(3, 12, 12), TxgFate::Synced);
-        assert_eq!(g.fate(0, 13, 12), TxgFate::Pending);
-        assert_eq!(g.fate(4, 1, 12), TxgFate::UnknownGeneration);
     }
 }

@@ -28,8 +28,6 @@ pub fn config() -> Config {
     // silent, unless a test sets its own.
     c.zfs_txg_timeout = Duration::from_secs(600);
     c.report_interval = Duration::from_secs(600);
-    // Restarts allocate at once unless a test is about the claim window.
-    c.claim_window = Duration::ZERO;
     c
 }
 
@@ -105,7 +103,7 @@ impl Harness {
             .commit(pb::CommitRequest {
                 allocation_ids: ids,
                 wait_synced: false,
-                generation: 0,
+                ..Default::default()
             })
             .await
             .map(|r| r.into_inner())
@@ -115,7 +113,7 @@ impl Harness {
         self.alloc
             .sync_txg(pb::SyncTxgRequest {
                 txg: 0,
-                generation: 0,
+                ..Default::default()
             })
             .await
             .unwrap()

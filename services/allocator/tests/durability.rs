@@ -52,7 +52,7 @@ async fn alloc_commit(h: &mut Harness, size: u64, wait_synced: bool) -> (pb::Ext
         .commit(pb::CommitRequest {
             allocation_ids: vec![a.allocation_id],
             wait_synced,
-            generation: 0,
+            ..Default::default()
         })
         .await
         .expect("commit")
@@ -467,12 +467,6 @@ impl Store for GateStore {
     fn create(&self, g: u64) -> BoxFuture<'_, Result<(), StoreError>> {
         self.inner.create(g)
     }
-    fn open_generation<'a>(
-        &'a self,
-        by: &'a str,
-    ) -> BoxFuture<'a, Result<aliquot_allocator::store::Generations, StoreError>> {
-        self.inner.open_generation(by)
-    }
     fn persist<'a>(&'a self, r: &'a TxgRecord) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(async move {
             self.persisting.send_replace(r.sync.txg);
@@ -483,6 +477,15 @@ impl Store for GateStore {
     }
     fn set_tunable<'a>(&'a self, n: &'a str, v: &'a str) -> BoxFuture<'a, Result<(), StoreError>> {
         self.inner.set_tunable(n, v)
+    }
+    fn open_generation(&self) -> BoxFuture<'_, Result<u64, StoreError>> {
+        self.inner.open_generation()
+    }
+    fn allocated_overlapping(
+        &self,
+        e: metaslab::Extent,
+    ) -> BoxFuture<'_, Result<Vec<metaslab::Extent>, StoreError>> {
+        self.inner.allocated_overlapping(e)
     }
 }
 
@@ -499,11 +502,14 @@ async fn hold_sync(h: &Harness, gate: &GateStore) -> (u64, tokio::task::JoinHand
     };
     let mut a = h.alloc.clone();
     let waiter = tokio::spawn(async move {
-        a.sync_txg(pb::SyncTxgRequest { txg, generation: 0 })
-            .await
-            .unwrap()
-            .into_inner()
-            .synced_txg
+        a.sync_txg(pb::SyncTxgRequest {
+            txg,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .synced_txg
     });
     let mut rx = gate.persisting.subscribe();
     tokio::time::timeout(Duration::from_secs(5), rx.wait_for(|t| *t == txg))

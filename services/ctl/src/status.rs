@@ -221,14 +221,22 @@ pub fn render_table(st: &PoolStatus) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "pool {}  guid {:016x}  txg {} (synced {})  throttle {}  slop {}",
+        "pool {}  guid {:016x}  txg {} (synced {})  generation {}  throttle {}  slop {}",
         st.name,
         st.guid,
         st.open_txg,
         st.synced_txg,
+        st.generation,
         st.throttle_policy,
         short(st.slop_space)
     );
+    if st.claim_window_remaining_ms > 0 {
+        let _ = writeln!(
+            out,
+            "claim window open for {:.1} s after a restart: Claim is served, Allocate waits",
+            st.claim_window_remaining_ms as f64 / 1000.0
+        );
+    }
     out.push('\n');
     out.push_str(&layout(&VDEV_HEADER, &rows));
     out.push('\n');
@@ -295,6 +303,8 @@ pub struct PoolJson {
     pub guid: u64,
     pub open_txg: u64,
     pub synced_txg: u64,
+    pub generation: u64,
+    pub claim_window_remaining_ms: u64,
     pub throttle_policy: String,
     pub slop_space: u64,
     pub time_ms: u64,
@@ -377,6 +387,8 @@ impl From<&PoolStatus> for PoolJson {
             guid: st.guid,
             open_txg: st.open_txg,
             synced_txg: st.synced_txg,
+            generation: st.generation,
+            claim_window_remaining_ms: st.claim_window_remaining_ms,
             throttle_policy: st.throttle_policy.clone(),
             slop_space: st.slop_space,
             time_ms: st.time_ms,
@@ -541,7 +553,9 @@ mod tests {
             ],
             slop_space: 224 * MIB,
             time_ms: 1,
-            ..Default::default()
+            generation: 3,
+            claim_window_remaining_ms: 0,
+            max_lease_ms: 300_000,
         }
     }
 
@@ -551,7 +565,7 @@ mod tests {
         let lines: Vec<&str> = t.lines().collect();
         assert_eq!(
             lines[0],
-            "pool aliquot  guid 0000000000001234  txg 42 (synced 41)  throttle unified  slop 224M"
+            "pool aliquot  guid 0000000000001234  txg 42 (synced 41)  generation 3  throttle unified  slop 224M"
         );
         let header: Vec<&str> = lines[2].split_whitespace().collect();
         assert_eq!(header, VDEV_HEADER);

@@ -674,3 +674,42 @@ async fn a_store_bricked_by_a_bad_vdev_row_is_named_and_repaired_without_sql() {
     assert_eq!(st.vdevs[0].capacity, 256 * MIB);
     assert_eq!(st.vdevs[0].alloc, a.extents[0].size, "the block survived");
 }
+
+/// `aliquotctl vdev expand`: the explicit growth path (reports never grow a
+/// vdev), through the real binary against a real allocator.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aliquotctl_vdev_expand_grows_a_vdev_and_refuses_shrinking() {
+    let dir = tempfile::tempdir().unwrap();
+    let alloc = allocator(dir.path(), &[]);
+    let vdev = register(&alloc, 31, 256 * MIB).await.vdev;
+    let ctl = |capacity: &str| {
+        std::process::Command::new(bin("aliquotctl"))
+            .args(["vdev", "--allocator", &alloc.url("grpc"), "expand"])
+            .arg(vdev.to_string())
+            .arg(capacity)
+            .output()
+            .expect("run aliquotctl")
+    };
+    let out = ctl("1GiB");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("is 1.00 GiB"), "{stdout}");
+    let st = client(&alloc)
+        .await
+        .get_pool(pb::GetPoolRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(st.vdevs[0].capacity, 1024 * MIB);
+    let out = ctl("128MiB");
+    assert!(!out.status.success(), "shrinking must fail");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("cannot shrink"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

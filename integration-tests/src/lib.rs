@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::sync::OnceLock;
 use std::sync::mpsc;
 use std::time::Duration;
@@ -206,4 +206,44 @@ impl Drop for Proc {
 #[macro_export]
 macro_rules! args {
     ($($a:expr),* $(,)?) => { ::std::vec::Vec::<String>::from([$($a.to_string()),*]) };
+}
+
+/// Run the `aliquotctl` binary to completion.
+pub fn ctl(args: &[String]) -> Output {
+    Command::new(bin("aliquotctl"))
+        .args(args)
+        .env_remove("ALIQUOT_ALLOCATOR")
+        .output()
+        .expect("run aliquotctl")
+}
+
+pub fn ok_stdout(o: &Output, what: &str) -> String {
+    assert!(
+        o.status.success(),
+        "{what} failed ({}):\nstdout: {}\nstderr: {}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8(o.stdout.clone()).expect("utf-8 stdout")
+}
+
+/// Pids whose parent is `pid` (from /proc).
+pub fn children_of(pid: u32) -> Vec<u32> {
+    let mut v = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(p) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else {
+            continue;
+        };
+        // "pid (comm) state ppid ...": comm may hold spaces, so split after ')'.
+        let after = &stat[stat.rfind(')').unwrap() + 2..];
+        let ppid: u32 = after.split_whitespace().nth(1).unwrap().parse().unwrap();
+        if ppid == pid {
+            v.push(p);
+        }
+    }
+    v
 }

@@ -99,6 +99,7 @@ struct Model {
     aborts: u64,
     verified_extents: u64,
     lost_uncommitted: u64,
+    dup_commits: u64,
 }
 
 impl Model {
@@ -201,6 +202,10 @@ impl Cluster {
             "120s",
             "--report-interval",
             "200ms",
+            // After each restart Allocate waits this long while the writer
+            // claims what it committed without knowing it synced.
+            "--claim-window",
+            "300ms",
         ];
         let mut alloc = Proc::start(
             "allocator",
@@ -330,7 +335,10 @@ async fn step(c: &mut Cluster, m: &mut Model, rng: &mut Rng) -> StepResult {
             .txg;
         let s = c
             .client
-            .sync_txg(pb::SyncTxgRequest { txg })
+            .sync_txg(pb::SyncTxgRequest {
+                txg,
+                ..Default::default()
+            })
             .await
             .map_err(|e| format!("sync: {e}"))?
             .into_inner()
@@ -343,7 +351,10 @@ async fn step(c: &mut Cluster, m: &mut Model, rng: &mut Rng) -> StepResult {
     if rng.chance(5) {
         let s = c
             .client
-            .sync_txg(pb::SyncTxgRequest { txg: 0 })
+            .sync_txg(pb::SyncTxgRequest {
+                txg: 0,
+                ..Default::default()
+            })
             .await
             .map_err(|e| format!("sync: {e}"))?
             .into_inner()
@@ -416,10 +427,31 @@ async fn step(c: &mut Cluster, m: &mut Model, rng: &mut Rng) -> StepResult {
         .commit(pb::CommitRequest {
             allocation_ids: vec![a.allocation_id],
             wait_synced,
+            ..Default::default()
         })
         .await
         .map_err(|e| format!("commit: {e}"))?
         .into_inner();
+    if rng.chance(20) {
+        // A duplicated commit (a client's retry) answers the first txg.
+        let again = c
+            .client
+            .commit(pb::CommitRequest {
+                allocation_ids: vec![a.allocation_id],
+                wait_synced: false,
+                generation: a.generation,
+            })
+            .await
+            .map_err(|e| format!("repeated commit: {e}"))?
+            .into_inner();
+        if again.txg != r.txg {
+            return Err(format!(
+                "repeated commit of {} answered txg {}, the first {}",
+                a.allocation_id, again.txg, r.txg
+            ));
+        }
+        m.dup_commits += 1;
+    }
     let b = m.blocks.get_mut(&key).unwrap();
     if r.synced {
         b.st = St::Durable;
@@ -559,7 +591,10 @@ async fn resolve(c: &mut Cluster, m: &mut Model) {
     }
     let s = c
         .client
-        .sync_txg(pb::SyncTxgRequest { txg: 0 })
+        .sync_txg(pb::SyncTxgRequest {
+            txg: 0,
+            ..Default::default()
+        })
         .await
         .expect("sync after recovery")
         .into_inner()
@@ -713,7 +748,8 @@ async fn crash_run(allocator_kills: usize, agent_kills: usize, both_kills: usize
     eprintln!(
         "crash test: {} kills ({allocator_kills} allocator, {agent_kills} agent, {both_kills} both) in {:.1} s; \
          {} allocations, {} acknowledged synced, {} frees, {} claims, {} aborts, \
-         {} uncommitted allocations checked free, {} extent read-backs verified",
+         {} uncommitted allocations checked free, {} extent read-backs verified, \
+         {} duplicated commits answered alike",
         plan.len(),
         elapsed.as_secs_f64(),
         m.allocations,
@@ -722,7 +758,8 @@ async fn crash_run(allocator_kills: usize, agent_kills: usize, both_kills: usize
         m.claims,
         m.aborts,
         m.lost_uncommitted,
-        m.verified_extents
+        m.verified_extents,
+        m.dup_commits
     );
     assert!(m.durable_acks > 0 && m.verified_extents > 0);
 }

@@ -4,49 +4,10 @@
 //! and that SIGINT to `up` leaves no child behind.
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use integration_tests::{Proc, args, bin};
-
-fn ctl(args: &[String]) -> Output {
-    Command::new(bin("aliquotctl"))
-        .args(args)
-        .env_remove("ALIQUOT_ALLOCATOR")
-        .output()
-        .expect("run aliquotctl")
-}
-
-fn ok_stdout(o: &Output, what: &str) -> String {
-    assert!(
-        o.status.success(),
-        "{what} failed ({}):\nstdout: {}\nstderr: {}",
-        o.status,
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    String::from_utf8(o.stdout.clone()).expect("utf-8 stdout")
-}
-
-/// Pids whose parent is `pid` (from /proc).
-fn children_of(pid: u32) -> Vec<u32> {
-    let mut v = Vec::new();
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(p) = e.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else {
-            continue;
-        };
-        // "pid (comm) state ppid ...": comm may hold spaces, so split after ')'.
-        let after = &stat[stat.rfind(')').unwrap() + 2..];
-        let ppid: u32 = after.split_whitespace().nth(1).unwrap().parse().unwrap();
-        if ppid == pid {
-            v.push(p);
-        }
-    }
-    v
-}
+use integration_tests::{Proc, args, bin, children_of, ctl, ok_stdout};
 
 fn alive(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {

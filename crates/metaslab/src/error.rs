@@ -1,6 +1,8 @@
 //! The crate's one error enum. Every error leaves the pool exactly as it
 //! was: operations validate fully before they mutate.
 
+use std::fmt;
+
 use crate::{AllocationId, Extent, Ticket, Txg, VdevId};
 
 /// Every error leaves the pool exactly as it was.
@@ -24,10 +26,16 @@ pub enum Error {
     UnknownTicket(Ticket),
     #[error("ticket {0} has not been admitted by the throttle")]
     NotAdmitted(Ticket),
-    #[error("no space for {size} bytes x{copies}")]
-    NoSpace { size: u64, copies: u8 },
-    /// Log allocation failed in every class: wait until `until` has synced
-    /// (OpenZFS's txg_wait_synced fallback, open txg + TXG_DEFER_SIZE).
+    #[error("no space for {size} bytes x{copies}: {reason}")]
+    NoSpace {
+        size: u64,
+        copies: u8,
+        reason: NoSpaceReason,
+    },
+    /// Log allocation failed in every class while deferred frees are
+    /// pending: wait until `until` has synced (OpenZFS's txg_wait_synced
+    /// fallback, open txg + TXG_DEFER_SIZE). When no sync can free space
+    /// the answer is `NoSpace` instead.
     #[error("no log space: wait for txg {until} to sync")]
     TxgWaitRequired { until: Txg },
     #[error("extent {0} is not allocated (double free?)")]
@@ -51,6 +59,35 @@ pub enum Error {
     BadVdev(String),
     #[error("inconsistent state: {0}")]
     Inconsistent(String),
+}
+
+/// Why an allocation found no space, so a client knows what would help.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NoSpaceReason {
+    /// No vdev of the class is online and healthy enough to allocate.
+    VdevsOffline,
+    /// The class is full (or within the slop space kept back for data).
+    Full,
+    /// Free space exists but not in pieces this large: where OpenZFS would
+    /// write a gang block, Aliquot (which has none) fails so the client can
+    /// retry smaller. `largest_free` is the largest free segment, bytes.
+    Fragmented { largest_free: u64 },
+}
+
+impl fmt::Display for NoSpaceReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            NoSpaceReason::VdevsOffline => write!(
+                f,
+                "no vdev is allocatable (offline, faulted or unavailable)"
+            ),
+            NoSpaceReason::Full => write!(f, "the pool is full"),
+            NoSpaceReason::Fragmented { largest_free } => write!(
+                f,
+                "free space is fragmented: the largest free segment is {largest_free} bytes; retry with smaller blocks"
+            ),
+        }
+    }
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

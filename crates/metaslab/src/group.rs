@@ -26,6 +26,27 @@ fn key(ms: &Metaslab) -> Key {
     (band(ms.role), Reverse(ms.weight), ms.id)
 }
 
+/// How a DVA binds to a metaslab (spec §2.5): PRIMARY when no copy of the
+/// block is on this vdev yet, SECONDARY when one is, CLAIM ("use any, bind
+/// nothing") when two or more are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    Primary,
+    Secondary,
+    Claim,
+}
+
+impl Activation {
+    /// From the number of this block's DVAs already on the vdev.
+    pub fn for_copies_on_vdev(n: usize) -> Activation {
+        match n {
+            0 => Activation::Primary,
+            1 => Activation::Secondary,
+            _ => Activation::Claim,
+        }
+    }
+}
+
 /// What one `group_alloc` did.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct GroupAllocOutcome {
@@ -38,6 +59,8 @@ pub struct GroupAllocOutcome {
 pub struct AllocCtx<'a> {
     pub t: &'a Tunables,
     pub txg: Txg,
+    /// The caller's time at the last sync, ms (selection time).
+    pub now_ms: u64,
     pub try_hard: bool,
     pub rotational: bool,
     pub ms_count: u64,
@@ -132,10 +155,24 @@ impl Group {
         self.tree.insert(key(ms));
     }
 
-    pub fn activate(&mut self, ms: &mut Metaslab) {
+    /// Bind `ms` to the slot of `activation` (CLAIM binds nothing).
+    pub fn activate(&mut self, ms: &mut Metaslab, activation: Activation) {
+        let (role, slot) = match activation {
+            Activation::Primary => (Role::Primary, &mut self.primary),
+            Activation::Secondary => (Role::Secondary, &mut self.secondary),
+            Activation::Claim => return,
+        };
+        *slot = Some(ms.id);
         ms.activation_weight = ms.weight;
-        self.set_role(ms, Role::Primary);
-        self.primary = Some(ms.id);
+        self.set_role(ms, role);
+    }
+
+    fn slot(&self, activation: Activation) -> Option<u32> {
+        match activation {
+            Activation::Primary => self.primary,
+            Activation::Secondary => self.secondary,
+            Activation::Claim => None,
+        }
     }
 
     /// Passivate `ms` with its recomputed weight.
@@ -157,12 +194,17 @@ impl Group {
         self.tree.insert(key(ms));
     }
 
-    /// `find_valid_metaslab` (spec §2.6) for a PRIMARY request.
+    /// `find_valid_metaslab` (spec §2.6). `holding` are the metaslabs of
+    /// this vdev that already hold a DVA of the block: a ditto copy must land
+    /// in another one (`metaslab_is_unique`). Aliquot requires that in every
+    /// pass, also for already-active candidates, so two copies of a block
+    /// never share a metaslab (the spec's HEAD quirk is not reproduced).
     fn find_valid(
         &self,
         ms: &[Metaslab],
         search: Option<Key>,
         asize: u64,
+        holding: &[u32],
         ctx: &AllocCtx<'_>,
     ) -> Option<Key> {
         let lower = match search {
@@ -176,7 +218,7 @@ impl Group {
                 return None;
             }
             let m = &ms[k.2 as usize];
-            if m.new || !m.should_allocate(asize) {
+            if m.new || !m.should_allocate(asize) || holding.contains(&m.id) {
                 continue;
             }
             return Some(*k);
@@ -184,30 +226,34 @@ impl Group {
         None
     }
 
-    /// `metaslab_group_alloc` (spec §2.5) for one DVA: use the primary
-    /// metaslab, else the best valid one; on failure reweigh and move on.
-    /// `lru` is told of (re)selections: `(old selected txg, id)` pairs.
+    /// `metaslab_group_alloc` (spec §2.5) for one DVA: use the metaslab
+    /// active in the slot of `activation`, else the best valid one; on
+    /// failure reweigh and move on. `holding`: metaslabs of this vdev that
+    /// hold other DVAs of the block. `selected` is told of (re)selections:
+    /// `(id, old selected txg, was loaded)`.
     pub fn alloc(
         &mut self,
         ms: &mut [Metaslab],
         asize: u64,
+        activation: Activation,
+        holding: &[u32],
         ctx: &AllocCtx<'_>,
         selected: &mut impl FnMut(u32, Txg, bool),
     ) -> GroupAllocOutcome {
         let mut out = GroupAllocOutcome::default();
         let mut search: Option<Key> = None;
-        let mut tried_primary = false;
+        let mut tried_slot = false;
         // Bounded: each iteration either succeeds or moves the search past
         // a metaslab; the cap guards against a weight that does not drop.
         let mut budget = self.tree.len() + 2;
         while budget > 0 {
             budget -= 1;
-            let id = match self.primary {
-                Some(p) if !tried_primary => {
-                    tried_primary = true;
+            let id = match self.slot(activation) {
+                Some(p) if !tried_slot && !holding.contains(&p) => {
+                    tried_slot = true;
                     p
                 }
-                _ => match self.find_valid(ms, search, asize, ctx) {
+                _ => match self.find_valid(ms, search, asize, holding, ctx) {
                     Some(k) => {
                         search = Some(k);
                         k.2
@@ -221,6 +267,7 @@ impl Group {
             if m.selected_txg != ctx.txg || !was_loaded {
                 selected(id, m.selected_txg, was_loaded);
                 m.selected_txg = ctx.txg;
+                m.selected_ms = ctx.now_ms;
             }
             if !was_loaded {
                 m.loaded = true;
@@ -230,15 +277,13 @@ impl Group {
                 if m.weight == 0 || m.new {
                     continue;
                 }
-                if let Some(p) = self.primary {
-                    // Slot taken (cannot happen with one allocator, whose
-                    // primary is tried first); use it without owning it.
-                    let _ = p;
-                } else {
-                    self.activate(m);
+                // A taken slot (its metaslab holds a DVA of this block, or
+                // failed just now): use this one without owning it.
+                if self.slot(activation).is_none() {
+                    self.activate(m, activation);
                 }
             }
-            let owned = self.primary == Some(id);
+            let owned = activation != Activation::Claim && self.slot(activation) == Some(id);
             if m.should_allocate(asize)
                 && let Some(off) = m.df_alloc(asize, ctx.t)
             {

@@ -187,7 +187,7 @@ pub mod tunables;
 pub mod txg;
 pub mod vdev;
 
-pub use error::{Error, Result};
+pub use error::{Error, NoSpaceReason, Result};
 pub use pool::Pool;
 pub use stats::{ClassStats, GroupStats, PoolStats, VdevStats};
 pub use tunables::Tunables;

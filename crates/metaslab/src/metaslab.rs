@@ -62,6 +62,8 @@ pub struct Metaslab {
     pub new: bool,
     pub loaded: bool,
     pub selected_txg: Txg,
+    /// Caller's time (ms) of the sync before the last selection.
+    pub selected_ms: u64,
     /// Weight without activation bits (the tree key).
     pub weight: u64,
     /// Weight when activated (0 when inactive), for the switch rule.
@@ -95,6 +97,7 @@ impl Metaslab {
             new,
             loaded: false,
             selected_txg: 0,
+            selected_ms: 0,
             weight: 0,
             activation_weight: 0,
             role: Role::Inactive,
@@ -154,15 +157,23 @@ impl Metaslab {
         None
     }
 
-    /// Fragmentation percent of the free space (spec §2.4), from the
-    /// allocatable histogram, each segment counted at its bucket's lower
-    /// bound. A metaslab that was never allocated from is 0.
+    /// Fragmentation percent of the free space (spec §2.4), each segment
+    /// counted at its bucket's lower bound. The histogram is the space
+    /// map's, which OpenZFS rebuilds at each sync from the allocatable tree
+    /// plus the frees of the txg and both defer slots (`metaslab_sync`), so
+    /// deferred frees count as free space here. A metaslab that was never
+    /// allocated from has no space map and reads 0.
     pub fn compute_fragmentation(&mut self) {
         if !self.has_space_map {
             self.fragmentation = 0;
             return;
         }
-        let hist = self.allocatable.histogram();
+        let mut hist = *self.allocatable.histogram();
+        for t in [&self.freeing, &self.defer[0], &self.defer[1]] {
+            for (s, e) in t.iter() {
+                hist[(highbit(e - s) - 1) as usize] += 1;
+            }
+        }
         let mut total: u128 = 0;
         let mut frag: u128 = 0;
         for (i, &n) in hist.iter().enumerate() {

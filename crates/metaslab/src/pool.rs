@@ -8,20 +8,24 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use crate::class::Class;
-use crate::group::{AllocCtx, Group};
+use crate::group::{Activation, AllocCtx, Group};
 use crate::metaslab::{Metaslab, Role};
 use crate::throttle::{legacy, unified};
 use crate::txg::{TxgLog, sync_done};
 use crate::vdev::{data_children, metaslab_count, metaslab_shift, psize_to_asize};
 use crate::{
     AllocKind, AllocRequest, Allocation, AllocationId, ClassKind, Error, Extent, Health, LogTier,
-    Result, SPA_MAXBLOCKSIZE, SpaceChange, SpaceChangeKind, Submitted, TXG_DEFER_SIZE, TXG_INITIAL,
-    ThrottlePolicy, Ticket, Tunables, Txg, TxgSync, VdevId, VdevRole, VdevSpec,
+    NoSpaceReason, Result, SPA_MAXBLOCKSIZE, SPA_MINBLOCKSIZE, SpaceChange, SpaceChangeKind,
+    Submitted, TXG_DEFER_SIZE, TXG_INITIAL, ThrottlePolicy, Ticket, Tunables, Txg, TxgSync, VdevId,
+    VdevRole, VdevSpec,
 };
 
 pub(crate) const NORMAL: usize = 0;
 pub(crate) const LOG: usize = 1;
 pub(crate) const ELOG: usize = 2;
+
+/// The largest vdev: 2^17 metaslabs (`zfs_vdev_ms_count_limit`) of 2^40.
+pub const MAX_VDEV_CAPACITY: u64 = 1 << 57;
 
 /// Most metaslabs one vdev may have (memory bound on caller input).
 const MAX_METASLABS: u64 = 1 << 20;
@@ -47,6 +51,8 @@ pub(crate) enum Reservation {
 #[derive(Clone, Debug)]
 pub(crate) struct TicketState {
     pub req: AllocRequest,
+    /// Which of the class's allocators places it.
+    pub allocator: usize,
     pub queued: bool,
     pub res: Reservation,
 }
@@ -180,6 +186,11 @@ pub struct Pool {
     txg: TxgLog,
     /// Loaded metaslabs by last selection: (selected txg, vdev, metaslab).
     lru: BTreeSet<(Txg, VdevId, u32)>,
+    /// The caller's clock at the last sync, ms (never read here).
+    now_ms: u64,
+    /// `spa_alloc_count`, and the allocator the next request uses.
+    alloc_count: usize,
+    next_allocator: usize,
 }
 
 /// Placement result of one allocation.
@@ -206,8 +217,15 @@ impl Default for Placed {
 }
 
 impl Placed {
-    fn has_vdev(&self, v: VdevId) -> bool {
-        self.extents[..self.n].iter().any(|e| e.vdev == v)
+    /// Metaslabs of vdev `v` (shift `shift`) holding a DVA of this block.
+    fn holding(&self, v: VdevId, shift: u8) -> ([u32; 3], usize) {
+        let mut out = [0u32; 3];
+        let mut n = 0;
+        for e in self.extents[..self.n].iter().filter(|e| e.vdev == v) {
+            out[n] = (e.offset >> shift) as u32;
+            n += 1;
+        }
+        (out, n)
     }
 }
 
@@ -229,6 +247,9 @@ impl Pool {
             admitted: Vec::new(),
             txg: TxgLog::default(),
             lru: BTreeSet::new(),
+            now_ms: 0,
+            alloc_count: 1,
+            next_allocator: 0,
         }
     }
 
@@ -328,18 +349,23 @@ impl Pool {
                 spec.parity, spec.children
             )));
         }
-        let shift = match spec.metaslab_shift {
-            Some(s) => {
-                if s < spec.ashift.max(24) || s > 40 {
-                    return Err(Error::BadVdev(format!(
-                        "metaslab shift {s} is outside {}..=40",
-                        spec.ashift.max(24)
-                    )));
-                }
-                s
-            }
-            None => metaslab_shift(spec.capacity, &self.tun),
-        };
+        let shift = spec
+            .metaslab_shift
+            .unwrap_or_else(|| metaslab_shift(spec.capacity, &self.tun));
+        // The same bound for a new vdev as for one restored from the store:
+        // anything accepted here must come back after a restart.
+        if shift < spec.ashift.max(24) || shift > 40 {
+            return Err(Error::BadVdev(match spec.metaslab_shift {
+                Some(s) => format!("metaslab shift {s} is outside {}..=40", spec.ashift.max(24)),
+                None => format!(
+                    "capacity {} bytes needs metaslabs of 2^{shift} bytes, outside 2^{}..=2^40 \
+                     (at most {} bytes per vdev)",
+                    spec.capacity,
+                    spec.ashift.max(24),
+                    MAX_VDEV_CAPACITY
+                ),
+            }));
+        }
         let count = metaslab_count(spec.capacity, shift);
         if count == 0 {
             return Err(Error::BadVdev(format!(
@@ -431,9 +457,13 @@ impl Pool {
     }
 
     /// Put the vdev's groups in or out of their class rings per its state.
+    /// Ring membership follows the administrative state only (OpenZFS's
+    /// `noalloc`/removal passivate a group). A faulted, degraded or silent
+    /// vdev stays in the ring and in the class balance, keeping its aliquot,
+    /// and is skipped at each allocation (`eligible`).
     fn update_membership(&mut self, id: VdevId) {
         let v = &self.vdevs[id as usize];
-        let want = v.allocatable();
+        let want = v.online;
         let main = v.main_class();
         let has_log = v.log_mg.is_some();
         for (ci, present) in [(main, true), (ELOG, has_log)] {
@@ -570,8 +600,11 @@ impl Pool {
         }
         let ticket = self.next_ticket;
         self.next_ticket += 1;
+        let allocator = self.next_allocator % self.alloc_count;
+        self.next_allocator = self.next_allocator.wrapping_add(1);
         let mut st = TicketState {
             req,
+            allocator,
             queued: false,
             res: Reservation::None,
         };
@@ -722,6 +755,45 @@ impl Pool {
         }
     }
 
+    /// OpenZFS's own busy rule, from the caller's dirty data: `dirty`
+    /// bytes written and not yet synced, against its `dirty_max`
+    /// (`zfs_dirty_data_max`), with the two percentages by their OpenZFS
+    /// names; `sync_pending` as a pending sync task. The caller measures
+    /// dirty data (the allocator: bytes in the open and syncing txgs and in
+    /// flight; the simulator: its modelled dirty data).
+    pub fn busy_dirty(&self, dirty: u64, dirty_max: u64, sync_pending: bool) -> bool {
+        unified::busy_dirty(dirty, dirty_max, self.tun.busy_pct_sum(), sync_pending)
+    }
+
+    /// `spa_alloc_count` from the machine's CPU count (a fact the caller
+    /// passes; OpenZFS fixes it at import): `max(1, min(spa_num_allocators,
+    /// cpus / spa_cpus_per_allocator))`. Each allocator of a class has its
+    /// own rotor position and aliquot counter; requests take them in turn
+    /// (OpenZFS spreads blocks over them by object). Returns the count.
+    pub fn set_cpus(&mut self, cpus: u64) -> usize {
+        let t = &self.tun;
+        let n = (cpus / t.spa_cpus_per_allocator.max(1))
+            .min(t.spa_num_allocators)
+            .max(1);
+        self.alloc_count = n as usize;
+        self.next_allocator = 0;
+        for c in &mut self.classes {
+            c.set_allocators(self.alloc_count);
+        }
+        self.alloc_count
+    }
+
+    /// The next request will be placed by allocator `k % spa_alloc_count`
+    /// (a caller that knows which object a block belongs to keeps its
+    /// blocks on one allocator, as OpenZFS does).
+    pub fn prefer_allocator(&mut self, k: usize) {
+        self.next_allocator = k;
+    }
+
+    pub fn allocator_count(&self) -> usize {
+        self.alloc_count
+    }
+
     /// Slop space (spec §5.6), raw bytes.
     pub(crate) fn slop(&self) -> u64 {
         let rd = self.classes[NORMAL].space;
@@ -741,23 +813,28 @@ impl Pool {
         }
         let st = self.tickets.remove(&ticket).expect("checked");
         let req = st.req;
+        for c in &mut self.classes {
+            c.use_allocator(st.allocator);
+        }
         let (placed, tier) = match req.kind {
             AllocKind::Data => {
                 let c = &self.classes[NORMAL];
                 let free = c.space.saturating_sub(c.alloc);
                 let need = req.copies as u64 * req.size;
                 let placed = if free < self.slop().saturating_add(need) {
-                    None
+                    Err(NoSpaceReason::Full)
                 } else {
                     self.place(NORMAL, req.size, req.copies, busy, false)
+                        .ok_or_else(|| self.no_space_reason(&[NORMAL]))
                 };
                 match placed {
-                    Some(p) => (p, None),
-                    None => {
+                    Ok(p) => (p, None),
+                    Err(reason) => {
                         self.release(st.res);
                         return Err(Error::NoSpace {
                             size: req.size,
                             copies: req.copies,
+                            reason,
                         });
                     }
                 }
@@ -779,9 +856,18 @@ impl Pool {
                 }
                 match out {
                     Some(o) => o,
-                    None => {
+                    // A sync helps only if it will make freed space
+                    // allocatable; otherwise waiting never ends.
+                    None if self.frees_pending() => {
                         return Err(Error::TxgWaitRequired {
                             until: self.open_txg + TXG_DEFER_SIZE,
+                        });
+                    }
+                    None => {
+                        return Err(Error::NoSpace {
+                            size: req.size,
+                            copies: req.copies,
+                            reason: self.no_space_reason(&[LOG, ELOG, NORMAL]),
                         });
                     }
                 }
@@ -848,6 +934,54 @@ impl Pool {
         Some(placed)
     }
 
+    /// `spa_min_alloc`: the smallest allocation any vdev can make.
+    fn spa_min_alloc(&self) -> u64 {
+        self.vdevs
+            .iter()
+            .filter(|v| v.vs_space() > 0)
+            .map(|v| v.min_alloc())
+            .min()
+            .unwrap_or(SPA_MINBLOCKSIZE)
+    }
+
+    /// Whether a txg sync would make freed space allocatable again.
+    fn frees_pending(&self) -> bool {
+        self.vdevs
+            .iter()
+            .any(|v| v.ms.iter().any(|m| m.deferred() > 0))
+    }
+
+    /// Why an allocation failed in classes `cis` (it was not
+    /// the slop check): no allocatable vdev, or no free segment large
+    /// enough (including where OpenZFS would gang), or simply full.
+    fn no_space_reason(&self, cis: &[usize]) -> NoSpaceReason {
+        let mut any = false;
+        let mut largest_free = 0u64;
+        for &ci in cis {
+            for &v in &self.classes[ci].ring {
+                let vd = &self.vdevs[v as usize];
+                if !vd.allocatable() {
+                    continue;
+                }
+                any = true;
+                if let Some(g) = vd.group(ci) {
+                    for m in g.members() {
+                        largest_free = largest_free.max(vd.ms[m as usize].allocatable.max_size());
+                    }
+                }
+            }
+        }
+        if !any {
+            NoSpaceReason::VdevsOffline
+        } else if largest_free == 0 {
+            NoSpaceReason::Full
+        } else {
+            // Space is free but the request did not fit: smaller blocks
+            // (gang members, in OpenZFS) would.
+            NoSpaceReason::Fragmented { largest_free }
+        }
+    }
+
     /// Return a placed-but-uncommitted extent to its metaslab.
     fn unplace(&mut self, e: &Extent) {
         let v = &mut self.vdevs[e.vdev as usize];
@@ -874,6 +1008,17 @@ impl Pool {
             return None;
         }
         for try_hard in [false, true] {
+            // The try-hard pass (ignoring the group checks) is for blocks
+            // OpenZFS cannot gang: intent-log blocks and blocks at the minimum
+            // size, or every block with zfs_metaslab_try_hard_before_gang
+            // (spec §2.11). Any other block fails here as FRAGMENTED.
+            if try_hard
+                && !(zil
+                    || self.tun.zfs_metaslab_try_hard_before_gang
+                    || psize <= self.spa_min_alloc())
+            {
+                break;
+            }
             let c = &self.classes[ci];
             let start = if d == 0 {
                 c.rotor % n
@@ -882,15 +1027,14 @@ impl Pool {
                 c.position(prev).map_or(c.rotor % n, |p| (p + 1) % n)
             };
             for k in 0..n {
+                // A vdev holding a copy already is not skipped: the copy goes
+                // to another of its metaslabs (spec §2.5, §2.6).
                 let v = self.classes[ci].ring[(start + k) % n];
-                if placed.has_vdev(v) {
-                    continue;
-                }
                 if !self.eligible(ci, v, d, try_hard, zil) {
                     self.rotate(ci, v, psize, 0, false, busy, zil);
                     continue;
                 }
-                match self.group_alloc(ci, v, psize, try_hard) {
+                match self.group_alloc(ci, v, psize, placed, try_hard) {
                     Some((e, loads)) => {
                         self.rotate(ci, v, psize, e.size, true, busy, zil);
                         return Some((e, loads));
@@ -912,7 +1056,9 @@ impl Pool {
         if try_hard {
             return true;
         }
-        if d == 0 && vd.health == Health::Degraded {
+        // Only a non-redundant (leaf) vdev below healthy is spared the first
+        // copy; a degraded RAIDZ or mirror still takes its share (§2.7 rule 3).
+        if d == 0 && vd.health == Health::Degraded && vd.spec.children <= 1 {
             return false;
         }
         let c = &self.classes[ci];
@@ -964,6 +1110,7 @@ impl Pool {
         ci: usize,
         v: VdevId,
         psize: u64,
+        placed: &Placed,
         try_hard: bool,
     ) -> Option<(Extent, u32)> {
         let Pool {
@@ -971,6 +1118,7 @@ impl Pool {
             classes,
             tun,
             lru,
+            now_ms,
             txg,
             open_txg,
             ..
@@ -980,6 +1128,7 @@ impl Pool {
         let ctx = AllocCtx {
             t: tun,
             txg: *open_txg,
+            now_ms: *now_ms,
             try_hard,
             rotational: vd.spec.rotational,
             ms_count: vd.ms.len() as u64,
@@ -996,7 +1145,16 @@ impl Pool {
             }
             lru.insert((*open_txg, v, id));
         };
-        let out = g.alloc(&mut vd.ms, asize, &ctx, &mut selected);
+        let (holding, n) = placed.holding(v, vd.shift);
+        let activation = Activation::for_copies_on_vdev(n);
+        let out = g.alloc(
+            &mut vd.ms,
+            asize,
+            activation,
+            &holding[..n],
+            &ctx,
+            &mut selected,
+        );
         let (m, off) = out.offset?;
         g.alloc += asize;
         classes[ci].alloc += asize;
@@ -1105,7 +1263,7 @@ impl Pool {
         let c = &mut self.classes[ci];
         if onsync || (!c.throttle_initialized && c.groups > 0) {
             if onsync {
-                c.alloc_io_size = unified::io_size_onsync(c.alloc_io_size, t.metaslab_aliquot);
+                c.alloc_io_size = unified::io_size_onsync(c.alloc_io_size, t.aliquot());
             }
             c.throttle_enabled = !c.is_log && t.zio_dva_throttle_enabled && c.groups > 0;
             c.throttle_initialized = c.groups > 0;
@@ -1134,7 +1292,7 @@ impl Pool {
             space,
             alloc,
             alloc_io_size: c.alloc_io_size,
-            metaslab_aliquot: t.metaslab_aliquot,
+            metaslab_aliquot: t.aliquot(),
             bias_enabled: t.metaslab_bias_enabled,
         };
         c.alloc_max = unified::balance(&mc, &inputs, &mut quotas);
@@ -1148,7 +1306,7 @@ impl Pool {
                 });
                 g.aliquot = q.aliquot;
                 g.queue_target = q.queue_target;
-                g.legacy_aliquot = legacy::group_aliquot(t.metaslab_aliquot, dc);
+                g.legacy_aliquot = legacy::group_aliquot(t.aliquot(), dc);
             }
         }
         c.inputs = inputs;
@@ -1227,6 +1385,42 @@ impl Pool {
             .ok_or(Error::UnknownAllocation(id))?;
         for e in a.extents() {
             self.unplace(e);
+        }
+        self.finish(&a);
+        Ok(())
+    }
+
+    /// The extents of an in-flight allocation.
+    pub fn extents_of(&self, id: AllocationId) -> Result<Vec<Extent>> {
+        self.inflight
+            .get(&id)
+            .map(|a| a.extents().to_vec())
+            .ok_or(Error::UnknownAllocation(id))
+    }
+
+    /// Number allocations from `first` on (the allocator starts each
+    /// generation in its own range, so an id never names two allocations).
+    pub fn start_allocation_ids_at(&mut self, first: AllocationId) {
+        self.next_alloc = self.next_alloc.max(first);
+    }
+
+    /// A lease ended before the commit: release the allocation like an
+    /// abort, but defer its space like a free (`TXG_DEFER_SIZE` syncs), so
+    /// a late writer still holding the extent cannot land on a block that a
+    /// newer allocation placed there. Nothing is persisted: the extents
+    /// were never durable.
+    pub fn expire(&mut self, id: AllocationId) -> Result<()> {
+        let a = self
+            .inflight
+            .remove(&id)
+            .ok_or(Error::UnknownAllocation(id))?;
+        for e in a.extents() {
+            let v = &mut self.vdevs[e.vdev as usize];
+            let m = (e.offset >> v.shift) as u32;
+            let ms = &mut v.ms[m as usize];
+            let ok = ms.freeing.add(e.offset, e.size).is_ok();
+            debug_assert!(ok, "expired extent {e} already free");
+            self.txg.mark_dirty(e.vdev, ms);
         }
         self.finish(&a);
         Ok(())
@@ -1373,9 +1567,19 @@ impl Pool {
         Ok(self.open_txg)
     }
 
-    /// Close the open txg: deferred frees move on, balance is recomputed, and
-    /// exactly what changed is returned.
+    /// `sync_at` the time of the previous sync: for callers without a clock
+    /// (tests); metaslabs then never pass `metaslab_unload_delay_ms`.
     pub fn sync(&mut self) -> TxgSync {
+        self.sync_at(self.now_ms)
+    }
+
+    /// Close the open txg at the caller's time `now_ms` (a clock of its own:
+    /// wall time in the allocator, virtual time in the simulator; never
+    /// read here): deferred frees move on, balance is recomputed, metaslabs
+    /// unload after both delays and the best of each group are preloaded,
+    /// and exactly what changed is returned.
+    pub fn sync_at(&mut self, now_ms: u64) -> TxgSync {
+        self.now_ms = self.now_ms.max(now_ms);
         let txg = self.open_txg;
         let changes = std::mem::take(&mut self.txg.changes);
         self.txg.bytes = 0;
@@ -1423,6 +1627,7 @@ impl Pool {
             refresh_groups(&mut self.vdevs[v as usize], &self.tun);
         }
         self.unload(txg);
+        self.preload();
         self.open_txg += 1;
         for ci in 0..3 {
             self.recount(ci);
@@ -1440,13 +1645,20 @@ impl Pool {
         }
     }
 
-    /// Unload metaslabs not selected for `metaslab_unload_delay` txgs
-    /// (spec §2.10); active and embedded-log metaslabs stay loaded.
+    /// Unload metaslabs not selected for `metaslab_unload_delay` txgs *and*
+    /// `metaslab_unload_delay_ms` (spec §2.10; `metaslab_evict`); active
+    /// and embedded-log metaslabs stay loaded. The LRU is in selection
+    /// order, so the walk stops at the first one too young.
     fn unload(&mut self, txg: Txg) {
         let delay = self.tun.metaslab_unload_delay;
+        let delay_ms = self.tun.metaslab_unload_delay_ms;
         let mut keep = Vec::new();
         while let Some(&(sel, v, m)) = self.lru.first() {
             if txg <= sel.saturating_add(delay) {
+                break;
+            }
+            let sel_ms = self.vdevs[v as usize].ms[m as usize].selected_ms;
+            if self.now_ms < sel_ms.saturating_add(delay_ms) {
                 break;
             }
             self.lru.pop_first();
@@ -1459,6 +1671,39 @@ impl Pool {
             }
         }
         self.lru.extend(keep);
+    }
+
+    /// `metaslab_group_preload` (spec §2.10): after a sync, the first
+    /// `metaslab_preload_limit` metaslabs of each group in tree order are
+    /// loaded off the allocation path, so a data allocation rarely pays a
+    /// load. They join the LRU as selected now.
+    fn preload(&mut self) {
+        if !self.tun.metaslab_preload_enabled || self.tun.metaslab_preload_limit == 0 {
+            return;
+        }
+        let limit = self.tun.metaslab_preload_limit as usize;
+        let (txg, now_ms) = (self.open_txg, self.now_ms);
+        for vd in &mut self.vdevs {
+            let v = vd.id;
+            let groups: Vec<Vec<u32>> = [Some(&vd.mg), vd.log_mg.as_ref()]
+                .into_iter()
+                .flatten()
+                .map(|g| g.members().take(limit).collect())
+                .collect();
+            for id in groups.into_iter().flatten() {
+                let ms = &mut vd.ms[id as usize];
+                if ms.loaded || ms.new {
+                    continue;
+                }
+                ms.loaded = true;
+                if ms.selected_txg != 0 {
+                    self.lru.remove(&(ms.selected_txg, v, id));
+                }
+                ms.selected_txg = txg;
+                ms.selected_ms = now_ms;
+                self.lru.insert((txg, v, id));
+            }
+        }
     }
 
     pub(crate) fn txg_dirty(&self, v: VdevId, m: u32) -> bool {

@@ -54,6 +54,8 @@ pub struct VdevStats {
     pub online: bool,
     pub alloc: u64,
     pub embedded_log_metaslab: Option<u32>,
+    /// Metaslabs loaded (in memory, selectable without a load stall).
+    pub loaded_metaslabs: u32,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -163,6 +165,7 @@ pub(crate) fn pool_stats(pool: &Pool) -> PoolStats {
                 online: v.online,
                 alloc: v.vs_alloc(),
                 embedded_log_metaslab: v.elog,
+                loaded_metaslabs: v.ms.iter().filter(|m| m.loaded).count() as u32,
             })
             .collect(),
     }

@@ -10,7 +10,10 @@ use crate::{Error, Result, ThrottlePolicy, TunableInfo};
 pub struct Tunables {
     /// "unified" | "legacy" | "off".
     pub throttle_policy: ThrottlePolicy,
-    pub metaslab_aliquot: u64,
+    /// `None`: the policy's default — 2 MiB under the unified throttle,
+    /// 1 MiB under legacy (its value before OpenZFS #17020); see
+    /// [`Tunables::aliquot`].
+    pub metaslab_aliquot: Option<u64>,
     pub metaslab_bias_enabled: bool,
     pub metaslab_perf_bias: u8,
     pub zio_dva_throttle_enabled: bool,
@@ -29,7 +32,11 @@ pub struct Tunables {
     pub metaslab_df_use_largest_segment: bool,
     pub zfs_metaslab_switch_threshold: u64,
     pub zfs_metaslab_find_max_tries: u64,
+    pub zfs_metaslab_try_hard_before_gang: bool,
     pub metaslab_unload_delay: u64,
+    pub metaslab_unload_delay_ms: u64,
+    pub metaslab_preload_enabled: bool,
+    pub metaslab_preload_limit: u64,
     pub spa_slop_shift: u64,
     pub zfs_vdev_default_ms_count: u64,
     pub zfs_vdev_min_ms_count: u64,
@@ -39,13 +46,15 @@ pub struct Tunables {
     pub zfs_vdev_async_write_max_active: u64,
     pub zfs_vdev_queue_depth_pct: u64,
     pub zfs_vdev_def_queue_depth: u64,
+    pub spa_num_allocators: u64,
+    pub spa_cpus_per_allocator: u64,
 }
 
 impl Default for Tunables {
     fn default() -> Self {
         Tunables {
             throttle_policy: ThrottlePolicy::Unified,
-            metaslab_aliquot: 2 << 20,
+            metaslab_aliquot: None,
             metaslab_bias_enabled: true,
             metaslab_perf_bias: 1,
             zio_dva_throttle_enabled: true,
@@ -64,7 +73,11 @@ impl Default for Tunables {
             metaslab_df_use_largest_segment: false,
             zfs_metaslab_switch_threshold: 2,
             zfs_metaslab_find_max_tries: 100,
+            zfs_metaslab_try_hard_before_gang: false,
             metaslab_unload_delay: 32,
+            metaslab_unload_delay_ms: 600_000,
+            metaslab_preload_enabled: true,
+            metaslab_preload_limit: 10,
             spa_slop_shift: 5,
             zfs_vdev_default_ms_count: 200,
             zfs_vdev_min_ms_count: 16,
@@ -74,6 +87,8 @@ impl Default for Tunables {
             zfs_vdev_async_write_max_active: 10,
             zfs_vdev_queue_depth_pct: 1000,
             zfs_vdev_def_queue_depth: 32,
+            spa_num_allocators: 4,
+            spa_cpus_per_allocator: 4,
         }
     }
 }
@@ -196,9 +211,39 @@ const DEFS: &[Def] = &[
         description: "buckets a segment weight may drop before switching metaslabs",
     },
     Def {
+        name: "zfs_metaslab_try_hard_before_gang",
+        kind: Kind::Bool,
+        description: "retry ignoring group checks before giving up on any block (otherwise only log blocks and blocks at the minimum size; others fail as FRAGMENTED where OpenZFS would gang)",
+    },
+    Def {
         name: "zfs_metaslab_find_max_tries",
         kind: int(1, 1 << 32),
         description: "metaslabs examined per group before giving up (unless trying hard)",
+    },
+    Def {
+        name: "spa_num_allocators",
+        kind: int(1, 256),
+        description: "most allocators (rotor + aliquot counter) per class; the count is fixed when the pool's CPU count is set",
+    },
+    Def {
+        name: "spa_cpus_per_allocator",
+        kind: int(1, 4096),
+        description: "CPUs per allocator: spa_alloc_count = max(1, min(spa_num_allocators, cpus / this))",
+    },
+    Def {
+        name: "metaslab_unload_delay_ms",
+        kind: int(0, 1 << 40),
+        description: "ms a metaslab also stays loaded after it was last selected (both delays must pass)",
+    },
+    Def {
+        name: "metaslab_preload_enabled",
+        kind: Kind::Bool,
+        description: "after each sync, load the best metaslab_preload_limit metaslabs of each group",
+    },
+    Def {
+        name: "metaslab_preload_limit",
+        kind: int(0, 1 << 20),
+        description: "metaslabs per group preloaded after each sync",
     },
     Def {
         name: "metaslab_unload_delay",
@@ -308,7 +353,6 @@ enum Value {
 impl Tunables {
     fn slot(&mut self, name: &str) -> Option<&mut u64> {
         Some(match name {
-            "metaslab_aliquot" => &mut self.metaslab_aliquot,
             "zfs_embedded_slog_min_ms" => &mut self.zfs_embedded_slog_min_ms,
             "zfs_vdev_async_write_active_min_dirty_percent" => {
                 &mut self.zfs_vdev_async_write_active_min_dirty_percent
@@ -327,6 +371,10 @@ impl Tunables {
             "zfs_metaslab_switch_threshold" => &mut self.zfs_metaslab_switch_threshold,
             "zfs_metaslab_find_max_tries" => &mut self.zfs_metaslab_find_max_tries,
             "metaslab_unload_delay" => &mut self.metaslab_unload_delay,
+            "metaslab_unload_delay_ms" => &mut self.metaslab_unload_delay_ms,
+            "metaslab_preload_limit" => &mut self.metaslab_preload_limit,
+            "spa_num_allocators" => &mut self.spa_num_allocators,
+            "spa_cpus_per_allocator" => &mut self.spa_cpus_per_allocator,
             "spa_slop_shift" => &mut self.spa_slop_shift,
             "zfs_vdev_default_ms_count" => &mut self.zfs_vdev_default_ms_count,
             "zfs_vdev_min_ms_count" => &mut self.zfs_vdev_min_ms_count,
@@ -350,6 +398,8 @@ impl Tunables {
             }
             "zfs_metaslab_segment_weight_enabled" => &mut self.zfs_metaslab_segment_weight_enabled,
             "metaslab_df_use_largest_segment" => &mut self.metaslab_df_use_largest_segment,
+            "zfs_metaslab_try_hard_before_gang" => &mut self.zfs_metaslab_try_hard_before_gang,
+            "metaslab_preload_enabled" => &mut self.metaslab_preload_enabled,
             _ => return None,
         })
     }
@@ -361,6 +411,9 @@ impl Tunables {
         }
         if name == "metaslab_perf_bias" {
             return Some(Value::U64(self.metaslab_perf_bias as u64));
+        }
+        if name == "metaslab_aliquot" {
+            return Some(Value::U64(self.aliquot()));
         }
         if let Some(b) = copy.bool_slot(name) {
             return Some(Value::Bool(*b));
@@ -399,6 +452,8 @@ impl Tunables {
                 }
                 if name == "metaslab_perf_bias" {
                     self.metaslab_perf_bias = n as u8;
+                } else if name == "metaslab_aliquot" {
+                    self.metaslab_aliquot = Some(n);
                 } else {
                     let mut next = self.clone();
                     *next.slot(name).expect("int tunable") = n;
@@ -430,15 +485,35 @@ impl Tunables {
         }
     }
 
-    /// Every tunable with its current value.
+    /// `metaslab_aliquot` in effect: the value set, else the policy's
+    /// default (`metaslab_aliquot` was 1 MiB before #17020 raised it to 2 MiB;
+    /// a legacy pool compares with the real old policy only with 1 MiB).
+    pub fn aliquot(&self) -> u64 {
+        self.metaslab_aliquot.unwrap_or(match self.throttle_policy {
+            ThrottlePolicy::Legacy => 1 << 20,
+            ThrottlePolicy::Unified | ThrottlePolicy::Off => 2 << 20,
+        })
+    }
+
+    /// Every tunable with its current value; defaults are those of the
+    /// throttle policy in effect.
     pub fn list(&self) -> Vec<(TunableInfo, String)> {
-        let defaults = Tunables::default();
+        // metaslab_aliquot's default follows the policy in effect.
+        let defaults = Tunables {
+            throttle_policy: self.throttle_policy,
+            ..Tunables::default()
+        };
+        let policy_default = policy_name(Tunables::default().throttle_policy).to_string();
         DEFS.iter()
             .map(|d| {
                 (
                     TunableInfo {
                         name: d.name,
-                        default: defaults.get(d.name).unwrap_or_default(),
+                        default: if d.name == "throttle_policy" {
+                            policy_default.clone()
+                        } else {
+                            defaults.get(d.name).unwrap_or_default()
+                        },
                         description: d.description,
                     },
                     self.get(d.name).unwrap_or_default(),
@@ -465,7 +540,7 @@ mod tests {
         assert_eq!(t.get("zfs_embedded_slog_min_ms").unwrap(), "64");
         assert_eq!(t.get("throttle_policy").unwrap(), "unified");
         t.set("metaslab_aliquot", "1MiB").unwrap();
-        assert_eq!(t.metaslab_aliquot, 1 << 20);
+        assert_eq!(t.aliquot(), 1 << 20);
         t.set("metaslab_bias_enabled", "false").unwrap();
         assert!(!t.metaslab_bias_enabled);
         t.set("metaslab_perf_bias", "2").unwrap();
@@ -490,10 +565,35 @@ mod tests {
         let list = t.list();
         assert_eq!(list.len(), DEFS.len());
         assert!(list.iter().all(|(i, v)| t.get(i.name).unwrap() == *v));
-        for (info, _) in &list {
+        // Setting each tunable to its listed default changes nothing.
+        for (info, _) in &Tunables::default().list() {
             let mut d = Tunables::default();
             d.set(info.name, &info.default).unwrap();
-            assert_eq!(d, Tunables::default(), "{}", info.name);
+            assert_eq!(d.list(), Tunables::default().list(), "{}", info.name);
         }
+    }
+
+    #[test]
+    fn legacy_defaults_to_the_old_aliquot_unless_set() {
+        let mut t = Tunables::default();
+        assert_eq!(t.aliquot(), 2 << 20);
+        t.set("throttle_policy", "legacy").unwrap();
+        assert_eq!(t.aliquot(), 1 << 20);
+        assert_eq!(t.get("metaslab_aliquot").unwrap(), "1048576");
+        let listed = t.list();
+        let (info, value) = listed
+            .iter()
+            .find(|(i, _)| i.name == "metaslab_aliquot")
+            .unwrap();
+        assert_eq!(
+            (info.default.as_str(), value.as_str()),
+            ("1048576", "1048576")
+        );
+        // Set explicitly, it holds whatever the policy.
+        t.set("metaslab_aliquot", "4MiB").unwrap();
+        t.set("throttle_policy", "unified").unwrap();
+        assert_eq!(t.aliquot(), 4 << 20);
+        t.set("throttle_policy", "legacy").unwrap();
+        assert_eq!(t.aliquot(), 4 << 20);
     }
 }

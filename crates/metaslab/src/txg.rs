@@ -54,6 +54,10 @@ pub fn sync_done(ms: &mut Metaslab, txg: Txg, nodefer: bool) -> u64 {
     } else {
         std::mem::swap(&mut ms.freeing, &mut ms.defer[slot]);
     }
-    ms.has_space_map = true;
+    // A space map exists once something was allocated or freed here (a new
+    // metaslab's first sync writes none: it reads 0 % fragmented).
+    if ms.alloc() > 0 || moved > 0 {
+        ms.has_space_map = true;
+    }
     moved
 }

@@ -251,15 +251,35 @@ fn log_order_log_then_embedded_then_normal() {
     assert_eq!(tiers[..8], [LogTier::EmbeddedLog; 8]);
     // … then the normal class.
     assert_eq!(tiers[8], LogTier::Normal);
-    // Until everything is full: wait for open txg + 2 to sync.
+    // Until everything is full. No sync can help (nothing is freed), so
+    // the answer is no space, not "wait for a txg" forever.
+    let mut last = None;
     let err = loop {
         match place(&mut pool, log(16 << 20), false) {
-            Ok(a) => assert_eq!(a.tier, Some(LogTier::Normal)),
+            Ok(a) => {
+                assert_eq!(a.tier, Some(LogTier::Normal));
+                pool.commit(a.id).unwrap();
+                last = Some(a.extents[0]);
+            }
             Err(e) => break e,
         }
     };
+    assert!(
+        matches!(
+            err,
+            Error::NoSpace {
+                reason: NoSpaceReason::Full | NoSpaceReason::Fragmented { .. },
+                ..
+            }
+        ),
+        "{err}"
+    );
+    // Once a block is freed, the next syncs will make it allocatable:
+    // wait for open txg + 2 to sync (the ZIL's txg_wait_synced).
+    pool.sync();
+    pool.free(&[last.unwrap()]).unwrap();
     assert_eq!(
-        err,
+        place(&mut pool, log(16 << 20), false).unwrap_err(),
         Error::TxgWaitRequired {
             until: pool.open_txg() + 2
         }

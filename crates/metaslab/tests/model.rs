@@ -36,6 +36,7 @@ impl Rng {
 struct VdevModel {
     end: u64,
     ashift: u8,
+    metaslab_shift: u8,
     role: VdevRole,
     /// Embedded log metaslab range.
     elog: Option<(u64, u64)>,
@@ -102,6 +103,9 @@ impl Model {
             ops: 0,
             counts: [0; 8],
         };
+        // 1 to 4 allocators (spa_alloc_count from 1..=16 CPUs).
+        let cpus = 1 + m.rng.below(16);
+        m.pool.set_cpus(cpus);
         let n = 2 + m.rng.below(2);
         for _ in 0..n {
             m.add_vdev();
@@ -121,6 +125,7 @@ impl Model {
                 VdevModel {
                     end: v.metaslab_count as u64 * ms,
                     ashift: v.spec.ashift,
+                    metaslab_shift: v.metaslab_shift,
                     role: v.spec.role,
                     elog: v.embedded_log_metaslab.map(|i| (i as u64 * ms, ms)),
                 }
@@ -185,9 +190,12 @@ impl Model {
                 !overlaps_deferred(&self.deferred, e),
                 "{e} reuses deferred space"
             );
+            // Copies may share a vdev (OpenZFS), never a metaslab.
+            let ms = |x: &Extent| (x.vdev, x.offset >> v.metaslab_shift);
             assert!(
-                a.extents[..i].iter().all(|o| o.vdev != e.vdev),
-                "copies share a vdev"
+                a.extents[..i].iter().all(|o| ms(o) != ms(e)),
+                "copies {:?} share a metaslab",
+                a.extents
             );
             let in_elog = v
                 .elog
@@ -226,10 +234,15 @@ impl Model {
             }
             Err(Error::NoSpace { .. }) => {
                 self.counts[4] += 1;
-                assert_eq!(req.kind, AllocKind::Data)
+                // A log block waits for a sync only while one can help.
+                assert!(
+                    req.kind == AllocKind::Data || self.deferred.is_empty(),
+                    "log NoSpace with frees pending"
+                );
             }
             Err(Error::TxgWaitRequired { until }) => {
                 self.counts[5] += 1;
+                assert!(!self.deferred.is_empty(), "txg wait with nothing deferred");
                 assert_eq!(req.kind, AllocKind::Log);
                 assert_eq!(until, self.pool.open_txg() + TXG_DEFER_SIZE);
             }
@@ -444,6 +457,17 @@ impl Model {
                     .grow_vdev(v, cap + (self.rng.below(4) << 26))
                     .unwrap();
                 self.refresh_vdevs();
+            }
+            (_, 2..=3) => {
+                // Faults and repairs: degraded and faulted vdevs, offline.
+                let v = self.rng.below(self.vdevs.len() as u64) as VdevId;
+                let health = match self.rng.below(4) {
+                    0 => Health::Degraded,
+                    1 => Health::Faulted,
+                    _ => Health::Healthy,
+                };
+                self.pool.set_health(v, health).unwrap();
+                self.pool.set_online(v, self.rng.chance(80)).unwrap();
             }
             (0, _) => self.submit(),
             (1, _) => {

@@ -35,6 +35,7 @@ impl AgentRegistry for Fake {
             vdev: 7,
             pool_guid: 42,
             report_interval_ms: 200,
+            ..Default::default()
         }))
     }
 
@@ -55,7 +56,7 @@ impl AgentRegistry for Fake {
                     m = inbound.message() => match m {
                         Ok(Some(r)) => {
                             reports.lock().unwrap().push(r);
-                            let ack = ReportAck { health: VdevHealth::Healthy as i32, online: true };
+                            let ack = ReportAck { health: VdevHealth::Healthy as i32, online: true, ..Default::default() };
                             if tx.send(Ok(ack)).await.is_err() {
                                 return;
                             }

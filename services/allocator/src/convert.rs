@@ -17,8 +17,11 @@ pub fn unix_ms() -> u64 {
 
 pub fn alloc_kind(class: i32) -> Result<AllocKind> {
     match pb::AllocationClass::try_from(class) {
-        // proto3's default: an unset class is a data allocation.
-        Ok(pb::AllocationClass::Unspecified) | Ok(pb::AllocationClass::Data) => Ok(AllocKind::Data),
+        // An unset class is a client bug, not a guess at DATA.
+        Ok(pb::AllocationClass::Unspecified) => Err(Error::InvalidArgument(
+            "allocation class is unset: ask for DATA=1 or LOG=2".into(),
+        )),
+        Ok(pb::AllocationClass::Data) => Ok(AllocKind::Data),
         Ok(pb::AllocationClass::Log) => Ok(AllocKind::Log),
         Err(_) => Err(Error::InvalidArgument(format!(
             "unknown allocation class {class} (expected DATA=1 or LOG=2)"
@@ -209,5 +212,14 @@ pub fn pool_status(shared: &Shared, g: &Inner) -> pb::PoolStatus {
         vdevs,
         slop_space: stats.slop,
         time_ms: unix_ms(),
+        generation: shared.fencing.generation,
+        claim_window_remaining_ms: shared.claim_window_remaining().as_millis() as u64,
+        max_lease_ms: shared.settings.max_lease.as_millis() as u64,
     }
+}
+
+/// Unix ms of a monotonic deadline.
+pub fn deadline_unix_ms(deadline: std::time::Instant) -> u64 {
+    let left = deadline.saturating_duration_since(std::time::Instant::now());
+    unix_ms().saturating_add(left.as_millis() as u64)
 }

@@ -1,7 +1,17 @@
 //! The allocator's errors, and their one mapping to `tonic::Status` at the
-//! gRPC edge: each code tells an operator what to do next.
+//! gRPC edge: each code tells an operator what to do next, and each status
+//! carries a `google.rpc.ErrorInfo` whose reason (an `ErrorReason` name of
+//! the proto) a client can branch and retry on.
 
+use std::collections::HashMap;
+
+use aliquot_proto::v1::ErrorReason;
+use metaslab::{NoSpaceReason, Txg};
 use tonic::{Code, Status};
+use tonic_types::{ErrorDetails, StatusExt};
+
+/// The ErrorInfo domain of every reason.
+pub const DOMAIN: &str = "aliquot.v1";
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -14,10 +24,50 @@ pub enum Error {
     NotFound(String),
     #[error("{0}")]
     FailedPrecondition(String),
+    /// A registration or report that conflicts with what the pool knows.
+    #[error("{0}")]
+    VdevConflict(String),
+    #[error(
+        "allocation {0}'s lease expired before its commit: it was aborted and its space deferred; \
+         allocate again and rewrite the block"
+    )]
+    LeaseExpired(u64),
+    #[error(
+        "the allocator restarted (generation {current}, you saw {seen}) before txg {txg} synced; \
+         the last txg synced in generation {seen} is {synced}: re-assert what you wrote after it \
+         with Claim (the claim window is open for {window_ms} ms)"
+    )]
+    AllocatorRestarted {
+        seen: u64,
+        current: u64,
+        txg: Txg,
+        synced: Txg,
+        window_ms: u64,
+    },
+    #[error(
+        "generation {seen} is newer than this allocator's ({current}): another allocator serves this pool?"
+    )]
+    GenerationAhead { seen: u64, current: u64 },
+    #[error(
+        "claim of {requested} overlaps allocated extents {} and is not exactly one of them: \
+         a claim names exactly the extent it was given",
+        fmt_extents(.overlapping)
+    )]
+    ClaimOverlaps {
+        requested: metaslab::Extent,
+        overlapping: Vec<metaslab::Extent>,
+    },
     #[error("the allocator is shutting down; retry against its successor")]
     ShuttingDown,
     #[error("store: {0}")]
     Store(String),
+}
+
+fn fmt_extents(v: &[metaslab::Extent]) -> String {
+    v.iter()
+        .map(|e| e.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -41,6 +91,10 @@ impl Error {
                 M::NotAllocated(_) | M::PartlyAllocated(_) | M::ClaimConflict { .. } => {
                     Code::FailedPrecondition
                 }
+                M::NoSpace {
+                    reason: NoSpaceReason::VdevsOffline,
+                    ..
+                } => Code::Unavailable,
                 M::NoSpace { .. } => Code::ResourceExhausted,
                 M::TxgWaitRequired { .. } => Code::Unavailable,
                 M::NotAdmitted(_) | M::Inconsistent(_) => Code::Internal,
@@ -48,14 +102,117 @@ impl Error {
             Error::InvalidArgument(_) => Code::InvalidArgument,
             Error::NotFound(_) => Code::NotFound,
             Error::FailedPrecondition(_) => Code::FailedPrecondition,
+            Error::VdevConflict(_) | Error::ClaimOverlaps { .. } => Code::FailedPrecondition,
+            Error::LeaseExpired(_) | Error::AllocatorRestarted { .. } => Code::Aborted,
+            Error::GenerationAhead { .. } => Code::FailedPrecondition,
             Error::ShuttingDown => Code::Unavailable,
             Error::Store(_) => Code::Internal,
         }
+    }
+
+    /// The machine-readable reason and the values a client needs.
+    pub fn reason(&self) -> (ErrorReason, Vec<(&'static str, String)>) {
+        use metaslab::Error as M;
+        match self {
+            Error::Pool(e) => match e {
+                M::ZeroSize
+                | M::TooLarge(_)
+                | M::BadCopies(_)
+                | M::Misaligned(_)
+                | M::OutOfRange(_)
+                | M::BadTunableValue { .. }
+                | M::BadVdev(_) => (ErrorReason::InvalidArgument, vec![]),
+                M::UnknownAllocation(id) => (
+                    ErrorReason::UnknownAllocation,
+                    vec![("allocation_id", id.to_string())],
+                ),
+                M::UnknownVdev(_) | M::UnknownTicket(_) | M::UnknownTunable(_) => {
+                    (ErrorReason::NotFound, vec![])
+                }
+                M::NotAllocated(e) | M::PartlyAllocated(e) => {
+                    (ErrorReason::NotAllocated, vec![("extent", e.to_string())])
+                }
+                M::ClaimConflict {
+                    requested,
+                    conflicting,
+                } => (
+                    ErrorReason::ClaimConflict,
+                    vec![
+                        ("requested", requested.to_string()),
+                        ("conflicting", conflicting.to_string()),
+                    ],
+                ),
+                M::NoSpace { reason, .. } => match reason {
+                    NoSpaceReason::VdevsOffline => (ErrorReason::VdevsOffline, vec![]),
+                    NoSpaceReason::Full => (ErrorReason::NoSpace, vec![]),
+                    NoSpaceReason::Fragmented { largest_free } => (
+                        ErrorReason::Fragmented,
+                        vec![("largest_free", largest_free.to_string())],
+                    ),
+                },
+                M::TxgWaitRequired { until } => {
+                    (ErrorReason::TxgWait, vec![("until", until.to_string())])
+                }
+                M::NotAdmitted(_) | M::Inconsistent(_) => (ErrorReason::Internal, vec![]),
+            },
+            Error::InvalidArgument(_) => (ErrorReason::InvalidArgument, vec![]),
+            Error::NotFound(_) => (ErrorReason::NotFound, vec![]),
+            Error::FailedPrecondition(_) => (ErrorReason::GenerationMismatch, vec![]),
+            Error::VdevConflict(_) => (ErrorReason::VdevConflict, vec![]),
+            Error::ClaimOverlaps {
+                requested,
+                overlapping,
+            } => (
+                ErrorReason::ClaimConflict,
+                vec![
+                    ("requested", requested.to_string()),
+                    ("conflicting", fmt_extents(overlapping)),
+                ],
+            ),
+            Error::LeaseExpired(id) => (
+                ErrorReason::LeaseExpired,
+                vec![("allocation_id", id.to_string())],
+            ),
+            Error::AllocatorRestarted {
+                seen,
+                current,
+                txg,
+                synced,
+                window_ms,
+            } => (
+                ErrorReason::AllocatorRestarted,
+                vec![
+                    ("seen_generation", seen.to_string()),
+                    ("generation", current.to_string()),
+                    ("txg", txg.to_string()),
+                    ("synced_txg", synced.to_string()),
+                    ("claim_window_remaining_ms", window_ms.to_string()),
+                ],
+            ),
+            Error::GenerationAhead { current, .. } => (
+                ErrorReason::GenerationMismatch,
+                vec![("generation", current.to_string())],
+            ),
+            Error::ShuttingDown => (ErrorReason::ShuttingDown, vec![]),
+            Error::Store(_) => (ErrorReason::Store, vec![]),
+        }
+    }
+
+    /// The reason's proto name (ErrorInfo.reason, StreamError.reason).
+    pub fn reason_name(&self) -> &'static str {
+        self.reason().0.as_str_name()
     }
 }
 
 impl From<Error> for Status {
     fn from(e: Error) -> Status {
-        Status::new(e.code(), e.to_string())
+        let (reason, meta) = e.reason();
+        let metadata: HashMap<String, String> =
+            meta.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+        Status::with_error_details(
+            e.code(),
+            e.to_string(),
+            ErrorDetails::with_error_info(reason.as_str_name(), DOMAIN, metadata),
+        )
     }
 }

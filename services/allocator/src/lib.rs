@@ -6,8 +6,10 @@
 //! start, print `LISTEN grpc <addr>`, serve until SIGINT/SIGTERM.
 //! The policy lives in `crates/metaslab`; this crate waits, wakes and times.
 
+pub mod claim;
 pub mod convert;
 pub mod error;
+pub mod lock;
 pub mod metrics_push;
 pub mod recovery;
 pub mod registry;
@@ -78,14 +80,27 @@ pub struct Config {
     pub pool_guid: Option<u64>,
     /// Close the open txg early once its committed allocations, claims and
     /// frees pass this many bytes (as OpenZFS syncs early on dirty data).
+    /// Also the `zfs_dirty_data_max` of the perf-bias busy rule: the pool is
+    /// busy past 45 % of it in the open and syncing txgs.
     #[arg(long, env = "ALIQUOT_TXG_DIRTY_MAX", default_value = "1GiB", value_parser = units::size_arg)]
     pub txg_dirty_max: u64,
     /// Close the open txg after this long (OpenZFS zfs_txg_timeout).
     #[arg(long, env = "ALIQUOT_ZFS_TXG_TIMEOUT", default_value = "5s", value_parser = units::duration_arg)]
     pub zfs_txg_timeout: Duration,
-    /// Default lease: an allocation not committed within it is aborted.
+    /// Default lease: an allocation not committed within it is aborted (and
+    /// its space deferred like a free, so a late writer cannot land on a
+    /// block given to someone else).
     #[arg(long, env = "ALIQUOT_LEASE", default_value = "30s", value_parser = units::duration_arg)]
     pub lease: Duration,
+    /// The longest lease a client may ask for (Allocate lease_ms, RenewLease);
+    /// longer requests are refused.
+    #[arg(long, env = "ALIQUOT_MAX_LEASE", default_value = "5min", value_parser = units::duration_arg)]
+    pub max_lease: Duration,
+    /// After a restart, how long Claim is served before Allocate may place
+    /// anything (clients re-assert what they wrote after the last synced txg,
+    /// as ZFS claims its intent log at import). 0 disables it.
+    #[arg(long, env = "ALIQUOT_CLAIM_WINDOW", default_value = "10s", value_parser = units::duration_arg)]
+    pub claim_window: Duration,
     /// Admission throttle policy.
     #[arg(long, env = "ALIQUOT_THROTTLE_POLICY", value_enum, default_value_t = ThrottlePolicyArg::Unified)]
     pub throttle_policy: ThrottlePolicyArg,
@@ -172,6 +187,13 @@ fn validate(c: &Config) -> Result<Validated, ConfigError> {
     };
     nonzero("zfs-txg-timeout", txg_timeout)?;
     nonzero("lease", c.lease)?;
+    nonzero("max-lease", c.max_lease)?;
+    if c.lease > c.max_lease {
+        return Err(ConfigError(format!(
+            "--lease ({:?}) must not exceed --max-lease ({:?})",
+            c.lease, c.max_lease
+        )));
+    }
     nonzero("snapshot-interval", c.snapshot_interval)?;
     nonzero("report-interval", c.report_interval)?;
     if c.txg_dirty_max == 0 {
@@ -270,8 +292,25 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
         report_interval: config.report_interval,
         txg_timeout_us: AtomicU64::new(v.txg_timeout.as_micros() as u64),
         txg_dirty_max: config.txg_dirty_max,
+        max_lease: config.max_lease,
     };
-    let shared = Shared::new(pool, settings, pool_guid, store, synced);
+    let generation = store.open_generation().await?;
+    let history = store.generation_history().await?;
+    // A restarted pool (one the store already held) opens with a claim
+    // window; a new one has nothing to claim.
+    let restarted = guid.is_some();
+    let fencing = state::Fencing {
+        generation,
+        synced_at_open: synced,
+        claim_window_until: (restarted && !config.claim_window.is_zero())
+            .then(|| Instant::now() + config.claim_window),
+        history,
+    };
+    if restarted {
+        tracing::info!(generation, synced_txg = synced, claim_window = ?config.claim_window,
+            "claim window open: Claim is served, Allocate waits");
+    }
+    let shared = Shared::new(pool, settings, pool_guid, fencing, store, synced);
     if let Some((_, vdevs)) = guid {
         // Known vdevs come back silent until their agents report.
         let now = Instant::now();
@@ -291,6 +330,8 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
                     last_report_at: None,
                     silent: false,
                     reported_health: metaslab::Health::Healthy,
+                    stalled_reports: 0,
+                    stalled: false,
                 },
             );
         }
@@ -429,6 +470,9 @@ pub async fn shutdown_signal() {
 pub async fn run(config: Config) -> anyhow::Result<()> {
     // Refuse bad flags before touching the store.
     validate(&config)?;
+    // One owner per store, for this process's lifetime (released by the
+    // kernel however it ends).
+    let _lock = lock::DataDirLock::acquire(&config.data_dir)?;
     let path = config.data_dir.join(sqlite_store::DB_FILE);
     let store = match SqliteStore::open(&path, &config.pool, config.pool_guid).await {
         Ok(s) => Arc::new(s),

@@ -26,6 +26,38 @@ pub struct RegistryService {
     pub shared: Arc<Shared>,
 }
 
+/// Grow vdev `vdev` to `capacity` (ExpandVdev): refused beyond what the
+/// store reopens or below the current capacity; the new record goes out with
+/// the open txg, which is returned (the caller waits for it to sync).
+pub fn expand(g: &mut Inner, vdev: VdevId, capacity: u64) -> Result<Option<metaslab::Txg>> {
+    let current = vdev_capacity(g, vdev).ok_or(metaslab::Error::UnknownVdev(vdev))?;
+    if capacity > metaslab::pool::MAX_VDEV_CAPACITY {
+        return Err(Error::InvalidArgument(format!(
+            "capacity {capacity} bytes is above the largest vdev ({} bytes)",
+            metaslab::pool::MAX_VDEV_CAPACITY
+        )));
+    }
+    if capacity < current {
+        return Err(Error::FailedPrecondition(format!(
+            "vdev {vdev} cannot shrink from {current} to {capacity} bytes"
+        )));
+    }
+    if capacity == current {
+        return Ok(None);
+    }
+    g.pool.grow_vdev(vdev, capacity)?;
+    if let Some(rec) = record_of(g, vdev) {
+        g.pending_vdevs.push(rec);
+    }
+    g.wake_admitted();
+    g.event(
+        "vdev_expand",
+        vdev,
+        format!("{current} -> {capacity} bytes (administrative)"),
+    );
+    Ok(Some(g.pool.open_txg()))
+}
+
 fn record_of(g: &Inner, id: VdevId) -> Option<VdevRecord> {
     let info = g.vdevs.get(&id)?;
     let stats = g.pool.stats();
@@ -74,6 +106,106 @@ fn mark_alive(g: &mut Inner, id: VdevId, now: Instant, why: &str) {
     }
 }
 
+/// Longest vdev name (the store and every table must hold it).
+pub const MAX_NAME_LEN: usize = 128;
+
+/// Check a registration by the store's own rules before anything is
+/// persisted (the pool's `add_vdev` then checks the metaslab sizing).
+fn validate_registration(r: &pb::RegisterRequest) -> Result<()> {
+    let bad = |m: String| Err(Error::InvalidArgument(m));
+    if r.capacity == 0 {
+        return bad("capacity must be above 0 bytes".into());
+    }
+    if r.capacity > metaslab::pool::MAX_VDEV_CAPACITY {
+        return bad(format!(
+            "capacity {} bytes is above the largest vdev ({} bytes)",
+            r.capacity,
+            metaslab::pool::MAX_VDEV_CAPACITY
+        ));
+    }
+    if !(9..=16).contains(&r.ashift) {
+        return bad(format!("ashift {} is out of range (9 ..= 16)", r.ashift));
+    }
+    if r.children > 255 {
+        return bad(format!(
+            "children {} is out of range (1 ..= 255)",
+            r.children
+        ));
+    }
+    if r.parity > 3 || r.parity >= r.children.max(1) {
+        return bad(format!(
+            "parity {} must be at most 3 and leave a data child of {}",
+            r.parity,
+            r.children.max(1)
+        ));
+    }
+    if r.name.is_empty() || r.name.len() > MAX_NAME_LEN {
+        return bad(format!(
+            "name must be 1 ..= {MAX_NAME_LEN} bytes (got {})",
+            r.name.len()
+        ));
+    }
+    if let Some(c) = r
+        .name
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || "-_.:/@+".contains(*c)))
+    {
+        return bad(format!(
+            "name {:?} has the character {c:?}; use letters, digits and - _ . : / @ +",
+            r.name.chars().take(40).collect::<String>()
+        ));
+    }
+    if !matches!(r.backend.as_str(), "" | "file" | "sim") {
+        return bad(format!("backend {:?} is not file or sim", r.backend));
+    }
+    Ok(())
+}
+
+/// Reports that show writes queued at the device but none completing for
+/// `STALLED_REPORTS` reports in a row: the agent's device is hung. The
+/// vdev stops taking allocations (health Unavailable) until it drains.
+pub const STALLED_REPORTS: u32 = 2;
+
+fn stall_check(g: &mut Inner, id: VdevId) {
+    let Some(info) = g.vdevs.get_mut(&id) else {
+        return;
+    };
+    let (Some(last), Some((_, prev))) = (&info.last_report, &info.prev_report) else {
+        return;
+    };
+    let stuck = last.queue_depth_ios > 0
+        && last.writes == prev.writes
+        && last.bytes_written == prev.bytes_written;
+    if stuck {
+        info.stalled_reports += 1;
+    } else {
+        info.stalled_reports = 0;
+    }
+    let stalled = info.stalled_reports >= STALLED_REPORTS;
+    let health = info.reported_health;
+    let depth = last.queue_depth_ios;
+    if stalled && !info.stalled {
+        info.stalled = true;
+        let _ = g.pool.set_health(id, Health::Unavailable);
+        g.event(
+            "vdev_stalled",
+            id,
+            format!("{depth} writes queued, none completing"),
+        );
+        tracing::warn!(
+            vdev = id,
+            queued = depth,
+            "vdev stalled: its queue is not draining; not allocating there"
+        );
+    } else if !stalled && info.stalled {
+        info.stalled = false;
+        let _ = g.pool.set_health(id, health);
+        g.wake_admitted();
+        g.event("vdev_online", id, "queue draining again".into());
+        tracing::info!(vdev = id, "vdev draining again");
+    }
+}
+
 impl RegistryService {
     async fn register_inner(&self, r: pb::RegisterRequest) -> Result<pb::RegisterReply> {
         let (reply, wait_for) = self.register_locked(r)?;
@@ -102,28 +234,32 @@ impl RegistryService {
                 "endpoint {endpoint:?} is not a URL such as http://127.0.0.1:7001"
             )));
         }
-        if r.capacity == 0 {
-            return Err(Error::InvalidArgument(
-                "capacity must be above 0 bytes".into(),
-            ));
-        }
-        if r.ashift > 24 {
-            return Err(Error::InvalidArgument(format!(
-                "ashift {} is out of range (9 ..= 16 expected)",
-                r.ashift
-            )));
-        }
+        validate_registration(&r)?;
         let now = Instant::now();
         let reply = |vdev| pb::RegisterReply {
             vdev,
             pool_guid: self.shared.pool_guid,
             report_interval_ms: self.shared.settings.report_interval.as_millis() as u32,
+            generation: self.shared.fencing.generation,
         };
         let mut g = self.shared.lock();
         if let Some(&id) = g.by_guid.get(&r.device_guid) {
             if let Some(owner) = endpoint_owner(&g, &endpoint, Some(id)) {
-                return Err(Error::FailedPrecondition(format!(
+                return Err(Error::VdevConflict(format!(
                     "endpoint {endpoint} belongs to live vdev {owner}; a different device cannot take it over"
+                )));
+            }
+            // While the device's agent reports from its endpoint, nobody
+            // moves the device elsewhere (that would redirect its writes).
+            if let Some(info) = g.vdevs.get(&id)
+                && !info.silent
+                && info.last_report.is_some()
+                && info.endpoint != endpoint
+            {
+                return Err(Error::VdevConflict(format!(
+                    "device {:#x} is vdev {id}, live at {}; it cannot move to {endpoint} while \
+                     its agent there keeps reporting (stop that agent first)",
+                    r.device_guid, info.endpoint
                 )));
             }
             let mut changed = false;
@@ -151,7 +287,7 @@ impl RegistryService {
         // endpoint by re-registering from elsewhere.
         if let Some((&owner, v)) = g.vdevs.iter().find(|(_, v)| v.endpoint == endpoint) {
             let state = if v.silent { "silent" } else { "live" };
-            return Err(Error::FailedPrecondition(format!(
+            return Err(Error::VdevConflict(format!(
                 "endpoint {endpoint} belongs to {state} vdev {owner} (device guid {:#x}); a different device (guid {:#x}) cannot take it over",
                 v.guid, r.device_guid
             )));
@@ -183,6 +319,8 @@ impl RegistryService {
                 last_report_at: None,
                 silent: false,
                 reported_health: Health::Healthy,
+                stalled_reports: 0,
+                stalled: false,
             },
         );
         g.by_guid.insert(r.device_guid, id);
@@ -234,22 +372,22 @@ impl RegistryService {
                 tracing::info!(vdev = id, ?health, "vdev health changed");
             }
         }
+        // A report never grows a vdev: growth is a re-registration by the
+        // agent that owns the device (its label proves it).
         if vdev_capacity(&g, id).is_some_and(|c| capacity > c) {
-            match g.pool.grow_vdev(id, capacity) {
-                Ok(()) => {
-                    tracing::info!(vdev = id, capacity, "vdev grew");
-                    if let Some(rec) = record_of(&g, id) {
-                        g.pending_vdevs.push(rec);
-                    }
-                }
-                Err(e) => tracing::warn!(vdev = id, capacity, error = %e, "vdev growth refused"),
-            }
+            tracing::debug!(
+                vdev = id,
+                capacity,
+                "report of a larger capacity ignored; re-register to grow"
+            );
         }
+        stall_check(&mut g, id);
         let stats = g.pool.stats();
         let v = stats.vdevs.iter().find(|v| v.id == id);
         Ok(pb::ReportAck {
             health: convert::health_to_pb(v.map_or(Health::Unavailable, |v| v.health)) as i32,
             online: v.is_some_and(|v| v.online),
+            generation: self.shared.fencing.generation,
         })
     }
 }

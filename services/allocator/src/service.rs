@@ -33,11 +33,7 @@ pub struct AllocatorService {
 fn parse_request(shared: &Shared, r: &pb::AllocateRequest) -> Result<(AllocRequest, Duration)> {
     let kind = convert::alloc_kind(r.class)?;
     let copies = convert::copies(r.copies)?;
-    let lease = if r.lease_ms == 0 {
-        shared.settings.default_lease
-    } else {
-        Duration::from_millis(r.lease_ms as u64)
-    };
+    let lease = shared.lease(r.lease_ms)?;
     Ok((
         AllocRequest {
             kind,
@@ -48,7 +44,13 @@ fn parse_request(shared: &Shared, r: &pb::AllocateRequest) -> Result<(AllocReque
     ))
 }
 
-fn allocate_reply(a: &Allocation, endpoints: Vec<String>, waited: Duration) -> pb::AllocateReply {
+fn allocate_reply(
+    shared: &Shared,
+    a: &Allocation,
+    endpoints: Vec<String>,
+    deadline: Instant,
+    waited: Duration,
+) -> pb::AllocateReply {
     pb::AllocateReply {
         allocation_id: a.id,
         extents: a.extents.iter().map(convert::extent_to_pb).collect(),
@@ -56,6 +58,8 @@ fn allocate_reply(a: &Allocation, endpoints: Vec<String>, waited: Duration) -> p
         tier: convert::tier(a.tier) as i32,
         throttle_wait_us: waited.as_micros() as u64,
         endpoints,
+        generation: shared.fencing.generation,
+        lease_deadline_ms: convert::deadline_unix_ms(deadline),
     }
 }
 
@@ -98,6 +102,9 @@ pub fn parse_txg_timeout(v: &str) -> Result<Duration> {
 impl AllocatorService {
     async fn commit_inner(&self, r: pb::CommitRequest) -> Result<pb::CommitReply> {
         self.shared.check_serving()?;
+        // Ids of another generation name nothing here (they were lost with
+        // the restart): say so rather than "unknown allocation".
+        self.shared.check_generation(r.generation, 0)?;
         let txg = {
             let mut g = self.shared.lock();
             let txg = g.commit(&r.allocation_ids)?;
@@ -110,7 +117,21 @@ impl AllocatorService {
         } else {
             self.shared.synced_txg() >= txg
         };
-        Ok(pb::CommitReply { txg, synced })
+        Ok(pb::CommitReply {
+            txg,
+            synced,
+            generation: self.shared.fencing.generation,
+        })
+    }
+
+    fn renew_inner(&self, r: &pb::RenewLeaseRequest) -> Result<pb::RenewLeaseReply> {
+        self.shared.check_serving()?;
+        let lease = self.shared.lease(r.lease_ms)?;
+        let deadline = self.shared.lock().renew(&r.allocation_ids, lease)?;
+        Ok(pb::RenewLeaseReply {
+            lease_deadline_ms: convert::deadline_unix_ms(deadline),
+            generation: self.shared.fencing.generation,
+        })
     }
 
     fn abort_inner(&self, r: &pb::AbortRequest) -> Result<pb::AbortReply> {
@@ -155,6 +176,7 @@ async fn stream_op(
         pb::stream_reply::Result::Error(pb::StreamError {
             code: e.code() as i32,
             message: e.to_string(),
+            reason: e.reason_name().to_string(),
         })
     };
     use pb::stream_request::Op;
@@ -177,13 +199,49 @@ async fn stream_op(
                 tier = tracing::field::Empty,
             );
             let _e = span.enter();
+            if !svc.shared.claim_window_remaining().is_zero() {
+                // After a restart: wait out the claim window off the stream.
+                drop(_e);
+                let shared = svc.shared.clone();
+                let out = out.clone();
+                tokio::spawn(
+                    async move {
+                        let res = match parse_request(&shared, &r) {
+                            Ok((areq, lease)) => tokio::select! {
+                                biased;
+                                r = shared.allocate(areq, lease) => r,
+                                _ = out.closed() => return,
+                            },
+                            Err(e) => Err(e),
+                        };
+                        let result = match res {
+                            Ok((a, eps, deadline, waited)) => {
+                                record_allocation(&Span::current(), &a, waited);
+                                pb::stream_reply::Result::Allocate(allocate_reply(
+                                    &shared, &a, eps, deadline, waited,
+                                ))
+                            }
+                            Err(e) => err(e),
+                        };
+                        let _ = out.send(Ok(reply(result))).await;
+                    }
+                    .instrument(span.clone()),
+                );
+                return;
+            }
             let begun = parse_request(&svc.shared, &r)
                 .and_then(|(areq, lease)| Ok((svc.shared.begin_allocate(areq, lease)?, lease)));
             match begun {
                 Err(e) => err(e),
-                Ok((Begun::Placed(a, eps), _)) => {
+                Ok((Begun::Placed(a, eps, deadline), _)) => {
                     record_allocation(&span, &a, Duration::ZERO);
-                    pb::stream_reply::Result::Allocate(allocate_reply(&a, eps, Duration::ZERO))
+                    pb::stream_reply::Result::Allocate(allocate_reply(
+                        &svc.shared,
+                        &a,
+                        eps,
+                        deadline,
+                        Duration::ZERO,
+                    ))
                 }
                 Ok((Begun::Queued(ticket, rx), lease)) => {
                     let shared = svc.shared.clone();
@@ -199,11 +257,11 @@ async fn stream_op(
                                 _ = out.closed() => return,
                             };
                             let result = match res {
-                                Ok((a, eps)) => {
+                                Ok((a, eps, deadline)) => {
                                     record_allocation(&Span::current(), &a, start.elapsed());
                                     let id_a = a.id;
                                     let msg = reply(pb::stream_reply::Result::Allocate(
-                                        allocate_reply(&a, eps, start.elapsed()),
+                                        allocate_reply(&shared, &a, eps, deadline, start.elapsed()),
                                     ));
                                     if out.send(Ok(msg)).await.is_err() {
                                         // Nobody will write or commit it.
@@ -251,6 +309,7 @@ async fn stream_op(
             );
             let _e = span.enter();
             let res = svc.shared.check_serving().and_then(|_| {
+                svc.shared.check_generation(r.generation, 0)?;
                 let txg = {
                     let mut g = svc.shared.lock();
                     let txg = g.commit(&r.allocation_ids)?;
@@ -261,6 +320,7 @@ async fn stream_op(
                 Ok(pb::CommitReply {
                     txg,
                     synced: svc.shared.synced_txg() >= txg,
+                    generation: svc.shared.fencing.generation,
                 })
             });
             match res {
@@ -278,6 +338,16 @@ async fn stream_op(
             Ok(a) => pb::stream_reply::Result::Abort(a),
             Err(e) => err(e),
         },
+        Some(Op::Renew(r)) => match tracing::info_span!(
+            "stream.renew",
+            request_id = id,
+            ids = r.allocation_ids.len()
+        )
+        .in_scope(|| svc.renew_inner(&r))
+        {
+            Ok(a) => pb::stream_reply::Result::Renew(a),
+            Err(e) => err(e),
+        },
     };
     let _ = out.send(Ok(reply(result))).await;
 }
@@ -293,9 +363,15 @@ impl Allocator for AllocatorService {
         req: Request<pb::AllocateRequest>,
     ) -> Result<Response<pb::AllocateReply>, Status> {
         let (areq, lease) = parse_request(&self.shared, req.get_ref())?;
-        let (a, eps, waited) = self.shared.allocate(areq, lease).await?;
+        let (a, eps, deadline, waited) = self.shared.allocate(areq, lease).await?;
         record_allocation(&Span::current(), &a, waited);
-        Ok(Response::new(allocate_reply(&a, eps, waited)))
+        Ok(Response::new(allocate_reply(
+            &self.shared,
+            &a,
+            eps,
+            deadline,
+            waited,
+        )))
     }
 
     type AllocateStreamStream = BoxStream<pb::StreamReply>;
@@ -349,18 +425,29 @@ impl Allocator for AllocatorService {
         Ok(Response::new(self.abort_inner(req.get_ref())?))
     }
 
+    #[tracing::instrument(skip_all, fields(ids = req.get_ref().allocation_ids.len()))]
+    async fn renew_lease(
+        &self,
+        req: Request<pb::RenewLeaseRequest>,
+    ) -> Result<Response<pb::RenewLeaseReply>, Status> {
+        Ok(Response::new(self.renew_inner(req.get_ref())?))
+    }
+
     #[tracing::instrument(skip_all, fields(extents = req.get_ref().extents.len(), txg))]
     async fn free(&self, req: Request<pb::FreeRequest>) -> Result<Response<pb::FreeReply>, Status> {
         self.shared.check_serving()?;
         let extents = convert::extents_from_pb(&req.get_ref().extents)?;
         let txg = {
             let mut g = self.shared.lock();
-            let txg = g.pool.free(&extents).map_err(Error::from)?;
+            let txg = g.free(&extents)?;
             self.shared.kick_if_dirty(&g);
             txg
         };
         Span::current().record("txg", txg);
-        Ok(Response::new(pb::FreeReply { txg }))
+        Ok(Response::new(pb::FreeReply {
+            txg,
+            generation: self.shared.fencing.generation,
+        }))
     }
 
     #[tracing::instrument(skip_all, fields(extents = req.get_ref().extents.len(), txg))]
@@ -370,16 +457,20 @@ impl Allocator for AllocatorService {
     ) -> Result<Response<pb::ClaimReply>, Status> {
         self.shared.check_serving()?;
         let extents = convert::extents_from_pb(&req.get_ref().extents)?;
-        // Free space is claimed; space allocated exactly so is already
-        // theirs; anything else fails naming the conflicting extent.
+        // Free space is claimed; space allocated as exactly that extent is
+        // already theirs; anything else fails naming what it overlaps.
+        crate::claim::check_exact(&self.shared, &extents).await?;
         let txg = {
             let mut g = self.shared.lock();
-            let txg = g.pool.claim(&extents).map_err(Error::from)?;
+            let txg = g.claim(&extents)?;
             self.shared.kick_if_dirty(&g);
             txg
         };
         Span::current().record("txg", txg);
-        Ok(Response::new(pb::ClaimReply { txg }))
+        Ok(Response::new(pb::ClaimReply {
+            txg,
+            generation: self.shared.fencing.generation,
+        }))
     }
 
     #[tracing::instrument(skip_all, fields(txg = req.get_ref().txg, synced_txg))]
@@ -388,6 +479,8 @@ impl Allocator for AllocatorService {
         req: Request<pb::SyncTxgRequest>,
     ) -> Result<Response<pb::SyncTxgReply>, Status> {
         self.shared.check_serving()?;
+        self.shared
+            .check_generation(req.get_ref().generation, req.get_ref().txg)?;
         let open = self.shared.lock().pool.open_txg();
         let txg = match req.get_ref().txg {
             0 => open,
@@ -402,7 +495,10 @@ impl Allocator for AllocatorService {
         };
         let synced = self.shared.wait_synced(txg).await?;
         Span::current().record("synced_txg", synced);
-        Ok(Response::new(pb::SyncTxgReply { synced_txg: synced }))
+        Ok(Response::new(pb::SyncTxgReply {
+            synced_txg: synced,
+            generation: self.shared.fencing.generation,
+        }))
     }
 
     #[tracing::instrument(skip_all)]
@@ -527,6 +623,29 @@ impl Allocator for AllocatorService {
                 .map(|(i, _)| i.description.to_string())
                 .unwrap_or_default(),
         }))
+    }
+
+    #[tracing::instrument(skip_all, fields(vdev = req.get_ref().vdev, capacity = req.get_ref().capacity))]
+    async fn expand_vdev(
+        &self,
+        req: Request<pb::ExpandVdevRequest>,
+    ) -> Result<Response<pb::VdevStatus>, Status> {
+        self.shared.check_serving()?;
+        let pb::ExpandVdevRequest { vdev, capacity } = *req.get_ref();
+        let txg = crate::registry::expand(&mut self.shared.lock(), vdev, capacity)?;
+        if let Some(txg) = txg {
+            // Durable before the reply: a crash must not shrink it back
+            // under extents handed out on the new space.
+            self.shared.wait_synced(txg).await?;
+            tracing::info!(vdev, capacity, txg, "vdev expanded");
+        }
+        let status = convert::pool_status(&self.shared, &self.shared.lock());
+        status
+            .vdevs
+            .into_iter()
+            .find(|v| v.vdev == vdev)
+            .map(Response::new)
+            .ok_or_else(|| Error::Pool(metaslab::Error::UnknownVdev(vdev)).into())
     }
 
     #[tracing::instrument(skip_all, fields(vdev = req.get_ref().vdev, online = req.get_ref().online))]

@@ -31,7 +31,14 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/
 pub const DB_FILE: &str = "pool.db";
 
 /// Tables of the newest schema; anything else marks a foreign database.
-const OUR_TABLES: &[&str] = &["_sqlx_migrations", "pool", "vdevs", "extents", "tunables"];
+const OUR_TABLES: &[&str] = &[
+    "_sqlx_migrations",
+    "pool",
+    "vdevs",
+    "extents",
+    "tunables",
+    "generations",
+];
 
 /// Rows per multi-row INSERT (4 binds each, well under SQLite's limit).
 const INSERT_CHUNK: usize = 200;
@@ -333,6 +340,69 @@ pub async fn read_only(path: &Path) -> Result<Option<(Identity, Persisted)>, Ope
     let _ = conn.close().await;
     let persisted = r.map_err(|e| refuse(format!("it is inconsistent: {e}")))?;
     Ok(persisted.map(|p| (id, p)))
+}
+
+/// Repair one vdev's row so the pool opens again, without editing SQLite by
+/// hand: set its capacity (when given) and the metaslab shift a new vdev of
+/// that capacity gets, and recount its `allocated` from its extents. The
+/// capacity must hold every extent of the vdev. The caller holds the data
+/// dir's lock (no allocator is running). Returns what changed.
+pub async fn repair_vdev(path: &Path, vdev: u32, capacity: Option<u64>) -> Result<String, String> {
+    // The sizing rule of a new vdev under the default tunables.
+    let tunables = metaslab::Tunables::default();
+    let opts = SqliteConnectOptions::new()
+        .filename(path)
+        .create_if_missing(false)
+        .synchronous(SqliteSynchronous::Full);
+    let mut conn = SqliteConnection::connect_with(&opts)
+        .await
+        .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+    let db = |e: sqlx::Error| e.to_string();
+    let mut tx = conn.begin().await.map_err(db)?;
+    let row = sqlx::query("SELECT capacity, metaslab_shift, allocated FROM vdevs WHERE id = ?")
+        .bind(vdev as i64)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(db)?
+        .ok_or_else(|| format!("the store has no vdev {vdev}"))?;
+    let (old_cap, old_shift, old_alloc) = (u(row.get(0)), row.get::<i64, _>(1), u(row.get(2)));
+    let (sum, end): (i64, i64) = sqlx::query_as(
+        "SELECT COALESCE(SUM(size), 0), COALESCE(MAX(offset + size), 0) FROM extents WHERE vdev = ?",
+    )
+    .bind(vdev as i64)
+    .fetch_one(&mut *tx)
+    .await
+    .map_err(db)?;
+    let cap = capacity.unwrap_or(old_cap);
+    if (end as u64) > cap {
+        return Err(format!(
+            "vdev {vdev} has extents up to byte {end}: a capacity of {cap} cannot hold them"
+        ));
+    }
+    if cap == 0 || cap > metaslab::pool::MAX_VDEV_CAPACITY {
+        return Err(format!(
+            "capacity {cap} is outside 1 ..= {} bytes",
+            metaslab::pool::MAX_VDEV_CAPACITY
+        ));
+    }
+    let shift = metaslab::vdev::metaslab_shift(cap, &tunables) as i64;
+    sqlx::query(
+        "UPDATE vdevs SET capacity = ?, metaslab_shift = ?, metaslab_size = ?, allocated = ? WHERE id = ?",
+    )
+    .bind(i(cap))
+    .bind(shift)
+    .bind(1i64 << shift)
+    .bind(sum)
+    .bind(vdev as i64)
+    .execute(&mut *tx)
+    .await
+    .map_err(db)?;
+    tx.commit().await.map_err(db)?;
+    let _ = conn.close().await;
+    Ok(format!(
+        "vdev {vdev}: capacity {old_cap} -> {cap}, metaslab shift {old_shift} -> {shift}, \
+         allocated {old_alloc} -> {sum}"
+    ))
 }
 
 impl SqliteStore {
@@ -706,6 +776,84 @@ impl Store for SqliteStore {
 
     fn persist<'a>(&'a self, record: &'a TxgRecord) -> BoxFuture<'a, Result<(), StoreError>> {
         Box::pin(async move { self.persist_txg(record).await.map_err(StoreError) })
+    }
+
+    fn open_generation(&self) -> BoxFuture<'_, Result<u64, StoreError>> {
+        Box::pin(async move {
+            let db = |e: sqlx::Error| StoreError(format!("bump the generation: {e}"));
+            // The bump and its history row in one transaction.
+            let mut tx = self.db.begin().await.map_err(db)?;
+            let (g, synced): (i64, i64) = sqlx::query_as(
+                "UPDATE pool SET generation = generation + 1 WHERE id = 1
+                 RETURNING generation, synced_txg",
+            )
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db)?;
+            sqlx::query(
+                "INSERT INTO generations (generation, synced_txg_at_open, opened_ms)
+                 VALUES (?, ?, ?)",
+            )
+            .bind(g)
+            .bind(synced)
+            .bind(now_ms())
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
+            tx.commit().await.map_err(db)?;
+            Ok(u(g))
+        })
+    }
+
+    fn generation_history(&self) -> BoxFuture<'_, Result<BTreeMap<u64, Txg>, StoreError>> {
+        Box::pin(async move {
+            let rows = sqlx::query_as::<_, (i64, i64)>(
+                "SELECT generation, synced_txg_at_open FROM generations ORDER BY generation",
+            )
+            .fetch_all(&self.db)
+            .await
+            .map_err(|e| StoreError(format!("read the generation history: {e}")))?;
+            Ok(rows.into_iter().map(|(g, t)| (u(g), u(t))).collect())
+        })
+    }
+
+    fn allocated_overlapping(&self, e: Extent) -> BoxFuture<'_, Result<Vec<Extent>, StoreError>> {
+        Box::pin(async move {
+            let db = |err: sqlx::Error| StoreError(format!("extents overlapping {e}: {err}"));
+            let end = e.offset.saturating_add(e.size);
+            // By the primary key (vdev, offset): the extent starting before
+            // `e`, then those starting inside it.
+            let mut rows = sqlx::query(
+                "SELECT offset, size FROM extents WHERE vdev = ? AND offset < ? \
+                 ORDER BY offset DESC LIMIT 1",
+            )
+            .bind(e.vdev as i64)
+            .bind(i(e.offset))
+            .fetch_all(&self.db)
+            .await
+            .map_err(db)?;
+            rows.extend(
+                sqlx::query(
+                    "SELECT offset, size FROM extents WHERE vdev = ? AND offset >= ? AND offset < ? \
+                     ORDER BY offset",
+                )
+                .bind(e.vdev as i64)
+                .bind(i(e.offset))
+                .bind(i(end))
+                .fetch_all(&self.db)
+                .await
+                .map_err(db)?,
+            );
+            Ok(rows
+                .into_iter()
+                .map(|r| Extent {
+                    vdev: e.vdev,
+                    offset: u(r.get(0)),
+                    size: u(r.get(1)),
+                })
+                .filter(|x| x.offset + x.size > e.offset)
+                .collect())
+        })
     }
 
     fn set_tunable<'a>(

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use aliquot_proto::v1 as pb;
 use metaslab::{
-    AllocRequest, Allocation, AllocationId, ClassKind, Pool, Submitted, Ticket, Txg, VdevId,
+    AllocRequest, Allocation, AllocationId, ClassKind, Extent, Pool, Submitted, Ticket, Txg, VdevId,
 };
 use tokio::sync::{oneshot, watch};
 
@@ -39,6 +39,10 @@ pub struct VdevInfo {
     pub silent: bool,
     /// The health the agent itself reported last.
     pub reported_health: metaslab::Health,
+    /// Reports in a row with writes queued and none completing.
+    pub stalled_reports: u32,
+    /// Made unavailable because its queue does not drain.
+    pub stalled: bool,
 }
 
 pub struct Inner {
@@ -54,7 +58,28 @@ pub struct Inner {
     pub pending_vdevs: Vec<VdevRecord>,
     /// Events since the last metrics snapshot.
     pub events: Vec<pb::PoolEvent>,
+    /// Committed ids → their txg, kept until that txg synced plus
+    /// `COMMIT_MEMORY_TXGS`, so a repeated Commit gets the first answer.
+    committed: HashMap<AllocationId, Txg>,
+    /// Ids whose lease expired → when, so a late Commit is told so.
+    expired: HashMap<AllocationId, Instant>,
+    /// Extents freed in txgs not yet synced → the txg, so a repeated Free
+    /// gets the first answer (after the sync, a repeat is a double free).
+    recent_frees: HashMap<Extent, Txg>,
+    /// Extents committed or claimed in txgs not yet persisted → txg (the
+    /// store does not have them yet; Claim's exact check looks here too).
+    pub recent_allocs: BTreeMap<(VdevId, u64), (u64, Txg)>,
+    /// Bytes of the txg being persisted (dirty until the store has them).
+    pub syncing_bytes: u64,
+    /// `--txg-dirty-max`: plays `zfs_dirty_data_max` for the busy rule.
+    pub dirty_max: u64,
 }
+
+/// Txgs after its sync that a committed id is still remembered.
+const COMMIT_MEMORY_TXGS: Txg = 4;
+/// How long an expired lease is remembered (and at most how many).
+const EXPIRED_MEMORY: Duration = Duration::from_secs(600);
+const EXPIRED_MEMORY_MAX: usize = 1 << 20;
 
 impl Inner {
     pub fn new(pool: Pool) -> Inner {
@@ -67,6 +92,12 @@ impl Inner {
             by_guid: HashMap::new(),
             pending_vdevs: Vec::new(),
             events: Vec::new(),
+            committed: HashMap::new(),
+            expired: HashMap::new(),
+            recent_frees: HashMap::new(),
+            recent_allocs: BTreeMap::new(),
+            syncing_bytes: 0,
+            dirty_max: u64::MAX,
         }
     }
 
@@ -96,14 +127,20 @@ impl Inner {
     }
 
     /// Place an admitted ticket and start its lease.
-    fn place(&mut self, ticket: Ticket, lease: Duration) -> Result<Allocation> {
-        let busy = self.pool.busy(ClassKind::Normal);
+    fn place(&mut self, ticket: Ticket, lease: Duration) -> Result<(Allocation, Instant)> {
+        // Busy: OpenZFS's dirty-data rule on the bytes of the open and
+        // syncing txgs, or the throttle's own measure (bytes admitted or
+        // waiting), which is what moves first when clients write faster
+        // than the pool (the spec preface's proxy).
+        let dirty = self.pool.dirty_bytes().saturating_add(self.syncing_bytes);
+        let busy =
+            self.pool.busy(ClassKind::Normal) || self.pool.busy_dirty(dirty, self.dirty_max, false);
         match self.pool.allocate(ticket, busy) {
             Ok(a) => {
                 let deadline = Instant::now() + lease;
                 self.inflight.insert(a.id, deadline);
                 self.leases.push(Reverse((deadline, a.id)));
-                Ok(a)
+                Ok((a, deadline))
             }
             Err(e) => {
                 // The failed allocate released its reservation.
@@ -125,16 +162,121 @@ impl Inner {
             .collect()
     }
 
-    /// Commit in-flight allocations, all or nothing; returns the txg.
+    /// Commit in-flight allocations, all or nothing; returns the txg that
+    /// makes them durable. Ids committed already (a retry) answer their
+    /// first txg; ids whose lease expired fail with LeaseExpired.
     pub fn commit(&mut self, ids: &[AllocationId]) -> Result<Txg> {
-        self.check_inflight(ids)?;
-        let mut txg = self.pool.open_txg();
-        for id in ids {
-            txg = txg.max(self.pool.commit(*id)?);
-            self.inflight.remove(id);
+        if ids.is_empty() {
+            return Err(Error::InvalidArgument("no allocation ids given".into()));
         }
-        self.wake_admitted();
+        let mut txg = 0;
+        for (i, id) in ids.iter().enumerate() {
+            if ids[..i].contains(id) {
+                return Err(Error::InvalidArgument(format!(
+                    "allocation {id} is listed twice"
+                )));
+            }
+            if let Some(&t) = self.committed.get(id) {
+                txg = txg.max(t);
+            } else if !self.inflight.contains_key(id) {
+                return Err(self.not_inflight(*id));
+            }
+        }
+        let open = self.pool.open_txg();
+        let mut fresh = false;
+        for id in ids {
+            if self.committed.contains_key(id) {
+                continue;
+            }
+            let extents = self.pool.extents_of(*id)?;
+            let t = self.pool.commit(*id)?;
+            txg = txg.max(t);
+            fresh = true;
+            self.inflight.remove(id);
+            self.committed.insert(*id, t);
+            for e in extents {
+                self.recent_allocs.insert((e.vdev, e.offset), (e.size, t));
+            }
+        }
+        if fresh {
+            self.wake_admitted();
+        }
+        Ok(if txg == 0 { open } else { txg })
+    }
+
+    /// Why `id` is not in flight: committed, expired, or never seen.
+    fn not_inflight(&self, id: AllocationId) -> Error {
+        if self.expired.contains_key(&id) {
+            Error::LeaseExpired(id)
+        } else {
+            metaslab::Error::UnknownAllocation(id).into()
+        }
+    }
+
+    /// Extend the leases of in-flight allocations, all or nothing; returns
+    /// the new deadline. Committed ids are left as they are (nothing to
+    /// renew), expired ones fail.
+    pub fn renew(&mut self, ids: &[AllocationId], lease: Duration) -> Result<Instant> {
+        if ids.is_empty() {
+            return Err(Error::InvalidArgument("no allocation ids given".into()));
+        }
+        for id in ids {
+            if !self.inflight.contains_key(id) && !self.committed.contains_key(id) {
+                return Err(self.not_inflight(*id));
+            }
+        }
+        let deadline = Instant::now() + lease;
+        for id in ids {
+            if let Some(d) = self.inflight.get_mut(id) {
+                *d = deadline;
+                self.leases.push(Reverse((deadline, *id)));
+            }
+        }
+        Ok(deadline)
+    }
+
+    /// Free committed extents; a retry of a Free whose txg has not synced
+    /// answers that txg.
+    pub fn free(&mut self, extents: &[Extent]) -> Result<Txg> {
+        match self.pool.free(extents) {
+            Ok(txg) => {
+                for e in extents {
+                    self.recent_frees.insert(*e, txg);
+                }
+                Ok(txg)
+            }
+            Err(err @ (metaslab::Error::NotAllocated(_) | metaslab::Error::PartlyAllocated(_))) => {
+                let again: Option<Txg> = extents
+                    .iter()
+                    .map(|e| self.recent_frees.get(e).copied())
+                    .try_fold(0, |m, t| t.map(|t| m.max(t)));
+                again.ok_or(err.into())
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Claim extents (after `claim::check_exact`); remembered until their
+    /// txg is persisted.
+    pub fn claim(&mut self, extents: &[Extent]) -> Result<Txg> {
+        let txg = self.pool.claim(extents)?;
+        for e in extents {
+            self.recent_allocs.insert((e.vdev, e.offset), (e.size, txg));
+        }
         Ok(txg)
+    }
+
+    /// After txg `synced` persisted: forget what retries no longer need.
+    pub fn synced(&mut self, synced: Txg, now: Instant) {
+        self.committed
+            .retain(|_, t| *t + COMMIT_MEMORY_TXGS > synced);
+        self.recent_frees.retain(|_, t| *t > synced);
+        self.recent_allocs.retain(|_, (_, t)| *t > synced);
+        if self.expired.len() > EXPIRED_MEMORY_MAX {
+            self.expired.clear();
+        }
+        self.expired
+            .retain(|_, at| now.duration_since(*at) < EXPIRED_MEMORY);
     }
 
     pub fn abort(&mut self, ids: &[AllocationId]) -> Result<()> {
@@ -153,7 +295,7 @@ impl Inner {
         }
         for (i, id) in ids.iter().enumerate() {
             if !self.inflight.contains_key(id) {
-                return Err(metaslab::Error::UnknownAllocation(*id).into());
+                return Err(self.not_inflight(*id));
             }
             if ids[..i].contains(id) {
                 return Err(Error::InvalidArgument(format!(
@@ -165,6 +307,8 @@ impl Inner {
     }
 
     /// Abort the allocations whose lease ended by `now`; returns them.
+    /// Their space is deferred like a free (`Pool::expire`): a late writer
+    /// cannot land on a block that another client was given meanwhile.
     pub fn expire_leases(&mut self, now: Instant) -> Vec<AllocationId> {
         let mut expired = Vec::new();
         while let Some(Reverse((deadline, id))) = self.leases.peek().copied() {
@@ -175,7 +319,8 @@ impl Inner {
             // Stale heap entries (committed or aborted since) are skipped.
             if self.inflight.get(&id) == Some(&deadline) {
                 self.inflight.remove(&id);
-                if self.pool.abort(id).is_ok() {
+                if self.pool.expire(id).is_ok() {
+                    self.expired.insert(id, now);
                     expired.push(id);
                 }
             }
@@ -218,12 +363,42 @@ pub struct ServiceSettings {
     pub txg_timeout_us: AtomicU64,
     /// The open txg closes early once it changed this many bytes.
     pub txg_dirty_max: u64,
+    /// The longest lease an Allocate or RenewLease may ask for.
+    pub max_lease: Duration,
+}
+
+/// This start of the allocator, as fencing sees it.
+#[derive(Clone, Debug)]
+pub struct Fencing {
+    /// Bumped in the store at every start.
+    pub generation: u64,
+    /// The last synced txg when this generation opened: txgs above it that a
+    /// client saw in an older generation never synced.
+    pub synced_at_open: Txg,
+    /// After a restart, Allocate waits until then (Claim is served).
+    pub claim_window_until: Option<Instant>,
+    /// Generation -> synced txg when it opened (`Store::generation_history`):
+    /// generation G's last synced txg is the entry of G + 1.
+    pub history: BTreeMap<u64, Txg>,
+}
+
+impl Fencing {
+    /// The last txg generation `seen` synced: exact when the store recorded
+    /// the next generation's open; else (generations from before the
+    /// history) the synced txg when this generation opened.
+    pub fn synced_by(&self, seen: u64) -> Txg {
+        self.history
+            .get(&(seen + 1))
+            .copied()
+            .unwrap_or(self.synced_at_open)
+    }
 }
 
 pub struct Shared {
     inner: Mutex<Inner>,
     pub settings: ServiceSettings,
     pub pool_guid: u64,
+    pub fencing: Fencing,
     pub store: Arc<dyn Store>,
     /// The last txg whose sync was persisted.
     pub synced: watch::Sender<Txg>,
@@ -241,22 +416,33 @@ pub struct Shared {
 
 /// How a `begin_allocate` ended.
 pub enum Begun {
-    Placed(Allocation, Vec<String>),
+    Placed(Allocation, Vec<String>, Instant),
     Queued(Ticket, oneshot::Receiver<()>),
 }
 
 impl Shared {
     pub fn new(
-        pool: Pool,
+        mut pool: Pool,
         settings: ServiceSettings,
         pool_guid: u64,
+        fencing: Fencing,
         store: Arc<dyn Store>,
         synced_txg: Txg,
     ) -> Arc<Shared> {
+        // Each generation numbers its allocations in its own range, so an id
+        // from before a restart never names a newer allocation.
+        pool.start_allocation_ids_at((fencing.generation << 40) | 1);
+        // spa_alloc_count from this machine's CPUs (OpenZFS: at import).
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u64);
+        let allocators = pool.set_cpus(cpus);
+        tracing::debug!(cpus, allocators, "spa_alloc_count");
+        let mut inner = Inner::new(pool);
+        inner.dirty_max = settings.txg_dirty_max;
         Arc::new(Shared {
-            inner: Mutex::new(Inner::new(pool)),
+            inner: Mutex::new(inner),
             settings,
             pool_guid,
+            fencing,
             store,
             synced: watch::Sender::new(synced_txg),
             wanted: watch::Sender::new(synced_txg),
@@ -289,6 +475,67 @@ impl Shared {
         }
     }
 
+    /// Time left in the claim window (zero once it closed).
+    pub fn claim_window_remaining(&self) -> Duration {
+        self.fencing.claim_window_until.map_or(Duration::ZERO, |u| {
+            u.saturating_duration_since(Instant::now())
+        })
+    }
+
+    /// Resolves when the claim window has closed (at once if there is none).
+    pub async fn claim_window_closed(&self) -> Result<()> {
+        if let Some(until) = self.fencing.claim_window_until
+            && until > Instant::now()
+        {
+            tokio::select! {
+                _ = tokio::time::sleep_until(until.into()) => {}
+                _ = self.stopping() => return Err(Error::ShuttingDown),
+            }
+        }
+        Ok(())
+    }
+
+    /// A txg a client saw in generation `seen` (0: this one): refuse it if
+    /// it belongs to an older generation and never synced there.
+    pub fn check_generation(&self, seen: u64, txg: Txg) -> Result<()> {
+        let current = self.fencing.generation;
+        if seen == 0 || seen == current {
+            return Ok(());
+        }
+        if seen > current {
+            return Err(Error::GenerationAhead { seen, current });
+        }
+        // Not the current generation's synced txg at open: after two
+        // restarts it may cover a txg number the newer generation reused.
+        let synced = self.fencing.synced_by(seen);
+        if txg == 0 || txg > synced {
+            return Err(Error::AllocatorRestarted {
+                seen,
+                current,
+                txg,
+                synced,
+                window_ms: self.claim_window_remaining().as_millis() as u64,
+            });
+        }
+        Ok(())
+    }
+
+    /// A requested lease (0: the default), bounded by `--max-lease`.
+    pub fn lease(&self, lease_ms: u32) -> Result<Duration> {
+        if lease_ms == 0 {
+            return Ok(self.settings.default_lease);
+        }
+        let d = Duration::from_millis(lease_ms as u64);
+        if d > self.settings.max_lease {
+            return Err(Error::InvalidArgument(format!(
+                "lease_ms {lease_ms} is above the allocator's --max-lease of {} ms; ask for less \
+                 and renew it with RenewLease",
+                self.settings.max_lease.as_millis()
+            )));
+        }
+        Ok(d)
+    }
+
     pub fn txg_timeout(&self) -> Duration {
         Duration::from_micros(self.settings.txg_timeout_us.load(Ordering::Relaxed))
     }
@@ -309,9 +556,9 @@ impl Shared {
         self.check_serving()?;
         match g.pool.submit(req)? {
             Submitted::Ready(t) => {
-                let a = g.place(t, lease)?;
+                let (a, deadline) = g.place(t, lease)?;
                 let eps = g.endpoints(&a);
-                Ok(Begun::Placed(a, eps))
+                Ok(Begun::Placed(a, eps, deadline))
             }
             Submitted::Queued(t) => {
                 let (tx, rx) = oneshot::channel();
@@ -332,7 +579,7 @@ impl Shared {
         ticket: Ticket,
         rx: oneshot::Receiver<()>,
         lease: Duration,
-    ) -> Result<(Allocation, Vec<String>)> {
+    ) -> Result<(Allocation, Vec<String>, Instant)> {
         let mut guard = CancelOnDrop {
             shared: self,
             ticket,
@@ -353,24 +600,26 @@ impl Shared {
             g.wake_admitted();
         })?;
         let mut g = self.lock();
-        let a = g.place(ticket, lease)?;
+        let (a, deadline) = g.place(ticket, lease)?;
         let eps = g.endpoints(&a);
-        Ok((a, eps))
+        Ok((a, eps, deadline))
     }
 
-    /// Allocate, waiting in the throttle if need be; returns the allocation,
-    /// its endpoints and the time waited.
+    /// Allocate, waiting for the claim window and in the throttle if need
+    /// be; returns the allocation, its endpoints, its lease deadline and the
+    /// time waited.
     pub async fn allocate(
         self: &Arc<Self>,
         req: AllocRequest,
         lease: Duration,
-    ) -> Result<(Allocation, Vec<String>, Duration)> {
+    ) -> Result<(Allocation, Vec<String>, Instant, Duration)> {
         let start = Instant::now();
+        self.claim_window_closed().await?;
         match self.begin_allocate(req, lease)? {
-            Begun::Placed(a, eps) => Ok((a, eps, Duration::ZERO)),
+            Begun::Placed(a, eps, deadline) => Ok((a, eps, deadline, start.elapsed())),
             Begun::Queued(t, rx) => {
-                let (a, eps) = self.finish_allocate(t, rx, lease).await?;
-                Ok((a, eps, start.elapsed()))
+                let (a, eps, deadline) = self.finish_allocate(t, rx, lease).await?;
+                Ok((a, eps, deadline, start.elapsed()))
             }
         }
     }

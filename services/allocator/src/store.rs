@@ -61,6 +61,19 @@ pub trait Store: Send + Sync + 'static {
         name: &'a str,
         value: &'a str,
     ) -> BoxFuture<'a, Result<(), StoreError>>;
+    /// Bump the pool's generation (once per start, after `load`/`create`)
+    /// and return the new one; durable when this returns.
+    fn open_generation(&self) -> BoxFuture<'_, Result<u64, StoreError>>;
+    /// Generation -> the synced txg when it opened, for every generation
+    /// the store recorded (the one `open_generation` started included):
+    /// what generation G synced is the entry of G + 1. Stores without a
+    /// history answer empty (fencing then falls back to the current
+    /// generation's synced txg at open).
+    fn generation_history(&self) -> BoxFuture<'_, Result<BTreeMap<u64, Txg>, StoreError>> {
+        Box::pin(async { Ok(BTreeMap::new()) })
+    }
+    /// Durable allocated extents overlapping `e` (for Claim's exact check).
+    fn allocated_overlapping(&self, e: Extent) -> BoxFuture<'_, Result<Vec<Extent>, StoreError>>;
 }
 
 /// Keeps the persisted state in memory (for tests and until the SQLite
@@ -78,6 +91,8 @@ struct MemState {
     vdevs: BTreeMap<VdevId, VdevRecord>,
     allocated: BTreeSet<Extent>,
     tunables: Vec<(String, String)>,
+    generation: u64,
+    history: BTreeMap<u64, Txg>,
 }
 
 impl MemStore {
@@ -199,6 +214,44 @@ impl Store for MemStore {
             }
         };
         Box::pin(async move { r })
+    }
+
+    fn open_generation(&self) -> BoxFuture<'_, Result<u64, StoreError>> {
+        let mut g = self.state.lock().unwrap();
+        let r = match g.as_mut() {
+            None => Err(StoreError("open_generation before create".into())),
+            Some(st) => {
+                st.generation += 1;
+                st.history.insert(st.generation, st.synced_txg);
+                Ok(st.generation)
+            }
+        };
+        Box::pin(async move { r })
+    }
+
+    fn generation_history(&self) -> BoxFuture<'_, Result<BTreeMap<u64, Txg>, StoreError>> {
+        let h = self
+            .state
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map(|s| s.history.clone())
+            .unwrap_or_default();
+        Box::pin(async move { Ok(h) })
+    }
+
+    fn allocated_overlapping(&self, e: Extent) -> BoxFuture<'_, Result<Vec<Extent>, StoreError>> {
+        let g = self.state.lock().unwrap();
+        let out = g.as_ref().map_or_else(Vec::new, |st| {
+            st.allocated
+                .iter()
+                .filter(|a| {
+                    a.vdev == e.vdev && a.offset < e.offset + e.size && e.offset < a.offset + a.size
+                })
+                .copied()
+                .collect()
+        });
+        Box::pin(async move { Ok(out) })
     }
 }
 

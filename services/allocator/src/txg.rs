@@ -48,7 +48,9 @@ pub async fn sync_once(shared: &Shared) {
     let start = Instant::now();
     let record = {
         let mut g = shared.lock();
-        let sync = g.pool.sync();
+        // The policy's clock is ours: unload delays and preload use it.
+        let sync = g.pool.sync_at(crate::convert::unix_ms());
+        g.syncing_bytes = sync.changes.iter().map(|c| c.extent.size).sum();
         // Undeferred space and the new balance can let waiters in.
         g.wake_admitted();
         let vdevs = std::mem::take(&mut g.pending_vdevs);
@@ -82,5 +84,12 @@ pub async fn sync_once(shared: &Shared) {
     }
     .instrument(span)
     .await;
+    // Retries of what this txg made durable no longer need remembering
+    // (commit ids for a few txgs more), and the store now has its extents.
+    {
+        let mut g = shared.lock();
+        g.syncing_bytes = 0;
+        g.synced(txg, Instant::now());
+    }
     shared.synced.send_replace(txg);
 }

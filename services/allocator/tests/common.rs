@@ -103,6 +103,7 @@ impl Harness {
             .commit(pb::CommitRequest {
                 allocation_ids: ids,
                 wait_synced: false,
+                ..Default::default()
             })
             .await
             .map(|r| r.into_inner())
@@ -110,7 +111,10 @@ impl Harness {
 
     pub async fn sync(&mut self) -> u64 {
         self.alloc
-            .sync_txg(pb::SyncTxgRequest { txg: 0 })
+            .sync_txg(pb::SyncTxgRequest {
+                txg: 0,
+                ..Default::default()
+            })
             .await
             .unwrap()
             .into_inner()

@@ -173,16 +173,38 @@ async fn an_uncommitted_allocation_expires_at_its_lease() {
     );
     tokio::time::sleep(Duration::from_millis(400)).await;
     let after = h.normal().await;
-    assert_eq!(after.alloc, before.alloc, "space returned at once");
+    // The throttle bytes come back at once; the space is deferred like a
+    // free, so a late writer cannot land on a block placed there meanwhile.
     assert_eq!(after.reserved, 0);
     assert_eq!(after.groups[0].queue_depth, 0);
+    assert!(after.alloc > before.alloc, "expired space is deferred");
     let e = h.commit(vec![a.allocation_id]).await.unwrap_err();
-    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    assert_eq!(e.code(), Code::Aborted, "{e:?}");
+    assert_eq!(reason(&e), "LEASE_EXPIRED", "{e:?}");
     assert!(
         e.message().contains(&a.allocation_id.to_string()),
         "{}",
         e.message()
     );
+    // Never seen is another answer.
+    let e = h.commit(vec![a.allocation_id + 1000]).await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    assert_eq!(reason(&e), "UNKNOWN_ALLOCATION", "{e:?}");
+    for _ in 0..3 {
+        h.sync().await;
+    }
+    assert_eq!(
+        h.normal().await.alloc,
+        before.alloc,
+        "free after the deferral"
+    );
+}
+
+fn reason(s: &tonic::Status) -> String {
+    use tonic_types::StatusExt;
+    s.get_details_error_info()
+        .map(|i| i.reason)
+        .unwrap_or_default()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -201,7 +223,10 @@ async fn sync_txg_and_commit_wait_synced() {
     // An old txg answers at once; one too far ahead is refused.
     let again = h
         .alloc
-        .sync_txg(pb::SyncTxgRequest { txg: open })
+        .sync_txg(pb::SyncTxgRequest {
+            txg: open,
+            ..Default::default()
+        })
         .await
         .unwrap()
         .into_inner();
@@ -210,6 +235,7 @@ async fn sync_txg_and_commit_wait_synced() {
         .alloc
         .sync_txg(pb::SyncTxgRequest {
             txg: s1.open_txg + 100,
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -219,7 +245,10 @@ async fn sync_txg_and_commit_wait_synced() {
     let ahead = s1.open_txg + 1;
     let r = h
         .alloc
-        .sync_txg(pb::SyncTxgRequest { txg: ahead })
+        .sync_txg(pb::SyncTxgRequest {
+            txg: ahead,
+            ..Default::default()
+        })
         .await
         .unwrap()
         .into_inner();
@@ -236,6 +265,7 @@ async fn sync_txg_and_commit_wait_synced() {
         .commit(pb::CommitRequest {
             allocation_ids: vec![b.allocation_id],
             wait_synced: true,
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -391,6 +421,7 @@ async fn stream_replies_come_back_out_of_order_by_id() {
         op: Some(Op::Commit(pb::CommitRequest {
             allocation_ids: vec![log.allocation_id],
             wait_synced: false,
+            ..Default::default()
         })),
     })
     .await
@@ -431,6 +462,7 @@ async fn stream_replies_come_back_out_of_order_by_id() {
         op: Some(Op::Commit(pb::CommitRequest {
             allocation_ids: vec![a1.allocation_id],
             wait_synced: true,
+            ..Default::default()
         })),
     })
     .await
@@ -520,6 +552,7 @@ async fn bad_input_gets_a_precise_status_and_changes_nothing() {
         .commit(pb::CommitRequest {
             allocation_ids: vec![987654],
             wait_synced: false,
+            ..Default::default()
         })
         .await
         .map(|_| ());
@@ -681,6 +714,7 @@ async fn a_restart_reloads_what_was_synced() {
         .commit(pb::CommitRequest {
             allocation_ids: vec![a.allocation_id],
             wait_synced: true,
+            ..Default::default()
         })
         .await
         .unwrap();

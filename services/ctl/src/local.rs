@@ -151,6 +151,8 @@ pub struct LocalPool {
     pub agents: Vec<AgentInfo>,
     deaths: mpsc::UnboundedReceiver<(String, ExitStatus)>,
     deaths_tx: mpsc::UnboundedSender<(String, ExitStatus)>,
+    /// Held while the pool runs (see `DataDirLock`).
+    _lock: aliquot_allocator::lock::DataDirLock,
 }
 
 /// The address to pass: the well-known one if we can bind it now, else port 0.
@@ -174,6 +176,13 @@ impl LocalPool {
                 anyhow::bail!("--tunable {t:?}: expected NAME=VALUE");
             }
         }
+        // One `up` per data dir: a second one on a running pool would start
+        // a second allocator and metrics service on the same files.
+        let lock = aliquot_allocator::lock::DataDirLock::acquire_named(
+            &args.data_dir,
+            "up.lock",
+            "aliquotctl up",
+        )?;
         let logs = args.data_dir.join("logs");
         std::fs::create_dir_all(&logs)
             .map_err(|e| anyhow::anyhow!("cannot create {}: {e}", logs.display()))?;
@@ -190,6 +199,7 @@ impl LocalPool {
             agents: Vec::new(),
             deaths,
             deaths_tx,
+            _lock: lock,
         };
         match pool.start_all(args).await {
             Ok(()) => Ok(pool),
@@ -442,7 +452,8 @@ impl LocalPool {
         ))
     }
 
-    /// Until every agent's vdev is in the pool, healthy and allocatable.
+    /// Until every agent's vdev is in the pool, healthy, with its
+    /// metaslabs synced in (not "allocatable": a full pool restarts too).
     async fn wait_registered(&mut self, within: Duration) -> anyhow::Result<()> {
         let deadline = Instant::now() + within;
         let mut c = client::allocator(&self.allocator_url).await?;
@@ -459,18 +470,21 @@ impl LocalPool {
                 .await
                 .ok()
                 .map(|r| r.into_inner());
-            let missing: Vec<&str> = self
+            let missing: Vec<String> = self
                 .agents
                 .iter()
-                .filter(|a| !st.as_ref().is_some_and(|st| registered(st, &a.name)))
-                .map(|a| a.name.as_str())
+                .filter_map(|a| match st.as_ref().map(|st| registered(st, &a.name)) {
+                    Some(Ready::Yes) => None,
+                    Some(Ready::Unhealthy(h)) => Some(format!("{} (registered, {h})", a.name)),
+                    _ => Some(a.name.clone()),
+                })
                 .collect();
             if missing.is_empty() {
                 return Ok(());
             }
             if Instant::now() > deadline {
                 anyhow::bail!(
-                    "agents {} did not register with the allocator within {} s; see {}",
+                    "agents {} did not come up in the pool within {} s; see {}",
                     missing.join(", "),
                     within.as_secs(),
                     self.data_dir.join("logs").display()
@@ -566,18 +580,35 @@ impl LocalPool {
     }
 }
 
-fn registered(st: &PoolStatus, name: &str) -> bool {
+enum Ready {
+    Yes,
+    No,
+    Unhealthy(String),
+}
+
+fn registered(st: &PoolStatus, name: &str) -> Ready {
     let Some(v) = st.vdevs.iter().find(|v| v.name == name) else {
-        return false;
+        return Ready::No;
     };
-    let healthy = v.health == VdevHealth::Healthy as i32;
-    // Allocatable once its metaslabs were synced in (OpenZFS's ms_new rule).
-    let allocatable = st
+    if v.health != VdevHealth::Healthy as i32 {
+        let h = VdevHealth::try_from(v.health)
+            .map(|h| {
+                h.as_str_name()
+                    .trim_start_matches("VDEV_HEALTH_")
+                    .to_lowercase()
+            })
+            .unwrap_or_else(|_| "unknown health".into());
+        return Ready::Unhealthy(h);
+    }
+    // Its metaslabs were synced in (OpenZFS's ms_new rule): the group has
+    // space. Not "allocatable": a full vdev never is, and a full pool must
+    // restart.
+    let synced_in = st
         .classes
         .iter()
         .flat_map(|c| &c.groups)
-        .any(|g| g.vdev == v.vdev && g.allocatable);
-    healthy && allocatable
+        .any(|g| g.vdev == v.vdev && g.capacity > 0);
+    if synced_in { Ready::Yes } else { Ready::No }
 }
 
 fn signal(pid: i32, sig: libc::c_int) {

@@ -306,11 +306,12 @@ pub fn render_table(st: &PoolStatus) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "pool {}  guid {:016x}  txg {} (synced {})  throttle {}  slop {}",
+        "pool {}  guid {:016x}  txg {} (synced {})  generation {}  throttle {}  slop {}",
         st.name,
         st.guid,
         st.open_txg,
         st.synced_txg,
+        st.generation,
         st.throttle_policy,
         short(st.slop_space)
     );
@@ -318,6 +319,13 @@ pub fn render_table(st: &PoolStatus) -> String {
         let _ = writeln!(out, "health {health}");
     } else {
         let _ = writeln!(out, "health {health}: {}", why.join(", "));
+    }
+    if st.claim_window_remaining_ms > 0 {
+        let _ = writeln!(
+            out,
+            "claim window open for {:.1} s after a restart: Claim is served, Allocate waits",
+            st.claim_window_remaining_ms as f64 / 1000.0
+        );
     }
     out.push('\n');
     out.push_str(&layout(&VDEV_HEADER, &rows));
@@ -401,6 +409,8 @@ pub struct PoolJson {
     pub guid: u64,
     pub open_txg: u64,
     pub synced_txg: u64,
+    pub generation: u64,
+    pub claim_window_remaining_ms: u64,
     pub throttle_policy: String,
     pub slop_space: u64,
     pub time_ms: u64,
@@ -483,6 +493,8 @@ impl From<&PoolStatus> for PoolJson {
             guid: st.guid,
             open_txg: st.open_txg,
             synced_txg: st.synced_txg,
+            generation: st.generation,
+            claim_window_remaining_ms: st.claim_window_remaining_ms,
             throttle_policy: st.throttle_policy.clone(),
             slop_space: st.slop_space,
             time_ms: st.time_ms,
@@ -647,6 +659,9 @@ mod tests {
             ],
             slop_space: 224 * MIB,
             time_ms: 1,
+            generation: 3,
+            claim_window_remaining_ms: 0,
+            max_lease_ms: 300_000,
         }
     }
 
@@ -656,7 +671,7 @@ mod tests {
         let lines: Vec<&str> = t.lines().collect();
         assert_eq!(
             lines[0],
-            "pool aliquot  guid 0000000000001234  txg 42 (synced 41)  throttle unified  slop 224M"
+            "pool aliquot  guid 0000000000001234  txg 42 (synced 41)  generation 3  throttle unified  slop 224M"
         );
         assert_eq!(lines[1], "health DEGRADED: file1 (1) offline");
         let header: Vec<&str> = lines[3].split_whitespace().collect();
@@ -757,7 +772,7 @@ mod tests {
         st.vdevs[2].health = VdevHealth::Unavailable as i32;
         st.classes[0].groups[2].health = VdevHealth::Unavailable as i32;
         let want = "\
-pool aliquot  guid 0000000000001234  txg 42 (synced 41)  throttle unified  slop 224M
+pool aliquot  guid 0000000000001234  txg 42 (synced 41)  generation 3  throttle unified  slop 224M
 health DEGRADED: file2 (2) unavailable
 
 NAME            SIZE  ALLOC   FREE  CAP   VAR  FRAG       HEALTH  QDEPTH  QTARGET  ALIQUOT  EMBLOG  ALLOC'ABLE

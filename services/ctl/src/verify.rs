@@ -32,6 +32,16 @@ pub struct VerifyArgs {
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
+    /// Repair this vdev's row of a STOPPED pool's store so it opens again
+    /// (its allocated sum recounted from its extents; with --capacity, its
+    /// capacity and metaslab shift reset), then verify. Takes the data dir's
+    /// lock: refused while an allocator runs.
+    #[arg(long, value_name = "VDEV")]
+    pub repair_vdev: Option<u32>,
+    /// With --repair-vdev: the vdev's true capacity (e.g. 4GiB); it must
+    /// hold every extent of the vdev.
+    #[arg(long, value_parser = units::size_arg, requires = "repair_vdev")]
+    pub capacity: Option<u64>,
 }
 
 pub async fn run(args: VerifyArgs) -> anyhow::Result<()> {
@@ -39,6 +49,14 @@ pub async fn run(args: VerifyArgs) -> anyhow::Result<()> {
         .db
         .clone()
         .unwrap_or_else(|| args.data_dir.join(sqlite_store::DB_FILE));
+    if let Some(vdev) = args.repair_vdev {
+        let dir = path.parent().unwrap_or(std::path::Path::new("."));
+        let _lock = aliquot_allocator::lock::DataDirLock::acquire(dir)?;
+        let changed = sqlite_store::repair_vdev(&path, vdev, args.capacity)
+            .await
+            .map_err(|e| anyhow::anyhow!("{}: repair refused: {e}", path.display()))?;
+        eprintln!("repaired {}: {changed}", path.display());
+    }
     let (id, persisted) = sqlite_store::read_only(&path)
         .await?
         .ok_or_else(|| anyhow::anyhow!("{}: no pool has been created in it", path.display()))?;

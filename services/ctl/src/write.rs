@@ -14,9 +14,9 @@ use std::time::{Duration, Instant};
 use aliquot_proto::v1::stream_reply::Result as StreamResult;
 use aliquot_proto::v1::stream_request::Op;
 use aliquot_proto::v1::{
-    AbortRequest, AllocateReply, AllocateRequest, AllocationClass, CommitReply, CommitRequest,
-    Extent, FlushRequest, FreeRequest, LogTier, ReadRequest, StreamReply, StreamRequest,
-    SyncTxgRequest,
+    AbortRequest, AllocateReply, AllocateRequest, AllocationClass, ClaimRequest, CommitReply,
+    CommitRequest, ErrorReason, Extent, FlushRequest, FreeRequest, LogTier, ReadRequest,
+    StreamReply, StreamRequest, SyncTxgRequest,
 };
 use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -78,6 +78,16 @@ pub struct WriteArgs {
     /// Lease of each allocation (default: the allocator's).
     #[arg(long, env = "ALIQUOT_WRITE_LEASE", value_parser = units::duration_arg)]
     pub lease: Option<Duration>,
+    /// Deadline of each agent write, flush and read. A block whose write
+    /// misses it is aborted and written again elsewhere, so one hung agent
+    /// does not stall the others.
+    #[arg(long, env = "ALIQUOT_WRITE_TIMEOUT", value_parser = units::duration_arg, default_value = "5s")]
+    pub timeout: Duration,
+    /// Attempts per block before the run fails (agent timeouts, expired
+    /// leases, a vdev gone offline).
+    #[arg(long, env = "ALIQUOT_WRITE_ATTEMPTS", default_value_t = 5,
+          value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub attempts: u32,
     /// Skip the final agent Flush and SyncTxg.
     #[arg(long, env = "ALIQUOT_WRITE_NO_SYNC")]
     pub no_sync: bool,
@@ -152,6 +162,10 @@ pub struct WriteReport {
     pub verified_blocks: u64,
     pub verify_secs: f64,
     pub freed_blocks: u64,
+    /// Blocks written again (agent timeout, expired lease, allocator restart).
+    pub retries: u64,
+    /// The allocator's generation at the end.
+    pub generation: u64,
 }
 
 /// What a block went to, for verify and free.
@@ -225,9 +239,10 @@ impl StreamOps {
             .await
             .map_err(|_| tonic::Status::unavailable("allocate stream closed by the allocator"))?;
         match reply.result {
-            Some(StreamResult::Error(e)) => {
-                Err(tonic::Status::new(tonic::Code::from_i32(e.code), e.message))
-            }
+            Some(StreamResult::Error(e)) => Err(with_reason(
+                tonic::Status::new(tonic::Code::from_i32(e.code), e.message),
+                &e.reason,
+            )),
             Some(r) => Ok(r),
             None => Err(tonic::Status::internal("empty stream reply")),
         }
@@ -247,10 +262,11 @@ impl Ops {
         }
     }
 
-    async fn commit(&self, id: u64) -> Result<CommitReply, tonic::Status> {
+    async fn commit(&self, id: u64, generation: u64) -> Result<CommitReply, tonic::Status> {
         let req = CommitRequest {
             allocation_ids: vec![id],
             wait_synced: false,
+            generation,
         };
         match self {
             Ops::Unary(c) => Ok(c.clone().commit(req).await?.into_inner()),
@@ -274,6 +290,42 @@ impl Ops {
     }
 }
 
+/// The `ErrorReason` of a status (from its ErrorInfo, or a stream error's
+/// reason carried in metadata by `with_reason`).
+pub fn reason(s: &tonic::Status) -> Option<ErrorReason> {
+    use tonic_types::StatusExt;
+    let name = s.get_details_error_info().map(|i| i.reason).or_else(|| {
+        s.metadata()
+            .get("aliquot-reason")
+            .and_then(|v| v.to_str().ok().map(str::to_string))
+    })?;
+    ErrorReason::from_str_name(&name)
+}
+
+fn with_reason(mut s: tonic::Status, reason: &str) -> tonic::Status {
+    if let Ok(v) = reason.parse() {
+        s.metadata_mut().insert("aliquot-reason", v);
+    }
+    s
+}
+
+/// Failures after which the block is simply written again (new
+/// allocation): its space was given back or will be by its lease.
+fn retry_block(s: &tonic::Status) -> bool {
+    matches!(
+        reason(s),
+        Some(ErrorReason::LeaseExpired | ErrorReason::AllocatorRestarted)
+    )
+}
+
+/// Failures of a retry-safe call worth repeating as they are.
+fn transient(s: &tonic::Status) -> bool {
+    matches!(
+        s.code(),
+        tonic::Code::Unavailable | tonic::Code::DeadlineExceeded
+    ) && !matches!(reason(s), Some(ErrorReason::VdevsOffline))
+}
+
 struct WorkerOut {
     allocate: Histogram<u64>,
     write: Histogram<u64>,
@@ -282,6 +334,7 @@ struct WorkerOut {
     vdev_bytes: HashMap<u32, u64>,
     tiers: HashMap<i32, u64>,
     placed: Vec<Placed>,
+    retries: u64,
 }
 
 struct Shared {
@@ -293,6 +346,8 @@ struct Shared {
     start: Instant,
     agents: Agents,
     bar: ProgressBar,
+    /// The allocator's generation in the last reply (0 before any).
+    generation: AtomicU64,
 }
 
 /// Run the workload and return its figures (no printing but the bar).
@@ -332,6 +387,7 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
         start: Instant::now(),
         agents: Agents::default(),
         bar,
+        generation: AtomicU64::new(0),
     });
     let mut tasks = Vec::new();
     // A stream per 8 workers: enough pipelining, without one HTTP/2 stream
@@ -375,6 +431,7 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
     let mut vdev_bytes = BTreeMap::new();
     let mut tiers = BTreeMap::new();
     let mut placed = Vec::new();
+    let outs_retries: u64 = outs.iter().map(|o| o.retries).sum();
     for o in outs {
         allocate.add(&o.allocate).expect("same bounds");
         writeh.add(&o.write).expect("same bounds");
@@ -403,10 +460,12 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
         let mut flushes = Vec::new();
         for ep in shared.agents.endpoints() {
             let agents = shared.agents.clone();
+            let deadline = args.timeout.max(Duration::from_secs(30));
             flushes.push(async move {
                 let mut c = agents.get(&ep).await?;
-                c.flush(FlushRequest {})
+                tokio::time::timeout(deadline, c.flush(FlushRequest {}))
                     .await
+                    .map_err(|_| anyhow::anyhow!("flush {ep}: no answer in {deadline:?}"))?
                     .map_err(|s| client::status_msg(&format!("flush {ep}"), &s))?;
                 anyhow::Ok(())
             });
@@ -414,16 +473,12 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
         for r in futures_util::future::join_all(flushes).await {
             r?;
         }
-        let r = alloc
-            .clone()
-            .sync_txg(SyncTxgRequest { txg: 0 })
-            .await
-            .map_err(|s| client::status_msg("sync txg", &s))?;
-        synced_txg = Some(r.into_inner().synced_txg);
+        synced_txg = Some(sync_or_claim(&alloc, &shared, &placed).await?);
     }
     let sync_secs = t_sync.elapsed().as_secs_f64();
 
     let bytes = placed.len() as u64 * args.block_size * args.copies as u64;
+    let retries: u64 = outs_retries;
     let mut verified_blocks = 0;
     let t_verify = Instant::now();
     if args.verify {
@@ -464,7 +519,47 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
         verified_blocks,
         verify_secs,
         freed_blocks,
+        retries,
+        generation: shared.generation.load(Ordering::Relaxed),
     })
+}
+
+/// Sync the txg holding this run's commits. If the allocator restarted
+/// before that txg synced (reason ALLOCATOR_RESTARTED), re-assert every
+/// block written with Claim (those that did sync are allocated exactly so
+/// and claim as no-ops) and sync again in the new generation.
+async fn sync_or_claim(alloc: &Allocator, sh: &Shared, placed: &[Placed]) -> anyhow::Result<u64> {
+    let mut c = alloc.clone();
+    for attempt in 0..3 {
+        let generation = sh.generation.load(Ordering::Relaxed);
+        match c.sync_txg(SyncTxgRequest { txg: 0, generation }).await {
+            Ok(r) => return Ok(r.into_inner().synced_txg),
+            Err(s) if reason(&s) == Some(ErrorReason::AllocatorRestarted) && attempt < 2 => {
+                tracing::warn!(
+                    blocks = placed.len(),
+                    "allocator restarted before the txg synced: claiming what was written"
+                );
+                let mut new_gen = 0;
+                for chunk in placed.chunks(512) {
+                    let extents = chunk
+                        .iter()
+                        .flat_map(|p| p.extents.iter().cloned())
+                        .collect();
+                    let r = c
+                        .claim(ClaimRequest { extents })
+                        .await
+                        .map_err(|s| client::status_msg("claim after an allocator restart", &s))?;
+                    new_gen = r.into_inner().generation;
+                }
+                sh.generation.store(new_gen, Ordering::Relaxed);
+            }
+            Err(s) if transient(&s) && attempt < 2 => {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(s) => return Err(client::status_msg("sync txg", &s)),
+        }
+    }
+    anyhow::bail!("sync txg: the allocator kept restarting")
 }
 
 async fn worker(sh: Arc<Shared>, ops: Ops) -> anyhow::Result<WorkerOut> {
@@ -476,6 +571,7 @@ async fn worker(sh: Arc<Shared>, ops: Ops) -> anyhow::Result<WorkerOut> {
         vdev_bytes: HashMap::new(),
         tiers: HashMap::new(),
         placed: Vec::new(),
+        retries: 0,
     };
     let a = &sh.args;
     let class = match a.class {
@@ -508,9 +604,22 @@ async fn worker(sh: Arc<Shared>, ops: Ops) -> anyhow::Result<WorkerOut> {
             allocation = tracing::field::Empty,
             txg = tracing::field::Empty,
         );
-        let r = one_block(&sh, &ops, &mut out, block, class, lease_ms)
-            .instrument(span)
-            .await;
+        let mut attempt = 1;
+        let r = loop {
+            match one_block(&sh, &ops, &mut out, block, class, lease_ms)
+                .instrument(span.clone())
+                .await
+            {
+                Err(BlockError::Retry(why)) if attempt < a.attempts => {
+                    tracing::info!(block, attempt, %why, "writing the block again");
+                    out.retries += 1;
+                    attempt += 1;
+                    tokio::time::sleep(Duration::from_millis(100 * attempt as u64)).await;
+                }
+                Err(BlockError::Retry(e)) | Err(BlockError::Fatal(e)) => break Err(e),
+                Ok(()) => break Ok(()),
+            }
+        };
         if let Err(e) = r {
             sh.stop.store(true, Ordering::Relaxed);
             return Err(e);
@@ -520,6 +629,19 @@ async fn worker(sh: Arc<Shared>, ops: Ops) -> anyhow::Result<WorkerOut> {
     Ok(out)
 }
 
+/// How one attempt at a block failed.
+enum BlockError {
+    /// Write it again with a new allocation.
+    Retry(anyhow::Error),
+    Fatal(anyhow::Error),
+}
+
+impl From<anyhow::Error> for BlockError {
+    fn from(e: anyhow::Error) -> Self {
+        BlockError::Fatal(e)
+    }
+}
+
 async fn one_block(
     sh: &Shared,
     ops: &Ops,
@@ -527,7 +649,7 @@ async fn one_block(
     block: u64,
     class: AllocationClass,
     lease_ms: u32,
-) -> anyhow::Result<()> {
+) -> Result<(), BlockError> {
     let a = &sh.args;
     let t0 = Instant::now();
     let reply = ops
@@ -538,17 +660,30 @@ async fn one_block(
             lease_ms,
         })
         .await
-        .map_err(|s| client::status_msg(&format!("allocate block {block}"), &s))?;
+        .map_err(|s| {
+            let e = client::status_msg(&format!("allocate block {block}"), &s);
+            // No vdev to place on right now (all hung or offline): wait a
+            // little and try again, within the attempts.
+            if reason(&s) == Some(ErrorReason::VdevsOffline) || transient(&s) {
+                BlockError::Retry(e)
+            } else {
+                BlockError::Fatal(e)
+            }
+        })?;
+    if reply.generation != 0 {
+        sh.generation.store(reply.generation, Ordering::Relaxed);
+    }
     out.allocate.saturating_record(micros(t0.elapsed()));
     out.wait.saturating_record(reply.throttle_wait_us);
     tracing::Span::current().record("allocation", reply.allocation_id);
     if reply.extents.len() != reply.endpoints.len() || reply.extents.is_empty() {
         ops.abort(reply.allocation_id).await;
-        anyhow::bail!(
+        return Err(anyhow::anyhow!(
             "allocate block {block}: the reply has {} extents but {} endpoints",
             reply.extents.len(),
             reply.endpoints.len()
-        );
+        )
+        .into());
     }
     if class == AllocationClass::Log {
         *out.tiers.entry(reply.tier).or_insert(0) += 1;
@@ -569,30 +704,60 @@ async fn one_block(
             block,
         };
         let (offset, vdev) = (e.offset, e.vdev);
+        let deadline = a.timeout;
         writes.push(async move {
-            let mut c = agents.pattern_writer(ep).await?;
-            c.write(w).await.map_err(|s| {
-                client::status_msg(
-                    &format!("write block {block} to vdev {vdev} at {offset}"),
-                    &s,
-                )
-            })?;
-            anyhow::Ok(())
+            let what = || format!("write block {block} to vdev {vdev} at {offset}");
+            let r = tokio::time::timeout(deadline, async {
+                let mut c = agents.pattern_writer(ep).await.map_err(BlockError::Retry)?;
+                c.write(w).await.map_err(|s| {
+                    let e = client::status_msg(&what(), &s);
+                    if transient(&s) {
+                        BlockError::Retry(e)
+                    } else {
+                        BlockError::Fatal(e)
+                    }
+                })?;
+                Ok::<(), BlockError>(())
+            })
+            .await;
+            match r {
+                Ok(r) => r,
+                // A hung agent: this block goes elsewhere.
+                Err(_) => Err(BlockError::Retry(anyhow::anyhow!(
+                    "{}: no answer in {deadline:?}",
+                    what()
+                ))),
+            }
         });
     }
     let results = futures_util::future::join_all(writes).await;
     if let Some(Err(e)) = results.into_iter().find(|r| r.is_err()) {
-        // Never written: give the space back now rather than at the lease.
+        // Not all written: give the space back now rather than at the lease.
         ops.abort(reply.allocation_id).await;
         return Err(e);
     }
     out.write.saturating_record(micros(t1.elapsed()));
 
     let t2 = Instant::now();
-    let c = ops
-        .commit(reply.allocation_id)
-        .await
-        .map_err(|s| client::status_msg(&format!("commit block {block}"), &s))?;
+    // Commit is retry-safe: a repeat answers the first txg.
+    let mut tries = 0;
+    let c = loop {
+        match ops.commit(reply.allocation_id, reply.generation).await {
+            Ok(c) => break c,
+            Err(s) if transient(&s) && tries < 3 => {
+                tries += 1;
+                tokio::time::sleep(Duration::from_millis(200 << tries)).await;
+            }
+            Err(s) => {
+                let e = client::status_msg(&format!("commit block {block}"), &s);
+                return Err(if retry_block(&s) {
+                    BlockError::Retry(e)
+                } else {
+                    BlockError::Fatal(e)
+                });
+            }
+        }
+    };
     out.commit.saturating_record(micros(t2.elapsed()));
     tracing::Span::current().record("txg", c.txg);
 
@@ -620,20 +785,30 @@ async fn verify(sh: &Arc<Shared>, placed: &[Placed]) -> anyhow::Result<u64> {
                 let Some(p) = placed.get(i) else { break };
                 for (e, ep) in p.extents.iter().zip(&p.endpoints) {
                     let mut c = sh.agents.get(ep).await?;
-                    let data = c
-                        .read(ReadRequest {
+                    let deadline = sh.args.timeout.max(Duration::from_secs(30));
+                    let data = tokio::time::timeout(
+                        deadline,
+                        c.read(ReadRequest {
                             offset: e.offset,
                             size: e.size,
-                        })
-                        .await
-                        .map_err(|s| {
-                            client::status_msg(
-                                &format!("read block {} from vdev {}", p.block, e.vdev),
-                                &s,
-                            )
-                        })?
-                        .into_inner()
-                        .data;
+                        }),
+                    )
+                    .await
+                    .map_err(|_| {
+                        anyhow::anyhow!(
+                            "read block {} from vdev {}: no answer in {deadline:?}",
+                            p.block,
+                            e.vdev
+                        )
+                    })?
+                    .map_err(|s| {
+                        client::status_msg(
+                            &format!("read block {} from vdev {}", p.block, e.vdev),
+                            &s,
+                        )
+                    })?
+                    .into_inner()
+                    .data;
                     if data.len() as u64 != e.size {
                         anyhow::bail!(
                             "verify: block {} on vdev {} at offset {}: read {} bytes, expected {}",
@@ -736,7 +911,18 @@ pub fn render(r: &WriteReport) -> String {
         s.push('\n');
     }
     if let Some(t) = r.synced_txg {
-        let _ = writeln!(s, "durable: agents flushed, txg {t} synced");
+        let _ = writeln!(
+            s,
+            "durable: agents flushed, txg {t} synced (allocator generation {})",
+            r.generation
+        );
+    }
+    if r.retries > 0 {
+        let _ = writeln!(
+            s,
+            "retried: {} block writes (agent timeouts, expired leases, restarts)",
+            r.retries
+        );
     }
     if r.verified_blocks > 0 {
         let _ = writeln!(

@@ -375,7 +375,7 @@ impl<P: SimPool> Sim<'_, P> {
             self.add_device(m)?;
         }
         // Pool creation: the vdevs' metaslabs become usable once this syncs.
-        self.pool.sync();
+        self.pool.sync(self.now / 1_000_000);
         if let Some(p) = &sc.prefill {
             self.prefill(p.fill, &p.holes.clone(), &p.weights.clone())?;
         }
@@ -543,7 +543,7 @@ impl<P: SimPool> Sim<'_, P> {
             self.pool.claim(&batch).context("prefill claim")?;
         }
         for _ in 0..=metaslab::TXG_DEFER_SIZE {
-            self.pool.sync();
+            self.pool.sync(self.now / 1_000_000);
         }
         Ok(())
     }
@@ -1016,7 +1016,7 @@ impl<P: SimPool> Sim<'_, P> {
     // --- txg sync and events -------------------------------------------------
 
     fn sync(&mut self) -> anyhow::Result<()> {
-        let synced = self.pool.sync().txg;
+        let synced = self.pool.sync(self.now / 1_000_000).txg;
         self.last_sync = self.now;
         self.txg_dirty = 0;
         self.dirty_sync_pending = false;
@@ -1421,6 +1421,7 @@ mod tests {
                 let e = found.ok_or(PoolError::NoSpace {
                     size,
                     copies: req.copies,
+                    reason: metaslab::NoSpaceReason::Full,
                 })?;
                 self.alloc[e.vdev as usize] += size;
                 extents.push(e);
@@ -1456,7 +1457,7 @@ mod tests {
             }
             Ok(self.txg)
         }
-        fn sync(&mut self) -> TxgSync {
+        fn sync(&mut self, _now_ms: u64) -> TxgSync {
             for e in self.freed_this_txg.drain(..) {
                 self.alloc[e.vdev as usize] -= e.size;
                 self.reuse[e.vdev as usize].push(e);

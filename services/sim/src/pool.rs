@@ -43,7 +43,8 @@ pub trait SimPool {
     fn commit(&mut self, id: AllocationId) -> Result<Txg>;
     fn free(&mut self, extents: &[Extent]) -> Result<Txg>;
     fn claim(&mut self, extents: &[Extent]) -> Result<Txg>;
-    fn sync(&mut self) -> TxgSync;
+    /// Close the open txg at virtual time `now_ms` (unload delay, preload).
+    fn sync(&mut self, now_ms: u64) -> TxgSync;
     fn view(&self) -> PoolView;
 }
 
@@ -78,8 +79,8 @@ impl SimPool for Pool {
     fn claim(&mut self, extents: &[Extent]) -> Result<Txg> {
         Pool::claim(self, extents)
     }
-    fn sync(&mut self) -> TxgSync {
-        Pool::sync(self)
+    fn sync(&mut self, now_ms: u64) -> TxgSync {
+        Pool::sync_at(self, now_ms)
     }
     fn view(&self) -> PoolView {
         let stats = self.stats();

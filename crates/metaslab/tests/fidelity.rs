@@ -1,0 +1,422 @@
+//! Issue 12: places where the policy used to decide differently from
+//! OpenZFS, each checked against what OpenZFS does (spec §2.5–§2.7, §2.11).
+
+use metaslab::*;
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+
+fn spec(capacity: u64) -> VdevSpec {
+    VdevSpec {
+        capacity,
+        ashift: 12,
+        children: 1,
+        parity: 0,
+        rotational: false,
+        role: VdevRole::Normal,
+        metaslab_shift: None,
+    }
+}
+
+fn raidz1(capacity: u64) -> VdevSpec {
+    VdevSpec {
+        children: 5,
+        parity: 1,
+        ..spec(capacity)
+    }
+}
+
+fn req(kind: AllocKind, size: u64, copies: u8) -> AllocRequest {
+    AllocRequest { kind, size, copies }
+}
+
+fn place(pool: &mut Pool, r: AllocRequest) -> Result<Allocation> {
+    match pool.submit(r)? {
+        Submitted::Ready(t) => pool.allocate(t, false),
+        Submitted::Queued(t) => panic!("ticket {t} queued"),
+    }
+}
+
+fn metaslab_of(pool: &Pool, e: &Extent) -> u64 {
+    e.offset >> pool.stats().vdevs[e.vdev as usize].metaslab_shift
+}
+
+/// Item 1: ditto copies on a one-vdev pool land on distinct metaslabs of
+/// vdev 0 (SECONDARY activation for the second, CLAIM for the third).
+#[test]
+fn copies_share_a_vdev_but_never_a_metaslab() {
+    let mut pool = Pool::new(Tunables::default());
+    pool.add_vdev(spec(4 * GIB)).unwrap();
+    pool.sync();
+    for copies in [2u8, 3] {
+        for _ in 0..50 {
+            let a = place(&mut pool, req(AllocKind::Data, 128 << 10, copies)).unwrap();
+            assert_eq!(a.extents.len(), copies as usize);
+            assert!(a.extents.iter().all(|e| e.vdev == 0));
+            let mut ms: Vec<u64> = a.extents.iter().map(|e| metaslab_of(&pool, e)).collect();
+            ms.sort();
+            ms.dedup();
+            assert_eq!(ms.len(), copies as usize, "{:?}", a.extents);
+            pool.commit(a.id).unwrap();
+        }
+    }
+    pool.verify().unwrap();
+}
+
+/// Item 1: with two vdevs, the second copy still goes to the other vdev
+/// while it can; with that vdev offline it shares vdev 0.
+#[test]
+fn copies_prefer_the_next_vdev_and_share_when_alone() {
+    let mut pool = Pool::new(Tunables::default());
+    pool.add_vdev(spec(4 * GIB)).unwrap();
+    pool.add_vdev(spec(4 * GIB)).unwrap();
+    pool.sync();
+    for _ in 0..100 {
+        let a = place(&mut pool, req(AllocKind::Data, 128 << 10, 2)).unwrap();
+        assert_ne!(a.extents[0].vdev, a.extents[1].vdev);
+        pool.commit(a.id).unwrap();
+    }
+    pool.set_online(1, false).unwrap();
+    let a = place(&mut pool, req(AllocKind::Data, 128 << 10, 2)).unwrap();
+    assert_eq!((a.extents[0].vdev, a.extents[1].vdev), (0, 0));
+    assert_ne!(
+        metaslab_of(&pool, &a.extents[0]),
+        metaslab_of(&pool, &a.extents[1])
+    );
+}
+
+/// Item 2: a degraded RAIDZ still takes first copies (OpenZFS skips only a
+/// degraded leaf); a degraded leaf takes none while another vdev can.
+#[test]
+fn degraded_redundant_vdev_keeps_its_share() {
+    for (make, expect_even) in [(raidz1 as fn(u64) -> VdevSpec, true), (spec, false)] {
+        let mut pool = Pool::new(Tunables::default());
+        pool.add_vdev(make(16 * GIB)).unwrap();
+        pool.add_vdev(make(16 * GIB)).unwrap();
+        pool.sync();
+        pool.set_health(1, Health::Degraded).unwrap();
+        let mut on = [0u64; 2];
+        for _ in 0..2000 {
+            let a = place(&mut pool, req(AllocKind::Data, 128 << 10, 1)).unwrap();
+            on[a.extents[0].vdev as usize] += 1;
+            pool.commit(a.id).unwrap();
+        }
+        if expect_even {
+            let share = on[1] as f64 / 2000.0;
+            assert!((0.45..=0.55).contains(&share), "raidz split {on:?}");
+        } else {
+            assert_eq!(on, [2000, 0], "leaf split");
+        }
+    }
+}
+
+/// Item 3: legacy pools use the aliquot of the legacy code (1 MiB).
+#[test]
+fn legacy_policy_defaults_to_a_1mib_aliquot() {
+    let mut t = Tunables::default();
+    t.set("throttle_policy", "legacy").unwrap();
+    assert_eq!(t.aliquot(), MIB);
+    let mut t = Tunables::default();
+    assert_eq!(t.aliquot(), 2 * MIB);
+    t.set("metaslab_aliquot", "3MiB").unwrap();
+    t.set("throttle_policy", "legacy").unwrap();
+    assert_eq!(t.aliquot(), 3 * MIB, "an explicit value holds");
+}
+
+/// Fill a one-vdev pool with 4 KiB blocks (log blocks: they may use the
+/// slop space), free three of every four and let the frees mature: every
+/// free segment is 12 KiB (88 % fragmented), 3/4 of the pool free.
+fn fragmented_pool(t: Tunables) -> Pool {
+    let mut pool = Pool::new(t);
+    pool.add_vdev(spec(256 * MIB)).unwrap();
+    pool.sync();
+    let mut blocks = vec![];
+    loop {
+        match place(&mut pool, req(AllocKind::Log, 4096, 1)) {
+            Ok(a) => {
+                pool.commit(a.id).unwrap();
+                blocks.push(a.extents[0]);
+            }
+            Err(Error::NoSpace { .. }) => break,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    pool.sync();
+    blocks.sort();
+    let freed: Vec<Extent> = blocks
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| i % 4 != 0)
+        .map(|(_, e)| *e)
+        .collect();
+    pool.free(&freed).unwrap();
+    for _ in 0..4 {
+        pool.sync();
+    }
+    pool
+}
+
+/// Item 4: without gang blocks, a 1 MiB data block that does not fit
+/// fails as FRAGMENTED with the largest free segment (no try-hard pass),
+/// while a log block and a minimum-size block are placed.
+#[test]
+fn fragmented_pool_fails_large_data_as_fragmented() {
+    let mut t = Tunables::default();
+    // Free segments of 12 KiB read 88 %; make that "too fragmented".
+    t.set("zfs_mg_fragmentation_threshold", "80").unwrap();
+    let mut pool = fragmented_pool(t);
+    let frag = pool.stats().classes[0].groups[0].fragmentation;
+    assert!(frag.is_some_and(|f| f > 80), "{frag:?}");
+    match place(&mut pool, req(AllocKind::Data, MIB, 1)) {
+        Err(Error::NoSpace {
+            reason: NoSpaceReason::Fragmented { largest_free },
+            ..
+        }) => assert_eq!(largest_free, 12288),
+        other => panic!("{other:?}"),
+    }
+    let log = place(&mut pool, req(AllocKind::Log, 4096, 1)).unwrap();
+    assert_eq!(log.tier, Some(LogTier::Normal));
+    place(&mut pool, req(AllocKind::Data, 4096, 1)).unwrap();
+    pool.verify().unwrap();
+}
+
+/// Item 4: with zfs_metaslab_try_hard_before_gang the try-hard pass runs
+/// for every block; a degraded leaf, alone, then takes first copies.
+#[test]
+fn try_hard_before_gang_opens_the_try_hard_pass() {
+    for (set, placed) in [(false, false), (true, true)] {
+        let mut t = Tunables::default();
+        if set {
+            t.set("zfs_metaslab_try_hard_before_gang", "1").unwrap();
+        }
+        let mut pool = Pool::new(t);
+        pool.add_vdev(spec(4 * GIB)).unwrap();
+        pool.sync();
+        pool.set_health(0, Health::Degraded).unwrap();
+        let r = place(&mut pool, req(AllocKind::Data, 128 << 10, 1));
+        assert_eq!(r.is_ok(), placed, "{r:?}");
+        // Minimum-size blocks always get the try-hard pass.
+        place(&mut pool, req(AllocKind::Data, 4096, 1)).unwrap();
+    }
+}
+
+/// Issue 10 item 8: no vdev allocatable says so.
+#[test]
+fn no_space_says_vdevs_offline() {
+    let mut pool = Pool::new(Tunables::default());
+    pool.add_vdev(spec(4 * GIB)).unwrap();
+    pool.sync();
+    pool.set_online(0, false).unwrap();
+    match place(&mut pool, req(AllocKind::Data, 128 << 10, 1)) {
+        Err(Error::NoSpace {
+            reason: NoSpaceReason::VdevsOffline,
+            ..
+        }) => {}
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Issue 10 item 6: a vdev the store could not bring back is refused when
+/// it is added, not after a restart.
+#[test]
+fn huge_capacity_is_refused_at_add() {
+    let mut pool = Pool::new(Tunables::default());
+    assert!(matches!(
+        pool.add_vdev(spec(1 << 63)),
+        Err(Error::BadVdev(_))
+    ));
+    assert_eq!(pool.stats().vdevs.len(), 0);
+}
+
+/// Issue 10 item 3: an expired allocation's space is deferred like a free,
+/// so nothing else is placed there before TXG_DEFER_SIZE syncs.
+#[test]
+fn expired_space_is_deferred() {
+    let mut t = Tunables::default();
+    // Fill without the throttle queueing the in-flight allocations.
+    t.set("zio_dva_throttle_enabled", "0").unwrap();
+    let mut pool = Pool::new(t);
+    pool.add_vdev(spec(256 * MIB)).unwrap();
+    pool.sync();
+    let a = place(&mut pool, req(AllocKind::Data, 128 << 10, 1)).unwrap();
+    let e = a.extents[0];
+    pool.expire(a.id).unwrap();
+    assert_eq!(pool.commit(a.id), Err(Error::UnknownAllocation(a.id)));
+    let overlaps = |x: &Extent| {
+        x.vdev == e.vdev && x.offset < e.offset + e.size && e.offset < x.offset + x.size
+    };
+    let mut first_reuse = None;
+    for round in 0..=TXG_DEFER_SIZE + 1 {
+        let mut placed = vec![];
+        while let Ok(b) = place(&mut pool, req(AllocKind::Data, 128 << 10, 1)) {
+            placed.push(b);
+        }
+        if first_reuse.is_none() && placed.iter().any(|b| overlaps(&b.extents[0])) {
+            first_reuse = Some(round);
+        }
+        for b in placed {
+            pool.abort(b.id).unwrap();
+        }
+        pool.sync();
+    }
+    // Not before TXG_DEFER_SIZE syncs, as a free.
+    assert!(
+        first_reuse.is_some_and(|r| r >= TXG_DEFER_SIZE),
+        "{first_reuse:?}"
+    );
+    pool.verify().unwrap();
+}
+
+/// Item 8: a metaslab never allocated from has no space map: 0 %
+/// fragmented (it used to read 3–17 % for its one big free segment).
+#[test]
+fn a_fresh_metaslab_reads_zero_fragmentation() {
+    let mut pool = Pool::new(Tunables::default());
+    pool.add_vdev(spec(GIB)).unwrap();
+    pool.sync();
+    assert_eq!(pool.stats().classes[0].groups[0].fragmentation, Some(0));
+    // One block: its metaslab now has a space map, the others still none.
+    let a = place(&mut pool, req(AllocKind::Data, 4096, 1)).unwrap();
+    pool.commit(a.id).unwrap();
+    pool.sync();
+    let f = pool.stats().classes[0].groups[0].fragmentation.unwrap();
+    assert!(f <= 3, "{f}");
+}
+
+/// Item 8: frees still deferred count as free segments in the histogram
+/// (OpenZFS adds the freed and both defer trees), so fragmentation moves
+/// as soon as the free syncs, not two txgs later.
+#[test]
+fn deferred_frees_count_in_fragmentation() {
+    let mut pool = Pool::new(Tunables::default());
+    pool.add_vdev(spec(256 * MIB)).unwrap();
+    pool.sync();
+    let mut blocks = vec![];
+    for _ in 0..2000 {
+        let a = place(&mut pool, req(AllocKind::Log, 4096, 1)).unwrap();
+        pool.commit(a.id).unwrap();
+        blocks.push(a.extents[0]);
+    }
+    pool.sync();
+    let before = pool.stats().classes[0].groups[0].fragmentation.unwrap();
+    blocks.sort();
+    let freed: Vec<Extent> = blocks.iter().step_by(2).copied().collect();
+    pool.free(&freed).unwrap();
+    pool.sync(); // the frees are now deferred, not allocatable
+    let deferred = pool.stats().classes[0].groups[0].fragmentation.unwrap();
+    assert!(
+        deferred > before,
+        "4 KiB deferred holes raise fragmentation at once: {before} -> {deferred}"
+    );
+}
+
+/// Item 7: a faulted vdev stays in the ring and the class balance: its
+/// group keeps its aliquot and the class limit does not move; it is
+/// skipped at each allocation.
+#[test]
+fn a_faulted_vdev_keeps_its_aliquot_and_is_skipped() {
+    let mut pool = Pool::new(Tunables::default());
+    pool.add_vdev(spec(4 * GIB)).unwrap();
+    pool.add_vdev(spec(4 * GIB)).unwrap();
+    pool.sync();
+    let before = pool.stats().classes[0].clone();
+    pool.set_health(1, Health::Faulted).unwrap();
+    let during = pool.stats().classes[0].clone();
+    assert_eq!(during.alloc_max, before.alloc_max);
+    assert_eq!(during.groups[1].aliquot, before.groups[1].aliquot);
+    for _ in 0..50 {
+        let a = place(&mut pool, req(AllocKind::Data, 128 << 10, 1)).unwrap();
+        assert_eq!(a.extents[0].vdev, 0);
+        pool.commit(a.id).unwrap();
+    }
+    // Administrative offline (OpenZFS noalloc) does leave the ring.
+    pool.set_health(1, Health::Healthy).unwrap();
+    pool.set_online(1, false).unwrap();
+    assert_ne!(pool.stats().classes[0].alloc_max, before.alloc_max);
+}
+
+/// Item 6: after a sync the best `metaslab_preload_limit` metaslabs of a
+/// group are loaded; an inactive one unloads only once both 32 txgs and
+/// `metaslab_unload_delay_ms` (600 s of the caller's time) have passed.
+#[test]
+fn metaslabs_preload_and_unload_only_after_600_seconds() {
+    let mut pool = Pool::new(Tunables::default());
+    pool.add_vdev(spec(64 * GIB)).unwrap();
+    pool.sync_at(0);
+    pool.sync_at(1000);
+    let loaded = |p: &Pool| p.stats().vdevs[0].loaded_metaslabs;
+    // 10 of the normal group, and the embedded log metaslab (its own group).
+    assert!(pool.stats().vdevs[0].embedded_log_metaslab.is_some());
+    assert_eq!(loaded(&pool), 11, "preloaded");
+    let a = place(&mut pool, req(AllocKind::Data, 128 << 10, 1)).unwrap();
+    assert_eq!(
+        a.metaslab_loads, 0,
+        "the allocation found its metaslab loaded"
+    );
+    pool.commit(a.id).unwrap();
+    // No more preloading, then 40 txgs within 40 s: nothing unloads.
+    pool.set_tunable("metaslab_preload_limit", "0").unwrap();
+    for i in 0..40 {
+        pool.sync_at(2_000 + i * 1000);
+    }
+    assert_eq!(loaded(&pool), 11, "32 txgs passed but not 600 s");
+    // 600 s later (and 32 more txgs) the inactive ones go; the active one
+    // and the embedded log metaslab (never evicted) stay.
+    for i in 0..40 {
+        pool.sync_at(700_000 + i * 1000);
+    }
+    assert_eq!(loaded(&pool), 2, "only the active and embedded log stay");
+}
+
+/// Item 5: busy switches where OpenZFS's dirty-data rule says, at
+/// `zfs_dirty_data_max × (30 + 60) / 200` = 45 % of it, or with a sync
+/// task pending; the percentages are the tunables of those names.
+#[test]
+fn busy_switches_at_the_dirty_threshold() {
+    let mut pool = Pool::new(Tunables::default());
+    let max = 4 * GIB;
+    let at = max * 45 / 100;
+    assert!(!pool.busy_dirty(at, max, false));
+    assert!(pool.busy_dirty(at + 1, max, false));
+    assert!(pool.busy_dirty(0, max, true), "a pending sync task");
+    pool.set_tunable("zfs_vdev_async_write_active_max_dirty_percent", "80")
+        .unwrap();
+    assert!(
+        !pool.busy_dirty(at + 1, max, false),
+        "threshold moved to 55 %"
+    );
+}
+
+/// Item 9: `spa_alloc_count = max(1, min(spa_num_allocators, cpus /
+/// spa_cpus_per_allocator))`; each allocator keeps its own rotor and
+/// aliquot counter.
+#[test]
+fn allocators_have_their_own_rotors() {
+    let mut pool = Pool::new(Tunables::default());
+    assert_eq!(pool.set_cpus(2), 1, "2 CPUs: one allocator");
+    assert_eq!(pool.set_cpus(8), 2);
+    assert_eq!(pool.set_cpus(64), 4, "at most spa_num_allocators");
+    pool.add_vdev(spec(16 * GIB)).unwrap();
+    pool.add_vdev(spec(16 * GIB)).unwrap();
+    pool.sync();
+    assert_eq!(pool.set_cpus(8), 2);
+    // Allocator 0 fills its visit of the first vdev (aliquot 2 MiB per
+    // data child over 2 groups, at least 4 × io size) and moves on.
+    let first = |pool: &mut Pool, k: usize| {
+        pool.prefer_allocator(k);
+        let a = place(pool, req(AllocKind::Data, 128 << 10, 1)).unwrap();
+        pool.commit(a.id).unwrap();
+        a.extents[0].vdev
+    };
+    let start = first(&mut pool, 0);
+    let mut moved = false;
+    for _ in 0..64 {
+        if first(&mut pool, 0) != start {
+            moved = true;
+            break;
+        }
+    }
+    assert!(moved, "allocator 0's rotor moved on");
+    // Allocator 1 has not placed anything: its rotor is where it began.
+    assert_eq!(first(&mut pool, 1), start, "allocator 1 has its own rotor");
+}

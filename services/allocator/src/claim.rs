@@ -1,0 +1,45 @@
+//! Claim's exact-boundary rule. The pool's space maps know which bytes are
+//! allocated, not where one block ends and the next begins; the store (and,
+//! for txgs not yet persisted, `Inner::recent_allocs`) does. A claim of
+//! allocated space succeeds only when it names exactly one allocated extent
+//! (a retry, or a block that did sync); a sub-range of an extent or a span
+//! across extents fails naming the extents it overlaps.
+
+use metaslab::Extent;
+
+use crate::error::{Error, Result};
+use crate::state::Shared;
+
+/// Refuse claims that overlap allocated extents other than exactly
+/// themselves. Runs before the pool is asked, which then rules on free,
+/// in-flight and deferred space.
+pub async fn check_exact(shared: &Shared, extents: &[Extent]) -> Result<()> {
+    for e in extents {
+        let mut overlapping: Vec<Extent> = {
+            let g = shared.lock();
+            let end = e.offset.saturating_add(e.size);
+            g.recent_allocs
+                .range((e.vdev, 0)..(e.vdev, end))
+                .filter(|((_, off), (size, _))| off + size > e.offset)
+                .map(|(&(vdev, offset), &(size, _))| Extent { vdev, offset, size })
+                .collect()
+        };
+        overlapping.extend(
+            shared
+                .store
+                .allocated_overlapping(*e)
+                .await
+                .map_err(|err| Error::Store(err.to_string()))?,
+        );
+        overlapping.sort();
+        overlapping.dedup();
+        if overlapping.is_empty() || overlapping == [*e] {
+            continue;
+        }
+        return Err(Error::ClaimOverlaps {
+            requested: *e,
+            overlapping,
+        });
+    }
+    Ok(())
+}

@@ -208,6 +208,7 @@ async fn metrics_parse_and_agree_with_get_pool() {
         c.commit(pb::CommitRequest {
             allocation_ids: vec![a.allocation_id],
             wait_synced: true,
+            generation: a.generation,
         })
         .await
         .unwrap();

@@ -35,7 +35,7 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
             .await
             .map_err(|s| client::status_msg("get pool", &s))?
             .into_inner();
-        print_status(&st, args.json)?;
+        print_status(&st, args.json, false)?;
         return Ok(());
     }
     let interval_ms = args.interval.as_millis().clamp(1, u32::MAX as u128) as u32;
@@ -48,11 +48,10 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
         tokio::select! {
             msg = stream.message() => match msg.map_err(|s| client::status_msg("watch pool", &s))? {
                 Some(st) => {
-                    if !args.json {
-                        // Clear the screen and home the cursor, like `watch`.
-                        print!("\x1b[2J\x1b[H");
+                    // `--watch | head`: the reader left, so stop quietly.
+                    if !print_status(&st, args.json, !args.json)? {
+                        return Ok(());
                     }
-                    print_status(&st, args.json)?;
                 }
                 None => anyhow::bail!("the allocator ended the watch stream"),
             },
@@ -61,16 +60,27 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
     }
 }
 
-fn print_status(st: &PoolStatus, json: bool) -> anyhow::Result<()> {
+/// Print one status; `Ok(false)` when stdout's reader has gone (a closed
+/// pipe is how `| head` says "enough", not an error to report).
+fn print_status(st: &PoolStatus, json: bool, clear: bool) -> anyhow::Result<bool> {
     use std::io::Write;
-    let mut out = std::io::stdout().lock();
-    if json {
-        writeln!(out, "{}", serde_json::to_string(&PoolJson::from(st))?)?;
-    } else {
-        write!(out, "{}", render_table(st))?;
+    let mut text = String::new();
+    if clear {
+        // Clear the screen and home the cursor, like `watch`.
+        text.push_str("\x1b[2J\x1b[H");
     }
-    out.flush()?;
-    Ok(())
+    if json {
+        text.push_str(&serde_json::to_string(&PoolJson::from(st))?);
+        text.push('\n');
+    } else {
+        text.push_str(&render_table(st));
+    }
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(false),
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// Health as operators read it; an administratively offline vdev is OFFLINE.
@@ -150,6 +160,9 @@ fn vdev_label(st: &PoolStatus, id: u32) -> String {
 /// when every vdev is healthy and online, SUSPENDED when no vdev is, else
 /// DEGRADED; with the vdevs that are not ("file1 offline").
 pub fn pool_health(st: &PoolStatus) -> (&'static str, Vec<String>) {
+    if st.vdevs.is_empty() {
+        return ("SUSPENDED", vec!["no vdevs".into()]);
+    }
     let why: Vec<String> = st
         .vdevs
         .iter()
@@ -158,7 +171,7 @@ pub fn pool_health(st: &PoolStatus) -> (&'static str, Vec<String>) {
             (h != "healthy").then(|| format!("{} {h}", vdev_label(st, v.vdev)))
         })
         .collect();
-    let state = if st.vdevs.is_empty() || why.len() == st.vdevs.len() {
+    let state = if why.len() == st.vdevs.len() {
         "SUSPENDED"
     } else if why.is_empty() {
         "ONLINE"

@@ -39,9 +39,42 @@ struct Sample {
     value: f64,
 }
 
+/// The parser's version, installed into the target dir by the test itself
+/// when the interpreter lacks it (so `cargo test --workspace` needs no
+/// separate step; `.ci/run` installs it up front all the same).
+const PROMETHEUS_CLIENT: &str = "prometheus_client==0.26.0";
+
+fn python_path(py: &str) -> Option<String> {
+    let has = |path: Option<&str>| {
+        let mut c = Command::new(py);
+        c.args(["-c", "import prometheus_client"]);
+        if let Some(p) = path {
+            c.env("PYTHONPATH", p);
+        }
+        c.output().is_ok_and(|o| o.status.success())
+    };
+    if has(None) {
+        return None;
+    }
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("pylib");
+    let dir_s = dir.display().to_string();
+    if !has(Some(&dir_s)) {
+        let st = Command::new(py)
+            .args(["-m", "pip", "install", "--quiet", "--target", &dir_s, PROMETHEUS_CLIENT])
+            .status()
+            .unwrap_or_else(|e| panic!("cannot run {py} -m pip: {e}"));
+        assert!(st.success(), "pip install {PROMETHEUS_CLIENT} failed");
+    }
+    Some(dir_s)
+}
+
 fn scrape(url: &str) -> Vec<Sample> {
     let py = std::env::var("ALIQUOT_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
-    let out = Command::new(&py)
+    let mut cmd = Command::new(&py);
+    if let Some(p) = python_path(&py) {
+        cmd.env("PYTHONPATH", p);
+    }
+    let out = cmd
         .args(["-c", PARSE, url])
         .output()
         .unwrap_or_else(|e| panic!("cannot run {py}: {e}"));

@@ -60,7 +60,15 @@ fn python_path(py: &str) -> Option<String> {
     let dir_s = dir.display().to_string();
     if !has(Some(&dir_s)) {
         let st = Command::new(py)
-            .args(["-m", "pip", "install", "--quiet", "--target", &dir_s, PROMETHEUS_CLIENT])
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--target",
+                &dir_s,
+                PROMETHEUS_CLIENT,
+            ])
             .status()
             .unwrap_or_else(|e| panic!("cannot run {py} -m pip: {e}"));
         assert!(st.success(), "pip install {PROMETHEUS_CLIENT} failed");

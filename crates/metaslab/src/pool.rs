@@ -944,6 +944,21 @@ impl Pool {
             .unwrap_or(SPA_MINBLOCKSIZE)
     }
 
+    /// Whether some allocatable vdev of class `ci` has a free segment that
+    /// holds `psize` in one piece (only asked after a failed first pass).
+    fn fits_whole(&self, ci: usize, psize: u64) -> bool {
+        self.classes[ci].ring.iter().any(|&v| {
+            let vd = &self.vdevs[v as usize];
+            let asize = psize_to_asize(&vd.spec, psize);
+            vd.allocatable()
+                && vd.group(ci).is_some_and(|g| {
+                    g.members().any(|m| {
+                        !vd.ms[m as usize].new && vd.ms[m as usize].allocatable.max_size() >= asize
+                    })
+                })
+        })
+    }
+
     /// Whether a txg sync would make freed space allocatable again.
     fn frees_pending(&self) -> bool {
         self.vdevs
@@ -1011,11 +1026,15 @@ impl Pool {
             // The try-hard pass (ignoring the group checks) is for blocks
             // OpenZFS cannot gang: intent-log blocks and blocks at the minimum
             // size, or every block with zfs_metaslab_try_hard_before_gang
-            // (spec §2.11). Any other block fails here as FRAGMENTED.
+            // (spec §2.11). Any other block OpenZFS writes as a gang block
+            // whose members are placed trying hard: where one free segment
+            // still holds the whole block, Aliquot (no gang blocks) places it
+            // whole the same way; where none does, it fails as FRAGMENTED.
             if try_hard
                 && !(zil
                     || self.tun.zfs_metaslab_try_hard_before_gang
-                    || psize <= self.spa_min_alloc())
+                    || psize <= self.spa_min_alloc()
+                    || self.fits_whole(ci, psize))
             {
                 break;
             }

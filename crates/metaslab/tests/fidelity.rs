@@ -180,24 +180,17 @@ fn fragmented_pool_fails_large_data_as_fragmented() {
     pool.verify().unwrap();
 }
 
-/// Item 4: with zfs_metaslab_try_hard_before_gang the try-hard pass runs
-/// for every block; a degraded leaf, alone, then takes first copies.
+/// Item 4: a block that fails the group checks but fits whole in a free
+/// segment is placed trying hard (OpenZFS would gang it and place the
+/// members trying hard): a lone degraded leaf still takes data.
 #[test]
-fn try_hard_before_gang_opens_the_try_hard_pass() {
-    for (set, placed) in [(false, false), (true, true)] {
-        let mut t = Tunables::default();
-        if set {
-            t.set("zfs_metaslab_try_hard_before_gang", "1").unwrap();
-        }
-        let mut pool = Pool::new(t);
-        pool.add_vdev(spec(4 * GIB)).unwrap();
-        pool.sync();
-        pool.set_health(0, Health::Degraded).unwrap();
-        let r = place(&mut pool, req(AllocKind::Data, 128 << 10, 1));
-        assert_eq!(r.is_ok(), placed, "{r:?}");
-        // Minimum-size blocks always get the try-hard pass.
-        place(&mut pool, req(AllocKind::Data, 4096, 1)).unwrap();
-    }
+fn a_block_that_fits_whole_is_placed_trying_hard() {
+    let mut pool = Pool::new(Tunables::default());
+    pool.add_vdev(spec(4 * GIB)).unwrap();
+    pool.sync();
+    pool.set_health(0, Health::Degraded).unwrap();
+    place(&mut pool, req(AllocKind::Data, 128 << 10, 1)).unwrap();
+    place(&mut pool, req(AllocKind::Data, 4096, 1)).unwrap();
 }
 
 /// Issue 10 item 8: no vdev allocatable says so.

@@ -250,7 +250,21 @@ struct Sim<'a, P: SimPool> {
     /// Data bytes committed into the open txg (OpenZFS's dirty data of
     /// that txg) and the amount that pushes a sync early.
     txg_dirty: u64,
+    /// Data bytes submitted and not yet committed (log writers' included).
+    inflight: u64,
+    /// The load's `dirty_max`, OpenZFS's `zfs_dirty_data_max`.
+    dirty_max: u64,
     dirty_sync_bytes: u64,
+    /// `allocate = "sync"`: OpenZFS's pipeline. Writes join the open txg as
+    /// dirty data (`open_reqs`); a pushed txg becomes the syncing one, whose
+    /// blocks are all submitted and allocated at once, and the pool syncs
+    /// when the last of them is written. At most one txg syncs at a time.
+    alloc_at_sync: bool,
+    open_reqs: Vec<Req>,
+    open_bytes: u64,
+    /// Blocks of the syncing txg not yet written (0: no txg syncing).
+    syncing_left: u64,
+    push_pending: bool,
     dirty_sync_pending: bool,
 }
 
@@ -332,6 +346,13 @@ pub fn run<P: SimPool>(
         events: Vec::new(),
         pump_wanted: false,
         txg_dirty: 0,
+        inflight: 0,
+        alloc_at_sync: sc.load.as_ref().is_some_and(|l| l.allocate_at_sync),
+        open_reqs: Vec::new(),
+        open_bytes: 0,
+        syncing_left: 0,
+        push_pending: false,
+        dirty_max: sc.load.as_ref().map(|l| l.dirty_max).unwrap_or(4 << 30),
         dirty_sync_bytes: sc.load.as_ref().map(|l| l.dirty_max).unwrap_or(4 << 30)
             * ZFS_DIRTY_DATA_SYNC_PERCENT
             / 100,
@@ -701,7 +722,12 @@ impl<P: SimPool> Sim<'_, P> {
             }
             Ev::Sync(generation) => {
                 if generation == self.sync_gen {
-                    self.sync()?;
+                    if self.alloc_at_sync {
+                        // zfs_txg_timeout: push whatever the open txg holds.
+                        self.push_txg()?;
+                    } else {
+                        self.sync()?;
+                    }
                 }
             }
             Ev::Tick(s) => self.tick(s)?,
@@ -790,12 +816,27 @@ impl<P: SimPool> Sim<'_, P> {
 
     fn submit_data(&mut self, req: Req) -> anyhow::Result<()> {
         self.block_busy[req.block as usize] = true;
+        self.inflight += req.size;
         if req.stream == LOG_STREAM {
             self.log.as_mut().unwrap().outstanding += req.size;
         } else {
             let d = self.data.as_mut().unwrap();
             d.streams[req.stream as usize].outstanding += req.size;
+            if self.alloc_at_sync {
+                // Dirty data of the open txg; allocated when the txg syncs.
+                self.open_bytes += req.size;
+                self.open_reqs.push(req);
+                if self.open_bytes >= self.dirty_sync_bytes {
+                    self.push_txg()?;
+                }
+                return Ok(());
+            }
         }
+        self.issue_data(req)
+    }
+
+    /// Hand a written block to the pool: submit, and allocate once admitted.
+    fn issue_data(&mut self, req: Req) -> anyhow::Result<()> {
         let r = AllocRequest {
             kind: AllocKind::Data,
             size: req.size,
@@ -812,6 +853,7 @@ impl<P: SimPool> Sim<'_, P> {
 
     fn release_req(&mut self, req: Req) {
         self.block_busy[req.block as usize] = false;
+        self.inflight -= req.size;
         if req.stream == LOG_STREAM {
             self.log.as_mut().unwrap().outstanding -= req.size;
         } else {
@@ -821,19 +863,32 @@ impl<P: SimPool> Sim<'_, P> {
         self.pump_wanted = true;
     }
 
+    /// Busy as the allocator service decides it: the throttle's own proxy,
+    /// or OpenZFS's dirty-data rule on the bytes written and not yet
+    /// synced (in flight plus committed into the open txg).
+    fn busy(&self) -> bool {
+        let dirty = self.inflight + self.txg_dirty;
+        self.pool.busy(ClassKind::Normal) || self.pool.busy_dirty(dirty, self.dirty_max, false)
+    }
+
     fn allocate_data(&mut self, t: Ticket, req: Req) -> anyhow::Result<()> {
-        let busy = self.pool.busy(ClassKind::Normal);
+        let busy = self.busy();
         match self.pool.allocate(t, busy) {
             Ok(a) => {
                 self.place(a, SlotKind::Data(req), false);
                 Ok(())
             }
-            Err(PoolError::NoSpace { .. }) => {
+            Err(PoolError::NoSpace { reason, .. }) => {
                 self.release_req(req);
                 if !self.pool_full {
                     self.pool_full = true;
-                    self.events
-                        .push((self.now, "pool full: data load stopped".into()));
+                    self.events.push((
+                        self.now,
+                        format!("pool full ({reason:?}): data load stopped"),
+                    ));
+                }
+                if self.alloc_at_sync && req.stream != LOG_STREAM {
+                    self.syncing_block_done()?;
                 }
                 if let Some(d) = &mut self.data {
                     for s in &mut d.streams {
@@ -882,12 +937,17 @@ impl<P: SimPool> Sim<'_, P> {
                 self.committed += req.size;
                 self.allocations += 1;
                 self.txg_dirty += req.size;
-                if self.txg_dirty >= self.dirty_sync_bytes && !self.dirty_sync_pending {
+                if self.alloc_at_sync && req.stream != LOG_STREAM {
+                    self.release_req(req);
+                    self.syncing_block_done()?;
+                } else if self.txg_dirty >= self.dirty_sync_bytes && !self.dirty_sync_pending {
                     // The open txg holds enough dirty data: push it now.
                     self.dirty_sync_pending = true;
                     self.force_sync();
+                    self.release_req(req);
+                } else {
+                    self.release_req(req);
                 }
-                self.release_req(req);
                 if req.stream == LOG_STREAM {
                     self.unblock_log_streams()?;
                 }
@@ -1068,6 +1128,41 @@ impl<P: SimPool> Sim<'_, P> {
         Ok(())
     }
 
+    /// Pipeline: quiesce the open txg and start syncing it, or remember the
+    /// push while a txg is still syncing (one syncing txg at a time).
+    fn push_txg(&mut self) -> anyhow::Result<()> {
+        if self.syncing_left > 0 {
+            self.push_pending = true;
+            return Ok(());
+        }
+        self.push_pending = false;
+        if self.open_reqs.is_empty() {
+            // Nothing dirty: an empty txg syncs at once.
+            return self.sync();
+        }
+        let reqs = std::mem::take(&mut self.open_reqs);
+        self.open_bytes = 0;
+        self.syncing_left = reqs.len() as u64;
+        for req in reqs {
+            self.issue_data(req)?;
+        }
+        Ok(())
+    }
+
+    /// Pipeline: one block of the syncing txg is written (or failed); the
+    /// last one completes the sync, and a push that waited starts the next.
+    fn syncing_block_done(&mut self) -> anyhow::Result<()> {
+        self.syncing_left -= 1;
+        if self.syncing_left > 0 {
+            return Ok(());
+        }
+        self.sync()?;
+        if self.push_pending || self.open_bytes >= self.dirty_sync_bytes {
+            self.push_txg()?;
+        }
+        Ok(())
+    }
+
     /// Someone waits for a txg: sync as soon as a sync can run, as
     /// `txg_wait_synced` kicks the sync thread.
     fn force_sync(&mut self) {
@@ -1216,7 +1311,7 @@ impl<P: SimPool> Sim<'_, P> {
                     bail!("the pool queued log ticket {t}; log requests are never throttled")
                 }
             };
-            let busy = self.pool.busy(ClassKind::Normal);
+            let busy = self.busy();
             match self.pool.allocate(t, busy) {
                 Ok(a) => {
                     let loads = a.metaslab_loads;
@@ -1387,6 +1482,9 @@ mod tests {
             Vec::new()
         }
         fn busy(&self, _: ClassKind) -> bool {
+            false
+        }
+        fn busy_dirty(&self, _: u64, _: u64, _: bool) -> bool {
             false
         }
         fn allocate(&mut self, t: Ticket, _busy: bool) -> PResult<Allocation> {

@@ -910,7 +910,7 @@ fn load_model(l: RawLoad) -> Result<Load, ScenarioError> {
         Some(other) => {
             return Err(invalid(
                 "load.allocate",
-                &format!("{other:?}: expected \"write\" or \"sync\""),
+                format!("{other:?}: expected \"write\" or \"sync\""),
             ));
         }
     };

@@ -989,6 +989,32 @@ write_bandwidth = "500MiB/s"
     }
 
     #[test]
+    fn allocate_mode_parses_and_is_checked() {
+        assert!(
+            !Scenario::from_toml(MIN)
+                .unwrap()
+                .load
+                .unwrap()
+                .allocate_at_sync
+        );
+        let sync = MIN.replace("mode = \"full\"", "mode = \"full\"\nallocate = \"sync\"");
+        assert!(
+            Scenario::from_toml(&sync)
+                .unwrap()
+                .load
+                .unwrap()
+                .allocate_at_sync
+        );
+        let bad = MIN.replace("mode = \"full\"", "mode = \"full\"\nallocate = \"later\"");
+        assert!(err(&bad).contains("load.allocate"), "{}", err(&bad));
+        let rate = MIN.replace(
+            "mode = \"full\"",
+            "mode = \"rate\"\nrate = \"1MiB/s\"\nallocate = \"sync\"",
+        );
+        assert!(err(&rate).contains("load.allocate"), "{}", err(&rate));
+    }
+
+    #[test]
     fn minimal_scenario_gets_defaults() {
         let s = Scenario::from_toml(MIN).unwrap();
         assert_eq!(s.policies, vec![ThrottlePolicy::Unified]);

@@ -56,7 +56,7 @@ fn t3_unified_matches_openzfs_2_4() {
 }
 
 /// Target (5 points) not reached: the simulated pool writes the slow vdev
-/// more than 2.3.9 does before 50 % fill (18.2 % vs 12.1 % used at 50 %, 6.6
+/// more than 2.3.9 does before 50 % fill (18.2 % vs 12.1 % used at 50 %, 6.7
 /// points off on the fast vdev). Held at the measured distance so a change
 /// that widens it fails.
 #[test]

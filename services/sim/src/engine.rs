@@ -125,6 +125,8 @@ enum Ev {
     LoadStart,
     LogStart,
     ZilResume,
+    /// Pipeline: a writer's write-throttle delay has passed.
+    ThrottleWake,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -265,6 +267,11 @@ struct Sim<'a, P: SimPool> {
     /// Blocks of the syncing txg not yet written (0: no txg syncing).
     syncing_left: u64,
     push_pending: bool,
+    /// Write throttle: when the last delayed write may go (`dp_last_wakeup`),
+    /// and whether the next write has served its delay already.
+    last_wakeup: u64,
+    delay_served: bool,
+    delay_waiting: bool,
     dirty_sync_pending: bool,
 }
 
@@ -272,6 +279,27 @@ struct Sim<'a, P: SimPool> {
 /// dirty data exceeds this share of `zfs_dirty_data_max` (here the load's
 /// `dirty_max`), not only after `zfs_txg_timeout`.
 pub const ZFS_DIRTY_DATA_SYNC_PERCENT: u64 = 20;
+
+/// OpenZFS's write throttle (`dmu_tx_delay`): above
+/// `zfs_delay_min_dirty_percent` of `zfs_dirty_data_max` each write waits
+/// `zfs_delay_scale × (dirty − min) / (max − dirty)` ns, at most
+/// `zfs_delay_max_ns`, and the waits of all writers queue one after another.
+pub const ZFS_DELAY_MIN_DIRTY_PERCENT: u64 = 60;
+pub const ZFS_DELAY_SCALE: u64 = 500_000;
+pub const ZFS_DELAY_MAX_NS: u64 = 100_000_000;
+
+/// The delay `dmu_tx_delay` gives a write at `dirty` bytes of dirty data.
+pub fn write_delay(dirty: u64, dirty_max: u64) -> u64 {
+    let min = dirty_max * ZFS_DELAY_MIN_DIRTY_PERCENT / 100;
+    if dirty <= min {
+        return 0;
+    }
+    if dirty >= dirty_max {
+        return ZFS_DELAY_MAX_NS;
+    }
+    let d = ZFS_DELAY_SCALE as u128 * (dirty - min) as u128 / (dirty_max - dirty) as u128;
+    (d as u64).min(ZFS_DELAY_MAX_NS)
+}
 
 fn vdev_spec(m: &VdevModel) -> VdevSpec {
     VdevSpec {
@@ -352,6 +380,9 @@ pub fn run<P: SimPool>(
         open_bytes: 0,
         syncing_left: 0,
         push_pending: false,
+        last_wakeup: 0,
+        delay_served: false,
+        delay_waiting: false,
         dirty_max: sc.load.as_ref().map(|l| l.dirty_max).unwrap_or(4 << 30),
         dirty_sync_bytes: sc.load.as_ref().map(|l| l.dirty_max).unwrap_or(4 << 30)
             * ZFS_DIRTY_DATA_SYNC_PERCENT
@@ -744,6 +775,11 @@ impl<P: SimPool> Sim<'_, P> {
                     self.log_issue(s)?;
                 }
             }
+            Ev::ThrottleWake => {
+                self.delay_waiting = false;
+                self.delay_served = true;
+                self.pump_wanted = true;
+            }
             Ev::ZilResume => {
                 let l = self.log.as_mut().expect("log load");
                 l.stall = Stall::None;
@@ -1025,8 +1061,12 @@ impl<P: SimPool> Sim<'_, P> {
                 let mut idle = 0;
                 let mut s = d.rr;
                 while idle < n {
+                    if self.alloc_at_sync && !self.throttle_admits() {
+                        break;
+                    }
                     match self.next_block(s) {
                         Some(req) => {
+                            self.delay_served = false;
                             self.submit_data(req)?;
                             idle = 0;
                         }
@@ -1053,6 +1093,26 @@ impl<P: SimPool> Sim<'_, P> {
             }
         }
         Ok(())
+    }
+
+    /// Pipeline write throttle: may the next write go now? If dirty data
+    /// calls for a delay not yet served, schedule the wake-up and say no.
+    fn throttle_admits(&mut self) -> bool {
+        if self.delay_waiting {
+            return false;
+        }
+        if self.delay_served {
+            return true;
+        }
+        let delay = write_delay(self.inflight, self.dirty_max);
+        if delay == 0 {
+            return true;
+        }
+        let wake = self.now.max(self.last_wakeup) + delay;
+        self.last_wakeup = wake;
+        self.delay_waiting = true;
+        self.push(wake, Ev::ThrottleWake);
+        false
     }
 
     fn tick(&mut self, s: u32) -> anyhow::Result<()> {
@@ -1712,6 +1772,17 @@ latency = "100us"
         let loaded = r.log.unwrap();
         assert_eq!(loaded.metaslab_loads, loaded.blocks);
         assert!(loaded.latency_p50 >= 100_000_000, "{loaded:?}");
+    }
+
+    #[test]
+    fn write_delay_follows_dmu_tx_delay() {
+        let max = 100 << 20;
+        assert_eq!(write_delay(max * 60 / 100, max), 0);
+        // Halfway between the 60 % threshold and the limit: one delay scale.
+        assert_eq!(write_delay(max * 80 / 100, max), ZFS_DELAY_SCALE);
+        assert!(write_delay(max * 90 / 100, max) > write_delay(max * 80 / 100, max));
+        assert_eq!(write_delay(max - 1, max), ZFS_DELAY_MAX_NS);
+        assert_eq!(write_delay(max, max), ZFS_DELAY_MAX_NS);
     }
 
     #[test]

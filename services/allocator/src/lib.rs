@@ -295,6 +295,7 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
         max_lease: config.max_lease,
     };
     let generation = store.open_generation().await?;
+    let history = store.generation_history().await?;
     // A restarted pool (one the store already held) opens with a claim
     // window; a new one has nothing to claim.
     let restarted = guid.is_some();
@@ -303,6 +304,7 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
         synced_at_open: synced,
         claim_window_until: (restarted && !config.claim_window.is_zero())
             .then(|| Instant::now() + config.claim_window),
+        history,
     };
     if restarted {
         tracing::info!(generation, synced_txg = synced, claim_window = ?config.claim_window,

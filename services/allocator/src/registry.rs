@@ -26,6 +26,38 @@ pub struct RegistryService {
     pub shared: Arc<Shared>,
 }
 
+/// Grow vdev `vdev` to `capacity` (ExpandVdev): refused beyond what the
+/// store reopens or below the current capacity; the new record goes out with
+/// the open txg, which is returned (the caller waits for it to sync).
+pub fn expand(g: &mut Inner, vdev: VdevId, capacity: u64) -> Result<Option<metaslab::Txg>> {
+    let current = vdev_capacity(g, vdev).ok_or(metaslab::Error::UnknownVdev(vdev))?;
+    if capacity > metaslab::pool::MAX_VDEV_CAPACITY {
+        return Err(Error::InvalidArgument(format!(
+            "capacity {capacity} bytes is above the largest vdev ({} bytes)",
+            metaslab::pool::MAX_VDEV_CAPACITY
+        )));
+    }
+    if capacity < current {
+        return Err(Error::FailedPrecondition(format!(
+            "vdev {vdev} cannot shrink from {current} to {capacity} bytes"
+        )));
+    }
+    if capacity == current {
+        return Ok(None);
+    }
+    g.pool.grow_vdev(vdev, capacity)?;
+    if let Some(rec) = record_of(g, vdev) {
+        g.pending_vdevs.push(rec);
+    }
+    g.wake_admitted();
+    g.event(
+        "vdev_expand",
+        vdev,
+        format!("{current} -> {capacity} bytes (administrative)"),
+    );
+    Ok(Some(g.pool.open_txg()))
+}
+
 fn record_of(g: &Inner, id: VdevId) -> Option<VdevRecord> {
     let info = g.vdevs.get(&id)?;
     let stats = g.pool.stats();

@@ -625,6 +625,29 @@ impl Allocator for AllocatorService {
         }))
     }
 
+    #[tracing::instrument(skip_all, fields(vdev = req.get_ref().vdev, capacity = req.get_ref().capacity))]
+    async fn expand_vdev(
+        &self,
+        req: Request<pb::ExpandVdevRequest>,
+    ) -> Result<Response<pb::VdevStatus>, Status> {
+        self.shared.check_serving()?;
+        let pb::ExpandVdevRequest { vdev, capacity } = *req.get_ref();
+        let txg = crate::registry::expand(&mut self.shared.lock(), vdev, capacity)?;
+        if let Some(txg) = txg {
+            // Durable before the reply: a crash must not shrink it back
+            // under extents handed out on the new space.
+            self.shared.wait_synced(txg).await?;
+            tracing::info!(vdev, capacity, txg, "vdev expanded");
+        }
+        let status = convert::pool_status(&self.shared, &self.shared.lock());
+        status
+            .vdevs
+            .into_iter()
+            .find(|v| v.vdev == vdev)
+            .map(Response::new)
+            .ok_or_else(|| Error::Pool(metaslab::Error::UnknownVdev(vdev)).into())
+    }
+
     #[tracing::instrument(skip_all, fields(vdev = req.get_ref().vdev, online = req.get_ref().online))]
     async fn set_vdev_state(
         &self,

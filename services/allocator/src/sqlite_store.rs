@@ -31,7 +31,14 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/
 pub const DB_FILE: &str = "pool.db";
 
 /// Tables of the newest schema; anything else marks a foreign database.
-const OUR_TABLES: &[&str] = &["_sqlx_migrations", "pool", "vdevs", "extents", "tunables"];
+const OUR_TABLES: &[&str] = &[
+    "_sqlx_migrations",
+    "pool",
+    "vdevs",
+    "extents",
+    "tunables",
+    "generations",
+];
 
 /// Rows per multi-row INSERT (4 binds each, well under SQLite's limit).
 const INSERT_CHUNK: usize = 200;
@@ -773,13 +780,40 @@ impl Store for SqliteStore {
 
     fn open_generation(&self) -> BoxFuture<'_, Result<u64, StoreError>> {
         Box::pin(async move {
-            let g: i64 = sqlx::query_scalar(
-                "UPDATE pool SET generation = generation + 1 WHERE id = 1 RETURNING generation",
+            let db = |e: sqlx::Error| StoreError(format!("bump the generation: {e}"));
+            // The bump and its history row in one transaction.
+            let mut tx = self.db.begin().await.map_err(db)?;
+            let (g, synced): (i64, i64) = sqlx::query_as(
+                "UPDATE pool SET generation = generation + 1 WHERE id = 1
+                 RETURNING generation, synced_txg",
             )
-            .fetch_one(&self.db)
+            .fetch_one(&mut *tx)
             .await
-            .map_err(|e| StoreError(format!("bump the generation: {e}")))?;
+            .map_err(db)?;
+            sqlx::query(
+                "INSERT INTO generations (generation, synced_txg_at_open, opened_ms)
+                 VALUES (?, ?, ?)",
+            )
+            .bind(g)
+            .bind(synced)
+            .bind(now_ms())
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
+            tx.commit().await.map_err(db)?;
             Ok(u(g))
+        })
+    }
+
+    fn generation_history(&self) -> BoxFuture<'_, Result<BTreeMap<u64, Txg>, StoreError>> {
+        Box::pin(async move {
+            let rows = sqlx::query_as::<_, (i64, i64)>(
+                "SELECT generation, synced_txg_at_open FROM generations ORDER BY generation",
+            )
+            .fetch_all(&self.db)
+            .await
+            .map_err(|e| StoreError(format!("read the generation history: {e}")))?;
+            Ok(rows.into_iter().map(|(g, t)| (u(g), u(t))).collect())
         })
     }
 

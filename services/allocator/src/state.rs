@@ -368,7 +368,7 @@ pub struct ServiceSettings {
 }
 
 /// This start of the allocator, as fencing sees it.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Fencing {
     /// Bumped in the store at every start.
     pub generation: u64,
@@ -377,6 +377,21 @@ pub struct Fencing {
     pub synced_at_open: Txg,
     /// After a restart, Allocate waits until then (Claim is served).
     pub claim_window_until: Option<Instant>,
+    /// Generation -> synced txg when it opened (`Store::generation_history`):
+    /// generation G's last synced txg is the entry of G + 1.
+    pub history: BTreeMap<u64, Txg>,
+}
+
+impl Fencing {
+    /// The last txg generation `seen` synced: exact when the store recorded
+    /// the next generation's open; else (generations from before the
+    /// history) the synced txg when this generation opened.
+    pub fn synced_by(&self, seen: u64) -> Txg {
+        self.history
+            .get(&(seen + 1))
+            .copied()
+            .unwrap_or(self.synced_at_open)
+    }
 }
 
 pub struct Shared {
@@ -417,6 +432,10 @@ impl Shared {
         // Each generation numbers its allocations in its own range, so an id
         // from before a restart never names a newer allocation.
         pool.start_allocation_ids_at((fencing.generation << 40) | 1);
+        // spa_alloc_count from this machine's CPUs (OpenZFS: at import).
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u64);
+        let allocators = pool.set_cpus(cpus);
+        tracing::debug!(cpus, allocators, "spa_alloc_count");
         let mut inner = Inner::new(pool);
         inner.dirty_max = settings.txg_dirty_max;
         Arc::new(Shared {
@@ -486,12 +505,15 @@ impl Shared {
         if seen > current {
             return Err(Error::GenerationAhead { seen, current });
         }
-        if txg == 0 || txg > self.fencing.synced_at_open {
+        // Not the current generation's synced txg at open: after two
+        // restarts it may cover a txg number the newer generation reused.
+        let synced = self.fencing.synced_by(seen);
+        if txg == 0 || txg > synced {
             return Err(Error::AllocatorRestarted {
                 seen,
                 current,
                 txg,
-                synced: self.fencing.synced_at_open,
+                synced,
                 window_ms: self.claim_window_remaining().as_millis() as u64,
             });
         }

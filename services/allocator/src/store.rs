@@ -64,6 +64,14 @@ pub trait Store: Send + Sync + 'static {
     /// Bump the pool's generation (once per start, after `load`/`create`)
     /// and return the new one; durable when this returns.
     fn open_generation(&self) -> BoxFuture<'_, Result<u64, StoreError>>;
+    /// Generation -> the synced txg when it opened, for every generation
+    /// the store recorded (the one `open_generation` started included):
+    /// what generation G synced is the entry of G + 1. Stores without a
+    /// history answer empty (fencing then falls back to the current
+    /// generation's synced txg at open).
+    fn generation_history(&self) -> BoxFuture<'_, Result<BTreeMap<u64, Txg>, StoreError>> {
+        Box::pin(async { Ok(BTreeMap::new()) })
+    }
     /// Durable allocated extents overlapping `e` (for Claim's exact check).
     fn allocated_overlapping(&self, e: Extent) -> BoxFuture<'_, Result<Vec<Extent>, StoreError>>;
 }
@@ -84,6 +92,7 @@ struct MemState {
     allocated: BTreeSet<Extent>,
     tunables: Vec<(String, String)>,
     generation: u64,
+    history: BTreeMap<u64, Txg>,
 }
 
 impl MemStore {
@@ -213,10 +222,22 @@ impl Store for MemStore {
             None => Err(StoreError("open_generation before create".into())),
             Some(st) => {
                 st.generation += 1;
+                st.history.insert(st.generation, st.synced_txg);
                 Ok(st.generation)
             }
         };
         Box::pin(async move { r })
+    }
+
+    fn generation_history(&self) -> BoxFuture<'_, Result<BTreeMap<u64, Txg>, StoreError>> {
+        let h = self
+            .state
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map(|s| s.history.clone())
+            .unwrap_or_default();
+        Box::pin(async move { Ok(h) })
     }
 
     fn allocated_overlapping(&self, e: Extent) -> BoxFuture<'_, Result<Vec<Extent>, StoreError>> {

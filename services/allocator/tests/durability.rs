@@ -668,3 +668,58 @@ async fn frees_split_stored_extents_in_one_transaction() {
     aliquot_allocator::recovery::verify(&p).expect("consistent");
     store.close().await;
 }
+
+/// ExpandVdev (the operator's `zpool online -e`): grows a vdev, durable when
+/// it answers (a crash right after keeps the new capacity), never shrinks,
+/// never beyond what the store reopens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expand_vdev_grows_durably_and_refuses_shrinking_and_oversize() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = db_path(dir.path());
+    let store = open(&path).await;
+    let mut h = start_with(config(), store.clone()).await;
+    let v = h.add_vdev(21, 256 * MIB).await;
+    let expand = |vdev, capacity| pb::ExpandVdevRequest { vdev, capacity };
+    let grown = h
+        .alloc
+        .expand_vdev(expand(v, GIB))
+        .await
+        .expect("expand")
+        .into_inner();
+    assert_eq!(grown.capacity, GIB);
+    assert!(grown.metaslab_count as u64 * grown.metaslab_size <= GIB);
+    assert!(
+        grown.metaslab_count as u64 * grown.metaslab_size > 256 * MIB,
+        "new metaslabs: {grown:?}"
+    );
+    let e = h.alloc.expand_vdev(expand(v, 512 * MIB)).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    let e = h.alloc.expand_vdev(expand(v, u64::MAX)).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    let e = h.alloc.expand_vdev(expand(v + 9, GIB)).await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    // Space on the new metaslabs is allocatable: fill past the old end.
+    let mut past_old_end = false;
+    // 32 x 16 MiB is twice the old capacity: it cannot all fit below it.
+    for _ in 0..32 {
+        let a = h.allocate(16 * MIB).await.expect("allocate");
+        h.commit(vec![a.allocation_id]).await.unwrap();
+        past_old_end |= a.extents[0].offset >= 256 * MIB;
+        if past_old_end {
+            break;
+        }
+    }
+    assert!(past_old_end, "allocations reach the expanded space");
+    // No sync after the expand's own: only its wait made it durable.
+
+    // Crash (the store closes under the server), reopen: still 1 GiB.
+    store.close().await;
+    drop(h);
+    let store = open(&path).await;
+    let mut h = start_with(config(), store.clone()).await;
+    let st = h.pool().await;
+    let vs = st.vdevs.iter().find(|x| x.vdev == v).expect("vdev");
+    assert_eq!(vs.capacity, GIB, "the expansion survived the crash");
+    h.server.shutdown().await.unwrap();
+    store.close().await;
+}

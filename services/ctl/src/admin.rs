@@ -122,6 +122,14 @@ pub enum VdevCmd {
     Online { vdev: u32 },
     /// Stop allocating on a vdev (its data stays readable).
     Offline { vdev: u32 },
+    /// Grow a vdev to a larger capacity, e.g. after its device grew (like
+    /// `zpool online -e`); agents' reports never grow a vdev.
+    Expand {
+        vdev: u32,
+        /// The new capacity, e.g. 2GiB (never smaller than now).
+        #[arg(value_parser = units::size_arg)]
+        capacity: u64,
+    },
 }
 
 pub async fn vdev(args: VdevArgs) -> anyhow::Result<()> {
@@ -129,6 +137,22 @@ pub async fn vdev(args: VdevArgs) -> anyhow::Result<()> {
     let (vdev, online) = match args.cmd {
         VdevCmd::Online { vdev } => (vdev, true),
         VdevCmd::Offline { vdev } => (vdev, false),
+        VdevCmd::Expand { vdev, capacity } => {
+            let v = c
+                .expand_vdev(aliquot_proto::v1::ExpandVdevRequest { vdev, capacity })
+                .await
+                .map_err(|s| client::status_msg(&format!("vdev expand {vdev}"), &s))?
+                .into_inner();
+            println!(
+                "vdev {} ({}) is {} ({} metaslabs of {})",
+                v.vdev,
+                v.name,
+                units::format_bytes(v.capacity),
+                v.metaslab_count,
+                units::format_bytes(v.metaslab_size)
+            );
+            return Ok(());
+        }
     };
     let what = if online { "online" } else { "offline" };
     let v = c

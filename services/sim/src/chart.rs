@@ -314,3 +314,65 @@ fn draw_run(dir: &Path, scenario: &str, r: &RunSummary) -> anyhow::Result<Vec<Pa
     }
     Ok(out)
 }
+
+/// Measured beside simulated: used % per vdev against pool fill %, the
+/// simulated run as lines and the measured log as dots of the same colour.
+pub fn compare_chart(
+    path: &Path,
+    title: &str,
+    names: &[String],
+    measured: &crate::calibration::FillCurve,
+    simulated: &crate::calibration::FillCurve,
+) -> anyhow::Result<()> {
+    let root = SVGBackend::new(path, (W, H)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(44)
+        .y_label_area_size(72)
+        .build_cartesian_2d(0.0..100.0, 0.0..105.0)?;
+    chart
+        .configure_mesh()
+        .x_desc("pool fill %")
+        .y_desc("vdev used %")
+        .light_line_style(RGBColor(235, 235, 235))
+        .draw()?;
+    let n = measured
+        .rows
+        .iter()
+        .chain(&simulated.rows)
+        .map(|r| r.used_pct.len())
+        .max()
+        .unwrap_or(0);
+    for v in 0..n {
+        let c = color(v);
+        let name = names.get(v).cloned().unwrap_or_else(|| format!("v{v}"));
+        let sim: Vec<(f64, f64)> = simulated
+            .rows
+            .iter()
+            .filter_map(|r| r.used_pct.get(v).map(|u| (r.fill_pct, *u)))
+            .collect();
+        chart
+            .draw_series(LineSeries::new(sim, c.stroke_width(2)))?
+            .label(format!("{name} simulated"))
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
+        let real: Vec<(f64, f64)> = measured
+            .rows
+            .iter()
+            .filter_map(|r| r.used_pct.get(v).map(|u| (r.fill_pct, *u)))
+            .collect();
+        chart
+            .draw_series(real.into_iter().map(move |p| Circle::new(p, 3, c.filled())))?
+            .label(format!("{name} measured (OpenZFS)"))
+            .legend(move |(x, y)| Circle::new((x + 10, y), 3, c.filled()));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()?;
+    root.present()?;
+    Ok(())
+}

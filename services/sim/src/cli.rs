@@ -49,6 +49,21 @@ pub enum Command {
         #[arg(long, env = "ALIQUOT_SIM_SCALE", default_value_t = 1)]
         scale: u64,
     },
+    /// Run one policy of a scenario and set it beside a measured OpenZFS log
+    /// (scenarios/calibration/*.log): used % at 25/50/75/90 % pool fill, max
+    /// spread, and a chart of both curves against pool fill.
+    Compare {
+        /// The scenario file (e.g. scenarios/calibration/t1c.toml).
+        scenario: PathBuf,
+        /// The measured log (e.g. scenarios/calibration/t1c-2.4.log).
+        log: PathBuf,
+        /// The run to compare (`unified` for 2.4 logs, `legacy` for 2.3).
+        #[arg(long, env = "ALIQUOT_SIM_POLICY", default_value = "unified")]
+        policy: String,
+        /// Where the chart goes (SVG).
+        #[arg(long, env = "ALIQUOT_SIM_CHART", default_value = "compare.svg")]
+        chart: PathBuf,
+    },
     /// Parse and validate a scenario (tunable names and values included) without running it.
     Check { scenario: PathBuf },
     /// List the scenarios in a directory (default: the shipped ones).
@@ -138,6 +153,43 @@ pub fn execute(cli: Cli) -> Result<(), CliError> {
                 }
             }
             let _ = writeln!(o, "wrote {}", out.display());
+            Ok(())
+        }
+        Command::Compare {
+            scenario,
+            log,
+            policy,
+            chart,
+        } => {
+            let sc = Scenario::from_file(&scenario)?;
+            let Some(spec) = sc.runs().into_iter().find(|r| r.label == policy) else {
+                return Err(ScenarioError::Invalid {
+                    key: "--policy".into(),
+                    reason: format!("{} has no run {policy:?}", sc.name),
+                }
+                .into());
+            };
+            crate::build_pool(&sc, &spec)?;
+            let text = std::fs::read_to_string(&log).map_err(|source| ScenarioError::Read {
+                path: log.display().to_string(),
+                source,
+            })?;
+            let measured = crate::calibration::FillCurve::from_log(&text)
+                .map_err(|e| CliError::Run(e.context(format!("{}", log.display()))))?;
+            let r = run_many(&sc, std::slice::from_ref(&spec), 1, false)
+                .map_err(CliError::Run)?
+                .remove(0);
+            let simulated = crate::calibration::FillCurve::from_run(&r);
+            let c = crate::calibration::Comparison::new(&measured, &simulated);
+            let title = format!(
+                "{} {policy}: simulated (lines) vs {} (dots)",
+                sc.name,
+                log.file_name().unwrap_or_default().to_string_lossy()
+            );
+            crate::chart::compare_chart(&chart, &title, &r.vdev_names, &measured, &simulated)
+                .map_err(CliError::Run)?;
+            print!("{}", c.table());
+            println!("({}) wrote {}", r.stop_reason, chart.display());
             Ok(())
         }
         Command::Check { scenario } => {

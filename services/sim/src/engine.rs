@@ -125,6 +125,8 @@ enum Ev {
     LoadStart,
     LogStart,
     ZilResume,
+    /// Pipeline: a writer's write-throttle delay has passed.
+    ThrottleWake,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -250,7 +252,26 @@ struct Sim<'a, P: SimPool> {
     /// Data bytes committed into the open txg (OpenZFS's dirty data of
     /// that txg) and the amount that pushes a sync early.
     txg_dirty: u64,
+    /// Data bytes submitted and not yet committed (log writers' included).
+    inflight: u64,
+    /// The load's `dirty_max`, OpenZFS's `zfs_dirty_data_max`.
+    dirty_max: u64,
     dirty_sync_bytes: u64,
+    /// `allocate = "sync"`: OpenZFS's pipeline. Writes join the open txg as
+    /// dirty data (`open_reqs`); a pushed txg becomes the syncing one, whose
+    /// blocks are all submitted and allocated at once, and the pool syncs
+    /// when the last of them is written. At most one txg syncs at a time.
+    alloc_at_sync: bool,
+    open_reqs: Vec<Req>,
+    open_bytes: u64,
+    /// Blocks of the syncing txg not yet written (0: no txg syncing).
+    syncing_left: u64,
+    push_pending: bool,
+    /// Write throttle: when the last delayed write may go (`dp_last_wakeup`),
+    /// and whether the next write has served its delay already.
+    last_wakeup: u64,
+    delay_served: bool,
+    delay_waiting: bool,
     dirty_sync_pending: bool,
 }
 
@@ -258,6 +279,27 @@ struct Sim<'a, P: SimPool> {
 /// dirty data exceeds this share of `zfs_dirty_data_max` (here the load's
 /// `dirty_max`), not only after `zfs_txg_timeout`.
 pub const ZFS_DIRTY_DATA_SYNC_PERCENT: u64 = 20;
+
+/// OpenZFS's write throttle (`dmu_tx_delay`): above
+/// `zfs_delay_min_dirty_percent` of `zfs_dirty_data_max` each write waits
+/// `zfs_delay_scale × (dirty − min) / (max − dirty)` ns, at most
+/// `zfs_delay_max_ns`, and the waits of all writers queue one after another.
+pub const ZFS_DELAY_MIN_DIRTY_PERCENT: u64 = 60;
+pub const ZFS_DELAY_SCALE: u64 = 500_000;
+pub const ZFS_DELAY_MAX_NS: u64 = 100_000_000;
+
+/// The delay `dmu_tx_delay` gives a write at `dirty` bytes of dirty data.
+pub fn write_delay(dirty: u64, dirty_max: u64) -> u64 {
+    let min = dirty_max * ZFS_DELAY_MIN_DIRTY_PERCENT / 100;
+    if dirty <= min {
+        return 0;
+    }
+    if dirty >= dirty_max {
+        return ZFS_DELAY_MAX_NS;
+    }
+    let d = ZFS_DELAY_SCALE as u128 * (dirty - min) as u128 / (dirty_max - dirty) as u128;
+    (d as u64).min(ZFS_DELAY_MAX_NS)
+}
 
 fn vdev_spec(m: &VdevModel) -> VdevSpec {
     VdevSpec {
@@ -332,6 +374,16 @@ pub fn run<P: SimPool>(
         events: Vec::new(),
         pump_wanted: false,
         txg_dirty: 0,
+        inflight: 0,
+        alloc_at_sync: sc.load.as_ref().is_some_and(|l| l.allocate_at_sync),
+        open_reqs: Vec::new(),
+        open_bytes: 0,
+        syncing_left: 0,
+        push_pending: false,
+        last_wakeup: 0,
+        delay_served: false,
+        delay_waiting: false,
+        dirty_max: sc.load.as_ref().map(|l| l.dirty_max).unwrap_or(4 << 30),
         dirty_sync_bytes: sc.load.as_ref().map(|l| l.dirty_max).unwrap_or(4 << 30)
             * ZFS_DIRTY_DATA_SYNC_PERCENT
             / 100,
@@ -701,7 +753,12 @@ impl<P: SimPool> Sim<'_, P> {
             }
             Ev::Sync(generation) => {
                 if generation == self.sync_gen {
-                    self.sync()?;
+                    if self.alloc_at_sync {
+                        // zfs_txg_timeout: push whatever the open txg holds.
+                        self.push_txg()?;
+                    } else {
+                        self.sync()?;
+                    }
                 }
             }
             Ev::Tick(s) => self.tick(s)?,
@@ -717,6 +774,11 @@ impl<P: SimPool> Sim<'_, P> {
                 for s in 0..n {
                     self.log_issue(s)?;
                 }
+            }
+            Ev::ThrottleWake => {
+                self.delay_waiting = false;
+                self.delay_served = true;
+                self.pump_wanted = true;
             }
             Ev::ZilResume => {
                 let l = self.log.as_mut().expect("log load");
@@ -790,12 +852,27 @@ impl<P: SimPool> Sim<'_, P> {
 
     fn submit_data(&mut self, req: Req) -> anyhow::Result<()> {
         self.block_busy[req.block as usize] = true;
+        self.inflight += req.size;
         if req.stream == LOG_STREAM {
             self.log.as_mut().unwrap().outstanding += req.size;
         } else {
             let d = self.data.as_mut().unwrap();
             d.streams[req.stream as usize].outstanding += req.size;
+            if self.alloc_at_sync {
+                // Dirty data of the open txg; allocated when the txg syncs.
+                self.open_bytes += req.size;
+                self.open_reqs.push(req);
+                if self.open_bytes >= self.dirty_sync_bytes {
+                    self.push_txg()?;
+                }
+                return Ok(());
+            }
         }
+        self.issue_data(req)
+    }
+
+    /// Hand a written block to the pool: submit, and allocate once admitted.
+    fn issue_data(&mut self, req: Req) -> anyhow::Result<()> {
         let r = AllocRequest {
             kind: AllocKind::Data,
             size: req.size,
@@ -812,6 +889,7 @@ impl<P: SimPool> Sim<'_, P> {
 
     fn release_req(&mut self, req: Req) {
         self.block_busy[req.block as usize] = false;
+        self.inflight -= req.size;
         if req.stream == LOG_STREAM {
             self.log.as_mut().unwrap().outstanding -= req.size;
         } else {
@@ -821,19 +899,32 @@ impl<P: SimPool> Sim<'_, P> {
         self.pump_wanted = true;
     }
 
+    /// Busy as the allocator service decides it: the throttle's own proxy,
+    /// or OpenZFS's dirty-data rule on the bytes written and not yet
+    /// synced (in flight plus committed into the open txg).
+    fn busy(&self) -> bool {
+        let dirty = self.inflight + self.txg_dirty;
+        self.pool.busy(ClassKind::Normal) || self.pool.busy_dirty(dirty, self.dirty_max, false)
+    }
+
     fn allocate_data(&mut self, t: Ticket, req: Req) -> anyhow::Result<()> {
-        let busy = self.pool.busy(ClassKind::Normal);
+        let busy = self.busy();
         match self.pool.allocate(t, busy) {
             Ok(a) => {
                 self.place(a, SlotKind::Data(req), false);
                 Ok(())
             }
-            Err(PoolError::NoSpace { .. }) => {
+            Err(PoolError::NoSpace { reason, .. }) => {
                 self.release_req(req);
                 if !self.pool_full {
                     self.pool_full = true;
-                    self.events
-                        .push((self.now, "pool full: data load stopped".into()));
+                    self.events.push((
+                        self.now,
+                        format!("pool full ({reason:?}): data load stopped"),
+                    ));
+                }
+                if self.alloc_at_sync && req.stream != LOG_STREAM {
+                    self.syncing_block_done()?;
                 }
                 if let Some(d) = &mut self.data {
                     for s in &mut d.streams {
@@ -882,12 +973,17 @@ impl<P: SimPool> Sim<'_, P> {
                 self.committed += req.size;
                 self.allocations += 1;
                 self.txg_dirty += req.size;
-                if self.txg_dirty >= self.dirty_sync_bytes && !self.dirty_sync_pending {
+                if self.alloc_at_sync && req.stream != LOG_STREAM {
+                    self.release_req(req);
+                    self.syncing_block_done()?;
+                } else if self.txg_dirty >= self.dirty_sync_bytes && !self.dirty_sync_pending {
                     // The open txg holds enough dirty data: push it now.
                     self.dirty_sync_pending = true;
                     self.force_sync();
+                    self.release_req(req);
+                } else {
+                    self.release_req(req);
                 }
-                self.release_req(req);
                 if req.stream == LOG_STREAM {
                     self.unblock_log_streams()?;
                 }
@@ -965,8 +1061,12 @@ impl<P: SimPool> Sim<'_, P> {
                 let mut idle = 0;
                 let mut s = d.rr;
                 while idle < n {
+                    if self.alloc_at_sync && !self.throttle_admits() {
+                        break;
+                    }
                     match self.next_block(s) {
                         Some(req) => {
+                            self.delay_served = false;
                             self.submit_data(req)?;
                             idle = 0;
                         }
@@ -993,6 +1093,26 @@ impl<P: SimPool> Sim<'_, P> {
             }
         }
         Ok(())
+    }
+
+    /// Pipeline write throttle: may the next write go now? If dirty data
+    /// calls for a delay not yet served, schedule the wake-up and say no.
+    fn throttle_admits(&mut self) -> bool {
+        if self.delay_waiting {
+            return false;
+        }
+        if self.delay_served {
+            return true;
+        }
+        let delay = write_delay(self.inflight, self.dirty_max);
+        if delay == 0 {
+            return true;
+        }
+        let wake = self.now.max(self.last_wakeup) + delay;
+        self.last_wakeup = wake;
+        self.delay_waiting = true;
+        self.push(wake, Ev::ThrottleWake);
+        false
     }
 
     fn tick(&mut self, s: u32) -> anyhow::Result<()> {
@@ -1065,6 +1185,41 @@ impl<P: SimPool> Sim<'_, P> {
         self.check_fill()?;
         self.drain_admitted()?;
         self.pump_wanted = true;
+        Ok(())
+    }
+
+    /// Pipeline: quiesce the open txg and start syncing it, or remember the
+    /// push while a txg is still syncing (one syncing txg at a time).
+    fn push_txg(&mut self) -> anyhow::Result<()> {
+        if self.syncing_left > 0 {
+            self.push_pending = true;
+            return Ok(());
+        }
+        self.push_pending = false;
+        if self.open_reqs.is_empty() {
+            // Nothing dirty: an empty txg syncs at once.
+            return self.sync();
+        }
+        let reqs = std::mem::take(&mut self.open_reqs);
+        self.open_bytes = 0;
+        self.syncing_left = reqs.len() as u64;
+        for req in reqs {
+            self.issue_data(req)?;
+        }
+        Ok(())
+    }
+
+    /// Pipeline: one block of the syncing txg is written (or failed); the
+    /// last one completes the sync, and a push that waited starts the next.
+    fn syncing_block_done(&mut self) -> anyhow::Result<()> {
+        self.syncing_left -= 1;
+        if self.syncing_left > 0 {
+            return Ok(());
+        }
+        self.sync()?;
+        if self.push_pending || self.open_bytes >= self.dirty_sync_bytes {
+            self.push_txg()?;
+        }
         Ok(())
     }
 
@@ -1216,7 +1371,7 @@ impl<P: SimPool> Sim<'_, P> {
                     bail!("the pool queued log ticket {t}; log requests are never throttled")
                 }
             };
-            let busy = self.pool.busy(ClassKind::Normal);
+            let busy = self.busy();
             match self.pool.allocate(t, busy) {
                 Ok(a) => {
                     let loads = a.metaslab_loads;
@@ -1387,6 +1542,9 @@ mod tests {
             Vec::new()
         }
         fn busy(&self, _: ClassKind) -> bool {
+            false
+        }
+        fn busy_dirty(&self, _: u64, _: u64, _: bool) -> bool {
             false
         }
         fn allocate(&mut self, t: Ticket, _busy: bool) -> PResult<Allocation> {
@@ -1614,6 +1772,17 @@ latency = "100us"
         let loaded = r.log.unwrap();
         assert_eq!(loaded.metaslab_loads, loaded.blocks);
         assert!(loaded.latency_p50 >= 100_000_000, "{loaded:?}");
+    }
+
+    #[test]
+    fn write_delay_follows_dmu_tx_delay() {
+        let max = 100 << 20;
+        assert_eq!(write_delay(max * 60 / 100, max), 0);
+        // Halfway between the 60 % threshold and the limit: one delay scale.
+        assert_eq!(write_delay(max * 80 / 100, max), ZFS_DELAY_SCALE);
+        assert!(write_delay(max * 90 / 100, max) > write_delay(max * 80 / 100, max));
+        assert_eq!(write_delay(max - 1, max), ZFS_DELAY_MAX_NS);
+        assert_eq!(write_delay(max, max), ZFS_DELAY_MAX_NS);
     }
 
     #[test]

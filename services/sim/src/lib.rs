@@ -7,6 +7,7 @@
 //! results land in `DIR/summary.json`, `DIR/timeseries.csv` and SVG charts.
 #![forbid(unsafe_code)]
 
+pub mod calibration;
 pub mod chart;
 pub mod cli;
 pub mod device;

@@ -239,6 +239,8 @@ struct RawLoad {
     dirty_max: Option<Size>,
     #[serde(default)]
     start: Option<Dur>,
+    #[serde(default)]
+    allocate: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -365,6 +367,10 @@ pub struct Load {
     /// Most bytes submitted and not yet committed (OpenZFS's dirty data limit).
     pub dirty_max: u64,
     pub start: u64,
+    /// `allocate = "sync"`: writes become dirty data and their blocks are
+    /// allocated when their txg syncs (OpenZFS's pipeline); the default
+    /// `"write"` allocates each block as it is written.
+    pub allocate_at_sync: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -898,6 +904,19 @@ fn load_model(l: RawLoad) -> Result<Load, ScenarioError> {
         (None, Some(_)) => return Err(invalid("load.fill", "must be within 0 <.. 1")),
         (None, None) => Amount::Fill(0.95),
     };
+    let allocate_at_sync = match l.allocate.as_deref() {
+        None | Some("write") => false,
+        Some("sync") => true,
+        Some(other) => {
+            return Err(invalid(
+                "load.allocate",
+                format!("{other:?}: expected \"write\" or \"sync\""),
+            ));
+        }
+    };
+    if allocate_at_sync && mode != LoadMode::Full {
+        return Err(invalid("load.allocate", "\"sync\" needs mode = \"full\""));
+    }
     let dirty_max = l.dirty_max.map(|s| s.0).unwrap_or(4 << 30);
     if dirty_max == 0 {
         return Err(invalid("load.dirty_max", "must be above zero"));
@@ -910,6 +929,7 @@ fn load_model(l: RawLoad) -> Result<Load, ScenarioError> {
         amount,
         dirty_max,
         start: l.start.map(|d| d.0).unwrap_or(0),
+        allocate_at_sync,
     })
 }
 
@@ -966,6 +986,32 @@ write_bandwidth = "500MiB/s"
 
     fn err(text: &str) -> String {
         Scenario::from_toml(text).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn allocate_mode_parses_and_is_checked() {
+        assert!(
+            !Scenario::from_toml(MIN)
+                .unwrap()
+                .load
+                .unwrap()
+                .allocate_at_sync
+        );
+        let sync = MIN.replace("mode = \"full\"", "mode = \"full\"\nallocate = \"sync\"");
+        assert!(
+            Scenario::from_toml(&sync)
+                .unwrap()
+                .load
+                .unwrap()
+                .allocate_at_sync
+        );
+        let bad = MIN.replace("mode = \"full\"", "mode = \"full\"\nallocate = \"later\"");
+        assert!(err(&bad).contains("load.allocate"), "{}", err(&bad));
+        let rate = MIN.replace(
+            "mode = \"full\"",
+            "mode = \"rate\"\nrate = \"1MiB/s\"\nallocate = \"sync\"",
+        );
+        assert!(err(&rate).contains("load.allocate"), "{}", err(&rate));
     }
 
     #[test]

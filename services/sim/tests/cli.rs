@@ -119,3 +119,42 @@ fn shipped_scenarios_all_check() {
     assert_eq!(s.lines().count(), 7, "{s}");
     assert!(!s.contains("INVALID"), "{s}");
 }
+
+#[test]
+fn compare_prints_the_fill_points_and_draws_both_curves() {
+    let dir = tempfile::tempdir().unwrap();
+    let cal = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios/calibration");
+    let chart = dir.path().join("c.svg");
+    let o = sim()
+        .arg("compare")
+        .arg(cal.join("t1c.toml"))
+        .arg(cal.join("t1c-2.4.log"))
+        .args(["--policy", "unified", "--chart"])
+        .arg(&chart)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    for p in [
+        " 25 %",
+        " 50 %",
+        " 75 %",
+        " 90 %",
+        "max spread: measured 11.1 pt",
+    ] {
+        assert!(stdout.contains(p), "{p:?} missing:\n{stdout}");
+    }
+    let svg = std::fs::read_to_string(&chart).unwrap();
+    assert!(svg.contains("v0-2g simulated") && svg.contains("v1-4g measured (OpenZFS)"));
+
+    let o = sim()
+        .arg("compare")
+        .arg(cal.join("t1c.toml"))
+        .arg(cal.join("t1c-2.4.log"))
+        .args(["--policy", "nope", "--chart"])
+        .arg(&chart)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--policy"));
+}

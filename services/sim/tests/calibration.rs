@@ -1,0 +1,65 @@
+//! Calibration against real OpenZFS (2.4.4 unified, 2.3.9 legacy): the t1c
+//! and t3 experiments of `scenarios/calibration/` at full scale (6 GiB and
+//! 4 GiB pools, under a second each) under both policies, compared with the
+//! measured logs at 25/50/75/90 % pool fill and by max spread.
+
+use std::path::Path;
+
+use aliquot_sim::calibration::{Comparison, FillCurve};
+use aliquot_sim::{Scenario, run_one};
+
+fn compare(name: &str, policy: &str, log: &str) -> Comparison {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios/calibration");
+    let sc = Scenario::from_file(&dir.join(format!("{name}.toml"))).unwrap();
+    let spec = sc.runs().into_iter().find(|r| r.label == policy).unwrap();
+    let r = run_one(&sc, &spec, &mut |_| {}).unwrap();
+    assert_eq!(r.stop_reason, "done", "{name} {policy}: {:?}", r.events);
+    let measured = FillCurve::from_log(&std::fs::read_to_string(dir.join(log)).unwrap()).unwrap();
+    let c = Comparison::new(&measured, &FillCurve::from_run(&r));
+    eprintln!("{name} {policy} vs {log}\n{}", c.table());
+    c
+}
+
+fn assert_close(c: &Comparison, what: &str, points: f64) {
+    for (i, d) in c.worst_diff.iter().enumerate() {
+        assert!(
+            *d <= points,
+            "{what}: {d:.1} points off at fill point {i}\n{}",
+            c.table()
+        );
+    }
+    assert!(
+        c.spread_error() <= 0.30,
+        "{what}: max spread off by {:.0} %\n{}",
+        100.0 * c.spread_error(),
+        c.table()
+    );
+}
+
+#[test]
+fn t1c_unified_matches_openzfs_2_4() {
+    assert_close(
+        &compare("t1c", "unified", "t1c-2.4.log"),
+        "t1c unified",
+        5.0,
+    );
+}
+
+#[test]
+fn t1c_legacy_matches_openzfs_2_3() {
+    assert_close(&compare("t1c", "legacy", "t1c-2.3.log"), "t1c legacy", 5.0);
+}
+
+#[test]
+fn t3_unified_matches_openzfs_2_4() {
+    assert_close(&compare("t3", "unified", "t3-2.4.log"), "t3 unified", 5.0);
+}
+
+/// Target (5 points) not reached: the simulated pool writes the slow vdev
+/// more than 2.3.9 does before 50 % fill (18.3 % vs 12.1 % used at 50 %, 7.0
+/// points off on the fast vdev). Held near the measured distance so a change
+/// that widens it fails.
+#[test]
+fn t3_legacy_near_openzfs_2_3() {
+    assert_close(&compare("t3", "legacy", "t3-2.3.log"), "t3 legacy", 7.5);
+}

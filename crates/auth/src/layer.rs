@@ -24,19 +24,38 @@ use crate::DOMAIN;
 use crate::policy;
 use crate::role::{Identity, Role};
 
-#[derive(Clone, Copy, Debug, Default)]
-pub struct RoleLayer;
+/// Enforcing, or (for an explicitly `--insecure` plaintext server) a
+/// pass-through, so both kinds of server have the same type.
+#[derive(Clone, Copy, Debug)]
+pub struct RoleLayer {
+    enforce: bool,
+}
+
+impl RoleLayer {
+    pub fn enforce() -> RoleLayer {
+        RoleLayer { enforce: true }
+    }
+
+    /// No checks, no identities: plaintext servers only.
+    pub fn insecure() -> RoleLayer {
+        RoleLayer { enforce: false }
+    }
+}
 
 impl<S> Layer<S> for RoleLayer {
     type Service = RoleCheck<S>;
     fn layer(&self, inner: S) -> RoleCheck<S> {
-        RoleCheck { inner }
+        RoleCheck {
+            inner,
+            enforce: self.enforce,
+        }
     }
 }
 
 #[derive(Clone, Debug)]
 pub struct RoleCheck<S> {
     inner: S,
+    enforce: bool,
 }
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
@@ -57,6 +76,9 @@ where
     }
 
     fn call(&mut self, mut req: http::Request<B>) -> Self::Future {
+        if !self.enforce {
+            return Box::pin(self.inner.call(req));
+        }
         let certs = req
             .extensions()
             .get::<TlsConnectInfo<TcpConnectInfo>>()

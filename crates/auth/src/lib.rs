@@ -10,6 +10,7 @@
 //! * [`token`]: Ed25519 write capabilities the allocator signs per extent and
 //!   agents verify with only the public key.
 
+pub mod args;
 pub mod ca;
 pub mod error;
 pub mod layer;
@@ -18,12 +19,13 @@ pub mod role;
 pub mod tls;
 pub mod token;
 
+pub use args::TlsArgs;
 pub use ca::PoolCa;
 pub use error::AuthError;
 pub use layer::RoleLayer;
 pub use role::{Identity, Role};
 pub use tls::TlsFiles;
-pub use token::{TokenError, TokenSigner, TokenVerifier, WriteGrant};
+pub use token::{TokenError, TokenSigner, TokenVerifier, WriteCheck, WriteGrant};
 
 /// The ErrorInfo domain of the reasons this crate gives (the allocator's).
 pub const DOMAIN: &str = "aliquot.v1";

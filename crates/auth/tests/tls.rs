@@ -19,7 +19,7 @@ async fn serve(files: &TlsFiles) -> String {
     let server = Server::builder()
         .tls_config(files.server_config().unwrap())
         .unwrap()
-        .layer(aliquot_auth::RoleLayer)
+        .layer(aliquot_auth::RoleLayer::enforce())
         .add_service(health)
         .serve_with_incoming(TcpIncoming::from(listener));
     tokio::spawn(server);

@@ -92,6 +92,7 @@ async fn session(
         .map_err(|s| format!("register: {}: {}", s.code(), s.message()))?
         .into_inner();
     agent.set_vdev(reply.vdev);
+    agent.gate().learn_pool(reply.pool_guid, reply.generation);
     *registered = true;
     let interval = match reply.report_interval_ms {
         0 => DEFAULT_INTERVAL,
@@ -135,6 +136,7 @@ async fn session(
             },
             ack = acks.message() => match ack {
                 Ok(Some(ack)) => {
+                    agent.gate().learn_generation(ack.generation);
                     let now = (ack.health, ack.online);
                     if seen != Some(now) {
                         let health = VdevHealth::try_from(ack.health)

@@ -117,6 +117,12 @@ pub struct Config {
     /// How often agents report; a vdev silent for 3 intervals is unavailable.
     #[arg(long, env = "ALIQUOT_REPORT_INTERVAL", default_value = "1s", value_parser = units::duration_arg)]
     pub report_interval: Duration,
+    /// The write-token signing key (`token.key` from `aliquotctl certs
+    /// init`, or the CA directory holding it): each extent of an Allocate
+    /// reply then carries a token agents with `token.pub` check.
+    #[arg(long, env = "ALIQUOT_TOKEN_KEY")]
+    pub token_key: Option<PathBuf>,
+
     #[command(flatten)]
     pub telemetry: telemetry::TelemetryArgs,
 }
@@ -293,6 +299,16 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
         txg_timeout_us: AtomicU64::new(v.txg_timeout.as_micros() as u64),
         txg_dirty_max: config.txg_dirty_max,
         max_lease: config.max_lease,
+        token_signer: match &config.token_key {
+            Some(p) => Some(
+                aliquot_auth::TokenSigner::load(p)
+                    .map_err(|e| ConfigError(format!("--token-key: {e}")))?,
+            ),
+            None => {
+                tracing::warn!("no --token-key: Allocate replies carry no write tokens");
+                None
+            }
+        },
     };
     let generation = store.open_generation().await?;
     // A restarted pool (one the store already held) opens with a claim

@@ -23,7 +23,7 @@ async fn allocate_replies_carry_verifiable_tokens() {
 
     let mut req = data(256 << 10);
     req.copies = 2;
-    let unary = h.alloc.allocate(req.clone()).await.unwrap().into_inner();
+    let unary = h.alloc.allocate(req).await.unwrap().into_inner();
     let (tx, rx) = tokio::sync::mpsc::channel(1);
     tx.send(pb::StreamRequest {
         request_id: 1,

@@ -74,7 +74,9 @@ pub async fn serve(
         if addr.ip().is_unspecified() {
             tracing::warn!(%addr, "listening on a wildcard address without --advertise: the allocator will be told an unroutable endpoint");
         }
-        format!("http://{addr}")
+        // tonic speaks TLS to https:// URLs only.
+        let scheme = if config.tls.files().is_some() { "https" } else { "http" };
+        format!("{scheme}://{addr}")
     });
     tracing::info!(%addr, endpoint = %endpoint, "serving vdev agent");
 
@@ -100,6 +102,7 @@ pub async fn serve(
             agent.clone(),
             config.allocator.clone(),
             endpoint,
+            config.tls.files(),
             stop_rx.clone(),
         )));
     } else {

@@ -123,6 +123,10 @@ pub struct Config {
     #[arg(long, env = "ALIQUOT_TOKEN_KEY")]
     pub token_key: Option<PathBuf>,
 
+    /// Mutual TLS: the pool CA and the allocator's certificate (role allocator).
+    #[command(flatten)]
+    pub tls: aliquot_auth::TlsArgs,
+
     #[command(flatten)]
     pub telemetry: telemetry::TelemetryArgs,
 }
@@ -387,9 +391,24 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
         shared: shared.clone(),
     };
     let stop = shared.clone();
+    let mut builder = tonic::transport::Server::builder();
+    let roles = match config.tls.files() {
+        Some(files) => {
+            builder = builder.tls_config(files.server_config()?)?;
+            tracing::info!(ca = %files.ca.display(), cert = %files.cert.display(), "mutual TLS: callers need a pool certificate");
+            aliquot_auth::RoleLayer::enforce()
+        }
+        None => {
+            tracing::warn!(
+                "plaintext gRPC without client certificates: anyone who reaches this port can register vdevs, allocate and free (give --tls-ca/--tls-cert/--tls-key)"
+            );
+            aliquot_auth::RoleLayer::insecure()
+        }
+    };
     let server = tokio::spawn(
-        tonic::transport::Server::builder()
+        builder
             .trace_fn(telemetry::server_span)
+            .layer(roles)
             .add_service(health_service)
             .add_service(reflection)
             .add_service(AllocatorServer::new(alloc_svc))

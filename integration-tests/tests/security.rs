@@ -32,6 +32,7 @@ async fn pool_over_mutual_tls_with_write_tokens() {
     for (role, name) in [
         (Role::Allocator, "allocator"),
         (Role::Agent, "file0"),
+        (Role::Agent, "file1"),
         (Role::Client, "alice"),
     ] {
         ca.issue(role, name, &[]).unwrap();
@@ -156,6 +157,46 @@ async fn pool_over_mutual_tls_with_write_tokens() {
         .unwrap_err();
     assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
 
+    // Another agent certificate cannot take over file0's device (here: a
+    // new endpoint for its guid); file0's certificate cannot report another vdev.
+    let guid = agent.info().guid;
+    let mut file1 = AgentRegistryClient::new(
+        tls_channel(&alloc_url, &files(Role::Agent, "file1"), Role::Allocator).await,
+    );
+    let e = file1
+        .register(pb::RegisterRequest {
+            endpoint: "https://127.0.0.1:1".into(),
+            device_guid: guid,
+            name: "file0".into(),
+            capacity: 8 << 30,
+            ashift: 12,
+            children: 1,
+            backend: "sim".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    let mut file0 = AgentRegistryClient::new(
+        tls_channel(&alloc_url, &files(Role::Agent, "file0"), Role::Allocator).await,
+    );
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    tx.send(pb::AgentReport {
+        vdev: e_vdev(&reply) + 1,
+        capacity: 64 << 30,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let mut acks = file0
+        .report(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let e = acks.message().await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    drop(tx);
+
     // Plaintext to the allocator gets nothing.
     let plain = async {
         AllocatorClient::connect(format!("http://127.0.0.1:{}", allocator.addr.port()))
@@ -169,4 +210,8 @@ async fn pool_over_mutual_tls_with_write_tokens() {
     stop.send(()).unwrap();
     served.await.unwrap().unwrap();
     allocator.shutdown().await.unwrap();
+}
+
+fn e_vdev(reply: &pb::AllocateReply) -> u32 {
+    reply.extents[0].vdev
 }

@@ -6,6 +6,7 @@
 //! start, print `LISTEN grpc <addr>`, serve until SIGINT/SIGTERM.
 //! The policy lives in `crates/metaslab`; this crate waits, wakes and times.
 
+pub mod binding;
 pub mod claim;
 pub mod convert;
 pub mod error;
@@ -389,6 +390,7 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
     };
     let reg_svc = registry::RegistryService {
         shared: shared.clone(),
+        bindings: Default::default(),
     };
     let stop = shared.clone();
     let mut builder = tonic::transport::Server::builder();

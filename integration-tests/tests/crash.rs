@@ -398,6 +398,7 @@ async fn step(c: &mut Cluster, m: &mut Model, rng: &mut Rng) -> StepResult {
             .write(pb::WriteRequest {
                 offset: e.offset,
                 data: pattern(ids[i], e.size as usize).into(),
+                ..Default::default()
             })
             .await;
         if let Err(err) = w {

@@ -122,6 +122,7 @@ fn writer(
                     .write(pb::WriteRequest {
                         offset: e.offset,
                         data: data.into(),
+                        ..Default::default()
                     })
                     .await
                     .ok()?;

@@ -180,6 +180,7 @@ async fn allocate_write_read_commit_then_frees_wait_two_txgs() {
                 .write(pb::WriteRequest {
                     offset: e.offset,
                     data: buf.into(),
+                    ..Default::default()
                 })
                 .await
                 .expect("write to agent")
@@ -289,6 +290,7 @@ async fn load(
                     .write(pb::WriteRequest {
                         offset: e.offset,
                         data: payload.clone().into(),
+                        ..Default::default()
                     })
                     .await
                     .unwrap();
@@ -601,6 +603,7 @@ async fn bad_input_gets_a_precise_status_and_leaves_the_pool_unchanged() {
         .write(pb::WriteRequest {
             offset: cap,
             data: vec![0; 4096].into(),
+            ..Default::default()
         })
         .await
         .map(|_| ());

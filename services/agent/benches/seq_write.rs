@@ -139,6 +139,7 @@ async fn agent(
                 c.write(WriteRequest {
                     offset: i * block as u64,
                     data: buf.clone(),
+                    ..Default::default()
                 })
                 .await
                 .expect("agent write");

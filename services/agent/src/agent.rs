@@ -12,6 +12,7 @@ use tonic::codegen::Bytes;
 use crate::backend::{self, DeviceInfo};
 use crate::config::{self, Config};
 use crate::error::AgentError;
+use crate::gate::WriteGate;
 use crate::queue::{Done, IoQueue};
 use crate::stats::Stats;
 
@@ -36,6 +37,7 @@ struct Inner {
     /// The vdev id the allocator gave us (NO_VDEV until registered).
     vdev: AtomicU64,
     tunables: std::sync::Mutex<()>,
+    gate: WriteGate,
 }
 
 impl Agent {
@@ -43,6 +45,13 @@ impl Agent {
     pub fn open(cfg: &Config) -> Result<Agent, AgentError> {
         cfg.validate()?;
         let opened = backend::open(cfg)?;
+        let verifier = match &cfg.token_key {
+            Some(p) => Some(
+                aliquot_auth::TokenVerifier::load(p)
+                    .map_err(|e| AgentError::Config(format!("--token-key: {e}")))?,
+            ),
+            None => None,
+        };
         let stats = Arc::new(Stats::default());
         let queue = IoQueue::new(
             opened.device,
@@ -61,6 +70,7 @@ impl Agent {
                 batch_pct: AtomicU32::new(cfg.zio_taskq_batch_pct),
                 vdev: AtomicU64::new(NO_VDEV),
                 tunables: std::sync::Mutex::new(()),
+                gate: WriteGate::new(verifier),
             }),
         };
         let i = &agent.inner;
@@ -153,6 +163,25 @@ impl Agent {
 
     /// Write `data` at `offset` through the queue; returns the requests the
     /// carrying device I/O merged.
+    /// The write capabilities this agent checks (see [`WriteGate`]).
+    pub fn gate(&self) -> &WriteGate {
+        &self.inner.gate
+    }
+
+    /// A client's write: the token is checked before anything else.
+    pub async fn write_with_token(
+        &self,
+        token: &[u8],
+        offset: u64,
+        data: Bytes,
+    ) -> Result<u32, AgentError> {
+        self.inner
+            .gate
+            .check(token, self.vdev(), offset, data.len() as u64)?;
+        self.write(offset, data).await
+    }
+
+    /// A write without a token check (in-process callers only).
     pub async fn write(&self, offset: u64, data: Bytes) -> Result<u32, AgentError> {
         self.check_range("write", offset, data.len() as u64)?;
         match self.inner.queue.write(offset, data).await? {

@@ -114,6 +114,15 @@ pub struct Config {
     #[arg(long, env = "ALIQUOT_ZIO_TASKQ_BATCH_PCT", default_value_t = ZIO_TASKQ_BATCH_PCT_DEFAULT)]
     pub zio_taskq_batch_pct: u32,
 
+    /// Mutual TLS: the pool CA and this agent's certificate (role agent).
+    #[command(flatten)]
+    pub tls: aliquot_auth::TlsArgs,
+
+    /// The allocator's write-token public key (`token.pub`, or the CA
+    /// directory holding it): every write must then carry a valid token.
+    #[arg(long, env = "ALIQUOT_TOKEN_KEY")]
+    pub token_key: Option<PathBuf>,
+
     #[command(flatten)]
     pub telemetry: telemetry::TelemetryArgs,
 }
@@ -139,6 +148,8 @@ impl Config {
             guid: None,
             zfs_vdev_aggregation_limit: None,
             zio_taskq_batch_pct: ZIO_TASKQ_BATCH_PCT_DEFAULT,
+            tls: Default::default(),
+            token_key: None,
             telemetry: Default::default(),
         }
     }

@@ -1,6 +1,9 @@
 //! The agent's one error type, mapped to `tonic::Status` once, here.
 
-use tonic::Status;
+use std::collections::HashMap;
+
+use tonic::{Code, Status};
+use tonic_types::{ErrorDetails, StatusExt};
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -21,6 +24,13 @@ pub enum AgentError {
     },
     #[error("the agent is shutting down")]
     ShuttingDown,
+    /// Writes need the pool and generation the allocator gives at registration.
+    #[error(
+        "the agent has not registered with the allocator yet: writes wait for its pool and generation; retry"
+    )]
+    NotRegistered,
+    #[error("{0}")]
+    Token(#[from] aliquot_auth::TokenError),
 }
 
 impl AgentError {
@@ -45,7 +55,22 @@ impl From<AgentError> for Status {
             }
             // The device itself failed: another copy or vdev may serve.
             AgentError::Io { .. } => Status::unavailable(msg),
-            AgentError::ShuttingDown => Status::unavailable(msg),
+            AgentError::ShuttingDown | AgentError::NotRegistered => Status::unavailable(msg),
+            AgentError::Token(t) => {
+                let code = match t {
+                    aliquot_auth::TokenError::Missing => Code::Unauthenticated,
+                    _ => Code::PermissionDenied,
+                };
+                Status::with_error_details(
+                    code,
+                    msg,
+                    ErrorDetails::with_error_info(
+                        t.reason(),
+                        aliquot_auth::DOMAIN,
+                        HashMap::<String, String>::new(),
+                    ),
+                )
+            }
         }
     }
 }

@@ -11,6 +11,7 @@ pub mod agent;
 pub mod backend;
 pub mod config;
 pub mod error;
+pub mod gate;
 pub mod label;
 pub mod queue;
 pub mod registration;
@@ -73,7 +74,9 @@ pub async fn serve(
         if addr.ip().is_unspecified() {
             tracing::warn!(%addr, "listening on a wildcard address without --advertise: the allocator will be told an unroutable endpoint");
         }
-        format!("http://{addr}")
+        // tonic speaks TLS to https:// URLs only.
+        let scheme = if config.tls.files().is_some() { "https" } else { "http" };
+        format!("{scheme}://{addr}")
     });
     tracing::info!(%addr, endpoint = %endpoint, "serving vdev agent");
 
@@ -99,6 +102,7 @@ pub async fn serve(
             agent.clone(),
             config.allocator.clone(),
             endpoint,
+            config.tls.files(),
             stop_rx.clone(),
         )));
     } else {
@@ -124,13 +128,35 @@ pub async fn serve(
         shutdown.await;
         let _ = signalled_tx.send(());
     };
-    let server = Server::builder()
+    let mut builder = Server::builder();
+    let roles = match config.tls.files() {
+        Some(files) => {
+            builder = builder.tls_config(files.server_config()?)?;
+            tracing::info!(ca = %files.ca.display(), cert = %files.cert.display(), "mutual TLS: callers need a pool certificate");
+            aliquot_auth::RoleLayer::enforce()
+        }
+        None => {
+            tracing::warn!(
+                "plaintext gRPC without client certificates: anyone who reaches this port can read this vdev (give --tls-ca/--tls-cert/--tls-key)"
+            );
+            aliquot_auth::RoleLayer::insecure()
+        }
+    };
+    if agent.gate().enforcing() {
+        tracing::info!("write tokens required (--token-key)");
+    } else {
+        tracing::warn!(
+            "no --token-key: writes are not checked against the allocator's write tokens"
+        );
+    }
+    let server = builder
         .trace_fn(telemetry::server_span)
         // Writes are large: HTTP/2's default 64 KiB windows and 16 KiB frames
         // would make every 1 MiB write wait on many window updates.
         .initial_stream_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
         .max_frame_size(MAX_FRAME)
+        .layer(roles)
         .add_service(health)
         .add_service(reflection)
         .add_service(svc)

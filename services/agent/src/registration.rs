@@ -23,6 +23,7 @@ pub async fn run(
     agent: Agent,
     allocator: String,
     endpoint: String,
+    tls: Option<aliquot_auth::TlsFiles>,
     mut stop: watch::Receiver<bool>,
 ) {
     let mut backoff = BACKOFF_START;
@@ -30,7 +31,7 @@ pub async fn run(
     loop {
         let mut registered = false;
         let result = tokio::select! {
-            r = session(&agent, &allocator, &endpoint, &mut registered) => r,
+            r = session(&agent, &allocator, &endpoint, tls.as_ref(), &mut registered) => r,
             _ = stop.wait_for(|s| *s) => return,
         };
         let Err(e) = result;
@@ -60,10 +61,21 @@ async fn session(
     agent: &Agent,
     allocator: &str,
     endpoint: &str,
+    tls: Option<&aliquot_auth::TlsFiles>,
     registered: &mut bool,
 ) -> Result<std::convert::Infallible, String> {
-    let channel = Endpoint::from_shared(allocator.to_string())
-        .map_err(|e| format!("bad allocator URL: {e}"))?
+    let mut channel = Endpoint::from_shared(allocator.to_string())
+        .map_err(|e| format!("bad allocator URL: {e}"))?;
+    // Mutual TLS to a server whose certificate says "allocator" (an https:// URL).
+    if let Some(files) = tls {
+        let config = files
+            .client_config(aliquot_auth::Role::Allocator)
+            .map_err(|e| format!("TLS: {e}"))?;
+        channel = channel
+            .tls_config(config)
+            .map_err(|e| format!("TLS: {e}"))?;
+    }
+    let channel = channel
         .connect_timeout(Duration::from_secs(2))
         .tcp_nodelay(true)
         // Notice a vanished allocator even when no report is due.
@@ -92,6 +104,7 @@ async fn session(
         .map_err(|s| format!("register: {}: {}", s.code(), s.message()))?
         .into_inner();
     agent.set_vdev(reply.vdev);
+    agent.gate().learn_pool(reply.pool_guid, reply.generation);
     *registered = true;
     let interval = match reply.report_interval_ms {
         0 => DEFAULT_INTERVAL,
@@ -135,6 +148,7 @@ async fn session(
             },
             ack = acks.message() => match ack {
                 Ok(Some(ack)) => {
+                    agent.gate().learn_generation(ack.generation);
                     let now = (ack.health, ack.online);
                     if seen != Some(now) {
                         let health = VdevHealth::try_from(ack.health)

@@ -29,9 +29,13 @@ impl VdevAgent for VdevAgentService {
         aggregated_ios,
     ))]
     async fn write(&self, req: Request<WriteRequest>) -> Result<Response<WriteReply>, Status> {
-        let WriteRequest { offset, data } = req.into_inner();
+        let WriteRequest {
+            offset,
+            data,
+            token,
+        } = req.into_inner();
         let bytes = data.len() as u64;
-        let aggregated_ios = self.agent.write(offset, data).await?;
+        let aggregated_ios = self.agent.write_with_token(&token, offset, data).await?;
         tracing::Span::current().record("aggregated_ios", aggregated_ios);
         Ok(Response::new(WriteReply {
             bytes,

@@ -25,6 +25,7 @@ async fn burst(a: &Running, base: u64, n: u64, seed: u64) -> Vec<u32> {
                 c.write(aliquot_proto::v1::WriteRequest {
                     offset: base + i * BLOCK as u64,
                     data: pattern(BLOCK, seed + i).into(),
+                    ..Default::default()
                 })
                 .await
                 .expect("write")

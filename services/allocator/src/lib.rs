@@ -6,6 +6,7 @@
 //! start, print `LISTEN grpc <addr>`, serve until SIGINT/SIGTERM.
 //! The policy lives in `crates/metaslab`; this crate waits, wakes and times.
 
+pub mod binding;
 pub mod claim;
 pub mod convert;
 pub mod error;
@@ -117,6 +118,16 @@ pub struct Config {
     /// How often agents report; a vdev silent for 3 intervals is unavailable.
     #[arg(long, env = "ALIQUOT_REPORT_INTERVAL", default_value = "1s", value_parser = units::duration_arg)]
     pub report_interval: Duration,
+    /// The write-token signing key (`token.key` from `aliquotctl certs
+    /// init`, or the CA directory holding it): each extent of an Allocate
+    /// reply then carries a token agents with `token.pub` check.
+    #[arg(long, env = "ALIQUOT_TOKEN_KEY")]
+    pub token_key: Option<PathBuf>,
+
+    /// Mutual TLS: the pool CA and the allocator's certificate (role allocator).
+    #[command(flatten)]
+    pub tls: aliquot_auth::TlsArgs,
+
     #[command(flatten)]
     pub telemetry: telemetry::TelemetryArgs,
 }
@@ -293,6 +304,16 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
         txg_timeout_us: AtomicU64::new(v.txg_timeout.as_micros() as u64),
         txg_dirty_max: config.txg_dirty_max,
         max_lease: config.max_lease,
+        token_signer: match &config.token_key {
+            Some(p) => Some(
+                aliquot_auth::TokenSigner::load(p)
+                    .map_err(|e| ConfigError(format!("--token-key: {e}")))?,
+            ),
+            None => {
+                tracing::warn!("no --token-key: Allocate replies carry no write tokens");
+                None
+            }
+        },
     };
     let generation = store.open_generation().await?;
     let history = store.generation_history().await?;
@@ -371,11 +392,27 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
     };
     let reg_svc = registry::RegistryService {
         shared: shared.clone(),
+        bindings: Default::default(),
     };
     let stop = shared.clone();
+    let mut builder = tonic::transport::Server::builder();
+    let roles = match config.tls.files() {
+        Some(files) => {
+            builder = builder.tls_config(files.server_config()?)?;
+            tracing::info!(ca = %files.ca.display(), cert = %files.cert.display(), "mutual TLS: callers need a pool certificate");
+            aliquot_auth::RoleLayer::enforce()
+        }
+        None => {
+            tracing::warn!(
+                "plaintext gRPC without client certificates: anyone who reaches this port can register vdevs, allocate and free (give --tls-ca/--tls-cert/--tls-key)"
+            );
+            aliquot_auth::RoleLayer::insecure()
+        }
+    };
     let server = tokio::spawn(
-        tonic::transport::Server::builder()
+        builder
             .trace_fn(telemetry::server_span)
+            .layer(roles)
             .add_service(health_service)
             .add_service(reflection)
             .add_service(AllocatorServer::new(alloc_svc))

@@ -24,6 +24,7 @@ use crate::store::VdevRecord;
 #[derive(Clone)]
 pub struct RegistryService {
     pub shared: Arc<Shared>,
+    pub bindings: Arc<crate::binding::AgentBindings>,
 }
 
 /// Grow vdev `vdev` to `capacity` (ExpandVdev): refused beyond what the
@@ -426,6 +427,8 @@ impl AgentRegistry for RegistryService {
         &self,
         req: Request<pb::RegisterRequest>,
     ) -> Result<Response<pb::RegisterReply>, Status> {
+        let id = req.extensions().get::<aliquot_auth::Identity>().cloned();
+        self.bindings.bind(id.as_ref(), req.get_ref().device_guid)?;
         Ok(Response::new(self.register_inner(req.into_inner()).await?))
     }
 
@@ -436,6 +439,10 @@ impl AgentRegistry for RegistryService {
         &self,
         req: Request<Streaming<pb::AgentReport>>,
     ) -> Result<Response<Self::ReportStream>, Status> {
+        // An agent certificate reports only the vdev of the device it registered.
+        let bound = self
+            .bindings
+            .device_of(req.extensions().get::<aliquot_auth::Identity>());
         let mut inbound = req.into_inner();
         let (tx, rx) = mpsc::channel(16);
         let svc = self.clone();
@@ -448,7 +455,20 @@ impl AgentRegistry for RegistryService {
                     };
                     let Some(msg) = msg else { break };
                     let reply = match msg {
-                        Ok(r) => svc.report_one(r).map_err(Status::from),
+                        Ok(r) => match bound {
+                            Some(device) => {
+                                let own = device.and_then(|g| svc.shared.lock().by_guid.get(&g).copied());
+                                if own == Some(r.vdev) {
+                                    svc.report_one(r).map_err(Status::from)
+                                } else {
+                                    Err(Status::permission_denied(format!(
+                                        "this agent certificate may report only its own vdev ({own:?}), not vdev {}",
+                                        r.vdev
+                                    )))
+                                }
+                            }
+                            None => svc.report_one(r).map_err(Status::from),
+                        },
                         Err(status) => {
                             tracing::debug!(%status, "report stream ended");
                             break;

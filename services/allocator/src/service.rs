@@ -51,7 +51,27 @@ fn allocate_reply(
     deadline: Instant,
     waited: Duration,
 ) -> pb::AllocateReply {
+    let expires_ms = convert::deadline_unix_ms(deadline);
+    let tokens = match &shared.settings.token_signer {
+        Some(signer) => a
+            .extents
+            .iter()
+            .map(|e| {
+                signer.sign(&aliquot_auth::WriteGrant {
+                    pool_guid: shared.pool_guid,
+                    generation: shared.fencing.generation,
+                    vdev: e.vdev,
+                    offset: e.offset,
+                    size: e.size,
+                    allocation_id: a.id,
+                    expires_ms,
+                })
+            })
+            .collect(),
+        None => Vec::new(),
+    };
     pb::AllocateReply {
+        tokens,
         allocation_id: a.id,
         extents: a.extents.iter().map(convert::extent_to_pb).collect(),
         txg: a.txg,
@@ -59,7 +79,7 @@ fn allocate_reply(
         throttle_wait_us: waited.as_micros() as u64,
         endpoints,
         generation: shared.fencing.generation,
-        lease_deadline_ms: convert::deadline_unix_ms(deadline),
+        lease_deadline_ms: expires_ms,
     }
 }
 

@@ -365,6 +365,8 @@ pub struct ServiceSettings {
     pub txg_dirty_max: u64,
     /// The longest lease an Allocate or RenewLease may ask for.
     pub max_lease: Duration,
+    /// Signs a write token per extent of each allocation (None: no tokens).
+    pub token_signer: Option<aliquot_auth::TokenSigner>,
 }
 
 /// This start of the allocator, as fencing sees it.

@@ -141,16 +141,18 @@ impl PatternWriter {
 }
 
 /// A `WriteRequest` whose data is a block's pattern, generated as it is encoded.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct PatternWrite {
     pub offset: u64,
     pub len: usize,
     pub nonce: u64,
     pub block: u64,
+    /// The extent's write token from the Allocate reply (empty: none given).
+    pub token: Vec<u8>,
 }
 
 /// Encodes [`PatternWrite`] as `aliquot.v1.WriteRequest` (offset = 1,
-/// data = 2), decodes `WriteReply` with prost.
+/// data = 2, token = 3), decodes `WriteReply` with prost.
 struct PatternCodec;
 
 impl Codec for PatternCodec {
@@ -174,7 +176,7 @@ impl Encoder for PatternEncoder {
 
     fn encode(&mut self, w: PatternWrite, buf: &mut EncodeBuf<'_>) -> Result<(), tonic::Status> {
         // Room for both keys and varints too: one allocation, no regrowth.
-        buf.reserve(w.len + 24);
+        buf.reserve(w.len + w.token.len() + 32);
         if w.offset != 0 {
             encode_key(1, WireType::Varint, buf);
             encode_varint(w.offset, buf);
@@ -183,6 +185,11 @@ impl Encoder for PatternEncoder {
             encode_key(2, WireType::LengthDelimited, buf);
             encode_varint(w.len as u64, buf);
             crate::pattern::put(buf, w.len, w.nonce, w.block);
+        }
+        if !w.token.is_empty() {
+            encode_key(3, WireType::LengthDelimited, buf);
+            encode_varint(w.token.len() as u64, buf);
+            prost::bytes::BufMut::put_slice(buf, &w.token);
         }
         Ok(())
     }

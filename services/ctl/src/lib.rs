@@ -5,6 +5,7 @@
 //! binary is enough to run the whole system.
 
 pub mod admin;
+pub mod certs;
 pub mod client;
 pub mod demo;
 pub mod health;
@@ -58,6 +59,8 @@ pub enum Cmd {
     Health(health::HealthArgs),
     /// Check the allocator's store (stopped or running pool), like `zdb -b`.
     Verify(verify::VerifyArgs),
+    /// The pool CA: `certs init`, `certs issue --role ROLE NAME`.
+    Certs(certs::CertsArgs),
 }
 
 impl Cli {
@@ -90,6 +93,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Demo(a) => demo::run(a).await,
         Cmd::Health(a) => health::run(a).await,
         Cmd::Verify(a) => verify::run(a).await,
+        Cmd::Certs(a) => certs::run(a),
     }
 }
 

@@ -691,7 +691,7 @@ async fn one_block(
 
     let t1 = Instant::now();
     let mut writes = Vec::with_capacity(reply.extents.len());
-    for (e, ep) in reply.extents.iter().zip(&reply.endpoints) {
+    for (i, (e, ep)) in reply.extents.iter().zip(&reply.endpoints).enumerate() {
         let agents = sh.agents.clone();
         // Every copy's pattern is generated into its own request as it is
         // encoded (cheaper than copying one buffer into each). The extent
@@ -702,6 +702,7 @@ async fn one_block(
             len: e.size as usize,
             nonce: sh.nonce,
             block,
+            token: reply.tokens.get(i).cloned().unwrap_or_default(),
         };
         let (offset, vdev) = (e.offset, e.vdev);
         let deadline = a.timeout;

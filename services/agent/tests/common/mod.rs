@@ -76,6 +76,7 @@ impl Running {
             .write(WriteRequest {
                 offset,
                 data: data.into(),
+                ..Default::default()
             })
             .await
             .map(|r| r.into_inner().aggregated_ios)

@@ -1,0 +1,86 @@
+//! The write gate: with the allocator's token key (`--token-key`, its
+//! `token.pub`), every write must carry a valid write capability for this
+//! pool, this vdev, the current allocator generation or newer, unexpired,
+//! covering the bytes written. The pool guid, vdev and generation come from
+//! the allocator (RegisterReply, ReportAck); until the agent has registered
+//! it cannot tell a good token from a stale one, so it refuses writes.
+
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use aliquot_auth::token::{TokenVerifier, WriteCheck};
+
+use crate::error::AgentError;
+
+#[derive(Debug)]
+pub struct WriteGate {
+    verifier: Option<TokenVerifier>,
+    pool_guid: AtomicU64,
+    generation: AtomicU64,
+}
+
+impl WriteGate {
+    pub fn new(verifier: Option<TokenVerifier>) -> WriteGate {
+        WriteGate {
+            verifier,
+            pool_guid: AtomicU64::new(0),
+            generation: AtomicU64::new(0),
+        }
+    }
+
+    pub fn enforcing(&self) -> bool {
+        self.verifier.is_some()
+    }
+
+    /// The pool and generation of a registration.
+    pub fn learn_pool(&self, pool_guid: u64, generation: u64) {
+        self.pool_guid.store(pool_guid, Relaxed);
+        self.learn_generation(generation);
+    }
+
+    /// Generations only move forward: a token older than the newest seen
+    /// was signed before the allocator last restarted.
+    pub fn learn_generation(&self, generation: u64) {
+        self.generation.fetch_max(generation, Relaxed);
+    }
+
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Relaxed)
+    }
+
+    /// Check a write of `len` bytes at `offset` to `vdev` (None: not
+    /// registered yet).
+    pub fn check(
+        &self,
+        token: &[u8],
+        vdev: Option<u32>,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), AgentError> {
+        let Some(verifier) = &self.verifier else {
+            return Ok(());
+        };
+        let pool_guid = self.pool_guid.load(Relaxed);
+        let (Some(vdev), true) = (vdev, pool_guid != 0) else {
+            return Err(AgentError::NotRegistered);
+        };
+        let now_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        verifier
+            .verify(
+                token,
+                &WriteCheck {
+                    pool_guid,
+                    vdev,
+                    known_generation: self.generation(),
+                    now_ms,
+                    offset,
+                    len,
+                },
+            )
+            .map(|_| ())
+            .map_err(AgentError::Token)
+    }
+}

@@ -1,0 +1,236 @@
+//! The agent over real mutual TLS on loopback, with write tokens: writes
+//! need a valid token for this pool, vdev, generation and range; reads need a
+//! client certificate; the agent's tunables need an admin.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use aliquot_agent::{Agent, BackendKind, Config};
+use aliquot_auth::{PoolCa, Role, TlsFiles, TokenSigner, WriteGrant};
+use aliquot_proto::v1::vdev_agent_client::VdevAgentClient;
+use aliquot_proto::v1::{AgentTunables, ReadRequest, WriteRequest};
+use tonic::Code;
+use tonic::transport::Channel;
+
+const POOL: u64 = 0xa11c;
+const VDEV: u32 = 4;
+const GENERATION: u64 = 6;
+const EXTENT: u64 = 1 << 20;
+const SIZE: u64 = 64 << 10;
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+fn grant() -> WriteGrant {
+    WriteGrant {
+        pool_guid: POOL,
+        generation: GENERATION,
+        vdev: VDEV,
+        offset: EXTENT,
+        size: SIZE,
+        allocation_id: 17,
+        expires_ms: now_ms() + 60_000,
+    }
+}
+
+async fn channel(dir: &std::path::Path, role: Role, name: &str, port: u16) -> Channel {
+    let files = TlsFiles::in_dir(dir, role, name);
+    Channel::from_shared(format!("https://127.0.0.1:{port}"))
+        .unwrap()
+        .tls_config(files.client_config(Role::Agent).unwrap())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap()
+}
+
+fn write(offset: u64, len: usize, token: Vec<u8>) -> WriteRequest {
+    WriteRequest {
+        offset,
+        data: vec![0x5a; len].into(),
+        token,
+    }
+}
+
+#[tokio::test]
+async fn tokens_and_roles_over_tls() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = PoolCa::init(dir.path(), "tank").unwrap();
+    for (role, name) in [
+        (Role::Agent, "a0"),
+        (Role::Agent, "a1"),
+        (Role::Client, "c0"),
+        (Role::Admin, "root"),
+    ] {
+        ca.issue(role, name, &[]).unwrap();
+    }
+    let signer = TokenSigner::load(dir.path()).unwrap();
+
+    let mut cfg = Config::new(BackendKind::Sim);
+    cfg.capacity = Some(64 << 20);
+    let files = TlsFiles::in_dir(dir.path(), Role::Agent, "a0");
+    cfg.tls.tls_ca = Some(files.ca);
+    cfg.tls.tls_cert = Some(files.cert);
+    cfg.tls.tls_key = Some(files.key);
+    cfg.token_key = Some(dir.path().to_path_buf());
+    let agent = Agent::open(&cfg).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let served = {
+        let agent = agent.clone();
+        tokio::spawn(async move {
+            aliquot_agent::serve(agent, &cfg, listener, async {
+                let _ = stopped.await;
+            })
+            .await
+        })
+    };
+
+    let mut client = VdevAgentClient::new(channel(dir.path(), Role::Client, "c0", port).await);
+    let token = signer.sign(&grant());
+
+    // Before registration the agent knows no pool or generation: no writes.
+    let e = client
+        .write(write(EXTENT, 4096, token.clone()))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+
+    agent.set_vdev(VDEV);
+    agent.gate().learn_pool(POOL, GENERATION);
+
+    // A valid token: the whole extent, then read back.
+    client
+        .write(write(EXTENT, SIZE as usize, token.clone()))
+        .await
+        .unwrap();
+    let back = client
+        .read(ReadRequest {
+            offset: EXTENT,
+            size: 4096,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(&back.data[..], &[0x5a; 4096][..]);
+
+    let refused = |r: Result<tonic::Response<_>, tonic::Status>, code: Code, reason: &str| {
+        let e = r.expect_err("write accepted");
+        assert_eq!(e.code(), code, "{e:?}");
+        let info = tonic_types::StatusExt::get_error_details(&e)
+            .error_info()
+            .cloned()
+            .expect("ErrorInfo");
+        assert_eq!(info.reason, reason, "{e:?}");
+    };
+    // No token.
+    refused(
+        client.write(write(EXTENT, 4096, vec![])).await,
+        Code::Unauthenticated,
+        "WRITE_TOKEN_MISSING",
+    );
+    // Outside the token's range: past its end, and before it.
+    refused(
+        client
+            .write(write(EXTENT + SIZE, 4096, token.clone()))
+            .await,
+        Code::PermissionDenied,
+        "WRITE_TOKEN_OUT_OF_RANGE",
+    );
+    refused(
+        client
+            .write(write(EXTENT - 4096, 8192, token.clone()))
+            .await,
+        Code::PermissionDenied,
+        "WRITE_TOKEN_OUT_OF_RANGE",
+    );
+    // Forged: signed by another key, or a widened extent.
+    refused(
+        client
+            .write(write(EXTENT, 4096, TokenSigner::generate().sign(&grant())))
+            .await,
+        Code::PermissionDenied,
+        "WRITE_TOKEN_FORGED",
+    );
+    let mut widened = token.clone();
+    widened[29..37].copy_from_slice(&(1u64 << 30).to_be_bytes());
+    refused(
+        client.write(write(EXTENT, 4096, widened)).await,
+        Code::PermissionDenied,
+        "WRITE_TOKEN_FORGED",
+    );
+    // Expired: the lease ended (the late writer).
+    let late = signer.sign(&WriteGrant {
+        expires_ms: now_ms() - 1,
+        ..grant()
+    });
+    refused(
+        client.write(write(EXTENT, 4096, late)).await,
+        Code::PermissionDenied,
+        "WRITE_TOKEN_EXPIRED",
+    );
+    // Another vdev's token.
+    let other = signer.sign(&WriteGrant {
+        vdev: VDEV + 1,
+        ..grant()
+    });
+    refused(
+        client.write(write(EXTENT, 4096, other)).await,
+        Code::PermissionDenied,
+        "WRITE_TOKEN_OTHER_VDEV",
+    );
+    // The allocator restarted (ReportAck carries generation 7): tokens of
+    // generation 6 are refused, 7's accepted.
+    agent.gate().learn_generation(GENERATION + 1);
+    agent.gate().learn_generation(GENERATION); // never moves back
+    refused(
+        client.write(write(EXTENT, 4096, token.clone())).await,
+        Code::PermissionDenied,
+        "WRITE_TOKEN_OLD_GENERATION",
+    );
+    let fresh = signer.sign(&WriteGrant {
+        generation: GENERATION + 1,
+        ..grant()
+    });
+    client.write(write(EXTENT, 4096, fresh)).await.unwrap();
+
+    // Roles: another agent cannot read; a client cannot set the tunables; an admin can.
+    let mut other_agent = VdevAgentClient::new(channel(dir.path(), Role::Agent, "a1", port).await);
+    let e = other_agent
+        .read(ReadRequest {
+            offset: EXTENT,
+            size: 4096,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    assert!(e.message().contains("needs role client or admin"), "{e:?}");
+    let e = client
+        .set_tunables(AgentTunables::default())
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    assert!(e.message().contains("needs role admin"), "{e:?}");
+    let mut admin = VdevAgentClient::new(channel(dir.path(), Role::Admin, "root", port).await);
+    admin.set_tunables(AgentTunables::default()).await.unwrap();
+
+    // Plaintext to the TLS port gets nothing.
+    let plain = async {
+        VdevAgentClient::connect(format!("http://127.0.0.1:{port}"))
+            .await
+            .map_err(|e| tonic::Status::unavailable(e.to_string()))?
+            .read(ReadRequest {
+                offset: EXTENT,
+                size: 4096,
+            })
+            .await
+    };
+    assert!(plain.await.is_err(), "plaintext read served");
+
+    stop.send(()).unwrap();
+    served.await.unwrap().unwrap();
+}

@@ -242,6 +242,7 @@ async fn metrics_parse_and_agree_with_get_pool() {
                 .write(pb::WriteRequest {
                     offset: e.offset,
                     data: vec![0xa5u8; e.size as usize].into(),
+                    ..Default::default()
                 })
                 .await
                 .unwrap();

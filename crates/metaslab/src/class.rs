@@ -16,10 +16,15 @@ pub struct Class {
     pub ring: Vec<VdevId>,
     /// Ring position by vdev id.
     pos: Vec<Option<usize>>,
-    /// Index into `ring` (`mca_rotor`).
+    /// Index into `ring` (`mca_rotor`) of the allocator in use (`cur`).
     pub rotor: usize,
-    /// Bytes given to the rotor group during this visit (`mca_aliquot`).
+    /// Bytes given to the rotor group during this visit (`mca_aliquot`),
+    /// of the allocator in use.
     pub visit_bytes: u64,
+    /// Every allocator's (rotor, visit bytes) (`mc_allocator[]`); the one
+    /// in use is worked on in `rotor`/`visit_bytes` and parked back here.
+    rotors: Vec<(usize, u64)>,
+    cur: usize,
     /// Initialized ring groups (`mc_groups`).
     pub groups: u64,
     /// Allocatable ring groups (`mc_alloc_groups`).
@@ -55,6 +60,8 @@ impl Class {
             pos: Vec::new(),
             rotor: 0,
             visit_bytes: 0,
+            rotors: vec![(0, 0)],
+            cur: 0,
             groups: 0,
             alloc_groups: 0,
             space: 0,
@@ -94,37 +101,78 @@ impl Class {
         }
     }
 
-    /// Activate: insert right after the rotor and make it the rotor
-    /// (spec §1.3).
+    /// `spa_alloc_count` allocators, each with its own rotor and visit
+    /// counter (they start where the class's rotor is).
+    pub fn set_allocators(&mut self, n: usize) {
+        self.park();
+        let here = self.rotors[self.cur];
+        self.rotors.resize(n.max(1), here);
+        self.cur = self.cur.min(self.rotors.len() - 1);
+        self.unpark();
+    }
+
+    pub fn allocators(&self) -> usize {
+        self.rotors.len()
+    }
+
+    /// Work with allocator `k`'s rotor from now on.
+    pub fn use_allocator(&mut self, k: usize) {
+        if k != self.cur && k < self.rotors.len() {
+            self.park();
+            self.cur = k;
+            self.unpark();
+        }
+    }
+
+    fn park(&mut self) {
+        self.rotors[self.cur] = (self.rotor, self.visit_bytes);
+    }
+
+    fn unpark(&mut self) {
+        (self.rotor, self.visit_bytes) = self.rotors[self.cur];
+    }
+
+    /// Activate: insert right after allocator 0's rotor and make it every
+    /// allocator's rotor (spec §1.3, `metaslab_group_activate`).
     pub fn insert(&mut self, v: VdevId) {
         if self.in_ring(v) {
             return;
         }
-        if self.ring.is_empty() {
+        self.park();
+        let at = if self.ring.is_empty() {
             self.ring.push(v);
-            self.rotor = 0;
+            0
         } else {
-            self.ring.insert(self.rotor + 1, v);
-            self.rotor += 1;
+            let at = self.rotors[0].0 + 1;
+            self.ring.insert(at, v);
+            at
+        };
+        for r in &mut self.rotors {
+            *r = (at, 0);
         }
-        self.visit_bytes = 0;
+        self.unpark();
         self.reindex();
     }
 
     /// Passivate: unlink; a rotor pointing at it moves to its successor.
     pub fn remove(&mut self, v: VdevId) {
         let Some(i) = self.position(v) else { return };
+        self.park();
         self.ring.remove(i);
-        if self.ring.is_empty() {
-            self.rotor = 0;
-        } else {
-            if self.rotor > i {
-                self.rotor -= 1;
-            } else if self.rotor == i {
-                self.visit_bytes = 0;
+        let len = self.ring.len();
+        for (rotor, visit) in &mut self.rotors {
+            if len == 0 {
+                *rotor = 0;
+                continue;
             }
-            self.rotor %= self.ring.len();
+            if *rotor > i {
+                *rotor -= 1;
+            } else if *rotor == i {
+                *visit = 0;
+            }
+            *rotor %= len;
         }
+        self.unpark();
         self.reindex();
     }
 

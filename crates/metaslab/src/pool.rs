@@ -51,6 +51,8 @@ pub(crate) enum Reservation {
 #[derive(Clone, Debug)]
 pub(crate) struct TicketState {
     pub req: AllocRequest,
+    /// Which of the class's allocators places it.
+    pub allocator: usize,
     pub queued: bool,
     pub res: Reservation,
 }
@@ -186,6 +188,9 @@ pub struct Pool {
     lru: BTreeSet<(Txg, VdevId, u32)>,
     /// The caller's clock at the last sync, ms (never read here).
     now_ms: u64,
+    /// `spa_alloc_count`, and the allocator the next request uses.
+    alloc_count: usize,
+    next_allocator: usize,
 }
 
 /// Placement result of one allocation.
@@ -243,6 +248,8 @@ impl Pool {
             txg: TxgLog::default(),
             lru: BTreeSet::new(),
             now_ms: 0,
+            alloc_count: 1,
+            next_allocator: 0,
         }
     }
 
@@ -593,8 +600,11 @@ impl Pool {
         }
         let ticket = self.next_ticket;
         self.next_ticket += 1;
+        let allocator = self.next_allocator % self.alloc_count;
+        self.next_allocator = self.next_allocator.wrapping_add(1);
         let mut st = TicketState {
             req,
+            allocator,
             queued: false,
             res: Reservation::None,
         };
@@ -755,6 +765,35 @@ impl Pool {
         unified::busy_dirty(dirty, dirty_max, self.tun.busy_pct_sum(), sync_pending)
     }
 
+    /// `spa_alloc_count` from the machine's CPU count (a fact the caller
+    /// passes; OpenZFS fixes it at import): `max(1, min(spa_num_allocators,
+    /// cpus / spa_cpus_per_allocator))`. Each allocator of a class has its
+    /// own rotor position and aliquot counter; requests take them in turn
+    /// (OpenZFS spreads blocks over them by object). Returns the count.
+    pub fn set_cpus(&mut self, cpus: u64) -> usize {
+        let t = &self.tun;
+        let n = (cpus / t.spa_cpus_per_allocator.max(1))
+            .min(t.spa_num_allocators)
+            .max(1);
+        self.alloc_count = n as usize;
+        self.next_allocator = 0;
+        for c in &mut self.classes {
+            c.set_allocators(self.alloc_count);
+        }
+        self.alloc_count
+    }
+
+    /// The next request will be placed by allocator `k % spa_alloc_count`
+    /// (a caller that knows which object a block belongs to keeps its
+    /// blocks on one allocator, as OpenZFS does).
+    pub fn prefer_allocator(&mut self, k: usize) {
+        self.next_allocator = k;
+    }
+
+    pub fn allocator_count(&self) -> usize {
+        self.alloc_count
+    }
+
     /// Slop space (spec §5.6), raw bytes.
     pub(crate) fn slop(&self) -> u64 {
         let rd = self.classes[NORMAL].space;
@@ -774,6 +813,9 @@ impl Pool {
         }
         let st = self.tickets.remove(&ticket).expect("checked");
         let req = st.req;
+        for c in &mut self.classes {
+            c.use_allocator(st.allocator);
+        }
         let (placed, tier) = match req.kind {
             AllocKind::Data => {
                 let c = &self.classes[NORMAL];

@@ -46,6 +46,8 @@ pub struct Tunables {
     pub zfs_vdev_async_write_max_active: u64,
     pub zfs_vdev_queue_depth_pct: u64,
     pub zfs_vdev_def_queue_depth: u64,
+    pub spa_num_allocators: u64,
+    pub spa_cpus_per_allocator: u64,
 }
 
 impl Default for Tunables {
@@ -85,6 +87,8 @@ impl Default for Tunables {
             zfs_vdev_async_write_max_active: 10,
             zfs_vdev_queue_depth_pct: 1000,
             zfs_vdev_def_queue_depth: 32,
+            spa_num_allocators: 4,
+            spa_cpus_per_allocator: 4,
         }
     }
 }
@@ -215,6 +219,16 @@ const DEFS: &[Def] = &[
         name: "zfs_metaslab_find_max_tries",
         kind: int(1, 1 << 32),
         description: "metaslabs examined per group before giving up (unless trying hard)",
+    },
+    Def {
+        name: "spa_num_allocators",
+        kind: int(1, 256),
+        description: "most allocators (rotor + aliquot counter) per class; the count is fixed when the pool's CPU count is set",
+    },
+    Def {
+        name: "spa_cpus_per_allocator",
+        kind: int(1, 4096),
+        description: "CPUs per allocator: spa_alloc_count = max(1, min(spa_num_allocators, cpus / this))",
     },
     Def {
         name: "metaslab_unload_delay_ms",
@@ -359,6 +373,8 @@ impl Tunables {
             "metaslab_unload_delay" => &mut self.metaslab_unload_delay,
             "metaslab_unload_delay_ms" => &mut self.metaslab_unload_delay_ms,
             "metaslab_preload_limit" => &mut self.metaslab_preload_limit,
+            "spa_num_allocators" => &mut self.spa_num_allocators,
+            "spa_cpus_per_allocator" => &mut self.spa_cpus_per_allocator,
             "spa_slop_shift" => &mut self.spa_slop_shift,
             "zfs_vdev_default_ms_count" => &mut self.zfs_vdev_default_ms_count,
             "zfs_vdev_min_ms_count" => &mut self.zfs_vdev_min_ms_count,

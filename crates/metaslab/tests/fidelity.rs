@@ -386,3 +386,37 @@ fn busy_switches_at_the_dirty_threshold() {
         "threshold moved to 55 %"
     );
 }
+
+/// Item 9: `spa_alloc_count = max(1, min(spa_num_allocators, cpus /
+/// spa_cpus_per_allocator))`; each allocator keeps its own rotor and
+/// aliquot counter.
+#[test]
+fn allocators_have_their_own_rotors() {
+    let mut pool = Pool::new(Tunables::default());
+    assert_eq!(pool.set_cpus(2), 1, "2 CPUs: one allocator");
+    assert_eq!(pool.set_cpus(8), 2);
+    assert_eq!(pool.set_cpus(64), 4, "at most spa_num_allocators");
+    pool.add_vdev(spec(16 * GIB)).unwrap();
+    pool.add_vdev(spec(16 * GIB)).unwrap();
+    pool.sync();
+    assert_eq!(pool.set_cpus(8), 2);
+    // Allocator 0 fills its visit of the first vdev (aliquot 2 MiB per
+    // data child over 2 groups, at least 4 × io size) and moves on.
+    let first = |pool: &mut Pool, k: usize| {
+        pool.prefer_allocator(k);
+        let a = place(pool, req(AllocKind::Data, 128 << 10, 1)).unwrap();
+        pool.commit(a.id).unwrap();
+        a.extents[0].vdev
+    };
+    let start = first(&mut pool, 0);
+    let mut moved = false;
+    for _ in 0..64 {
+        if first(&mut pool, 0) != start {
+            moved = true;
+            break;
+        }
+    }
+    assert!(moved, "allocator 0's rotor moved on");
+    // Allocator 1 has not placed anything: its rotor is where it began.
+    assert_eq!(first(&mut pool, 1), start, "allocator 1 has its own rotor");
+}

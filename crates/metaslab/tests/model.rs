@@ -103,6 +103,9 @@ impl Model {
             ops: 0,
             counts: [0; 8],
         };
+        // 1 to 4 allocators (spa_alloc_count from 1..=16 CPUs).
+        let cpus = 1 + m.rng.below(16);
+        m.pool.set_cpus(cpus);
         let n = 2 + m.rng.below(2);
         for _ in 0..n {
             m.add_vdev();

@@ -417,6 +417,10 @@ impl Shared {
         // Each generation numbers its allocations in its own range, so an id
         // from before a restart never names a newer allocation.
         pool.start_allocation_ids_at((fencing.generation << 40) | 1);
+        // spa_alloc_count from this machine's CPUs (OpenZFS: at import).
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u64);
+        let allocators = pool.set_cpus(cpus);
+        tracing::debug!(cpus, allocators, "spa_alloc_count");
         let mut inner = Inner::new(pool);
         inner.dirty_max = settings.txg_dirty_max;
         Arc::new(Shared {

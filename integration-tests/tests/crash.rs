@@ -11,6 +11,11 @@
 //! (read back from the agents), and no allocation ever overlaps an extent
 //! the writer still holds.
 //!
+//! Agents are also hung (SIGSTOP, then SIGCONT): the writer gives each agent
+//! write a deadline and leaves a timed-out allocation to its lease, never
+//! aborting it (the late write may still land on it when the agent wakes),
+//! and nothing else may be placed on it meanwhile.
+//!
 //! The seed is printed; `ALIQUOT_CRASH_SEED=<n>` replays a run's choices.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -27,6 +32,8 @@ use tonic::Code;
 use tonic::transport::{Channel, Endpoint};
 
 const AGENTS: usize = 3;
+/// The writer's deadline on each agent write (`aliquotctl write --timeout`).
+const WRITE_DEADLINE: Duration = Duration::from_secs(1);
 
 /// xorshift64*: deterministic choices from a printed seed.
 struct Rng(u64);
@@ -100,6 +107,9 @@ struct Model {
     verified_extents: u64,
     lost_uncommitted: u64,
     dup_commits: u64,
+    /// Inflight blocks whose agent write timed out: left to their lease.
+    abandoned: HashSet<u64>,
+    write_timeouts: u64,
 }
 
 impl Model {
@@ -394,13 +404,23 @@ async fn step(c: &mut Cluster, m: &mut Model, rng: &mut Rng) -> StepResult {
     });
     for (i, e) in a.extents.iter().enumerate() {
         let mut agent = c.agent(&a.endpoints[i]);
-        let w = agent
-            .write(pb::WriteRequest {
+        let w = tokio::time::timeout(
+            WRITE_DEADLINE,
+            agent.write(pb::WriteRequest {
                 offset: e.offset,
                 data: pattern(ids[i], e.size as usize).into(),
                 ..Default::default()
-            })
-            .await;
+            }),
+        )
+        .await;
+        let Ok(w) = w else {
+            // A hung agent: the write may still land when it wakes, so the
+            // allocation is not aborted; it stays held (the model checks
+            // nothing else is placed on it) until a crash or its lease.
+            m.write_timeouts += 1;
+            m.abandoned.insert(key);
+            return Ok(());
+        };
         if let Err(err) = w {
             // The agent is away: give the allocation back (never written).
             m.aborts += 1;
@@ -651,6 +671,9 @@ async fn check_patterns(c: &mut Cluster, m: &mut Model, only: Option<u32>) {
 /// Abort what was left uncommitted (rounds without an allocator crash).
 async fn abort_inflight(c: &mut Cluster, m: &mut Model) {
     for key in m.keys(|s| s == St::Inflight) {
+        if m.abandoned.contains(&key) {
+            continue;
+        }
         let id = m.blocks[&key].alloc_id;
         c.client
             .abort(pb::AbortRequest {
@@ -667,9 +690,21 @@ enum Kill {
     Allocator,
     Agent,
     Both,
+    /// SIGSTOP an agent for longer than the write deadline, then SIGCONT.
+    Hang,
 }
 
-async fn crash_run(allocator_kills: usize, agent_kills: usize, both_kills: usize) {
+fn signal(p: &Proc, sig: &str) {
+    let pid = p.pid().expect("agent running").to_string();
+    let ok = std::process::Command::new("kill")
+        .args([sig, &pid])
+        .status()
+        .expect("run kill")
+        .success();
+    assert!(ok, "kill {sig} {pid}");
+}
+
+async fn crash_run(allocator_kills: usize, agent_kills: usize, both_kills: usize, hangs: usize) {
     let seed = std::env::var("ALIQUOT_CRASH_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -688,6 +723,7 @@ async fn crash_run(allocator_kills: usize, agent_kills: usize, both_kills: usize
     let mut plan: Vec<Kill> = std::iter::repeat_n(Kill::Allocator, allocator_kills)
         .chain(std::iter::repeat_n(Kill::Agent, agent_kills))
         .chain(std::iter::repeat_n(Kill::Both, both_kills))
+        .chain(std::iter::repeat_n(Kill::Hang, hangs))
         .collect();
     for i in (1..plan.len()).rev() {
         let j = rng.below(i as u64 + 1) as usize;
@@ -733,6 +769,24 @@ async fn crash_run(allocator_kills: usize, agent_kills: usize, both_kills: usize
                 abort_inflight(&mut c, &mut m).await;
                 assert_eq!(c.agent_of_vdev(vdev), victim);
             }
+            Kill::Hang => {
+                write_until(&mut c, &mut m, &mut rng, Instant::now() + run_for).await;
+                let victim = rng.below(AGENTS as u64) as usize;
+                signal(&c.agents[victim], "-STOP");
+                // Writes to it time out and are left to their lease; the
+                // rest goes on (the allocator stays alive: errors are bugs).
+                let hung = WRITE_DEADLINE * 2 + Duration::from_millis(rng.below(1000));
+                write_until(&mut c, &mut m, &mut rng, Instant::now() + hung).await;
+                signal(&c.agents[victim], "-CONT");
+                let vdev = c
+                    .endpoints
+                    .iter()
+                    .find(|(_, ep)| **ep == c.agents[victim].url("grpc"))
+                    .map(|(v, _)| *v)
+                    .unwrap();
+                // Its durable blocks are intact after the late writes landed.
+                check_patterns(&mut c, &mut m, Some(vdev)).await;
+            }
         }
         eprintln!(
             "round {round:>3} {kill:?}: {} blocks held, {} durable acks, {} allocations",
@@ -747,10 +801,10 @@ async fn crash_run(allocator_kills: usize, agent_kills: usize, both_kills: usize
     assert_eq!(s.vdevs.len(), AGENTS, "no device became a second vdev");
     let elapsed = started.elapsed();
     eprintln!(
-        "crash test: {} kills ({allocator_kills} allocator, {agent_kills} agent, {both_kills} both) in {:.1} s; \
+        "crash test: {} kills ({allocator_kills} allocator, {agent_kills} agent, {both_kills} both, {hangs} hung agents) in {:.1} s; \
          {} allocations, {} acknowledged synced, {} frees, {} claims, {} aborts, \
          {} uncommitted allocations checked free, {} extent read-backs verified, \
-         {} duplicated commits answered alike",
+         {} duplicated commits answered alike, {} agent writes timed out (left to the lease)",
         plan.len(),
         elapsed.as_secs_f64(),
         m.allocations,
@@ -760,18 +814,19 @@ async fn crash_run(allocator_kills: usize, agent_kills: usize, both_kills: usize
         m.aborts,
         m.lost_uncommitted,
         m.verified_extents,
-        m.dup_commits
+        m.dup_commits,
+        m.write_timeouts
     );
     assert!(m.durable_acks > 0 && m.verified_extents > 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill9_allocator_and_agents_loses_nothing_durable() {
-    crash_run(20, 4, 4).await;
+    crash_run(20, 4, 4, 3).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "long: 200 kills, a few minutes"]
 async fn kill9_many_times() {
-    crash_run(150, 25, 25).await;
+    crash_run(150, 25, 25, 10).await;
 }

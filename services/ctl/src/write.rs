@@ -79,8 +79,9 @@ pub struct WriteArgs {
     #[arg(long, env = "ALIQUOT_WRITE_LEASE", value_parser = units::duration_arg)]
     pub lease: Option<Duration>,
     /// Deadline of each agent write, flush and read. A block whose write
-    /// misses it is aborted and written again elsewhere, so one hung agent
-    /// does not stall the others.
+    /// misses it is written again elsewhere, so one hung agent does not
+    /// stall the others (its allocation is left to the lease, not aborted:
+    /// the late write may still land).
     #[arg(long, env = "ALIQUOT_WRITE_TIMEOUT", value_parser = units::duration_arg, default_value = "5s")]
     pub timeout: Duration,
     /// Attempts per block before the run fails (agent timeouts, expired
@@ -166,6 +167,12 @@ pub struct WriteReport {
     pub retries: u64,
     /// The allocator's generation at the end.
     pub generation: u64,
+    /// Longest time without a block completing (from the start): how long
+    /// a hung agent or a restart stalled the whole run.
+    pub max_stall_us: u64,
+    /// Block writes given up at the deadline (`--timeout`); their
+    /// allocations are left to their lease, never aborted (see `one_block`).
+    pub timeouts: u64,
 }
 
 /// What a block went to, for verify and free.
@@ -348,6 +355,38 @@ struct Shared {
     bar: ProgressBar,
     /// The allocator's generation in the last reply (0 before any).
     generation: AtomicU64,
+    /// Micros from `start` to the last block completed, and the longest
+    /// gap between completions so far.
+    last_done_us: AtomicU64,
+    max_stall_us: AtomicU64,
+    timeouts: AtomicU64,
+}
+
+impl Shared {
+    /// Remember the generation of a reply; a change means the allocator
+    /// restarted (or another one took the store over): say so.
+    fn saw_generation(&self, generation: u64) {
+        if generation == 0 {
+            return;
+        }
+        let old = self.generation.swap(generation, Ordering::Relaxed);
+        if old != 0 && old != generation {
+            tracing::warn!(from = old, to = generation, "allocator generation changed");
+            self.bar.suspend(|| {
+                eprintln!(
+                    "aliquotctl write: allocator generation {old} -> {generation} (it restarted)"
+                )
+            });
+        }
+    }
+
+    /// A block completed: track the longest gap in progress.
+    fn block_done(&self) {
+        let now = micros(self.start.elapsed());
+        let prev = self.last_done_us.fetch_max(now, Ordering::Relaxed);
+        self.max_stall_us
+            .fetch_max(now.saturating_sub(prev), Ordering::Relaxed);
+    }
 }
 
 /// Run the workload and return its figures (no printing but the bar).
@@ -388,6 +427,9 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
         agents: Agents::default(),
         bar,
         generation: AtomicU64::new(0),
+        last_done_us: AtomicU64::new(0),
+        max_stall_us: AtomicU64::new(0),
+        timeouts: AtomicU64::new(0),
     });
     let mut tasks = Vec::new();
     // A stream per 8 workers: enough pipelining, without one HTTP/2 stream
@@ -521,6 +563,8 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
         freed_blocks,
         retries,
         generation: shared.generation.load(Ordering::Relaxed),
+        max_stall_us: shared.max_stall_us.load(Ordering::Relaxed),
+        timeouts: shared.timeouts.load(Ordering::Relaxed),
     })
 }
 
@@ -551,7 +595,7 @@ async fn sync_or_claim(alloc: &Allocator, sh: &Shared, placed: &[Placed]) -> any
                         .map_err(|s| client::status_msg("claim after an allocator restart", &s))?;
                     new_gen = r.into_inner().generation;
                 }
-                sh.generation.store(new_gen, Ordering::Relaxed);
+                sh.saw_generation(new_gen);
             }
             Err(s) if transient(&s) && attempt < 2 => {
                 tokio::time::sleep(Duration::from_millis(500)).await;
@@ -610,13 +654,17 @@ async fn worker(sh: Arc<Shared>, ops: Ops) -> anyhow::Result<WorkerOut> {
                 .instrument(span.clone())
                 .await
             {
-                Err(BlockError::Retry(why)) if attempt < a.attempts => {
+                Err(BlockError::Retry(why)) | Err(BlockError::Abandon(why))
+                    if attempt < a.attempts =>
+                {
                     tracing::info!(block, attempt, %why, "writing the block again");
                     out.retries += 1;
                     attempt += 1;
                     tokio::time::sleep(Duration::from_millis(100 * attempt as u64)).await;
                 }
-                Err(BlockError::Retry(e)) | Err(BlockError::Fatal(e)) => break Err(e),
+                Err(BlockError::Retry(e))
+                | Err(BlockError::Abandon(e))
+                | Err(BlockError::Fatal(e)) => break Err(e),
                 Ok(()) => break Ok(()),
             }
         };
@@ -624,6 +672,7 @@ async fn worker(sh: Arc<Shared>, ops: Ops) -> anyhow::Result<WorkerOut> {
             sh.stop.store(true, Ordering::Relaxed);
             return Err(e);
         }
+        sh.block_done();
         sh.bar.inc(a.block_size * a.copies as u64);
     }
     Ok(out)
@@ -633,6 +682,10 @@ async fn worker(sh: Arc<Shared>, ops: Ops) -> anyhow::Result<WorkerOut> {
 enum BlockError {
     /// Write it again with a new allocation.
     Retry(anyhow::Error),
+    /// Write it again, but leave this allocation to its lease: a write that
+    /// timed out may still land when the agent wakes, so its space must not
+    /// be reusable before the allocator's lease expiry defers it.
+    Abandon(anyhow::Error),
     Fatal(anyhow::Error),
 }
 
@@ -670,9 +723,7 @@ async fn one_block(
                 BlockError::Fatal(e)
             }
         })?;
-    if reply.generation != 0 {
-        sh.generation.store(reply.generation, Ordering::Relaxed);
-    }
+    sh.saw_generation(reply.generation);
     out.allocate.saturating_record(micros(t0.elapsed()));
     out.wait.saturating_record(reply.throttle_wait_us);
     tracing::Span::current().record("allocation", reply.allocation_id);
@@ -724,7 +775,7 @@ async fn one_block(
             match r {
                 Ok(r) => r,
                 // A hung agent: this block goes elsewhere.
-                Err(_) => Err(BlockError::Retry(anyhow::anyhow!(
+                Err(_) => Err(BlockError::Abandon(anyhow::anyhow!(
                     "{}: no answer in {deadline:?}",
                     what()
                 ))),
@@ -732,10 +783,31 @@ async fn one_block(
         });
     }
     let results = futures_util::future::join_all(writes).await;
-    if let Some(Err(e)) = results.into_iter().find(|r| r.is_err()) {
-        // Not all written: give the space back now rather than at the lease.
-        ops.abort(reply.allocation_id).await;
-        return Err(e);
+    let mut failed = None;
+    for r in results {
+        // One timed-out copy decides: the allocation is abandoned.
+        if let Err(e) = r
+            && (failed.is_none() || matches!(e, BlockError::Abandon(_)))
+        {
+            failed = Some(e);
+        }
+    }
+    match failed {
+        None => {}
+        Some(e @ BlockError::Abandon(_)) => {
+            // Aborting would make the space reusable at once, and the hung
+            // agent may still apply the write when it resumes (the request
+            // may be in its socket buffers): another client's block would
+            // be overwritten. The lease expiry defers the space instead.
+            sh.timeouts.fetch_add(1, Ordering::Relaxed);
+            return Err(e);
+        }
+        Some(e) => {
+            // The agents answered (with an error): nothing is in flight,
+            // give the space back now rather than at the lease.
+            ops.abort(reply.allocation_id).await;
+            return Err(e);
+        }
     }
     out.write.saturating_record(micros(t1.elapsed()));
 
@@ -921,8 +993,11 @@ pub fn render(r: &WriteReport) -> String {
     if r.retries > 0 {
         let _ = writeln!(
             s,
-            "retried: {} block writes (agent timeouts, expired leases, restarts)",
-            r.retries
+            "retried: {} block writes (agent timeouts, expired leases, restarts); \
+             {} agent writes timed out; longest stall {} ms",
+            r.retries,
+            r.timeouts,
+            r.max_stall_us / 1000
         );
     }
     if r.verified_blocks > 0 {

@@ -170,8 +170,8 @@ impl Metaslab {
         }
         let mut hist = *self.allocatable.histogram();
         for t in [&self.freeing, &self.defer[0], &self.defer[1]] {
-            for (s, e) in t.iter() {
-                hist[(highbit(e - s) - 1) as usize] += 1;
+            for (h, n) in hist.iter_mut().zip(t.histogram()) {
+                *h += n;
             }
         }
         let mut total: u128 = 0;

@@ -50,7 +50,8 @@ impl RangeTree {
         }
     }
 
-    /// A tree without size index or histogram.
+    /// A tree without the size index (its histogram is kept: 64 counters,
+    /// so fragmentation can add the free and defer trees in O(1)).
     pub fn plain() -> Self {
         RangeTree {
             indexed: false,
@@ -70,26 +71,26 @@ impl RangeTree {
         self.segs.is_empty()
     }
 
-    /// The histogram (all zero for a plain tree).
+    /// The segment-size histogram.
     pub fn histogram(&self) -> &[u64; RANGE_TREE_HISTOGRAM_SIZE] {
         &self.hist
     }
 
     #[inline]
     fn index_add(&mut self, start: u64, end: u64) {
+        let size = end - start;
+        self.hist[bucket(size)] += 1;
         if self.indexed {
-            let size = end - start;
             self.by_size.insert((size, start));
-            self.hist[bucket(size)] += 1;
         }
     }
 
     #[inline]
     fn index_remove(&mut self, start: u64, end: u64) {
+        let size = end - start;
+        self.hist[bucket(size)] -= 1;
         if self.indexed {
-            let size = end - start;
             self.by_size.remove(&(size, start));
-            self.hist[bucket(size)] -= 1;
         }
     }
 

@@ -794,6 +794,15 @@ impl Pool {
         self.alloc_count
     }
 
+    /// Busy for a data allocation (`metaslab_perf_bias`): the throttle's
+    /// own measure (`busy`, the spec preface's proxy, which moves first when
+    /// clients write faster than the pool) or OpenZFS's dirty-data rule on
+    /// the caller's `dirty` bytes against `dirty_max`. The one rule the
+    /// allocator and the simulator both use.
+    pub fn busy_with_dirty(&self, dirty: u64, dirty_max: u64) -> bool {
+        self.busy(ClassKind::Normal) || self.busy_dirty(dirty, dirty_max, false)
+    }
+
     /// Slop space (spec §5.6), raw bytes.
     pub(crate) fn slop(&self) -> u64 {
         let rd = self.classes[NORMAL].space;

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use aliquot_proto::v1 as pb;
 use metaslab::{
-    AllocRequest, Allocation, AllocationId, ClassKind, Extent, Pool, Submitted, Ticket, Txg, VdevId,
+    AllocRequest, Allocation, AllocationId, Extent, Pool, Submitted, Ticket, Txg, VdevId,
 };
 use tokio::sync::{oneshot, watch};
 
@@ -133,8 +133,7 @@ impl Inner {
         // waiting), which is what moves first when clients write faster
         // than the pool (the spec preface's proxy).
         let dirty = self.pool.dirty_bytes().saturating_add(self.syncing_bytes);
-        let busy =
-            self.pool.busy(ClassKind::Normal) || self.pool.busy_dirty(dirty, self.dirty_max, false);
+        let busy = self.pool.busy_with_dirty(dirty, self.dirty_max);
         match self.pool.allocate(ticket, busy) {
             Ok(a) => {
                 let deadline = Instant::now() + lease;

@@ -14,8 +14,8 @@ use std::collections::{BinaryHeap, HashMap, VecDeque};
 
 use anyhow::{Context, bail};
 use metaslab::{
-    AllocKind, AllocRequest, Allocation, AllocationId, ClassKind, Error as PoolError, Extent,
-    LogTier, Submitted, Ticket, Txg, VdevRole, VdevSpec,
+    AllocKind, AllocRequest, Allocation, AllocationId, Error as PoolError, Extent, LogTier,
+    Submitted, Ticket, Txg, VdevRole, VdevSpec,
 };
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -904,7 +904,7 @@ impl<P: SimPool> Sim<'_, P> {
     /// synced (in flight plus committed into the open txg).
     fn busy(&self) -> bool {
         let dirty = self.inflight + self.txg_dirty;
-        self.pool.busy(ClassKind::Normal) || self.pool.busy_dirty(dirty, self.dirty_max, false)
+        self.pool.busy_with_dirty(dirty, self.dirty_max)
     }
 
     fn allocate_data(&mut self, t: Ticket, req: Req) -> anyhow::Result<()> {
@@ -1541,10 +1541,10 @@ mod tests {
         fn take_admitted(&mut self) -> Vec<Ticket> {
             Vec::new()
         }
-        fn busy(&self, _: ClassKind) -> bool {
+        fn busy(&self, _: metaslab::ClassKind) -> bool {
             false
         }
-        fn busy_dirty(&self, _: u64, _: u64, _: bool) -> bool {
+        fn busy_with_dirty(&self, _: u64, _: u64) -> bool {
             false
         }
         fn allocate(&mut self, t: Ticket, _busy: bool) -> PResult<Allocation> {

@@ -40,7 +40,7 @@ pub trait SimPool {
     fn take_admitted(&mut self) -> Vec<Ticket>;
     fn busy(&self, class: ClassKind) -> bool;
     /// OpenZFS's busy rule from the caller's dirty data (`Pool::busy_dirty`).
-    fn busy_dirty(&self, dirty: u64, dirty_max: u64, sync_pending: bool) -> bool;
+    fn busy_with_dirty(&self, dirty: u64, dirty_max: u64) -> bool;
     fn allocate(&mut self, ticket: Ticket, busy: bool) -> Result<Allocation>;
     fn commit(&mut self, id: AllocationId) -> Result<Txg>;
     fn free(&mut self, extents: &[Extent]) -> Result<Txg>;
@@ -69,8 +69,8 @@ impl SimPool for Pool {
     fn busy(&self, class: ClassKind) -> bool {
         Pool::busy(self, class)
     }
-    fn busy_dirty(&self, dirty: u64, dirty_max: u64, sync_pending: bool) -> bool {
-        Pool::busy_dirty(self, dirty, dirty_max, sync_pending)
+    fn busy_with_dirty(&self, dirty: u64, dirty_max: u64) -> bool {
+        Pool::busy_with_dirty(self, dirty, dirty_max)
     }
     fn allocate(&mut self, ticket: Ticket, busy: bool) -> Result<Allocation> {
         Pool::allocate(self, ticket, busy)

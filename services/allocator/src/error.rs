@@ -22,8 +22,6 @@ pub enum Error {
     InvalidArgument(String),
     #[error("{0}")]
     NotFound(String),
-    #[error("{0}")]
-    FailedPrecondition(String),
     /// A registration or report that conflicts with what the pool knows.
     #[error("{0}")]
     VdevConflict(String),
@@ -101,7 +99,6 @@ impl Error {
             },
             Error::InvalidArgument(_) => Code::InvalidArgument,
             Error::NotFound(_) => Code::NotFound,
-            Error::FailedPrecondition(_) => Code::FailedPrecondition,
             Error::VdevConflict(_) | Error::ClaimOverlaps { .. } => Code::FailedPrecondition,
             Error::LeaseExpired(_) | Error::AllocatorRestarted { .. } => Code::Aborted,
             Error::GenerationAhead { .. } => Code::FailedPrecondition,
@@ -157,7 +154,6 @@ impl Error {
             },
             Error::InvalidArgument(_) => (ErrorReason::InvalidArgument, vec![]),
             Error::NotFound(_) => (ErrorReason::NotFound, vec![]),
-            Error::FailedPrecondition(_) => (ErrorReason::GenerationMismatch, vec![]),
             Error::VdevConflict(_) => (ErrorReason::VdevConflict, vec![]),
             Error::ClaimOverlaps {
                 requested,

@@ -39,7 +39,7 @@ pub fn expand(g: &mut Inner, vdev: VdevId, capacity: u64) -> Result<Option<metas
         )));
     }
     if capacity < current {
-        return Err(Error::FailedPrecondition(format!(
+        return Err(Error::VdevConflict(format!(
             "vdev {vdev} cannot shrink from {current} to {capacity} bytes"
         )));
     }

@@ -124,12 +124,14 @@ fn up_write_verify_status_tunables_and_clean_stop() {
     assert_eq!(sum, normal["alloc"].as_u64().unwrap());
     assert_eq!(sum, 8 << 20);
     assert_eq!(normal["reserved"], 0);
-    // Agents register in any order; the sizes are 1:2:4 less label and metaslab rounding.
-    let mut caps: Vec<u64> = groups
+    // `up` numbers vdevs in the order given (256M, 512M, 1G): by id the
+    // sizes are 1:2:4, less label and metaslab rounding.
+    let mut by_id: Vec<(u64, u64)> = groups
         .iter()
-        .map(|g| g["capacity"].as_u64().unwrap())
+        .map(|g| (g["vdev"].as_u64().unwrap(), g["capacity"].as_u64().unwrap()))
         .collect();
-    caps.sort();
+    by_id.sort();
+    let caps: Vec<u64> = by_id.iter().map(|&(_, c)| c).collect();
     assert!(
         caps[0] < caps[1] && caps[1] < caps[2],
         "1:2:4 sizes, got {caps:?}"
@@ -184,9 +186,20 @@ fn up_write_verify_status_tunables_and_clean_stop() {
     assert!(!bad.status.success());
     let err = String::from_utf8_lossy(&bad.stderr);
     assert!(
-        err.contains("no_such_tunable") && err.contains("NotFound"),
+        err.contains("unknown tunable \"no_such_tunable\"") && !err.contains("did you mean"),
         "{err}"
     );
+    // A typo gets the closest name.
+    let bad = ctl(&args![
+        "tunables",
+        "set",
+        "metaslab_perf_bais=0",
+        "--allocator",
+        url
+    ]);
+    assert!(!bad.status.success());
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(err.contains("did you mean \"metaslab_perf_bias\""), "{err}");
     let bad = ctl(&args![
         "tunables",
         "--allocator",
@@ -210,9 +223,46 @@ fn up_write_verify_status_tunables_and_clean_stop() {
         "tunables set",
     );
     assert!(set.starts_with("metaslab_perf_bias = 0"), "{set}");
+    // NAME=VALUE, as `up --tunable` takes it.
+    let set = ok_stdout(
+        &ctl(&args![
+            "tunables",
+            "--allocator",
+            url,
+            "set",
+            "metaslab_perf_bias=1"
+        ]),
+        "tunables set NAME=VALUE",
+    );
+    assert!(set.starts_with("metaslab_perf_bias = 1"), "{set}");
     let bad = ctl(&args!["vdev", "--allocator", url, "offline", "999"]);
     assert!(!bad.status.success());
-    assert!(String::from_utf8_lossy(&bad.stderr).contains("NotFound"));
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(
+        err.contains("no vdev named or numbered \"999\"") && err.contains("file0 (0)"),
+        "{err}"
+    );
+    // Vdevs by name, `name (id)` back; the flag may follow the subcommand.
+    let off = ok_stdout(
+        &ctl(&args!["vdev", "offline", "file1", "--allocator", url]),
+        "vdev offline file1",
+    );
+    assert_eq!(off.trim(), "vdev file1 (1) is offline");
+    let table = ok_stdout(&ctl(&args!["status", "--allocator", url]), "status");
+    let row = table
+        .lines()
+        .find(|l| l.trim_start().starts_with("file1 (1)"))
+        .unwrap_or_else(|| panic!("{table}"));
+    assert!(row.contains("OFFLINE"), "{row}");
+    let on = ok_stdout(
+        &ctl(&args!["vdev", "online", "file1", "--allocator", url]),
+        "vdev online file1",
+    );
+    assert_eq!(on.trim(), "vdev file1 (1) is healthy");
+    let bad = ctl(&args!["vdev", "offline", "flie1", "--allocator", url]);
+    assert!(!bad.status.success());
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(err.contains("did you mean \"file1\""), "{err}");
 
     // status is unchanged by the rejected requests.
     let st2: serde_json::Value = serde_json::from_str(&ok_stdout(

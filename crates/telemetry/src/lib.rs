@@ -117,8 +117,10 @@ pub fn subscriber(
 ) -> impl tracing::Subscriber + Send + Sync + 'static {
     let log_filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let fmt: Box<dyn Layer<Registry> + Send + Sync> = match format {
+        // Colour only on a terminal: log files and `docker logs` get plain text.
         LogFormat::Text => tracing_subscriber::fmt::layer()
             .with_writer(std::io::stderr)
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .with_target(false)
             .with_filter(log_filter)
             .boxed(),

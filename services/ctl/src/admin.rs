@@ -1,10 +1,14 @@
 //! Administrative commands: tunables (list / get / set) and vdev online /
-//! offline. Each is one RPC; the allocator validates, and its message is
-//! passed on to the operator unchanged.
+//! offline / expand. Each is one RPC; the allocator validates, and its
+//! message is passed on to the operator unchanged. Vdevs are named as
+//! `status` shows them (name or id); a mistyped name gets a suggestion.
 
-use aliquot_proto::v1::{GetTunablesRequest, SetTunableRequest, SetVdevStateRequest};
+use aliquot_proto::v1::{
+    GetPoolRequest, GetTunablesRequest, SetTunableRequest, SetVdevStateRequest, TunableList,
+};
 
 use crate::client::{self, AllocatorArgs};
+use crate::names::{did_you_mean, resolve_vdev, split_assignment, vdev_label};
 use crate::status::health_name;
 
 #[derive(Clone, Debug, clap::Args)]
@@ -24,8 +28,13 @@ pub enum TunablesCmd {
     List,
     /// Print one tunable's value.
     Get { name: String },
-    /// Change a tunable at run time, e.g. `set metaslab_perf_bias 0`.
-    Set { name: String, value: String },
+    /// Change a tunable at run time (persisted): `set metaslab_perf_bias=0`
+    /// or `set metaslab_perf_bias 0`.
+    Set {
+        /// NAME=VALUE, or NAME followed by VALUE.
+        name: String,
+        value: Option<String>,
+    },
 }
 
 pub async fn tunables(args: TunablesArgs) -> anyhow::Result<()> {
@@ -90,22 +99,49 @@ pub async fn tunables(args: TunablesArgs) -> anyhow::Result<()> {
                 .into_inner();
             match list.tunables.iter().find(|t| t.name == name) {
                 Some(t) => println!("{}", t.value),
-                None => anyhow::bail!("unknown tunable {name:?}; `aliquotctl tunables` lists them"),
+                None => anyhow::bail!("{}", unknown_tunable(&name, &list)),
             }
         }
         TunablesCmd::Set { name, value } => {
-            let t = c
+            let (name, value) =
+                split_assignment(&name, value.as_deref()).map_err(anyhow::Error::msg)?;
+            let t = match c
                 .set_tunable(SetTunableRequest {
                     name: name.clone(),
                     value: value.clone(),
                 })
                 .await
-                .map_err(|s| client::status_msg(&format!("set tunable {name}={value}"), &s))?
-                .into_inner();
+            {
+                Ok(t) => t.into_inner(),
+                Err(s) if s.code() == tonic::Code::NotFound => {
+                    // Suggest from the allocator's own list: it is the truth.
+                    let list = c
+                        .get_tunables(GetTunablesRequest {})
+                        .await
+                        .map_err(|s| client::status_msg("get tunables", &s))?
+                        .into_inner();
+                    anyhow::bail!("{}", unknown_tunable(&name, &list));
+                }
+                Err(s) => {
+                    return Err(client::status_msg(
+                        &format!("set tunable {name}={value}"),
+                        &s,
+                    ));
+                }
+            };
             println!("{} = {} (default {})", t.name, t.value, t.default);
         }
     }
     Ok(())
+}
+
+fn unknown_tunable(name: &str, list: &TunableList) -> String {
+    match did_you_mean(name, list.tunables.iter().map(|t| t.name.as_str())) {
+        Some(n) => format!(
+            "unknown tunable {name:?}; did you mean {n:?}? (`aliquotctl tunables` lists them)"
+        ),
+        None => format!("unknown tunable {name:?}; `aliquotctl tunables` lists them"),
+    }
 }
 
 #[derive(Clone, Debug, clap::Args)]
@@ -118,14 +154,16 @@ pub struct VdevArgs {
 
 #[derive(Clone, Debug, clap::Subcommand)]
 pub enum VdevCmd {
-    /// Make a vdev allocatable again.
-    Online { vdev: u32 },
-    /// Stop allocating on a vdev (its data stays readable).
-    Offline { vdev: u32 },
+    /// Make a vdev allocatable again. VDEV is its name (file0) or id.
+    Online { vdev: String },
+    /// Stop allocating on a vdev (its data stays readable). VDEV is its
+    /// name (file0) or id.
+    Offline { vdev: String },
     /// Grow a vdev to a larger capacity, e.g. after its device grew (like
     /// `zpool online -e`); agents' reports never grow a vdev.
     Expand {
-        vdev: u32,
+        /// The vdev's name (file0) or id.
+        vdev: String,
         /// The new capacity, e.g. 2GiB (never smaller than now).
         #[arg(value_parser = units::size_arg)]
         capacity: u64,
@@ -134,19 +172,30 @@ pub enum VdevCmd {
 
 pub async fn vdev(args: VdevArgs) -> anyhow::Result<()> {
     let mut c = client::allocator(&args.conn.allocator).await?;
-    let (vdev, online) = match args.cmd {
-        VdevCmd::Online { vdev } => (vdev, true),
-        VdevCmd::Offline { vdev } => (vdev, false),
-        VdevCmd::Expand { vdev, capacity } => {
+    let pool = c
+        .get_pool(GetPoolRequest {})
+        .await
+        .map_err(|s| client::status_msg("get pool", &s))?
+        .into_inner();
+    let spec = match &args.cmd {
+        VdevCmd::Online { vdev } | VdevCmd::Offline { vdev } | VdevCmd::Expand { vdev, .. } => {
+            vdev.clone()
+        }
+    };
+    let (vdev, name) = resolve_vdev(&pool, &spec).map_err(anyhow::Error::msg)?;
+    let label = vdev_label(vdev, &name);
+    let online = match args.cmd {
+        VdevCmd::Online { .. } => true,
+        VdevCmd::Offline { .. } => false,
+        VdevCmd::Expand { capacity, .. } => {
             let v = c
                 .expand_vdev(aliquot_proto::v1::ExpandVdevRequest { vdev, capacity })
                 .await
-                .map_err(|s| client::status_msg(&format!("vdev expand {vdev}"), &s))?
+                .map_err(|s| client::status_msg(&format!("vdev expand {label}"), &s))?
                 .into_inner();
             println!(
-                "vdev {} ({}) is {} ({} metaslabs of {})",
-                v.vdev,
-                v.name,
+                "vdev {} is {} ({} metaslabs of {})",
+                vdev_label(v.vdev, &v.name),
                 units::format_bytes(v.capacity),
                 v.metaslab_count,
                 units::format_bytes(v.metaslab_size)
@@ -158,12 +207,11 @@ pub async fn vdev(args: VdevArgs) -> anyhow::Result<()> {
     let v = c
         .set_vdev_state(SetVdevStateRequest { vdev, online })
         .await
-        .map_err(|s| client::status_msg(&format!("vdev {what} {vdev}"), &s))?
+        .map_err(|s| client::status_msg(&format!("vdev {what} {label}"), &s))?
         .into_inner();
     println!(
-        "vdev {} ({}) is {}",
-        v.vdev,
-        v.name,
+        "vdev {} is {}",
+        vdev_label(v.vdev, &v.name),
         health_name(v.health, v.online)
     );
     Ok(())

@@ -28,9 +28,11 @@ pub const MAX_MESSAGE: usize = 17 * 1024 * 1024;
 /// Where the allocator is: shared by every command that talks to a pool.
 #[derive(Clone, Debug, clap::Args)]
 pub struct AllocatorArgs {
-    /// The allocator's gRPC endpoint.
+    /// The allocator's gRPC endpoint. Global: it may follow a subcommand
+    /// (`vdev offline file0 --allocator URL`).
     #[arg(
         long,
+        global = true,
         env = "ALIQUOT_ALLOCATOR",
         default_value = "http://127.0.0.1:7000"
     )]

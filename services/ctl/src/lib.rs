@@ -11,6 +11,7 @@ pub mod demo;
 pub mod health;
 pub mod history;
 pub mod local;
+pub mod names;
 pub mod pattern;
 pub mod serve;
 pub mod status;

@@ -263,7 +263,7 @@ impl LocalPool {
         self.allocator_addr = a[0];
         self.allocator_url = format!("http://{}", a[0]);
 
-        // Agents start side by side; each reports its own address.
+        // Agents report their own addresses.
         // (name, kind, capacity, path, backend flags)
         type Spec = (String, String, u64, Option<PathBuf>, Vec<String>);
         let mut specs: Vec<Spec> = Vec::new();
@@ -313,35 +313,23 @@ impl LocalPool {
             fa.extend(extra);
             starts.push((name, kind, cap, path, fa));
         }
-        let spawned = {
-            let mut futs = Vec::new();
-            for (name, _, _, _, fa) in &starts {
-                futs.push(self.spawn_child(name, Role::Agent, fa, &["grpc"]));
-            }
-            futures_util::future::join_all(futs).await
-        };
-        let mut err = None;
-        for ((name, kind, cap, path, _), r) in starts.into_iter().zip(spawned) {
-            match r {
-                Ok((child, addrs)) => {
-                    self.children.push(child);
-                    self.agents.push(AgentInfo {
-                        name,
-                        kind,
-                        capacity: cap,
-                        path,
-                        url: format!("http://{}", addrs[0]),
-                    });
-                }
-                Err(e) => {
-                    err.get_or_insert(e);
-                }
-            }
+        // One at a time, each registered before the next starts: the
+        // allocator numbers vdevs in registration order, so ids follow the
+        // order given (file0 is vdev 0). It costs a registration round trip
+        // per agent at start.
+        for (name, kind, cap, path, fa) in starts {
+            let (child, addrs) = self.spawn_child(&name, Role::Agent, &fa, &["grpc"]).await?;
+            self.children.push(child);
+            self.agents.push(AgentInfo {
+                name,
+                kind,
+                capacity: cap,
+                path,
+                url: format!("http://{}", addrs[0]),
+            });
+            self.wait_registered(Duration::from_secs(60)).await?;
         }
-        if let Some(e) = err {
-            return Err(e);
-        }
-        self.wait_registered(Duration::from_secs(60)).await
+        Ok(())
     }
 
     async fn spawn(

@@ -15,8 +15,8 @@ use aliquot_proto::v1::stream_reply::Result as StreamResult;
 use aliquot_proto::v1::stream_request::Op;
 use aliquot_proto::v1::{
     AbortRequest, AllocateReply, AllocateRequest, AllocationClass, ClaimRequest, CommitReply,
-    CommitRequest, ErrorReason, Extent, FlushRequest, FreeRequest, LogTier, ReadRequest,
-    StreamReply, StreamRequest, SyncTxgRequest,
+    CommitRequest, ErrorReason, Extent, FlushRequest, FreeRequest, GetPoolRequest, LogTier,
+    ReadRequest, StreamReply, StreamRequest, SyncTxgRequest,
 };
 use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -143,8 +143,11 @@ pub struct WriteReport {
     pub copies: u32,
     pub class: ClassArg,
     pub api: Api,
-    /// Bytes the client wrote (block bytes × copies).
+    /// Logical bytes written (blocks × block size), what --total asks for;
+    /// throughput counts these.
     pub bytes: u64,
+    /// Bytes that reached the agents: `bytes` × copies.
+    pub physical_bytes: u64,
     /// From the first Allocate to the last Commit.
     pub write_secs: f64,
     /// Final Flush of the agents + SyncTxg.
@@ -155,8 +158,10 @@ pub struct WriteReport {
     pub write: Latency,
     pub commit: Latency,
     pub throttle_wait: Latency,
-    /// Bytes placed per vdev id.
+    /// Bytes placed per vdev id (every copy counted).
     pub vdev_bytes: BTreeMap<u32, u64>,
+    /// The name of each vdev in `vdev_bytes`, as the pool knows it.
+    pub vdev_names: BTreeMap<u32, String>,
     /// LOG allocations by the tier that served them.
     pub tiers: BTreeMap<String, u64>,
     pub synced_txg: Option<u64>,
@@ -406,7 +411,7 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
         ProgressBar::hidden()
     } else {
         let b = ProgressBar::with_draw_target(
-            Some(blocks * args.block_size * args.copies as u64),
+            Some(blocks * args.block_size),
             ProgressDrawTarget::stderr(),
         );
         b.set_style(
@@ -519,7 +524,17 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
     }
     let sync_secs = t_sync.elapsed().as_secs_f64();
 
-    let bytes = placed.len() as u64 * args.block_size * args.copies as u64;
+    let bytes = placed.len() as u64 * args.block_size;
+    // Names for the report; a pool that cannot answer now only costs them.
+    let vdev_names: BTreeMap<u32, String> = match alloc.clone().get_pool(GetPoolRequest {}).await {
+        Ok(p) => p
+            .into_inner()
+            .vdevs
+            .into_iter()
+            .map(|v| (v.vdev, v.name))
+            .collect(),
+        Err(_) => BTreeMap::new(),
+    };
     let retries: u64 = outs_retries;
     let mut verified_blocks = 0;
     let t_verify = Instant::now();
@@ -548,6 +563,7 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
         class: args.class,
         api: args.api,
         bytes,
+        physical_bytes: bytes * args.copies as u64,
         write_secs,
         sync_secs,
         bytes_per_sec: bytes as f64 / (write_secs + sync_secs).max(1e-9),
@@ -556,6 +572,7 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
         commit: Latency::of(&commit),
         throttle_wait: Latency::of(&wait),
         vdev_bytes,
+        vdev_names,
         tiers,
         synced_txg,
         verified_blocks,
@@ -673,7 +690,7 @@ async fn worker(sh: Arc<Shared>, ops: Ops) -> anyhow::Result<WorkerOut> {
             return Err(e);
         }
         sh.block_done();
-        sh.bar.inc(a.block_size * a.copies as u64);
+        sh.bar.inc(a.block_size);
     }
     Ok(out)
 }
@@ -942,12 +959,19 @@ pub fn render(r: &WriteReport) -> String {
     let total = r.write_secs + r.sync_secs;
     let _ = writeln!(
         s,
-        "wrote {} in {} blocks of {} ({} cop{}, {:?}, {:?} api) in {:.2} s (+ {:.2} s flush and txg sync): {}",
+        "wrote {} in {} blocks of {} ({}, {:?}, {:?} api) in {:.2} s (+ {:.2} s flush and txg sync): {}",
         units::format_bytes(r.bytes),
         r.blocks,
         units::format_bytes(r.block_size),
-        r.copies,
-        if r.copies == 1 { "y" } else { "ies" },
+        if r.copies == 1 {
+            "1 copy".to_string()
+        } else {
+            format!(
+                "{} copies: {} to the agents",
+                r.copies,
+                units::format_bytes(r.physical_bytes)
+            )
+        },
         r.class,
         r.api,
         r.write_secs,
@@ -973,7 +997,13 @@ pub fn render(r: &WriteReport) -> String {
     }
     let _ = write!(s, "placed per vdev:");
     for (v, b) in &r.vdev_bytes {
-        let _ = write!(s, "  vdev {v} {}", units::format_bytes_short(*b));
+        let name = r.vdev_names.get(v).map(String::as_str).unwrap_or("");
+        let _ = write!(
+            s,
+            "  {} {}",
+            crate::names::vdev_label(*v, name),
+            units::format_bytes_short(*b)
+        );
     }
     s.push('\n');
     if !r.tiers.is_empty() {

@@ -247,3 +247,9 @@ pub fn children_of(pid: u32) -> Vec<u32> {
     }
     v
 }
+
+/// A 64-bit integer from `status --json` (the proto3 JSON mapping writes
+/// them as strings) or from a report that writes numbers.
+pub fn json_u64(v: &serde_json::Value) -> Option<u64> {
+    v.as_u64().or_else(|| v.as_str()?.parse().ok())
+}

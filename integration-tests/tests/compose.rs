@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use aliquot_proto::v1::SummaryRequest;
 use aliquot_proto::v1::metrics_client::MetricsClient;
+use integration_tests::json_u64;
 
 fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -259,7 +260,7 @@ fn normal_alloc(st: &serde_json::Value) -> u64 {
         .into_iter()
         .flatten()
         .filter(|c| c["name"] == "normal")
-        .map(|c| c["alloc"].as_u64().unwrap_or(0))
+        .map(|c| json_u64(&c["alloc"]).unwrap_or(0))
         .sum()
 }
 
@@ -280,7 +281,7 @@ fn by_vdev(st: &serde_json::Value) -> std::collections::BTreeMap<u64, u64> {
         .map(|g| {
             (
                 g["vdev"].as_u64().unwrap_or(u64::MAX),
-                g["alloc"].as_u64().unwrap_or(0),
+                json_u64(&g["alloc"]).unwrap_or(0),
             )
         })
         .collect()
@@ -394,7 +395,7 @@ fn compose_deployment_end_to_end() {
     );
     let per_vdev: Vec<u64> = groups(&st)
         .iter()
-        .map(|g| g["alloc"].as_u64().unwrap_or(0))
+        .map(|g| json_u64(&g["alloc"]).unwrap_or(0))
         .collect();
     assert!(
         per_vdev.iter().filter(|a| **a > 0).count() >= 2,
@@ -466,7 +467,7 @@ fn compose_deployment_end_to_end() {
     });
     let after: std::collections::BTreeMap<u64, u64> = by_vdev(&st);
     assert!(
-        st["guid"].as_u64().is_some(),
+        json_u64(&st["guid"]).is_some(),
         "status --json has the pool guid: {st}"
     );
     // The same pool (the allocator's SQLite store on its volume), and every

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use integration_tests::{Proc, args, bin, children_of, ctl, ok_stdout};
+use integration_tests::{Proc, args, bin, children_of, ctl, json_u64, ok_stdout};
 
 fn alive(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
@@ -113,22 +113,32 @@ fn up_write_verify_status_tunables_and_clean_stop() {
             assert!(g.get(k).is_some(), "group key {k} in {g}");
         }
         assert_eq!(g["health"], "healthy");
-        assert_eq!(g["queue_depth"], 0, "everything committed");
+        assert_eq!(g["queue_depth"], "0", "everything committed");
         // What the writer placed on each vdev is what the allocator holds.
         let placed = report["vdev_bytes"][g["vdev"].to_string()]
             .as_u64()
             .unwrap_or(0);
-        assert_eq!(g["alloc"].as_u64().unwrap(), placed, "vdev {}", g["vdev"]);
+        assert_eq!(json_u64(&g["alloc"]).unwrap(), placed, "vdev {}", g["vdev"]);
     }
-    let sum: u64 = groups.iter().map(|g| g["alloc"].as_u64().unwrap()).sum();
-    assert_eq!(sum, normal["alloc"].as_u64().unwrap());
+    let sum: u64 = groups.iter().map(|g| json_u64(&g["alloc"]).unwrap()).sum();
+    assert_eq!(sum, json_u64(&normal["alloc"]).unwrap());
+    // The proto3 JSON mapping: 64-bit integers are strings.
+    assert!(
+        normal["alloc"].is_string() && st["guid"].is_string(),
+        "{st}"
+    );
     assert_eq!(sum, 8 << 20);
-    assert_eq!(normal["reserved"], 0);
+    assert_eq!(normal["reserved"], "0");
     // `up` numbers vdevs in the order given (256M, 512M, 1G): by id the
     // sizes are 1:2:4, less label and metaslab rounding.
     let mut by_id: Vec<(u64, u64)> = groups
         .iter()
-        .map(|g| (g["vdev"].as_u64().unwrap(), g["capacity"].as_u64().unwrap()))
+        .map(|g| {
+            (
+                g["vdev"].as_u64().unwrap(),
+                json_u64(&g["capacity"]).unwrap(),
+            )
+        })
         .collect();
     by_id.sort();
     let caps: Vec<u64> = by_id.iter().map(|&(_, c)| c).collect();
@@ -290,7 +300,7 @@ fn up_write_verify_status_tunables_and_clean_stop() {
     let a: serde_json::Value = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
     let b: serde_json::Value = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
     assert!(
-        b["time_ms"].as_u64() > a["time_ms"].as_u64(),
+        json_u64(&b["time_ms"]) > json_u64(&a["time_ms"]),
         "{a} then {b}"
     );
     assert_eq!(b["alloc"], st["alloc"]);

@@ -121,6 +121,19 @@ pub fn format_bytes_short(b: u64) -> String {
     }
 }
 
+/// A latency in microseconds, compact for tables: `850us`, `12.3ms`, `1.50s`.
+pub fn format_micros(us: u64) -> String {
+    if us < 1000 {
+        format!("{us}us")
+    } else if us < 10_000 {
+        format!("{:.2}ms", us as f64 / 1e3)
+    } else if us < 1_000_000 {
+        format!("{:.1}ms", us as f64 / 1e3)
+    } else {
+        format!("{:.2}s", us as f64 / 1e6)
+    }
+}
+
 pub fn format_rate(bytes_per_sec: f64) -> String {
     format!("{}/s", format_bytes(bytes_per_sec.max(0.0) as u64))
 }
@@ -139,6 +152,14 @@ pub fn duration_arg(s: &str) -> Result<Duration, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn micros() {
+        assert_eq!(format_micros(850), "850us");
+        assert_eq!(format_micros(1_234), "1.23ms");
+        assert_eq!(format_micros(47_711), "47.7ms");
+        assert_eq!(format_micros(1_500_000), "1.50s");
+    }
 
     #[test]
     fn sizes() {

@@ -25,9 +25,52 @@ pub struct StatusArgs {
     /// Refresh interval for --watch.
     #[arg(long, env = "ALIQUOT_WATCH_INTERVAL", value_parser = units::duration_arg, default_value = "1s")]
     pub interval: std::time::Duration,
+    /// Exact numbers: sizes in bytes (like `zpool list -p`).
+    #[arg(short = 'p', long = "parsable", env = "ALIQUOT_STATUS_PARSABLE")]
+    pub parsable: bool,
+    /// Scripted mode: the vdev table's rows only, no headers or footers,
+    /// fields separated by one tab (like `zpool list -H`).
+    #[arg(short = 'H', long = "scripted", env = "ALIQUOT_STATUS_SCRIPTED")]
+    pub scripted: bool,
+    /// Warn when a vdev's fill runs this many percentage points above its
+    /// class's (0 turns the warning off).
+    #[arg(long, env = "ALIQUOT_STATUS_WARN_AHEAD", default_value_t = 10.0)]
+    pub warn_ahead: f64,
+}
+
+/// How the table is drawn.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Style {
+    /// Sizes in bytes, not 1.00G.
+    pub exact: bool,
+    /// Rows only, tab-separated.
+    pub scripted: bool,
+    /// Percentage points above the class's fill that earn a warning (0: off).
+    pub warn_ahead: f64,
+}
+
+impl Default for Style {
+    fn default() -> Self {
+        Style {
+            exact: false,
+            scripted: false,
+            warn_ahead: 10.0,
+        }
+    }
+}
+
+impl Style {
+    fn size(&self, n: u64) -> String {
+        if self.exact { n.to_string() } else { short(n) }
+    }
 }
 
 pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
+    let style = Style {
+        exact: args.parsable,
+        scripted: args.scripted,
+        warn_ahead: args.warn_ahead,
+    };
     let mut c = client::allocator(&args.conn.allocator).await?;
     if !args.watch {
         let st = c
@@ -35,7 +78,7 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
             .await
             .map_err(|s| client::status_msg("get pool", &s))?
             .into_inner();
-        print_status(&st, args.json, false)?;
+        print_status(&st, args.json, false, style)?;
         return Ok(());
     }
     let interval_ms = args.interval.as_millis().clamp(1, u32::MAX as u128) as u32;
@@ -49,7 +92,7 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
             msg = stream.message() => match msg.map_err(|s| client::status_msg("watch pool", &s))? {
                 Some(st) => {
                     // `--watch | head`: the reader left, so stop quietly.
-                    if !print_status(&st, args.json, !args.json)? {
+                    if !print_status(&st, args.json, !args.json && !args.scripted, style)? {
                         return Ok(());
                     }
                 }
@@ -62,7 +105,7 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
 
 /// Print one status; `Ok(false)` when stdout's reader has gone (a closed
 /// pipe is how `| head` says "enough", not an error to report).
-fn print_status(st: &PoolStatus, json: bool, clear: bool) -> anyhow::Result<bool> {
+fn print_status(st: &PoolStatus, json: bool, clear: bool, style: Style) -> anyhow::Result<bool> {
     use std::io::Write;
     let mut text = String::new();
     if clear {
@@ -73,7 +116,7 @@ fn print_status(st: &PoolStatus, json: bool, clear: bool) -> anyhow::Result<bool
         text.push_str(&serde_json::to_string(&PoolJson::from(st))?);
         text.push('\n');
     } else {
-        text.push_str(&render_table(st));
+        text.push_str(&render_table_with(st, style));
     }
     let mut out = std::io::stdout().lock();
     match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
@@ -137,11 +180,11 @@ pub const CLASS_HEADER: [&str; 8] = [
 ];
 
 /// A class that is never throttled has no meaningful limit.
-fn limit(c: &ClassStatus) -> String {
+fn limit(c: &ClassStatus, style: Style) -> String {
     if !c.throttle_enabled && c.alloc_max >= u64::MAX / 4 {
         "-".into()
     } else {
-        short(c.alloc_max)
+        style.size(c.alloc_max)
     }
 }
 
@@ -241,6 +284,39 @@ pub fn balance(c: &ClassStatus) -> Option<Balance> {
 
 /// `zpool list -v`-like: the pool, each class, each vdev of the class.
 pub fn render_table(st: &PoolStatus) -> String {
+    render_table_with(st, Style::default())
+}
+
+/// Vdevs whose fill runs more than `style.warn_ahead` points above their
+/// class's: the ones a balancer (or the operator) should look at first.
+pub fn ahead_warnings(st: &PoolStatus, style: Style) -> Vec<String> {
+    let mut out = Vec::new();
+    if style.warn_ahead <= 0.0 {
+        return out;
+    }
+    for c in st.classes.iter().filter(|c| c.space > 0) {
+        let cu = class_used(c);
+        for g in c.groups.iter().filter(|g| g.capacity > 0) {
+            let ahead = (used(g) - cu) * 100.0;
+            if ahead > style.warn_ahead {
+                out.push(format!(
+                    "warning: {} is {:.0} points ahead of the {} class ({:.0}% full vs {:.0}%)",
+                    vdev_label(st, g.vdev),
+                    // Truncated, as the CAP column is, so the figures add up.
+                    (used(g) * 100.0).floor() - (cu * 100.0).floor(),
+                    c.name,
+                    (used(g) * 100.0).floor(),
+                    (cu * 100.0).floor()
+                ));
+            }
+        }
+    }
+    out
+}
+
+/// The table in a given style (see [`Style`]).
+pub fn render_table_with(st: &PoolStatus, style: Style) -> String {
+    let short = |n: u64| style.size(n);
     let mut rows: Vec<[String; 13]> = Vec::new();
     let (health, why) = pool_health(st);
     let size: u64 = st.vdevs.iter().map(|v| v.capacity).sum();
@@ -316,10 +392,18 @@ pub fn render_table(st: &PoolStatus) -> String {
             ]);
         }
     }
+    if style.scripted {
+        let mut out = String::new();
+        for r in &rows {
+            out.push_str(&r.iter().map(|c| c.trim()).collect::<Vec<_>>().join("\t"));
+            out.push('\n');
+        }
+        return out;
+    }
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "pool {}  guid {:016x}  txg {} (synced {})  generation {}  throttle {}  slop {}",
+        "pool {}  guid {}  txg {} (synced {})  generation {}  throttle {}  slop {}",
         st.name,
         st.guid,
         st.open_txg,
@@ -340,6 +424,9 @@ pub fn render_table(st: &PoolStatus) -> String {
             st.claim_window_remaining_ms as f64 / 1000.0
         );
     }
+    for w in ahead_warnings(st, style) {
+        let _ = writeln!(out, "{w}");
+    }
     out.push('\n');
     out.push_str(&layout(&VDEV_HEADER, &rows));
     for c in &st.classes {
@@ -359,13 +446,16 @@ pub fn render_table(st: &PoolStatus) -> String {
         }
     }
     out.push('\n');
+    // A class with no space (no log vdevs; vdevs too small for an embedded
+    // log metaslab) has no throttle worth showing.
     let crows: Vec<[String; 8]> = st
         .classes
         .iter()
+        .filter(|c| c.space > 0)
         .map(|c| {
             [
                 c.name.clone(),
-                limit(c),
+                limit(c, style),
                 short(c.reserved),
                 if c.busy { "yes" } else { "no" }.to_string(),
                 format!("{} ({})", c.waiting, short(c.waiting_bytes)),
@@ -415,20 +505,38 @@ fn layout<const N: usize>(header: &[&str; N], rows: &[[String; N]]) -> String {
 }
 
 // ---- JSON ------------------------------------------------------------------
+//
+// The proto3 JSON mapping, as the API's own JSON would be: 64-bit integers
+// are strings (a guid or u64::MAX is beyond 2^53, where jq and JavaScript
+// round), 32-bit ones and floats are numbers; field names as in the proto.
+
+fn as_string<S: serde::Serializer>(v: &u64, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(v)
+}
 
 #[derive(Debug, Serialize)]
 pub struct PoolJson {
     pub name: String,
+    #[serde(serialize_with = "as_string")]
     pub guid: u64,
+    #[serde(serialize_with = "as_string")]
     pub open_txg: u64,
+    #[serde(serialize_with = "as_string")]
     pub synced_txg: u64,
+    #[serde(serialize_with = "as_string")]
     pub generation: u64,
+    #[serde(serialize_with = "as_string")]
     pub claim_window_remaining_ms: u64,
     pub throttle_policy: String,
+    #[serde(serialize_with = "as_string")]
     pub slop_space: u64,
+    #[serde(serialize_with = "as_string")]
     pub time_ms: u64,
+    #[serde(serialize_with = "as_string")]
     pub size: u64,
+    #[serde(serialize_with = "as_string")]
     pub alloc: u64,
+    #[serde(serialize_with = "as_string")]
     pub free: u64,
     pub classes: Vec<ClassJson>,
     pub vdevs: Vec<VdevJson>,
@@ -437,14 +545,21 @@ pub struct PoolJson {
 #[derive(Debug, Serialize)]
 pub struct ClassJson {
     pub name: String,
+    #[serde(serialize_with = "as_string")]
     pub space: u64,
+    #[serde(serialize_with = "as_string")]
     pub alloc: u64,
+    #[serde(serialize_with = "as_string")]
     pub free: u64,
+    #[serde(serialize_with = "as_string")]
     pub reserved: u64,
+    #[serde(serialize_with = "as_string")]
     pub alloc_max: u64,
+    #[serde(serialize_with = "as_string")]
     pub alloc_io_size: u64,
     pub busy: bool,
     pub waiting: u32,
+    #[serde(serialize_with = "as_string")]
     pub waiting_bytes: u64,
     pub throttle_enabled: bool,
     pub fragmentation: i32,
@@ -455,14 +570,20 @@ pub struct ClassJson {
 pub struct GroupJson {
     pub vdev: u32,
     pub name: String,
+    #[serde(serialize_with = "as_string")]
     pub capacity: u64,
+    #[serde(serialize_with = "as_string")]
     pub alloc: u64,
+    #[serde(serialize_with = "as_string")]
     pub free: u64,
     pub free_fraction: f64,
     pub children: u32,
     pub parity: u32,
+    #[serde(serialize_with = "as_string")]
     pub aliquot: u64,
+    #[serde(serialize_with = "as_string")]
     pub queue_target: u64,
+    #[serde(serialize_with = "as_string")]
     pub queue_depth: u64,
     pub fragmentation: i32,
     pub health: String,
@@ -473,13 +594,17 @@ pub struct GroupJson {
 #[derive(Debug, Serialize)]
 pub struct VdevJson {
     pub vdev: u32,
+    #[serde(serialize_with = "as_string")]
     pub guid: u64,
     pub name: String,
     pub endpoint: String,
     pub class: String,
+    #[serde(serialize_with = "as_string")]
     pub capacity: u64,
+    #[serde(serialize_with = "as_string")]
     pub alloc: u64,
     pub ashift: u32,
+    #[serde(serialize_with = "as_string")]
     pub metaslab_size: u64,
     pub metaslab_count: u32,
     pub children: u32,
@@ -488,12 +613,18 @@ pub struct VdevJson {
     pub health: String,
     pub online: bool,
     pub embedded_log_metaslab: Option<u32>,
+    #[serde(serialize_with = "as_string")]
     pub last_report_age_ms: u64,
+    #[serde(serialize_with = "as_string")]
     pub latency_p50_us: u64,
+    #[serde(serialize_with = "as_string")]
     pub latency_p99_us: u64,
     pub device_queue_ios: u32,
+    #[serde(serialize_with = "as_string")]
     pub device_queue_bytes: u64,
+    #[serde(serialize_with = "as_string")]
     pub bytes_written: u64,
+    #[serde(serialize_with = "as_string")]
     pub bytes_read: u64,
 }
 
@@ -684,7 +815,7 @@ mod tests {
         let lines: Vec<&str> = t.lines().collect();
         assert_eq!(
             lines[0],
-            "pool aliquot  guid 0000000000001234  txg 42 (synced 41)  generation 3  throttle unified  slop 224M"
+            "pool aliquot  guid 4660  txg 42 (synced 41)  generation 3  throttle unified  slop 224M"
         );
         assert_eq!(lines[1], "health DEGRADED: file1 (1) offline");
         let header: Vec<&str> = lines[3].split_whitespace().collect();
@@ -717,7 +848,8 @@ mod tests {
                 "normal", "24.0M", "3.00M", "yes", "2", "(2.00M)", "1.00M", "on", "12%"
             ]
         );
-        assert!(lines[chead + 2].starts_with("log"));
+        // The log class has no space: no throttle row either.
+        assert_eq!(lines.len(), chead + 2, "{t}");
         // Columns line up: every vdev row is right-aligned to the header's end.
         let width = lines[3].len();
         for l in &lines[4..9] {
@@ -762,10 +894,13 @@ mod tests {
             .as_array()
             .unwrap()
             .iter()
-            .map(|g| g["alloc"].as_u64().unwrap())
+            .map(|g| g["alloc"].as_str().unwrap().parse::<u64>().unwrap())
             .sum();
-        assert_eq!(sum, c["alloc"].as_u64().unwrap());
-        assert_eq!(v["alloc"], 700 * MIB);
+        assert_eq!(sum.to_string(), c["alloc"].as_str().unwrap());
+        assert_eq!(v["alloc"], (700 * MIB).to_string());
+        // 64-bit values beyond 2^53 survive as strings; 32-bit ones are numbers.
+        assert_eq!(v["vdevs"][0]["guid"], "2748");
+        assert_eq!(g["vdev"], 2);
     }
 
     /// The whole table for a fixed, unbalanced pool (the 88/35/41 % fill
@@ -785,8 +920,9 @@ mod tests {
         st.vdevs[2].health = VdevHealth::Unavailable as i32;
         st.classes[0].groups[2].health = VdevHealth::Unavailable as i32;
         let want = "\
-pool aliquot  guid 0000000000001234  txg 42 (synced 41)  generation 3  throttle unified  slop 224M
+pool aliquot  guid 4660  txg 42 (synced 41)  generation 3  throttle unified  slop 224M
 health DEGRADED: file2 (2) unavailable
+warning: file0 (0) is 42 points ahead of the normal class (87% full vs 45%)
 
 NAME            SIZE  ALLOC   FREE  CAP   VAR  FRAG       HEALTH  QDEPTH  QTARGET  ALIQUOT  EMBLOG  ALLOC'ABLE
 aliquot        7.00G  3.22G  3.78G  45%     -    3%     DEGRADED   3.00M        -        -       -           -
@@ -798,8 +934,42 @@ normal: MIN/MAX VAR: 0.76/1.91  STDDEV: 23.69%  SPREAD: 52.98%
 
 CLASS   LIMIT  RESERVED  BUSY    WAITING  IO_SIZE  THROTTLE  USED/LIMIT
 normal  24.0M     3.00M   yes  2 (2.00M)    1.00M        on         12%
-log         0         0    no      0 (0)        0       off           -
 ";
         assert_eq!(render_table(&st), want);
+    }
+
+    #[test]
+    fn parsable_and_scripted() {
+        let st = sample();
+        let exact = Style {
+            exact: true,
+            ..Style::default()
+        };
+        let t = render_table_with(&st, exact);
+        let f0 = t
+            .lines()
+            .find(|l| l.trim_start().starts_with("file0 (0)"))
+            .unwrap();
+        let cells: Vec<&str> = f0.split_whitespace().collect();
+        assert_eq!(
+            cells[2..5],
+            ["1073741824", "104857600", "968884224"],
+            "{f0}"
+        );
+        let h = render_table_with(
+            &st,
+            Style {
+                scripted: true,
+                ..exact
+            },
+        );
+        let rows: Vec<Vec<&str>> = h.lines().map(|l| l.split('\t').collect()).collect();
+        // pool, class, three vdevs; no header, no footer.
+        assert_eq!(rows.len(), 5, "{h}");
+        assert!(rows.iter().all(|r| r.len() == VDEV_HEADER.len()), "{h}");
+        assert_eq!(rows[2][..3], ["file0 (0)", "1073741824", "104857600"]);
+        assert_eq!(rows[3][7], "OFFLINE");
+        // Balanced enough: no warning; off when 0.
+        assert!(ahead_warnings(&st, Style::default()).is_empty());
     }
 }

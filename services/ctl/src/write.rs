@@ -981,8 +981,9 @@ pub fn render(r: &WriteReport) -> String {
     let _ = writeln!(
         s,
         "{:<14} {:>10} {:>10} {:>10} {:>10}",
-        "latency (us)", "p50", "p99", "max", "count"
+        "latency", "p50", "p99", "max", "count"
     );
+    let us = units::format_micros;
     for (name, l) in [
         ("allocate", r.allocate),
         ("throttle wait", r.throttle_wait),
@@ -992,7 +993,10 @@ pub fn render(r: &WriteReport) -> String {
         let _ = writeln!(
             s,
             "{name:<14} {:>10} {:>10} {:>10} {:>10}",
-            l.p50_us, l.p99_us, l.max_us, l.count
+            us(l.p50_us),
+            us(l.p99_us),
+            us(l.max_us),
+            l.count
         );
     }
     let _ = write!(s, "placed per vdev:");

@@ -28,7 +28,7 @@ pub struct StatusArgs {
 }
 
 pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
-    let mut c = client::allocator(&args.conn.allocator).await?;
+    let mut c = args.conn.connect().await?;
     if !args.watch {
         let st = c
             .get_pool(GetPoolRequest {})

@@ -12,6 +12,7 @@ pub mod convert;
 pub mod error;
 pub mod lock;
 pub mod metrics_push;
+pub mod ownership;
 pub mod recovery;
 pub mod registry;
 pub mod service;
@@ -396,7 +397,9 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
     };
     let reg_svc = registry::RegistryService {
         shared: shared.clone(),
-        bindings: Default::default(),
+        bindings: Arc::new(binding::AgentBindings::from_store(
+            shared.store.agent_bindings().await?,
+        )),
     };
     let stop = shared.clone();
     let mut builder = tonic::transport::Server::builder();
@@ -469,6 +472,7 @@ async fn housekeeping(shared: Arc<Shared>) {
         }
         let now = Instant::now();
         let expired = shared.lock().expire_leases(now);
+        shared.owners.forget(&expired);
         if !expired.is_empty() {
             tracing::info!(
                 count = expired.len(),

@@ -42,6 +42,11 @@ pub struct AllocatorArgs {
         default_value = "http://127.0.0.1:7000"
     )]
     pub allocator: String,
+    /// Reach every agent at this host (keeping the port it advertises):
+    /// for a compose stack from the host, whose agents advertise names only
+    /// the compose network resolves (`--agent-host 127.0.0.1`).
+    #[arg(long, env = "ALIQUOT_AGENT_HOST")]
+    pub agent_host: Option<String>,
     #[command(flatten)]
     pub tls: ClientTlsArgs,
 }
@@ -50,6 +55,28 @@ impl AllocatorArgs {
     /// Connect to the allocator with these flags' certificates.
     pub async fn connect(&self) -> anyhow::Result<Allocator> {
         allocator(&self.tls.resolve()?, &self.allocator).await
+    }
+
+    /// The agents, reached as these flags say.
+    pub fn agents(&self) -> anyhow::Result<Agents> {
+        let mut a = Agents::new(self.tls.resolve()?);
+        a.host = self.agent_host.clone();
+        Ok(a)
+    }
+}
+
+/// `url` with its host replaced by `host` (scheme and port kept).
+fn with_host(url: &str, host: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("http", url));
+    let port = rest
+        .trim_end_matches('/')
+        .rsplit_once(':')
+        .map(|(_, p)| p)
+        .unwrap_or("");
+    if port.is_empty() {
+        format!("{scheme}://{host}")
+    } else {
+        format!("{scheme}://{host}:{port}")
     }
 }
 
@@ -109,6 +136,8 @@ fn agent_client(ch: Channel) -> Agent {
 #[derive(Clone)]
 pub struct Agents {
     tls: ClientTls,
+    /// `--agent-host`: connect here instead of the advertised host.
+    host: Option<String>,
     inner: Arc<RwLock<HashMap<String, Channel>>>,
 }
 
@@ -117,6 +146,7 @@ impl Agents {
     pub fn new(tls: ClientTls) -> Agents {
         Agents {
             tls,
+            host: None,
             inner: Default::default(),
         }
     }
@@ -125,7 +155,11 @@ impl Agents {
         if let Some(c) = self.inner.read().expect("agents lock").get(url) {
             return Ok(c.clone());
         }
-        let c = channel(&self.tls, url, Role::Agent).await?;
+        let target = match &self.host {
+            Some(h) => with_host(url, h),
+            None => url.to_string(),
+        };
+        let c = channel(&self.tls, &target, Role::Agent).await?;
         let mut map = self.inner.write().expect("agents lock");
         Ok(map.entry(url.to_string()).or_insert(c).clone())
     }
@@ -245,6 +279,18 @@ impl Decoder for ReplyDecoder {
         WriteReply::decode(buf)
             .map(Some)
             .map_err(|e| tonic::Status::internal(format!("cannot decode WriteReply: {e}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn agent_host_keeps_scheme_and_port() {
+        assert_eq!(
+            super::with_host("https://agent1:7001", "127.0.0.1"),
+            "https://127.0.0.1:7001"
+        );
+        assert_eq!(super::with_host("agent1:7002", "h"), "http://h:7002");
     }
 }
 

@@ -424,7 +424,7 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
         stop: AtomicBool::new(false),
         nonce: rand::random(),
         start: Instant::now(),
-        agents: Agents::new(args.conn.tls.resolve()?),
+        agents: args.conn.agents()?,
         bar,
         generation: AtomicU64::new(0),
         last_done_us: AtomicU64::new(0),

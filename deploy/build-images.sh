@@ -128,7 +128,9 @@ if [ "$make_base" = 1 ]; then
     done
     # What Rust's std needs even when ldd saw no Rust binary.
     for l in libgcc_s.so.1 libm.so.6 libc.so.6; do
-        f="$(ldconfig -p | awk -v n="$l" '$1 == n && $NF ~ /^\// { print $NF; exit }')"
+        # (no early `exit` in awk: ldconfig would die of SIGPIPE, fatal
+        # under pipefail)
+        f="$(ldconfig -p | awk -v n="$l" '!found && $1 == n && $NF ~ /^\// { print $NF; found = 1 }')"
         if [ -n "$f" ]; then libs+=("$f"); fi
     done
     for l in $(printf '%s\n' "${libs[@]}" | sort -u); do

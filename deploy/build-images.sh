@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Build the Aliquot image without any container registry.
 #
-#  1. The base image. If the Dockerfile's runtime base (debian:bookworm-slim)
-#     is not in the engine, make a small stand-in under that name: a rootfs
+#  1. The base image, under our own name `aliquot/base:host` (never a public
+#     name such as debian:bookworm-slim, which would shadow the real image
+#     for everything else on this engine): unless present, make it — a rootfs
 #     holding only what the binaries need (the shared libraries `ldd` names —
 #     libc, libm, libgcc_s, the loader —, a shell for `docker exec`, /etc
 #     basics), packed as a tar and `docker import`ed. Offline, a few seconds.
@@ -11,7 +12,7 @@
 #     `prebuilt` target COPYs them.
 #
 # Usage: deploy/build-images.sh [--bin-dir DIR] [--tag IMAGE] [--base-only]
-#                               [--force-base]
+#                               [--force-base] [--base IMAGE]
 #   --bin-dir DIR  take the binaries from DIR (default: `cargo build --release
 #                  --bins`, then target/release)
 #   --tag IMAGE    name of the service image (default aliquot:latest, which
@@ -19,6 +20,8 @@
 #   --base-only    only make the base image
 #   --force-base   remake the stand-in base even if the base name exists
 #                  (never replaces an image that this script did not make)
+#   --base IMAGE   build on IMAGE instead (e.g. debian:bookworm-slim when the
+#                  engine has the real one); env ALIQUOT_BASE_IMAGE
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -28,6 +31,7 @@ tag="${ALIQUOT_IMAGE:-aliquot:latest}"
 bin_dir=""
 base_only=0
 force_base=0
+base="${ALIQUOT_BASE_IMAGE:-aliquot/base:host}"
 
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -35,7 +39,8 @@ while [ $# -gt 0 ]; do
         --tag) tag="$2"; shift 2 ;;
         --base-only) base_only=1; shift ;;
         --force-base) force_base=1; shift ;;
-        -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        --base) base="$2"; shift 2 ;;
+        -h|--help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "build-images.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -45,9 +50,6 @@ say() { printf 'build-images: %s\n' "$*" >&2; }
 command -v docker >/dev/null || { say "docker not found"; exit 1; }
 docker info >/dev/null 2>&1 || { say "the docker engine is not reachable (docker info failed)"; exit 1; }
 
-# The base name is the Dockerfile's own default, so the two never drift apart.
-base="$(sed -n 's/^ARG RUNTIME_BASE=//p' "$dockerfile" | head -n1)"
-[ -n "$base" ] || { say "no 'ARG RUNTIME_BASE=' line in $dockerfile"; exit 1; }
 
 # Binaries the image holds; the first four are required.
 required=(aliquot-allocator aliquot-agent aliquot-metrics aliquotctl)
@@ -126,7 +128,9 @@ if [ "$make_base" = 1 ]; then
     done
     # What Rust's std needs even when ldd saw no Rust binary.
     for l in libgcc_s.so.1 libm.so.6 libc.so.6; do
-        f="$(ldconfig -p | awk -v n="$l" '$1 == n && $NF ~ /^\// { print $NF; exit }')"
+        # (no early `exit` in awk: ldconfig would die of SIGPIPE, fatal
+        # under pipefail)
+        f="$(ldconfig -p | awk -v n="$l" '!found && $1 == n && $NF ~ /^\// { print $NF; found = 1 }')"
         if [ -n "$f" ]; then libs+=("$f"); fi
     done
     for l in $(printf '%s\n' "${libs[@]}" | sort -u); do

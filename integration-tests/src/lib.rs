@@ -2,6 +2,11 @@
 //! workspace's binaries, start them on ephemeral loopback ports, learn their
 //! addresses from the `LISTEN <kind> <addr>` lines every Aliquot service
 //! prints on stdout, and kill them (gently or with SIGKILL).
+//!
+//! Services refuse to start without certificates or an explicit
+//! `--insecure`: processes started here get `ALIQUOT_INSECURE=1` (plaintext
+//! on loopback) unless their arguments or environment bring TLS files or
+//! say otherwise. Security tests pass certificates; see `tests/security.rs`.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
@@ -90,6 +95,9 @@ impl Proc {
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(log);
+        if wants_plaintext(&self.args, &self.envs) {
+            cmd.env(INSECURE_ENV, "1");
+        }
         for (k, v) in &self.envs {
             cmd.env(k, v);
         }
@@ -208,13 +216,38 @@ macro_rules! args {
     ($($a:expr),* $(,)?) => { ::std::vec::Vec::<String>::from([$($a.to_string()),*]) };
 }
 
-/// Run the `aliquotctl` binary to completion.
+/// The variable that is `--insecure` for every service and client.
+pub const INSECURE_ENV: &str = "ALIQUOT_INSECURE";
+
+/// True unless `args`/`envs` bring certificates or set the mode themselves.
+pub fn wants_plaintext(args: &[String], envs: &[(String, String)]) -> bool {
+    let tls_flag = |a: &String| {
+        matches!(
+            a.as_str(),
+            "--tls-ca" | "--ca" | "--cert" | "--certs-dir" | "--insecure"
+        )
+    };
+    !args.iter().any(tls_flag)
+        && !envs.iter().any(|(k, _)| {
+            k == INSECURE_ENV || k.starts_with("ALIQUOT_TLS_") || k == "ALIQUOT_CERTS_DIR"
+        })
+}
+
+/// `cmd` speaking plaintext (`ALIQUOT_INSECURE=1`), for tests of a pool
+/// started with `--insecure`.
+pub fn insecure(cmd: &mut Command) -> &mut Command {
+    cmd.env(INSECURE_ENV, "1")
+}
+
+/// Run the `aliquotctl` binary to completion (plaintext unless `args`
+/// bring certificates; see the module docs).
 pub fn ctl(args: &[String]) -> Output {
-    Command::new(bin("aliquotctl"))
-        .args(args)
-        .env_remove("ALIQUOT_ALLOCATOR")
-        .output()
-        .expect("run aliquotctl")
+    let mut cmd = Command::new(bin("aliquotctl"));
+    cmd.args(args).env_remove("ALIQUOT_ALLOCATOR");
+    if wants_plaintext(args, &[]) {
+        cmd.env(INSECURE_ENV, "1");
+    }
+    cmd.output().expect("run aliquotctl")
 }
 
 pub fn ok_stdout(o: &Output, what: &str) -> String {

@@ -1,10 +1,13 @@
 //! The docker compose deployment, for real: build the image without a
 //! registry (deploy/build-images.sh), `up` deploy/docker-compose.yml with the
-//! test override (an OTLP receiver in Jaeger's place), wait for every health
-//! check, run the loadgen profile, read the allocation status and the metrics
-//! rows through the published ports, `docker kill` an agent and see
-//! allocation go on, restart the allocator container and see its state
-//! survive, find the spans at the receiver, and `down -v`.
+//! test override (an OTLP receiver in Jaeger's place, the `jaeger` profile),
+//! wait for every health check (gRPC health over mutual TLS), run the loadgen
+//! profile, copy the operator's certificate out of the `certs` volume and
+//! read the allocation status and the metrics rows through the published TLS
+//! ports (plaintext refused), write from the host (`--agent-host`),
+//! `docker kill` an agent and see allocation go on, restart the allocator
+//! container and see its state survive, find the spans at the receiver, and
+//! `down -v`.
 //!
 //! Needs a Docker engine and compose (`docker compose` or `docker-compose`).
 //! Without them the test says why and passes, unless ALIQUOT_REQUIRE_DOCKER
@@ -127,6 +130,8 @@ impl Project {
         for f in &self.files {
             c.arg("-f").arg(f);
         }
+        // The OTLP receiver standing in for Jaeger.
+        c.args(["--profile", "jaeger"]);
         c.args(args);
         c.current_dir(repo_root());
         for (k, v) in &self.env {
@@ -238,15 +243,13 @@ impl Drop for ImageGuard {
     }
 }
 
-/// `aliquotctl status --json` from the host against the published port.
-fn status(allocator: &str) -> serde_json::Value {
+/// `aliquotctl status --json` from the host against the published port,
+/// over mutual TLS with the certificates copied out of the stack.
+fn status(allocator: &str, certs: &Path) -> serde_json::Value {
     let mut c = Command::new(integration_tests::bin("aliquotctl"));
-    c.args([
-        "status",
-        "--json",
-        "--allocator",
-        &format!("http://{allocator}"),
-    ]);
+    c.args(["status", "--json", "--allocator", allocator])
+        .arg("--certs-dir")
+        .arg(certs);
     let o = run(c, Duration::from_secs(30));
     assert!(o.status.success(), "aliquotctl status failed: {}", text(&o));
     serde_json::from_slice(&o.stdout)
@@ -342,15 +345,25 @@ fn compose_deployment_end_to_end() {
         ("ALIQUOT_LOADGEN_CONCURRENCY".into(), "4".into()),
         ("COMPOSE_HTTP_TIMEOUT".into(), "120".into()),
     ];
+    env.push(("ALIQUOT_OTLP_ENDPOINT".into(), "http://jaeger:4317".into()));
     for p in [
         "ALIQUOT_JAEGER_UI_PORT",
-        "ALIQUOT_OTLP_PORT",
         "ALIQUOT_METRICS_PORT",
         "ALIQUOT_CHARTS_PORT",
         "ALIQUOT_ALLOCATOR_PORT",
     ] {
         env.push((p.into(), "0".into()));
     }
+    // An agent listens, advertises and is published on one port (so the
+    // host can reach it with --agent-host): free ones, not the defaults.
+    let free: Vec<std::net::TcpListener> = (0..4)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("free port"))
+        .collect();
+    for (name, l) in ["AGENT1", "AGENT2", "AGENT3", "HDD1"].iter().zip(&free) {
+        let port = l.local_addr().expect("addr").port();
+        env.push((format!("ALIQUOT_{name}_PORT"), port.to_string()));
+    }
+    drop(free);
     let project = Project {
         program,
         name: format!("aliquot-test-{run_id}"),
@@ -376,8 +389,35 @@ fn compose_deployment_end_to_end() {
     let allocator = project.port("allocator", 7000);
     let metrics = project.port("metrics", 7100);
 
+    // The operator's certificate, out of the `certs` volume.
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let certs = tmp.path().join("certs");
+    let o = run(
+        {
+            let mut c = Command::new("docker");
+            c.arg("cp")
+                .arg(format!(
+                    "{}:/etc/aliquot/certs",
+                    project.container("allocator")
+                ))
+                .arg(&certs);
+            c
+        },
+        Duration::from_secs(30),
+    );
+    assert!(o.status.success(), "docker cp certs: {}", text(&o));
+    // Plaintext to the published port is refused.
+    let mut plain = Command::new(integration_tests::bin("aliquotctl"));
+    plain.args(["status", "--insecure", "--allocator", &allocator]);
+    let o = run(plain, Duration::from_secs(30));
+    assert!(
+        !o.status.success(),
+        "plaintext status was served: {}",
+        text(&o)
+    );
+
     let st = wait_for("4 vdevs registered", Duration::from_secs(60), || {
-        let st = status(&allocator);
+        let st = status(&allocator, &certs);
         (groups(&st).len() >= 4).then_some(st)
     });
     assert_eq!(normal_alloc(&st), 0, "a fresh pool has nothing allocated");
@@ -387,7 +427,7 @@ fn compose_deployment_end_to_end() {
         &["--profile", "loadgen", "run", "--rm", "loadgen"],
         Duration::from_secs(180),
     );
-    let st = status(&allocator);
+    let st = status(&allocator, &certs);
     let after_load = normal_alloc(&st);
     assert!(
         after_load >= 16 << 20,
@@ -407,11 +447,17 @@ fn compose_deployment_end_to_end() {
         .enable_all()
         .build()
         .expect("runtime");
+    let operator = aliquot_auth::TlsFiles::in_dir(&certs, aliquot_auth::Role::Admin, "operator");
     let summary = wait_for("metrics samples", Duration::from_secs(60), || {
         rt.block_on(async {
-            let mut c = MetricsClient::connect(format!("http://{metrics}"))
+            let ch = tonic::transport::Channel::from_shared(format!("https://{metrics}"))
+                .ok()?
+                .tls_config(operator.client_config(aliquot_auth::Role::Metrics).ok()?)
+                .ok()?
+                .connect()
                 .await
                 .ok()?;
+            let mut c = MetricsClient::new(ch);
             let r = c
                 .summary(SummaryRequest {
                     pool: String::new(),
@@ -429,6 +475,27 @@ fn compose_deployment_end_to_end() {
         summary.pool, summary.samples, summary.vdevs, summary.total_written_bytes
     );
 
+    // 4b. A write from the host, to the agents' published ports.
+    let mut w = Command::new(integration_tests::bin("aliquotctl"));
+    w.args([
+        "write",
+        "--allocator",
+        &allocator,
+        "--agent-host",
+        "127.0.0.1",
+        "--total",
+        "8MiB",
+        "--block-size",
+        "128KiB",
+        "--verify",
+        "--no-progress",
+    ])
+    .arg("--certs-dir")
+    .arg(&certs);
+    let o = run(w, Duration::from_secs(120));
+    assert!(o.status.success(), "write from the host: {}", text(&o));
+    let after_load = normal_alloc(&status(&allocator, &certs));
+
     // 5. Kill one agent: allocation goes on on the others.
     let victim = project.container("agent1");
     let o = run(
@@ -445,7 +512,7 @@ fn compose_deployment_end_to_end() {
         &["--profile", "loadgen", "run", "--rm", "loadgen"],
         Duration::from_secs(180),
     );
-    let st = status(&allocator);
+    let st = status(&allocator, &certs);
     let after_kill = normal_alloc(&st);
     assert!(
         after_kill >= after_load + (16 << 20),
@@ -462,7 +529,7 @@ fn compose_deployment_end_to_end() {
     project.wait_healthy(&["allocator"], Duration::from_secs(60));
     let allocator = project.port("allocator", 7000);
     let st = wait_for("vdevs back after restart", Duration::from_secs(60), || {
-        let st = status(&allocator);
+        let st = status(&allocator, &certs);
         (groups(&st).len() >= 3).then_some(st)
     });
     let after: std::collections::BTreeMap<u64, u64> = by_vdev(&st);

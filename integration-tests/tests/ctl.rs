@@ -284,6 +284,7 @@ fn up_write_verify_status_tunables_and_clean_stop() {
 
     // status --watch follows WatchPool: two snapshots, txgs moving on.
     let mut watch = Command::new(bin("aliquotctl"))
+        .env(integration_tests::INSECURE_ENV, "1")
         .args(args![
             "status",
             "--allocator",

@@ -65,6 +65,7 @@ fn a_hung_agent_does_not_stall_writes_to_the_others() {
     // stopped agent would hold it): the run ends when every block is
     // committed somewhere.
     let child = Command::new(bin("aliquotctl"))
+        .env(integration_tests::INSECURE_ENV, "1")
         .args(args![
             "write",
             "--allocator",

@@ -684,6 +684,7 @@ async fn aliquotctl_vdev_expand_grows_a_vdev_and_refuses_shrinking() {
     let vdev = register(&alloc, 31, 256 * MIB).await.vdev;
     let ctl = |capacity: &str| {
         std::process::Command::new(bin("aliquotctl"))
+            .env(integration_tests::INSECURE_ENV, "1")
             .args(["vdev", "--allocator", &alloc.url("grpc"), "expand"])
             .arg(vdev.to_string())
             .arg(capacity)

@@ -100,6 +100,7 @@ async fn sigstopped_agent_stalls_writes_at_most_the_deadline() {
     // as a gap in completions, not as lost throughput.
     let t0 = Instant::now();
     let child = Command::new(bin("aliquotctl"))
+        .env(integration_tests::INSECURE_ENV, "1")
         .args(args![
             "write",
             "--allocator",

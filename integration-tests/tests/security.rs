@@ -215,3 +215,424 @@ async fn pool_over_mutual_tls_with_write_tokens() {
 fn e_vdev(reply: &pb::AllocateReply) -> u32 {
     reply.extents[0].vdev
 }
+
+/// The ErrorInfo reason of a refusal.
+fn reason(s: &tonic::Status) -> String {
+    use tonic_types::StatusExt;
+    s.get_error_details()
+        .error_info()
+        .map(|i| i.reason.clone())
+        .unwrap_or_default()
+}
+
+async fn try_channel(url: &str, files: &TlsFiles, server: Role) -> Result<Channel, String> {
+    Channel::from_shared(url.to_owned())
+        .unwrap()
+        .tls_config(files.client_config(server).unwrap())
+        .unwrap()
+        .connect()
+        .await
+        .map_err(|e| e.to_string())
+}
+
+async fn start_allocator(
+    dir: &std::path::Path,
+    certs: &std::path::Path,
+    metrics: Option<String>,
+) -> (
+    aliquot_allocator::Running,
+    std::sync::Arc<aliquot_allocator::SqliteStore>,
+) {
+    let mut ac = aliquot_allocator::Config::with_listen("127.0.0.1:0".parse().unwrap());
+    ac.data_dir = dir.join("allocator");
+    ac.token_key = Some(certs.to_owned());
+    ac.metrics = metrics;
+    ac.snapshot_interval = Duration::from_millis(100);
+    ac.claim_window = Duration::ZERO;
+    ac.tls =
+        aliquot_auth::TlsArgs::with_files(TlsFiles::in_dir(certs, Role::Allocator, "allocator"));
+    std::fs::create_dir_all(&ac.data_dir).unwrap();
+    // A real SQLite store: agent bindings must outlive a restart.
+    let store = std::sync::Arc::new(
+        aliquot_allocator::SqliteStore::open(&ac.data_dir.join("pool.db"), &ac.pool, None)
+            .await
+            .unwrap(),
+    );
+    let running = aliquot_allocator::start(ac, store.clone()).await.unwrap();
+    (running, store)
+}
+
+/// Allocation ids bound to the client, Free/Claim/admin calls by role,
+/// RenewLease reissuing tokens, an agent certificate that can neither grow
+/// nor move its vdev (and stays bound to its device across a restart), a
+/// certificate from another CA, and the metrics service taking snapshots
+/// from the allocator only.
+#[tokio::test]
+async fn identities_own_their_allocations_devices_and_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = dir.path().join("certs");
+    let ca = PoolCa::init(&certs, "tank").unwrap();
+    for (role, name) in [
+        (Role::Allocator, "allocator"),
+        (Role::Metrics, "metrics"),
+        (Role::Agent, "file0"),
+        (Role::Agent, "file1"),
+        (Role::Client, "alice"),
+        (Role::Client, "bob"),
+        (Role::Admin, "op"),
+    ] {
+        ca.issue(role, name, &[]).unwrap();
+    }
+    let files = |role, name| TlsFiles::in_dir(&certs, role, name);
+
+    // Metrics over mutual TLS (the HTTP port stays plaintext on loopback).
+    let mcfg = {
+        use clap::Parser;
+        let m = files(Role::Metrics, "metrics");
+        aliquot_metrics::Config::try_parse_from([
+            "aliquot-metrics".to_string(),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--http-listen".into(),
+            "127.0.0.1:0".into(),
+            "--db".into(),
+            dir.path().join("metrics.db").display().to_string(),
+            "--tls-ca".into(),
+            m.ca.display().to_string(),
+            "--tls-cert".into(),
+            m.cert.display().to_string(),
+            "--tls-key".into(),
+            m.key.display().to_string(),
+        ])
+        .unwrap()
+    };
+    let metrics = aliquot_metrics::start(&mcfg).await.unwrap();
+    let metrics_url = format!("https://127.0.0.1:{}", metrics.grpc_addr.port());
+
+    let (allocator, store) = start_allocator(dir.path(), &certs, Some(metrics_url.clone())).await;
+    let alloc_url = format!("https://127.0.0.1:{}", allocator.addr.port());
+
+    let mut gc = aliquot_agent::Config::new(BackendKind::Sim);
+    gc.capacity = Some(1 << 30);
+    gc.allocator = alloc_url.clone();
+    gc.token_key = Some(certs.clone());
+    gc.tls = aliquot_auth::TlsArgs::with_files(files(Role::Agent, "file0"));
+    let agent = Agent::open(&gc).unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let served = {
+        let agent = agent.clone();
+        tokio::spawn(async move {
+            aliquot_agent::serve(agent, &gc, listener, async {
+                let _ = stopped.await;
+            })
+            .await
+        })
+    };
+
+    let alice_files = files(Role::Client, "alice");
+    let mut alice =
+        AllocatorClient::new(tls_channel(&alloc_url, &alice_files, Role::Allocator).await);
+    let mut bob = AllocatorClient::new(
+        tls_channel(&alloc_url, &files(Role::Client, "bob"), Role::Allocator).await,
+    );
+    let vdev = loop {
+        let st = alice
+            .get_pool(pb::GetPoolRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        if let Some(v) = st.vdevs.first()
+            && st
+                .classes
+                .iter()
+                .flat_map(|c| &c.groups)
+                .any(|g| g.capacity > 0)
+        {
+            break v.clone();
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+
+    // A certificate from another CA: refused at the handshake.
+    let other = dir.path().join("other-ca");
+    PoolCa::init(&other, "evil")
+        .unwrap()
+        .issue(Role::Admin, "op", &[])
+        .unwrap();
+    let mallory = TlsFiles::in_dir(&other, Role::Admin, "op");
+    let refused = match try_channel(&alloc_url, &mallory, Role::Allocator).await {
+        Err(_) => true,
+        Ok(ch) => AllocatorClient::new(ch)
+            .get_pool(pb::GetPoolRequest {})
+            .await
+            .is_err(),
+    };
+    assert!(refused, "a certificate from another CA was served");
+
+    // Alice allocates; Bob can neither commit, abort nor renew it.
+    let a = alice
+        .allocate(pb::AllocateRequest {
+            size: 64 << 10,
+            class: pb::AllocationClass::Data as i32,
+            copies: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let ids = vec![a.allocation_id];
+    let e = bob
+        .commit(pb::CommitRequest {
+            allocation_ids: ids.clone(),
+            generation: a.generation,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (e.code(), reason(&e).as_str()),
+        (Code::PermissionDenied, "NOT_OWNER"),
+        "{e:?}"
+    );
+    let e = bob
+        .abort(pb::AbortRequest {
+            allocation_ids: ids.clone(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (e.code(), reason(&e).as_str()),
+        (Code::PermissionDenied, "NOT_OWNER"),
+        "{e:?}"
+    );
+    let e = bob
+        .renew_lease(pb::RenewLeaseRequest {
+            allocation_ids: ids.clone(),
+            lease_ms: 60_000,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (e.code(), reason(&e).as_str()),
+        (Code::PermissionDenied, "NOT_OWNER"),
+        "{e:?}"
+    );
+
+    // Alice renews: new tokens with the new expiry, which the agent takes.
+    let r = alice
+        .renew_lease(pb::RenewLeaseRequest {
+            allocation_ids: ids.clone(),
+            lease_ms: 60_000,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.tokens.len(), a.extents.len());
+    assert_ne!(r.tokens[0], a.tokens[0], "renewed token is the old one");
+    assert!(r.lease_deadline_ms > a.lease_deadline_ms);
+    let ext = a.extents[0];
+    let mut writer =
+        VdevAgentClient::new(tls_channel(&a.endpoints[0], &alice_files, Role::Agent).await);
+    writer
+        .write(pb::WriteRequest {
+            offset: ext.offset,
+            data: vec![7; ext.size as usize].into(),
+            token: r.tokens[0].clone(),
+        })
+        .await
+        .unwrap();
+    alice
+        .commit(pb::CommitRequest {
+            allocation_ids: ids.clone(),
+            generation: a.generation,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+
+    // Roles: an agent may not free, a client may not take a vdev offline.
+    let mut as_agent = AllocatorClient::new(
+        tls_channel(&alloc_url, &files(Role::Agent, "file0"), Role::Allocator).await,
+    );
+    let e = as_agent
+        .free(pb::FreeRequest { extents: vec![ext] })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    assert!(e.message().contains("needs role client or admin"), "{e:?}");
+    let e = alice
+        .set_vdev_state(pb::SetVdevStateRequest {
+            vdev: vdev.vdev,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    assert!(e.message().contains("needs role admin"), "{e:?}");
+
+    // file0's certificate re-registering its own device: it cannot grow it
+    // (registered, capacity unchanged) nor move it while it is live.
+    let mut file0 = AgentRegistryClient::new(
+        tls_channel(&alloc_url, &files(Role::Agent, "file0"), Role::Allocator).await,
+    );
+    let own = |endpoint: &str, capacity: u64| pb::RegisterRequest {
+        endpoint: endpoint.into(),
+        device_guid: agent.info().guid,
+        name: vdev.name.clone(),
+        capacity,
+        ashift: 12,
+        children: 1,
+        backend: "sim".into(),
+        ..Default::default()
+    };
+    file0.register(own(&vdev.endpoint, 8 << 30)).await.unwrap();
+    let st = alice
+        .get_pool(pb::GetPoolRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let size: u64 = st
+        .classes
+        .iter()
+        .flat_map(|c| &c.groups)
+        .filter(|g| g.vdev == vdev.vdev)
+        .map(|g| g.capacity)
+        .max()
+        .unwrap();
+    assert!(
+        size <= 1 << 30,
+        "an agent certificate grew its vdev to {size}"
+    );
+    let e = file0
+        .register(own("https://127.0.0.1:1", 1 << 30))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+
+    // Metrics: the allocator's snapshots arrive over mutual TLS; a client may
+    // read them but not record any.
+    let mut m_alice = pb::metrics_client::MetricsClient::new(
+        tls_channel(&metrics_url, &alice_files, Role::Metrics).await,
+    );
+    let mut pushed = false;
+    for _ in 0..100 {
+        let h = m_alice
+            .history(pb::HistoryRequest {
+                pool: "aliquot".into(),
+                max_points: 10,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        if !h.series.is_empty() {
+            pushed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        pushed,
+        "no snapshot from the allocator reached metrics over TLS"
+    );
+    let e = m_alice
+        .record_batch(pb::SnapshotBatch {
+            snapshots: vec![pb::PoolSnapshot {
+                pool: "aliquot".into(),
+                time_ms: 1,
+                ..Default::default()
+            }],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    assert!(e.message().contains("needs role allocator"), "{e:?}");
+
+    // Bindings are in the store: after a restart, before file0's agent is
+    // back, file1's certificate still cannot register file0's device.
+    stop.send(()).unwrap();
+    served.await.unwrap().unwrap();
+    allocator.shutdown().await.unwrap();
+    store.close().await;
+    let (allocator, store) = start_allocator(dir.path(), &certs, None).await;
+    let alloc_url = format!("https://127.0.0.1:{}", allocator.addr.port());
+    let mut file1 = AgentRegistryClient::new(
+        tls_channel(&alloc_url, &files(Role::Agent, "file1"), Role::Allocator).await,
+    );
+    let e = file1
+        .register(own("https://127.0.0.1:2", 1 << 30))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (e.code(), reason(&e).as_str()),
+        (Code::PermissionDenied, "NOT_OWNER"),
+        "{e:?}"
+    );
+    allocator.shutdown().await.unwrap();
+    store.close().await;
+    metrics.shutdown().await.unwrap();
+}
+
+/// `aliquotctl up` is mutual TLS by default: `status` with the certificates
+/// `up` wrote works, plaintext is refused, health checks work over TLS.
+#[test]
+fn up_is_tls_by_default_and_status_works() {
+    use integration_tests::{Proc, args, bin, ctl, ok_stdout};
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let up = Proc::start(
+        "up",
+        &bin("aliquotctl"),
+        &args![
+            "up",
+            "--ephemeral",
+            "--no-metrics",
+            "--data-dir",
+            data.display(),
+            "--agents",
+            "64MiB"
+        ],
+        // Explicitly not plaintext (the harness defaults to --insecure).
+        &[(
+            integration_tests::INSECURE_ENV.to_string(),
+            "false".to_string(),
+        )],
+        &["grpc"],
+        dir.path(),
+    )
+    .unwrap();
+    let addr = up.addr("grpc").to_string();
+    let certs = data.join("certs");
+    assert!(certs.join("ca.pem").exists() && certs.join("admin-operator.pem").exists());
+    let out = ok_stdout(
+        &ctl(&args![
+            "status",
+            "--allocator",
+            addr,
+            "--certs-dir",
+            certs.display()
+        ]),
+        "status over TLS",
+    );
+    assert!(out.contains("file0") && out.contains("ONLINE"), "{out}");
+    let o = ctl(&args!["status", "--allocator", addr, "--insecure"]);
+    assert!(!o.status.success(), "plaintext status was served");
+    ok_stdout(
+        &ctl(&args!["health", addr, "--certs-dir", certs.display()]),
+        "health over TLS",
+    );
+    // Without certificates (another directory) the client says what to do.
+    let o = ctl(&args![
+        "status",
+        "--allocator",
+        addr,
+        "--certs-dir",
+        dir.path().join("none").display()
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("aliquotctl up"),
+        "{err}"
+    );
+}

@@ -188,6 +188,7 @@ async fn one_write_is_one_trace_across_ctl_allocator_and_agent() {
 
     // One client operation: 4 blocks of 64 KiB.
     let out = Command::new(bin(CTL))
+        .env(integration_tests::INSECURE_ENV, "1")
         .args(args![
             "write",
             "--allocator",
@@ -520,6 +521,7 @@ async fn allocate_stream_carries_the_trace_context() {
     let endpoint = sink.spawn_local().await.expect("receiver");
     let mut pool = start_pool(dir.path(), &endpoint, 1).await;
     let out = Command::new(bin(CTL))
+        .env(integration_tests::INSECURE_ENV, "1")
         .args(args![
             "write",
             "--allocator",

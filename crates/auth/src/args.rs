@@ -4,6 +4,7 @@
 
 use std::path::PathBuf;
 
+use crate::error::AuthError;
 use crate::tls::TlsFiles;
 
 #[derive(Clone, Debug, Default, clap::Args)]
@@ -25,6 +26,51 @@ pub struct TlsArgs {
 }
 
 impl TlsArgs {
+    /// What a server does: mutual TLS with the files (Some), plaintext only
+    /// with an explicit `--insecure` (None, and a warning is logged), and
+    /// otherwise it refuses to start. `what` names the server in the warning.
+    /// Files win over `insecure` (a config built in code may hold both).
+    pub fn server_mode(&self, what: &str) -> Result<Option<TlsFiles>, AuthError> {
+        match self.files() {
+            Some(f) => Ok(Some(f)),
+            None if self.insecure => {
+                tracing::warn!(
+                    server = what,
+                    "--insecure: plaintext gRPC without client certificates; anyone who reaches this port may call any method"
+                );
+                Ok(None)
+            }
+            None => Err(AuthError::NoServerTls),
+        }
+    }
+
+    /// Refuse a server config with neither TLS files nor `--insecure`
+    /// (a configuration error, checked before anything is opened).
+    pub fn check(&self) -> Result<(), AuthError> {
+        if self.files().is_none() && !self.insecure {
+            return Err(AuthError::NoServerTls);
+        }
+        Ok(())
+    }
+
+    /// Plaintext, explicitly: for tests and embedding on loopback.
+    pub fn insecure() -> TlsArgs {
+        TlsArgs {
+            insecure: true,
+            ..TlsArgs::default()
+        }
+    }
+
+    /// Mutual TLS with `files`.
+    pub fn with_files(files: TlsFiles) -> TlsArgs {
+        TlsArgs {
+            tls_ca: Some(files.ca),
+            tls_cert: Some(files.cert),
+            tls_key: Some(files.key),
+            insecure: false,
+        }
+    }
+
     /// The files, when all three are given.
     pub fn files(&self) -> Option<TlsFiles> {
         Some(TlsFiles {

@@ -73,6 +73,31 @@ impl PoolCa {
         })
     }
 
+    /// The CA in `dir`, made first when absent: what `aliquotctl up` does
+    /// at every start, so a pool keeps its CA (and its clients' certificates
+    /// stay valid) across restarts.
+    pub fn open_or_init(dir: &Path, pool: &str) -> Result<PoolCa, AuthError> {
+        if PoolCa::exists(dir) {
+            PoolCa::open(dir)
+        } else {
+            PoolCa::init(dir, pool)
+        }
+    }
+
+    /// `issue`, unless that certificate and key are already there.
+    pub fn ensure_issued(
+        &self,
+        role: Role,
+        name: &str,
+        hosts: &[String],
+    ) -> Result<Issued, AuthError> {
+        let paths = self.issued_paths(role, name);
+        if paths.cert.exists() && paths.key.exists() {
+            return Ok(paths);
+        }
+        self.issue(role, name, hosts)
+    }
+
     pub fn dir(&self) -> &Path {
         &self.dir
     }

@@ -24,4 +24,16 @@ pub enum AuthError {
     BadName(String),
     #[error("{path} is not a valid Ed25519 key: {reason}")]
     BadKey { path: PathBuf, reason: String },
+    #[error(
+        "no TLS certificates: give --tls-ca/--tls-cert/--tls-key (from `aliquotctl certs`), \
+         or --insecure to serve plaintext gRPC that anyone who reaches the port may call"
+    )]
+    NoServerTls,
+    #[error(
+        "no client certificate: {0} (run `aliquotctl up`, which writes them, give \
+         --ca/--cert/--key or --certs-dir, or --insecure for a plaintext pool)"
+    )]
+    NoClientTls(String),
+    #[error("{url:?} is not a gRPC endpoint URL: {reason}")]
+    BadUrl { url: String, reason: String },
 }

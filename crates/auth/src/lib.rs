@@ -4,6 +4,7 @@
 //!   issues (`rcgen`); the role travels in the certificate as a SAN URI
 //!   `aliquot://role/<role>/<name>`.
 //! * [`role`]: roles and reading an [`Identity`] out of a peer certificate.
+//! * [`client`]: the client flags and one endpoint helper (TLS or `--insecure`).
 //! * [`tls`]: mutual-TLS configs for tonic servers and channels (rustls, ring).
 //! * [`policy`] + [`layer`]: which role may call which gRPC method, enforced
 //!   once at the edge by a tower layer.
@@ -12,6 +13,7 @@
 
 pub mod args;
 pub mod ca;
+pub mod client;
 pub mod error;
 pub mod layer;
 pub mod policy;
@@ -21,6 +23,7 @@ pub mod token;
 
 pub use args::TlsArgs;
 pub use ca::PoolCa;
+pub use client::{ClientTls, ClientTlsArgs};
 pub use error::AuthError;
 pub use layer::RoleLayer;
 pub use role::{Identity, Role};

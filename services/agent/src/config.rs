@@ -148,7 +148,9 @@ impl Config {
             guid: None,
             zfs_vdev_aggregation_limit: None,
             zio_taskq_batch_pct: ZIO_TASKQ_BATCH_PCT_DEFAULT,
-            tls: Default::default(),
+            // Code-built configs (tests, embedding) serve plaintext on
+            // loopback unless given files; the CLI has no such default.
+            tls: aliquot_auth::TlsArgs::insecure(),
             token_key: None,
             telemetry: Default::default(),
         }

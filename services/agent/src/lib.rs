@@ -48,6 +48,12 @@ const MAX_MESSAGE: usize = (agent::MAX_IO as usize) + (64 << 10);
 /// Validate, open the device, bind, print `LISTEN grpc <addr>`, serve until
 /// SIGINT/SIGTERM, then flush the device and stop.
 pub async fn run(config: Config) -> anyhow::Result<()> {
+    // Flag errors first, then "no certificates", before the device is opened.
+    config.validate()?;
+    config
+        .tls
+        .check()
+        .map_err(|e| AgentError::Config(e.to_string()))?;
     let agent = Agent::open(&config)?;
     let listener = TcpListener::bind(config.listen)
         .await
@@ -128,19 +134,15 @@ pub async fn serve(
         shutdown.await;
         let _ = signalled_tx.send(());
     };
+    // Mutual TLS, or plaintext only when --insecure was given (logged).
     let mut builder = Server::builder();
-    let roles = match config.tls.files() {
+    let roles = match config.tls.server_mode("agent")? {
         Some(files) => {
             builder = builder.tls_config(files.server_config()?)?;
             tracing::info!(ca = %files.ca.display(), cert = %files.cert.display(), "mutual TLS: callers need a pool certificate");
             aliquot_auth::RoleLayer::enforce()
         }
-        None => {
-            tracing::warn!(
-                "plaintext gRPC without client certificates: anyone who reaches this port can read this vdev (give --tls-ca/--tls-cert/--tls-key)"
-            );
-            aliquot_auth::RoleLayer::insecure()
-        }
+        None => aliquot_auth::RoleLayer::insecure(),
     };
     if agent.gate().enforcing() {
         tracing::info!("write tokens required (--token-key)");

@@ -10,7 +10,6 @@ use aliquot_proto::v1::agent_registry_client::AgentRegistryClient;
 use aliquot_proto::v1::{RegisterRequest, VdevHealth};
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::transport::Endpoint;
 
 use crate::agent::Agent;
 
@@ -64,17 +63,11 @@ async fn session(
     tls: Option<&aliquot_auth::TlsFiles>,
     registered: &mut bool,
 ) -> Result<std::convert::Infallible, String> {
-    let mut channel = Endpoint::from_shared(allocator.to_string())
-        .map_err(|e| format!("bad allocator URL: {e}"))?;
-    // Mutual TLS to a server whose certificate says "allocator" (an https:// URL).
-    if let Some(files) = tls {
-        let config = files
-            .client_config(aliquot_auth::Role::Allocator)
-            .map_err(|e| format!("TLS: {e}"))?;
-        channel = channel
-            .tls_config(config)
-            .map_err(|e| format!("TLS: {e}"))?;
-    }
+    // Mutual TLS to a server whose certificate says "allocator" (the URL's
+    // scheme follows: https), or plaintext under --insecure.
+    let channel = aliquot_auth::ClientTls::from(tls.cloned())
+        .endpoint(allocator, aliquot_auth::Role::Allocator)
+        .map_err(|e| format!("allocator endpoint: {e}"))?;
     let channel = channel
         .connect_timeout(Duration::from_secs(2))
         .tcp_nodelay(true)

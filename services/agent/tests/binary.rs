@@ -11,6 +11,7 @@ fn run_fails(args: &[&str]) -> (i32, String) {
     let out = Command::new(BIN)
         .args(args)
         .env_remove("ALIQUOT_ALLOCATOR")
+        .env("ALIQUOT_INSECURE", "1")
         .output()
         .unwrap();
     (
@@ -37,6 +38,19 @@ fn bad_configuration_exits_2_with_a_clear_message() {
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("refusing"), "{err}");
 
+    // Neither certificates nor --insecure: refused before the device is touched.
+    let out = Command::new(BIN)
+        .args(["--path", p, "--capacity", "16MiB"])
+        .env_remove("ALIQUOT_INSECURE")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--insecure") && err.contains("--tls-ca"),
+        "{err}"
+    );
+
     // clap's own usage errors are 2 as well.
     let (code, _) = run_fails(&["--no-such-flag"]);
     assert_eq!(code, 2);
@@ -48,7 +62,13 @@ fn prints_listen_serves_and_stops_on_sigterm() {
     let path = dir.path().join("v.img");
     let mut child = Command::new(BIN)
         .args(["--path", path.to_str().unwrap(), "--capacity", "16MiB"])
-        .args(["--allocator", "none", "--listen", "127.0.0.1:0"])
+        .args([
+            "--allocator",
+            "none",
+            "--listen",
+            "127.0.0.1:0",
+            "--insecure",
+        ])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()

@@ -55,6 +55,17 @@ pub enum Error {
         requested: metaslab::Extent,
         overlapping: Vec<metaslab::Extent>,
     },
+    #[error(
+        "allocation {id} was made by another identity; only the certificate that allocated it \
+         ({caller} is not it) may {action} it"
+    )]
+    NotOwnerAllocation {
+        id: u64,
+        caller: String,
+        action: &'static str,
+    },
+    #[error("{message}")]
+    NotOwnerDevice { device: u64, message: String },
     #[error("the allocator is shutting down; retry against its successor")]
     ShuttingDown,
     #[error("store: {0}")]
@@ -102,6 +113,9 @@ impl Error {
             Error::VdevConflict(_) | Error::ClaimOverlaps { .. } => Code::FailedPrecondition,
             Error::LeaseExpired(_) | Error::AllocatorRestarted { .. } => Code::Aborted,
             Error::GenerationAhead { .. } => Code::FailedPrecondition,
+            Error::NotOwnerAllocation { .. } | Error::NotOwnerDevice { .. } => {
+                Code::PermissionDenied
+            }
             Error::ShuttingDown => Code::Unavailable,
             Error::Store(_) => Code::Internal,
         }
@@ -188,6 +202,13 @@ impl Error {
             Error::GenerationAhead { current, .. } => (
                 ErrorReason::GenerationMismatch,
                 vec![("generation", current.to_string())],
+            ),
+            Error::NotOwnerAllocation { id, .. } => {
+                (ErrorReason::NotOwner, vec![("allocation", id.to_string())])
+            }
+            Error::NotOwnerDevice { device, .. } => (
+                ErrorReason::NotOwner,
+                vec![("device", format!("{device:#x}"))],
             ),
             Error::ShuttingDown => (ErrorReason::ShuttingDown, vec![]),
             Error::Store(_) => (ErrorReason::Store, vec![]),

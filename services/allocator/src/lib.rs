@@ -12,6 +12,7 @@ pub mod convert;
 pub mod error;
 pub mod lock;
 pub mod metrics_push;
+pub mod ownership;
 pub mod recovery;
 pub mod registry;
 pub mod service;
@@ -135,7 +136,7 @@ pub struct Config {
 impl Config {
     /// The defaults, listening on `listen` (for tests and embedding).
     pub fn with_listen(listen: SocketAddr) -> Config {
-        let mut c = <Config as clap::Parser>::parse_from(["aliquot-allocator"]);
+        let mut c = <Config as clap::Parser>::parse_from(["aliquot-allocator", "--insecure"]);
         c.listen = listen;
         c
     }
@@ -210,6 +211,7 @@ fn validate(c: &Config) -> Result<Validated, ConfigError> {
     if c.txg_dirty_max == 0 {
         return Err(ConfigError("--txg-dirty-max must be above zero".into()));
     }
+    c.tls.check().map_err(|e| ConfigError(e.to_string()))?;
     if c.pool.trim().is_empty() {
         return Err(ConfigError("--pool must not be empty".into()));
     }
@@ -380,9 +382,12 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
         tokio::spawn(housekeeping(shared.clone())),
     ];
     if let Some(url) = &config.metrics {
+        // Pushed over mutual TLS with the allocator's own certificate: the
+        // metrics service takes snapshots from the allocator role only.
         background.push(tokio::spawn(metrics_push::run(
             shared.clone(),
             url.clone(),
+            config.tls.files().into(),
             config.snapshot_interval,
         )));
     }
@@ -392,22 +397,20 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
     };
     let reg_svc = registry::RegistryService {
         shared: shared.clone(),
-        bindings: Default::default(),
+        bindings: Arc::new(binding::AgentBindings::from_store(
+            shared.store.agent_bindings().await?,
+        )),
     };
     let stop = shared.clone();
     let mut builder = tonic::transport::Server::builder();
-    let roles = match config.tls.files() {
+    // Mutual TLS, or plaintext only when --insecure was given (logged).
+    let roles = match config.tls.server_mode("allocator")? {
         Some(files) => {
             builder = builder.tls_config(files.server_config()?)?;
             tracing::info!(ca = %files.ca.display(), cert = %files.cert.display(), "mutual TLS: callers need a pool certificate");
             aliquot_auth::RoleLayer::enforce()
         }
-        None => {
-            tracing::warn!(
-                "plaintext gRPC without client certificates: anyone who reaches this port can register vdevs, allocate and free (give --tls-ca/--tls-cert/--tls-key)"
-            );
-            aliquot_auth::RoleLayer::insecure()
-        }
+        None => aliquot_auth::RoleLayer::insecure(),
     };
     let server = tokio::spawn(
         builder
@@ -469,6 +472,7 @@ async fn housekeeping(shared: Arc<Shared>) {
         }
         let now = Instant::now();
         let expired = shared.lock().expire_leases(now);
+        shared.owners.forget(&expired);
         if !expired.is_empty() {
             tracing::info!(
                 count = expired.len(),

@@ -88,8 +88,13 @@ pub fn snapshot(shared: &Shared, g: &mut Inner) -> pb::PoolSnapshot {
     }
 }
 
-pub async fn run(shared: Arc<Shared>, url: String, interval: Duration) {
-    let pusher = SnapshotPusher::spawn(url.clone(), BUFFER);
+pub async fn run(
+    shared: Arc<Shared>,
+    url: String,
+    tls: aliquot_auth::ClientTls,
+    interval: Duration,
+) {
+    let pusher = SnapshotPusher::spawn_with(url.clone(), tls, BUFFER);
     tracing::info!(metrics = %url, interval_ms = interval.as_millis() as u64, "pushing balance snapshots");
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

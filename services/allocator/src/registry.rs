@@ -208,8 +208,16 @@ fn stall_check(g: &mut Inner, id: VdevId) {
 }
 
 impl RegistryService {
-    async fn register_inner(&self, r: pb::RegisterRequest) -> Result<pb::RegisterReply> {
-        let (reply, wait_for) = self.register_locked(r)?;
+    /// `may_grow`: a re-registration with a larger capacity grows the vdev
+    /// (plaintext pools). Under mutual TLS an agent certificate cannot grow
+    /// its vdev: an admin does (`ExpandVdev`), so a stolen agent key cannot
+    /// pull the pool's writes to itself.
+    async fn register_inner(
+        &self,
+        r: pb::RegisterRequest,
+        may_grow: bool,
+    ) -> Result<pb::RegisterReply> {
+        let (reply, wait_for) = self.register_locked(r, may_grow)?;
         if let Some(txg) = wait_for {
             // Its metaslabs are usable once the txg it joined in has synced.
             self.shared.wait_synced(txg).await?;
@@ -222,6 +230,7 @@ impl RegistryService {
     fn register_locked(
         &self,
         r: pb::RegisterRequest,
+        may_grow: bool,
     ) -> Result<(pb::RegisterReply, Option<metaslab::Txg>)> {
         self.shared.check_serving()?;
         if r.device_guid == 0 {
@@ -270,9 +279,18 @@ impl RegistryService {
                 info.name = r.name.clone();
                 info.backend = r.backend.clone();
             }
-            if vdev_capacity(&g, id).is_some_and(|c| r.capacity > c) {
-                g.pool.grow_vdev(id, r.capacity)?;
-                changed = true;
+            if let Some(c) = vdev_capacity(&g, id).filter(|c| r.capacity > *c) {
+                if may_grow {
+                    g.pool.grow_vdev(id, r.capacity)?;
+                    changed = true;
+                } else {
+                    tracing::warn!(
+                        vdev = id,
+                        capacity = c,
+                        claimed = r.capacity,
+                        "an agent certificate cannot grow its vdev; an admin can (aliquotctl vdev expand)"
+                    );
+                }
             }
             mark_alive(&mut g, id, now, "agent registered again");
             if changed && let Some(rec) = record_of(&g, id) {
@@ -428,8 +446,16 @@ impl AgentRegistry for RegistryService {
         req: Request<pb::RegisterRequest>,
     ) -> Result<Response<pb::RegisterReply>, Status> {
         let id = req.extensions().get::<aliquot_auth::Identity>().cloned();
-        self.bindings.bind(id.as_ref(), req.get_ref().device_guid)?;
-        Ok(Response::new(self.register_inner(req.into_inner()).await?))
+        self.bindings
+            .bind(
+                self.shared.store.as_ref(),
+                id.as_ref(),
+                req.get_ref().device_guid,
+            )
+            .await?;
+        Ok(Response::new(
+            self.register_inner(req.into_inner(), id.is_none()).await?,
+        ))
     }
 
     type ReportStream = ReceiverStream<Result<pb::ReportAck, Status>>;
@@ -461,10 +487,13 @@ impl AgentRegistry for RegistryService {
                                 if own == Some(r.vdev) {
                                     svc.report_one(r).map_err(Status::from)
                                 } else {
-                                    Err(Status::permission_denied(format!(
-                                        "this agent certificate may report only its own vdev ({own:?}), not vdev {}",
-                                        r.vdev
-                                    )))
+                                    Err(Status::from(Error::NotOwnerDevice {
+                                        device: device.unwrap_or(0),
+                                        message: format!(
+                                            "this agent certificate may report only its own vdev ({own:?}), not vdev {}",
+                                            r.vdev
+                                        ),
+                                    }))
                                 }
                             }
                             None => svc.report_one(r).map_err(Status::from),

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use aliquot_auth::Identity;
 use aliquot_proto::v1 as pb;
 use aliquot_proto::v1::allocator_server::Allocator;
 use futures_util::Stream;
@@ -44,32 +45,46 @@ fn parse_request(shared: &Shared, r: &pb::AllocateRequest) -> Result<(AllocReque
     ))
 }
 
+/// Write tokens for allocation `id`'s `extents`, valid until `expires_ms`
+/// (none when the allocator has no signing key).
+fn sign_tokens(
+    shared: &Shared,
+    id: u64,
+    extents: &[metaslab::Extent],
+    expires_ms: u64,
+) -> Vec<Vec<u8>> {
+    let Some(signer) = &shared.settings.token_signer else {
+        return Vec::new();
+    };
+    extents
+        .iter()
+        .map(|e| {
+            signer.sign(&aliquot_auth::WriteGrant {
+                pool_guid: shared.pool_guid,
+                generation: shared.fencing.generation,
+                vdev: e.vdev,
+                offset: e.offset,
+                size: e.size,
+                allocation_id: id,
+                expires_ms,
+            })
+        })
+        .collect()
+}
+
+/// The reply to a placed allocation; records `caller` as its owner first,
+/// so no other identity can commit, abort or renew it once it is named.
 fn allocate_reply(
     shared: &Shared,
     a: &Allocation,
     endpoints: Vec<String>,
     deadline: Instant,
     waited: Duration,
+    caller: Option<&Identity>,
 ) -> pb::AllocateReply {
+    shared.owners.record(caller, a.id);
     let expires_ms = convert::deadline_unix_ms(deadline);
-    let tokens = match &shared.settings.token_signer {
-        Some(signer) => a
-            .extents
-            .iter()
-            .map(|e| {
-                signer.sign(&aliquot_auth::WriteGrant {
-                    pool_guid: shared.pool_guid,
-                    generation: shared.fencing.generation,
-                    vdev: e.vdev,
-                    offset: e.offset,
-                    size: e.size,
-                    allocation_id: a.id,
-                    expires_ms,
-                })
-            })
-            .collect(),
-        None => Vec::new(),
-    };
+    let tokens = sign_tokens(shared, a.id, &a.extents, expires_ms);
     pb::AllocateReply {
         tokens,
         allocation_id: a.id,
@@ -81,6 +96,12 @@ fn allocate_reply(
         generation: shared.fencing.generation,
         lease_deadline_ms: expires_ms,
     }
+}
+
+/// The verified identity of the caller (mutual TLS; None in plaintext),
+/// put in the request by the role layer.
+fn caller<T>(req: &Request<T>) -> Option<&Identity> {
+    req.extensions().get::<Identity>()
 }
 
 fn record_allocation(span: &Span, a: &Allocation, waited: Duration) {
@@ -120,17 +141,16 @@ pub fn parse_txg_timeout(v: &str) -> Result<Duration> {
 }
 
 impl AllocatorService {
-    async fn commit_inner(&self, r: pb::CommitRequest) -> Result<pb::CommitReply> {
+    async fn commit_inner(
+        &self,
+        r: pb::CommitRequest,
+        caller: Option<&Identity>,
+    ) -> Result<pb::CommitReply> {
         self.shared.check_serving()?;
         // Ids of another generation name nothing here (they were lost with
         // the restart): say so rather than "unknown allocation".
         self.shared.check_generation(r.generation, 0)?;
-        let txg = {
-            let mut g = self.shared.lock();
-            let txg = g.commit(&r.allocation_ids)?;
-            self.shared.kick_if_dirty(&g);
-            txg
-        };
+        let txg = commit_locked(&self.shared, &r.allocation_ids, caller)?;
         let synced = if r.wait_synced {
             self.shared.wait_synced(txg).await?;
             true
@@ -144,19 +164,55 @@ impl AllocatorService {
         })
     }
 
-    fn renew_inner(&self, r: &pb::RenewLeaseRequest) -> Result<pb::RenewLeaseReply> {
+    /// Extend the leases and reissue the write tokens with the new expiry
+    /// (the old ones expire at the old deadline, which agents enforce).
+    fn renew_inner(
+        &self,
+        r: &pb::RenewLeaseRequest,
+        caller: Option<&Identity>,
+    ) -> Result<pb::RenewLeaseReply> {
         self.shared.check_serving()?;
         let lease = self.shared.lease(r.lease_ms)?;
-        let deadline = self.shared.lock().renew(&r.allocation_ids, lease)?;
+        let (deadline, renewed) = {
+            let mut g = self.shared.lock();
+            self.shared
+                .owners
+                .check(&g, caller, &r.allocation_ids, "renew")?;
+            let deadline = g.renew(&r.allocation_ids, lease)?;
+            let mut renewed = Vec::new();
+            for &id in &r.allocation_ids {
+                if g.is_inflight(id) {
+                    renewed.push((id, g.pool.extents_of(id)?));
+                }
+            }
+            (deadline, renewed)
+        };
+        let expires_ms = convert::deadline_unix_ms(deadline);
+        let tokens = renewed
+            .iter()
+            .flat_map(|(id, extents)| sign_tokens(&self.shared, *id, extents, expires_ms))
+            .collect();
         Ok(pb::RenewLeaseReply {
-            lease_deadline_ms: convert::deadline_unix_ms(deadline),
+            lease_deadline_ms: expires_ms,
             generation: self.shared.fencing.generation,
+            tokens,
         })
     }
 
-    fn abort_inner(&self, r: &pb::AbortRequest) -> Result<pb::AbortReply> {
+    fn abort_inner(
+        &self,
+        r: &pb::AbortRequest,
+        caller: Option<&Identity>,
+    ) -> Result<pb::AbortReply> {
         self.shared.check_serving()?;
-        self.shared.lock().abort(&r.allocation_ids)?;
+        {
+            let mut g = self.shared.lock();
+            self.shared
+                .owners
+                .check(&g, caller, &r.allocation_ids, "abort")?;
+            g.abort(&r.allocation_ids)?;
+        }
+        self.shared.owners.forget(&r.allocation_ids);
         Ok(pb::AbortReply {})
     }
 
@@ -179,6 +235,20 @@ impl AllocatorService {
     }
 }
 
+/// Commit under the pool lock after the ownership check; the ids leave the
+/// owner table once committed.
+fn commit_locked(shared: &Shared, ids: &[u64], caller: Option<&Identity>) -> Result<metaslab::Txg> {
+    let txg = {
+        let mut g = shared.lock();
+        shared.owners.check(&g, caller, ids, "commit")?;
+        let txg = g.commit(ids)?;
+        shared.kick_if_dirty(&g);
+        txg
+    };
+    shared.owners.forget(ids);
+    Ok(txg)
+}
+
 /// One request of an AllocateStream, handled inline when it cannot wait
 /// (placed allocations, commits, aborts) so the stream keeps its pace; a
 /// throttled allocate or a `wait_synced` commit is handed to its own task.
@@ -186,6 +256,7 @@ async fn stream_op(
     svc: &AllocatorService,
     req: pb::StreamRequest,
     out: &mpsc::Sender<Result<pb::StreamReply, Status>>,
+    caller: Option<&Identity>,
 ) {
     let id = req.request_id;
     let reply = move |result| pb::StreamReply {
@@ -224,6 +295,7 @@ async fn stream_op(
                 drop(_e);
                 let shared = svc.shared.clone();
                 let out = out.clone();
+                let caller = caller.cloned();
                 tokio::spawn(
                     async move {
                         let res = match parse_request(&shared, &r) {
@@ -238,7 +310,12 @@ async fn stream_op(
                             Ok((a, eps, deadline, waited)) => {
                                 record_allocation(&Span::current(), &a, waited);
                                 pb::stream_reply::Result::Allocate(allocate_reply(
-                                    &shared, &a, eps, deadline, waited,
+                                    &shared,
+                                    &a,
+                                    eps,
+                                    deadline,
+                                    waited,
+                                    caller.as_ref(),
                                 ))
                             }
                             Err(e) => err(e),
@@ -261,12 +338,14 @@ async fn stream_op(
                         eps,
                         deadline,
                         Duration::ZERO,
+                        caller,
                     ))
                 }
                 Ok((Begun::Queued(ticket, rx), lease)) => {
                     let shared = svc.shared.clone();
                     let out = out.clone();
                     let start = Instant::now();
+                    let caller = caller.cloned();
                     drop(_e);
                     tokio::spawn(
                         async move {
@@ -280,12 +359,19 @@ async fn stream_op(
                                 Ok((a, eps, deadline)) => {
                                     record_allocation(&Span::current(), &a, start.elapsed());
                                     let id_a = a.id;
-                                    let msg = reply(pb::stream_reply::Result::Allocate(
-                                        allocate_reply(&shared, &a, eps, deadline, start.elapsed()),
-                                    ));
+                                    let msg =
+                                        reply(pb::stream_reply::Result::Allocate(allocate_reply(
+                                            &shared,
+                                            &a,
+                                            eps,
+                                            deadline,
+                                            start.elapsed(),
+                                            caller.as_ref(),
+                                        )));
                                     if out.send(Ok(msg)).await.is_err() {
                                         // Nobody will write or commit it.
                                         let _ = shared.lock().abort(&[id_a]);
+                                        shared.owners.forget(&[id_a]);
                                     }
                                     return;
                                 }
@@ -302,6 +388,7 @@ async fn stream_op(
         Some(Op::Commit(r)) if r.wait_synced => {
             let svc = svc.clone();
             let out = out.clone();
+            let caller = caller.cloned();
             let span = tracing::info_span!(
                 "stream.commit",
                 request_id = id,
@@ -310,7 +397,7 @@ async fn stream_op(
             );
             tokio::spawn(
                 async move {
-                    let result = match svc.commit_inner(r).await {
+                    let result = match svc.commit_inner(r, caller.as_ref()).await {
                         Ok(c) => pb::stream_reply::Result::Commit(c),
                         Err(e) => err(e),
                     };
@@ -330,12 +417,7 @@ async fn stream_op(
             let _e = span.enter();
             let res = svc.shared.check_serving().and_then(|_| {
                 svc.shared.check_generation(r.generation, 0)?;
-                let txg = {
-                    let mut g = svc.shared.lock();
-                    let txg = g.commit(&r.allocation_ids)?;
-                    svc.shared.kick_if_dirty(&g);
-                    txg
-                };
+                let txg = commit_locked(&svc.shared, &r.allocation_ids, caller)?;
                 span.record("txg", txg);
                 Ok(pb::CommitReply {
                     txg,
@@ -353,7 +435,7 @@ async fn stream_op(
             request_id = id,
             ids = r.allocation_ids.len()
         )
-        .in_scope(|| svc.abort_inner(&r))
+        .in_scope(|| svc.abort_inner(&r, caller))
         {
             Ok(a) => pb::stream_reply::Result::Abort(a),
             Err(e) => err(e),
@@ -363,7 +445,7 @@ async fn stream_op(
             request_id = id,
             ids = r.allocation_ids.len()
         )
-        .in_scope(|| svc.renew_inner(&r))
+        .in_scope(|| svc.renew_inner(&r, caller))
         {
             Ok(a) => pb::stream_reply::Result::Renew(a),
             Err(e) => err(e),
@@ -391,6 +473,7 @@ impl Allocator for AllocatorService {
             eps,
             deadline,
             waited,
+            caller(&req),
         )))
     }
 
@@ -401,6 +484,8 @@ impl Allocator for AllocatorService {
         &self,
         req: Request<Streaming<pb::StreamRequest>>,
     ) -> Result<Response<Self::AllocateStreamStream>, Status> {
+        // One identity for the whole stream (its TLS connection's).
+        let who = caller(&req).cloned();
         let mut inbound = req.into_inner();
         let (tx, rx) = mpsc::channel(1024);
         let svc = self.clone();
@@ -413,7 +498,7 @@ impl Allocator for AllocatorService {
                         _ = svc.shared.stopping() => break,
                     };
                     match next {
-                        Some(Ok(r)) => stream_op(&svc, r, &tx).await,
+                        Some(Ok(r)) => stream_op(&svc, r, &tx, who.as_ref()).await,
                         Some(Err(status)) => {
                             tracing::debug!(%status, "allocate stream ended by the client");
                             break;
@@ -432,7 +517,8 @@ impl Allocator for AllocatorService {
         &self,
         req: Request<pb::CommitRequest>,
     ) -> Result<Response<pb::CommitReply>, Status> {
-        let reply = self.commit_inner(req.into_inner()).await?;
+        let who = caller(&req).cloned();
+        let reply = self.commit_inner(req.into_inner(), who.as_ref()).await?;
         Span::current().record("txg", reply.txg);
         Ok(Response::new(reply))
     }
@@ -442,7 +528,9 @@ impl Allocator for AllocatorService {
         &self,
         req: Request<pb::AbortRequest>,
     ) -> Result<Response<pb::AbortReply>, Status> {
-        Ok(Response::new(self.abort_inner(req.get_ref())?))
+        Ok(Response::new(
+            self.abort_inner(req.get_ref(), caller(&req))?,
+        ))
     }
 
     #[tracing::instrument(skip_all, fields(ids = req.get_ref().allocation_ids.len()))]
@@ -450,7 +538,9 @@ impl Allocator for AllocatorService {
         &self,
         req: Request<pb::RenewLeaseRequest>,
     ) -> Result<Response<pb::RenewLeaseReply>, Status> {
-        Ok(Response::new(self.renew_inner(req.get_ref())?))
+        Ok(Response::new(
+            self.renew_inner(req.get_ref(), caller(&req))?,
+        ))
     }
 
     #[tracing::instrument(skip_all, fields(extents = req.get_ref().extents.len(), txg))]

@@ -38,6 +38,7 @@ const OUR_TABLES: &[&str] = &[
     "extents",
     "tunables",
     "generations",
+    "agent_bindings",
 ];
 
 /// Rows per multi-row INSERT (4 binds each, well under SQLite's limit).
@@ -872,6 +873,37 @@ impl Store for SqliteStore {
             .execute(&self.db)
             .await
             .map_err(|e| StoreError(format!("persist tunable {name}: {e}")))?;
+            Ok(())
+        })
+    }
+
+    fn agent_bindings(&self) -> BoxFuture<'_, Result<BTreeMap<String, u64>, StoreError>> {
+        Box::pin(async move {
+            let rows: Vec<(String, i64)> =
+                sqlx::query_as("SELECT name, device_guid FROM agent_bindings")
+                    .fetch_all(&self.db)
+                    .await
+                    .map_err(|e| StoreError(format!("read agent bindings: {e}")))?;
+            // Guids are u64 stored as SQLite's i64, bit for bit.
+            Ok(rows.into_iter().map(|(n, g)| (n, g as u64)).collect())
+        })
+    }
+
+    fn bind_agent<'a>(
+        &'a self,
+        name: &'a str,
+        device_guid: u64,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            sqlx::query(
+                "INSERT INTO agent_bindings (name, device_guid, bound_ms) VALUES (?, ?, ?)",
+            )
+            .bind(name)
+            .bind(device_guid as i64)
+            .bind(now_ms())
+            .execute(&self.db)
+            .await
+            .map_err(|e| StoreError(format!("bind agent {name}: {e}")))?;
             Ok(())
         })
     }

@@ -203,6 +203,11 @@ impl Inner {
         Ok(if txg == 0 { open } else { txg })
     }
 
+    /// Allocated and neither committed, aborted nor expired.
+    pub fn is_inflight(&self, id: AllocationId) -> bool {
+        self.inflight.contains_key(&id)
+    }
+
     /// Why `id` is not in flight: committed, expired, or never seen.
     fn not_inflight(&self, id: AllocationId) -> Error {
         if self.expired.contains_key(&id) {
@@ -413,6 +418,8 @@ pub struct Shared {
     pub stop: watch::Sender<bool>,
     /// Turns true after the last sync: nothing more will become durable.
     pub closed: watch::Sender<bool>,
+    /// Who made each in-flight allocation (mutual TLS only).
+    pub owners: crate::ownership::Owners,
 }
 
 /// How a `begin_allocate` ended.
@@ -451,6 +458,7 @@ impl Shared {
             txg_timeout_changed: tokio::sync::Notify::new(),
             stop: watch::Sender::new(false),
             closed: watch::Sender::new(false),
+            owners: Default::default(),
         })
     }
 

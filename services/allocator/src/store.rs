@@ -74,6 +74,21 @@ pub trait Store: Send + Sync + 'static {
     }
     /// Durable allocated extents overlapping `e` (for Claim's exact check).
     fn allocated_overlapping(&self, e: Extent) -> BoxFuture<'_, Result<Vec<Extent>, StoreError>>;
+    /// Agent certificate name -> the device guid it is bound to (see
+    /// `binding`). Stores without bindings answer empty.
+    fn agent_bindings(&self) -> BoxFuture<'_, Result<BTreeMap<String, u64>, StoreError>> {
+        Box::pin(async { Ok(BTreeMap::new()) })
+    }
+    /// Bind agent certificate `name` to `device_guid`, durable when this
+    /// returns (before the Register that made it is answered).
+    fn bind_agent<'a>(
+        &'a self,
+        name: &'a str,
+        device_guid: u64,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        let _ = (name, device_guid);
+        Box::pin(async { Ok(()) })
+    }
 }
 
 /// Keeps the persisted state in memory (for tests and until the SQLite
@@ -93,6 +108,7 @@ struct MemState {
     tunables: Vec<(String, String)>,
     generation: u64,
     history: BTreeMap<u64, Txg>,
+    bindings: BTreeMap<String, u64>,
 }
 
 impl MemStore {
@@ -238,6 +254,32 @@ impl Store for MemStore {
             .map(|s| s.history.clone())
             .unwrap_or_default();
         Box::pin(async move { Ok(h) })
+    }
+
+    fn agent_bindings(&self) -> BoxFuture<'_, Result<BTreeMap<String, u64>, StoreError>> {
+        let b = self
+            .state
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map(|s| s.bindings.clone())
+            .unwrap_or_default();
+        Box::pin(async move { Ok(b) })
+    }
+
+    fn bind_agent<'a>(
+        &'a self,
+        name: &'a str,
+        device_guid: u64,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        let r = match self.state.lock().unwrap().as_mut() {
+            None => Err(StoreError("bind_agent before create".into())),
+            Some(st) => {
+                st.bindings.insert(name.to_owned(), device_guid);
+                Ok(())
+            }
+        };
+        Box::pin(async move { r })
     }
 
     fn allocated_overlapping(&self, e: Extent) -> BoxFuture<'_, Result<Vec<Extent>, StoreError>> {

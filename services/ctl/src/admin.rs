@@ -38,7 +38,7 @@ pub enum TunablesCmd {
 }
 
 pub async fn tunables(args: TunablesArgs) -> anyhow::Result<()> {
-    let mut c = client::allocator(&args.conn.allocator).await?;
+    let mut c = args.conn.connect().await?;
     match args.cmd.unwrap_or(TunablesCmd::List) {
         TunablesCmd::List => {
             let list = c
@@ -171,7 +171,7 @@ pub enum VdevCmd {
 }
 
 pub async fn vdev(args: VdevArgs) -> anyhow::Result<()> {
-    let mut c = client::allocator(&args.conn.allocator).await?;
+    let mut c = args.conn.connect().await?;
     let pool = c
         .get_pool(GetPoolRequest {})
         .await

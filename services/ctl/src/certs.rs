@@ -41,6 +41,24 @@ pub enum CertsCmd {
         #[arg(long = "host")]
         hosts: Vec<String>,
     },
+    /// Idempotent set-up (compose's one-shot `certs` service): make the CA
+    /// unless present, then issue each ROLE:NAME not issued yet.
+    Ensure {
+        /// Pool name, written into the CA's subject.
+        #[arg(long, env = "ALIQUOT_POOL", default_value = "tank")]
+        pool: String,
+        /// ROLE:NAME to issue unless present (repeatable or comma-separated),
+        /// e.g. allocator:allocator,agent:agent1,client:loadgen.
+        #[arg(value_delimiter = ',', required = true, value_parser = parse_role_name)]
+        certs: Vec<(Role, String)>,
+    },
+}
+
+fn parse_role_name(s: &str) -> Result<(Role, String), String> {
+    let (role, name) = s
+        .split_once(':')
+        .ok_or_else(|| format!("{s:?}: expected ROLE:NAME, e.g. agent:agent1"))?;
+    Ok((role.parse()?, name.to_owned()))
 }
 
 pub fn run(args: CertsArgs) -> anyhow::Result<()> {
@@ -59,6 +77,13 @@ pub fn run(args: CertsArgs) -> anyhow::Result<()> {
                 issued.cert.display(),
                 issued.key.display()
             );
+        }
+        CertsCmd::Ensure { pool, certs } => {
+            let ca = PoolCa::open_or_init(&args.dir, &pool)?;
+            for (role, name) in certs {
+                let issued = ca.ensure_issued(role, &name, &[])?;
+                println!("{role} {name}: {}", issued.cert.display());
+            }
         }
     }
     Ok(())

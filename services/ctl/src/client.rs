@@ -1,4 +1,7 @@
-//! gRPC clients for the allocator and the agents. Every client carries
+//! gRPC clients for the allocator and the agents, all made by one connect
+//! helper ([`channel`]): mutual TLS with the pool certificates (flags
+//! `--ca/--cert/--key`, or the `--certs-dir` that `aliquotctl up` wrote),
+//! plaintext only with `--insecure`. Every client carries
 //! `telemetry::TraceInjector`, so a span opened here (e.g. `aliquotctl.write`)
 //! is the parent of the allocator's and the agents' server spans.
 //!
@@ -11,6 +14,8 @@
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
+
+use aliquot_auth::{ClientTls, ClientTlsArgs, Role};
 
 use aliquot_proto::v1::WriteReply;
 use aliquot_proto::v1::allocator_client::AllocatorClient;
@@ -25,11 +30,13 @@ use tonic::transport::{Channel, Endpoint};
 /// Largest message either side may send: a 16 MiB block plus framing.
 pub const MAX_MESSAGE: usize = 17 * 1024 * 1024;
 
-/// Where the allocator is: shared by every command that talks to a pool.
+/// Where the allocator is and how to reach it: shared by every command
+/// that talks to a pool.
 #[derive(Clone, Debug, clap::Args)]
 pub struct AllocatorArgs {
-    /// The allocator's gRPC endpoint. Global: it may follow a subcommand
-    /// (`vdev offline file0 --allocator URL`).
+    /// The allocator's gRPC endpoint (the scheme follows the TLS mode:
+    /// https with certificates, http with --insecure). Global: it may follow
+    /// a subcommand (`vdev offline file0 --allocator URL`).
     #[arg(
         long,
         global = true,
@@ -37,33 +44,84 @@ pub struct AllocatorArgs {
         default_value = "http://127.0.0.1:7000"
     )]
     pub allocator: String,
+    /// Reach every agent at this host (keeping the port it advertises):
+    /// for a compose stack from the host, whose agents advertise names only
+    /// the compose network resolves (`--agent-host 127.0.0.1`).
+    #[arg(long, env = "ALIQUOT_AGENT_HOST")]
+    pub agent_host: Option<String>,
+    #[command(flatten)]
+    pub tls: ClientTlsArgs,
+}
+
+impl AllocatorArgs {
+    /// Connect to the allocator with these flags' certificates.
+    pub async fn connect(&self) -> anyhow::Result<Allocator> {
+        allocator(&self.tls.resolve()?, &self.allocator).await
+    }
+
+    /// The agents, reached as these flags say.
+    pub fn agents(&self) -> anyhow::Result<Agents> {
+        let mut a = Agents::new(self.tls.resolve()?);
+        a.host = self.agent_host.clone();
+        Ok(a)
+    }
+}
+
+/// `url` with its host replaced by `host` (scheme and port kept).
+fn with_host(url: &str, host: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("http", url));
+    let port = rest
+        .trim_end_matches('/')
+        .rsplit_once(':')
+        .map(|(_, p)| p)
+        .unwrap_or("");
+    if port.is_empty() {
+        format!("{scheme}://{host}")
+    } else {
+        format!("{scheme}://{host}:{port}")
+    }
 }
 
 pub type Allocator = AllocatorClient<TracedChannel>;
 pub type Agent = VdevAgentClient<TracedChannel>;
 
-fn endpoint(url: &str) -> anyhow::Result<Endpoint> {
-    let url = if url.contains("://") {
-        url.to_string()
-    } else {
-        format!("http://{url}")
-    };
-    Ok(Endpoint::from_shared(url.clone())
-        .map_err(|e| anyhow::anyhow!("{url:?} is not a gRPC endpoint URL: {e}"))?
+fn endpoint(tls: &ClientTls, url: &str, server: Role) -> anyhow::Result<Endpoint> {
+    Ok(tls
+        .endpoint(url, server)?
         .connect_timeout(Duration::from_secs(3))
         .tcp_nodelay(true)
         .http2_adaptive_window(true))
 }
 
-/// Connect now (fails fast with an operator-readable message).
-pub async fn channel(url: &str) -> anyhow::Result<Channel> {
-    endpoint(url)?.connect().await.map_err(|e| {
-        anyhow::anyhow!("cannot reach {url}: {e} (is the pool up? try `aliquotctl up`)")
+/// The one connect helper: to a server of role `server` at `url`, now
+/// (fails fast with an operator-readable message).
+pub async fn channel(tls: &ClientTls, url: &str, server: Role) -> anyhow::Result<Channel> {
+    let url = tls.url(url);
+    endpoint(tls, &url, server)?.connect().await.map_err(|e| {
+        let hint = if tls.is_tls() {
+            "is the pool up, and with TLS? a pool started with --insecure needs --insecure here"
+        } else {
+            "is the pool up? a pool started without --insecure needs its certificates, not --insecure"
+        };
+        anyhow::anyhow!("cannot reach {url}: {} ({hint})", error_chain(&e))
     })
 }
 
-pub async fn allocator(url: &str) -> anyhow::Result<Allocator> {
-    let ch = channel(url).await?;
+/// tonic's transport error says "transport error"; the cause (refused,
+/// bad certificate) is in its sources.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+pub async fn allocator(tls: &ClientTls, url: &str) -> anyhow::Result<Allocator> {
+    let ch = channel(tls, url, Role::Allocator).await?;
     Ok(AllocatorClient::with_interceptor(ch, TraceInjector)
         .max_decoding_message_size(MAX_MESSAGE)
         .max_encoding_message_size(MAX_MESSAGE))
@@ -77,17 +135,33 @@ fn agent_client(ch: Channel) -> Agent {
 
 /// Agent channels by endpoint, connected lazily on first use and shared by
 /// every worker (a tonic channel multiplexes its callers over HTTP/2).
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct Agents {
+    tls: ClientTls,
+    /// `--agent-host`: connect here instead of the advertised host.
+    host: Option<String>,
     inner: Arc<RwLock<HashMap<String, Channel>>>,
 }
 
 impl Agents {
+    /// Agents reached with `tls` (each must present an agent certificate).
+    pub fn new(tls: ClientTls) -> Agents {
+        Agents {
+            tls,
+            host: None,
+            inner: Default::default(),
+        }
+    }
+
     async fn channel(&self, url: &str) -> anyhow::Result<Channel> {
         if let Some(c) = self.inner.read().expect("agents lock").get(url) {
             return Ok(c.clone());
         }
-        let c = channel(url).await?;
+        let target = match &self.host {
+            Some(h) => with_host(url, h),
+            None => url.to_string(),
+        };
+        let c = channel(&self.tls, &target, Role::Agent).await?;
         let mut map = self.inner.write().expect("agents lock");
         Ok(map.entry(url.to_string()).or_insert(c).clone())
     }
@@ -207,6 +281,18 @@ impl Decoder for ReplyDecoder {
         WriteReply::decode(buf)
             .map(Some)
             .map_err(|e| tonic::Status::internal(format!("cannot decode WriteReply: {e}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn agent_host_keeps_scheme_and_port() {
+        assert_eq!(
+            super::with_host("https://agent1:7001", "127.0.0.1"),
+            "https://127.0.0.1:7001"
+        );
+        assert_eq!(super::with_host("agent1:7002", "h"), "http://h:7002");
     }
 }
 

@@ -85,7 +85,7 @@ pub async fn run(mut args: DemoArgs) -> anyhow::Result<()> {
 }
 
 async fn body(args: &DemoArgs, pool: &LocalPool) -> anyhow::Result<()> {
-    let mut c = client::allocator(&pool.allocator_url).await?;
+    let mut c = client::allocator(&pool.tls, &pool.allocator_url).await?;
     let st = c
         .get_pool(GetPoolRequest {})
         .await
@@ -107,6 +107,7 @@ async fn body(args: &DemoArgs, pool: &LocalPool) -> anyhow::Result<()> {
         args.concurrency
     );
     let mut w = WriteArgs::new(&pool.allocator_url);
+    w.conn.tls = aliquot_auth::ClientTlsArgs::from_tls(&pool.tls);
     w.total = total;
     w.block_size = args.block_size;
     w.concurrency = args.concurrency;
@@ -116,6 +117,7 @@ async fn body(args: &DemoArgs, pool: &LocalPool) -> anyhow::Result<()> {
 
     println!("\n== intent-log blocks: 32 MiB in 64 KiB LOG allocations (never throttled)");
     let mut l = WriteArgs::new(&pool.allocator_url);
+    l.conn.tls = aliquot_auth::ClientTlsArgs::from_tls(&pool.tls);
     l.total = 32 << 20;
     l.block_size = 64 << 10;
     l.concurrency = 8;
@@ -140,7 +142,7 @@ async fn body(args: &DemoArgs, pool: &LocalPool) -> anyhow::Result<()> {
             .chart
             .clone()
             .unwrap_or_else(|| pool.data_dir.join("balance.svg"));
-        match crate::history::chart(url, &pool.pool, &chart).await {
+        match crate::history::chart(url, &pool.tls, &pool.pool, &chart).await {
             Ok(()) => println!(
                 "\n== balance chart: {}  (while the pool runs: http://{http}/)",
                 chart.display()

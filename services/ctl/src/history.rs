@@ -11,7 +11,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
 
 /// Write pool `pool`'s balance chart (used fraction per vdev over time) from
 /// the metrics service at `metrics_url` to `path`.
-pub async fn chart(metrics_url: &str, pool: &str, path: &Path) -> anyhow::Result<()> {
+pub async fn chart(
+    metrics_url: &str,
+    tls: &aliquot_auth::ClientTls,
+    pool: &str,
+    path: &Path,
+) -> anyhow::Result<()> {
     use clap::Parser;
     #[derive(clap::Parser)]
     struct P {
@@ -22,5 +27,6 @@ pub async fn chart(metrics_url: &str, pool: &str, path: &Path) -> anyhow::Result
     a.endpoint = metrics_url.to_string();
     a.pool = pool.to_string();
     a.svg = Some(path.to_path_buf());
+    a.tls = aliquot_auth::ClientTlsArgs::from_tls(tls);
     aliquot_metrics::cli::history(a).await
 }

@@ -4,6 +4,12 @@
 //! stop the children in order: agents, allocator, metrics), with its stdin
 //! a pipe from us: if we die without stopping them, they see EOF and shut
 //! themselves down. Addresses come from the children's `LISTEN` lines.
+//!
+//! Secure by default: the pool CA and a certificate per service live in
+//! `<data-dir>/certs` (made at the first start, reused after), every child
+//! serves mutual TLS and checks write tokens, and the operator's
+//! `admin-operator` certificate there is what `aliquotctl status` & co. use
+//! by default. `--insecure` starts everything in plaintext instead.
 
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
@@ -71,6 +77,16 @@ pub struct PoolArgs {
     /// How often the allocator sends a balance snapshot to metrics.
     #[arg(long, env = "ALIQUOT_SNAPSHOT_INTERVAL", default_value = "1s")]
     pub snapshot_interval: String,
+    /// Plaintext gRPC, no certificates, no write tokens: anyone who reaches
+    /// the ports may call anything. By default `up` makes a pool CA and
+    /// certificates in <data-dir>/certs and starts everything with mutual TLS.
+    #[arg(long, env = "ALIQUOT_INSECURE", value_parser = clap::builder::BoolishValueParser::new())]
+    pub insecure: bool,
+}
+
+/// Where `up` keeps the pool CA and certificates.
+pub fn certs_dir(data_dir: &Path) -> PathBuf {
+    data_dir.join("certs")
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -149,6 +165,8 @@ pub struct LocalPool {
     pub metrics_url: Option<String>,
     pub metrics_http: Option<SocketAddr>,
     pub agents: Vec<AgentInfo>,
+    /// How clients reach this pool: the operator's certificate, or plaintext.
+    pub tls: aliquot_auth::ClientTls,
     deaths: mpsc::UnboundedReceiver<(String, ExitStatus)>,
     deaths_tx: mpsc::UnboundedSender<(String, ExitStatus)>,
     /// Held while the pool runs (see `DataDirLock`).
@@ -187,6 +205,20 @@ impl LocalPool {
         std::fs::create_dir_all(&logs)
             .map_err(|e| anyhow::anyhow!("cannot create {}: {e}", logs.display()))?;
         std::fs::create_dir_all(args.data_dir.join("vdevs"))?;
+        let tls = if args.insecure {
+            aliquot_auth::ClientTls::Insecure
+        } else {
+            let certs = certs_dir(&args.data_dir);
+            let ca = aliquot_auth::PoolCa::open_or_init(&certs, &args.pool)
+                .map_err(|e| anyhow::anyhow!("pool CA in {}: {e}", certs.display()))?;
+            let op = aliquot_auth::client::OPERATOR;
+            ca.ensure_issued(aliquot_auth::Role::Admin, op, &[])?;
+            aliquot_auth::ClientTls::Mutual(aliquot_auth::TlsFiles::in_dir(
+                &certs,
+                aliquot_auth::Role::Admin,
+                op,
+            ))
+        };
         let (deaths_tx, deaths) = mpsc::unbounded_channel();
         let mut pool = LocalPool {
             children: Vec::new(),
@@ -197,6 +229,7 @@ impl LocalPool {
             metrics_url: None,
             metrics_http: None,
             agents: Vec::new(),
+            tls,
             deaths,
             deaths_tx,
             _lock: lock,
@@ -215,23 +248,20 @@ impl LocalPool {
         if !args.no_metrics {
             let l = pick(args.metrics_listen, args.ephemeral);
             let h = pick(args.metrics_http_listen, args.ephemeral);
+            let mut margs: Vec<String> = vec![
+                "metrics".into(),
+                "--listen".into(),
+                l.to_string(),
+                "--http-listen".into(),
+                h.to_string(),
+                "--db".into(),
+                dir.join("metrics.db").display().to_string(),
+            ];
+            margs.extend(self.security_flags(aliquot_auth::Role::Metrics, "metrics")?);
             let a = self
-                .spawn(
-                    "metrics",
-                    Role::Metrics,
-                    &[
-                        "metrics".into(),
-                        "--listen".into(),
-                        l.to_string(),
-                        "--http-listen".into(),
-                        h.to_string(),
-                        "--db".into(),
-                        dir.join("metrics.db").display().to_string(),
-                    ],
-                    &["grpc", "http"],
-                )
+                .spawn("metrics", Role::Metrics, &margs, &["grpc", "http"])
                 .await?;
-            self.metrics_url = Some(format!("http://{}", a[0]));
+            self.metrics_url = Some(format!("{}://{}", self.scheme(), a[0]));
             self.metrics_http = Some(a[1]);
         }
         let l = pick(args.allocator_listen, args.ephemeral);
@@ -257,11 +287,12 @@ impl LocalPool {
         for t in &args.tunable {
             aargs.extend(["--tunable".into(), t.clone()]);
         }
+        aargs.extend(self.security_flags(aliquot_auth::Role::Allocator, "allocator")?);
         let a = self
             .spawn("allocator", Role::Allocator, &aargs, &["grpc"])
             .await?;
         self.allocator_addr = a[0];
-        self.allocator_url = format!("http://{}", a[0]);
+        self.allocator_url = format!("{}://{}", self.scheme(), a[0]);
 
         // Agents report their own addresses.
         // (name, kind, capacity, path, backend flags)
@@ -311,6 +342,7 @@ impl LocalPool {
                 cap.to_string(),
             ];
             fa.extend(extra);
+            fa.extend(self.security_flags(aliquot_auth::Role::Agent, &name)?);
             starts.push((name, kind, cap, path, fa));
         }
         // One at a time, each registered before the next starts: the
@@ -325,11 +357,43 @@ impl LocalPool {
                 kind,
                 capacity: cap,
                 path,
-                url: format!("http://{}", addrs[0]),
+                url: format!("{}://{}", self.scheme(), addrs[0]),
             });
             self.wait_registered(Duration::from_secs(60)).await?;
         }
         Ok(())
+    }
+
+    /// A child's security flags: its own certificate (issued on first use)
+    /// and the write-token key, or `--insecure`.
+    fn security_flags(&self, role: aliquot_auth::Role, name: &str) -> anyhow::Result<Vec<String>> {
+        if !self.tls.is_tls() {
+            return Ok(vec!["--insecure".into()]);
+        }
+        let certs = certs_dir(&self.data_dir);
+        let issued = aliquot_auth::PoolCa::open(&certs)?.ensure_issued(role, name, &[])?;
+        let mut v: Vec<String> = vec![
+            "--tls-ca".into(),
+            certs.join(aliquot_auth::ca::CA_CERT).display().to_string(),
+            "--tls-cert".into(),
+            issued.cert.display().to_string(),
+            "--tls-key".into(),
+            issued.key.display().to_string(),
+        ];
+        // The allocator signs write tokens with token.key, agents check them
+        // with token.pub: both found in the CA directory.
+        if matches!(
+            role,
+            aliquot_auth::Role::Allocator | aliquot_auth::Role::Agent
+        ) {
+            v.extend(["--token-key".into(), certs.display().to_string()]);
+        }
+        Ok(v)
+    }
+
+    /// `http://` or `https://` for this pool's URLs.
+    fn scheme(&self) -> &'static str {
+        if self.tls.is_tls() { "https" } else { "http" }
     }
 
     async fn spawn(
@@ -361,6 +425,15 @@ impl LocalPool {
             .open(&log)
             .map_err(|e| anyhow::anyhow!("cannot open {}: {e}", log.display()))?;
         let mut cmd = Command::new(&exe);
+        // Our flags decide the child's security; an inherited variable of
+        // the other mode would only make clap refuse the mix.
+        if self.tls.is_tls() {
+            cmd.env_remove("ALIQUOT_INSECURE");
+        } else {
+            for v in ["ALIQUOT_TLS_CA", "ALIQUOT_TLS_CERT", "ALIQUOT_TLS_KEY"] {
+                cmd.env_remove(v);
+            }
+        }
         cmd.arg("serve")
             .args(args)
             .env(SUPERVISED_ENV, "1")
@@ -444,7 +517,7 @@ impl LocalPool {
     /// metaslabs synced in (not "allocatable": a full pool restarts too).
     async fn wait_registered(&mut self, within: Duration) -> anyhow::Result<()> {
         let deadline = Instant::now() + within;
-        let mut c = client::allocator(&self.allocator_url).await?;
+        let mut c = client::allocator(&self.tls, &self.allocator_url).await?;
         loop {
             if let Some(dead) = self.children.iter().find(|c| c.status.borrow().is_some()) {
                 anyhow::bail!(
@@ -546,6 +619,22 @@ impl LocalPool {
             self.pool,
             self.data_dir.display()
         );
+        match &self.tls {
+            aliquot_auth::ClientTls::Mutual(f) => {
+                let _ = writeln!(
+                    s,
+                    "  mutual TLS: pool CA and certificates in {} (clients use {})",
+                    certs_dir(&self.data_dir).display(),
+                    f.cert.display()
+                );
+            }
+            aliquot_auth::ClientTls::Insecure => {
+                let _ = writeln!(
+                    s,
+                    "  INSECURE: plaintext gRPC, no certificates, no write tokens"
+                );
+            }
+        }
         let _ = writeln!(s, "  allocator  {}", self.allocator_url);
         if let (Some(m), Some(h)) = (&self.metrics_url, self.metrics_http) {
             let _ = writeln!(s, "  metrics    {m}   charts http://{h}/");
@@ -656,11 +745,21 @@ pub async fn up(args: PoolArgs) -> anyhow::Result<()> {
         _ = int.recv() => anyhow::bail!("interrupted while starting (children stopped)"),
     };
     print!("{}", pool.describe());
-    let hint = if pool.allocator_url == "http://127.0.0.1:7000" {
+    let mut hint = if pool.allocator_addr.to_string() == "127.0.0.1:7000" {
         String::new()
     } else {
         format!(" --allocator {}", pool.allocator_url)
     };
+    if !pool.tls.is_tls() {
+        hint.push_str(" --insecure");
+    } else {
+        // Clients look in ./aliquot-data/certs unless told otherwise.
+        let certs = certs_dir(&pool.data_dir);
+        let plain = certs.strip_prefix(".").unwrap_or(&certs);
+        if plain != Path::new("aliquot-data/certs") {
+            hint.push_str(&format!(" --certs-dir {}", certs.display()));
+        }
+    }
     println!("try: aliquotctl status{hint}   aliquotctl write{hint} --total 1GiB --verify");
     println!("Ctrl-C stops the pool.");
     // Machine-readable, last, once everything is ready (tests wait for these).

@@ -71,7 +71,7 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
         scripted: args.scripted,
         warn_ahead: args.warn_ahead,
     };
-    let mut c = client::allocator(&args.conn.allocator).await?;
+    let mut c = args.conn.connect().await?;
     if !args.watch {
         let st = c
             .get_pool(GetPoolRequest {})

@@ -42,6 +42,9 @@ pub struct VerifyArgs {
     /// hold every extent of the vdev.
     #[arg(long, value_parser = units::size_arg, requires = "repair_vdev")]
     pub capacity: Option<u64>,
+    /// How to reach --allocator.
+    #[command(flatten)]
+    pub tls: aliquot_auth::ClientTlsArgs,
 }
 
 pub async fn run(args: VerifyArgs) -> anyhow::Result<()> {
@@ -69,7 +72,7 @@ pub async fn run(args: VerifyArgs) -> anyhow::Result<()> {
         )
     })?;
     let running = match &args.allocator {
-        Some(url) => Some(cross_check(url, &id, &report).await?),
+        Some(url) => Some(cross_check(&args.tls.resolve()?, url, &id, &report).await?),
         None => None,
     };
     if args.json {
@@ -82,8 +85,13 @@ pub async fn run(args: VerifyArgs) -> anyhow::Result<()> {
 
 /// The running allocator must be this pool, know every stored vdev as
 /// stored, and be at or past the stored txg. Returns its synced txg.
-async fn cross_check(url: &str, id: &Identity, r: &VerifyReport) -> anyhow::Result<u64> {
-    let mut c = client::allocator(url).await?;
+async fn cross_check(
+    tls: &aliquot_auth::ClientTls,
+    url: &str,
+    id: &Identity,
+    r: &VerifyReport,
+) -> anyhow::Result<u64> {
+    let mut c = client::allocator(tls, url).await?;
     let s = c
         .get_pool(GetPoolRequest {})
         .await

@@ -406,7 +406,7 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
         anyhow::bail!("--total must be more than 0");
     }
     let blocks = args.total.div_ceil(args.block_size);
-    let alloc = client::allocator(&args.conn.allocator).await?;
+    let alloc = args.conn.connect().await?;
     let bar = if args.no_progress || args.json {
         ProgressBar::hidden()
     } else {
@@ -429,7 +429,7 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
         stop: AtomicBool::new(false),
         nonce: rand::random(),
         start: Instant::now(),
-        agents: Agents::default(),
+        agents: args.conn.agents()?,
         bar,
         generation: AtomicU64::new(0),
         last_done_us: AtomicU64::new(0),

@@ -40,6 +40,8 @@ pub struct HistoryArgs {
     /// Which chart `--svg` writes: balance, throughput or queues.
     #[arg(long, default_value = "balance")]
     pub chart: ChartKind,
+    #[command(flatten)]
+    pub tls: aliquot_auth::ClientTlsArgs,
 }
 
 /// Run the query and print (or write) the result.
@@ -57,7 +59,10 @@ pub async fn history(args: HistoryArgs) -> anyhow::Result<()> {
         .map(|s| crate::http::parse_time(s, now))
         .transpose()
         .map_err(anyhow::Error::msg)?;
-    let channel = tonic::transport::Endpoint::from_shared(args.endpoint.clone())?
+    let channel = args
+        .tls
+        .resolve()?
+        .endpoint(&args.endpoint, aliquot_auth::Role::Metrics)?
         .connect_timeout(std::time::Duration::from_secs(3))
         .connect()
         .await

@@ -53,6 +53,11 @@ pub struct Config {
     /// How often aggregation and pruning run.
     #[arg(long, env = "ALIQUOT_MAINTENANCE_INTERVAL", default_value = "30s", value_parser = units::duration_arg)]
     pub maintenance_interval: Duration,
+    /// Mutual TLS for the gRPC port: the pool CA and the metrics service's
+    /// certificate (role metrics). The HTTP charts port is plaintext (keep
+    /// it on loopback, the default, or behind a proxy).
+    #[command(flatten)]
+    pub tls: aliquot_auth::TlsArgs,
     #[command(flatten)]
     pub telemetry: telemetry::TelemetryArgs,
 }
@@ -71,6 +76,9 @@ impl Config {
                 "--maintenance-interval must be positive".into(),
             ));
         }
+        self.tls
+            .check()
+            .map_err(|e| MetricsError::Config(e.to_string()))?;
         if self.db.as_os_str().is_empty() {
             return Err(MetricsError::Config("--db must name a file".into()));
         }
@@ -142,13 +150,25 @@ pub async fn start(config: &Config) -> anyhow::Result<Running> {
         .build_v1()?;
     let metrics = MetricsServer::new(service::MetricsService::new(store.clone()))
         .max_decoding_message_size(64 << 20);
+    // Mutual TLS, or plaintext only when --insecure was given (logged).
+    // Only the allocator role may record; pool members may read.
+    let mut builder = tonic::transport::Server::builder();
+    let roles = match config.tls.server_mode("metrics")? {
+        Some(files) => {
+            builder = builder.tls_config(files.server_config()?)?;
+            tracing::info!(ca = %files.ca.display(), cert = %files.cert.display(), "mutual TLS: callers need a pool certificate");
+            aliquot_auth::RoleLayer::enforce()
+        }
+        None => aliquot_auth::RoleLayer::insecure(),
+    };
     let grpc_task = tokio::spawn({
         let rx = stop_rx.clone();
         let rpc = rpc.clone();
         async move {
-            tonic::transport::Server::builder()
+            builder
                 .trace_fn(telemetry::server_span)
                 .layer(exposition::RpcMetricsLayer(rpc))
+                .layer(roles)
                 .add_service(health_service)
                 .add_service(reflection)
                 .add_service(metrics)

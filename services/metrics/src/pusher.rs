@@ -14,7 +14,6 @@ use std::time::Duration;
 use aliquot_proto::v1::metrics_client::MetricsClient;
 use aliquot_proto::v1::{PoolSnapshot, SnapshotBatch};
 use tokio::sync::Notify;
-use tonic::transport::Endpoint;
 use tracing::Instrument;
 
 /// Snapshots per RecordBatch call.
@@ -57,6 +56,16 @@ impl SnapshotPusher {
     /// Start the sender for `endpoint` (`http://host:port`), buffering at most
     /// `capacity` snapshots (at least 1). Must be called inside a Tokio runtime.
     pub fn spawn(endpoint: impl Into<String>, capacity: usize) -> SnapshotPusher {
+        SnapshotPusher::spawn_with(endpoint, aliquot_auth::ClientTls::Insecure, capacity)
+    }
+
+    /// As [`spawn`](Self::spawn), connecting with `tls` (the allocator's own
+    /// certificate: only the allocator role may record snapshots).
+    pub fn spawn_with(
+        endpoint: impl Into<String>,
+        tls: aliquot_auth::ClientTls,
+        capacity: usize,
+    ) -> SnapshotPusher {
         let shared = Arc::new(Shared {
             queue: Mutex::new(VecDeque::with_capacity(capacity.clamp(1, 4096))),
             capacity: capacity.max(1),
@@ -69,7 +78,7 @@ impl SnapshotPusher {
             work: Notify::new(),
             idle: Notify::new(),
         });
-        let task = tokio::spawn(send_loop(endpoint.into(), shared.clone()));
+        let task = tokio::spawn(send_loop(endpoint.into(), tls, shared.clone()));
         SnapshotPusher { shared, task }
     }
 
@@ -144,8 +153,12 @@ impl Drop for SnapshotPusher {
     }
 }
 
-async fn connect(endpoint: &str) -> Result<MetricsClient<telemetry::TracedChannel>, String> {
-    let ep = Endpoint::from_shared(endpoint.to_string())
+async fn connect(
+    endpoint: &str,
+    tls: &aliquot_auth::ClientTls,
+) -> Result<MetricsClient<telemetry::TracedChannel>, String> {
+    let ep = tls
+        .endpoint(endpoint, aliquot_auth::Role::Metrics)
         .map_err(|e| format!("bad metrics endpoint {endpoint:?}: {e}"))?
         .connect_timeout(Duration::from_secs(1))
         .timeout(RPC_TIMEOUT);
@@ -156,7 +169,7 @@ async fn connect(endpoint: &str) -> Result<MetricsClient<telemetry::TracedChanne
     ))
 }
 
-async fn send_loop(endpoint: String, shared: Arc<Shared>) {
+async fn send_loop(endpoint: String, tls: aliquot_auth::ClientTls, shared: Arc<Shared>) {
     let mut client = None;
     let mut backoff = BACKOFF_MIN;
     let mut down_logged = false;
@@ -173,7 +186,7 @@ async fn send_loop(endpoint: String, shared: Arc<Shared>) {
             shared.work.notified().await;
         }
         if client.is_none() {
-            match connect(&endpoint).await {
+            match connect(&endpoint, &tls).await {
                 Ok(c) => {
                     if down_logged {
                         tracing::info!(endpoint = %endpoint, backlog = shared.pending(), "metrics service reachable again, sending backlog");

@@ -69,6 +69,10 @@ pub fn config(db: &std::path::Path, extra: &[&str]) -> Config {
         "--db".into(),
         db.display().to_string(),
     ];
+    // Plaintext on loopback unless the test brings certificates.
+    if !extra.contains(&"--tls-ca") {
+        args.push("--insecure".into());
+    }
     args.extend(extra.iter().map(|s| s.to_string()));
     Config::try_parse_from(args).expect("config")
 }

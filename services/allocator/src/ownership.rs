@@ -1,0 +1,81 @@
+//! Allocation ids bound to the identity that allocated them. Ids are
+//! sequential (guessable), so under mutual TLS the allocator remembers which
+//! certificate (role and name) made each in-flight allocation, and Commit,
+//! Abort and RenewLease from any other identity are refused with
+//! PERMISSION_DENIED, reason NOT_OWNER. An entry lives while its allocation
+//! is in flight: it goes at commit, abort and lease expiry. Plaintext
+//! (`--insecure`) servers have no identities and record nothing.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use aliquot_auth::Identity;
+use metaslab::AllocationId;
+
+use crate::error::{Error, Result};
+use crate::state::Inner;
+
+#[derive(Debug, Default)]
+pub struct Owners {
+    by_id: Mutex<HashMap<AllocationId, Identity>>,
+}
+
+impl Owners {
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<AllocationId, Identity>> {
+        self.by_id.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// `caller` made allocation `id` (called before the reply names it).
+    pub fn record(&self, caller: Option<&Identity>, id: AllocationId) {
+        if let Some(c) = caller {
+            self.map().insert(id, c.clone());
+        }
+    }
+
+    /// Refuse `action` on `ids` unless `caller` made each of them. Ids
+    /// that are not in flight (committed, expired, unknown) pass, so the
+    /// caller gets the usual answer for them; an in-flight id with no
+    /// owner recorded is refused (only a plaintext server makes those).
+    pub fn check(
+        &self,
+        g: &Inner,
+        caller: Option<&Identity>,
+        ids: &[AllocationId],
+        action: &'static str,
+    ) -> Result<()> {
+        let Some(caller) = caller else {
+            return Ok(());
+        };
+        let m = self.map();
+        for &id in ids {
+            let mine = match m.get(&id) {
+                Some(owner) => owner == caller,
+                None => !g.is_inflight(id),
+            };
+            if !mine {
+                return Err(Error::NotOwnerAllocation {
+                    id,
+                    caller: caller.to_string(),
+                    action,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// These allocations are no longer in flight.
+    pub fn forget(&self, ids: &[AllocationId]) {
+        let mut m = self.map();
+        for id in ids {
+            m.remove(id);
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.map().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}

@@ -1,0 +1,266 @@
+//! What mutual TLS and write tokens cost: the same pool twice in this
+//! process — plaintext (`--insecure`, no tokens) and mutual TLS with write
+//! tokens checked by the agents — measured interleaved (A B B A per round,
+//! so drift and other load on the machine fall on both alike):
+//!
+//! * AllocateStream: 8 clients on one connection, each pipelining 32
+//!   Allocate+Commit pairs of 4 KiB (no data), pairs per second;
+//! * the `aliquotctl write` data path (`write::write`, the code behind the
+//!   command): 1 MiB blocks, 8 in flight, to two simulated agents (no
+//!   device time, so the network path is what is measured), freed after.
+//!
+//! Prints each run and the median TLS/plaintext ratio of each.
+//! `cargo bench -p aliquotctl --bench tls`; `ALIQUOT_BENCH_ROUNDS` (default
+//! 3), `ALIQUOT_BENCH_SECS` per AllocateStream run (default 2),
+//! `ALIQUOT_BENCH_WRITE` bytes per write run (default 256MiB).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use aliquot_auth::{ClientTls, ClientTlsArgs, PoolCa, Role, TlsArgs, TlsFiles};
+use aliquot_proto::v1 as pb;
+use aliquotctl::write::{self, WriteArgs};
+use pb::stream_request::Op;
+use tokio::sync::mpsc;
+
+const DEPTH: usize = 32;
+const CLIENTS: usize = 8;
+
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| units::size_arg(&v).ok())
+        .unwrap_or(default)
+}
+
+struct Pool {
+    name: &'static str,
+    tls: ClientTls,
+    url: String,
+    allocator: aliquot_allocator::Running,
+    agents: Vec<(
+        tokio::sync::oneshot::Sender<()>,
+        tokio::task::JoinHandle<()>,
+    )>,
+}
+
+async fn start_pool(name: &'static str, certs: Option<&std::path::Path>) -> Pool {
+    let files = |role, n: &str| certs.map(|d| TlsFiles::in_dir(d, role, n));
+    let mut ac = aliquot_allocator::Config::with_listen("127.0.0.1:0".parse().unwrap());
+    ac.report_interval = Duration::from_secs(1);
+    ac.claim_window = Duration::ZERO;
+    if let Some(d) = certs {
+        ac.tls = TlsArgs::with_files(files(Role::Allocator, "allocator").unwrap());
+        ac.token_key = Some(d.to_owned());
+    }
+    let allocator = aliquot_allocator::start(ac, Arc::new(aliquot_allocator::MemStore::new()))
+        .await
+        .expect("start allocator");
+    let tls = ClientTls::from(files(Role::Client, "bench"));
+    let url = tls.url(&allocator.addr.to_string());
+    let mut agents = Vec::new();
+    for i in 0..2 {
+        let mut gc = aliquot_agent::Config::new(aliquot_agent::BackendKind::Sim);
+        gc.capacity = Some(64 << 30);
+        gc.name = Some(format!("sim{i}"));
+        gc.allocator = url.clone();
+        if let Some(d) = certs {
+            gc.tls = TlsArgs::with_files(files(Role::Agent, &format!("sim{i}")).unwrap());
+            gc.token_key = Some(d.to_owned());
+        }
+        let agent = aliquot_agent::Agent::open(&gc).expect("open sim agent");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            aliquot_agent::serve(agent, &gc, listener, async {
+                let _ = stopped.await;
+            })
+            .await
+            .expect("agent");
+        });
+        agents.push((stop, task));
+    }
+    let mut c = aliquotctl::client::allocator(&tls, &url).await.unwrap();
+    loop {
+        let st = c
+            .get_pool(pb::GetPoolRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        if st
+            .classes
+            .iter()
+            .flat_map(|c| &c.groups)
+            .filter(|g| g.capacity > 0)
+            .count()
+            == 2
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Pool {
+        name,
+        tls,
+        url,
+        allocator,
+        agents,
+    }
+}
+
+/// Allocate+Commit pairs per second over AllocateStream.
+async fn stream_run(p: &Pool, secs: u64) -> f64 {
+    let ch = aliquotctl::client::channel(&p.tls, &p.url, Role::Allocator)
+        .await
+        .unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let pairs = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..CLIENTS {
+        let mut c = pb::allocator_client::AllocatorClient::new(ch.clone());
+        let (stop, pairs) = (stop.clone(), pairs.clone());
+        tasks.push(tokio::spawn(async move {
+            let (tx, rx) = mpsc::channel(DEPTH * 2);
+            let mut replies = c
+                .allocate_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+                .await
+                .unwrap()
+                .into_inner();
+            let alloc = |id| pb::StreamRequest {
+                request_id: id,
+                op: Some(Op::Allocate(pb::AllocateRequest {
+                    class: pb::AllocationClass::Data as i32,
+                    size: 4096,
+                    copies: 1,
+                    lease_ms: 0,
+                })),
+            };
+            let mut next = 0u64;
+            let mut in_flight = 0;
+            for _ in 0..DEPTH {
+                tx.send(alloc(next)).await.unwrap();
+                next += 2;
+                in_flight += 1;
+            }
+            while in_flight > 0 {
+                let r = replies.message().await.unwrap().unwrap();
+                match r.result {
+                    Some(pb::stream_reply::Result::Allocate(a)) => tx
+                        .send(pb::StreamRequest {
+                            request_id: r.request_id + 1,
+                            op: Some(Op::Commit(pb::CommitRequest {
+                                allocation_ids: vec![a.allocation_id],
+                                generation: a.generation,
+                                ..Default::default()
+                            })),
+                        })
+                        .await
+                        .unwrap(),
+                    Some(pb::stream_reply::Result::Commit(_)) => {
+                        pairs.fetch_add(1, Ordering::Relaxed);
+                        in_flight -= 1;
+                        if !stop.load(Ordering::Relaxed) {
+                            tx.send(alloc(next)).await.unwrap();
+                            next += 2;
+                            in_flight += 1;
+                        }
+                    }
+                    other => panic!("unexpected reply {other:?}"),
+                }
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_secs(secs)).await;
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await.unwrap();
+    }
+    pairs.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64()
+}
+
+/// `aliquotctl write` bytes per second (durable: flush and sync included).
+async fn write_run(p: &Pool, total: u64) -> f64 {
+    let mut w = WriteArgs::new(&p.url);
+    w.conn.tls = ClientTlsArgs::from_tls(&p.tls);
+    w.total = total;
+    w.block_size = 1 << 20;
+    w.concurrency = 8;
+    w.free = true;
+    w.no_progress = true;
+    let r = write::write(&w).await.expect("write");
+    r.bytes_per_sec
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn main() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let rounds = env_u64("ALIQUOT_BENCH_ROUNDS", 3) as usize;
+        let secs = env_u64("ALIQUOT_BENCH_SECS", 2);
+        let total = env_u64("ALIQUOT_BENCH_WRITE", 256 << 20);
+        let dir = tempfile::tempdir().unwrap();
+        let ca = PoolCa::init(dir.path(), "bench").unwrap();
+        for (role, n) in [
+            (Role::Allocator, "allocator"),
+            (Role::Agent, "sim0"),
+            (Role::Agent, "sim1"),
+            (Role::Client, "bench"),
+        ] {
+            ca.issue(role, n, &[]).unwrap();
+        }
+        let plain = start_pool("plaintext", None).await;
+        let tls = start_pool("mTLS+tokens", Some(dir.path())).await;
+        println!(
+            "TLS cost bench: {rounds} rounds (plaintext, TLS, TLS, plaintext), {} cores; \
+             AllocateStream {CLIENTS} clients x {DEPTH} pipelined 4 KiB pairs for {secs} s; \
+             write {} in 1 MiB blocks, 8 in flight, 2 sim agents",
+            std::thread::available_parallelism().map_or(0, |n| n.get()),
+            units::format_bytes(total)
+        );
+        let (mut s_ratio, mut w_ratio) = (Vec::new(), Vec::new());
+        for round in 0..rounds {
+            let mut s = [0.0f64; 2];
+            let mut w = [0.0f64; 2];
+            for (i, p) in [&plain, &tls, &tls, &plain].into_iter().enumerate() {
+                let k = usize::from(p.tls.is_tls());
+                let pairs = stream_run(p, secs).await;
+                let bps = write_run(p, total).await;
+                println!(
+                    "round {round} run {i} {:<12} AllocateStream {:>8.0} pairs/s   write {:>7.1} MiB/s",
+                    p.name,
+                    pairs,
+                    bps / (1 << 20) as f64
+                );
+                s[k] += pairs;
+                w[k] += bps;
+            }
+            s_ratio.push(s[1] / s[0]);
+            w_ratio.push(w[1] / w[0]);
+        }
+        let (s, w) = (median(s_ratio), median(w_ratio));
+        println!(
+            "TLS / plaintext (median of rounds): AllocateStream {:.2} ({:+.0}%), write {:.2} ({:+.0}%)",
+            s,
+            (s - 1.0) * 100.0,
+            w,
+            (w - 1.0) * 100.0
+        );
+        for p in [plain, tls] {
+            for (stop, task) in p.agents {
+                let _ = stop.send(());
+                let _ = task.await;
+            }
+            p.allocator.shutdown().await.unwrap();
+        }
+    });
+}

@@ -119,10 +119,9 @@ pub async fn serve(
     health_reporter
         .set_serving::<VdevAgentServer<service::VdevAgentService>>()
         .await;
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(aliquot_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()?;
+    // Reflection (v1 and v1alpha) lists only what this binary serves.
+    let (reflection, reflection_v1alpha) =
+        aliquot_proto::reflection::services(&["aliquot.v1.VdevAgent"])?;
     let svc = VdevAgentServer::new(service::VdevAgentService::new(agent.clone()))
         .max_decoding_message_size(MAX_MESSAGE)
         .max_encoding_message_size(MAX_MESSAGE);
@@ -161,6 +160,7 @@ pub async fn serve(
         .layer(roles)
         .add_service(health)
         .add_service(reflection)
+        .add_service(reflection_v1alpha)
         .add_service(svc)
         // Builder::tcp_nodelay applies only to listeners tonic binds itself.
         .serve_with_incoming_shutdown(

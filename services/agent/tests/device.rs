@@ -271,15 +271,41 @@ async fn health_and_reflection_are_served() {
     let Some(MessageResponse::ListServicesResponse(list)) = reply.message_response else {
         panic!("unexpected reflection reply {reply:?}");
     };
-    let names: Vec<_> = list.service.into_iter().map(|s| s.name).collect();
-    assert!(
-        names.iter().any(|n| n == "aliquot.v1.VdevAgent"),
-        "{names:?}"
-    );
-    assert!(
-        names.iter().any(|n| n == "grpc.health.v1.Health"),
-        "{names:?}"
-    );
+    let mut names: Vec<_> = list.service.into_iter().map(|s| s.name).collect();
+    names.sort();
+    // Exactly what an agent serves: no Allocator or Metrics to call in vain.
+    let want = [
+        "aliquot.v1.VdevAgent",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1.ServerReflection",
+        "grpc.reflection.v1alpha.ServerReflection",
+    ];
+    assert_eq!(names, want);
+
+    // v1alpha (grpcio-reflection, older grpcurl) lists the same.
+    {
+        use tonic_reflection::pb::v1alpha::ServerReflectionRequest as Req;
+        use tonic_reflection::pb::v1alpha::server_reflection_client::ServerReflectionClient as Client;
+        use tonic_reflection::pb::v1alpha::server_reflection_request::MessageRequest as M;
+        use tonic_reflection::pb::v1alpha::server_reflection_response::MessageResponse as R;
+        let mut refl = Client::new(channel.clone());
+        let req = Req {
+            host: String::new(),
+            message_request: Some(M::ListServices(String::new())),
+        };
+        let mut stream = refl
+            .server_reflection_info(tokio_stream::iter([req]))
+            .await
+            .unwrap()
+            .into_inner();
+        let reply = stream.message().await.unwrap().unwrap();
+        let Some(R::ListServicesResponse(list)) = reply.message_response else {
+            panic!("unexpected v1alpha reflection reply {reply:?}");
+        };
+        let mut names: Vec<_> = list.service.into_iter().map(|s| s.name).collect();
+        names.sort();
+        assert_eq!(names, want);
+    }
     drop((health, refl, stream, channel));
     a.stop().await;
 }

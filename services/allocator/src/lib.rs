@@ -372,10 +372,9 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
     health_reporter
         .set_serving::<AgentRegistryServer<registry::RegistryService>>()
         .await;
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(aliquot_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()?;
+    // Reflection (v1 and v1alpha) lists only what this binary serves.
+    let (reflection, reflection_v1alpha) =
+        aliquot_proto::reflection::services(&["aliquot.v1.Allocator", "aliquot.v1.AgentRegistry"])?;
 
     let mut background = vec![
         tokio::spawn(txg::run(shared.clone())),
@@ -418,6 +417,7 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
             .layer(roles)
             .add_service(health_service)
             .add_service(reflection)
+            .add_service(reflection_v1alpha)
             .add_service(AllocatorServer::new(alloc_svc))
             .add_service(AgentRegistryServer::new(reg_svc))
             .serve_with_incoming_shutdown(

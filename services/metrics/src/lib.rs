@@ -144,10 +144,9 @@ pub async fn start(config: &Config) -> anyhow::Result<Running> {
     health
         .set_serving::<MetricsServer<service::MetricsService>>()
         .await;
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(aliquot_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()?;
+    // Reflection (v1 and v1alpha) lists only what this binary serves.
+    let (reflection, reflection_v1alpha) =
+        aliquot_proto::reflection::services(&["aliquot.v1.Metrics"])?;
     let metrics = MetricsServer::new(service::MetricsService::new(store.clone()))
         .max_decoding_message_size(64 << 20);
     // Mutual TLS, or plaintext only when --insecure was given (logged).
@@ -171,6 +170,7 @@ pub async fn start(config: &Config) -> anyhow::Result<Running> {
                 .layer(roles)
                 .add_service(health_service)
                 .add_service(reflection)
+                .add_service(reflection_v1alpha)
                 .add_service(metrics)
                 .serve_with_incoming_shutdown(
                     tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true)),

@@ -73,11 +73,19 @@ impl Cli {
         }
     }
 
-    /// The telemetry flags that apply: the service's own for `serve`.
-    pub fn telemetry_args(&self) -> &telemetry::TelemetryArgs {
+    /// The telemetry flags that apply: for `serve`, the service's own, but
+    /// `aliquotctl --log-format json serve X` is honoured too (either place
+    /// asking for JSON gets JSON).
+    pub fn telemetry_args(&self) -> telemetry::TelemetryArgs {
         match &self.command {
-            Cmd::Serve(s) => s.telemetry(),
-            _ => &self.telemetry,
+            Cmd::Serve(s) => {
+                let mut t = s.telemetry().clone();
+                if self.telemetry.log_format != telemetry::LogFormat::default() {
+                    t.log_format = self.telemetry.log_format;
+                }
+                t
+            }
+            _ => self.telemetry.clone(),
         }
     }
 }

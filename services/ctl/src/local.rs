@@ -287,6 +287,20 @@ impl LocalPool {
         for t in &args.tunable {
             aargs.extend(["--tunable".into(), t.clone()]);
         }
+        // OpenZFS sets an embedded log metaslab aside only on vdevs of more
+        // than zfs_embedded_slog_min_ms (64) metaslabs, i.e. above ~32 GiB at
+        // its default 16 to 200 per vdev. A local pool's GiB-sized files would
+        // get none, so unless told otherwise ask for 128 metaslabs a vdev
+        // (never below OpenZFS's 16 MiB): every vdev of 1.1 GiB or more gets
+        // one. `up` names those that do not (see `embedded_log_notes`).
+        if !args.tunable.iter().any(|t| {
+            t.starts_with("zfs_vdev_min_ms_count=") || t.starts_with("zfs_embedded_slog_min_ms=")
+        }) {
+            aargs.extend([
+                "--tunable".into(),
+                format!("zfs_vdev_min_ms_count={LOCAL_MIN_MS_COUNT}"),
+            ]);
+        }
         aargs.extend(self.security_flags(aliquot_auth::Role::Allocator, "allocator")?);
         let a = self
             .spawn("allocator", Role::Allocator, &aargs, &["grpc"])
@@ -424,6 +438,21 @@ impl LocalPool {
             .append(true)
             .open(&log)
             .map_err(|e| anyhow::anyhow!("cannot open {}: {e}", log.display()))?;
+        // Logs append across runs; this line marks where this run starts, so
+        // a death is explained by this run's lines, never an earlier one's.
+        {
+            use std::io::Write as _;
+            let mut f = &logf;
+            let _ = writeln!(
+                f,
+                "{RUN_MARK} {name} at unix {} s (aliquotctl pid {}) ===",
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_secs())
+                    .unwrap_or(0),
+                std::process::id()
+            );
+        }
         let mut cmd = Command::new(&exe);
         // Our flags decide the child's security; an inherited variable of
         // the other mode would only make clap refuse the mix.
@@ -553,6 +582,42 @@ impl LocalPool {
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
+    }
+
+    /// A line for each normal vdev without an embedded log metaslab, saying
+    /// why (too few metaslabs) and what would give it one.
+    pub async fn embedded_log_notes(&self) -> anyhow::Result<Vec<String>> {
+        let mut c = client::allocator(&self.tls, &self.allocator_url).await?;
+        let st = c
+            .get_pool(GetPoolRequest {})
+            .await
+            .map_err(|s| client::status_msg("get pool", &s))?
+            .into_inner();
+        let tun = c
+            .get_tunables(aliquot_proto::v1::GetTunablesRequest {})
+            .await
+            .map_err(|s| client::status_msg("get tunables", &s))?
+            .into_inner();
+        let min_ms = tun
+            .tunables
+            .iter()
+            .find(|t| t.name == "zfs_embedded_slog_min_ms")
+            .map_or("64".to_string(), |t| t.value.clone());
+        Ok(st
+            .vdevs
+            .iter()
+            .filter(|v| v.class == "normal" && v.embedded_log_metaslab.is_none())
+            .map(|v| {
+                format!(
+                    "note: {} has no embedded log metaslab: {} metaslabs of {}, and OpenZFS \
+                     sets one aside only above zfs_embedded_slog_min_ms={min_ms} \
+                     (a larger vdev, or --tunable zfs_embedded_slog_min_ms=N, gives it one)",
+                    crate::names::vdev_label(v.vdev, &v.name),
+                    v.metaslab_count,
+                    units::format_bytes(v.metaslab_size),
+                )
+            })
+            .collect())
     }
 
     /// The next child that exited on its own: (name, status).
@@ -697,12 +762,24 @@ fn signal(pid: i32, sig: libc::c_int) {
     }
 }
 
+/// Metaslabs per vdev `up` asks for (`zfs_vdev_min_ms_count`), so that
+/// its vdevs have more than `zfs_embedded_slog_min_ms` (64).
+pub const LOCAL_MIN_MS_COUNT: u64 = 128;
+
+/// Starts each run's part of a child's log (see `spawn_child`).
+const RUN_MARK: &str = "=== aliquotctl up: starting";
+
+/// The last lines of a child's log, from this run only.
 fn tail_note(log: &Path) -> String {
     let s = std::fs::read_to_string(log).unwrap_or_default();
-    let lines: Vec<&str> = s.lines().collect();
+    let run = match s.rfind(RUN_MARK) {
+        Some(i) => s[i..].split_once('\n').map_or("", |(_, rest)| rest),
+        None => &s[..],
+    };
+    let lines: Vec<&str> = run.lines().collect();
     let tail = lines[lines.len().saturating_sub(15)..].join("\n");
     if tail.is_empty() {
-        format!("its log {} is empty", log.display())
+        format!("its log {} says nothing for this run", log.display())
     } else {
         format!("last lines of {}:\n{tail}", log.display())
     }
@@ -745,6 +822,10 @@ pub async fn up(args: PoolArgs) -> anyhow::Result<()> {
         _ = int.recv() => anyhow::bail!("interrupted while starting (children stopped)"),
     };
     print!("{}", pool.describe());
+    match pool.embedded_log_notes().await {
+        Ok(notes) => notes.iter().for_each(|n| println!("{n}")),
+        Err(e) => eprintln!("aliquotctl: cannot check the embedded log metaslabs: {e}"),
+    }
     let mut hint = if pool.allocator_addr.to_string() == "127.0.0.1:7000" {
         String::new()
     } else {
@@ -801,6 +882,26 @@ pub async fn up(args: PoolArgs) -> anyhow::Result<()> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_death_is_explained_by_this_runs_log_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("file0.log");
+        std::fs::write(
+            &log,
+            format!(
+                "{RUN_MARK} file0 at unix 1 s (aliquotctl pid 1) ===\nold failure: disk on fire\n\
+                 {RUN_MARK} file0 at unix 2 s (aliquotctl pid 2) ===\nnew failure: bad flag\n"
+            ),
+        )
+        .unwrap();
+        let note = tail_note(&log);
+        assert!(note.contains("new failure: bad flag"), "{note}");
+        assert!(!note.contains("disk on fire"), "{note}");
+        std::fs::write(&log, format!("old\n{RUN_MARK} file0 ===\n")).unwrap();
+        assert!(tail_note(&log).contains("says nothing for this run"));
+    }
+
     use super::*;
 
     #[test]

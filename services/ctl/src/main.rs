@@ -18,7 +18,7 @@ fn main() -> ExitCode {
         }
     };
     rt.block_on(async {
-        let guard = telemetry::init(cli.service_name(), cli.telemetry_args());
+        let guard = telemetry::init(cli.service_name(), &cli.telemetry_args());
         let name = cli.service_name();
         let result = aliquotctl::run(cli).await;
         let code = match &result {

@@ -294,7 +294,11 @@ pub fn ahead_warnings(st: &PoolStatus, style: Style) -> Vec<String> {
     if style.warn_ahead <= 0.0 {
         return out;
     }
-    for c in st.classes.iter().filter(|c| c.space > 0) {
+    for c in st
+        .classes
+        .iter()
+        .filter(|c| c.space > 0 && c.name != "embedded_log")
+    {
         let cu = class_used(c);
         for g in c.groups.iter().filter(|g| g.capacity > 0) {
             let ahead = (used(g) - cu) * 100.0;
@@ -370,6 +374,10 @@ pub fn render_table_with(st: &PoolStatus, style: Style) -> String {
         ]);
         for g in &c.groups {
             let v = vdev_of(st, g.vdev);
+            // A vdev with no embedded log metaslab has no part in that class.
+            if c.name == "embedded_log" && v.is_some_and(|v| v.embedded_log_metaslab.is_none()) {
+                continue;
+            }
             let online = v.map(|v| v.online).unwrap_or(true);
             let emblog = match v.and_then(|v| v.embedded_log_metaslab) {
                 Some(ms) => format!("ms {ms}"),
@@ -430,7 +438,9 @@ pub fn render_table_with(st: &PoolStatus, style: Style) -> String {
     out.push('\n');
     out.push_str(&layout(&VDEV_HEADER, &rows));
     for c in &st.classes {
-        if c.space == 0 {
+        // The embedded log class's groups are its vdevs (OpenZFS balances
+        // them by the vdev's fill), so its VAR line would repeat normal's.
+        if c.space == 0 || c.name == "embedded_log" {
             continue;
         }
         if let Some(b) = balance(c) {

@@ -1,0 +1,319 @@
+"""`Pool`: one allocator, the agents it names, and the write protocol.
+
+Retries follow the API's contract (allocator.proto): Commit, Free, Claim and
+SyncTxg are safe to repeat; a failed data write gives its allocation back
+(Abort) and starts again with a new one, since nothing references it yet; a
+lease that ended (LEASE_EXPIRED) means the same; an allocator that restarted
+before the block's txg synced (ALLOCATOR_RESTARTED) gets the block's extents
+re-asserted with Claim, the data being on the agents already.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Dict, List, Optional, Sequence
+
+import grpc
+from grpc_status import rpc_status
+from google.rpc import error_details_pb2
+
+from aliquot.v1 import agent_pb2, agent_pb2_grpc, allocator_pb2, allocator_pb2_grpc, common_pb2
+
+# A 16 MiB block plus framing, as the servers accept.
+MAX_MESSAGE = 17 * 1024 * 1024
+_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE),
+    ("grpc.max_receive_message_length", MAX_MESSAGE),
+]
+# Codes on which a call that is safe to repeat is repeated.
+_TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class ErrorReason:
+    """The `reason` names of the google.rpc.ErrorInfo Aliquot errors carry."""
+
+    LEASE_EXPIRED = "LEASE_EXPIRED"
+    ALLOCATOR_RESTARTED = "ALLOCATOR_RESTARTED"
+    NO_SPACE = "NO_SPACE"
+    FRAGMENTED = "FRAGMENTED"
+    VDEVS_OFFLINE = "VDEVS_OFFLINE"
+    CLAIM_CONFLICT = "CLAIM_CONFLICT"
+    UNKNOWN_ALLOCATION = "UNKNOWN_ALLOCATION"
+    TXG_WAIT = "TXG_WAIT"
+    SHUTTING_DOWN = "SHUTTING_DOWN"
+    NOT_OWNER = "NOT_OWNER"
+
+
+def error_info(err: grpc.RpcError) -> Optional[error_details_pb2.ErrorInfo]:
+    """The ErrorInfo in an error's google.rpc.Status details, if any."""
+    try:
+        status = rpc_status.from_call(err)
+    except Exception:  # a malformed trailer is no reason to fail the caller
+        return None
+    if status is None:
+        return None
+    for d in status.details:
+        if d.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            d.Unpack(info)
+            return info
+    return None
+
+
+def error_reason(err: grpc.RpcError) -> Optional[str]:
+    """The machine-readable reason of an Aliquot error (see `ErrorReason`)."""
+    info = error_info(err)
+    return info.reason if info is not None else None
+
+
+class AliquotError(Exception):
+    """A call failed for good (after any retries), with the server's reason."""
+
+    def __init__(self, what: str, err: grpc.RpcError):
+        self.code = err.code()
+        self.reason = error_reason(err)
+        self.details = err.details()
+        super().__init__(f"{what}: {self.details} ({self.code.name}, reason {self.reason})")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tls:
+    """The pool CA and this client's certificate (PEM files), as
+    `aliquotctl up` writes them to aliquot-data/certs or `aliquotctl certs
+    issue --role client NAME` issues them."""
+
+    ca: str
+    cert: str
+    key: str
+
+    @staticmethod
+    def in_dir(certs_dir: str, role: str = "admin", name: str = "operator") -> "Tls":
+        d = certs_dir.rstrip("/") + "/"
+        return Tls(d + "ca.pem", d + f"{role}-{name}.pem", d + f"{role}-{name}.key")
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        def read(p):
+            with open(p, "rb") as f:
+                return f.read()
+
+        return grpc.ssl_channel_credentials(
+            root_certificates=read(self.ca),
+            private_key=read(self.key),
+            certificate_chain=read(self.cert),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """A committed block: where its copies are and the txg that makes it durable."""
+
+    length: int  # bytes of data (extents are rounded up to each vdev's ashift)
+    extents: List[common_pb2.Extent]
+    endpoints: List[str]
+    txg: int
+    generation: int
+    synced: bool
+
+
+def _target(url: str) -> str:
+    """`https://host:port` -> `host:port` (what grpc channels take)."""
+    return url.split("://", 1)[-1].rstrip("/")
+
+
+class Pool:
+    """A client of one Aliquot pool.
+
+    >>> pool = Pool("127.0.0.1:7000", tls=Tls.in_dir("aliquot-data/certs"))
+    >>> b = pool.write_block(b"hello" * 1000, copies=2)
+    >>> assert pool.read_block(b) == b"hello" * 1000
+    """
+
+    def __init__(
+        self,
+        allocator: str,
+        tls: Optional[Tls] = None,
+        timeout: float = 10.0,
+        attempts: int = 5,
+    ):
+        self.tls = tls
+        self.timeout = timeout
+        self.attempts = attempts
+        self._creds = tls.credentials() if tls is not None else None
+        self._allocator_channel = self._channel(_target(allocator), "allocator.aliquot")
+        self.allocator = allocator_pb2_grpc.AllocatorStub(self._allocator_channel)
+        self._agents: Dict[str, agent_pb2_grpc.VdevAgentStub] = {}
+        self._channels = [self._allocator_channel]
+
+    def _channel(self, target: str, server_name: str) -> grpc.Channel:
+        if self._creds is None:
+            return grpc.insecure_channel(target, options=_OPTIONS)
+        # Certificates name the role (allocator.aliquot, agent.aliquot), not
+        # the host, so one CA serves any address.
+        opts = _OPTIONS + [("grpc.ssl_target_name_override", server_name)]
+        return grpc.secure_channel(target, self._creds, options=opts)
+
+    def agent(self, endpoint: str) -> agent_pb2_grpc.VdevAgentStub:
+        t = _target(endpoint)
+        if t not in self._agents:
+            ch = self._channel(t, "agent.aliquot")
+            self._channels.append(ch)
+            self._agents[t] = agent_pb2_grpc.VdevAgentStub(ch)
+        return self._agents[t]
+
+    def close(self) -> None:
+        for ch in self._channels:
+            ch.close()
+
+    def __enter__(self) -> "Pool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- calls safe to repeat ------------------------------------------------
+
+    def _repeat(self, what: str, call, *args, **kwargs):
+        """`call` again on a transient failure, with backoff."""
+        for attempt in range(self.attempts):
+            try:
+                return call(*args, timeout=self.timeout, **kwargs)
+            except grpc.RpcError as e:
+                if e.code() in _TRANSIENT and attempt + 1 < self.attempts:
+                    time.sleep(0.1 * 2**attempt)
+                    continue
+                raise AliquotError(what, e) from e
+
+    def sync_txg(self, txg: int = 0, generation: int = 0) -> int:
+        """Wait until `txg` (0: the open one) has synced; the synced txg."""
+        r = self._repeat(
+            "sync txg",
+            self.allocator.SyncTxg,
+            allocator_pb2.SyncTxgRequest(txg=txg, generation=generation),
+        )
+        return r.synced_txg
+
+    def free(self, blocks: Sequence[Block]) -> int:
+        """Free blocks' extents; the txg the frees belong to."""
+        extents = [e for b in blocks for e in b.extents]
+        return self._repeat("free", self.allocator.Free, allocator_pb2.FreeRequest(extents=extents)).txg
+
+    def get_pool(self) -> allocator_pb2.PoolStatus:
+        return self._repeat("get pool", self.allocator.GetPool, allocator_pb2.GetPoolRequest())
+
+    # ---- the write protocol --------------------------------------------------
+
+    def _allocate(self, size: int, copies: int, log: bool) -> allocator_pb2.AllocateReply:
+        req = allocator_pb2.AllocateRequest(
+            size=size,
+            copies=copies,
+            **{"class": allocator_pb2.ALLOCATION_CLASS_LOG if log else allocator_pb2.ALLOCATION_CLASS_DATA},
+        )
+        for attempt in range(self.attempts):
+            try:
+                # No client deadline: a DATA allocation may wait in the
+                # throttle, which is the point of it.
+                return self.allocator.Allocate(req)
+            except grpc.RpcError as e:
+                info = error_info(e)
+                reason = info.reason if info else None
+                last = attempt + 1 == self.attempts
+                if reason == ErrorReason.TXG_WAIT and not last:
+                    # Log space comes back when txg `until` syncs.
+                    self.sync_txg(int(info.metadata.get("until", "0")))
+                    continue
+                if e.code() in _TRANSIENT and not last:
+                    time.sleep(0.1 * 2**attempt)
+                    continue
+                raise AliquotError("allocate", e) from e
+        raise AssertionError("unreachable")
+
+    def write_block(
+        self, data: bytes, copies: int = 1, log: bool = False, durable: bool = True
+    ) -> Block:
+        """Write one block (1 B ..= 16 MiB) as `copies` copies on distinct
+        vdevs and commit it; with `durable`, return once its txg has synced.
+        """
+        if not 0 < len(data) <= 16 << 20:
+            raise ValueError(f"a block is 1 B ..= 16 MiB, not {len(data)} bytes")
+        last_error: Optional[Exception] = None
+        for _ in range(self.attempts):
+            r = self._allocate(len(data), copies, log)
+            try:
+                for ext, ep, tok in zip(r.extents, r.endpoints, r.tokens or [b""] * len(r.extents)):
+                    # Extents are rounded up to the vdev's ashift: pad.
+                    payload = data + bytes(ext.size - len(data))
+                    self.agent(ep).Write(
+                        agent_pb2.WriteRequest(offset=ext.offset, data=payload, token=tok),
+                        timeout=self.timeout,
+                    )
+                for ep in sorted(set(r.endpoints)):
+                    self.agent(ep).Flush(agent_pb2.FlushRequest(), timeout=self.timeout)
+            except grpc.RpcError as e:
+                # Nothing references the allocation yet: give it back (the
+                # lease takes it back if this fails too) and start again.
+                last_error = AliquotError("write", e)
+                try:
+                    self.allocator.Abort(
+                        allocator_pb2.AbortRequest(allocation_ids=[r.allocation_id]),
+                        timeout=self.timeout,
+                    )
+                except grpc.RpcError:
+                    pass
+                continue
+            try:
+                c = self._repeat(
+                    "commit",
+                    self.allocator.Commit,
+                    allocator_pb2.CommitRequest(
+                        allocation_ids=[r.allocation_id],
+                        wait_synced=durable,
+                        generation=r.generation,
+                    ),
+                )
+                txg, generation, synced = c.txg, c.generation, c.synced
+            except AliquotError as e:
+                if e.reason == ErrorReason.LEASE_EXPIRED:
+                    last_error = e
+                    continue
+                if e.reason != ErrorReason.ALLOCATOR_RESTARTED:
+                    raise
+                # The data is on the agents; the restarted allocator does not
+                # know the allocation: re-assert its extents.
+                try:
+                    cl = self._repeat(
+                        "claim", self.allocator.Claim, allocator_pb2.ClaimRequest(extents=r.extents)
+                    )
+                except AliquotError as ce:
+                    if ce.reason == ErrorReason.CLAIM_CONFLICT:
+                        last_error = ce
+                        continue
+                    raise
+                txg, generation, synced = cl.txg, cl.generation, False
+                if durable:
+                    self.sync_txg(txg, generation)
+                    synced = True
+            return Block(
+                length=len(data),
+                extents=list(r.extents),
+                endpoints=list(r.endpoints),
+                txg=txg,
+                generation=generation,
+                synced=synced,
+            )
+        raise RuntimeError(f"write_block: gave up after {self.attempts} attempts: {last_error}")
+
+    def read_block(self, block: Block, copy: Optional[int] = None) -> bytes:
+        """Read a block back: copy `copy`, or the first copy that answers."""
+        order = [copy] if copy is not None else list(range(len(block.extents)))
+        last: Optional[grpc.RpcError] = None
+        for i in order:
+            ext, ep = block.extents[i], block.endpoints[i]
+            try:
+                r = self.agent(ep).Read(
+                    agent_pb2.ReadRequest(offset=ext.offset, size=ext.size), timeout=self.timeout
+                )
+                return r.data[: block.length]
+            except grpc.RpcError as e:
+                last = e
+        raise AliquotError("read", last)

@@ -1,0 +1,182 @@
+//! The Python client package (`clients/python`) against a real pool: `up`
+//! with mutual TLS (the default), a client certificate issued by
+//! `aliquotctl certs issue --role client`, the package's `Pool.write_block`
+//! (allocate → write each copy with its token → flush → commit, durable)
+//! for blocks of several sizes and copies, every copy read back, the
+//! allocator's own accounting matching, a free; and `grpcio-reflection`
+//! (v1alpha) listing exactly the allocator's services on its port.
+//!
+//! The package is installed by `.ci/run` (`ALIQUOT_PYTHONPATH`); without it
+//! the test installs it into the target dir itself, so `cargo test` alone
+//! works on a machine with Python 3 and pip.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use integration_tests::{INSECURE_ENV, Proc, args, bin, ctl, json_u64, ok_stdout};
+
+const PY_TEST: &str = r#"
+import json, sys
+from aliquot_client import Pool, Tls, AliquotError
+
+allocator, certs = sys.argv[1], sys.argv[2]
+pool = Pool(allocator, tls=Tls.in_dir(certs, role="client", name="pytest"))
+sizes = [(4096, 1), (100_000, 2), (1 << 20, 1), (3 * 65536 + 17, 3)]
+blocks = []
+for i, (size, copies) in enumerate(sizes):
+    data = bytes((i * 7 + j) % 251 for j in range(size))
+    b = pool.write_block(data, copies=copies)
+    assert b.synced and len(b.extents) == copies, b
+    assert len({e.vdev for e in b.extents}) == copies, "copies on distinct vdevs"
+    for c in range(copies):
+        assert pool.read_block(b, copy=c) == data, f"block {i} copy {c}"
+    blocks.append(b)
+
+# A bad request comes back as an AliquotError with the server's reason.
+try:
+    pool.write_block(b"x", copies=4)
+    raise SystemExit("copies=4 was accepted")
+except AliquotError as e:
+    assert e.reason == "INVALID_ARGUMENT", e
+
+placed = {}
+for b in blocks:
+    for e in b.extents:
+        placed[e.vdev] = placed.get(e.vdev, 0) + e.size
+freed_txg = pool.free(blocks[:1])
+pool.sync_txg(freed_txg)
+
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+services = sorted(ProtoReflectionDescriptorDatabase(pool._allocator_channel).get_services())
+print(json.dumps({"placed": placed, "services": services,
+                  "freed": [e.size for e in blocks[0].extents],
+                  "freed_vdevs": [e.vdev for e in blocks[0].extents]}))
+"#;
+
+/// Where the package is importable from: `ALIQUOT_PYTHONPATH` (.ci/run), or
+/// a fresh install into the target dir.
+fn python_path(py: &str) -> String {
+    if let Ok(p) = std::env::var("ALIQUOT_PYTHONPATH") {
+        return p;
+    }
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("python-client");
+    let st = Command::new(py)
+        .args(["-m", "pip", "install", "--quiet", "--upgrade", "--target"])
+        .arg(&dir)
+        .arg(format!("{}[reflection]", repo.join("clients/python").display()))
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run {py} -m pip: {e}"));
+    assert!(st.success(), "pip install clients/python failed");
+    dir.display().to_string()
+}
+
+#[test]
+fn python_client_writes_reads_and_discovers_over_tls() {
+    let py = std::env::var("ALIQUOT_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
+    let pypath = python_path(&py);
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    let up = Proc::start(
+        "up",
+        &bin("aliquotctl"),
+        &args![
+            "up",
+            "--ephemeral",
+            "--no-metrics",
+            "--data-dir",
+            data.display(),
+            "--agents",
+            "128MiB,128MiB,256MiB"
+        ],
+        // TLS, as `up` is by default (the harness defaults to --insecure).
+        &[(INSECURE_ENV.to_string(), "false".to_string())],
+        &["grpc"],
+        tmp.path(),
+    )
+    .expect("aliquotctl up");
+    let addr = up.addr("grpc").to_string();
+    let certs = data.join("certs");
+    ok_stdout(
+        &ctl(&args![
+            "certs",
+            "issue",
+            "--dir",
+            certs.display(),
+            "--role",
+            "client",
+            "pytest"
+        ]),
+        "certs issue --role client",
+    );
+
+    let out = Command::new(&py)
+        .args(["-c", PY_TEST, &addr, &certs.display().to_string()])
+        .env("PYTHONPATH", &pypath)
+        .output()
+        .expect("run python");
+    assert!(
+        out.status.success(),
+        "python client failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value =
+        serde_json::from_slice(out.stdout.split(|&b| b == b'\n').rfind(|l| !l.is_empty()).unwrap())
+            .unwrap();
+    assert_eq!(
+        r["services"],
+        serde_json::json!([
+            "aliquot.v1.AgentRegistry",
+            "aliquot.v1.Allocator",
+            "grpc.health.v1.Health",
+            "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection"
+        ]),
+        "reflection lists exactly the allocator's services"
+    );
+
+    let st: serde_json::Value = serde_json::from_str(&ok_stdout(
+        &ctl(&args![
+            "status",
+            "--allocator",
+            addr,
+            "--certs-dir",
+            certs.display(),
+            "--json"
+        ]),
+        "status --json",
+    ))
+    .unwrap();
+    let mut want: std::collections::BTreeMap<u64, u64> = r["placed"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| (k.parse().unwrap(), v.as_u64().unwrap()))
+        .collect();
+    let total_placed: u64 = want.values().sum();
+    for (v, s) in r["freed_vdevs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(r["freed"].as_array().unwrap())
+    {
+        *want.get_mut(&v.as_u64().unwrap()).unwrap() -= s.as_u64().unwrap();
+    }
+    let have: u64 = st["vdevs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| json_u64(&v["alloc"]).unwrap())
+        .sum();
+    // The allocator holds what the client placed; the freed block's space
+    // counts until its deferral ends (2 more txgs): either figure is right
+    // at this instant, nothing else is.
+    let after_free: u64 = want.values().sum();
+    assert!(
+        have == total_placed || have == after_free,
+        "allocator holds {have}, the client placed {total_placed} and freed down to {after_free}"
+    );
+}

@@ -145,9 +145,11 @@ fn start(dir: &Path) -> (Proc, Proc, Vec<Proc>) {
             met.url("grpc"),
             "--snapshot-interval",
             "200ms",
+            "--prometheus-listen",
+            "127.0.0.1:0",
         ],
         &[],
-        &["grpc"],
+        &["grpc", "prometheus"],
         dir,
     )
     .expect("start allocator");
@@ -170,9 +172,11 @@ fn start(dir: &Path) -> (Proc, Proc, Vec<Proc>) {
                     41 + i,
                     "--capacity",
                     "4GiB",
+                    "--prometheus-listen",
+                    "127.0.0.1:0",
                 ],
                 &[],
-                &["grpc"],
+                &["grpc", "prometheus"],
                 dir,
             )
             .expect("start agent")
@@ -193,7 +197,7 @@ fn groups(p: &pb::PoolStatus) -> Vec<pb::GroupStatus> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_parse_and_agree_with_get_pool() {
     let dir = tempfile::tempdir().unwrap();
-    let (met, alloc, _agents) = start(dir.path());
+    let (met, alloc, agents_procs) = start(dir.path());
     let mut c = AllocatorClient::connect(alloc.url("grpc")).await.unwrap();
     let t0 = Instant::now();
     loop {
@@ -350,6 +354,25 @@ async fn metrics_parse_and_agree_with_get_pool() {
     .unwrap();
     assert!(limit.value > 0.0, "class limit {limit:?}");
     assert_eq!(limit.kind, "gauge");
+    // Txgs and the throttle's queue, as `status` shows them.
+    let synced = get(&samples, "aliquot_pool_synced_txg", &p).unwrap().value;
+    let open = get(&samples, "aliquot_pool_txg", &p).unwrap().value;
+    assert!(
+        synced >= 1.0 && synced < open,
+        "synced {synced}, open {open}"
+    );
+    assert!(
+        (pool.synced_txg as f64 - synced).abs() <= 5.0,
+        "synced txg {synced} vs GetPool {}",
+        pool.synced_txg
+    );
+    let waiting = get(
+        &samples,
+        "aliquot_class_waiting",
+        &[p[0], ("class", "normal")],
+    )
+    .unwrap();
+    assert_eq!(waiting.value, 0.0, "nothing waits once the writes are over");
 
     // The service's own RPC counters: the allocator has pushed batches.
     let pushes = samples
@@ -369,4 +392,43 @@ async fn metrics_parse_and_agree_with_get_pool() {
         .find(|s| s.name == "aliquot_grpc_server_duration_seconds_count")
         .expect("latency histogram");
     assert!(hist.value >= 1.0);
+
+    // The allocator and each agent serve their own RPC metrics.
+    let count = |samples: &[Sample], method: &str| {
+        samples
+            .iter()
+            .filter(|s| {
+                s.name == "aliquot_grpc_server_requests_total"
+                    && s.labels.get("method").map(String::as_str) == Some(method)
+                    && s.labels.get("code").map(String::as_str) == Some("OK")
+            })
+            .map(|s| s.value)
+            .sum::<f64>()
+    };
+    let a = scrape(&format!("http://{}/metrics", alloc.addr("prometheus")));
+    assert_eq!(
+        count(&a, "/aliquot.v1.Allocator/Allocate"),
+        24.0,
+        "allocator's own counts"
+    );
+    assert_eq!(count(&a, "/aliquot.v1.Allocator/Commit"), 24.0);
+    assert!(count(&a, "/aliquot.v1.AgentRegistry/Register") >= 3.0);
+    let writes: f64 = agents_procs
+        .iter()
+        .map(|ag| {
+            let s = scrape(&format!("http://{}/metrics", ag.addr("prometheus")));
+            assert!(
+                s.iter().all(|x| !x
+                    .labels
+                    .get("method")
+                    .is_some_and(|m| m.contains("Allocator"))),
+                "an agent counts only its own calls"
+            );
+            count(&s, "/aliquot.v1.VdevAgent/Write")
+        })
+        .sum();
+    assert_eq!(
+        writes, 24.0,
+        "every write counted by the agent that served it"
+    );
 }

@@ -66,7 +66,10 @@ fn python_path(py: &str) -> String {
     let st = Command::new(py)
         .args(["-m", "pip", "install", "--quiet", "--upgrade", "--target"])
         .arg(&dir)
-        .arg(format!("{}[reflection]", repo.join("clients/python").display()))
+        .arg(format!(
+            "{}[reflection]",
+            repo.join("clients/python").display()
+        ))
         .status()
         .unwrap_or_else(|e| panic!("cannot run {py} -m pip: {e}"));
     assert!(st.success(), "pip install clients/python failed");
@@ -123,9 +126,13 @@ fn python_client_writes_reads_and_discovers_over_tls() {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    let r: serde_json::Value =
-        serde_json::from_slice(out.stdout.split(|&b| b == b'\n').rfind(|l| !l.is_empty()).unwrap())
-            .unwrap();
+    let r: serde_json::Value = serde_json::from_slice(
+        out.stdout
+            .split(|&b| b == b'\n')
+            .rfind(|l| !l.is_empty())
+            .unwrap(),
+    )
+    .unwrap();
     assert_eq!(
         r["services"],
         serde_json::json!([

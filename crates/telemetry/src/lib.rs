@@ -19,6 +19,7 @@ use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer, Registry};
 
+pub mod rpc_metrics;
 pub mod sink;
 
 /// How log lines look on stderr.

@@ -42,6 +42,12 @@ pub struct Config {
     #[arg(long, env = "ALIQUOT_LISTEN", default_value = "127.0.0.1:0")]
     pub listen: SocketAddr,
 
+    /// Also serve this process's gRPC metrics (calls by method and code,
+    /// latency histograms) as Prometheus `/metrics` over HTTP on this
+    /// address (port 0 picks one; see the `LISTEN prometheus` line).
+    #[arg(long, env = "ALIQUOT_PROMETHEUS_LISTEN")]
+    pub prometheus_listen: Option<SocketAddr>,
+
     /// URL the allocator and clients use to reach this agent
     /// (default: http://<bound address>).
     #[arg(long, env = "ALIQUOT_ADVERTISE")]
@@ -132,6 +138,7 @@ impl Config {
     pub fn new(backend: BackendKind) -> Config {
         Config {
             listen: "127.0.0.1:0".parse().expect("literal address"),
+            prometheus_listen: None,
             advertise: None,
             allocator: "none".into(),
             name: None,

@@ -150,8 +150,19 @@ pub async fn serve(
             "no --token-key: writes are not checked against the allocator's write tokens"
         );
     }
+    let rpc = std::sync::Arc::new(telemetry::rpc_metrics::RpcMetrics::default());
+    if let Some(a) = config.prometheus_listen {
+        let bound = telemetry::rpc_metrics::serve(a, rpc.clone())
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot bind --prometheus-listen {a}: {e}"))?;
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "LISTEN prometheus {bound}")?;
+        out.flush()?;
+    }
     let server = builder
         .trace_fn(telemetry::server_span)
+        // Outside the role check, so refused calls are counted too.
+        .layer(telemetry::rpc_metrics::RpcMetricsLayer(rpc))
         // Writes are large: HTTP/2's default 64 KiB windows and 16 KiB frames
         // would make every 1 MiB write wait on many window updates.
         .initial_stream_window_size(STREAM_WINDOW)

@@ -66,6 +66,11 @@ pub struct Config {
     /// gRPC listen address (port 0 picks a free port; see the LISTEN line).
     #[arg(long, env = "ALIQUOT_LISTEN", default_value = "127.0.0.1:7000")]
     pub listen: SocketAddr,
+    /// Also serve this process's gRPC metrics (calls by method and code,
+    /// latency histograms) as Prometheus `/metrics` over HTTP on this
+    /// address (port 0 picks one; see the `LISTEN prometheus` line).
+    #[arg(long, env = "ALIQUOT_PROMETHEUS_LISTEN")]
+    pub prometheus_listen: Option<SocketAddr>,
     /// Pool name.
     #[arg(long, env = "ALIQUOT_POOL", default_value = "aliquot")]
     pub pool: String,
@@ -230,6 +235,8 @@ fn validate(c: &Config) -> Result<Validated, ConfigError> {
 /// A running allocator (in-process).
 pub struct Running {
     pub addr: SocketAddr,
+    /// Where `/metrics` is served, with --prometheus-listen.
+    pub prometheus: Option<SocketAddr>,
     pub shared: Arc<Shared>,
     server: JoinHandle<Result<(), tonic::transport::Error>>,
     background: Vec<JoinHandle<()>>,
@@ -411,9 +418,20 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
         }
         None => aliquot_auth::RoleLayer::insecure(),
     };
+    let rpc = Arc::new(telemetry::rpc_metrics::RpcMetrics::default());
+    let prometheus = match config.prometheus_listen {
+        Some(a) => Some(
+            telemetry::rpc_metrics::serve(a, rpc.clone())
+                .await
+                .map_err(|e| anyhow::anyhow!("cannot bind --prometheus-listen {a}: {e}"))?,
+        ),
+        None => None,
+    };
     let server = tokio::spawn(
         builder
             .trace_fn(telemetry::server_span)
+            // Outside the role check, so refused calls are counted too.
+            .layer(telemetry::rpc_metrics::RpcMetricsLayer(rpc))
             .layer(roles)
             .add_service(health_service)
             .add_service(reflection)
@@ -430,6 +448,7 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
         txg_timeout_ms = v.txg_timeout.as_millis() as u64, "allocator serving");
     Ok(Running {
         addr,
+        prometheus,
         shared,
         server,
         background,
@@ -532,6 +551,9 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     {
         let mut out = std::io::stdout().lock();
         writeln!(out, "LISTEN grpc {}", running.addr)?;
+        if let Some(p) = running.prometheus {
+            writeln!(out, "LISTEN prometheus {p}")?;
+        }
         out.flush()?;
     }
     shutdown_signal().await;

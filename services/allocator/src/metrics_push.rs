@@ -75,6 +75,8 @@ pub fn snapshot(shared: &Shared, g: &mut Inner) -> pb::PoolSnapshot {
             alloc_max: c.alloc_max,
             reserved: c.reserved,
             busy: c.busy,
+            waiting: c.waiting,
+            waiting_bytes: c.waiting_bytes,
         })
         .collect();
     pb::PoolSnapshot {
@@ -85,6 +87,7 @@ pub fn snapshot(shared: &Shared, g: &mut Inner) -> pb::PoolSnapshot {
         classes,
         events: std::mem::take(&mut g.events),
         dropped_snapshots: 0,
+        synced_txg: shared.synced_txg(),
     }
 }
 

@@ -1,6 +1,6 @@
 //! Prometheus/OpenMetrics exposition (`GET /metrics`): the latest snapshot of
 //! each pool as gauges (per vdev, per class, per pool), plus this service's
-//! own gRPC counts and latencies ([`RpcMetrics`]).
+//! own gRPC counts and latencies ([`telemetry::rpc_metrics`]).
 //!
 //! Pool gauges are rebuilt from the latest snapshot on every scrape, so a vdev
 //! that leaves the pool leaves the output too. Derived values use the
@@ -11,23 +11,16 @@
 //! of these, as in the store.
 
 use std::collections::BTreeMap;
-use std::collections::HashSet;
+use std::sync::Mutex;
 use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
 
 use aliquot_proto::v1::{PoolSnapshot, VdevHealth};
-use futures_util::future::BoxFuture;
 use prometheus_client::encoding::text::encode;
-use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-/// Content type of the text [`render`] produces.
-pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+pub use telemetry::rpc_metrics::{CONTENT_TYPE, RpcMetrics, RpcMetricsLayer};
 
 type Labels = Vec<(String, String)>;
 type FGauge = Family<Labels, Gauge<f64, AtomicU64>>;
@@ -214,7 +207,12 @@ fn register_pools(reg: &mut Registry, pools: &[PoolSnapshot]) {
     );
     let minvar = gauge(reg, "aliquot_pool_min_var_ratio", "Lowest vdev VAR");
     let maxvar = gauge(reg, "aliquot_pool_max_var_ratio", "Highest vdev VAR");
-    let txg = gauge(reg, "aliquot_pool_txg", "Txg of the latest snapshot");
+    let txg = gauge(reg, "aliquot_pool_txg", "Open txg of the latest snapshot");
+    let synced = gauge(
+        reg,
+        "aliquot_pool_synced_txg",
+        "Last txg whose changes are durable",
+    );
     let ts = gauge(
         reg,
         "aliquot_pool_snapshot_timestamp_seconds",
@@ -240,6 +238,16 @@ fn register_pools(reg: &mut Registry, pools: &[PoolSnapshot]) {
         "aliquot_class_reserved_bytes",
         "Bytes reserved against the class limit",
     );
+    let cwait = gauge(
+        reg,
+        "aliquot_class_waiting",
+        "Allocations waiting in the throttle",
+    );
+    let cwaitb = gauge(
+        reg,
+        "aliquot_class_waiting_bytes",
+        "Bytes the waiting allocations ask for",
+    );
     let cbusy = gauge(
         reg,
         "aliquot_class_busy",
@@ -254,6 +262,7 @@ fn register_pools(reg: &mut Registry, pools: &[PoolSnapshot]) {
         spread.get_or_create(&pl).set(b.spread);
         sd.get_or_create(&pl).set(b.stddev);
         txg.get_or_create(&pl).set(s.txg as f64);
+        synced.get_or_create(&pl).set(s.synced_txg as f64);
         ts.get_or_create(&pl).set(s.time_ms as f64 / 1000.0);
         dropped.get_or_create(&pl).set(s.dropped_snapshots as f64);
         let health = pool_health(s);
@@ -303,6 +312,8 @@ fn register_pools(reg: &mut Registry, pools: &[PoolSnapshot]) {
             climit.get_or_create(&cl).set(c.alloc_max as f64);
             cres.get_or_create(&cl).set(c.reserved as f64);
             cbusy.get_or_create(&cl).set(if c.busy { 1.0 } else { 0.0 });
+            cwait.get_or_create(&cl).set(f64::from(c.waiting));
+            cwaitb.get_or_create(&cl).set(c.waiting_bytes as f64);
         }
     }
 }
@@ -316,162 +327,6 @@ pub fn render(latest: &Latest, rpc: &RpcMetrics) -> String {
     // Writing into a String cannot fail.
     let _ = encode(&mut out, &reg);
     out
-}
-
-/// Most distinct method labels kept; further unknown paths count as "other"
-/// (a peer choosing paths must not grow this without bound).
-const MAX_METHODS: usize = 64;
-
-/// gRPC server counts and latencies by method and status code.
-pub struct RpcMetrics {
-    requests: Family<Labels, Counter>,
-    latency: Family<Labels, Histogram>,
-    methods: Mutex<HashSet<String>>,
-}
-
-impl Default for RpcMetrics {
-    fn default() -> Self {
-        RpcMetrics {
-            requests: Family::default(),
-            latency: Family::new_with_constructor(|| {
-                // 100 µs .. ~105 s, x4 per bucket.
-                Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
-                    1e-4, 4.0, 11,
-                ))
-            }),
-            methods: Mutex::new(HashSet::new()),
-        }
-    }
-}
-
-impl RpcMetrics {
-    fn register(&self, reg: &mut Registry) {
-        reg.register(
-            "aliquot_grpc_server_requests",
-            "gRPC calls served, by method and status code",
-            self.requests.clone(),
-        );
-        reg.register(
-            "aliquot_grpc_server_duration_seconds",
-            "Time from request headers to response headers, by method",
-            self.latency.clone(),
-        );
-    }
-
-    fn method_label(&self, path: &str) -> String {
-        let known = path.len() <= 128
-            && path.starts_with('/')
-            && path[1..].split('/').count() == 2
-            && path
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b"/._".contains(&b));
-        if !known {
-            return "other".into();
-        }
-        let mut m = self.methods.lock().unwrap_or_else(|e| e.into_inner());
-        if m.contains(path) || m.len() < MAX_METHODS {
-            m.insert(path.to_owned());
-            path.to_owned()
-        } else {
-            "other".into()
-        }
-    }
-
-    fn observe(&self, path: &str, code: &str, took: Duration) {
-        let method = self.method_label(path);
-        self.requests
-            .get_or_create(&l(&[("method", &method), ("code", code)]))
-            .inc();
-        self.latency
-            .get_or_create(&l(&[("method", &method)]))
-            .observe(took.as_secs_f64());
-    }
-}
-
-/// gRPC status code names, by number.
-fn code_name(v: &str) -> &'static str {
-    const NAMES: [&str; 17] = [
-        "OK",
-        "CANCELLED",
-        "UNKNOWN",
-        "INVALID_ARGUMENT",
-        "DEADLINE_EXCEEDED",
-        "NOT_FOUND",
-        "ALREADY_EXISTS",
-        "PERMISSION_DENIED",
-        "RESOURCE_EXHAUSTED",
-        "FAILED_PRECONDITION",
-        "ABORTED",
-        "OUT_OF_RANGE",
-        "UNIMPLEMENTED",
-        "INTERNAL",
-        "UNAVAILABLE",
-        "DATA_LOSS",
-        "UNAUTHENTICATED",
-    ];
-    v.parse::<usize>()
-        .ok()
-        .and_then(|i| NAMES.get(i).copied())
-        .unwrap_or("UNKNOWN")
-}
-
-/// A tower layer for a tonic server that feeds [`RpcMetrics`].
-///
-/// The code is read from the response headers: tonic sends a handler's error
-/// as a trailers-only response, so it is there; a response without it is
-/// counted OK. (A server-streaming call that fails mid-stream would carry its
-/// status in trailers and count as OK; the metrics service has none.)
-#[derive(Clone)]
-pub struct RpcMetricsLayer(pub Arc<RpcMetrics>);
-
-impl<S> tower::Layer<S> for RpcMetricsLayer {
-    type Service = RpcMetricsService<S>;
-    fn layer(&self, inner: S) -> Self::Service {
-        RpcMetricsService {
-            inner,
-            m: self.0.clone(),
-        }
-    }
-}
-
-#[derive(Clone)]
-pub struct RpcMetricsService<S> {
-    inner: S,
-    m: Arc<RpcMetrics>,
-}
-
-impl<S, B, RB> tower::Service<axum::http::Request<B>> for RpcMetricsService<S>
-where
-    S: tower::Service<axum::http::Request<B>, Response = axum::http::Response<RB>>,
-    S::Future: Send + 'static,
-{
-    type Response = S::Response;
-    type Error = S::Error;
-    type Future = BoxFuture<'static, Result<S::Response, S::Error>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx)
-    }
-
-    fn call(&mut self, req: axum::http::Request<B>) -> Self::Future {
-        let path = req.uri().path().to_owned();
-        let m = self.m.clone();
-        let start = Instant::now();
-        let fut = self.inner.call(req);
-        Box::pin(async move {
-            let r = fut.await;
-            let code = match &r {
-                Ok(resp) => resp
-                    .headers()
-                    .get("grpc-status")
-                    .and_then(|v| v.to_str().ok())
-                    .map_or("OK", code_name),
-                Err(_) => "TRANSPORT_ERROR",
-            };
-            m.observe(&path, code, start.elapsed());
-            r
-        })
-    }
 }
 
 #[cfg(test)]
@@ -534,17 +389,5 @@ mod tests {
         l.offer(&mk(20, 2));
         l.offer(&mk(10, 1));
         assert_eq!(l.snapshot()[0].txg, 2);
-    }
-
-    #[test]
-    fn method_labels_are_bounded() {
-        let m = RpcMetrics::default();
-        assert_eq!(m.method_label("/a.B/C"), "/a.B/C");
-        assert_eq!(m.method_label("/evil path\n"), "other");
-        for i in 0..200 {
-            m.method_label(&format!("/x.Y/M{i}"));
-        }
-        assert_eq!(m.methods.lock().unwrap().len(), MAX_METHODS);
-        assert_eq!(m.method_label("/x.Y/M199"), "other");
     }
 }

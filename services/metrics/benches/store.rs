@@ -39,6 +39,7 @@ fn snapshot(t: i64) -> PoolSnapshot {
         classes: vec![],
         events: vec![],
         dropped_snapshots: 0,
+        synced_txg: 0,
     }
 }
 

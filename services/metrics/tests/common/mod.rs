@@ -44,9 +44,12 @@ pub fn snap(pool: &str, time_ms: i64, used: &[f64]) -> PoolSnapshot {
             alloc_max: 64 << 20,
             reserved: 1 << 20,
             busy: false,
+            waiting: 0,
+            waiting_bytes: 0,
         }],
         events: vec![],
         dropped_snapshots: 0,
+        synced_txg: ((time_ms / 1000) as u64).saturating_sub(1),
     }
 }
 

@@ -180,7 +180,7 @@ fn has_attr(s: &SpanRecord, key: &str) -> bool {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn one_write_is_one_trace_across_ctl_allocator_and_agent() {
+async fn each_block_is_one_trace_across_ctl_allocator_and_agent() {
     let dir = tempfile::tempdir().expect("tempdir");
     let sink = TraceSink::new();
     let endpoint = sink.spawn_local().await.expect("receiver");
@@ -198,7 +198,9 @@ async fn one_write_is_one_trace_across_ctl_allocator_and_agent() {
             "--block-size",
             "64KiB",
             "--concurrency",
-            "1"
+            "1",
+            "--api",
+            "unary"
         ])
         .envs(otel_env(&endpoint, 200))
         .output()
@@ -214,18 +216,25 @@ async fn one_write_is_one_trace_across_ctl_allocator_and_agent() {
     // every 200 ms. Wait for the pieces the assertions need.
     let arrived = sink
         .wait_until(Duration::from_secs(20), |spans| {
-            // Everything of the write's trace: ctl's root and its 4 blocks'
+            // ctl's root and its 4 blocks, and in the blocks' traces their
             // Allocate, Commit and Write server spans.
-            let Some(root) = spans
+            if !spans
                 .iter()
-                .find(|s| s.service == CTL && s.name == "aliquotctl.write")
-            else {
+                .any(|s| s.service == CTL && s.name == "aliquotctl.write")
+            {
                 return false;
-            };
+            }
+            let blocks: std::collections::BTreeSet<&str> = spans
+                .iter()
+                .filter(|s| s.service == CTL && s.name == "aliquotctl.block")
+                .map(|s| s.trace_id.as_str())
+                .collect();
             let in_trace = |svc: &str, name: &str| {
                 spans
                     .iter()
-                    .filter(|s| s.trace_id == root.trace_id && s.service == svc && s.name == name)
+                    .filter(|s| {
+                        blocks.contains(s.trace_id.as_str()) && s.service == svc && s.name == name
+                    })
                     .count()
             };
             let alloc = in_trace(ALLOCATOR, "/aliquot.v1.Allocator/Allocate") >= 4
@@ -247,7 +256,8 @@ async fn one_write_is_one_trace_across_ctl_allocator_and_agent() {
         describe(&spans)
     );
 
-    // ONE trace for the write: every ctl span is in the root's trace.
+    // One root for the command, and one trace per block, linked to it by
+    // the block span's write_trace attribute.
     let roots: Vec<&SpanRecord> = spans
         .iter()
         .filter(|s| s.service == CTL && s.name == "aliquotctl.write")
@@ -263,77 +273,64 @@ async fn one_write_is_one_trace_across_ctl_allocator_and_agent() {
         root.parent_span_id.is_empty(),
         "aliquotctl.write is a root span"
     );
-    let ctl_traces: std::collections::BTreeSet<&str> = spans
+    let blocks: Vec<&SpanRecord> = spans
         .iter()
-        .filter(|s| s.service == CTL)
-        .map(|s| s.trace_id.as_str())
+        .filter(|s| s.service == CTL && s.name == "aliquotctl.block")
         .collect();
-    assert_eq!(
-        ctl_traces.len(),
-        1,
-        "ctl's spans are spread over {} traces",
-        ctl_traces.len()
-    );
+    assert_eq!(blocks.len(), 4, "a span per block:\n{}", describe(&spans));
+    let block_traces: std::collections::BTreeSet<&str> =
+        blocks.iter().map(|b| b.trace_id.as_str()).collect();
+    assert_eq!(block_traces.len(), 4, "each block is its own trace");
+    assert!(!block_traces.contains(root.trace_id.as_str()));
+    for b in &blocks {
+        assert!(
+            b.parent_span_id.is_empty(),
+            "a block span is a trace's root"
+        );
+        assert_eq!(
+            b.attr("write_trace"),
+            Some(root.trace_id.as_str()),
+            "block {:?} leads back to its command",
+            b.attributes
+        );
+    }
 
-    let trace = sink.trace(&root.trace_id);
-    let ids = by_id(&trace);
+    let mut trace = Vec::new();
+    for b in &blocks {
+        let t = sink.trace(&b.trace_id);
+        let ids = by_id(&t);
+        // Each block's trace: its allocator and agent server spans, parented
+        // (through ctl's client spans) on the block span.
+        for svc_name in [
+            (ALLOCATOR, "/aliquot.v1.Allocator/Allocate"),
+            (ALLOCATOR, "/aliquot.v1.Allocator/Commit"),
+            (AGENT, "/aliquot.v1.VdevAgent/Write"),
+        ] {
+            let s = t
+                .iter()
+                .find(|s| (s.service.as_str(), s.name.as_str()) == svc_name)
+                .unwrap_or_else(|| panic!("no {svc_name:?} in a block's trace:\n{}", describe(&t)));
+            let parent = ids
+                .get(s.parent_span_id.as_str())
+                .unwrap_or_else(|| panic!("{} has no parent in the trace", s.name));
+            assert_eq!(parent.service, CTL, "{}'s parent is ctl's", s.name);
+            assert!(
+                ancestors(parent, &ids)
+                    .iter()
+                    .any(|a| a.span_id == b.span_id),
+                "{} does not descend from its aliquotctl.block",
+                s.name
+            );
+        }
+        trace.extend(t);
+    }
     let mut census: std::collections::BTreeMap<(String, String), usize> = Default::default();
     for s in &trace {
         *census
             .entry((s.service.clone(), s.name.clone()))
             .or_default() += 1;
     }
-    eprintln!("the write's trace, {} spans: {census:?}", trace.len());
-    let services: std::collections::BTreeSet<&str> =
-        trace.iter().map(|s| s.service.as_str()).collect();
-    for svc in [CTL, ALLOCATOR, AGENT] {
-        assert!(
-            services.contains(svc),
-            "{svc} has no span in the write's trace:\n{}",
-            describe(&trace)
-        );
-    }
-
-    // ctl root → ctl span → allocator server span (→ handler span).
-    let alloc_server: Vec<&SpanRecord> = trace
-        .iter()
-        .filter(|s| s.service == ALLOCATOR && s.kind == "server")
-        .collect();
-    assert!(!alloc_server.is_empty());
-    for s in &alloc_server {
-        let parent = ids
-            .get(s.parent_span_id.as_str())
-            .unwrap_or_else(|| panic!("allocator span {} has no parent in the trace", s.name));
-        assert_eq!(parent.service, CTL, "{}'s parent is ctl's", s.name);
-        let chain = ancestors(parent, &ids);
-        assert!(
-            chain.iter().any(|a| a.span_id == root.span_id),
-            "{}'s parent {} does not descend from aliquotctl.write",
-            s.name,
-            parent.name
-        );
-    }
-    // ctl root → ctl span → agent Write server span.
-    let agent_writes: Vec<&SpanRecord> = trace
-        .iter()
-        .filter(|s| s.service == AGENT && s.kind == "server" && s.name.ends_with("/Write"))
-        .collect();
-    assert!(
-        agent_writes.len() >= 4,
-        "a Write per block: {}",
-        describe(&trace)
-    );
-    for s in &agent_writes {
-        let parent = ids
-            .get(s.parent_span_id.as_str())
-            .expect("agent span's parent in trace");
-        assert_eq!(parent.service, CTL);
-        assert!(
-            ancestors(parent, &ids)
-                .iter()
-                .any(|a| a.span_id == root.span_id)
-        );
-    }
+    eprintln!("the 4 blocks' traces, {} spans: {census:?}", trace.len());
 
     // The spans worth looking at carry their facts.
     let allocate = trace
@@ -583,11 +580,27 @@ async fn allocate_stream_carries_the_trace_context() {
             .iter()
             .any(|a| a.span_id == root.span_id)
     );
-    let writes = trace
+    // The stream is the command's; each block's Write is in that block's
+    // own trace, whose root leads back to the command.
+    let block_traces: std::collections::BTreeSet<&str> = spans
         .iter()
-        .filter(|s| s.service == AGENT && s.name == "/aliquot.v1.VdevAgent/Write")
+        .filter(|s| {
+            s.service == CTL
+                && s.name == "aliquotctl.block"
+                && s.attr("write_trace") == Some(root.trace_id.as_str())
+        })
+        .map(|s| s.trace_id.as_str())
+        .collect();
+    assert_eq!(block_traces.len(), 3, "a trace per block");
+    let writes = spans
+        .iter()
+        .filter(|s| {
+            s.service == AGENT
+                && s.name == "/aliquot.v1.VdevAgent/Write"
+                && block_traces.contains(s.trace_id.as_str())
+        })
         .count();
-    assert_eq!(writes, 3, "every block's Write in the one trace");
+    assert_eq!(writes, 3, "every block's Write in its block's trace");
 
     for a in &mut pool.agents {
         a.kill();

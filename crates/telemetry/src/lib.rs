@@ -240,3 +240,21 @@ impl Extractor for HeaderExtractor<'_> {
         self.0.keys().map(|k| k.as_str()).collect()
     }
 }
+
+/// The trace id of `span` (32 hex digits), if it is being exported.
+pub fn trace_id(span: &tracing::Span) -> Option<String> {
+    use opentelemetry::trace::TraceContextExt as _;
+    let cx = span.context();
+    let sc = cx.span().span_context().clone();
+    sc.is_valid().then(|| sc.trace_id().to_string())
+}
+
+/// Link `span` (the root of its own trace) to `to`: one trace per unit of
+/// work (a written block) that still leads back to the command that did it.
+pub fn link(span: &tracing::Span, to: &tracing::Span) {
+    use opentelemetry::trace::TraceContextExt as _;
+    let sc = to.context().span().span_context().clone();
+    if sc.is_valid() {
+        span.add_link(sc);
+    }
+}

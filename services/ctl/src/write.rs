@@ -2,9 +2,11 @@
 //! Per block: Allocate (unary, or pipelined over AllocateStream), write the
 //! block's pattern to every extent's agent, Commit. At the end: Flush every
 //! agent used and SyncTxg, so the figures are for durable data; `--verify`
-//! then reads every copy back. The command is one `aliquotctl.write` root
-//! span (one trace); each block is an `aliquotctl.block` span under it, the
-//! parent of the allocator's and the agents' server spans.
+//! then reads every copy back. Traces: the command is an `aliquotctl.write`
+//! root span (streams, flushes, sync, verify); each block is a trace of its
+//! own, an `aliquotctl.block` root span linked to it (and carrying its trace
+//! id as `write_trace`), the parent of that block's allocator and agent
+//! server spans.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -365,6 +367,11 @@ struct Shared {
     last_done_us: AtomicU64,
     max_stall_us: AtomicU64,
     timeouts: AtomicU64,
+    /// The command's root span: each block is a trace of its own, linked
+    /// to it (a GiB of blocks under one root is too big a trace to read).
+    run: tracing::Span,
+    /// Its trace id, recorded on every block span.
+    run_trace: String,
 }
 
 impl Shared {
@@ -435,6 +442,8 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
         last_done_us: AtomicU64::new(0),
         max_stall_us: AtomicU64::new(0),
         timeouts: AtomicU64::new(0),
+        run: tracing::Span::current(),
+        run_trace: telemetry::trace_id(&tracing::Span::current()).unwrap_or_default(),
     });
     let mut tasks = Vec::new();
     // A stream per 8 workers: enough pipelining, without one HTTP/2 stream
@@ -657,7 +666,9 @@ async fn worker(sh: Arc<Shared>, ops: Ops) -> anyhow::Result<WorkerOut> {
             tokio::time::sleep_until(due.into()).await;
         }
         let span = tracing::info_span!(
+            parent: None,
             "aliquotctl.block",
+            write_trace = %sh.run_trace,
             block,
             size = a.block_size,
             copies = a.copies,
@@ -665,6 +676,7 @@ async fn worker(sh: Arc<Shared>, ops: Ops) -> anyhow::Result<WorkerOut> {
             allocation = tracing::field::Empty,
             txg = tracing::field::Empty,
         );
+        telemetry::link(&span, &sh.run);
         let mut attempt = 1;
         let r = loop {
             match one_block(&sh, &ops, &mut out, block, class, lease_ms)
@@ -934,7 +946,8 @@ async fn verify(sh: &Arc<Shared>, placed: &[Placed]) -> anyhow::Result<u64> {
 
 /// `aliquotctl write`: run and print the report.
 pub async fn run(args: WriteArgs) -> anyhow::Result<()> {
-    // One trace per command: its blocks, streams, flushes and txg sync.
+    // The command's trace: its streams, flushes, txg sync and verify; each
+    // block is a trace of its own linked to this one (`worker`).
     let root = tracing::info_span!(
         "aliquotctl.write",
         total = args.total,

@@ -282,6 +282,11 @@ impl Decoder for ReplyDecoder {
     }
 }
 
+/// `Status` → one line an operator can act on: code name and the server's words.
+pub fn status_msg(what: &str, s: &tonic::Status) -> anyhow::Error {
+    anyhow::anyhow!("{what}: {} ({:?})", s.message(), s.code())
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -292,9 +297,4 @@ mod tests {
         );
         assert_eq!(super::with_host("agent1:7002", "h"), "http://h:7002");
     }
-}
-
-/// `Status` → one line an operator can act on: code name and the server's words.
-pub fn status_msg(what: &str, s: &tonic::Status) -> anyhow::Error {
-    anyhow::anyhow!("{what}: {} ({:?})", s.message(), s.code())
 }

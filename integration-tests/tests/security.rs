@@ -354,6 +354,28 @@ async fn identities_own_their_allocations_devices_and_metrics() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
 
+    // A client certificate cannot Report (any vdev).
+    let mut reg_alice =
+        AgentRegistryClient::new(tls_channel(&alloc_url, &alice_files, Role::Allocator).await);
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    tx.send(pb::AgentReport {
+        vdev: vdev.vdev,
+        capacity: 64 << 30,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let e = match reg_alice
+        .report(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+    {
+        Err(e) => e,
+        Ok(r) => r.into_inner().message().await.unwrap_err(),
+    };
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    assert!(e.message().contains("needs role agent"), "{e:?}");
+    drop(tx);
+
     // A certificate from another CA: refused at the handshake.
     let other = dir.path().join("other-ca");
     PoolCa::init(&other, "evil")

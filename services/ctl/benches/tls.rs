@@ -1,7 +1,9 @@
-//! What mutual TLS and write tokens cost: the same pool twice in this
-//! process — plaintext (`--insecure`, no tokens) and mutual TLS with write
-//! tokens checked by the agents — measured interleaved (A B B A per round,
-//! so drift and other load on the machine fall on both alike):
+//! What mutual TLS and write tokens cost: the same pool in this process,
+//! three ways — plaintext (`--insecure`, no tokens), mutual TLS without
+//! tokens, and mutual TLS with write tokens signed by the allocator and
+//! checked by the agents (what `up` runs) — each run on a fresh pool,
+//! interleaved (A B C C B A per round, so drift and other load on the
+//! machine fall on all alike):
 //!
 //! * AllocateStream: 8 clients on one connection, each pipelining 32
 //!   Allocate+Commit pairs of 4 KiB (no data), pairs per second;
@@ -9,7 +11,7 @@
 //!   command): 1 MiB blocks, 8 in flight, to two simulated agents (no
 //!   device time, so the network path is what is measured), freed after.
 //!
-//! Prints each run and the median TLS/plaintext ratio of each.
+//! Prints each run and the median ratio of each mode to plaintext.
 //! `cargo bench -p aliquotctl --bench tls`; `ALIQUOT_BENCH_ROUNDS` (default
 //! 3), `ALIQUOT_BENCH_SECS` per AllocateStream run (default 2),
 //! `ALIQUOT_BENCH_WRITE` bytes per write run (default 256MiB).
@@ -45,14 +47,16 @@ struct Pool {
     )>,
 }
 
-async fn start_pool(name: &'static str, certs: Option<&std::path::Path>) -> Pool {
+/// A fresh pool: plaintext (`certs` None), or mutual TLS with write tokens
+/// signed and checked (`tokens`) or not.
+async fn start_pool(name: &'static str, certs: Option<&std::path::Path>, tokens: bool) -> Pool {
     let files = |role, n: &str| certs.map(|d| TlsFiles::in_dir(d, role, n));
     let mut ac = aliquot_allocator::Config::with_listen("127.0.0.1:0".parse().unwrap());
     ac.report_interval = Duration::from_secs(1);
     ac.claim_window = Duration::ZERO;
     if let Some(d) = certs {
         ac.tls = TlsArgs::with_files(files(Role::Allocator, "allocator").unwrap());
-        ac.token_key = Some(d.to_owned());
+        ac.token_key = tokens.then(|| d.to_owned());
     }
     let allocator = aliquot_allocator::start(ac, Arc::new(aliquot_allocator::MemStore::new()))
         .await
@@ -67,7 +71,7 @@ async fn start_pool(name: &'static str, certs: Option<&std::path::Path>) -> Pool
         gc.allocator = url.clone();
         if let Some(d) = certs {
             gc.tls = TlsArgs::with_files(files(Role::Agent, &format!("sim{i}")).unwrap());
-            gc.token_key = Some(d.to_owned());
+            gc.token_key = tokens.then(|| d.to_owned());
         }
         let agent = aliquot_agent::Agent::open(&gc).expect("open sim agent");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -88,14 +92,16 @@ async fn start_pool(name: &'static str, certs: Option<&std::path::Path>) -> Pool
             .await
             .unwrap()
             .into_inner();
-        if st
+        // Both vdevs synced in (the normal class: the embedded log class
+        // has groups of the same vdevs).
+        let ready = st
             .classes
             .iter()
+            .filter(|c| c.name == "normal")
             .flat_map(|c| &c.groups)
             .filter(|g| g.capacity > 0)
-            .count()
-            == 2
-        {
+            .count();
+        if ready == 2 {
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -218,23 +224,29 @@ fn main() {
         ] {
             ca.issue(role, n, &[]).unwrap();
         }
-        let plain = start_pool("plaintext", None).await;
-        let tls = start_pool("mTLS+tokens", Some(dir.path())).await;
         println!(
-            "TLS cost bench: {rounds} rounds (plaintext, TLS, TLS, plaintext), {} cores; \
-             AllocateStream {CLIENTS} clients x {DEPTH} pipelined 4 KiB pairs for {secs} s; \
-             write {} in 1 MiB blocks, 8 in flight, 2 sim agents",
+            "TLS cost bench: {rounds} rounds of 6 runs (plaintext, mTLS, mTLS+tokens, then \
+             back), each on a fresh pool, {} cores; AllocateStream {CLIENTS} clients x {DEPTH} \
+             pipelined 4 KiB pairs for {secs} s; write {} in 1 MiB blocks, 8 in flight, 2 sim agents",
             std::thread::available_parallelism().map_or(0, |n| n.get()),
             units::format_bytes(total)
         );
-        let (mut s_ratio, mut w_ratio) = (Vec::new(), Vec::new());
+        type Mode = (&'static str, bool, bool);
+        let modes: [Mode; 3] = [
+            ("plaintext", false, false),
+            ("mTLS", true, false),
+            ("mTLS+tokens", true, true),
+        ];
+        // Per mode, per round: the ratio to plaintext (stream, write).
+        let mut ratios = vec![(Vec::new(), Vec::new()); 3];
         for round in 0..rounds {
-            let mut s = [0.0f64; 2];
-            let mut w = [0.0f64; 2];
-            for (i, p) in [&plain, &tls, &tls, &plain].into_iter().enumerate() {
-                let k = usize::from(p.tls.is_tls());
-                let pairs = stream_run(p, secs).await;
-                let bps = write_run(p, total).await;
+            let mut s = [0.0f64; 3];
+            let mut w = [0.0f64; 3];
+            for (i, k) in [0usize, 1, 2, 2, 1, 0].into_iter().enumerate() {
+                let (name, tls, tokens) = modes[k];
+                let p = start_pool(name, tls.then(|| dir.path()), tokens).await;
+                let pairs = stream_run(&p, secs).await;
+                let bps = write_run(&p, total).await;
                 println!(
                     "round {round} run {i} {:<12} AllocateStream {:>8.0} pairs/s   write {:>7.1} MiB/s",
                     p.name,
@@ -243,24 +255,26 @@ fn main() {
                 );
                 s[k] += pairs;
                 w[k] += bps;
+                for (stop, task) in p.agents {
+                    let _ = stop.send(());
+                    let _ = task.await;
+                }
+                p.allocator.shutdown().await.unwrap();
             }
-            s_ratio.push(s[1] / s[0]);
-            w_ratio.push(w[1] / w[0]);
+            for k in 1..3 {
+                ratios[k].0.push(s[k] / s[0]);
+                ratios[k].1.push(w[k] / w[0]);
+            }
         }
-        let (s, w) = (median(s_ratio), median(w_ratio));
-        println!(
-            "TLS / plaintext (median of rounds): AllocateStream {:.2} ({:+.0}%), write {:.2} ({:+.0}%)",
-            s,
-            (s - 1.0) * 100.0,
-            w,
-            (w - 1.0) * 100.0
-        );
-        for p in [plain, tls] {
-            for (stop, task) in p.agents {
-                let _ = stop.send(());
-                let _ = task.await;
-            }
-            p.allocator.shutdown().await.unwrap();
+        for (k, (name, _, _)) in modes.iter().enumerate().skip(1) {
+            let (s, w) = (median(ratios[k].0.clone()), median(ratios[k].1.clone()));
+            println!(
+                "{name} / plaintext (median of rounds): AllocateStream {:.2} ({:+.0}%), write {:.2} ({:+.0}%)",
+                s,
+                (s - 1.0) * 100.0,
+                w,
+                (w - 1.0) * 100.0
+            );
         }
     });
 }

@@ -21,7 +21,7 @@ pub struct HealthArgs {
     #[arg(long, default_value = "2s", value_parser = units::duration_arg)]
     pub timeout: Duration,
     /// The server's role: allocator, agent or metrics.
-    #[arg(long, default_value = "allocator")]
+    #[arg(long, env = "ALIQUOT_HEALTH_ROLE", default_value = "allocator")]
     pub role: aliquot_auth::Role,
     #[command(flatten)]
     pub tls: aliquot_auth::ClientTlsArgs,

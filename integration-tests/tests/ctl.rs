@@ -129,6 +129,43 @@ fn up_write_verify_status_tunables_and_clean_stop() {
     );
     assert_eq!(sum, 8 << 20);
     assert_eq!(normal["reserved"], "0");
+
+    // balancer eval: the allocator's score, and per vdev the bytes above
+    // its share, adding up to what a rebalance would move.
+    let ev: serde_json::Value = serde_json::from_str(&ok_stdout(
+        &ctl(&args!["balancer", "eval", "--json", "--allocator", url]),
+        "balancer eval --json",
+    ))
+    .unwrap();
+    let ec = &ev["classes"][0];
+    assert_eq!(ec["class"], "normal", "{ev}");
+    let score = ec["score"].as_f64().unwrap();
+    assert!((0.0..1.0).contains(&score), "{ev}");
+    assert_eq!(
+        ec["score"], normal["balance_score"],
+        "eval and status agree"
+    );
+    let excess: Vec<i64> = ec["vdevs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["excess"].as_str().unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(excess.len(), 3);
+    assert_eq!(
+        json_u64(&ec["misplaced"]).unwrap() as i64,
+        excess.iter().filter(|&&e| e > 0).sum::<i64>()
+    );
+    // Excess sums to ~0 (targets are the class's fill times each size).
+    assert!(excess.iter().sum::<i64>().abs() <= 3, "{excess:?}");
+    let text = ok_stdout(
+        &ctl(&args!["balancer", "eval", "--allocator", url]),
+        "balancer eval",
+    );
+    assert!(
+        text.starts_with("pool aliquot class normal: score "),
+        "{text}"
+    );
     // `up` numbers vdevs in the order given (256M, 512M, 1G): by id the
     // sizes are 1:2:4, less label and metaslab rounding.
     let mut by_id: Vec<(u64, u64)> = groups

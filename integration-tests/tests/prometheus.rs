@@ -308,6 +308,22 @@ async fn metrics_parse_and_agree_with_get_pool() {
         get(&samples, "aliquot_pool_used_ratio", &p).unwrap().value,
         pool_used
     ));
+    // The balance score: the same function of the same figures.
+    let want_score = metaslab::balance::score(
+        &gs.iter()
+            .map(|g| metaslab::balance::VdevFill {
+                capacity: g.capacity,
+                alloc: g.alloc,
+            })
+            .collect::<Vec<_>>(),
+    );
+    let got_score = get(&samples, "aliquot_pool_balance_score", &p)
+        .unwrap()
+        .value;
+    assert!(
+        (got_score - want_score).abs() < 1e-9,
+        "{got_score} vs {want_score}"
+    );
     assert!(close(
         get(&samples, "aliquot_pool_spread_ratio", &p)
             .unwrap()

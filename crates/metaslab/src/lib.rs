@@ -175,6 +175,7 @@ pub struct TunableInfo {
     pub description: &'static str,
 }
 
+pub mod balance;
 pub mod class;
 pub mod error;
 pub mod group;

@@ -150,6 +150,15 @@ pub fn pool_status(shared: &Shared, g: &Inner) -> pb::PoolStatus {
             waiting_bytes: c.waiting_bytes,
             throttle_enabled: c.throttle_enabled,
             fragmentation: frag(c.fragmentation),
+            balance_score: metaslab::balance::score(
+                &c.groups
+                    .iter()
+                    .map(|m| metaslab::balance::VdevFill {
+                        capacity: m.capacity,
+                        alloc: m.alloc,
+                    })
+                    .collect::<Vec<_>>(),
+            ),
             groups: c
                 .groups
                 .iter()

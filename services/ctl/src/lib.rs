@@ -5,6 +5,7 @@
 //! binary is enough to run the whole system.
 
 pub mod admin;
+pub mod balancer;
 pub mod certs;
 pub mod client;
 pub mod demo;
@@ -62,6 +63,8 @@ pub enum Cmd {
     Verify(verify::VerifyArgs),
     /// The pool CA: `certs init`, `certs issue --role ROLE NAME`.
     Certs(certs::CertsArgs),
+    /// How balanced the pool is: `balancer eval` (score, VAR, excess per vdev).
+    Balancer(balancer::BalancerArgs),
 }
 
 impl Cli {
@@ -103,6 +106,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Health(a) => health::run(a).await,
         Cmd::Verify(a) => verify::run(a).await,
         Cmd::Certs(a) => certs::run(a),
+        Cmd::Balancer(a) => balancer::run(a).await,
     }
 }
 

@@ -446,12 +446,13 @@ pub fn render_table_with(st: &PoolStatus, style: Style) -> String {
         if let Some(b) = balance(c) {
             let _ = writeln!(
                 out,
-                "{}: MIN/MAX VAR: {:.2}/{:.2}  STDDEV: {:.2}%  SPREAD: {:.2}%",
+                "{}: MIN/MAX VAR: {:.2}/{:.2}  STDDEV: {:.2}%  SPREAD: {:.2}%  SCORE: {:.3}",
                 c.name,
                 b.min_var,
                 b.max_var,
                 b.stddev * 100.0,
-                b.spread * 100.0
+                b.spread * 100.0,
+                c.balance_score
             );
         }
     }
@@ -573,6 +574,8 @@ pub struct ClassJson {
     pub waiting_bytes: u64,
     pub throttle_enabled: bool,
     pub fragmentation: i32,
+    /// 0 = every vdev equally full, < 1 (see `aliquotctl balancer eval`).
+    pub balance_score: f64,
     pub groups: Vec<GroupJson>,
 }
 
@@ -675,6 +678,7 @@ fn class_json(st: &PoolStatus, c: &ClassStatus) -> ClassJson {
         waiting_bytes: c.waiting_bytes,
         throttle_enabled: c.throttle_enabled,
         fragmentation: c.fragmentation,
+        balance_score: c.balance_score,
         groups: c.groups.iter().map(|g| group_json(st, g)).collect(),
     }
 }
@@ -799,6 +803,7 @@ mod tests {
                     throttle_enabled: true,
                     groups,
                     fragmentation: 3,
+                    balance_score: 0.091,
                 },
                 ClassStatus {
                     name: "log".into(),
@@ -940,7 +945,7 @@ aliquot        7.00G  3.22G  3.78G  45%     -    3%     DEGRADED   3.00M        
     file0 (0)  1.00G   901M   123M  87%  1.91    3%      HEALTHY   1.00M    4.00M    2.00M       -         yes
     file1 (1)  2.00G   717M  1.30G  35%  0.76    3%      HEALTHY   1.00M    4.00M    2.00M       -         yes
     file2 (2)  4.00G  1.64G  2.36G  40%  0.89    3%  UNAVAILABLE   1.00M    4.00M    2.00M    ms 5         yes
-normal: MIN/MAX VAR: 0.76/1.91  STDDEV: 23.69%  SPREAD: 52.98%
+normal: MIN/MAX VAR: 0.76/1.91  STDDEV: 23.69%  SPREAD: 52.98%  SCORE: 0.091
 
 CLASS   LIMIT  RESERVED  BUSY    WAITING  IO_SIZE  THROTTLE  USED/LIMIT
 normal  24.0M     3.00M   yes  2 (2.00M)    1.00M        on         12%

@@ -205,6 +205,11 @@ fn register_pools(reg: &mut Registry, pools: &[PoolSnapshot]) {
         "aliquot_pool_used_stddev_ratio",
         "Population standard deviation of vdev used fractions",
     );
+    let score = gauge(
+        reg,
+        "aliquot_pool_balance_score",
+        "Balance score in [0, 1): 0 when every vdev is equally full (aliquotctl balancer eval)",
+    );
     let minvar = gauge(reg, "aliquot_pool_min_var_ratio", "Lowest vdev VAR");
     let maxvar = gauge(reg, "aliquot_pool_max_var_ratio", "Highest vdev VAR");
     let txg = gauge(reg, "aliquot_pool_txg", "Open txg of the latest snapshot");
@@ -261,6 +266,17 @@ fn register_pools(reg: &mut Registry, pools: &[PoolSnapshot]) {
         pused.get_or_create(&pl).set(b.used);
         spread.get_or_create(&pl).set(b.spread);
         sd.get_or_create(&pl).set(b.stddev);
+        let fills: Vec<metaslab::balance::VdevFill> = s
+            .vdevs
+            .iter()
+            .map(|v| metaslab::balance::VdevFill {
+                capacity: v.capacity,
+                alloc: v.allocated,
+            })
+            .collect();
+        score
+            .get_or_create(&pl)
+            .set(metaslab::balance::score(&fills));
         txg.get_or_create(&pl).set(s.txg as f64);
         synced.get_or_create(&pl).set(s.synced_txg as f64);
         ts.get_or_create(&pl).set(s.time_ms as f64 / 1000.0);

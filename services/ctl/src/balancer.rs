@@ -1,0 +1,266 @@
+//! `aliquotctl balancer`: how balanced the pool is, in the terms of
+//! `ceph balancer eval`. `eval` prints each class's balance score (computed
+//! by the allocator, `metaslab::balance`), and per vdev its fill, VAR, the
+//! bytes it would hold if every vdev were equally full (TARGET) and how far
+//! it is from that (EXCESS: positive on over-full vdevs, the bytes a
+//! rebalance would move off them).
+
+use aliquot_proto::v1::{ClassStatus, GetPoolRequest, PoolStatus};
+use serde::Serialize;
+use units::format_bytes_short as short;
+
+use crate::client::AllocatorArgs;
+use crate::names::vdev_label;
+
+#[derive(Clone, Debug, clap::Args)]
+pub struct BalancerArgs {
+    #[command(flatten)]
+    pub conn: AllocatorArgs,
+    #[command(subcommand)]
+    pub cmd: BalancerCmd,
+}
+
+#[derive(Clone, Debug, clap::Subcommand)]
+pub enum BalancerCmd {
+    /// The balance score of each class (0 = every vdev equally full, < 1)
+    /// and each vdev's VAR, target and excess.
+    Eval {
+        /// Print JSON (64-bit integers as strings).
+        #[arg(long, env = "ALIQUOT_JSON")]
+        json: bool,
+    },
+}
+
+pub async fn run(args: BalancerArgs) -> anyhow::Result<()> {
+    let mut c = args.conn.connect().await?;
+    let st = c
+        .get_pool(GetPoolRequest {})
+        .await
+        .map_err(|s| crate::client::status_msg("get pool", &s))?
+        .into_inner();
+    match args.cmd {
+        BalancerCmd::Eval { json } => {
+            if json {
+                println!("{}", serde_json::to_string_pretty(&eval_json(&st))?);
+            } else {
+                print!("{}", render_eval(&st));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A score an operator can read at a glance.
+pub fn verdict(score: f64) -> &'static str {
+    if score < 0.01 {
+        "balanced"
+    } else if score < 0.05 {
+        "nearly balanced"
+    } else if score < 0.15 {
+        "unbalanced"
+    } else {
+        "badly unbalanced"
+    }
+}
+
+/// Classes worth evaluating: with space and more than one vdev (the
+/// embedded log class mirrors normal's vdevs).
+fn classes(st: &PoolStatus) -> impl Iterator<Item = &ClassStatus> {
+    st.classes
+        .iter()
+        .filter(|c| c.space > 0 && c.groups.len() > 1 && c.name != "embedded_log")
+}
+
+#[derive(Debug, Serialize)]
+pub struct VdevEval {
+    pub vdev: u32,
+    pub name: String,
+    #[serde(serialize_with = "as_string")]
+    pub capacity: u64,
+    #[serde(serialize_with = "as_string")]
+    pub alloc: u64,
+    pub used: f64,
+    pub var: Option<f64>,
+    #[serde(serialize_with = "as_string")]
+    pub target: u64,
+    /// alloc − target, bytes (negative: room to take more).
+    #[serde(serialize_with = "i_as_string")]
+    pub excess: i64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ClassEval {
+    pub class: String,
+    pub score: f64,
+    pub verdict: &'static str,
+    pub used: f64,
+    /// Σ of positive excess: the fewest bytes a rebalance must move.
+    #[serde(serialize_with = "as_string")]
+    pub misplaced: u64,
+    pub vdevs: Vec<VdevEval>,
+}
+
+fn as_string<S: serde::Serializer>(v: &u64, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(v)
+}
+fn i_as_string<S: serde::Serializer>(v: &i64, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(v)
+}
+
+pub fn eval(st: &PoolStatus) -> Vec<ClassEval> {
+    classes(st)
+        .map(|c| {
+            let cap: u128 = c.groups.iter().map(|g| u128::from(g.capacity)).sum();
+            let alloc: u128 = c.groups.iter().map(|g| u128::from(g.alloc)).sum();
+            let cu = if cap == 0 {
+                0.0
+            } else {
+                alloc as f64 / cap as f64
+            };
+            let vdevs: Vec<VdevEval> = c
+                .groups
+                .iter()
+                .map(|g| {
+                    let used = if g.capacity == 0 {
+                        0.0
+                    } else {
+                        g.alloc as f64 / g.capacity as f64
+                    };
+                    let target = (g.capacity as f64 * cu) as u64;
+                    VdevEval {
+                        vdev: g.vdev,
+                        name: st
+                            .vdevs
+                            .iter()
+                            .find(|v| v.vdev == g.vdev)
+                            .map(|v| v.name.clone())
+                            .unwrap_or_default(),
+                        capacity: g.capacity,
+                        alloc: g.alloc,
+                        used,
+                        var: (g.capacity > 0 && cu > 0.0).then(|| used / cu),
+                        target,
+                        excess: g.alloc as i64 - target as i64,
+                    }
+                })
+                .collect();
+            ClassEval {
+                class: c.name.clone(),
+                score: c.balance_score,
+                verdict: verdict(c.balance_score),
+                used: cu,
+                misplaced: vdevs.iter().map(|v| v.excess.max(0) as u64).sum(),
+                vdevs,
+            }
+        })
+        .collect()
+}
+
+fn eval_json(st: &PoolStatus) -> serde_json::Value {
+    serde_json::json!({ "pool": st.name, "classes": eval(st) })
+}
+
+pub fn render_eval(st: &PoolStatus) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let evals = eval(st);
+    if evals.is_empty() {
+        let _ = writeln!(
+            out,
+            "pool {}: nothing to balance (no class has two vdevs with space)",
+            st.name
+        );
+        return out;
+    }
+    for e in evals {
+        let _ = writeln!(
+            out,
+            "pool {} class {}: score {:.3} ({}; 0 = every vdev equally full), {:.0}% used, {} misplaced",
+            st.name,
+            e.class,
+            e.score,
+            e.verdict,
+            e.used * 100.0,
+            short(e.misplaced)
+        );
+        let _ = writeln!(
+            out,
+            "{:<14} {:>7} {:>7} {:>5} {:>6} {:>7} {:>8}",
+            "VDEV", "SIZE", "ALLOC", "CAP", "VAR", "TARGET", "EXCESS"
+        );
+        for v in &e.vdevs {
+            let excess = if v.excess >= 0 {
+                format!("+{}", short(v.excess as u64))
+            } else {
+                format!("-{}", short(v.excess.unsigned_abs()))
+            };
+            let _ = writeln!(
+                out,
+                "{:<14} {:>7} {:>7} {:>4}% {:>6} {:>7} {:>8}",
+                vdev_label(v.vdev, &v.name),
+                short(v.capacity),
+                short(v.alloc),
+                (v.used * 100.0).floor(),
+                v.var.map_or("-".into(), |x| format!("{x:.2}")),
+                short(v.target),
+                excess
+            );
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use aliquot_proto::v1::{GroupStatus, VdevStatus};
+
+    const MIB: u64 = 1 << 20;
+
+    #[test]
+    fn eval_of_the_unbalanced_pool() {
+        let g = |vdev, capacity, alloc| GroupStatus {
+            vdev,
+            capacity,
+            alloc,
+            ..Default::default()
+        };
+        let st = PoolStatus {
+            name: "tank".into(),
+            classes: vec![ClassStatus {
+                name: "normal".into(),
+                space: 7168 * MIB,
+                balance_score: 0.091,
+                groups: vec![
+                    g(0, 1024 * MIB, 901 * MIB),
+                    g(1, 2048 * MIB, 717 * MIB),
+                    g(2, 4096 * MIB, 1679 * MIB),
+                ],
+                ..Default::default()
+            }],
+            vdevs: (0..3)
+                .map(|i| VdevStatus {
+                    vdev: i,
+                    name: format!("file{i}"),
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        };
+        let e = &eval(&st)[0];
+        assert_eq!(e.verdict, "unbalanced");
+        // Class 3297/7168 used: file0's target is 471 MiB, 430 over.
+        assert_eq!(
+            e.vdevs[0].target,
+            (1024.0 * MIB as f64 * 3297.0 / 7168.0) as u64
+        );
+        assert!(e.vdevs[0].excess > 429 * MIB as i64 && e.vdevs[0].excess < 431 * MIB as i64);
+        assert_eq!(e.misplaced, e.vdevs[0].excess as u64);
+        let t = render_eval(&st);
+        assert!(
+            t.starts_with("pool tank class normal: score 0.091 (unbalanced;"),
+            "{t}"
+        );
+        assert!(t.contains("file0 (0)") && t.contains("+430M"), "{t}");
+    }
+}

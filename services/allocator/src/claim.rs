@@ -15,6 +15,42 @@ use crate::state::Shared;
 /// in-flight and deferred space.
 pub async fn check_exact(shared: &Shared, extents: &[Extent]) -> Result<()> {
     for e in extents {
+        let overlapping = committed_overlapping(shared, e).await?;
+        if overlapping.is_empty() || overlapping == [*e] {
+            continue;
+        }
+        return Err(Error::ClaimOverlaps {
+            requested: *e,
+            overlapping,
+        });
+    }
+    Ok(())
+}
+
+/// Free's exact-boundary rule: a free of committed space names exactly one
+/// committed (or claimed) extent. Without it a client could free a range
+/// spanning other clients' blocks, or part of one, whose space would then be
+/// handed out again while its data is live.
+pub async fn check_free_exact(shared: &Shared, extents: &[Extent]) -> Result<()> {
+    for e in extents {
+        let overlapping = committed_overlapping(shared, e).await?;
+        // None: not committed at all, which the pool rules on (a retried
+        // free, free space, or an allocation in flight: NOT_ALLOCATED).
+        if overlapping.is_empty() || overlapping == [*e] {
+            continue;
+        }
+        return Err(Error::FreeNotExact {
+            requested: *e,
+            overlapping,
+        });
+    }
+    Ok(())
+}
+
+/// The committed (or claimed) extents `e` overlaps: the store's, as of the
+/// last synced txg, and those of txgs not yet persisted.
+async fn committed_overlapping(shared: &Shared, e: &Extent) -> Result<Vec<Extent>> {
+    {
         let mut overlapping: Vec<Extent> = {
             let g = shared.lock();
             let end = e.offset.saturating_add(e.size);
@@ -33,13 +69,6 @@ pub async fn check_exact(shared: &Shared, extents: &[Extent]) -> Result<()> {
         );
         overlapping.sort();
         overlapping.dedup();
-        if overlapping.is_empty() || overlapping == [*e] {
-            continue;
-        }
-        return Err(Error::ClaimOverlaps {
-            requested: *e,
-            overlapping,
-        });
+        Ok(overlapping)
     }
-    Ok(())
 }

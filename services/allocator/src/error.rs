@@ -56,6 +56,15 @@ pub enum Error {
         overlapping: Vec<metaslab::Extent>,
     },
     #[error(
+        "free of {requested} is not exactly one committed extent (it overlaps {}): a free names \
+         exactly an extent its Allocate or Claim gave, never part of one or a span over several",
+        fmt_extents(.overlapping)
+    )]
+    FreeNotExact {
+        requested: metaslab::Extent,
+        overlapping: Vec<metaslab::Extent>,
+    },
+    #[error(
         "allocation {id} was made by another identity; only the certificate that allocated it \
          ({caller} is not it) may {action} it"
     )]
@@ -110,7 +119,9 @@ impl Error {
             },
             Error::InvalidArgument(_) => Code::InvalidArgument,
             Error::NotFound(_) => Code::NotFound,
-            Error::VdevConflict(_) | Error::ClaimOverlaps { .. } => Code::FailedPrecondition,
+            Error::VdevConflict(_) | Error::ClaimOverlaps { .. } | Error::FreeNotExact { .. } => {
+                Code::FailedPrecondition
+            }
             Error::LeaseExpired(_) | Error::AllocatorRestarted { .. } => Code::Aborted,
             Error::GenerationAhead { .. } => Code::FailedPrecondition,
             Error::NotOwnerAllocation { .. } | Error::NotOwnerDevice { .. } => {
@@ -177,6 +188,16 @@ impl Error {
                 vec![
                     ("requested", requested.to_string()),
                     ("conflicting", fmt_extents(overlapping)),
+                ],
+            ),
+            Error::FreeNotExact {
+                requested,
+                overlapping,
+            } => (
+                ErrorReason::NotAllocated,
+                vec![
+                    ("requested", requested.to_string()),
+                    ("overlapping", fmt_extents(overlapping)),
                 ],
             ),
             Error::LeaseExpired(id) => (

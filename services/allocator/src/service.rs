@@ -547,6 +547,7 @@ impl Allocator for AllocatorService {
     async fn free(&self, req: Request<pb::FreeRequest>) -> Result<Response<pb::FreeReply>, Status> {
         self.shared.check_serving()?;
         let extents = convert::extents_from_pb(&req.get_ref().extents)?;
+        crate::claim::check_free_exact(&self.shared, &extents).await?;
         let txg = {
             let mut g = self.shared.lock();
             let txg = g.free(&extents)?;

@@ -551,13 +551,25 @@ async fn a_free_is_not_reusable_before_its_txg_is_durable() {
     let s = h.pool().await;
     let vd = &s.vdevs[0];
     let end = vd.metaslab_size * vd.metaslab_count as u64;
-    let whole: Vec<pb::Extent> = (0..vd.metaslab_count as u64)
-        .map(|m| pb::Extent {
+    // The first 4 MiB as an extent of its own: the block freed below (a
+    // free names exactly one committed extent).
+    let mut whole: Vec<pb::Extent> = vec![
+        pb::Extent {
             vdev: v,
-            offset: m * vd.metaslab_size,
-            size: vd.metaslab_size,
-        })
-        .collect();
+            offset: 0,
+            size: 4 * MIB,
+        },
+        pb::Extent {
+            vdev: v,
+            offset: 4 * MIB,
+            size: vd.metaslab_size - 4 * MIB,
+        },
+    ];
+    whole.extend((1..vd.metaslab_count as u64).map(|m| pb::Extent {
+        vdev: v,
+        offset: m * vd.metaslab_size,
+        size: vd.metaslab_size,
+    }));
     claim(&mut h, whole).await.expect("claim the whole vdev");
     h.sync().await;
     let log = pb::AllocateRequest {

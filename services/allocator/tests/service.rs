@@ -811,3 +811,73 @@ async fn shutdown_ends_streams_and_waiters_promptly() {
     assert!(end.is_ok());
     rep.abort();
 }
+
+/// A free names exactly one committed extent: a span over two clients'
+/// blocks, or part of one, is refused (its space would be reused while the
+/// other block is live), before and after the blocks' txg is persisted; the
+/// exact frees then succeed and a repeated one answers the same txg.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_free_names_exactly_one_committed_extent() {
+    let mut h = start(config()).await;
+    h.add_vdev(1, GIB).await;
+    // Two blocks side by side on the one vdev (the first fit in one metaslab).
+    let a = h.allocate(64 * 1024).await.unwrap();
+    let b = h.allocate(64 * 1024).await.unwrap();
+    h.commit(vec![a.allocation_id, b.allocation_id])
+        .await
+        .unwrap();
+    let (ea, eb) = (a.extents[0], b.extents[0]);
+    let (lo, hi) = if ea.offset < eb.offset {
+        (ea, eb)
+    } else {
+        (eb, ea)
+    };
+    let span = pb::Extent {
+        vdev: lo.vdev,
+        offset: lo.offset,
+        size: hi.offset + hi.size - lo.offset,
+    };
+    let part = pb::Extent {
+        size: lo.size / 2,
+        ..lo
+    };
+    for round in ["not yet persisted", "persisted"] {
+        for bad in [span, part] {
+            let e = h
+                .alloc
+                .free(pb::FreeRequest { extents: vec![bad] })
+                .await
+                .expect_err("an inexact free was accepted");
+            assert_eq!(e.code(), Code::FailedPrecondition, "{round}: {e:?}");
+            assert_eq!(reason(&e), "NOT_ALLOCATED", "{round}: {e:?}");
+            assert!(
+                e.message().contains("not exactly one committed extent"),
+                "{e:?}"
+            );
+        }
+        h.sync().await;
+    }
+    let before = h.normal().await.alloc;
+    assert_eq!(
+        before,
+        ea.size + eb.size,
+        "nothing was freed by the refusals"
+    );
+    let free = |x: pb::Extent| pb::FreeRequest { extents: vec![x] };
+    let t1 = h
+        .alloc
+        .free(free(ea))
+        .await
+        .expect("exact free")
+        .into_inner()
+        .txg;
+    let t2 = h
+        .alloc
+        .free(free(ea))
+        .await
+        .expect("repeated free")
+        .into_inner()
+        .txg;
+    assert_eq!(t1, t2, "a repeated free answers its txg");
+    h.alloc.free(free(eb)).await.expect("exact free");
+}

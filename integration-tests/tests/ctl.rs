@@ -166,6 +166,35 @@ fn up_write_verify_status_tunables_and_clean_stop() {
         text.starts_with("pool aliquot class normal: score "),
         "{text}"
     );
+    // balancer plan (the store's extents on SQLite): within its bound, never
+    // worse, every move a block this write placed.
+    let plan: serde_json::Value = serde_json::from_str(&ok_stdout(
+        &ctl(&args![
+            "balancer",
+            "plan",
+            "--max-misplaced",
+            "0.5",
+            "--json",
+            "--allocator",
+            url
+        ]),
+        "balancer plan --json",
+    ))
+    .unwrap();
+    let bytes = json_u64(&plan["bytes"]).unwrap();
+    assert!(bytes <= json_u64(&plan["limit_bytes"]).unwrap(), "{plan}");
+    assert!(
+        plan["score_after"].as_f64().unwrap() <= plan["score_before"].as_f64().unwrap(),
+        "{plan}"
+    );
+    eprintln!(
+        "plan on the test pool: {} moves, {bytes} bytes",
+        plan["moves"].as_array().unwrap().len()
+    );
+    for m in plan["moves"].as_array().unwrap() {
+        assert_eq!(json_u64(&m["size"]), Some(128 << 10), "{m}");
+        assert_ne!(m["vdev"], m["to_vdev"]);
+    }
     // `up` numbers vdevs in the order given (256M, 512M, 1G): by id the
     // sizes are 1:2:4, less label and metaslab rounding.
     let mut by_id: Vec<(u64, u64)> = groups

@@ -33,7 +33,8 @@ pub fn allowed(path: &str) -> Option<&'static [Role]> {
             "Allocate" | "AllocateStream" | "Commit" | "Abort" | "RenewLease" | "Free"
             | "Claim" | "SyncTxg" => CLIENTS,
             "GetPool" | "WatchPool" | "GetTunables" => READERS,
-            "SetTunable" | "SetVdevState" => ADMIN,
+            "SetTunable" | "SetVdevState" | "ExpandVdev" => ADMIN,
+            "PlanRebalance" => CLIENTS,
             _ => return None,
         },
         ("aliquot.v1.AgentRegistry", "Register" | "Report") => AGENTS,
@@ -69,6 +70,9 @@ mod tests {
         assert!(can(Agent, "/aliquot.v1.AgentRegistry/Report"));
         assert!(!can(Client, "/aliquot.v1.Allocator/SetTunable"));
         assert!(can(Admin, "/aliquot.v1.Allocator/SetVdevState"));
+        assert!(can(Admin, "/aliquot.v1.Allocator/ExpandVdev"));
+        assert!(!can(Client, "/aliquot.v1.Allocator/ExpandVdev"));
+        assert!(can(Client, "/aliquot.v1.Allocator/PlanRebalance"));
         assert!(can(Admin, "/aliquot.v1.Allocator/Free"));
         assert!(!can(Client, "/aliquot.v1.Metrics/RecordBatch"));
         assert!(can(Allocator, "/aliquot.v1.Metrics/RecordSnapshots"));

@@ -182,6 +182,7 @@ pub mod group;
 mod metaslab;
 pub mod pool;
 pub mod range_tree;
+pub mod rebalance;
 pub mod stats;
 pub mod throttle;
 pub mod tunables;

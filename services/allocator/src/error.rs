@@ -77,6 +77,12 @@ pub enum Error {
     NotOwnerDevice { device: u64, message: String },
     #[error("the allocator is shutting down; retry against its successor")]
     ShuttingDown,
+    #[error(
+        "no rebalance plan while vdevs are not healthy and online ({}): bring them back \
+         (or remove them) first",
+        .0.join(", ")
+    )]
+    PoolDegraded(Vec<String>),
     #[error("store: {0}")]
     Store(String),
 }
@@ -128,6 +134,7 @@ impl Error {
                 Code::PermissionDenied
             }
             Error::ShuttingDown => Code::Unavailable,
+            Error::PoolDegraded(_) => Code::FailedPrecondition,
             Error::Store(_) => Code::Internal,
         }
     }
@@ -232,6 +239,7 @@ impl Error {
                 vec![("device", format!("{device:#x}"))],
             ),
             Error::ShuttingDown => (ErrorReason::ShuttingDown, vec![]),
+            Error::PoolDegraded(v) => (ErrorReason::PoolDegraded, vec![("vdevs", v.join(","))]),
             Error::Store(_) => (ErrorReason::Store, vec![]),
         }
     }

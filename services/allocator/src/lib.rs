@@ -13,6 +13,7 @@ pub mod error;
 pub mod lock;
 pub mod metrics_push;
 pub mod ownership;
+pub mod rebalance;
 pub mod recovery;
 pub mod registry;
 pub mod service;

@@ -759,6 +759,18 @@ impl Allocator for AllocatorService {
             .ok_or_else(|| Error::Pool(metaslab::Error::UnknownVdev(vdev)).into())
     }
 
+    #[tracing::instrument(skip_all, fields(moves, bytes))]
+    async fn plan_rebalance(
+        &self,
+        req: Request<pb::PlanRebalanceRequest>,
+    ) -> Result<Response<pb::RebalancePlan>, Status> {
+        self.shared.check_serving()?;
+        let p = crate::rebalance::plan_rebalance(&self.shared, req.get_ref()).await?;
+        Span::current().record("moves", p.moves.len());
+        Span::current().record("bytes", p.bytes);
+        Ok(Response::new(p))
+    }
+
     #[tracing::instrument(skip_all, fields(vdev = req.get_ref().vdev, online = req.get_ref().online))]
     async fn set_vdev_state(
         &self,

@@ -818,6 +818,31 @@ impl Store for SqliteStore {
         })
     }
 
+    fn largest_extents(
+        &self,
+        vdev: u32,
+        limit: u32,
+    ) -> BoxFuture<'_, Result<Vec<Extent>, StoreError>> {
+        Box::pin(async move {
+            let rows = sqlx::query(
+                "SELECT offset, size FROM extents WHERE vdev = ? ORDER BY size DESC, offset LIMIT ?",
+            )
+            .bind(vdev as i64)
+            .bind(limit as i64)
+            .fetch_all(&self.db)
+            .await
+            .map_err(|err| StoreError(format!("largest extents of vdev {vdev}: {err}")))?;
+            Ok(rows
+                .iter()
+                .map(|r| Extent {
+                    vdev,
+                    offset: r.get::<i64, _>(0) as u64,
+                    size: r.get::<i64, _>(1) as u64,
+                })
+                .collect())
+        })
+    }
+
     fn allocated_overlapping(&self, e: Extent) -> BoxFuture<'_, Result<Vec<Extent>, StoreError>> {
         Box::pin(async move {
             let db = |err: sqlx::Error| StoreError(format!("extents overlapping {e}: {err}"));

@@ -65,7 +65,7 @@ pub struct Inner {
     expired: HashMap<AllocationId, Instant>,
     /// Extents freed in txgs not yet synced → the txg, so a repeated Free
     /// gets the first answer (after the sync, a repeat is a double free).
-    recent_frees: HashMap<Extent, Txg>,
+    pub recent_frees: HashMap<Extent, Txg>,
     /// Extents committed or claimed in txgs not yet persisted → txg (the
     /// store does not have them yet; Claim's exact check looks here too).
     pub recent_allocs: BTreeMap<(VdevId, u64), (u64, Txg)>,

@@ -74,6 +74,16 @@ pub trait Store: Send + Sync + 'static {
     }
     /// Durable allocated extents overlapping `e` (for Claim's exact check).
     fn allocated_overlapping(&self, e: Extent) -> BoxFuture<'_, Result<Vec<Extent>, StoreError>>;
+    /// Up to `limit` durable extents of `vdev`, largest first: the
+    /// candidates of a rebalance plan. Stores without extents answer empty.
+    fn largest_extents(
+        &self,
+        vdev: u32,
+        limit: u32,
+    ) -> BoxFuture<'_, Result<Vec<Extent>, StoreError>> {
+        let _ = (vdev, limit);
+        Box::pin(async { Ok(Vec::new()) })
+    }
     /// Agent certificate name -> the device guid it is bound to (see
     /// `binding`). Stores without bindings answer empty.
     fn agent_bindings(&self) -> BoxFuture<'_, Result<BTreeMap<String, u64>, StoreError>> {
@@ -293,6 +303,24 @@ impl Store for MemStore {
                 .copied()
                 .collect()
         });
+        Box::pin(async move { Ok(out) })
+    }
+
+    fn largest_extents(
+        &self,
+        vdev: u32,
+        limit: u32,
+    ) -> BoxFuture<'_, Result<Vec<Extent>, StoreError>> {
+        let g = self.state.lock().unwrap();
+        let mut out: Vec<Extent> = g.as_ref().map_or_else(Vec::new, |st| {
+            st.allocated
+                .iter()
+                .filter(|a| a.vdev == vdev)
+                .copied()
+                .collect()
+        });
+        out.sort_by(|a, b| b.size.cmp(&a.size).then(a.offset.cmp(&b.offset)));
+        out.truncate(limit as usize);
         Box::pin(async move { Ok(out) })
     }
 }

@@ -881,3 +881,62 @@ async fn a_free_names_exactly_one_committed_extent() {
     assert_eq!(t1, t2, "a repeated free answers its txg");
     h.alloc.free(free(eb)).await.expect("exact free");
 }
+
+/// PlanRebalance on a pool that gained an empty vdev: moves of committed
+/// extents from the full vdevs to the new one, within 5 % of what is
+/// allocated, lowering the score; refused while a vdev is offline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plan_rebalance_moves_toward_a_new_vdev_and_waits_for_a_whole_pool() {
+    let mut h = start(config()).await;
+    h.add_vdev(1, GIB).await;
+    h.add_vdev(2, GIB).await;
+    // Committed one by one: the throttle admits only a few MiB in flight.
+    for _ in 0..256 {
+        let id = h.allocate(MIB).await.unwrap().allocation_id;
+        h.commit(vec![id]).await.unwrap();
+    }
+    h.sync().await;
+    let new = h.add_vdev(3, GIB).await;
+    let req = pb::PlanRebalanceRequest {
+        bytes_per_sec: 64 * MIB,
+        ..Default::default()
+    };
+    let p = h
+        .alloc
+        .plan_rebalance(req)
+        .await
+        .expect("plan")
+        .into_inner();
+    let allocated = h.normal().await.alloc;
+    assert_eq!(p.limit_bytes, allocated / 20, "5 % of allocated by default");
+    assert!(!p.moves.is_empty() && p.bytes <= p.limit_bytes, "{p:?}");
+    assert!(p.bytes + MIB > p.limit_bytes, "fills the bound: {p:?}");
+    assert!(p.score_after < p.score_before, "{p:?}");
+    assert_eq!(p.predicted_ms, p.bytes * 1000 / (64 * MIB));
+    for m in &p.moves {
+        let e = m.extent.unwrap();
+        assert_eq!(m.to_vdev, new);
+        assert_ne!(e.vdev, new);
+        assert_eq!(e.size, MIB, "a committed block, whole");
+    }
+    let bad = pb::PlanRebalanceRequest {
+        max_misplaced: 1.5,
+        ..Default::default()
+    };
+    let e = h.alloc.plan_rebalance(bad).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    h.alloc
+        .set_vdev_state(pb::SetVdevStateRequest {
+            vdev: new,
+            online: false,
+        })
+        .await
+        .unwrap();
+    let e = h
+        .alloc
+        .plan_rebalance(pb::PlanRebalanceRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert_eq!(reason(&e), "POOL_DEGRADED", "{e:?}");
+}

@@ -5,7 +5,9 @@
 //! it is from that (EXCESS: positive on over-full vdevs, the bytes a
 //! rebalance would move off them).
 
-use aliquot_proto::v1::{ClassStatus, GetPoolRequest, PoolStatus};
+use aliquot_proto::v1::{
+    ClassStatus, GetPoolRequest, PlanRebalanceRequest, PoolStatus, RebalancePlan,
+};
 use serde::Serialize;
 use units::format_bytes_short as short;
 
@@ -29,16 +31,66 @@ pub enum BalancerCmd {
         #[arg(long, env = "ALIQUOT_JSON")]
         json: bool,
     },
+    /// A bounded rebalance plan from the allocator: which committed extents
+    /// to move off over-full vdevs, to which vdev, and the score after.
+    /// Nothing moves: the client that owns the data carries a plan out.
+    Plan {
+        /// Fraction of the class's allocated bytes one plan may move.
+        #[arg(long, env = "ALIQUOT_BALANCER_MAX_MISPLACED", default_value_t = 0.05)]
+        max_misplaced: f64,
+        /// Bytes one plan may move at most (default: no limit but the above).
+        #[arg(long, env = "ALIQUOT_BALANCER_BUDGET", value_parser = units::size_arg)]
+        budget: Option<u64>,
+        /// The mover's rate, to predict how long the plan takes, e.g. 100MiB/s.
+        #[arg(long, env = "ALIQUOT_BALANCER_RATE", value_parser = units::rate_arg)]
+        rate: Option<f64>,
+        /// Moves to list (all with --json).
+        #[arg(long, default_value_t = 10)]
+        show: usize,
+        /// Print JSON (64-bit integers as strings).
+        #[arg(long, env = "ALIQUOT_JSON")]
+        json: bool,
+    },
 }
 
 pub async fn run(args: BalancerArgs) -> anyhow::Result<()> {
     let mut c = args.conn.connect().await?;
+    if let BalancerCmd::Plan {
+        max_misplaced,
+        budget,
+        rate,
+        show,
+        json,
+    } = args.cmd
+    {
+        let p = c
+            .plan_rebalance(PlanRebalanceRequest {
+                max_misplaced,
+                byte_budget: budget.unwrap_or(0),
+                bytes_per_sec: rate.map_or(0, |r| r as u64),
+            })
+            .await
+            .map_err(|s| crate::client::status_msg("plan rebalance", &s))?
+            .into_inner();
+        let st = c
+            .get_pool(GetPoolRequest {})
+            .await
+            .map_err(|s| crate::client::status_msg("get pool", &s))?
+            .into_inner();
+        if json {
+            println!("{}", serde_json::to_string_pretty(&plan_json(&p))?);
+        } else {
+            print!("{}", render_plan(&st, &p, show));
+        }
+        return Ok(());
+    }
     let st = c
         .get_pool(GetPoolRequest {})
         .await
         .map_err(|s| crate::client::status_msg("get pool", &s))?
         .into_inner();
     match args.cmd {
+        BalancerCmd::Plan { .. } => unreachable!("handled above"),
         BalancerCmd::Eval { json } => {
             if json {
                 println!("{}", serde_json::to_string_pretty(&eval_json(&st))?);
@@ -154,6 +206,101 @@ pub fn eval(st: &PoolStatus) -> Vec<ClassEval> {
             }
         })
         .collect()
+}
+
+fn plan_json(p: &RebalancePlan) -> serde_json::Value {
+    serde_json::json!({
+        "bytes": p.bytes.to_string(),
+        "limit_bytes": p.limit_bytes.to_string(),
+        "score_before": p.score_before,
+        "score_after": p.score_after,
+        "predicted_ms": p.predicted_ms.to_string(),
+        "generation": p.generation.to_string(),
+        "moves": p.moves.iter().map(|m| {
+            let e = m.extent.unwrap_or_default();
+            serde_json::json!({
+                "vdev": e.vdev,
+                "offset": e.offset.to_string(),
+                "size": e.size.to_string(),
+                "to_vdev": m.to_vdev,
+            })
+        }).collect::<Vec<_>>(),
+    })
+}
+
+pub fn render_plan(st: &PoolStatus, p: &RebalancePlan, show: usize) -> String {
+    use std::fmt::Write as _;
+    let name = |id: u32| {
+        let n = st
+            .vdevs
+            .iter()
+            .find(|v| v.vdev == id)
+            .map_or("", |v| v.name.as_str());
+        vdev_label(id, n)
+    };
+    let mut out = String::new();
+    if p.moves.is_empty() {
+        let _ = writeln!(
+            out,
+            "nothing to move: score {:.3} ({}); no move of a committed extent within {} lowers it",
+            p.score_before,
+            verdict(p.score_before),
+            short(p.limit_bytes)
+        );
+        return out;
+    }
+    let _ = writeln!(
+        out,
+        "plan: {} moves, {} (bound {}), score {:.3} -> {:.3}{}",
+        p.moves.len(),
+        short(p.bytes),
+        short(p.limit_bytes),
+        p.score_before,
+        p.score_after,
+        if p.predicted_ms > 0 {
+            format!(
+                ", about {:.1} s at the given rate",
+                p.predicted_ms as f64 / 1000.0
+            )
+        } else {
+            String::new()
+        }
+    );
+    let mut per: std::collections::BTreeMap<(u32, u32), (usize, u64)> = Default::default();
+    for m in &p.moves {
+        let e = m.extent.unwrap_or_default();
+        let x = per.entry((e.vdev, m.to_vdev)).or_default();
+        x.0 += 1;
+        x.1 += e.size;
+    }
+    for ((from, to), (n, b)) in per {
+        let _ = writeln!(
+            out,
+            "  {} -> {}: {n} extents, {}",
+            name(from),
+            name(to),
+            short(b)
+        );
+    }
+    for m in p.moves.iter().take(show) {
+        let e = m.extent.unwrap_or_default();
+        let _ = writeln!(
+            out,
+            "  move {}:{:#x}+{} -> {}",
+            name(e.vdev),
+            e.offset,
+            short(e.size),
+            name(m.to_vdev)
+        );
+    }
+    if p.moves.len() > show {
+        let _ = writeln!(
+            out,
+            "  ... {} more (--show N, or --json)",
+            p.moves.len() - show
+        );
+    }
+    out
 }
 
 fn eval_json(st: &PoolStatus) -> serde_json::Value {

@@ -1,0 +1,113 @@
+//! PlanRebalance: the allocator's side of the balancer. It knows the fill
+//! of every vdev and (in its store) every durable extent, so it plans; the
+//! client, which owns the references to the data, moves it. The plan itself
+//! is `metaslab::rebalance::plan` (pure); here: refuse while the pool is not
+//! whole, gather candidates, convert.
+
+use metaslab::balance::VdevFill;
+use metaslab::rebalance::{PlanLimits, PlanVdev, plan};
+use metaslab::{ClassKind, Extent, Health};
+
+use crate::error::{Error, Result};
+use crate::state::Shared;
+use aliquot_proto::v1 as pb;
+
+/// Candidates read per over-full vdev (largest first): enough for any plan
+/// bounded at 5 % of the class, without reading millions of rows.
+const CANDIDATES_PER_VDEV: u32 = 20_000;
+
+pub async fn plan_rebalance(
+    shared: &Shared,
+    req: &pb::PlanRebalanceRequest,
+) -> Result<pb::RebalancePlan> {
+    let max_misplaced = if req.max_misplaced == 0.0 {
+        0.05
+    } else {
+        req.max_misplaced
+    };
+    if !(max_misplaced > 0.0 && max_misplaced <= 1.0) {
+        return Err(Error::InvalidArgument(format!(
+            "max_misplaced {} is out of range: 0 < x <= 1 (0 = 0.05)",
+            req.max_misplaced
+        )));
+    }
+    let (vdevs, frees) = {
+        let g = shared.lock();
+        let stats = g.pool.stats();
+        let mut not_ok = Vec::new();
+        let mut vdevs = Vec::new();
+        for v in &stats.vdevs {
+            if !v.online || v.health != Health::Healthy {
+                let name = g
+                    .vdevs
+                    .get(&v.id)
+                    .map(|i| i.name.clone())
+                    .unwrap_or_default();
+                not_ok.push(format!("{name} ({})", v.id));
+            }
+        }
+        if !not_ok.is_empty() {
+            return Err(Error::PoolDegraded(not_ok));
+        }
+        if let Some(c) = stats.classes.iter().find(|c| c.kind == ClassKind::Normal) {
+            for gr in &c.groups {
+                vdevs.push(PlanVdev {
+                    id: gr.vdev,
+                    fill: VdevFill {
+                        capacity: gr.capacity,
+                        alloc: gr.alloc,
+                    },
+                    target_ok: gr.allocatable,
+                });
+            }
+        }
+        // Freed but not yet persisted: still in the store, not to be moved.
+        let frees: Vec<Extent> = g.recent_frees.keys().copied().collect();
+        (vdevs, frees)
+    };
+    let cap: u128 = vdevs.iter().map(|v| u128::from(v.fill.capacity)).sum();
+    let alloc: u128 = vdevs.iter().map(|v| u128::from(v.fill.alloc)).sum();
+    let mut candidates = Vec::new();
+    for v in &vdevs {
+        let over = cap > 0 && (v.fill.alloc as u128) * cap > alloc * u128::from(v.fill.capacity);
+        if over {
+            candidates.extend(
+                shared
+                    .store
+                    .largest_extents(v.id, CANDIDATES_PER_VDEV)
+                    .await
+                    .map_err(|e| Error::Store(e.to_string()))?,
+            );
+        }
+    }
+    candidates.retain(|e| !frees.contains(e));
+    let p = plan(
+        &vdevs,
+        &candidates,
+        PlanLimits {
+            max_misplaced,
+            byte_budget: req.byte_budget,
+        },
+    );
+    let predicted_ms = if req.bytes_per_sec > 0 {
+        (p.bytes as u128 * 1000 / u128::from(req.bytes_per_sec)) as u64
+    } else {
+        0
+    };
+    Ok(pb::RebalancePlan {
+        moves: p
+            .moves
+            .iter()
+            .map(|m| pb::PlannedMove {
+                extent: Some(crate::convert::extent_to_pb(&m.extent)),
+                to_vdev: m.to,
+            })
+            .collect(),
+        bytes: p.bytes,
+        limit_bytes: p.limit,
+        score_before: p.score_before,
+        score_after: p.score_after,
+        predicted_ms,
+        generation: shared.fencing.generation,
+    })
+}

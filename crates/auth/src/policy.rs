@@ -34,7 +34,8 @@ pub fn allowed(path: &str) -> Option<&'static [Role]> {
             | "Claim" | "SyncTxg" => CLIENTS,
             "GetPool" | "WatchPool" | "GetTunables" => READERS,
             "SetTunable" | "SetVdevState" | "ExpandVdev" => ADMIN,
-            "PlanRebalance" => CLIENTS,
+            // A plan names other clients' extents: operators only.
+            "PlanRebalance" => ADMIN,
             _ => return None,
         },
         ("aliquot.v1.AgentRegistry", "Register" | "Report") => AGENTS,
@@ -72,7 +73,8 @@ mod tests {
         assert!(can(Admin, "/aliquot.v1.Allocator/SetVdevState"));
         assert!(can(Admin, "/aliquot.v1.Allocator/ExpandVdev"));
         assert!(!can(Client, "/aliquot.v1.Allocator/ExpandVdev"));
-        assert!(can(Client, "/aliquot.v1.Allocator/PlanRebalance"));
+        assert!(can(Admin, "/aliquot.v1.Allocator/PlanRebalance"));
+        assert!(!can(Client, "/aliquot.v1.Allocator/PlanRebalance"));
         assert!(can(Admin, "/aliquot.v1.Allocator/Free"));
         assert!(!can(Client, "/aliquot.v1.Metrics/RecordBatch"));
         assert!(can(Allocator, "/aliquot.v1.Metrics/RecordSnapshots"));

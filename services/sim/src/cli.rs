@@ -73,6 +73,37 @@ pub enum Command {
     },
     /// List the tunables a scenario's [tunables] table accepts.
     Tunables,
+    /// What-if for the balancer: run the allocator's rebalance planner plan
+    /// after plan on the given vdevs until the balance score reaches the
+    /// target; print each plan's bytes and score, and the time at --rate.
+    Rebalance {
+        /// A vdev as CAPACITY:ALLOCATED (e.g. 10G:8G), once per vdev.
+        #[arg(
+            long = "vdev",
+            required = true,
+            env = "ALIQUOT_SIM_VDEVS",
+            value_delimiter = ','
+        )]
+        vdevs: Vec<String>,
+        /// Size of the modelled blocks (the planner moves whole blocks).
+        #[arg(long, env = "ALIQUOT_SIM_BLOCK_SIZE", default_value = "16M", value_parser = units::size_arg)]
+        block_size: u64,
+        /// Mover budget in bytes/s (e.g. 100M).
+        #[arg(long, env = "ALIQUOT_SIM_RATE", default_value = "100M", value_parser = units::rate_arg)]
+        rate: f64,
+        /// Fraction of allocated bytes one plan may move.
+        #[arg(long, env = "ALIQUOT_SIM_MAX_MISPLACED", default_value_t = 0.05)]
+        max_misplaced: f64,
+        /// Bytes one plan may move (0: only --max-misplaced).
+        #[arg(long, env = "ALIQUOT_SIM_BUDGET", default_value = "0", value_parser = units::size_arg)]
+        budget: u64,
+        /// Stop once the score is at or below this.
+        #[arg(long, env = "ALIQUOT_SIM_TARGET_SCORE", default_value_t = 0.01)]
+        target_score: f64,
+        /// Stop after this many plans.
+        #[arg(long, env = "ALIQUOT_SIM_MAX_PLANS", default_value_t = 1000)]
+        max_plans: usize,
+    },
 }
 
 /// Failure of a command, with the exit code it maps to.
@@ -231,6 +262,48 @@ pub fn execute(cli: Cli) -> Result<(), CliError> {
                     ),
                 }
             }
+            Ok(())
+        }
+        Command::Rebalance {
+            vdevs,
+            block_size,
+            rate,
+            max_misplaced,
+            budget,
+            target_score,
+            max_plans,
+        } => {
+            let bad = |m: String| {
+                CliError::Scenario(ScenarioError::Invalid {
+                    key: "--vdev".into(),
+                    reason: m,
+                })
+            };
+            let mut parsed = Vec::new();
+            for v in &vdevs {
+                let (c, a) = v
+                    .split_once(':')
+                    .ok_or_else(|| bad(format!("{v:?}: want CAPACITY:ALLOCATED")))?;
+                let size = |s: &str| units::parse_size(s).map_err(|e| bad(format!("{v:?}: {e}")));
+                parsed.push(crate::rebalance::WhatIfVdev {
+                    capacity: size(c)?,
+                    alloc: size(a)?,
+                });
+            }
+            let limits = metaslab::rebalance::PlanLimits {
+                max_misplaced,
+                byte_budget: budget,
+            };
+            let r = crate::rebalance::simulate(
+                &parsed,
+                block_size,
+                limits,
+                rate,
+                target_score,
+                max_plans,
+            )
+            .map_err(|e| bad(e.to_string()))?;
+            crate::rebalance::print(&r, rate);
             Ok(())
         }
         Command::Tunables => {

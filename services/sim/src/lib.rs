@@ -13,6 +13,7 @@ pub mod cli;
 pub mod device;
 pub mod engine;
 pub mod pool;
+pub mod rebalance;
 pub mod report;
 pub mod scenario;
 

@@ -1,4 +1,4 @@
-//! The `aliquot-sim` command line: `run`, `check`, `list` and `tunables`.
+//! The `aliquot-sim` command line: `run`, `compare`, `check`, `list`, `tunables` and `rebalance`.
 //! Exit codes: 0 ok, 1 a run failed, 2 bad usage or a bad scenario.
 
 use std::io::Write;

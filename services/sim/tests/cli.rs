@@ -158,3 +158,33 @@ fn compare_prints_the_fill_points_and_draws_both_curves() {
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("--policy"));
 }
+
+/// `rebalance` end to end: two full vdevs and an empty one converge in
+/// several bounded plans; a malformed vdev exits 2 naming the flag.
+#[test]
+fn rebalance_what_if_converges_and_refuses_bad_vdevs() {
+    let o = sim()
+        .args([
+            "rebalance",
+            "--vdev",
+            "10G:8G,10G:8G,10G:0",
+            "--rate",
+            "100M",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    let plans = stdout
+        .lines()
+        .skip(1)
+        .take_while(|l| !l.starts_with("score"))
+        .count();
+    assert!(plans > 1, "{stdout}");
+    assert!(stdout.contains("(target reached)"), "{stdout}");
+    assert!(stdout.contains("moved per point"), "{stdout}");
+
+    let o = sim().args(["rebalance", "--vdev", "10G"]).output().unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--vdev"));
+}

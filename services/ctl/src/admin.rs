@@ -165,7 +165,7 @@ pub enum VdevCmd {
     Drain {
         vdev: String,
         /// Fraction of the class's allocated bytes one plan may move.
-        #[arg(long, default_value_t = 0.05)]
+        #[arg(long, env = "ALIQUOT_BALANCER_MAX_MISPLACED", default_value_t = 0.05)]
         max_misplaced: f64,
     },
     /// Grow a vdev to a larger capacity, e.g. after its device grew (like

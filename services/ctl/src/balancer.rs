@@ -45,11 +45,11 @@ pub enum BalancerCmd {
         #[arg(long, env = "ALIQUOT_BALANCER_RATE", value_parser = units::rate_arg)]
         rate: Option<f64>,
         /// Moves to list (all with --json).
-        #[arg(long, default_value_t = 10)]
+        #[arg(long, env = "ALIQUOT_BALANCER_SHOW", default_value_t = 10)]
         show: usize,
         /// Plan moving everything off this vdev (name or id; it must be
         /// offline: `aliquotctl vdev drain` does both). Repeatable.
-        #[arg(long)]
+        #[arg(long, env = "ALIQUOT_BALANCER_DRAIN", value_delimiter = ',')]
         drain: Vec<String>,
         /// Print JSON (64-bit integers as strings).
         #[arg(long, env = "ALIQUOT_JSON")]

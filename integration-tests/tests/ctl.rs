@@ -195,6 +195,31 @@ fn up_write_verify_status_tunables_and_clean_stop() {
         assert_eq!(json_u64(&m["size"]), Some(128 << 10), "{m}");
         assert_ne!(m["vdev"], m["to_vdev"]);
     }
+    // vdev drain: offline, then the plan of everything on it.
+    let drained = ok_stdout(
+        &ctl(&args![
+            "vdev",
+            "drain",
+            "file2",
+            "--max-misplaced",
+            "1",
+            "--allocator",
+            url
+        ]),
+        "vdev drain file2",
+    );
+    assert!(
+        drained.starts_with("vdev file2 (2) is offline"),
+        "{drained}"
+    );
+    assert!(
+        drained.contains("file2 (2) -> "),
+        "moves off file2: {drained}"
+    );
+    ok_stdout(
+        &ctl(&args!["vdev", "online", "file2", "--allocator", url]),
+        "vdev online file2",
+    );
     // `up` numbers vdevs in the order given (256M, 512M, 1G): by id the
     // sizes are 1:2:4, less label and metaslab rounding.
     let mut by_id: Vec<(u64, u64)> = groups

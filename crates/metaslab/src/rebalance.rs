@@ -13,6 +13,10 @@
 //! push it below its share, to the allocatable vdev furthest below its share
 //! that it fits on without pushing that one above. The score is recomputed
 //! after each move, and the plan stops when a move would not lower it.
+//!
+//! Drained vdevs (`vdev drain`) go first: each of their extents, largest
+//! first, to the emptiest vdev that may receive it, within the same bounds;
+//! the score is then the one of the vdevs that stay.
 
 use crate::balance::{VdevFill, score};
 use crate::{Extent, VdevId};
@@ -24,6 +28,9 @@ pub struct PlanVdev {
     pub fill: VdevFill,
     /// May receive moved data (online, healthy, not being drained).
     pub target_ok: bool,
+    /// Being drained (`vdev drain`): everything on it is to move off, and
+    /// the balance is judged among the other vdevs.
+    pub drain: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -65,7 +72,17 @@ pub struct Plan {
 /// `limits`. Vdevs not in `vdevs` are ignored, as are their candidates.
 pub fn plan(vdevs: &[PlanVdev], candidates: &[Extent], limits: PlanLimits) -> Plan {
     let mut fills: Vec<VdevFill> = vdevs.iter().map(|v| v.fill).collect();
-    let score_before = score(&fills);
+    // The score of the vdevs that stay (all of them without a drain).
+    let kept = |fills: &[VdevFill]| -> f64 {
+        let k: Vec<VdevFill> = fills
+            .iter()
+            .zip(vdevs)
+            .filter(|(_, v)| !v.drain)
+            .map(|(f, _)| *f)
+            .collect();
+        score(&k)
+    };
+    let score_before = kept(&fills);
     let allocated: u128 = fills.iter().map(|f| u128::from(f.alloc)).sum();
     let mut limit = (allocated as f64 * limits.max_misplaced.clamp(0.0, 1.0)) as u64;
     if limits.byte_budget > 0 {
@@ -82,7 +99,46 @@ pub fn plan(vdevs: &[PlanVdev], candidates: &[Extent], limits: PlanLimits) -> Pl
     for c in &mut by_vdev {
         c.sort_by(|a, b| b.size.cmp(&a.size).then(b.offset.cmp(&a.offset)));
     }
-    let cap: u128 = fills.iter().map(|f| u128::from(f.capacity)).sum();
+    let mut moves = Vec::new();
+    let mut bytes = 0u64;
+    // Drains first: every extent of a drained vdev, to the emptiest
+    // receiver with room.
+    for src in (0..vdevs.len()).filter(|&i| vdevs[i].drain) {
+        let mut keep = Vec::new();
+        for e in std::mem::take(&mut by_vdev[src]) {
+            let dst = (0..vdevs.len())
+                .filter(|&i| i != src && vdevs[i].target_ok && !vdevs[i].drain)
+                .filter(|&i| fills[i].capacity.saturating_sub(fills[i].alloc) >= e.size)
+                .min_by(|&a, &b| fills[a].used().total_cmp(&fills[b].used()));
+            match dst {
+                Some(dst) if bytes + e.size <= limit => {
+                    fills[src].alloc -= e.size;
+                    fills[dst].alloc += e.size;
+                    bytes += e.size;
+                    moves.push(PlannedMove {
+                        extent: e,
+                        to: vdevs[dst].id,
+                    });
+                }
+                _ => keep.push(e),
+            }
+        }
+        by_vdev[src] = keep;
+    }
+    let mut current = kept(&fills);
+    // Balancing among the vdevs that stay.
+    let cap: u128 = fills
+        .iter()
+        .zip(vdevs)
+        .filter(|(_, v)| !v.drain)
+        .map(|(f, _)| u128::from(f.capacity))
+        .sum();
+    let allocated: u128 = fills
+        .iter()
+        .zip(vdevs)
+        .filter(|(_, v)| !v.drain)
+        .map(|(f, _)| u128::from(f.alloc))
+        .sum();
     let target = |f: &VdevFill| -> f64 {
         if cap == 0 {
             0.0
@@ -90,12 +146,10 @@ pub fn plan(vdevs: &[PlanVdev], candidates: &[Extent], limits: PlanLimits) -> Pl
             f.capacity as f64 * allocated as f64 / cap as f64
         }
     };
-    let mut moves = Vec::new();
-    let mut bytes = 0u64;
-    let mut current = score_before;
     loop {
         // Vdevs above their share, furthest first.
         let mut over: Vec<usize> = (0..fills.len())
+            .filter(|&i| !vdevs[i].drain)
             .filter(|&i| fills[i].alloc as f64 > target(&fills[i]) && !by_vdev[i].is_empty())
             .collect();
         over.sort_by(|&a, &b| {
@@ -107,7 +161,7 @@ pub fn plan(vdevs: &[PlanVdev], candidates: &[Extent], limits: PlanLimits) -> Pl
             let excess = fills[src].alloc as f64 - target(&fills[src]);
             // Receivers below their share, furthest first.
             let mut under: Vec<usize> = (0..fills.len())
-                .filter(|&i| i != src && vdevs[i].target_ok)
+                .filter(|&i| i != src && vdevs[i].target_ok && !vdevs[i].drain)
                 .filter(|&i| (fills[i].alloc as f64) < target(&fills[i]))
                 .collect();
             under.sort_by(|&a, &b| {
@@ -127,7 +181,7 @@ pub fn plan(vdevs: &[PlanVdev], candidates: &[Extent], limits: PlanLimits) -> Pl
                     let mut trial = fills.clone();
                     trial[src].alloc -= e.size;
                     trial[dst].alloc += e.size;
-                    let s = score(&trial);
+                    let s = kept(&trial);
                     if s < current {
                         chosen = Some((src, k, dst, trial, s));
                         break 'search;
@@ -169,6 +223,7 @@ mod tests {
             id,
             fill: VdevFill { capacity, alloc },
             target_ok: true,
+            drain: false,
         }
     }
 
@@ -246,6 +301,38 @@ mod tests {
         assert!(p.moves.is_empty(), "{p:?}");
     }
 
+    #[test]
+    fn a_drain_moves_everything_off_within_the_bounds() {
+        let mut v = [
+            vd(0, GIB, 300 * MIB),
+            vd(1, GIB, 300 * MIB),
+            vd(2, 2 * GIB, 300 * MIB),
+        ];
+        v[0].drain = true;
+        v[0].target_ok = false;
+        let mut c = blocks(0, 300, MIB);
+        c.extend(blocks(1, 300, MIB));
+        c.extend(blocks(2, 300, MIB));
+        let all = plan(
+            &v,
+            &c,
+            PlanLimits {
+                max_misplaced: 1.0,
+                byte_budget: 0,
+            },
+        );
+        let off0: Vec<_> = all.moves.iter().filter(|m| m.extent.vdev == 0).collect();
+        assert_eq!(off0.len(), 300, "everything leaves the drained vdev");
+        assert!(all.moves.iter().all(|m| m.to != 0));
+        // The emptiest first: the 2 GiB vdev takes about twice vdev 1's share.
+        let to2 = off0.iter().filter(|m| m.to == 2).count();
+        assert!(to2 > 180, "{to2}");
+        // Bounded like any plan: 5 % of 900 MiB.
+        let some = plan(&v, &c, PlanLimits::default());
+        assert_eq!(some.bytes, 45 * MIB);
+        assert!(some.moves.iter().all(|m| m.extent.vdev == 0));
+    }
+
     proptest! {
         /// Any plan: within its bounds, each extent once, only candidates,
         /// never onto a vdev that may not receive or beyond its free space,
@@ -265,6 +352,7 @@ mod tests {
                         id: i as VdevId,
                         fill: VdevFill { capacity: cap, alloc: cap / 100 * pct / MIB * MIB },
                         target_ok: ok,
+                        drain: !ok && i == 0,
                     }
                 })
                 .collect();
@@ -276,7 +364,12 @@ mod tests {
             let p = plan(&v, &c, limits);
             prop_assert!(p.bytes <= p.limit);
             prop_assert_eq!(p.bytes, p.moves.iter().map(|m| m.extent.size).sum::<u64>());
-            prop_assert!(p.score_after <= p.score_before + 1e-12);
+            // Moving a drained vdev's data may unbalance the rest; without
+            // a drain a plan never makes the score worse.
+            if v.iter().all(|x| !x.drain) {
+                prop_assert!(p.score_after <= p.score_before + 1e-12);
+            }
+            prop_assert!(p.moves.iter().all(|m| !v[m.to as usize].drain));
             let mut seen = std::collections::BTreeSet::new();
             let mut got = vec![0u64; v.len()];
             for m in &p.moves {

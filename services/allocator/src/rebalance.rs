@@ -36,7 +36,22 @@ pub async fn plan_rebalance(
         let stats = g.pool.stats();
         let mut not_ok = Vec::new();
         let mut vdevs = Vec::new();
+        for &d in &req.drain {
+            match stats.vdevs.iter().find(|v| v.id == d) {
+                None => return Err(Error::Pool(metaslab::Error::UnknownVdev(d))),
+                Some(v) if v.online => {
+                    return Err(Error::InvalidArgument(format!(
+                        "vdev {d} is still allocatable: a drained vdev is offline first \
+                         (`aliquotctl vdev drain` does both)"
+                    )));
+                }
+                Some(_) => {}
+            }
+        }
         for v in &stats.vdevs {
+            if req.drain.contains(&v.id) {
+                continue;
+            }
             if !v.online || v.health != Health::Healthy {
                 let name = g
                     .vdevs
@@ -51,13 +66,15 @@ pub async fn plan_rebalance(
         }
         if let Some(c) = stats.classes.iter().find(|c| c.kind == ClassKind::Normal) {
             for gr in &c.groups {
+                let drain = req.drain.contains(&gr.vdev);
                 vdevs.push(PlanVdev {
                     id: gr.vdev,
                     fill: VdevFill {
                         capacity: gr.capacity,
                         alloc: gr.alloc,
                     },
-                    target_ok: gr.allocatable,
+                    target_ok: gr.allocatable && !drain,
+                    drain,
                 });
             }
         }
@@ -70,7 +87,7 @@ pub async fn plan_rebalance(
     let mut candidates = Vec::new();
     for v in &vdevs {
         let over = cap > 0 && (v.fill.alloc as u128) * cap > alloc * u128::from(v.fill.capacity);
-        if over {
+        if over || v.drain {
             candidates.extend(
                 shared
                     .store

@@ -940,3 +940,64 @@ async fn plan_rebalance_moves_toward_a_new_vdev_and_waits_for_a_whole_pool() {
     assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
     assert_eq!(reason(&e), "POOL_DEGRADED", "{e:?}");
 }
+
+/// A drain plan: the drained vdev must be offline first; then everything on
+/// it is planned to move to the others (all of it when the bound allows),
+/// and nothing onto it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_plans_every_extent_off_an_offline_vdev() {
+    let mut h = start(config()).await;
+    let a = h.add_vdev(1, GIB).await;
+    h.add_vdev(2, GIB).await;
+    h.add_vdev(3, GIB).await;
+    for _ in 0..96 {
+        let id = h.allocate(MIB).await.unwrap().allocation_id;
+        h.commit(vec![id]).await.unwrap();
+    }
+    h.sync().await;
+    let on_a = h
+        .pool()
+        .await
+        .vdevs
+        .iter()
+        .find(|v| v.vdev == a)
+        .unwrap()
+        .alloc;
+    assert!(on_a > 0);
+    let drain = |m| pb::PlanRebalanceRequest {
+        max_misplaced: m,
+        drain: vec![a],
+        ..Default::default()
+    };
+    let e = h.alloc.plan_rebalance(drain(1.0)).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "still allocatable: {e:?}");
+    h.alloc
+        .set_vdev_state(pb::SetVdevStateRequest {
+            vdev: a,
+            online: false,
+        })
+        .await
+        .unwrap();
+    let p = h
+        .alloc
+        .plan_rebalance(drain(1.0))
+        .await
+        .unwrap()
+        .into_inner();
+    let off: u64 = p
+        .moves
+        .iter()
+        .filter(|m| m.extent.unwrap().vdev == a)
+        .map(|m| m.extent.unwrap().size)
+        .sum();
+    assert_eq!(off, on_a, "everything on the drained vdev: {p:?}");
+    assert!(p.moves.iter().all(|m| m.to_vdev != a));
+    // Bounded like any plan by default.
+    let p = h
+        .alloc
+        .plan_rebalance(drain(0.0))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(p.bytes <= p.limit_bytes && p.bytes < on_a, "{p:?}");
+}

@@ -159,6 +159,15 @@ pub enum VdevCmd {
     /// Stop allocating on a vdev (its data stays readable). VDEV is its
     /// name (file0) or id.
     Offline { vdev: String },
+    /// Stop allocating on a vdev (offline, like `zpool set allocating=off`)
+    /// and show the plan that moves everything off it (`balancer plan
+    /// --drain VDEV`); VDEV is its name or id.
+    Drain {
+        vdev: String,
+        /// Fraction of the class's allocated bytes one plan may move.
+        #[arg(long, env = "ALIQUOT_BALANCER_MAX_MISPLACED", default_value_t = 0.05)]
+        max_misplaced: f64,
+    },
     /// Grow a vdev to a larger capacity, e.g. after its device grew (like
     /// `zpool online -e`); agents' reports never grow a vdev.
     Expand {
@@ -178,15 +187,48 @@ pub async fn vdev(args: VdevArgs) -> anyhow::Result<()> {
         .map_err(|s| client::status_msg("get pool", &s))?
         .into_inner();
     let spec = match &args.cmd {
-        VdevCmd::Online { vdev } | VdevCmd::Offline { vdev } | VdevCmd::Expand { vdev, .. } => {
-            vdev.clone()
-        }
+        VdevCmd::Online { vdev }
+        | VdevCmd::Offline { vdev }
+        | VdevCmd::Expand { vdev, .. }
+        | VdevCmd::Drain { vdev, .. } => vdev.clone(),
     };
     let (vdev, name) = resolve_vdev(&pool, &spec).map_err(anyhow::Error::msg)?;
     let label = vdev_label(vdev, &name);
     let online = match args.cmd {
         VdevCmd::Online { .. } => true,
         VdevCmd::Offline { .. } => false,
+        VdevCmd::Drain { max_misplaced, .. } => {
+            c.set_vdev_state(SetVdevStateRequest {
+                vdev,
+                online: false,
+            })
+            .await
+            .map_err(|s| client::status_msg(&format!("vdev drain {label}"), &s))?;
+            let p = c
+                .plan_rebalance(aliquot_proto::v1::PlanRebalanceRequest {
+                    max_misplaced,
+                    drain: vec![vdev],
+                    ..Default::default()
+                })
+                .await
+                .map_err(|s| client::status_msg(&format!("plan the drain of {label}"), &s))?
+                .into_inner();
+            println!(
+                "vdev {label} is offline: no new allocations; {} allocated on it",
+                units::format_bytes(
+                    pool.vdevs
+                        .iter()
+                        .find(|v| v.vdev == vdev)
+                        .map_or(0, |v| v.alloc)
+                )
+            );
+            print!("{}", crate::balancer::render_plan(&pool, &p, 5));
+            println!(
+                "(each plan moves at most --max-misplaced of the pool; `balancer plan --drain {name}` \
+                 plans the next; `vdev online {name}` stops draining)"
+            );
+            return Ok(());
+        }
         VdevCmd::Expand { capacity, .. } => {
             let v = c
                 .expand_vdev(aliquot_proto::v1::ExpandVdevRequest { vdev, capacity })

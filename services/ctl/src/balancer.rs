@@ -45,8 +45,12 @@ pub enum BalancerCmd {
         #[arg(long, env = "ALIQUOT_BALANCER_RATE", value_parser = units::rate_arg)]
         rate: Option<f64>,
         /// Moves to list (all with --json).
-        #[arg(long, default_value_t = 10)]
+        #[arg(long, env = "ALIQUOT_BALANCER_SHOW", default_value_t = 10)]
         show: usize,
+        /// Plan moving everything off this vdev (name or id; it must be
+        /// offline: `aliquotctl vdev drain` does both). Repeatable.
+        #[arg(long, env = "ALIQUOT_BALANCER_DRAIN", value_delimiter = ',')]
+        drain: Vec<String>,
         /// Print JSON (64-bit integers as strings).
         #[arg(long, env = "ALIQUOT_JSON")]
         json: bool,
@@ -61,21 +65,28 @@ pub async fn run(args: BalancerArgs) -> anyhow::Result<()> {
         rate,
         show,
         json,
+        drain,
     } = args.cmd
     {
+        let st = c
+            .get_pool(GetPoolRequest {})
+            .await
+            .map_err(|s| crate::client::status_msg("get pool", &s))?
+            .into_inner();
+        let drain = drain
+            .iter()
+            .map(|d| crate::names::resolve_vdev(&st, d).map(|(id, _)| id))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(anyhow::Error::msg)?;
         let p = c
             .plan_rebalance(PlanRebalanceRequest {
                 max_misplaced,
                 byte_budget: budget.unwrap_or(0),
                 bytes_per_sec: rate.map_or(0, |r| r as u64),
+                drain,
             })
             .await
             .map_err(|s| crate::client::status_msg("plan rebalance", &s))?
-            .into_inner();
-        let st = c
-            .get_pool(GetPoolRequest {})
-            .await
-            .map_err(|s| crate::client::status_msg("get pool", &s))?
             .into_inner();
         if json {
             println!("{}", serde_json::to_string_pretty(&plan_json(&p))?);

@@ -51,7 +51,7 @@ pub enum Cmd {
     Write(write::WriteArgs),
     /// List or set the allocator's tunables.
     Tunables(admin::TunablesArgs),
-    /// Take a vdev offline (not allocatable) or back online.
+    /// A vdev by name or id: offline (not allocatable), online, drain, expand.
     Vdev(admin::VdevArgs),
     /// Balance history from the metrics service (table or SVG).
     History(history::Args),
@@ -63,7 +63,7 @@ pub enum Cmd {
     Verify(verify::VerifyArgs),
     /// The pool CA: `certs init`, `certs issue --role ROLE NAME`.
     Certs(certs::CertsArgs),
-    /// How balanced the pool is: `balancer eval` (score, VAR, excess per vdev).
+    /// How balanced the pool is and how to rebalance it: `balancer eval`, `balancer plan`.
     Balancer(balancer::BalancerArgs),
 }
 

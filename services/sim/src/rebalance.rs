@@ -110,6 +110,8 @@ pub fn simulate(
                     alloc: a,
                 },
                 target_ok: true,
+                // Draining is not modelled: every vdev stays.
+                drain: false,
             })
             .collect()
     };

@@ -103,6 +103,9 @@ pub enum Command {
         /// Stop after this many plans.
         #[arg(long, env = "ALIQUOT_SIM_MAX_PLANS", default_value_t = 1000)]
         max_plans: usize,
+        /// Drain this vdev (index from 0, in --vdev order): move everything off it.
+        #[arg(long, env = "ALIQUOT_SIM_DRAIN", value_delimiter = ',')]
+        drain: Vec<usize>,
     },
 }
 
@@ -272,6 +275,7 @@ pub fn execute(cli: Cli) -> Result<(), CliError> {
             budget,
             target_score,
             max_plans,
+            drain,
         } => {
             let bad = |m: String| {
                 CliError::Scenario(ScenarioError::Invalid {
@@ -296,6 +300,7 @@ pub fn execute(cli: Cli) -> Result<(), CliError> {
             };
             let r = crate::rebalance::simulate(
                 &parsed,
+                &drain,
                 block_size,
                 limits,
                 rate,

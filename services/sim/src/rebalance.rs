@@ -56,11 +56,16 @@ pub enum WhatIfError {
     TooMany(u64),
     #[error("rate must be > 0 bytes/s")]
     Rate,
+    #[error("no vdev {0} to drain (vdevs count from 0)")]
+    NoVdev(usize),
 }
 
-/// Plan, apply, repeat: at most `max_plans` plans.
+/// Plan, apply, repeat: at most `max_plans` plans. Vdevs whose index is in
+/// `drain` are drained (`vdev drain`): their blocks all move off, and the
+/// score is judged among the others, as the allocator's planner does.
 pub fn simulate(
     vdevs: &[WhatIfVdev],
+    drain: &[usize],
     block: u64,
     limits: PlanLimits,
     rate: f64,
@@ -77,6 +82,9 @@ pub fn simulate(
         if v.alloc > v.capacity {
             return Err(WhatIfError::Overfull(i));
         }
+    }
+    if let Some(&d) = drain.iter().find(|&&d| d >= vdevs.len()) {
+        return Err(WhatIfError::NoVdev(d));
     }
     let blocks: u64 = vdevs.iter().map(|v| v.alloc / block).sum();
     if blocks > MAX_EXTENTS {
@@ -109,17 +117,25 @@ pub fn simulate(
                     capacity: v.capacity,
                     alloc: a,
                 },
-                target_ok: true,
-                // Draining is not modelled: every vdev stays.
-                drain: false,
+                target_ok: !drain.contains(&i),
+                drain: drain.contains(&i),
             })
             .collect()
     };
-    let score_start =
-        metaslab::balance::score(&fills(&alloc).iter().map(|p| p.fill).collect::<Vec<_>>());
+    let staying = |alloc: &[u64]| -> f64 {
+        let f: Vec<VdevFill> = fills(alloc)
+            .iter()
+            .filter(|p| !p.drain)
+            .map(|p| p.fill)
+            .collect();
+        metaslab::balance::score(&f)
+    };
+    // Drained: less than one block left (a remainder is not a candidate).
+    let drained = |alloc: &[u64]| drain.iter().all(|&d| alloc[d] < block);
+    let score_start = staying(&alloc);
     let mut steps = Vec::new();
     let mut current = score_start;
-    let mut converged = current <= target_score;
+    let mut converged = current <= target_score && drained(&alloc);
     while !converged && steps.len() < max_plans {
         let p = plan(&fills(&alloc), &extents, limits);
         if p.moves.is_empty() {
@@ -143,7 +159,7 @@ pub fn simulate(
             };
             next_off[to] += m.extent.size;
         }
-        current = p.score_after;
+        current = staying(&alloc);
         steps.push(Step {
             bytes: p.bytes,
             moves: p.moves.len(),
@@ -151,7 +167,7 @@ pub fn simulate(
             score_before: p.score_before,
             score_after: p.score_after,
         });
-        converged = current <= target_score;
+        converged = current <= target_score && drained(&alloc);
     }
     let bytes = steps.iter().map(|s| s.bytes).sum();
     Ok(WhatIf {
@@ -163,6 +179,12 @@ pub fn simulate(
         converged,
         alloc_after: alloc,
     })
+}
+
+/// A score as printed: erf's rounding can leave a balanced pool a hair
+/// below 0, which would print as "-0.0000".
+fn shown(x: f64) -> f64 {
+    x.max(0.0) + 0.0
 }
 
 /// The table `aliquot-sim rebalance` prints: one row per plan, then totals
@@ -181,16 +203,16 @@ pub fn print(r: &WhatIf, rate: f64) {
             units::format_bytes_short(s.bytes),
             s.moves,
             units::format_bytes_short(s.limit),
-            s.score_before,
-            s.score_after,
+            shown(s.score_before),
+            shown(s.score_after),
             cum as f64 / rate
         );
     }
     let points = (r.score_start - r.score_end) * 100.0;
     println!(
         "score {:.4} -> {:.4} ({}) in {} plans: {} moved, {:.1}s at {}",
-        r.score_start,
-        r.score_end,
+        shown(r.score_start),
+        shown(r.score_end),
         if r.converged {
             "target reached"
         } else {
@@ -237,7 +259,7 @@ mod tests {
     fn converges_within_bounds_and_conserves_bytes() {
         let v = two_full_one_empty();
         let limits = PlanLimits::default();
-        let r = simulate(&v, 16 * MIB, limits, 100.0 * MIB as f64, 0.01, 100).unwrap();
+        let r = simulate(&v, &[], 16 * MIB, limits, 100.0 * MIB as f64, 0.01, 100).unwrap();
         assert!(r.score_start > 0.2, "{}", r.score_start);
         assert!(r.converged && r.score_end <= 0.01, "{r:?}");
         // Several plans: one plan may move at most 5 % of allocated.
@@ -263,7 +285,7 @@ mod tests {
             };
             3
         ];
-        let r = simulate(&v, MIB, PlanLimits::default(), 1.0, 0.0, 10).unwrap();
+        let r = simulate(&v, &[], MIB, PlanLimits::default(), 1.0, 0.0, 10).unwrap();
         assert_eq!(r.score_start, 0.0);
         assert!(r.steps.is_empty() && r.converged && r.bytes == 0);
     }
@@ -274,10 +296,31 @@ mod tests {
             max_misplaced: 0.05,
             byte_budget: 64 * MIB,
         };
-        let r = simulate(&two_full_one_empty(), 16 * MIB, limits, 1.0, 0.0, 5).unwrap();
+        let r = simulate(&two_full_one_empty(), &[], 16 * MIB, limits, 1.0, 0.0, 5).unwrap();
         assert_eq!(r.steps.len(), 5);
         assert!(r.steps.iter().all(|s| s.bytes <= 64 * MIB && s.bytes > 0));
         assert!(!r.converged);
+    }
+
+    #[test]
+    fn drain_empties_the_vdev_in_bounded_plans() {
+        let v = vec![
+            WhatIfVdev {
+                capacity: 10 * GIB,
+                alloc: 4 * GIB,
+            };
+            3
+        ];
+        let r = simulate(&v, &[1], 16 * MIB, PlanLimits::default(), 1.0, 0.01, 100).unwrap();
+        assert!(r.converged, "{r:?}");
+        assert_eq!(r.alloc_after[1], 0);
+        assert_eq!(r.alloc_after.iter().sum::<u64>(), 12 * GIB);
+        assert!(r.steps.len() > 1 && r.steps.iter().all(|s| s.bytes <= s.limit));
+        assert!(r.bytes >= 4 * GIB);
+        assert_eq!(
+            simulate(&v, &[3], MIB, PlanLimits::default(), 1.0, 0.0, 1),
+            Err(WhatIfError::NoVdev(3))
+        );
     }
 
     #[test]
@@ -288,17 +331,20 @@ mod tests {
         }];
         let lim = PlanLimits::default();
         assert_eq!(
-            simulate(&over, 1, lim, 1.0, 0.0, 1),
+            simulate(&over, &[], 1, lim, 1.0, 0.0, 1),
             Err(WhatIfError::Overfull(0))
         );
         let v = two_full_one_empty();
         assert_eq!(
-            simulate(&v, 0, lim, 1.0, 0.0, 1),
+            simulate(&v, &[], 0, lim, 1.0, 0.0, 1),
             Err(WhatIfError::BlockSize)
         );
-        assert_eq!(simulate(&v, MIB, lim, 0.0, 0.0, 1), Err(WhatIfError::Rate));
+        assert_eq!(
+            simulate(&v, &[], MIB, lim, 0.0, 0.0, 1),
+            Err(WhatIfError::Rate)
+        );
         assert!(matches!(
-            simulate(&v, 4096, lim, 1.0, 0.0, 1),
+            simulate(&v, &[], 4096, lim, 1.0, 0.0, 1),
             Err(WhatIfError::TooMany(_))
         ));
     }

@@ -26,20 +26,35 @@ pub const OPERATOR: &str = "operator";
 pub struct ClientTlsArgs {
     /// The pool CA certificate (PEM) the server must be issued by
     /// (default: `<certs-dir>/ca.pem`).
-    #[arg(long = "ca", env = "ALIQUOT_TLS_CA")]
+    #[arg(long = "ca", global = true, env = "ALIQUOT_TLS_CA")]
     pub ca: Option<PathBuf>,
     /// Our certificate (PEM) (default: `<certs-dir>/admin-operator.pem`).
-    #[arg(long = "cert", env = "ALIQUOT_TLS_CERT", requires = "key")]
+    #[arg(
+        long = "cert",
+        global = true,
+        env = "ALIQUOT_TLS_CERT",
+        requires = "key"
+    )]
     pub cert: Option<PathBuf>,
     /// Our private key (PEM) (default: `<certs-dir>/admin-operator.key`).
-    #[arg(long = "key", env = "ALIQUOT_TLS_KEY", requires = "cert")]
+    #[arg(
+        long = "key",
+        global = true,
+        env = "ALIQUOT_TLS_KEY",
+        requires = "cert"
+    )]
     pub key: Option<PathBuf>,
     /// The pool's certificate directory (what `aliquotctl up` writes in its
     /// data dir, or `aliquotctl certs`).
-    #[arg(long, env = "ALIQUOT_CERTS_DIR", default_value = "aliquot-data/certs")]
+    #[arg(
+        long,
+        global = true,
+        env = "ALIQUOT_CERTS_DIR",
+        default_value = "aliquot-data/certs"
+    )]
     pub certs_dir: PathBuf,
     /// Plaintext gRPC, no certificates: only for a pool started with --insecure.
-    #[arg(long, env = "ALIQUOT_INSECURE", conflicts_with_all = ["ca", "cert", "key"],
+    #[arg(long, global = true, env = "ALIQUOT_INSECURE", conflicts_with_all = ["ca", "cert", "key"],
           value_parser = clap::builder::BoolishValueParser::new())]
     pub insecure: bool,
 }

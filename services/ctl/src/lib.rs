@@ -114,3 +114,13 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 pub struct UsageError(pub String);
+
+#[cfg(test)]
+mod tests {
+    /// Every command's flags are consistent (clap checks names, globals,
+    /// conflicts and requires across the whole tree).
+    #[test]
+    fn cli_is_well_formed() {
+        <super::Cli as clap::CommandFactory>::command().debug_assert();
+    }
+}

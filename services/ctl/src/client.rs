@@ -286,7 +286,17 @@ impl Decoder for ReplyDecoder {
 
 /// `Status` → one line an operator can act on: code name and the server's words.
 pub fn status_msg(what: &str, s: &tonic::Status) -> anyhow::Error {
-    anyhow::anyhow!("{what}: {} ({:?})", s.message(), s.code())
+    // A plaintext client speaking to a TLS server (or the reverse) sees the
+    // connection drop mid-call, with nothing in the message to say why.
+    let broken = matches!(s.code(), tonic::Code::Cancelled | tonic::Code::Unknown)
+        && (s.message().contains("canceled") || s.message().contains("transport error"));
+    let hint = if broken {
+        " — the connection broke: is the server TLS and this client --insecure (or the \
+         reverse)? a pool `aliquotctl up` started without --insecure needs its certificates"
+    } else {
+        ""
+    };
+    anyhow::anyhow!("{what}: {} ({:?}){hint}", s.message(), s.code())
 }
 
 #[cfg(test)]

@@ -409,6 +409,41 @@ async fn metrics_parse_and_agree_with_get_pool() {
         .expect("latency histogram");
     assert!(hist.value >= 1.0);
 
+    // Every series the Grafana dashboard queries is one the scrape has.
+    let dash = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/grafana/dashboards/aliquot.json"),
+    )
+    .unwrap();
+    let dash: serde_json::Value = serde_json::from_str(&dash).unwrap();
+    let mut queried = std::collections::BTreeSet::new();
+    for panel in dash["panels"].as_array().unwrap() {
+        for t in panel["targets"].as_array().into_iter().flatten() {
+            let expr = t["expr"].as_str().unwrap_or_default();
+            for (i, _) in expr.match_indices("aliquot_") {
+                // Only where a name starts (not inside aliquot_vdev_aliquot_bytes).
+                if expr[..i]
+                    .chars()
+                    .last()
+                    .is_some_and(|c| c.is_ascii_alphanumeric() || c == '_')
+                {
+                    continue;
+                }
+                let name: String = expr[i..]
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                queried.insert(name);
+            }
+        }
+    }
+    assert!(queried.len() >= 10, "{queried:?}");
+    for q in &queried {
+        assert!(
+            samples.iter().any(|s| &s.name == q || &s.family == q),
+            "the dashboard queries {q}, which /metrics does not export"
+        );
+    }
+
     // The allocator and each agent serve their own RPC metrics.
     let count = |samples: &[Sample], method: &str| {
         samples

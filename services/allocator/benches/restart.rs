@@ -1,0 +1,193 @@
+//! Restart cost at large extent counts, and the txg sync of many frees on
+//! a large store. Prints figures (no harness):
+//!
+//!   cargo bench -p aliquot-allocator --bench restart
+//!
+//! `ALIQUOT_BENCH_EXTENTS` (default 10^7) 4 KiB extents are written straight
+//! into a store file, in two layouts: `gapped` (one block every 8 KiB, so
+//! nothing coalesces: the worst case) and `packed` (back to back). Each
+//! restart runs in a fresh child process (this binary re-executed), so its
+//! peak RSS (VmHWM) is the restart's own: open + load + `recovery::rebuild`,
+//! i.e. what the allocator does before it serves. "live" is the RSS once the
+//! loaded rows are dropped and only the pool remains; the target is
+//! peak ≤ 1.5× live and restart ≤ 5 s.
+//! Then the child frees `ALIQUOT_BENCH_FREES` (default 10^6) of the extents
+//! and times `Pool::sync` and `SqliteStore::persist` of that txg (target ≤ 1 s).
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Instant;
+
+use aliquot_allocator::SqliteStore;
+use aliquot_allocator::recovery;
+use aliquot_allocator::store::{Store, TxgRecord, VdevRecord};
+use metaslab::{Extent, Pool, Tunables, VdevRole, VdevSpec};
+
+const GIB: u64 = 1 << 30;
+const BLOCK: u64 = 4096;
+const CHILD_ENV: &str = "ALIQUOT_BENCH_RESTART_CHILD";
+
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.replace('_', "").parse().ok())
+        .unwrap_or(default)
+}
+
+/// `VmHWM` and `VmRSS` of this process, in MiB.
+fn mem_mib() -> (f64, f64) {
+    let s = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| {
+        s.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+            / 1024.0
+    };
+    (field("VmHWM:"), field("VmRSS:"))
+}
+
+fn stride(layout: &str) -> u64 {
+    if layout == "gapped" { 2 * BLOCK } else { BLOCK }
+}
+
+/// A store holding one 1 TiB vdev and `n` extents in `layout`.
+async fn build(path: &Path, n: u64, layout: &str) {
+    let store = SqliteStore::open(path, "bench", None).await.unwrap();
+    store.create(7).await.unwrap();
+    let mut pool = Pool::new(Tunables::default());
+    let spec = VdevSpec {
+        capacity: 1024 * GIB,
+        ashift: 12,
+        children: 1,
+        parity: 0,
+        rotational: false,
+        role: VdevRole::Normal,
+        metaslab_shift: None,
+    };
+    let id = pool.add_vdev(spec).unwrap();
+    let stats = pool.stats();
+    let mut s = stats.vdevs[0].spec.clone();
+    s.metaslab_shift = Some(stats.vdevs[0].metaslab_shift);
+    store
+        .persist(&TxgRecord {
+            sync: pool.sync(),
+            vdevs: vec![VdevRecord {
+                id,
+                guid: 1,
+                name: "bench".into(),
+                endpoint: "http://127.0.0.1:1".into(),
+                spec: s,
+            }],
+        })
+        .await
+        .unwrap();
+    store.close().await;
+    // The rows themselves, in one statement (the store's own persist path is
+    // what txg_sync measures; here only the resulting file matters).
+    let mut conn = <sqlx::SqliteConnection as sqlx::Connection>::connect(&format!(
+        "sqlite://{}",
+        path.display()
+    ))
+    .await
+    .unwrap();
+    let st = stride(layout);
+    sqlx::query(
+        "WITH RECURSIVE k(x) AS (SELECT 0 UNION ALL SELECT x + 1 FROM k WHERE x + 1 < ?)
+         INSERT INTO extents (vdev, offset, size, txg) SELECT ?, x * ?, ?, 1 FROM k",
+    )
+    .bind(n as i64)
+    .bind(id as i64)
+    .bind(st as i64)
+    .bind(BLOCK as i64)
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    sqlx::query("UPDATE vdevs SET allocated = ? WHERE id = ?")
+        .bind((n * BLOCK) as i64)
+        .bind(id as i64)
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    sqlx::Connection::close(conn).await.unwrap();
+}
+
+/// The measured part, in a child process.
+async fn child(path: &Path, layout: &str) {
+    let t = Instant::now();
+    let store = SqliteStore::open(path, "bench", None).await.unwrap();
+    let opened = t.elapsed();
+    let p = store.load().await.unwrap().expect("a pool");
+    let loaded = t.elapsed();
+    let mut pool = recovery::rebuild(Tunables::default(), &p).expect("consistent");
+    let ready = t.elapsed();
+    let (rows, ranges) = (env_u64("ALIQUOT_BENCH_EXTENTS", 10_000_000), p.allocated.len());
+    drop(p);
+    let (peak, live) = mem_mib();
+    println!(
+        "{layout:>6} {rows:>9} extents ({ranges:>9} ranges) | open {:>6.2} s, load {:>6.2} s, rebuild {:>6.2} s: serving after {:>6.2} s | peak RSS {peak:>7.0} MiB, live {live:>7.0} MiB ({:.2}x)",
+        opened.as_secs_f64(),
+        (loaded - opened).as_secs_f64(),
+        (ready - loaded).as_secs_f64(),
+        ready.as_secs_f64(),
+        peak / live.max(1.0),
+    );
+
+    let frees = env_u64("ALIQUOT_BENCH_FREES", 1_000_000).min(rows);
+    let st = stride(layout);
+    let ext: Vec<Extent> = (0..frees)
+        .map(|k| Extent {
+            vdev: 0,
+            offset: k * st,
+            size: BLOCK,
+        })
+        .collect();
+    pool.free(&ext).unwrap();
+    drop(ext);
+    let t = Instant::now();
+    let sync = pool.sync();
+    let pool_sync = t.elapsed();
+    let rec = TxgRecord {
+        sync,
+        vdevs: Vec::new(),
+    };
+    let t = Instant::now();
+    store.persist(&rec).await.unwrap();
+    let persist = t.elapsed();
+    store.close().await;
+    println!(
+        "{layout:>6} txg of {frees} frees | Pool::sync {:>7.3} s, persist {:>7.3} s, total {:>7.3} s",
+        pool_sync.as_secs_f64(),
+        persist.as_secs_f64(),
+        (pool_sync + persist).as_secs_f64(),
+    );
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() {
+    if let Ok(spec) = std::env::var(CHILD_ENV) {
+        let (layout, path) = spec.split_once(':').expect("layout:path");
+        child(Path::new(path), layout).await;
+        return;
+    }
+    let n = env_u64("ALIQUOT_BENCH_EXTENTS", 10_000_000);
+    let exe = std::env::current_exe().unwrap();
+    for layout in ["gapped", "packed"] {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("pool.db");
+        let t = Instant::now();
+        build(&path, n, layout).await;
+        eprintln!(
+            "{layout}: built {n} extents in {:.1} s ({} MiB file)",
+            t.elapsed().as_secs_f64(),
+            std::fs::metadata(&path).map(|m| m.len() >> 20).unwrap_or(0)
+        );
+        let status = Command::new(&exe)
+            .env("ALIQUOT_BENCH_EXTENTS", n.to_string())
+            .env(CHILD_ENV, format!("{layout}:{}", path.display()))
+            .status()
+            .unwrap();
+        assert!(status.success(), "restart child failed: {status}");
+    }
+}

@@ -122,7 +122,10 @@ async fn child(path: &Path, layout: &str) {
     let loaded = t.elapsed();
     let mut pool = recovery::rebuild(Tunables::default(), &p).expect("consistent");
     let ready = t.elapsed();
-    let (rows, ranges) = (env_u64("ALIQUOT_BENCH_EXTENTS", 10_000_000), p.allocated.len());
+    let (rows, ranges) = (
+        env_u64("ALIQUOT_BENCH_EXTENTS", 10_000_000),
+        p.allocated.len(),
+    );
     drop(p);
     let (peak, live) = mem_mib();
     println!(

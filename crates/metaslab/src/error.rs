@@ -59,6 +59,17 @@ pub enum Error {
     BadVdev(String),
     #[error("inconsistent state: {0}")]
     Inconsistent(String),
+    #[error("vdev {0} was removed from the pool")]
+    VdevRemoved(VdevId),
+    /// `remove_vdev` of a vdev that still takes or holds space.
+    #[error("vdev {vdev} cannot be removed: {why}")]
+    VdevNotEmpty {
+        vdev: VdevId,
+        /// Bytes it still holds, deferred frees included.
+        alloc: u64,
+        online: bool,
+        why: String,
+    },
 }
 
 /// Why an allocation found no space, so a client knows what would help.

@@ -183,6 +183,7 @@ mod metaslab;
 pub mod pool;
 pub mod range_tree;
 pub mod rebalance;
+mod removal;
 pub mod stats;
 pub mod throttle;
 pub mod tunables;

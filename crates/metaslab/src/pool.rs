@@ -85,6 +85,9 @@ pub(crate) struct Vdev {
     pub data_children: u64,
     /// In-flight (placed, not committed) extents: offset → (size, id).
     pub inflight: BTreeMap<u64, (u64, AllocationId)>,
+    /// Removed from the pool (`Pool::remove_vdev`): a tombstone keeping the
+    /// id, with no metaslabs, never in a ring, absent from `stats`.
+    pub removed: bool,
 }
 
 impl Vdev {
@@ -183,9 +186,12 @@ pub struct Pool {
     pub(crate) tickets: HashMap<Ticket, TicketState>,
     pub(crate) inflight: HashMap<AllocationId, Inflight>,
     admitted: Vec<Ticket>,
-    txg: TxgLog,
+    pub(crate) txg: TxgLog,
     /// Loaded metaslabs by last selection: (selected txg, vdev, metaslab).
-    lru: BTreeSet<(Txg, VdevId, u32)>,
+    pub(crate) lru: BTreeSet<(Txg, VdevId, u32)>,
+    /// Vdevs the allocation being placed must not use (a relocation's
+    /// source and its block's other copies); empty otherwise.
+    avoid: Vec<VdevId>,
     /// The caller's clock at the last sync, ms (never read here).
     now_ms: u64,
     /// `spa_alloc_count`, and the allocator the next request uses.
@@ -250,6 +256,7 @@ impl Pool {
             now_ms: 0,
             alloc_count: 1,
             next_allocator: 0,
+            avoid: Vec::new(),
         }
     }
 
@@ -399,6 +406,7 @@ impl Pool {
             online: true,
             elog: None,
             inflight: BTreeMap::new(),
+            removed: false,
         })
     }
 
@@ -461,7 +469,7 @@ impl Pool {
     /// `noalloc`/removal passivate a group). A faulted, degraded or silent
     /// vdev stays in the ring and in the class balance, keeping its aliquot,
     /// and is skipped at each allocation (`eligible`).
-    fn update_membership(&mut self, id: VdevId) {
+    pub(crate) fn update_membership(&mut self, id: VdevId) {
         let v = &self.vdevs[id as usize];
         let want = v.online;
         let main = v.main_class();
@@ -493,6 +501,7 @@ impl Pool {
 
     /// Capacity growth: appends metaslabs of the same size.
     pub fn grow_vdev(&mut self, vdev: VdevId, capacity: u64) -> Result<()> {
+        self.check_present(vdev)?;
         let v = self
             .vdevs
             .get(vdev as usize)
@@ -529,6 +538,7 @@ impl Pool {
     }
 
     pub fn set_health(&mut self, vdev: VdevId, health: Health) -> Result<()> {
+        self.check_present(vdev)?;
         let v = self
             .vdevs
             .get_mut(vdev as usize)
@@ -543,6 +553,7 @@ impl Pool {
 
     /// Administrative online/offline; offline vdevs are not allocatable.
     pub fn set_online(&mut self, vdev: VdevId, online: bool) -> Result<()> {
+        self.check_present(vdev)?;
         let v = self
             .vdevs
             .get_mut(vdev as usize)
@@ -815,6 +826,28 @@ impl Pool {
     /// Place an admitted ticket. On failure the ticket is consumed and its
     /// reservation released.
     pub fn allocate(&mut self, ticket: Ticket, busy: bool) -> Result<Allocation> {
+        self.allocate_avoiding(ticket, busy, &[])
+    }
+
+    /// `allocate`, never placing a copy on a vdev of `avoid`: a balancer
+    /// move's new copy must leave its source vdev and the block's other
+    /// copies' vdevs (the rotor still turns past them as past any vdev it
+    /// cannot use). Only vdevs are avoided, so the class's slop and throttle
+    /// rules are exactly those of any allocation.
+    pub fn allocate_avoiding(
+        &mut self,
+        ticket: Ticket,
+        busy: bool,
+        avoid: &[VdevId],
+    ) -> Result<Allocation> {
+        self.avoid.clear();
+        self.avoid.extend_from_slice(avoid);
+        let r = self.allocate_inner(ticket, busy);
+        self.avoid.clear();
+        r
+    }
+
+    fn allocate_inner(&mut self, ticket: Ticket, busy: bool) -> Result<Allocation> {
         match self.tickets.get(&ticket) {
             None => return Err(Error::UnknownTicket(ticket)),
             Some(st) if st.queued => return Err(Error::NotAdmitted(ticket)),
@@ -960,6 +993,7 @@ impl Pool {
             let vd = &self.vdevs[v as usize];
             let asize = psize_to_asize(&vd.spec, psize);
             vd.allocatable()
+                && !self.avoid.contains(&v)
                 && vd.group(ci).is_some_and(|g| {
                     g.members().any(|m| {
                         !vd.ms[m as usize].new && vd.ms[m as usize].allocatable.max_size() >= asize
@@ -984,7 +1018,7 @@ impl Pool {
         for &ci in cis {
             for &v in &self.classes[ci].ring {
                 let vd = &self.vdevs[v as usize];
-                if !vd.allocatable() {
+                if !vd.allocatable() || self.avoid.contains(&v) {
                     continue;
                 }
                 any = true;
@@ -1077,7 +1111,7 @@ impl Pool {
     /// Group eligibility at allocation time (spec §2.7; legacy §4.5).
     fn eligible(&self, ci: usize, v: VdevId, d: usize, try_hard: bool, zil: bool) -> bool {
         let vd = &self.vdevs[v as usize];
-        if !vd.allocatable() {
+        if !vd.allocatable() || self.avoid.contains(&v) {
             return false;
         }
         let Some(g) = vd.group(ci) else { return false };
@@ -1268,7 +1302,7 @@ impl Pool {
     }
 
     /// Recount `mc_groups` and `mc_alloc_groups` over the ring.
-    fn recount(&mut self, ci: usize) {
+    pub(crate) fn recount(&mut self, ci: usize) {
         let c = &mut self.classes[ci];
         let (mut groups, mut alloc_groups) = (0, 0);
         for &v in &c.ring {
@@ -1286,7 +1320,7 @@ impl Pool {
 
     /// `metaslab_class_balance` (spec §3.3) over the ring; onsync also moves
     /// `alloc_io_size` and refreshes the throttle flag.
-    fn balance(&mut self, ci: usize, onsync: bool) {
+    pub(crate) fn balance(&mut self, ci: usize, onsync: bool) {
         let t = &self.tun;
         let c = &mut self.classes[ci];
         if onsync || (!c.throttle_initialized && c.groups > 0) {
@@ -1762,7 +1796,7 @@ fn refresh_groups(v: &mut Vdev, t: &Tunables) {
 
 impl Vdev {
     /// A cheap stand-in used while a vdev is temporarily taken out.
-    fn clone_empty(&self) -> Vdev {
+    pub(crate) fn clone_empty(&self) -> Vdev {
         Vdev {
             id: self.id,
             spec: self.spec.clone(),
@@ -1775,6 +1809,7 @@ impl Vdev {
             elog: self.elog,
             data_children: self.data_children,
             inflight: BTreeMap::new(),
+            removed: self.removed,
         }
     }
 }

@@ -75,7 +75,7 @@ fn class_stats(pool: &Pool, ci: usize) -> ClassStats {
     let mut frag_weighted: u128 = 0;
     let mut frag_space: u128 = 0;
     let mut frag_valid = true;
-    for v in &pool.vdevs {
+    for v in pool.vdevs.iter().filter(|v| !v.removed) {
         let Some(g) = v.group(ci) else { continue };
         for id in g.members() {
             deferred += v.ms[id as usize].deferred();
@@ -153,9 +153,11 @@ pub(crate) fn pool_stats(pool: &Pool) -> PoolStats {
             .into_iter()
             .map(|ci| class_stats(pool, ci))
             .collect(),
+        // Removed vdevs are forgotten: only their ids stay taken.
         vdevs: pool
             .vdevs
             .iter()
+            .filter(|v| !v.removed)
             .map(|v| VdevStats {
                 id: v.id,
                 spec: v.spec.clone(),

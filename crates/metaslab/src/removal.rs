@@ -1,0 +1,86 @@
+//! Vdev removal, the end of a drain: a vdev that is offline and holds
+//! nothing (no allocated, deferred or in-flight bytes, no metaslab waiting
+//! for a sync) leaves the pool. OpenZFS's device removal remaps what is
+//! still on the vdev; Aliquot's clients own the references, so the
+//! balancer's mover empties the vdev first and removal only forgets it.
+//! The id stays as a tombstone (ids index `Pool::vdevs` and the store), so
+//! no id is ever reused and a new vdev gets the next one.
+
+use crate::pool::{ELOG, Pool};
+use crate::{Error, Result, VdevId};
+
+impl Pool {
+    /// Whether `vdev` exists and has not been removed.
+    pub(crate) fn check_present(&self, vdev: VdevId) -> Result<()> {
+        match self.vdevs.get(vdev as usize) {
+            None => Err(Error::UnknownVdev(vdev)),
+            Some(v) if v.removed => Err(Error::VdevRemoved(vdev)),
+            Some(_) => Ok(()),
+        }
+    }
+
+    /// Whether `vdev` was removed (false for an unknown id).
+    pub fn is_removed(&self, vdev: VdevId) -> bool {
+        self.vdevs.get(vdev as usize).is_some_and(|v| v.removed)
+    }
+
+    /// Forget an empty, offline vdev. Refused (nothing changed) while it is
+    /// online, holds or defers any byte, has an extent in flight, or has a
+    /// metaslab the open txg still has to sync.
+    pub fn remove_vdev(&mut self, vdev: VdevId) -> Result<()> {
+        self.check_present(vdev)?;
+        let v = &self.vdevs[vdev as usize];
+        let alloc = v.vs_alloc();
+        let not_empty = |why: String| Error::VdevNotEmpty {
+            vdev,
+            alloc,
+            online: v.online,
+            why,
+        };
+        if v.online {
+            return Err(not_empty(
+                "it is online: take it offline first (a drain does)".into(),
+            ));
+        }
+        if alloc > 0 {
+            return Err(not_empty(format!(
+                "it still holds {alloc} bytes (deferred frees included): move them off and let \
+                 the frees sync"
+            )));
+        }
+        if !v.inflight.is_empty() {
+            return Err(not_empty(format!(
+                "{} allocations on it are in flight",
+                v.inflight.len()
+            )));
+        }
+        if self.txg.dirty.iter().any(|&(d, _)| d == vdev) {
+            return Err(not_empty(
+                "metaslabs of it change in the open txg: retry after the next sync".into(),
+            ));
+        }
+        let main = v.main_class();
+        let mut space = [0u64; 3];
+        for ms in &v.ms {
+            let ci = if ms.embedded_log { ELOG } else { main };
+            if !ms.new {
+                space[ci] += ms.size;
+            }
+        }
+        for (ci, s) in space.iter().enumerate() {
+            self.classes[ci].space -= s;
+        }
+        self.lru.retain(|&(_, d, _)| d != vdev);
+        let mut tomb = self.vdevs[vdev as usize].clone_empty();
+        tomb.removed = true;
+        tomb.online = false;
+        tomb.elog = None;
+        self.vdevs[vdev as usize] = tomb;
+        // Not in any ring (it was offline); recount and rebalance the rest.
+        for ci in 0..3 {
+            self.recount(ci);
+            self.balance(ci, false);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,145 @@
+//! The balancer's two pool primitives: placement that avoids given vdevs
+//! (a move's new copy never lands on its source or the block's other
+//! copies) and removal of an empty, offline vdev (the end of a drain).
+
+use metaslab::*;
+
+const GIB: u64 = 1 << 30;
+const K128: u64 = 128 << 10;
+
+fn spec(capacity: u64) -> VdevSpec {
+    VdevSpec {
+        capacity,
+        ashift: 12,
+        children: 1,
+        parity: 0,
+        rotational: false,
+        role: VdevRole::Normal,
+        metaslab_shift: None,
+    }
+}
+
+fn data(size: u64) -> AllocRequest {
+    AllocRequest {
+        kind: AllocKind::Data,
+        size,
+        copies: 1,
+    }
+}
+
+fn place_avoiding(pool: &mut Pool, avoid: &[VdevId]) -> Result<Allocation> {
+    match pool.submit(data(K128))? {
+        Submitted::Ready(t) => pool.allocate_avoiding(t, false, avoid),
+        Submitted::Queued(t) => panic!("ticket {t} queued"),
+    }
+}
+
+fn pool3() -> Pool {
+    let mut pool = Pool::new(Tunables::default());
+    for _ in 0..3 {
+        pool.add_vdev(spec(4 * GIB)).unwrap();
+    }
+    pool.sync();
+    pool
+}
+
+#[test]
+fn avoided_vdevs_never_get_a_copy() {
+    let mut pool = pool3();
+    for i in 0..600 {
+        let avoid = [(i % 3) as VdevId];
+        let a = place_avoiding(&mut pool, &avoid).unwrap();
+        assert_ne!(a.extents[0].vdev, avoid[0], "allocation {i}");
+        pool.commit(a.id).unwrap();
+    }
+    // The other two still share the load: both got some.
+    let s = pool.stats();
+    assert!(s.vdevs.iter().all(|v| v.alloc > 0));
+    pool.verify().unwrap();
+}
+
+#[test]
+fn avoiding_every_allocatable_vdev_fails_as_offline_and_changes_nothing() {
+    let mut pool = pool3();
+    let before = pool.stats();
+    let err = place_avoiding(&mut pool, &[0, 1, 2]).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::NoSpace {
+                reason: NoSpaceReason::VdevsOffline,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    let after = pool.stats();
+    assert_eq!(before.classes[0].reserved, after.classes[0].reserved);
+    assert_eq!(before.classes[0].alloc, after.classes[0].alloc);
+    // The avoid set does not outlive the call.
+    let a = place_avoiding(&mut pool, &[]).unwrap();
+    pool.commit(a.id).unwrap();
+    pool.verify().unwrap();
+}
+
+#[test]
+fn remove_needs_offline_empty_and_synced() {
+    let mut pool = pool3();
+    let a = place_avoiding(&mut pool, &[0, 1]).unwrap();
+    assert_eq!(a.extents[0].vdev, 2);
+    // Online: refused.
+    let e = pool.remove_vdev(2).unwrap_err();
+    assert!(matches!(e, Error::VdevNotEmpty { online: true, .. }), "{e:?}");
+    pool.set_online(2, false).unwrap();
+    // In flight: refused.
+    let e = pool.remove_vdev(2).unwrap_err();
+    assert!(matches!(e, Error::VdevNotEmpty { .. }), "{e:?}");
+    pool.commit(a.id).unwrap();
+    // Holds a block: refused, naming the bytes.
+    match pool.remove_vdev(2).unwrap_err() {
+        Error::VdevNotEmpty { alloc, .. } => assert_eq!(alloc, K128),
+        e => panic!("{e:?}"),
+    }
+    pool.sync();
+    pool.free(&a.extents).unwrap();
+    // Freed but deferred: still refused until the frees synced.
+    assert!(pool.remove_vdev(2).is_err());
+    let mut synced = 0;
+    while pool.remove_vdev(2).is_err() {
+        pool.sync();
+        synced += 1;
+        assert!(synced < 10, "the free never became reusable");
+    }
+    assert!(synced >= TXG_DEFER_SIZE as usize);
+    assert!(pool.is_removed(2));
+    pool.verify().unwrap();
+}
+
+#[test]
+fn a_removed_vdev_is_forgotten_and_its_id_never_reused() {
+    let mut pool = pool3();
+    let space_before = pool.stats().classes[0].space;
+    pool.set_online(1, false).unwrap();
+    pool.remove_vdev(1).unwrap();
+    let s = pool.stats();
+    assert_eq!(s.vdevs.iter().map(|v| v.id).collect::<Vec<_>>(), vec![0, 2]);
+    assert_eq!(s.classes[0].groups.len(), 2);
+    assert!(s.classes[0].space < space_before);
+    assert_eq!(
+        s.classes[0].space,
+        s.classes[0].groups.iter().map(|g| g.capacity).sum::<u64>()
+    );
+    // It can be neither brought back nor removed twice.
+    assert_eq!(pool.set_online(1, true), Err(Error::VdevRemoved(1)));
+    assert_eq!(pool.remove_vdev(1), Err(Error::VdevRemoved(1)));
+    assert_eq!(pool.grow_vdev(1, 8 * GIB), Err(Error::VdevRemoved(1)));
+    // Allocation goes on over the others; a new vdev takes the next id.
+    for _ in 0..200 {
+        let a = place_avoiding(&mut pool, &[]).unwrap();
+        assert_ne!(a.extents[0].vdev, 1);
+        pool.commit(a.id).unwrap();
+    }
+    assert_eq!(pool.add_vdev(spec(4 * GIB)).unwrap(), 3);
+    pool.sync();
+    pool.verify().unwrap();
+}

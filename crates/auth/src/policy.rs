@@ -34,8 +34,10 @@ pub fn allowed(path: &str) -> Option<&'static [Role]> {
             | "Claim" | "SyncTxg" => CLIENTS,
             "GetPool" | "WatchPool" | "GetTunables" => READERS,
             "SetTunable" | "SetVdevState" | "ExpandVdev" => ADMIN,
-            // A plan names other clients' extents: operators only.
-            "PlanRebalance" => ADMIN,
+            // A plan names other clients' extents, and a relocation's commit
+            // frees the extent it moves: operators (the mover) only.
+            "PlanRebalance" | "Relocate" | "RemoveVdev" => ADMIN,
+            "BalancerStatus" => READERS,
             _ => return None,
         },
         ("aliquot.v1.AgentRegistry", "Register" | "Report") => AGENTS,
@@ -75,6 +77,12 @@ mod tests {
         assert!(!can(Client, "/aliquot.v1.Allocator/ExpandVdev"));
         assert!(can(Admin, "/aliquot.v1.Allocator/PlanRebalance"));
         assert!(!can(Client, "/aliquot.v1.Allocator/PlanRebalance"));
+        assert!(can(Admin, "/aliquot.v1.Allocator/Relocate"));
+        assert!(!can(Client, "/aliquot.v1.Allocator/Relocate"));
+        assert!(can(Admin, "/aliquot.v1.Allocator/RemoveVdev"));
+        assert!(!can(Client, "/aliquot.v1.Allocator/RemoveVdev"));
+        assert!(can(Client, "/aliquot.v1.Allocator/BalancerStatus"));
+        assert!(!can(Agent, "/aliquot.v1.Allocator/BalancerStatus"));
         assert!(can(Admin, "/aliquot.v1.Allocator/Free"));
         assert!(!can(Client, "/aliquot.v1.Metrics/RecordBatch"));
         assert!(can(Allocator, "/aliquot.v1.Metrics/RecordSnapshots"));

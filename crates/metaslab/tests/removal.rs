@@ -89,7 +89,10 @@ fn remove_needs_offline_empty_and_synced() {
     assert_eq!(a.extents[0].vdev, 2);
     // Online: refused.
     let e = pool.remove_vdev(2).unwrap_err();
-    assert!(matches!(e, Error::VdevNotEmpty { online: true, .. }), "{e:?}");
+    assert!(
+        matches!(e, Error::VdevNotEmpty { online: true, .. }),
+        "{e:?}"
+    );
     pool.set_online(2, false).unwrap();
     // In flight: refused.
     let e = pool.remove_vdev(2).unwrap_err();

@@ -47,6 +47,22 @@ pub async fn check_free_exact(shared: &Shared, extents: &[Extent]) -> Result<()>
     Ok(())
 }
 
+/// Relocate's rule: the extent to move is exactly one committed (or
+/// claimed) extent; anything else names nothing the mover may move.
+pub async fn check_relocatable(shared: &Shared, e: &Extent) -> Result<()> {
+    let overlapping = committed_overlapping(shared, e).await?;
+    if overlapping == [*e] {
+        return Ok(());
+    }
+    if overlapping.is_empty() {
+        return Err(metaslab::Error::NotAllocated(*e).into());
+    }
+    Err(Error::FreeNotExact {
+        requested: *e,
+        overlapping,
+    })
+}
+
 /// The committed (or claimed) extents `e` overlaps: the store's, as of the
 /// last synced txg, and those of txgs not yet persisted.
 async fn committed_overlapping(shared: &Shared, e: &Extent) -> Result<Vec<Extent>> {

@@ -83,6 +83,14 @@ pub enum Error {
         .0.join(", ")
     )]
     PoolDegraded(Vec<String>),
+    #[error(
+        "extent {extent} is being moved by the balancer (relocation {allocation}); wait until \
+         that relocation is committed, aborted or expired"
+    )]
+    RelocationConflict {
+        extent: metaslab::Extent,
+        allocation: u64,
+    },
     #[error("store: {0}")]
     Store(String),
 }
@@ -122,6 +130,7 @@ impl Error {
                 M::NoSpace { .. } => Code::ResourceExhausted,
                 M::TxgWaitRequired { .. } => Code::Unavailable,
                 M::NotAdmitted(_) | M::Inconsistent(_) => Code::Internal,
+                M::VdevRemoved(_) | M::VdevNotEmpty { .. } => Code::FailedPrecondition,
             },
             Error::InvalidArgument(_) => Code::InvalidArgument,
             Error::NotFound(_) => Code::NotFound,
@@ -134,7 +143,7 @@ impl Error {
                 Code::PermissionDenied
             }
             Error::ShuttingDown => Code::Unavailable,
-            Error::PoolDegraded(_) => Code::FailedPrecondition,
+            Error::PoolDegraded(_) | Error::RelocationConflict { .. } => Code::FailedPrecondition,
             Error::Store(_) => Code::Internal,
         }
     }
@@ -183,6 +192,20 @@ impl Error {
                     (ErrorReason::TxgWait, vec![("until", until.to_string())])
                 }
                 M::NotAdmitted(_) | M::Inconsistent(_) => (ErrorReason::Internal, vec![]),
+                M::VdevRemoved(v) => (ErrorReason::VdevRemoved, vec![("vdev", v.to_string())]),
+                M::VdevNotEmpty {
+                    vdev,
+                    alloc,
+                    online,
+                    ..
+                } => (
+                    ErrorReason::VdevNotEmpty,
+                    vec![
+                        ("vdev", vdev.to_string()),
+                        ("alloc", alloc.to_string()),
+                        ("online", online.to_string()),
+                    ],
+                ),
             },
             Error::InvalidArgument(_) => (ErrorReason::InvalidArgument, vec![]),
             Error::NotFound(_) => (ErrorReason::NotFound, vec![]),
@@ -240,6 +263,13 @@ impl Error {
             ),
             Error::ShuttingDown => (ErrorReason::ShuttingDown, vec![]),
             Error::PoolDegraded(v) => (ErrorReason::PoolDegraded, vec![("vdevs", v.join(","))]),
+            Error::RelocationConflict { extent, allocation } => (
+                ErrorReason::RelocationConflict,
+                vec![
+                    ("extent", extent.to_string()),
+                    ("allocation", allocation.to_string()),
+                ],
+            ),
             Error::Store(_) => (ErrorReason::Store, vec![]),
         }
     }

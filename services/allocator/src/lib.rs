@@ -6,6 +6,7 @@
 //! start, print `LISTEN grpc <addr>`, serve until SIGINT/SIGTERM.
 //! The policy lives in `crates/metaslab`; this crate waits, wakes and times.
 
+pub mod balancer;
 pub mod binding;
 pub mod claim;
 pub mod convert;
@@ -16,6 +17,7 @@ pub mod ownership;
 pub mod rebalance;
 pub mod recovery;
 pub mod registry;
+pub mod relocation;
 pub mod service;
 pub mod sqlite_store;
 pub mod state;
@@ -348,6 +350,11 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
         let mut g = shared.lock();
         for r in vdevs {
             g.by_guid.insert(r.guid, r.id);
+            // A removed vdev keeps its guid (its device cannot rejoin
+            // unnoticed) but nothing else.
+            if g.pool.is_removed(r.id) {
+                continue;
+            }
             g.vdevs.insert(
                 r.id,
                 state::VdevInfo {

@@ -126,5 +126,7 @@ pub async fn plan_rebalance(
         score_after: p.score_after,
         predicted_ms,
         generation: shared.fencing.generation,
+        // Given by the caller once the plan is recorded.
+        plan_id: 0,
     })
 }

@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, HashSet};
 
 use metaslab::{Pool, Tunables, Txg, VdevId};
 
-use crate::store::Persisted;
+use crate::store::{AdminState, Persisted};
 
 /// One vdev in a verification report.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -51,13 +51,29 @@ pub fn rebuild(tunables: Tunables, p: &Persisted) -> Result<Pool, String> {
         }
     }
     let vdevs = p.vdevs.iter().map(|r| (r.id, r.spec.clone())).collect();
-    let pool =
+    let mut pool =
         Pool::restore(tunables, vdevs, &p.allocated, p.synced_txg).map_err(|e| e.to_string())?;
+    // Administrative states: offline vdevs (a drain) stay offline, removed
+    // ones are forgotten again (they must hold nothing).
+    for (&id, &state) in &p.vdev_states {
+        match state {
+            AdminState::Online => {}
+            AdminState::Offline => pool.set_online(id, false).map_err(|e| e.to_string())?,
+            AdminState::Removed => {
+                pool.set_online(id, false)
+                    .and_then(|()| pool.remove_vdev(id))
+                    .map_err(|e| format!("removed vdev {id}: {e}"))?;
+            }
+        }
+    }
     pool.verify().map_err(|e| e.to_string())?;
     // The rebuilt pool's accounting against the store's own sums.
     let mut sums: BTreeMap<VdevId, u64> = BTreeMap::new();
     for e in &p.allocated {
         *sums.entry(e.vdev).or_default() += e.size;
+    }
+    for id in sums.keys().filter(|id| pool.is_removed(**id)) {
+        return Err(format!("removed vdev {id} still has extents in the store"));
     }
     for v in pool.stats().vdevs {
         let want = sums.get(&v.id).copied().unwrap_or(0);

@@ -254,6 +254,13 @@ impl RegistryService {
         };
         let mut g = self.shared.lock();
         if let Some(&id) = g.by_guid.get(&r.device_guid) {
+            if g.pool.is_removed(id) {
+                return Err(Error::VdevConflict(format!(
+                    "device {:#x} was vdev {id}, removed from the pool (RemoveVdev); give the \
+                     agent a new device (a fresh file or a wiped label) to add it again",
+                    r.device_guid
+                )));
+            }
             if let Some(owner) = endpoint_owner(&g, &endpoint, Some(id)) {
                 return Err(Error::VdevConflict(format!(
                     "endpoint {endpoint} belongs to live vdev {owner}; a different device cannot take it over"
@@ -366,6 +373,9 @@ impl RegistryService {
         let now = Instant::now();
         let mut g = self.shared.lock();
         let id = r.vdev;
+        if g.pool.is_removed(id) {
+            return Err(metaslab::Error::VdevRemoved(id).into());
+        }
         let Some(info) = g.vdevs.get_mut(&id) else {
             return Err(Error::NotFound(format!(
                 "vdev {id} is not registered here; register first"

@@ -20,6 +20,7 @@ use tracing::{Instrument, Span};
 use crate::convert;
 use crate::error::{Error, Result};
 use crate::state::{Begun, Shared};
+use crate::store::AdminState;
 
 type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
 
@@ -765,7 +766,12 @@ impl Allocator for AllocatorService {
         req: Request<pb::PlanRebalanceRequest>,
     ) -> Result<Response<pb::RebalancePlan>, Status> {
         self.shared.check_serving()?;
-        let p = crate::rebalance::plan_rebalance(&self.shared, req.get_ref()).await?;
+        let mut p = crate::rebalance::plan_rebalance(&self.shared, req.get_ref()).await?;
+        p.plan_id = self
+            .shared
+            .lock()
+            .relocations
+            .new_plan(self.shared.fencing.generation, &p);
         Span::current().record("moves", p.moves.len());
         Span::current().record("bytes", p.bytes);
         Ok(Response::new(p))
@@ -776,18 +782,30 @@ impl Allocator for AllocatorService {
         &self,
         req: Request<pb::SetVdevStateRequest>,
     ) -> Result<Response<pb::VdevStatus>, Status> {
+        self.shared.check_serving()?;
         let pb::SetVdevStateRequest { vdev, online } = req.into_inner();
-        let mut g = self.shared.lock();
-        g.pool.set_online(vdev, online).map_err(Error::from)?;
-        g.wake_admitted();
-        let kind = if online {
-            "vdev_online"
-        } else {
-            "vdev_offline"
+        let txg = {
+            let mut g = self.shared.lock();
+            g.pool.set_online(vdev, online).map_err(Error::from)?;
+            g.wake_admitted();
+            let kind = if online {
+                "vdev_online"
+            } else {
+                "vdev_offline"
+            };
+            g.event(kind, vdev, "administrative".into());
+            let state = if online {
+                AdminState::Online
+            } else {
+                AdminState::Offline
+            };
+            g.pending_vdev_states.push((vdev, state));
+            g.pool.open_txg()
         };
-        g.event(kind, vdev, "administrative".into());
-        let status = convert::pool_status(&self.shared, &g);
-        drop(g);
+        // Durable before the reply: a drained vdev stays offline across a
+        // restart of the allocator.
+        self.shared.wait_synced(txg).await?;
+        let status = convert::pool_status(&self.shared, &self.shared.lock());
         tracing::info!(vdev, online, "vdev state changed");
         status
             .vdevs
@@ -795,5 +813,46 @@ impl Allocator for AllocatorService {
             .find(|v| v.vdev == vdev)
             .map(Response::new)
             .ok_or_else(|| Error::Pool(metaslab::Error::UnknownVdev(vdev)).into())
+    }
+
+    #[tracing::instrument(skip_all, fields(
+        extent = ?req.get_ref().extent, plan = req.get_ref().plan_id,
+        allocation, throttle_wait_us, vdevs, tier
+    ))]
+    async fn relocate(
+        &self,
+        req: Request<pb::RelocateRequest>,
+    ) -> Result<Response<pb::AllocateReply>, Status> {
+        let (a, eps, deadline, waited) =
+            crate::balancer::relocate(&self.shared, req.get_ref()).await?;
+        record_allocation(&Span::current(), &a, waited);
+        Ok(Response::new(allocate_reply(
+            &self.shared,
+            &a,
+            eps,
+            deadline,
+            waited,
+            caller(&req),
+        )))
+    }
+
+    #[tracing::instrument(skip_all, fields(ids = req.get_ref().allocation_ids.len()))]
+    async fn balancer_status(
+        &self,
+        req: Request<pb::BalancerStatusRequest>,
+    ) -> Result<Response<pb::BalancerStatusReply>, Status> {
+        Ok(Response::new(
+            crate::balancer::status(&self.shared, req.get_ref()).await?,
+        ))
+    }
+
+    #[tracing::instrument(skip_all, fields(vdev = req.get_ref().vdev))]
+    async fn remove_vdev(
+        &self,
+        req: Request<pb::RemoveVdevRequest>,
+    ) -> Result<Response<pb::RemoveVdevReply>, Status> {
+        Ok(Response::new(
+            crate::balancer::remove_vdev(&self.shared, req.get_ref().vdev).await?,
+        ))
     }
 }

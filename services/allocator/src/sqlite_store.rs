@@ -22,7 +22,9 @@ use sqlx::sqlite::{
 };
 use sqlx::{Connection, QueryBuilder, Row, Sqlite};
 
-use crate::store::{Persisted, Store, StoreError, TxgRecord, VdevRecord};
+use crate::store::{
+    AdminState, Persisted, RelocationRecord, Store, StoreError, TxgRecord, VdevRecord,
+};
 
 /// The schema, embedded from `migrations/allocator/`.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/allocator");
@@ -39,6 +41,7 @@ const OUR_TABLES: &[&str] = &[
     "tunables",
     "generations",
     "agent_bindings",
+    "relocations",
 ];
 
 /// Rows per multi-row INSERT (4 binds each, well under SQLite's limit).
@@ -219,13 +222,14 @@ async fn load_state(conn: &mut SqliteConnection) -> Result<Option<Persisted>, St
     let db = |e: sqlx::Error| e.to_string();
     let rows = sqlx::query(
         "SELECT id, guid, name, endpoint, capacity, ashift, metaslab_shift, metaslab_size,
-                children, parity, rotational, class, allocated
+                children, parity, rotational, class, allocated, admin_state
          FROM vdevs ORDER BY id",
     )
     .fetch_all(&mut *conn)
     .await
     .map_err(db)?;
     let mut vdevs = Vec::with_capacity(rows.len());
+    let mut vdev_states = BTreeMap::new();
     let mut recorded: BTreeMap<u32, u64> = BTreeMap::new();
     for r in rows {
         let vid: i64 = r.get(0);
@@ -244,6 +248,14 @@ async fn load_state(conn: &mut SqliteConnection) -> Result<Option<Persisted>, St
         };
         let vid = u32::try_from(vid).map_err(|_| format!("vdev id {vid} is out of range"))?;
         recorded.insert(vid, u(r.get(12)));
+        let admin: String = r.get(13);
+        match AdminState::parse(&admin) {
+            Some(AdminState::Online) => {}
+            Some(a) => {
+                vdev_states.insert(vid, a);
+            }
+            None => return Err(format!("vdev {vid}: unknown admin state {admin:?}")),
+        }
         vdevs.push(VdevRecord {
             id: vid,
             guid: u(r.get(1)),
@@ -300,6 +312,7 @@ async fn load_state(conn: &mut SqliteConnection) -> Result<Option<Persisted>, St
         vdevs,
         allocated,
         tunables,
+        vdev_states,
     }))
 }
 
@@ -581,6 +594,41 @@ impl SqliteStore {
                     .map_err(db)?;
             }
         }
+        for &(vdev, state) in &rec.vdev_states {
+            sqlx::query(
+                "UPDATE vdevs SET admin_state = ?,
+                    removed_txg = CASE WHEN ? = 'removed' THEN ? ELSE removed_txg END
+                 WHERE id = ?",
+            )
+            .bind(state.as_str())
+            .bind(state.as_str())
+            .bind(i(txg))
+            .bind(vdev as i64)
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
+        }
+        let ms = now_ms();
+        for r in &rec.relocations {
+            sqlx::query(
+                "INSERT INTO relocations (allocation_id, plan_id, from_vdev, from_offset, from_size,
+                    to_vdev, to_offset, to_size, txg, committed_ms)
+                 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            )
+            .bind(i(r.allocation_id))
+            .bind(i(r.plan_id))
+            .bind(r.from.vdev as i64)
+            .bind(i(r.from.offset))
+            .bind(i(r.from.size))
+            .bind(r.to.vdev as i64)
+            .bind(i(r.to.offset))
+            .bind(i(r.to.size))
+            .bind(i(r.txg))
+            .bind(ms)
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
+        }
         sqlx::query("UPDATE pool SET synced_txg = ? WHERE id = 1")
             .bind(i(txg))
             .execute(&mut *tx)
@@ -815,6 +863,45 @@ impl Store for SqliteStore {
             .await
             .map_err(|e| StoreError(format!("read the generation history: {e}")))?;
             Ok(rows.into_iter().map(|(g, t)| (u(g), u(t))).collect())
+        })
+    }
+
+    fn relocation(&self, id: u64) -> BoxFuture<'_, Result<Option<RelocationRecord>, StoreError>> {
+        Box::pin(async move {
+            let row = sqlx::query(
+                "SELECT plan_id, from_vdev, from_offset, from_size, to_vdev, to_offset, to_size, txg
+                 FROM relocations WHERE allocation_id = ?",
+            )
+            .bind(i(id))
+            .fetch_optional(&self.db)
+            .await
+            .map_err(|e| StoreError(format!("relocation {id}: {e}")))?;
+            Ok(row.map(|r| RelocationRecord {
+                allocation_id: id,
+                plan_id: u(r.get(0)),
+                from: Extent {
+                    vdev: r.get::<i64, _>(1) as u32,
+                    offset: u(r.get(2)),
+                    size: u(r.get(3)),
+                },
+                to: Extent {
+                    vdev: r.get::<i64, _>(4) as u32,
+                    offset: u(r.get(5)),
+                    size: u(r.get(6)),
+                },
+                txg: u(r.get(7)),
+            }))
+        })
+    }
+
+    fn relocation_totals(&self) -> BoxFuture<'_, Result<(u64, u64), StoreError>> {
+        Box::pin(async move {
+            let (n, bytes): (i64, i64) =
+                sqlx::query_as("SELECT COUNT(*), COALESCE(SUM(from_size), 0) FROM relocations")
+                    .fetch_one(&self.db)
+                    .await
+                    .map_err(|e| StoreError(format!("relocation totals: {e}")))?;
+            Ok((u(n), u(bytes)))
         })
     }
 

@@ -17,7 +17,8 @@ use metaslab::{
 use tokio::sync::{oneshot, watch};
 
 use crate::error::{Error, Result};
-use crate::store::{Store, VdevRecord};
+use crate::relocation::{RelocateIntent, Relocations};
+use crate::store::{AdminState, Store, VdevRecord};
 
 /// How many report intervals a vdev may stay silent before it is unavailable.
 pub const MISSED_REPORTS: u32 = 3;
@@ -56,6 +57,12 @@ pub struct Inner {
     pub by_guid: HashMap<u64, VdevId>,
     /// Vdev records to persist with the next txg.
     pub pending_vdevs: Vec<VdevRecord>,
+    /// Administrative state changes to persist with the next txg.
+    pub pending_vdev_states: Vec<(VdevId, AdminState)>,
+    /// The balancer's moves (Relocate) and plan progress.
+    pub relocations: Relocations,
+    /// Relocate tickets waiting in the throttle → what they move.
+    reloc_tickets: HashMap<Ticket, RelocateIntent>,
     /// Events since the last metrics snapshot.
     pub events: Vec<pb::PoolEvent>,
     /// Committed ids → their txg, kept until that txg synced plus
@@ -91,6 +98,9 @@ impl Inner {
             vdevs: BTreeMap::new(),
             by_guid: HashMap::new(),
             pending_vdevs: Vec::new(),
+            pending_vdev_states: Vec::new(),
+            relocations: Relocations::default(),
+            reloc_tickets: HashMap::new(),
             events: Vec::new(),
             committed: HashMap::new(),
             expired: HashMap::new(),
@@ -134,11 +144,28 @@ impl Inner {
         // than the pool (the spec preface's proxy).
         let dirty = self.pool.dirty_bytes().saturating_add(self.syncing_bytes);
         let busy = self.pool.busy_with_dirty(dirty, self.dirty_max);
-        match self.pool.allocate(ticket, busy) {
+        let reloc = self.reloc_tickets.remove(&ticket);
+        if let Some(r) = &reloc
+            && let Some(other) = self.relocations.moving(&r.from)
+        {
+            // Another Relocate of the same extent was placed while this one
+            // waited in the throttle.
+            let _ = self.pool.cancel(ticket);
+            self.wake_admitted();
+            return Err(Error::RelocationConflict {
+                extent: r.from,
+                allocation: other,
+            });
+        }
+        let avoid = reloc.as_ref().map_or(&[][..], |r| r.avoid.as_slice());
+        match self.pool.allocate_avoiding(ticket, busy, avoid) {
             Ok(a) => {
                 let deadline = Instant::now() + lease;
                 self.inflight.insert(a.id, deadline);
                 self.leases.push(Reverse((deadline, a.id)));
+                if let Some(r) = &reloc {
+                    self.relocations.start(a.id, r, a.extents[0]);
+                }
                 Ok((a, deadline))
             }
             Err(e) => {
@@ -182,6 +209,20 @@ impl Inner {
             }
         }
         let open = self.pool.open_txg();
+        // A relocation's commit frees its source in the same (open) txg:
+        // first, so that if the source cannot be freed nothing changes.
+        let sources: Vec<(AllocationId, Extent)> = ids
+            .iter()
+            .filter(|id| !self.committed.contains_key(id))
+            .filter_map(|id| self.relocations.source(*id).map(|e| (*id, e)))
+            .collect();
+        if !sources.is_empty() {
+            let extents: Vec<Extent> = sources.iter().map(|(_, e)| *e).collect();
+            let t = self.pool.free(&extents)?;
+            for e in extents {
+                self.recent_frees.insert(e, t);
+            }
+        }
         let mut fresh = false;
         for id in ids {
             if self.committed.contains_key(id) {
@@ -193,6 +234,7 @@ impl Inner {
             fresh = true;
             self.inflight.remove(id);
             self.committed.insert(*id, t);
+            self.relocations.committed(*id, t);
             for e in extents {
                 self.recent_allocs.insert((e.vdev, e.offset), (e.size, t));
             }
@@ -242,6 +284,14 @@ impl Inner {
     /// Free committed extents; a retry of a Free whose txg has not synced
     /// answers that txg.
     pub fn free(&mut self, extents: &[Extent]) -> Result<Txg> {
+        for e in extents {
+            if let Some(allocation) = self.relocations.moving(e) {
+                return Err(Error::RelocationConflict {
+                    extent: *e,
+                    allocation,
+                });
+            }
+        }
         match self.pool.free(extents) {
             Ok(txg) => {
                 for e in extents {
@@ -272,6 +322,7 @@ impl Inner {
 
     /// After txg `synced` persisted: forget what retries no longer need.
     pub fn synced(&mut self, synced: Txg, now: Instant) {
+        self.relocations.persisted(synced);
         self.committed
             .retain(|_, t| *t + COMMIT_MEMORY_TXGS > synced);
         self.recent_frees.retain(|_, t| *t > synced);
@@ -288,6 +339,7 @@ impl Inner {
         for id in ids {
             self.pool.abort(*id)?;
             self.inflight.remove(id);
+            self.relocations.forget(*id);
         }
         self.wake_admitted();
         Ok(())
@@ -323,6 +375,7 @@ impl Inner {
             // Stale heap entries (committed or aborted since) are skipped.
             if self.inflight.get(&id) == Some(&deadline) {
                 self.inflight.remove(&id);
+                self.relocations.forget(id);
                 if self.pool.expire(id).is_ok() {
                     self.expired.insert(id, now);
                     expired.push(id);
@@ -581,6 +634,60 @@ impl Shared {
         }
     }
 
+    /// `begin_allocate` for a Relocate: the placement avoids `intent.avoid`
+    /// and the allocation is tracked as the move of `intent.from`.
+    pub fn begin_relocate(
+        &self,
+        req: AllocRequest,
+        lease: Duration,
+        intent: RelocateIntent,
+    ) -> Result<Begun> {
+        let mut g = self.lock();
+        self.check_serving()?;
+        if let Some(allocation) = g.relocations.moving(&intent.from) {
+            return Err(Error::RelocationConflict {
+                extent: intent.from,
+                allocation,
+            });
+        }
+        if g.recent_frees.contains_key(&intent.from) {
+            return Err(metaslab::Error::NotAllocated(intent.from).into());
+        }
+        match g.pool.submit(req)? {
+            Submitted::Ready(t) => {
+                g.reloc_tickets.insert(t, intent);
+                let (a, deadline) = g.place(t, lease)?;
+                let eps = g.endpoints(&a);
+                Ok(Begun::Placed(a, eps, deadline))
+            }
+            Submitted::Queued(t) => {
+                g.reloc_tickets.insert(t, intent);
+                let (tx, rx) = oneshot::channel();
+                g.waiters.insert(t, tx);
+                g.wake_admitted();
+                Ok(Begun::Queued(t, rx))
+            }
+        }
+    }
+
+    /// Relocate: like `allocate` (claim window, throttle), for a move.
+    pub async fn relocate(
+        self: &Arc<Self>,
+        req: AllocRequest,
+        lease: Duration,
+        intent: RelocateIntent,
+    ) -> Result<(Allocation, Vec<String>, Instant, Duration)> {
+        let start = Instant::now();
+        self.claim_window_closed().await?;
+        match self.begin_relocate(req, lease, intent)? {
+            Begun::Placed(a, eps, deadline) => Ok((a, eps, deadline, start.elapsed())),
+            Begun::Queued(t, rx) => {
+                let (a, eps, deadline) = self.finish_allocate(t, rx, lease).await?;
+                Ok((a, eps, deadline, start.elapsed()))
+            }
+        }
+    }
+
     /// Wait for a parked ticket's admission, then place it. Dropping the
     /// future (client gone) cancels the ticket.
     pub async fn finish_allocate(
@@ -599,12 +706,14 @@ impl Shared {
         if woke.is_err() {
             // The sender went away: shutdown.
             let mut g = self.lock();
+            g.reloc_tickets.remove(&ticket);
             let _ = g.pool.cancel(ticket);
             g.wake_admitted();
             return Err(Error::ShuttingDown);
         }
         self.check_serving().inspect_err(|_| {
             let mut g = self.lock();
+            g.reloc_tickets.remove(&ticket);
             let _ = g.pool.cancel(ticket);
             g.wake_admitted();
         })?;
@@ -684,6 +793,7 @@ impl Drop for CancelOnDrop<'_> {
         if self.armed {
             let mut g = self.shared.lock();
             g.waiters.remove(&self.ticket);
+            g.reloc_tickets.remove(&self.ticket);
             let _ = g.pool.cancel(self.ticket);
             g.wake_admitted();
             tracing::debug!(ticket = self.ticket, "throttled request went away");

@@ -22,12 +22,57 @@ pub struct VdevRecord {
     pub spec: VdevSpec,
 }
 
+/// A vdev's administrative state, as persisted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AdminState {
+    #[default]
+    Online,
+    /// No new allocations (SetVdevState offline, `vdev drain`).
+    Offline,
+    /// Forgotten by the pool (RemoveVdev); the id stays taken.
+    Removed,
+}
+
+impl AdminState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AdminState::Online => "online",
+            AdminState::Offline => "offline",
+            AdminState::Removed => "removed",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<AdminState> {
+        Some(match s {
+            "online" => AdminState::Online,
+            "offline" => AdminState::Offline,
+            "removed" => AdminState::Removed,
+            _ => return None,
+        })
+    }
+}
+
+/// A committed relocation: the block copy at `from` now lives at `to`
+/// (the same txg freed `from` and allocated `to`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RelocationRecord {
+    pub allocation_id: u64,
+    pub plan_id: u64,
+    pub from: Extent,
+    pub to: Extent,
+    pub txg: Txg,
+}
+
 /// Everything one txg sync persists.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct TxgRecord {
     pub sync: TxgSync,
     /// Vdevs added, or whose endpoint or capacity changed, in this txg.
     pub vdevs: Vec<VdevRecord>,
+    /// Administrative state changes in this txg, in order.
+    pub vdev_states: Vec<(VdevId, AdminState)>,
+    /// Relocations committed in this txg.
+    pub relocations: Vec<RelocationRecord>,
 }
 
 /// What `load` returns: the state as of the last synced txg.
@@ -41,6 +86,8 @@ pub struct Persisted {
     pub allocated: Vec<Extent>,
     /// Tunables set at run time, `(name, value)`, in the order they were set.
     pub tunables: Vec<(String, String)>,
+    /// Vdevs whose administrative state is not `Online`.
+    pub vdev_states: BTreeMap<VdevId, AdminState>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -84,6 +131,16 @@ pub trait Store: Send + Sync + 'static {
         let _ = (vdev, limit);
         Box::pin(async { Ok(Vec::new()) })
     }
+    /// The committed relocation made by allocation `id`, if its txg
+    /// persisted. Stores without relocations answer None.
+    fn relocation(&self, id: u64) -> BoxFuture<'_, Result<Option<RelocationRecord>, StoreError>> {
+        let _ = id;
+        Box::pin(async { Ok(None) })
+    }
+    /// Durable relocations ever made: (count, bytes of the extents freed).
+    fn relocation_totals(&self) -> BoxFuture<'_, Result<(u64, u64), StoreError>> {
+        Box::pin(async { Ok((0, 0)) })
+    }
     /// Agent certificate name -> the device guid it is bound to (see
     /// `binding`). Stores without bindings answer empty.
     fn agent_bindings(&self) -> BoxFuture<'_, Result<BTreeMap<String, u64>, StoreError>> {
@@ -119,6 +176,8 @@ struct MemState {
     generation: u64,
     history: BTreeMap<u64, Txg>,
     bindings: BTreeMap<String, u64>,
+    vdev_states: BTreeMap<VdevId, AdminState>,
+    relocations: BTreeMap<u64, RelocationRecord>,
 }
 
 impl MemStore {
@@ -159,6 +218,16 @@ impl MemStore {
                     free_range(&mut st.allocated, c.extent);
                 }
             }
+        }
+        for &(v, a) in &record.vdev_states {
+            if a == AdminState::Online {
+                st.vdev_states.remove(&v);
+            } else {
+                st.vdev_states.insert(v, a);
+            }
+        }
+        for r in &record.relocations {
+            st.relocations.insert(r.allocation_id, *r);
         }
         st.synced_txg = record.sync.txg;
         Ok(())
@@ -202,6 +271,7 @@ impl Store for MemStore {
             vdevs: s.vdevs.values().cloned().collect(),
             allocated: s.allocated.iter().copied().collect(),
             tunables: s.tunables.clone(),
+            vdev_states: s.vdev_states.clone(),
         });
         Box::pin(async move { Ok(out) })
     }
@@ -264,6 +334,26 @@ impl Store for MemStore {
             .map(|s| s.history.clone())
             .unwrap_or_default();
         Box::pin(async move { Ok(h) })
+    }
+
+    fn relocation(&self, id: u64) -> BoxFuture<'_, Result<Option<RelocationRecord>, StoreError>> {
+        let r = self
+            .state
+            .lock()
+            .unwrap()
+            .as_ref()
+            .and_then(|s| s.relocations.get(&id).copied());
+        Box::pin(async move { Ok(r) })
+    }
+
+    fn relocation_totals(&self) -> BoxFuture<'_, Result<(u64, u64), StoreError>> {
+        let t = self.state.lock().unwrap().as_ref().map_or((0, 0), |s| {
+            (
+                s.relocations.len() as u64,
+                s.relocations.values().map(|r| r.from.size).sum(),
+            )
+        });
+        Box::pin(async move { Ok(t) })
     }
 
     fn agent_bindings(&self) -> BoxFuture<'_, Result<BTreeMap<String, u64>, StoreError>> {

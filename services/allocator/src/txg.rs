@@ -54,7 +54,14 @@ pub async fn sync_once(shared: &Shared) {
         // Undeferred space and the new balance can let waiters in.
         g.wake_admitted();
         let vdevs = std::mem::take(&mut g.pending_vdevs);
-        TxgRecord { sync, vdevs }
+        let vdev_states = std::mem::take(&mut g.pending_vdev_states);
+        let relocations = g.relocations.take_committed(sync.txg);
+        TxgRecord {
+            sync,
+            vdevs,
+            vdev_states,
+            relocations,
+        }
     };
     let txg = record.sync.txg;
     let span = tracing::info_span!(

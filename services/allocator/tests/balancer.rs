@@ -1,0 +1,373 @@
+//! The balancer's allocator side over real gRPC: Relocate places a move's
+//! new extent off its source (and the vdevs it is told to avoid), its
+//! Commit frees the source in the same txg, a second move or a Free of a
+//! moving extent is refused, BalancerStatus tells a resuming mover what
+//! became of its relocations (across a restart too, on SQLite), and
+//! RemoveVdev forgets an empty offline vdev durably.
+
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use aliquot_allocator::{SqliteStore, sqlite_store};
+use aliquot_proto::v1 as pb;
+use common::*;
+use pb::RelocationState as S;
+use tonic::Code;
+
+fn reason(s: &tonic::Status) -> String {
+    use tonic_types::StatusExt;
+    s.get_details_error_info()
+        .map(|i| i.reason)
+        .unwrap_or_default()
+}
+
+fn reloc(e: pb::Extent, avoid: Vec<u32>) -> pb::RelocateRequest {
+    pb::RelocateRequest {
+        extent: Some(e),
+        avoid_vdevs: avoid,
+        ..Default::default()
+    }
+}
+
+async fn written(h: &mut Harness, n: usize, size: u64) -> Vec<pb::Extent> {
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let a = h.allocate(size).await.unwrap();
+        h.commit(vec![a.allocation_id]).await.unwrap();
+        out.push(a.extents[0]);
+    }
+    h.sync().await;
+    out
+}
+
+async fn state(h: &mut Harness, id: u64) -> pb::Relocation {
+    h.alloc
+        .balancer_status(pb::BalancerStatusRequest {
+            allocation_ids: vec![id],
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .relocations
+        .remove(0)
+}
+
+async fn free(h: &mut Harness, e: pb::Extent) -> Result<u64, tonic::Status> {
+    h.alloc
+        .free(pb::FreeRequest { extents: vec![e] })
+        .await
+        .map(|r| r.into_inner().txg)
+}
+
+fn total_alloc(p: &pb::PoolStatus) -> u64 {
+    p.vdevs.iter().map(|v| v.alloc).sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relocation_commit_swaps_the_extents_in_one_txg() {
+    let mut h = start(config()).await;
+    let a = h.add_vdev(1, GIB).await;
+    let b = h.add_vdev(2, GIB).await;
+    let blocks = written(&mut h, 16, MIB).await;
+    let from = *blocks.iter().find(|e| e.vdev == a).expect("a block on a");
+    let before = total_alloc(&h.pool().await);
+
+    let r = h
+        .alloc
+        .relocate(reloc(from, vec![]))
+        .await
+        .expect("relocate")
+        .into_inner();
+    assert_eq!(r.extents.len(), 1);
+    let to = r.extents[0];
+    assert_eq!(to.vdev, b, "never on its source vdev");
+    assert!(to.size >= from.size);
+    assert_eq!(r.endpoints.len(), 1);
+    let s = state(&mut h, r.allocation_id).await;
+    assert_eq!(s.state, S::RelocationInFlight as i32, "{s:?}");
+    let st = h
+        .alloc
+        .balancer_status(pb::BalancerStatusRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((st.in_flight, st.in_flight_bytes), (1, MIB));
+
+    let c = h.commit(vec![r.allocation_id]).await.unwrap();
+    let s = state(&mut h, r.allocation_id).await;
+    assert_eq!(s.state, S::RelocationCommitted as i32, "{s:?}");
+    assert_eq!(s.txg, c.txg);
+    assert_eq!((s.from, s.to), (Some(from), Some(to)));
+    // The source's free is deferred like any free (counted as allocated
+    // until TXG_DEFER_SIZE more txgs synced); then the pool holds exactly
+    // as much as before: moved, not copied.
+    assert_eq!(total_alloc(&h.pool().await), before + to.size);
+    h.sync().await;
+    let s = state(&mut h, r.allocation_id).await;
+    assert_eq!(s.state, S::RelocationDurable as i32, "{s:?}");
+    h.sync().await;
+    h.sync().await;
+    assert_eq!(total_alloc(&h.pool().await), before - from.size + to.size);
+    let st = h
+        .alloc
+        .balancer_status(pb::BalancerStatusRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((st.durable_moves, st.durable_bytes), (1, MIB));
+    assert_eq!(st.in_flight, 0);
+    // The source is free now, the new extent is a committed extent.
+    let e = free(&mut h, from).await.unwrap_err();
+    assert_eq!(reason(&e), "NOT_ALLOCATED", "{e:?}");
+    free(&mut h, to)
+        .await
+        .expect("the new extent frees exactly");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_moving_extent_cannot_be_moved_again_or_freed() {
+    let mut h = start(config()).await;
+    h.add_vdev(1, GIB).await;
+    h.add_vdev(2, GIB).await;
+    h.add_vdev(3, GIB).await;
+    let blocks = written(&mut h, 8, MIB).await;
+    let from = blocks[0];
+    let r = h
+        .alloc
+        .relocate(reloc(from, vec![]))
+        .await
+        .unwrap()
+        .into_inner();
+    let e = h.alloc.relocate(reloc(from, vec![])).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert_eq!(reason(&e), "RELOCATION_CONFLICT", "{e:?}");
+    let e = free(&mut h, from).await.unwrap_err();
+    assert_eq!(reason(&e), "RELOCATION_CONFLICT", "{e:?}");
+    // Not a committed extent: half of one, or free space.
+    let half = pb::Extent {
+        size: from.size / 2,
+        ..from
+    };
+    let e = h.alloc.relocate(reloc(half, vec![])).await.unwrap_err();
+    assert_eq!(reason(&e), "NOT_ALLOCATED", "{e:?}");
+    let nowhere = pb::Extent {
+        offset: 900 * MIB,
+        ..from
+    };
+    let e = h.alloc.relocate(reloc(nowhere, vec![])).await.unwrap_err();
+    assert_eq!(reason(&e), "NOT_ALLOCATED", "{e:?}");
+    let e = h
+        .alloc
+        .relocate(pb::RelocateRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+
+    // Aborted: the block stays where it was, and can be moved again.
+    h.alloc
+        .abort(pb::AbortRequest {
+            allocation_ids: vec![r.allocation_id],
+        })
+        .await
+        .unwrap();
+    let s = state(&mut h, r.allocation_id).await;
+    assert_eq!(s.state, S::RelocationNotCommitted as i32, "{s:?}");
+    let again = h
+        .alloc
+        .relocate(reloc(from, vec![]))
+        .await
+        .unwrap()
+        .into_inner();
+    h.alloc
+        .abort(pb::AbortRequest {
+            allocation_ids: vec![again.allocation_id],
+        })
+        .await
+        .unwrap();
+    free(&mut h, from).await.expect("still a committed extent");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relocation_avoids_the_blocks_other_copies_and_offline_vdevs() {
+    let mut h = start(config()).await;
+    let a = h.add_vdev(1, GIB).await;
+    let b = h.add_vdev(2, GIB).await;
+    let c = h.add_vdev(3, GIB).await;
+    let blocks = written(&mut h, 24, MIB).await;
+    for from in blocks.iter().filter(|e| e.vdev == a).take(4) {
+        let r = h
+            .alloc
+            .relocate(reloc(*from, vec![b]))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.extents[0].vdev, c, "only c is neither source nor avoided");
+        h.commit(vec![r.allocation_id]).await.unwrap();
+    }
+    h.alloc
+        .set_vdev_state(pb::SetVdevStateRequest {
+            vdev: c,
+            online: false,
+        })
+        .await
+        .unwrap();
+    let from = *blocks.iter().find(|e| e.vdev == a).unwrap();
+    let from = if blocks.iter().filter(|e| e.vdev == a).count() > 4 {
+        *blocks.iter().filter(|e| e.vdev == a).nth(4).unwrap()
+    } else {
+        from
+    };
+    let e = h.alloc.relocate(reloc(from, vec![b])).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+    assert_eq!(reason(&e), "VDEVS_OFFLINE", "{e:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plan_progress_counts_the_plans_relocations() {
+    let mut h = start(config()).await;
+    h.add_vdev(1, GIB).await;
+    h.add_vdev(2, GIB).await;
+    written(&mut h, 128, MIB).await;
+    h.add_vdev(3, GIB).await;
+    let p = h
+        .alloc
+        .plan_rebalance(pb::PlanRebalanceRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert_ne!(p.plan_id, 0);
+    assert!(p.moves.len() >= 2, "{p:?}");
+    for m in p.moves.iter().take(2) {
+        let r = h
+            .alloc
+            .relocate(pb::RelocateRequest {
+                extent: m.extent,
+                plan_id: p.plan_id,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        h.commit(vec![r.allocation_id]).await.unwrap();
+    }
+    let st = h
+        .alloc
+        .balancer_status(pb::BalancerStatusRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(st.plan_id, p.plan_id);
+    assert_eq!(st.plan_moves, p.moves.len() as u64);
+    assert_eq!(st.plan_bytes, p.bytes);
+    assert_eq!(st.plan_done_moves, 2);
+    assert_eq!(st.plan_done_bytes, 2 * MIB);
+    assert!(
+        st.score > 0.0 && st.score <= p.score_before + 1e-9,
+        "{st:?}"
+    );
+}
+
+async fn open(dir: &Path) -> Arc<SqliteStore> {
+    Arc::new(
+        SqliteStore::open(&dir.join(sqlite_store::DB_FILE), "aliquot", None)
+            .await
+            .expect("open store"),
+    )
+}
+
+fn restart_config() -> aliquot_allocator::Config {
+    let mut c = config();
+    c.claim_window = Duration::ZERO;
+    c
+}
+
+/// Drain then remove, on SQLite across restarts: offline persists, a vdev
+/// holding data (or deferring a free) is not removed, an empty one is and
+/// stays removed; its device cannot rejoin unnoticed, and a relocation's
+/// fate is still known after the restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drain_and_remove_survive_restarts() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut h = start_with(restart_config(), open(dir.path()).await).await;
+    let a = h.add_vdev(1, GIB).await;
+    let b = h.add_vdev(2, GIB).await;
+    let blocks = written(&mut h, 16, MIB).await;
+    h.alloc
+        .set_vdev_state(pb::SetVdevStateRequest {
+            vdev: a,
+            online: false,
+        })
+        .await
+        .unwrap();
+    let e = h
+        .alloc
+        .remove_vdev(pb::RemoveVdevRequest { vdev: a })
+        .await
+        .unwrap_err();
+    assert_eq!(reason(&e), "VDEV_NOT_EMPTY", "{e:?}");
+    // Restart: still offline.
+    h.server.shutdown().await.unwrap();
+    let mut h = start_with(restart_config(), open(dir.path()).await).await;
+    let p = h.pool().await;
+    assert!(!p.vdevs.iter().find(|v| v.vdev == a).unwrap().online);
+    // Move everything off a.
+    let mut ids = Vec::new();
+    for from in blocks.iter().filter(|e| e.vdev == a) {
+        let r = h
+            .alloc
+            .relocate(reloc(*from, vec![]))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.extents[0].vdev, b);
+        h.commit(vec![r.allocation_id]).await.unwrap();
+        ids.push(r.allocation_id);
+    }
+    assert!(!ids.is_empty());
+    // Frees defer: not removable until they synced twice more.
+    let e = h
+        .alloc
+        .remove_vdev(pb::RemoveVdevRequest { vdev: a })
+        .await
+        .unwrap_err();
+    assert_eq!(reason(&e), "VDEV_NOT_EMPTY", "{e:?}");
+    let mut tries = 0;
+    let removed = loop {
+        h.sync().await;
+        match h.alloc.remove_vdev(pb::RemoveVdevRequest { vdev: a }).await {
+            Ok(r) => break r.into_inner(),
+            Err(e) => assert_eq!(reason(&e), "VDEV_NOT_EMPTY", "{e:?}"),
+        }
+        tries += 1;
+        assert!(tries < 8, "never removable");
+    };
+    assert_eq!(removed.vdev, a);
+    assert_eq!(removed.name, "fake1");
+    assert!(h.pool().await.vdevs.iter().all(|v| v.vdev != a));
+    h.server.shutdown().await.unwrap();
+
+    let mut h = start_with(restart_config(), open(dir.path()).await).await;
+    let p = h.pool().await;
+    assert_eq!(p.vdevs.iter().map(|v| v.vdev).collect::<Vec<_>>(), vec![b]);
+    for id in ids {
+        let s = state(&mut h, id).await;
+        assert_eq!(s.state, S::RelocationDurable as i32, "{s:?}");
+    }
+    let e = h.registry.register(register_req(1, GIB)).await.unwrap_err();
+    assert_eq!(reason(&e), "VDEV_CONFLICT", "{e:?}");
+    // A new device takes a new id.
+    assert_eq!(h.add_vdev(9, GIB).await, 2);
+    let e = h
+        .alloc
+        .set_vdev_state(pb::SetVdevStateRequest {
+            vdev: a,
+            online: true,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(reason(&e), "VDEV_REMOVED", "{e:?}");
+    h.server.shutdown().await.unwrap();
+}

@@ -80,6 +80,7 @@ async fn build(path: &Path, n: u64, layout: &str) {
                 endpoint: "http://127.0.0.1:1".into(),
                 spec: s,
             }],
+            ..Default::default()
         })
         .await
         .unwrap();
@@ -154,6 +155,7 @@ async fn child(path: &Path, layout: &str) {
     let rec = TxgRecord {
         sync,
         vdevs: Vec::new(),
+        ..Default::default()
     };
     let t = Instant::now();
     store.persist(&rec).await.unwrap();

@@ -78,6 +78,7 @@ async fn part1(n: usize) {
                 endpoint: "http://127.0.0.1:1".into(),
                 spec: s,
             }],
+            ..Default::default()
         })
         .await
         .unwrap();
@@ -90,6 +91,7 @@ async fn part1(n: usize) {
     let rec = TxgRecord {
         sync,
         vdevs: Vec::new(),
+        ..Default::default()
     };
     let t = Instant::now();
     store.persist(&rec).await.unwrap();
@@ -102,6 +104,7 @@ async fn part1(n: usize) {
     let rec = TxgRecord {
         sync,
         vdevs: Vec::new(),
+        ..Default::default()
     };
     let t = Instant::now();
     store.persist(&rec).await.unwrap();

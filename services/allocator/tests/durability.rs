@@ -647,6 +647,7 @@ async fn frees_split_stored_extents_in_one_transaction() {
             undeferred_bytes: 0,
         },
         vdevs: vec![],
+        ..Default::default()
     };
     let mut first = rec(
         4,

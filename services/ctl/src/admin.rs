@@ -168,6 +168,12 @@ pub enum VdevCmd {
         #[arg(long, env = "ALIQUOT_BALANCER_MAX_MISPLACED", default_value_t = 0.05)]
         max_misplaced: f64,
     },
+    /// Remove a vdev from the pool once it holds nothing (after `vdev
+    /// drain` and `balancer execute --drain`); the pool forgets it for good.
+    Remove {
+        /// The vdev's name (file2) or id.
+        vdev: String,
+    },
     /// Grow a vdev to a larger capacity, e.g. after its device grew (like
     /// `zpool online -e`); agents' reports never grow a vdev.
     Expand {
@@ -190,6 +196,7 @@ pub async fn vdev(args: VdevArgs) -> anyhow::Result<()> {
         VdevCmd::Online { vdev }
         | VdevCmd::Offline { vdev }
         | VdevCmd::Expand { vdev, .. }
+        | VdevCmd::Remove { vdev }
         | VdevCmd::Drain { vdev, .. } => vdev.clone(),
     };
     let (vdev, name) = resolve_vdev(&pool, &spec).map_err(anyhow::Error::msg)?;
@@ -224,8 +231,22 @@ pub async fn vdev(args: VdevArgs) -> anyhow::Result<()> {
             );
             print!("{}", crate::balancer::render_plan(&pool, &p, 5));
             println!(
-                "(each plan moves at most --max-misplaced of the pool; `balancer plan --drain {name}` \
-                 plans the next; `vdev online {name}` stops draining)"
+                "(each plan moves at most --max-misplaced of the pool; `balancer execute --manifest \
+                 FILE --drain {name}` carries the plans out, `vdev remove {name}` ends the drain \
+                 once it is empty; `vdev online {name}` stops draining)"
+            );
+            return Ok(());
+        }
+        VdevCmd::Remove { .. } => {
+            let r = c
+                .remove_vdev(aliquot_proto::v1::RemoveVdevRequest { vdev })
+                .await
+                .map_err(|s| client::status_msg(&format!("vdev remove {label}"), &s))?
+                .into_inner();
+            println!(
+                "vdev {} removed from the pool (durable in txg {}); stop its agent",
+                vdev_label(r.vdev, &r.name),
+                r.txg
             );
             return Ok(());
         }

@@ -31,6 +31,22 @@ pub enum BalancerCmd {
         #[arg(long, env = "ALIQUOT_JSON")]
         json: bool,
     },
+    /// Carry out rebalance plans for the blocks of a manifest (`write
+    /// --manifest`): each move copies a block to its new extent and commits
+    /// it (the old extent is freed in the same txg), at most --rate, plan
+    /// after plan until the score reaches --target-score. Interrupted (even
+    /// by kill -9), run it again: it settles what was in flight first.
+    Execute(crate::mover::ExecuteArgs),
+    /// What the balancer is doing: the last plan and its progress, moves in
+    /// flight and durable, vdevs being drained.
+    Status {
+        /// Print JSON (64-bit integers as strings).
+        #[arg(long, env = "ALIQUOT_JSON")]
+        json: bool,
+    },
+    /// Read every block of a manifest back and compare it with what was
+    /// written; --exclusive also checks that no space leaked.
+    Verify(crate::mover::VerifyManifestArgs),
     /// A bounded rebalance plan from the allocator: which committed extents
     /// to move off over-full vdevs, to which vdev, and the score after.
     /// Nothing moves: the client that owns the data carries a plan out.
@@ -58,6 +74,59 @@ pub enum BalancerCmd {
 }
 
 pub async fn run(args: BalancerArgs) -> anyhow::Result<()> {
+    match &args.cmd {
+        BalancerCmd::Execute(e) => {
+            let r = crate::mover::execute(&args.conn, e).await?;
+            if e.json {
+                println!("{}", serde_json::to_string_pretty(&r)?);
+            } else {
+                print!("{}", crate::mover::render_execute(&r));
+            }
+            return Ok(());
+        }
+        BalancerCmd::Verify(v) => {
+            let r = crate::mover::verify(&args.conn, v).await?;
+            if v.json {
+                println!("{}", serde_json::to_string_pretty(&r)?);
+            } else {
+                println!(
+                    "{} blocks, {} copies, {} of data: all intact{}{}",
+                    r.blocks,
+                    r.copies,
+                    short(r.bytes),
+                    if v.exclusive {
+                        "; every vdev holds exactly its copies"
+                    } else {
+                        ""
+                    },
+                    if r.pending > 0 {
+                        format!(
+                            " ({} moves pending: `balancer execute` settles them)",
+                            r.pending
+                        )
+                    } else {
+                        String::new()
+                    }
+                );
+            }
+            return Ok(());
+        }
+        BalancerCmd::Status { json } => {
+            let mut c = args.conn.connect().await?;
+            let st = c
+                .balancer_status(aliquot_proto::v1::BalancerStatusRequest::default())
+                .await
+                .map_err(|s| crate::client::status_msg("balancer status", &s))?
+                .into_inner();
+            if *json {
+                println!("{}", serde_json::to_string_pretty(&status_json(&st))?);
+            } else {
+                print!("{}", render_status(&st));
+            }
+            return Ok(());
+        }
+        _ => {}
+    }
     let mut c = args.conn.connect().await?;
     if let BalancerCmd::Plan {
         max_misplaced,
@@ -101,7 +170,10 @@ pub async fn run(args: BalancerArgs) -> anyhow::Result<()> {
         .map_err(|s| crate::client::status_msg("get pool", &s))?
         .into_inner();
     match args.cmd {
-        BalancerCmd::Plan { .. } => unreachable!("handled above"),
+        BalancerCmd::Plan { .. }
+        | BalancerCmd::Execute(_)
+        | BalancerCmd::Status { .. }
+        | BalancerCmd::Verify(_) => unreachable!("handled above"),
         BalancerCmd::Eval { json } => {
             if json {
                 println!("{}", serde_json::to_string_pretty(&eval_json(&st))?);
@@ -111,6 +183,66 @@ pub async fn run(args: BalancerArgs) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// `balancer status` as text.
+pub fn render_status(st: &aliquot_proto::v1::BalancerStatusReply) -> String {
+    let mut out = format!("score {:.4} ({})\n", st.score, verdict(st.score));
+    if st.plan_id == 0 {
+        out.push_str("no plan made since the allocator started\n");
+    } else {
+        let pct = if st.plan_bytes == 0 {
+            100.0
+        } else {
+            st.plan_done_bytes as f64 * 100.0 / st.plan_bytes as f64
+        };
+        out.push_str(&format!(
+            "plan {}: {}/{} moves, {}/{} ({pct:.0} %), score {:.4} → {:.4} predicted\n",
+            st.plan_id,
+            st.plan_done_moves,
+            st.plan_moves,
+            short(st.plan_done_bytes),
+            short(st.plan_bytes),
+            st.plan_score_before,
+            st.plan_score_after
+        ));
+    }
+    out.push_str(&format!(
+        "in flight: {} moves ({}); durable moves ever: {} ({})\n",
+        st.in_flight,
+        short(st.in_flight_bytes),
+        st.durable_moves,
+        short(st.durable_bytes)
+    ));
+    for d in &st.draining {
+        out.push_str(&format!(
+            "draining {}: {} left\n",
+            vdev_label(d.vdev, &d.name),
+            short(d.alloc)
+        ));
+    }
+    out
+}
+
+fn status_json(st: &aliquot_proto::v1::BalancerStatusReply) -> serde_json::Value {
+    serde_json::json!({
+        "score": st.score,
+        "plan_id": st.plan_id.to_string(),
+        "plan_moves": st.plan_moves.to_string(),
+        "plan_bytes": st.plan_bytes.to_string(),
+        "plan_done_moves": st.plan_done_moves.to_string(),
+        "plan_done_bytes": st.plan_done_bytes.to_string(),
+        "plan_score_before": st.plan_score_before,
+        "plan_score_after": st.plan_score_after,
+        "in_flight": st.in_flight,
+        "in_flight_bytes": st.in_flight_bytes.to_string(),
+        "durable_moves": st.durable_moves.to_string(),
+        "durable_bytes": st.durable_bytes.to_string(),
+        "draining": st.draining.iter().map(|d| serde_json::json!({
+            "vdev": d.vdev, "name": d.name, "alloc": d.alloc.to_string(),
+        })).collect::<Vec<_>>(),
+        "generation": st.generation.to_string(),
+    })
 }
 
 /// A score an operator can read at a glance.

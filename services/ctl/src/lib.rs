@@ -12,6 +12,8 @@ pub mod demo;
 pub mod health;
 pub mod history;
 pub mod local;
+pub mod manifest;
+pub mod mover;
 pub mod names;
 pub mod pattern;
 pub mod serve;

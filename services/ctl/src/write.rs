@@ -100,6 +100,11 @@ pub struct WriteArgs {
     /// No progress bar (it is also hidden when stderr is not a terminal).
     #[arg(long, env = "ALIQUOT_NO_PROGRESS")]
     pub no_progress: bool,
+    /// Record what was written (block → the extents of its copies) in this
+    /// file, once it is durable: `balancer execute --manifest` moves those
+    /// blocks and `balancer verify --manifest` reads them back.
+    #[arg(long, env = "ALIQUOT_WRITE_MANIFEST", conflicts_with_all = ["free", "no_sync"])]
+    pub manifest: Option<std::path::PathBuf>,
 }
 
 impl WriteArgs {
@@ -545,6 +550,9 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
         Err(_) => BTreeMap::new(),
     };
     let retries: u64 = outs_retries;
+    if let Some(path) = &args.manifest {
+        write_manifest(&alloc, &shared, &placed, path).await?;
+    }
     let mut verified_blocks = 0;
     let t_verify = Instant::now();
     if args.verify {
@@ -592,6 +600,46 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
         max_stall_us: shared.max_stall_us.load(Ordering::Relaxed),
         timeouts: shared.timeouts.load(Ordering::Relaxed),
     })
+}
+
+/// The manifest of a durable run: its blocks in order, each copy with the
+/// bytes of pattern it holds (the whole extent, as written).
+async fn write_manifest(
+    alloc: &crate::client::Allocator,
+    sh: &Shared,
+    placed: &[Placed],
+    path: &std::path::Path,
+) -> anyhow::Result<()> {
+    use crate::manifest::{Block, Copy, Header, Manifest, VERSION};
+    let pool = alloc
+        .clone()
+        .get_pool(GetPoolRequest {})
+        .await
+        .map_err(|s| client::status_msg("get pool (for the manifest)", &s))?
+        .into_inner();
+    let mut blocks: Vec<Block> = placed
+        .iter()
+        .map(|p| Block {
+            block: p.block,
+            copies: p
+                .extents
+                .iter()
+                .map(|e| Copy {
+                    at: e.into(),
+                    len: e.size,
+                })
+                .collect(),
+        })
+        .collect();
+    blocks.sort_by_key(|b| b.block);
+    let header = Header {
+        aliquot_manifest: VERSION,
+        pool_guid: pool.guid,
+        nonce: sh.nonce,
+        block_size: sh.args.block_size,
+    };
+    Manifest::create(path, header, &blocks)?;
+    Ok(())
 }
 
 /// Sync the txg holding this run's commits. If the allocator restarted

@@ -119,7 +119,45 @@ pub struct ExecuteReport {
     pub stopped: String,
 }
 
+/// Test-only crash points (`ALIQUOT_FAILPOINT=mover-after-pending:N` or
+/// `mover-after-commit:N`): the process aborts, as under kill -9, right
+/// after the N-th move journaled `pending` or got its Commit answered and
+/// before it journaled `moved`; the crash tests drive resumption with them.
+struct Failpoint {
+    after_pending: Option<u64>,
+    after_commit: Option<u64>,
+    pendings: AtomicU64,
+    commits: AtomicU64,
+}
+
+impl Failpoint {
+    fn from_env() -> Failpoint {
+        let spec = std::env::var("ALIQUOT_FAILPOINT").unwrap_or_default();
+        let at = |name: &str| {
+            spec.strip_prefix(name)
+                .and_then(|n| n.strip_prefix(':'))
+                .and_then(|n| n.parse().ok())
+        };
+        Failpoint {
+            after_pending: at("mover-after-pending"),
+            after_commit: at("mover-after-commit"),
+            pendings: AtomicU64::new(0),
+            commits: AtomicU64::new(0),
+        }
+    }
+
+    fn hit(limit: Option<u64>, count: &AtomicU64, what: &str) {
+        if let Some(n) = limit
+            && count.fetch_add(1, Ordering::SeqCst) + 1 == n
+        {
+            eprintln!("failpoint: aborting after {what} {n}");
+            std::process::abort();
+        }
+    }
+}
+
 struct Mover {
+    failpoint: Failpoint,
     alloc: Allocator,
     agents: Agents,
     manifest: Mutex<Manifest>,
@@ -344,6 +382,11 @@ impl Mover {
             allocation: id,
             generation: r.generation,
         })?;
+        Failpoint::hit(
+            self.failpoint.after_pending,
+            &self.failpoint.pendings,
+            "pending",
+        );
         let committed = self
             .alloc
             .clone()
@@ -353,6 +396,13 @@ impl Mover {
                 generation: r.generation,
             })
             .await;
+        if committed.is_ok() {
+            Failpoint::hit(
+                self.failpoint.after_commit,
+                &self.failpoint.commits,
+                "commit",
+            );
+        }
         let moved = match committed {
             Ok(_) => {
                 self.journal(Record::Moved { allocation: id })?;
@@ -501,6 +551,7 @@ pub async fn execute(conn: &AllocatorArgs, args: &ExecuteArgs) -> anyhow::Result
         .expect("progress template"),
     );
     let mover = Arc::new(Mover {
+        failpoint: Failpoint::from_env(),
         alloc: alloc.clone(),
         agents: conn.agents()?,
         manifest: Mutex::new(manifest),

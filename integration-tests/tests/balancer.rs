@@ -1,0 +1,407 @@
+//! The balancer end to end with real processes: an allocator and file
+//! agents, `aliquotctl write --manifest` filling two vdevs, a third vdev
+//! added, then `aliquotctl balancer eval/execute/status/verify`, `vdev
+//! drain` and `vdev remove`. Checked: the score is bad after the add and
+//! falls below 0.05 after `execute`; no plan moves more than its bound
+//! (5 % of the allocated bytes); every block reads back intact and no byte
+//! leaks (`verify --exclusive`); a drained vdev empties and is removed, for
+//! good across an allocator restart; no plan while a vdev is unavailable;
+//! and a mover killed mid-plan (abort at a failpoint, and kill -9 at a
+//! random instant) resumes without losing, duplicating or leaking a block.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use integration_tests::{Proc, args, bin, ctl, ok_stdout};
+
+const MIB: u64 = 1 << 20;
+/// Score above which the pool counts as unbalanced after the add.
+const BAD_SCORE: f64 = 0.15;
+/// What `execute` must bring the score under.
+const GOOD_SCORE: f64 = 0.05;
+
+struct Pool {
+    dir: PathBuf,
+    alloc: Proc,
+    agents: Vec<Proc>,
+    url: String,
+}
+
+impl Pool {
+    fn start(dir: &Path) -> Pool {
+        let mut alloc = Proc::start(
+            "allocator",
+            &bin("aliquot-allocator"),
+            &args![
+                "--listen",
+                "127.0.0.1:0",
+                "--data-dir",
+                dir.join("allocator").display(),
+                "--zfs-txg-timeout",
+                "200ms",
+                "--report-interval",
+                "200ms",
+                // A killed mover's unjournaled relocation is released soon.
+                "--lease",
+                "2s",
+                "--claim-window",
+                "0s",
+            ],
+            &[],
+            &["grpc"],
+            dir,
+        )
+        .expect("start allocator");
+        let addr = alloc.addr("grpc");
+        alloc.set_arg("--listen", &addr.to_string());
+        let url = alloc.url("grpc");
+        Pool {
+            dir: dir.to_path_buf(),
+            alloc,
+            agents: Vec::new(),
+            url,
+        }
+    }
+
+    fn add_agent(&mut self, capacity: &str) {
+        let name = format!("file{}", self.agents.len());
+        let a = Proc::start(
+            &name,
+            &bin("aliquot-agent"),
+            &args![
+                "--listen",
+                "127.0.0.1:0",
+                "--allocator",
+                self.url,
+                "--name",
+                name,
+                "--backend",
+                "file",
+                "--path",
+                self.dir.join(format!("{name}.img")).display(),
+                "--capacity",
+                capacity,
+            ],
+            &[],
+            &["grpc"],
+            &self.dir,
+        )
+        .expect("start agent");
+        self.agents.push(a);
+        let n = self.agents.len();
+        self.wait(&format!("{n} vdevs registered"), |s| {
+            s["vdevs"].as_array().map_or(0, |v| v.len()) == n
+        });
+    }
+
+    fn status(&self) -> serde_json::Value {
+        let out = ok_stdout(
+            &ctl(&args!["status", "--allocator", self.url, "--json"]),
+            "status",
+        );
+        serde_json::from_str(&out).expect("status json")
+    }
+
+    fn wait(&self, what: &str, ok: impl Fn(&serde_json::Value) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if ok(&self.status()) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn ctl(&self, a: &[String]) -> String {
+        let mut a = a.to_vec();
+        a.extend(args!["--allocator", self.url]);
+        ok_stdout(&ctl(&a), &a.join(" "))
+    }
+
+    fn json(&self, a: &[String]) -> serde_json::Value {
+        let mut a = a.to_vec();
+        a.push("--json".into());
+        let out = self.ctl(&a);
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"))
+    }
+
+    fn score(&self) -> f64 {
+        let e = self.json(&args!["balancer", "eval"]);
+        e["classes"]
+            .as_array()
+            .and_then(|c| c.iter().find(|c| c["class"] == "normal"))
+            .and_then(|c| c["score"].as_f64())
+            .expect("normal class score")
+    }
+
+    fn allocated(&self) -> u64 {
+        let s = self.status();
+        s["vdevs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v["alloc"].as_str().unwrap().parse::<u64>().unwrap())
+            .sum()
+    }
+
+    fn manifest(&self) -> PathBuf {
+        self.dir.join("manifest.jsonl")
+    }
+
+    fn verify_exclusive(&self) {
+        let m = self.manifest();
+        let out = self.ctl(&args![
+            "balancer",
+            "verify",
+            "--manifest",
+            m.display(),
+            "--exclusive"
+        ]);
+        assert!(out.contains("all intact"), "{out}");
+    }
+
+    /// `balancer execute` as a child process (for kills), plaintext.
+    fn execute_child(&self, extra: &[String], failpoint: Option<&str>) -> std::process::Child {
+        let mut cmd = Command::new(bin("aliquotctl"));
+        cmd.args(args![
+            "balancer",
+            "execute",
+            "--manifest",
+            self.manifest().display(),
+            "--allocator",
+            self.url,
+            "--json"
+        ])
+        .args(extra)
+        .env("ALIQUOT_INSECURE", "1")
+        .env_remove("ALIQUOT_ALLOCATOR")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+        if let Some(f) = failpoint {
+            cmd.env("ALIQUOT_FAILPOINT", f);
+        }
+        cmd.spawn().expect("spawn execute")
+    }
+}
+
+fn report(out: &std::process::Output) -> serde_json::Value {
+    assert!(
+        out.status.success(),
+        "execute failed ({}): {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("execute json")
+}
+
+/// Write 96 MiB to two vdevs with a manifest, then add an empty third.
+fn filled(dir: &Path) -> Pool {
+    let mut p = Pool::start(dir);
+    p.add_agent("128MiB");
+    p.add_agent("128MiB");
+    let m = p.manifest();
+    p.ctl(&args![
+        "write",
+        "--total",
+        "96MiB",
+        "--block-size",
+        "1MiB",
+        "--concurrency",
+        "8",
+        "--manifest",
+        m.display(),
+        "--no-progress"
+    ]);
+    p.add_agent("128MiB");
+    p
+}
+
+#[test]
+fn execute_balances_a_new_vdev_within_bounds_and_every_block_survives() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = filled(tmp.path());
+    let before = p.score();
+    assert!(
+        before > BAD_SCORE,
+        "a new empty vdev is a bad score: {before}"
+    );
+    let allocated = p.allocated();
+    let m = p.manifest();
+    let r = p.json(&args![
+        "balancer",
+        "execute",
+        "--manifest",
+        m.display(),
+        "--rate",
+        "256MiB/s",
+        "--target-score",
+        "0.02",
+        "--no-progress"
+    ]);
+    let plans = r["plans"].as_array().unwrap();
+    assert!(plans.len() >= 2, "5 % per plan takes several: {r}");
+    let bound = allocated / 20 + MIB;
+    for pl in plans {
+        let moved = pl["moved_bytes"].as_u64().unwrap();
+        assert!(moved <= bound, "a plan moved {moved} > bound {bound}: {r}");
+        assert!(moved <= pl["planned_bytes"].as_u64().unwrap(), "{pl}");
+        assert_eq!(pl["foreign_moves"].as_u64(), Some(0), "{pl}");
+    }
+    let after = p.score();
+    assert!(after < GOOD_SCORE, "score {before} → {after}: {r}");
+    assert!(r["moved_bytes"].as_u64().unwrap() > 16 * MIB, "{r}");
+    p.verify_exclusive();
+    let st = p.json(&args!["balancer", "status"]);
+    let durable: u64 = st["durable_moves"].as_str().unwrap().parse().unwrap();
+    assert_eq!(durable, r["moved"].as_u64().unwrap(), "{st}");
+    eprintln!(
+        "balancer figures: score {before:.4} → {after:.4}, {} moved in {:.2} s over {} plans",
+        r["moved_bytes"],
+        r["secs"].as_f64().unwrap(),
+        plans.len()
+    );
+}
+
+#[test]
+fn drain_then_remove_empties_a_vdev_for_good_and_plans_wait_for_a_whole_pool() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut p = filled(tmp.path());
+    let m = p.manifest();
+    // An unavailable vdev: no plan, and execute says so.
+    let mut gone = p.agents.remove(2);
+    gone.kill9();
+    p.wait("file2 unavailable", |s| {
+        s["vdevs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|v| v["name"] == "file2" && v["health"] == "unavailable")
+    });
+    let o = ctl(&args![
+        "balancer",
+        "execute",
+        "--manifest",
+        m.display(),
+        "--allocator",
+        p.url
+    ]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("POOL_DEGRADED") || err.contains("not healthy"),
+        "{err}"
+    );
+    gone.restart().unwrap();
+    p.agents.push(gone);
+    p.wait("file2 back", |s| {
+        s["vdevs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|v| v["health"] == "healthy")
+    });
+
+    let out = p.ctl(&args!["vdev", "drain", "file0"]);
+    assert!(out.contains("offline"), "{out}");
+    let e = ctl(&args!["vdev", "remove", "file0", "--allocator", p.url]);
+    assert!(!e.status.success(), "a vdev holding data is not removed");
+    assert!(
+        String::from_utf8_lossy(&e.stderr).contains("cannot be removed"),
+        "{}",
+        String::from_utf8_lossy(&e.stderr)
+    );
+    let r = p.json(&args![
+        "balancer",
+        "execute",
+        "--manifest",
+        m.display(),
+        "--drain",
+        "file0",
+        "--max-misplaced",
+        "0.25",
+        "--no-progress"
+    ]);
+    eprintln!("drain: {r}");
+    assert!(r["stopped"].as_str().unwrap().contains("drained"), "{r}");
+    let st = p.json(&args!["balancer", "status"]);
+    // Let the frees of the last moves settle, then remove.
+    p.ctl(&args![
+        "balancer",
+        "verify",
+        "--manifest",
+        m.display(),
+        "--exclusive"
+    ]);
+    let out = p.ctl(&args!["vdev", "remove", "file0"]);
+    assert!(out.contains("removed"), "{out} (status before: {st})");
+    p.verify_exclusive();
+    let names = |s: &serde_json::Value| -> Vec<String> {
+        s["vdevs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v["name"].as_str().unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(names(&p.status()), vec!["file1", "file2"]);
+    // Removed for good: after an allocator restart too, and its agent's
+    // reports are refused.
+    p.alloc.kill9();
+    p.alloc.restart().unwrap();
+    std::thread::sleep(Duration::from_millis(600));
+    assert_eq!(names(&p.status()), vec!["file1", "file2"]);
+    p.verify_exclusive();
+}
+
+#[test]
+fn a_mover_killed_mid_plan_resumes_without_losing_or_leaking_a_block() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = filled(tmp.path());
+    let slow = args!["--rate", "16MiB/s", "--concurrency", "1", "--no-progress"];
+    // Aborted right after journaling a pending move (its Commit not sent):
+    // the resumed run aborts that relocation, the block stays put.
+    let out = p
+        .execute_child(&slow, Some("mover-after-pending:3"))
+        .wait_with_output()
+        .unwrap();
+    assert!(!out.status.success(), "the failpoint aborts the mover");
+    let r = report(
+        &p.execute_child(&args!["--max-plans", "1", "--no-progress"], None)
+            .wait_with_output()
+            .unwrap(),
+    );
+    assert_eq!(r["resumed_dropped"].as_u64(), Some(1), "{r}");
+    p.verify_exclusive();
+    // Aborted after its Commit was answered, before `moved` was journaled:
+    // the resumed run finds the move durable and records it.
+    let out = p
+        .execute_child(&slow, Some("mover-after-commit:2"))
+        .wait_with_output()
+        .unwrap();
+    assert!(!out.status.success());
+    let r = report(
+        &p.execute_child(&args!["--max-plans", "1", "--no-progress"], None)
+            .wait_with_output()
+            .unwrap(),
+    );
+    assert_eq!(r["resumed_moved"].as_u64(), Some(1), "{r}");
+    p.verify_exclusive();
+    // kill -9 at a random instant, then run to the end.
+    let mut child = p.execute_child(&slow, None);
+    let wait_ms = 300 + (std::process::id() as u64 % 700);
+    std::thread::sleep(Duration::from_millis(wait_ms));
+    let _ = child.kill();
+    let _ = child.wait();
+    // An unjournaled relocation holds its space until its lease (2 s) ends.
+    std::thread::sleep(Duration::from_millis(2500));
+    let r = report(
+        &p.execute_child(&args!["--target-score", "0.02", "--no-progress"], None)
+            .wait_with_output()
+            .unwrap(),
+    );
+    eprintln!("killed after {wait_ms} ms; resumed run: {r}");
+    assert!(p.score() < GOOD_SCORE, "{r}");
+    p.verify_exclusive();
+}

@@ -49,6 +49,34 @@ pub async fn relocate(
     crate::claim::check_relocatable(shared, &from).await?;
     let mut avoid = req.avoid_vdevs.clone();
     avoid.push(from.vdev);
+    // The throttle places the copy, among the vdevs below the class's fill:
+    // a move onto another over-full vdev would only have to move again
+    // (measured: 1.5x the bytes for the same score without this).
+    {
+        let g = shared.lock();
+        let stats = g.pool.stats();
+        if let Some(c) = stats.classes.iter().find(|c| c.kind == ClassKind::Normal) {
+            let (space, alloc) = (u128::from(c.space), u128::from(c.alloc));
+            let over: Vec<u32> = c
+                .groups
+                .iter()
+                .filter(|gr| {
+                    space > 0 && u128::from(gr.alloc) * space >= alloc * u128::from(gr.capacity)
+                })
+                .map(|gr| gr.vdev)
+                .collect();
+            let left = c
+                .groups
+                .iter()
+                .filter(|gr| {
+                    gr.allocatable && !avoid.contains(&gr.vdev) && !over.contains(&gr.vdev)
+                })
+                .count();
+            if left > 0 {
+                avoid.extend(over);
+            }
+        }
+    }
     avoid.sort_unstable();
     avoid.dedup();
     let intent = RelocateIntent {

@@ -72,7 +72,7 @@ pub fn rebuild(tunables: Tunables, p: &Persisted) -> Result<Pool, String> {
     for e in &p.allocated {
         *sums.entry(e.vdev).or_default() += e.size;
     }
-    for id in sums.keys().filter(|id| pool.is_removed(**id)) {
+    if let Some(id) = sums.keys().find(|id| pool.is_removed(**id)) {
         return Err(format!("removed vdev {id} still has extents in the store"));
     }
     for v in pool.stats().vdevs {

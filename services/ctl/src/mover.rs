@@ -81,7 +81,8 @@ pub struct VerifyManifestArgs {
     #[arg(long, env = "ALIQUOT_VERIFY_EXCLUSIVE")]
     pub exclusive: bool,
     /// Reads in flight at once.
-    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=256))]
+    #[arg(long, env = "ALIQUOT_VERIFY_CONCURRENCY", default_value_t = 16,
+        value_parser = clap::value_parser!(u32).range(1..=256))]
     pub concurrency: u32,
     #[arg(long, env = "ALIQUOT_JSON")]
     pub json: bool,

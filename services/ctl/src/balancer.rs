@@ -197,8 +197,10 @@ pub fn render_status(st: &aliquot_proto::v1::BalancerStatusReply) -> String {
             st.plan_done_bytes as f64 * 100.0 / st.plan_bytes as f64
         };
         out.push_str(&format!(
-            "plan {}: {}/{} moves, {}/{} ({pct:.0} %), score {:.4} → {:.4} predicted\n",
-            st.plan_id,
+            "plan {} of generation {}: {}/{} moves, {}/{} ({pct:.0} %), score {:.4} → {:.4} \
+             predicted\n",
+            st.plan_id & 0xffff_ffff,
+            st.plan_id >> 32,
             st.plan_done_moves,
             st.plan_moves,
             short(st.plan_done_bytes),

@@ -134,7 +134,12 @@ pub async fn serve(
         let _ = signalled_tx.send(());
     };
     // Mutual TLS, or plaintext only when --insecure was given (logged).
-    let mut builder = Server::builder();
+    // Writers give up on a stalled agent stream by stream (their deadline
+    // resets each one); when a stopped agent resumes, that backlog of resets
+    // must not count as an attack (h2's default of 20 pending-accept resets
+    // answers ENHANCE_YOUR_CALM and the writer's whole connection fails:
+    // seen after a SIGSTOP under load).
+    let mut builder = Server::builder().http2_max_pending_accept_reset_streams(Some(4096));
     let roles = match config.tls.server_mode("agent")? {
         Some(files) => {
             builder = builder.tls_config(files.server_config()?)?;

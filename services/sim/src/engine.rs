@@ -21,8 +21,11 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 use crate::device::{AGGREGATION_LIMIT, AGGREGATION_LIMIT_NON_ROTATING, Device};
+use crate::leaf::{LeafDevice, LeafIssued, QueueLimits};
 use crate::pool::{PoolView, SimPool};
-use crate::scenario::{Action, Amount, LoadMode, RunSpec, Scenario, Trigger, VdevModel};
+use crate::scenario::{
+    Action, Amount, DeviceModel, LoadMode, RunSpec, Scenario, Trigger, VdevModel,
+};
 
 /// Samples kept before halving the sampling rate.
 const MAX_SAMPLES: usize = 2000;
@@ -113,12 +116,17 @@ pub struct RunResult {
     pub final_view: PoolView,
     /// (virtual ns, what happened) for scenario events.
     pub events: Vec<(u64, String)>,
+    /// Per vdev, the device I/Os completed (leaf model: over all leaves),
+    /// so that the mean I/O size after aggregation can be reported.
+    pub device_ios: Vec<u64>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Ev {
     DevFree(u32),
     DevDone(u32),
+    /// Leaf model: (vdev, leaf) completed its oldest I/O.
+    LeafDone(u32, u32),
     Sync(u64),
     Tick(u32),
     Scenario(u32),
@@ -220,8 +228,10 @@ struct Sim<'a, P: SimPool> {
     now: u64,
     seq: u64,
     heap: BinaryHeap<Reverse<(u64, u64, Ev)>>,
-    devices: Vec<Device>,
+    devices: Vec<Dev>,
     names: Vec<String>,
+    queue_limits: QueueLimits,
+    issued: Vec<LeafIssued>,
     agg_limit: u64,
     agg_limit_non_rot: u64,
     slots: Vec<Option<Slot>>,
@@ -301,6 +311,62 @@ pub fn write_delay(dirty: u64, dirty_max: u64) -> u64 {
     (d as u64).min(ZFS_DELAY_MAX_NS)
 }
 
+/// A top-level vdev's device model.
+#[derive(Debug)]
+enum Dev {
+    Simple(Device),
+    Leaf(LeafDevice),
+}
+
+impl Dev {
+    /// Queue a write; returns how many pieces complete separately.
+    fn enqueue(&mut self, offset: u64, size: u64, tag: u32, sync: bool) -> u32 {
+        match self {
+            Dev::Simple(d) => {
+                d.enqueue(offset, size, tag, sync);
+                1
+            }
+            Dev::Leaf(d) => d.enqueue(offset, size, tag, sync),
+        }
+    }
+    fn ios_done(&self) -> u64 {
+        match self {
+            Dev::Simple(d) => d.ios_done,
+            Dev::Leaf(d) => d.ios_done,
+        }
+    }
+    fn bytes_done(&self) -> u64 {
+        match self {
+            Dev::Simple(d) => d.bytes_done,
+            Dev::Leaf(d) => d.bytes_done,
+        }
+    }
+    fn set_used_fraction(&mut self, f: f64) {
+        match self {
+            Dev::Simple(d) => d.used_fraction = f,
+            Dev::Leaf(d) => d.used_fraction = f,
+        }
+    }
+}
+
+/// Read a u64 tunable from the scenario's lists (last one wins).
+fn tunable_u64<'a>(
+    mut list: impl Iterator<Item = &'a (String, String)>,
+    name: &str,
+) -> anyhow::Result<Option<u64>> {
+    let mut out = None;
+    for (k, v) in list.by_ref() {
+        if k == name {
+            out = Some(
+                v.trim()
+                    .parse::<u64>()
+                    .with_context(|| format!("tunables.{k}: {v:?} is not a whole number"))?,
+            );
+        }
+    }
+    Ok(out)
+}
+
 fn vdev_spec(m: &VdevModel) -> VdevSpec {
     VdevSpec {
         capacity: m.total_capacity(),
@@ -337,6 +403,28 @@ pub fn run<P: SimPool>(
             _ => {}
         }
     }
+    // The vdev queue's limits: OpenZFS's defaults, or the run's tunables
+    // (the max active and dirty percents are also the policy crate's).
+    let mut queue_limits = QueueLimits::default();
+    {
+        let all = || sc.tunables.iter().chain(variant.tunables.iter());
+        let t = metaslab::Tunables::default();
+        let u32_of = |v: u64| u32::try_from(v).unwrap_or(u32::MAX);
+        queue_limits.async_min_active =
+            u32_of(tunable_u64(all(), "zfs_vdev_async_write_min_active")?.unwrap_or(2));
+        queue_limits.sync_max_active =
+            u32_of(tunable_u64(all(), "zfs_vdev_sync_write_max_active")?.unwrap_or(10));
+        queue_limits.async_max_active = u32_of(
+            tunable_u64(all(), "zfs_vdev_async_write_max_active")?
+                .unwrap_or(t.zfs_vdev_async_write_max_active),
+        );
+        queue_limits.min_dirty_percent =
+            tunable_u64(all(), "zfs_vdev_async_write_active_min_dirty_percent")?
+                .unwrap_or(t.zfs_vdev_async_write_active_min_dirty_percent);
+        queue_limits.max_dirty_percent =
+            tunable_u64(all(), "zfs_vdev_async_write_active_max_dirty_percent")?
+                .unwrap_or(t.zfs_vdev_async_write_active_max_dirty_percent);
+    }
     let mut sim = Sim {
         pool,
         sc,
@@ -346,6 +434,8 @@ pub fn run<P: SimPool>(
         heap: BinaryHeap::new(),
         devices: Vec::new(),
         names: Vec::new(),
+        queue_limits,
+        issued: Vec::new(),
         agg_limit,
         agg_limit_non_rot,
         slots: Vec::new(),
@@ -416,7 +506,10 @@ impl<P: SimPool> Sim<'_, P> {
         } else {
             self.agg_limit_non_rot
         };
-        self.devices.push(Device::new(m, limit));
+        self.devices.push(match self.sc.device_model {
+            DeviceModel::Simple => Dev::Simple(Device::new(m, limit)),
+            DeviceModel::Leaf => Dev::Leaf(LeafDevice::new(m, limit)),
+        });
         self.names.push(m.name.clone());
         Ok(())
     }
@@ -688,7 +781,9 @@ impl<P: SimPool> Sim<'_, P> {
             };
             l.result
         });
+        let device_ios = self.devices.iter().map(Dev::ios_done).collect();
         Ok(RunResult {
+            device_ios,
             spec: self.spec.clone(),
             vdev_names: self.names,
             samples: self.samples,
@@ -734,12 +829,30 @@ impl<P: SimPool> Sim<'_, P> {
     fn handle(&mut self, ev: Ev) -> anyhow::Result<()> {
         match ev {
             Ev::DevFree(v) => {
-                self.devices[v as usize].set_free();
+                if let Dev::Simple(d) = &mut self.devices[v as usize] {
+                    d.set_free();
+                }
                 self.kick(v);
             }
-            Ev::DevDone(v) => {
+            Ev::DevDone(_) | Ev::LeafDone(..) => {
                 let mut tags = std::mem::take(&mut self.tags);
-                self.devices[v as usize].complete(&mut tags);
+                match (ev, &mut self.devices) {
+                    (Ev::DevDone(v), devs) => {
+                        if let Dev::Simple(d) = &mut devs[v as usize] {
+                            d.complete(&mut tags);
+                        }
+                    }
+                    (Ev::LeafDone(v, leaf), devs) => {
+                        if let Dev::Leaf(d) = &mut devs[v as usize] {
+                            d.complete(leaf, &mut tags);
+                        }
+                    }
+                    _ => unreachable!(),
+                }
+                if let Ev::LeafDone(v, _) = ev {
+                    // A slot of the leaf's queue is free: issue more.
+                    self.kick(v);
+                }
                 for &tag in &tags {
                     let slot = self.slots[tag as usize].as_mut().expect("live slot");
                     slot.remaining -= 1;
@@ -811,9 +924,25 @@ impl<P: SimPool> Sim<'_, P> {
     }
 
     fn kick(&mut self, v: u32) {
-        if let Some(iss) = self.devices[v as usize].issue(self.now) {
-            self.push(iss.free_at, Ev::DevFree(v));
-            self.push(iss.done_at, Ev::DevDone(v));
+        let async_active = self
+            .queue_limits
+            .async_active(self.inflight + self.txg_dirty, self.dirty_max);
+        let sync_active = self.queue_limits.sync_max_active;
+        match &mut self.devices[v as usize] {
+            Dev::Simple(d) => {
+                if let Some(iss) = d.issue(self.now) {
+                    self.push(iss.free_at, Ev::DevFree(v));
+                    self.push(iss.done_at, Ev::DevDone(v));
+                }
+            }
+            Dev::Leaf(d) => {
+                let mut out = std::mem::take(&mut self.issued);
+                d.issue(self.now, async_active, sync_active, &mut out);
+                for i in out.drain(..) {
+                    self.push(i.done_at, Ev::LeafDone(v, i.leaf));
+                }
+                self.issued = out;
+            }
         }
     }
 
@@ -830,9 +959,16 @@ impl<P: SimPool> Sim<'_, P> {
     fn enqueue_slot(&mut self, tag: u32, sync: bool) {
         let slot = self.slots[tag as usize].as_ref().expect("live slot");
         let n = slot.extents.len();
+        // Count every piece before any can complete (a kick may finish
+        // nothing synchronously, but keep the count whole regardless).
+        let mut pieces = 0;
         for i in 0..n {
             let e = self.slots[tag as usize].as_ref().unwrap().extents[i];
-            self.devices[e.vdev as usize].enqueue(e.offset, e.size, tag, sync);
+            pieces += self.devices[e.vdev as usize].enqueue(e.offset, e.size, tag, sync);
+        }
+        self.slots[tag as usize].as_mut().unwrap().remaining = pieces;
+        for i in 0..n {
+            let e = self.slots[tag as usize].as_ref().unwrap().extents[i];
             self.kick(e.vdev);
         }
     }
@@ -1143,7 +1279,7 @@ impl<P: SimPool> Sim<'_, P> {
         let view = self.pool.view();
         for v in &view.vdevs {
             if let Some(d) = self.devices.get_mut(v.id as usize) {
-                d.used_fraction = v.alloc as f64 / v.capacity.max(1) as f64;
+                d.set_used_fraction(v.alloc as f64 / v.capacity.max(1) as f64);
             }
         }
         if let Some(l) = &mut self.log {
@@ -1285,10 +1421,36 @@ impl<P: SimPool> Sim<'_, P> {
                         self.agg_limit_non_rot =
                             units::parse_size(v).context("set_tunable value")?
                     }
-                    _ => self
-                        .pool
-                        .set_tunable(k, v)
-                        .with_context(|| format!("event[{i}]: set_tunable {k}"))?,
+                    "zfs_vdev_async_write_min_active" | "zfs_vdev_sync_write_max_active" => {
+                        let n =
+                            tunable_u64(std::iter::once(&(k.clone(), v.clone())), k)?.unwrap_or(0);
+                        let n = u32::try_from(n).unwrap_or(u32::MAX);
+                        if k == "zfs_vdev_async_write_min_active" {
+                            self.queue_limits.async_min_active = n;
+                        } else {
+                            self.queue_limits.sync_max_active = n;
+                        }
+                    }
+                    _ => {
+                        self.pool
+                            .set_tunable(k, v)
+                            .with_context(|| format!("event[{i}]: set_tunable {k}"))?;
+                        // The vdev queue reads these policy tunables too.
+                        let parsed = || tunable_u64(std::iter::once(&(k.clone(), v.clone())), k);
+                        match k.as_str() {
+                            "zfs_vdev_async_write_max_active" => {
+                                self.queue_limits.async_max_active =
+                                    u32::try_from(parsed()?.unwrap_or(10)).unwrap_or(u32::MAX)
+                            }
+                            "zfs_vdev_async_write_active_min_dirty_percent" => {
+                                self.queue_limits.min_dirty_percent = parsed()?.unwrap_or(30)
+                            }
+                            "zfs_vdev_async_write_active_max_dirty_percent" => {
+                                self.queue_limits.max_dirty_percent = parsed()?.unwrap_or(60)
+                            }
+                            _ => {}
+                        }
+                    }
                 }
                 format!("set_tunable {k}={v}")
             }
@@ -1444,7 +1606,7 @@ impl<P: SimPool> Sim<'_, P> {
                 bytes_done: self
                     .devices
                     .get(v.id as usize)
-                    .map(|d| d.bytes_done)
+                    .map(|d| d.bytes_done())
                     .unwrap_or(0),
                 queue_depth: v.queue_depth,
                 fragmentation: v.fragmentation,

@@ -48,6 +48,10 @@ pub struct VdevSummary {
     /// Bytes the device wrote (asize, parity included).
     pub bytes_written: u64,
     pub mean_write_bytes_per_s: f64,
+    /// Device write I/Os (each leaf's, with the leaf model) and their mean
+    /// size after aggregation.
+    pub write_ios: u64,
+    pub mean_io_bytes: f64,
     pub start_fragmentation_pct: Option<u32>,
     pub final_fragmentation_pct: Option<u32>,
 }
@@ -227,6 +231,11 @@ pub fn run_summary(sc: &Scenario, r: &RunResult, is_log: &[bool]) -> RunSummary 
                 final_used_fraction: v.map(|v| v.used_fraction()).unwrap_or(0.0),
                 bytes_written: bytes,
                 mean_write_bytes_per_s: if secs > 0.0 { bytes as f64 / secs } else { 0.0 },
+                write_ios: r.device_ios.get(i).copied().unwrap_or(0),
+                mean_io_bytes: match r.device_ios.get(i) {
+                    Some(&n) if n > 0 => bytes as f64 / n as f64,
+                    _ => 0.0,
+                },
                 start_fragmentation_pct: r.start_view.vdevs.get(i).and_then(|v| v.fragmentation),
                 final_fragmentation_pct: r.final_view.vdevs.get(i).and_then(|v| v.fragmentation),
             }

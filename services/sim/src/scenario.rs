@@ -207,6 +207,9 @@ struct RawScenario {
     max_time: Option<Dur>,
     #[serde(default)]
     load: Option<RawLoad>,
+    /// `simple` (one queue per top-level vdev) or `leaf`.
+    #[serde(default)]
+    device_model: Option<String>,
     #[serde(default)]
     vdev: Vec<RawVdev>,
     #[serde(default)]
@@ -253,6 +256,8 @@ struct RawVdev {
     latency: Option<Dur>,
     #[serde(default)]
     overhead: Option<Dur>,
+    #[serde(default)]
+    seek: Option<Dur>,
     #[serde(default)]
     rotational: Option<bool>,
     #[serde(default)]
@@ -338,6 +343,7 @@ pub struct Scenario {
     pub txg_sync_time: u64,
     pub max_time: u64,
     pub load: Option<Load>,
+    pub device_model: DeviceModel,
     pub vdevs: Vec<VdevModel>,
     pub events: Vec<Event>,
     /// In file order; sim-level names (see [`SIM_TUNABLES`]) included.
@@ -345,6 +351,18 @@ pub struct Scenario {
     pub log: Option<LogLoad>,
     pub prefill: Option<Prefill>,
     pub variants: Vec<Variant>,
+}
+
+/// How devices are modelled (`device_model`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DeviceModel {
+    /// One bandwidth queue per top-level vdev, latency overlapping freely
+    /// (`device.rs`).
+    #[default]
+    Simple,
+    /// OpenZFS's vdev queue per leaf: dirty-scaled active writes, seeks,
+    /// RAIDZ children on their own (`leaf.rs`).
+    Leaf,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -392,6 +410,9 @@ pub struct VdevModel {
     pub latency: u64,
     /// Nanoseconds each I/O occupies the device besides its transfer.
     pub overhead: u64,
+    /// Leaf model, rotational: a full-stroke seek (ns); a seek over a
+    /// fraction `d` of the disk costs `seek × √d`.
+    pub seek: u64,
     pub rotational: bool,
     pub children: u32,
     pub parity: u32,
@@ -483,6 +504,14 @@ pub const SIM_TUNABLES: &[(&str, &str)] = &[
     (
         "zfs_vdev_aggregation_limit_non_rotating",
         "largest merged write on non-rotational vdevs, per child (default 128KiB)",
+    ),
+    (
+        "zfs_vdev_async_write_min_active",
+        "device_model = \"leaf\": async writes per leaf in flight below the min dirty percent (default 2)",
+    ),
+    (
+        "zfs_vdev_sync_write_max_active",
+        "device_model = \"leaf\": sync writes per leaf in flight (default 10)",
     ),
 ];
 
@@ -712,6 +741,16 @@ impl Scenario {
                 tunables: Vec::new(),
             });
         }
+        let device_model = match raw.device_model.as_deref() {
+            None | Some("simple") => DeviceModel::Simple,
+            Some("leaf") => DeviceModel::Leaf,
+            Some(other) => {
+                return Err(invalid(
+                    "device_model",
+                    format!("unknown model {other:?} (expected \"simple\" or \"leaf\")"),
+                ));
+            }
+        };
         let max_time = raw
             .max_time
             .map(|d| d.0)
@@ -727,6 +766,7 @@ impl Scenario {
             txg_sync_time: raw.txg_sync_time.map(|d| d.0).unwrap_or(100_000_000),
             max_time,
             load,
+            device_model,
             vdevs,
             events,
             tunables,
@@ -861,6 +901,7 @@ fn vdev_model(key: &str, v: &RawVdev) -> Result<VdevModel, ScenarioError> {
         write_bandwidth: v.write_bandwidth.0,
         latency: v.latency.map(|d| d.0).unwrap_or(0),
         overhead: v.overhead.map(|d| d.0).unwrap_or(0),
+        seek: v.seek.map(|d| d.0).unwrap_or(0),
         rotational,
         children,
         parity,

@@ -200,6 +200,7 @@ mod tests {
             latency: 1_000,
             overhead: 10_000,
             seek: 0,
+            rotation: 0,
             rotational: false,
             children,
             parity: 0,

@@ -107,6 +107,7 @@ pub struct LeafDevice {
     overhead: u64,
     latency: u64,
     seek: u64,
+    rotation: u64,
     rotational: bool,
     /// One leaf's bytes.
     leaf_capacity: u64,
@@ -137,6 +138,7 @@ impl LeafDevice {
             overhead: model.overhead,
             latency: model.latency,
             seek: model.seek,
+            rotation: model.rotation,
             rotational: model.rotational,
             leaf_capacity: model.capacity.max(1),
             fill_slowdown: model.fill_slowdown,
@@ -171,8 +173,9 @@ impl LeafDevice {
         n as u32
     }
 
-    /// Nanoseconds the disk spends on `bytes` at `offset` with its head at `head`.
-    fn service_time(&self, head: u64, offset: u64, bytes: u64) -> u64 {
+    /// Nanoseconds the disk spends on `bytes` at `offset` with its head at
+    /// `head`, starting at `begin` after it went idle at `free_at`.
+    fn service_time(&self, head: u64, offset: u64, bytes: u64, begin: u64, free_at: u64) -> u64 {
         let slow = if self.rotational {
             self.fill_slowdown * (offset as f64 / self.leaf_capacity as f64).min(1.0)
         } else {
@@ -185,7 +188,21 @@ impl LeafDevice {
         } else {
             0
         };
-        self.overhead + seek + (bytes as f64 * 1e9 / bw).ceil() as u64
+        // Rotational delay: none while streaming (the next sector is under
+        // the head as the last write ends); after a seek half a
+        // revolution on average; after idling, until the sector that was
+        // under the head when the disk went idle comes round again.
+        let rot = if !self.rotational || self.rotation == 0 {
+            0
+        } else if offset != head {
+            self.rotation / 2
+        } else if begin > free_at {
+            let r = (begin - free_at) % self.rotation;
+            if r == 0 { 0 } else { self.rotation - r }
+        } else {
+            0
+        };
+        self.overhead + seek + rot + (bytes as f64 * 1e9 / bw).ceil() as u64
     }
 
     /// Hand every leaf as many writes as its limits allow now; the writes
@@ -210,7 +227,8 @@ impl LeafDevice {
                 let (start, bytes) = self.aggregate(i, sync);
                 let leaf = &self.leaves[i];
                 let begin = now.max(leaf.disk_free_at);
-                let served = begin + self.service_time(leaf.head, start, bytes);
+                let served =
+                    begin + self.service_time(leaf.head, start, bytes, begin, leaf.disk_free_at);
                 let leaf = &mut self.leaves[i];
                 leaf.disk_free_at = served;
                 leaf.head = start + bytes;
@@ -307,6 +325,7 @@ mod tests {
             latency,
             overhead: 0,
             seek: 0,
+            rotation: 0,
             rotational: false,
             children,
             parity: 0,
@@ -400,5 +419,27 @@ mod tests {
         let mut tags = Vec::new();
         d.complete(0, &mut tags);
         assert_eq!(tags, vec![1]);
+    }
+
+    #[test]
+    fn an_idle_disk_waits_for_its_sector_a_streaming_one_does_not() {
+        let mut m = model(1, 0);
+        m.rotational = true;
+        m.rotation = 8_000_000;
+        let mut d = LeafDevice::new(&m, 0);
+        let mut out = Vec::new();
+        d.enqueue(0, 4096, 0, false);
+        d.enqueue(4096, 4096, 1, false);
+        d.issue(0, 2, 1, &mut out);
+        // Head at 0 and the disk never idled: both stream.
+        assert_eq!(out[0].done_at, 4096);
+        assert_eq!(out[1].done_at, 2 * 4096);
+        // The next contiguous write arrives 1 ms after the disk went idle:
+        // 7 ms until its sector is back.
+        d.enqueue(8192, 4096, 2, false);
+        out.clear();
+        let t = 2 * 4096 + 1_000_000;
+        d.issue(t, 3, 1, &mut out);
+        assert_eq!(out[0].done_at, t + 7_000_000 + 4096);
     }
 }

@@ -259,6 +259,8 @@ struct RawVdev {
     #[serde(default)]
     seek: Option<Dur>,
     #[serde(default)]
+    rotation: Option<Dur>,
+    #[serde(default)]
     rotational: Option<bool>,
     #[serde(default)]
     children: Option<u32>,
@@ -413,6 +415,10 @@ pub struct VdevModel {
     /// Leaf model, rotational: a full-stroke seek (ns); a seek over a
     /// fraction `d` of the disk costs `seek × √d`.
     pub seek: u64,
+    /// Leaf model, rotational: one revolution (ns). A write that finds the
+    /// disk idle waits for its sector to come round again; one after a
+    /// seek waits half a revolution.
+    pub rotation: u64,
     pub rotational: bool,
     pub children: u32,
     pub parity: u32,
@@ -902,6 +908,7 @@ fn vdev_model(key: &str, v: &RawVdev) -> Result<VdevModel, ScenarioError> {
         latency: v.latency.map(|d| d.0).unwrap_or(0),
         overhead: v.overhead.map(|d| d.0).unwrap_or(0),
         seek: v.seek.map(|d| d.0).unwrap_or(0),
+        rotation: v.rotation.map(|d| d.0).unwrap_or(0),
         rotational,
         children,
         parity,

@@ -90,6 +90,8 @@ pub struct LogResult {
     pub ops_per_sec: f64,
     pub txg_wait_fallbacks: u64,
     pub metaslab_loads: u64,
+    /// Nanoseconds the ZIL stalled on those loads.
+    pub load_stall: u64,
     pub blocks: u64,
     pub block_bytes: u64,
     pub tier_log: u64,
@@ -119,6 +121,10 @@ pub struct RunResult {
     /// Per vdev, the device I/Os completed (leaf model: over all leaves),
     /// so that the mean I/O size after aggregation can be reported.
     pub device_ios: Vec<u64>,
+    /// Metaslab loads data allocations made (the sync path; log writers'
+    /// data included) and the nanoseconds their writes waited for them.
+    pub data_metaslab_loads: u64,
+    pub data_load_stall: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -135,6 +141,8 @@ enum Ev {
     ZilResume,
     /// Pipeline: a writer's write-throttle delay has passed.
     ThrottleWake,
+    /// A data block's metaslab load is done: queue its writes.
+    Loaded(u32),
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -232,6 +240,8 @@ struct Sim<'a, P: SimPool> {
     names: Vec<String>,
     queue_limits: QueueLimits,
     issued: Vec<LeafIssued>,
+    data_loads: u64,
+    data_load_stall: u64,
     agg_limit: u64,
     agg_limit_non_rot: u64,
     slots: Vec<Option<Slot>>,
@@ -436,6 +446,8 @@ pub fn run<P: SimPool>(
         names: Vec::new(),
         queue_limits,
         issued: Vec::new(),
+        data_loads: 0,
+        data_load_stall: 0,
         agg_limit,
         agg_limit_non_rot,
         slots: Vec::new(),
@@ -784,6 +796,8 @@ impl<P: SimPool> Sim<'_, P> {
         let device_ios = self.devices.iter().map(Dev::ios_done).collect();
         Ok(RunResult {
             device_ios,
+            data_metaslab_loads: self.data_loads,
+            data_load_stall: self.data_load_stall,
             spec: self.spec.clone(),
             vdev_names: self.names,
             samples: self.samples,
@@ -888,6 +902,7 @@ impl<P: SimPool> Sim<'_, P> {
                     self.log_issue(s)?;
                 }
             }
+            Ev::Loaded(tag) => self.enqueue_slot(tag, false),
             Ev::ThrottleWake => {
                 self.delay_waiting = false;
                 self.delay_served = true;
@@ -973,6 +988,27 @@ impl<P: SimPool> Sim<'_, P> {
         }
     }
 
+    /// A data block whose allocation loaded `loads` metaslabs: its writes
+    /// wait for the loads (`metaslab_load_cost` each) before they queue.
+    fn place_data(&mut self, a: Allocation, req: Req) {
+        let loads = a.metaslab_loads as u64;
+        self.data_loads += loads;
+        let stall = loads * self.sc.metaslab_load_cost;
+        if stall == 0 {
+            self.place(a, SlotKind::Data(req), false);
+            return;
+        }
+        self.data_load_stall += stall;
+        let tag = self.new_slot(Slot {
+            id: a.id,
+            remaining: a.extents.len() as u32,
+            extents: a.extents,
+            kind: SlotKind::Data(req),
+        });
+        let at = self.now + stall;
+        self.push(at, Ev::Loaded(tag));
+    }
+
     fn place(&mut self, a: Allocation, kind: SlotKind, sync: bool) -> u32 {
         let tag = self.new_slot(Slot {
             id: a.id,
@@ -1047,7 +1083,7 @@ impl<P: SimPool> Sim<'_, P> {
         let busy = self.busy();
         match self.pool.allocate(t, busy) {
             Ok(a) => {
-                self.place(a, SlotKind::Data(req), false);
+                self.place_data(a, req);
                 Ok(())
             }
             Err(PoolError::NoSpace { reason, .. }) => {
@@ -1550,6 +1586,7 @@ impl<P: SimPool> Sim<'_, P> {
                         // zil_commit loads the metaslab synchronously: the
                         // ZIL stalls before this block can be written.
                         l.result.metaslab_loads += loads as u64;
+                        l.result.load_stall += loads as u64 * l.load_cost;
                         l.stall = Stall::Load;
                         let at = self.now + loads as u64 * l.load_cost;
                         let tag = self.place(a, SlotKind::LogBlock(ops), true);
@@ -1678,6 +1715,9 @@ mod tests {
         usable: usize,
         log_fails: bool,
         log_loads: u32,
+        /// Every this many data allocations, one loads a metaslab.
+        data_load_every: u64,
+        data_allocs: u64,
         claims: u64,
     }
 
@@ -1756,7 +1796,11 @@ mod tests {
                 metaslab_loads: if req.kind == AllocKind::Log {
                     self.log_loads
                 } else {
-                    0
+                    self.data_allocs += 1;
+                    u32::from(
+                        self.data_load_every > 0
+                            && self.data_allocs.is_multiple_of(self.data_load_every),
+                    )
                 },
             })
         }
@@ -1934,6 +1978,41 @@ latency = "100us"
         let loaded = r.log.unwrap();
         assert_eq!(loaded.metaslab_loads, loaded.blocks);
         assert!(loaded.latency_p50 >= 100_000_000, "{loaded:?}");
+    }
+
+    #[test]
+    fn data_metaslab_loads_delay_their_writes_by_the_load_cost() {
+        // One writer with one block in flight: nothing overlaps a load.
+        let load = "[load]\nmode = \"full\"\nsize = \"100MB\"\nstreams = 1\ndirty_max = \"128K\"";
+        let free = go(
+            &scenario(load),
+            Fake {
+                data_load_every: 100,
+                ..Default::default()
+            },
+        );
+        // Loads are counted even when free (the default cost is 0).
+        assert_eq!(free.data_metaslab_loads, free.allocations / 100);
+        assert_eq!(free.data_load_stall, 0);
+        let sc = scenario(&format!("metaslab_load_cost = \"50ms\"\n{load}"));
+        let paid = go(
+            &sc,
+            Fake {
+                data_load_every: 100,
+                ..Default::default()
+            },
+        );
+        assert_eq!(paid.bytes_committed, free.bytes_committed);
+        assert_eq!(paid.data_metaslab_loads, paid.allocations / 100);
+        assert_eq!(paid.data_load_stall, paid.data_metaslab_loads * 50_000_000);
+        // Each load adds its 50 ms to the run.
+        assert!(paid.data_metaslab_loads >= 7);
+        assert!(
+            paid.end_time >= free.end_time + paid.data_load_stall,
+            "{} vs {}",
+            paid.end_time,
+            free.end_time
+        );
     }
 
     #[test]

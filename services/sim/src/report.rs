@@ -30,6 +30,10 @@ pub struct RunSummary {
     pub bytes_planned: u64,
     pub mean_throughput_bytes_per_s: f64,
     pub allocations: u64,
+    /// Metaslab loads by data allocations (the sync path) and the seconds
+    /// their writes waited (`metaslab_load_cost` each; 0 = free).
+    pub data_metaslab_loads: u64,
+    pub data_load_stall_s: f64,
     pub vdevs: Vec<VdevSummary>,
     /// Largest and final (max − min) of the data vdevs' used fractions.
     pub max_spread: f64,
@@ -72,6 +76,8 @@ pub struct LogSummary {
     pub latency_max_us: f64,
     pub txg_wait_fallbacks: u64,
     pub metaslab_loads: u64,
+    /// Seconds the ZIL stalled on them.
+    pub metaslab_load_stall_s: f64,
     pub log_blocks: u64,
     pub mean_log_block_bytes: f64,
     pub blocks_from_log_class: u64,
@@ -156,6 +162,7 @@ fn log_summary(l: &LogResult, r: &RunResult) -> LogSummary {
         latency_max_us: l.latency_max as f64 / 1e3,
         txg_wait_fallbacks: l.txg_wait_fallbacks,
         metaslab_loads: l.metaslab_loads,
+        metaslab_load_stall_s: l.load_stall as f64 / 1e9,
         log_blocks: l.blocks,
         mean_log_block_bytes: if l.blocks > 0 {
             l.block_bytes as f64 / l.blocks as f64
@@ -257,6 +264,8 @@ pub fn run_summary(sc: &Scenario, r: &RunResult, is_log: &[bool]) -> RunSummary 
             0.0
         },
         allocations: r.allocations,
+        data_metaslab_loads: r.data_metaslab_loads,
+        data_load_stall_s: r.data_load_stall as f64 / 1e9,
         vdevs,
         max_spread,
         max_spread_at_s: max_spread_at,

@@ -210,6 +210,9 @@ struct RawScenario {
     /// `simple` (one queue per top-level vdev) or `leaf`.
     #[serde(default)]
     device_model: Option<String>,
+    /// What a metaslab load costs a data allocation (default 0: free).
+    #[serde(default)]
+    metaslab_load_cost: Option<Dur>,
     #[serde(default)]
     vdev: Vec<RawVdev>,
     #[serde(default)]
@@ -346,6 +349,9 @@ pub struct Scenario {
     pub max_time: u64,
     pub load: Option<Load>,
     pub device_model: DeviceModel,
+    /// Nanoseconds a data allocation waits per metaslab it loaded (OpenZFS
+    /// loads it in the allocating thread, in the txg sync); 0 = free.
+    pub metaslab_load_cost: u64,
     pub vdevs: Vec<VdevModel>,
     pub events: Vec<Event>,
     /// In file order; sim-level names (see [`SIM_TUNABLES`]) included.
@@ -773,6 +779,7 @@ impl Scenario {
             max_time,
             load,
             device_model,
+            metaslab_load_cost: raw.metaslab_load_cost.map(|d| d.0).unwrap_or(0),
             vdevs,
             events,
             tunables,

@@ -24,7 +24,8 @@ use crate::device::{AGGREGATION_LIMIT, AGGREGATION_LIMIT_NON_ROTATING, Device};
 use crate::leaf::{LeafDevice, LeafIssued, QueueLimits};
 use crate::pool::{PoolView, SimPool};
 use crate::scenario::{
-    Action, Amount, DeviceModel, LoadMode, RunSpec, Scenario, Trigger, VdevModel,
+    Action, Amount, DeviceModel, LoadMode, Metadata, RedundantMetadata, RunSpec, Scenario, Trigger,
+    VdevModel,
 };
 
 /// Samples kept before halving the sampling rate.
@@ -125,6 +126,10 @@ pub struct RunResult {
     /// data included) and the nanoseconds their writes waited for them.
     pub data_metaslab_loads: u64,
     pub data_load_stall: u64,
+    /// `[metadata]`: metadata blocks written and their device bytes
+    /// (asize, every copy).
+    pub metadata_blocks: u64,
+    pub metadata_bytes: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -162,7 +167,36 @@ struct Op {
 enum SlotKind {
     Data(Req),
     LogBlock(Vec<Op>),
+    Meta(MetaReq),
 }
+
+/// Which metadata block a write replaces (copy-on-write: the previous
+/// version is freed when the new one commits).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum MetaKey {
+    /// A stream's (object's) level-1 indirect block number `span`.
+    L1(u32, u32),
+    /// A stream's level-2 indirect block (it maps 128 GiB at 128K records).
+    L2(u32),
+    /// The dataset's dnode block.
+    Dnode,
+    /// The MOS's `i`-th block of the txg (space maps, MOS dnodes, DSL).
+    Mos(u32),
+}
+
+#[derive(Clone, Copy, Debug)]
+struct MetaReq {
+    key: MetaKey,
+    size: u64,
+    copies: u8,
+}
+
+/// Bytes of one block pointer (`blkptr_t`).
+const BLKPTR_SIZE: u64 = 128;
+/// Smallest metadata block written (one 4K sector at ashift 12).
+const META_MIN: u64 = 4096;
+/// `spa_max_replication`: the MOS's copies.
+const MOS_COPIES: u8 = 3;
 
 #[derive(Debug)]
 struct Slot {
@@ -242,6 +276,10 @@ struct Sim<'a, P: SimPool> {
     issued: Vec<LeafIssued>,
     data_loads: u64,
     data_load_stall: u64,
+    meta_tickets: HashMap<Ticket, MetaReq>,
+    meta_live: HashMap<MetaKey, Vec<Extent>>,
+    meta_blocks: u64,
+    meta_bytes: u64,
     agg_limit: u64,
     agg_limit_non_rot: u64,
     slots: Vec<Option<Slot>>,
@@ -448,6 +486,10 @@ pub fn run<P: SimPool>(
         issued: Vec::new(),
         data_loads: 0,
         data_load_stall: 0,
+        meta_tickets: HashMap::new(),
+        meta_live: HashMap::new(),
+        meta_blocks: 0,
+        meta_bytes: 0,
         agg_limit,
         agg_limit_non_rot,
         slots: Vec::new(),
@@ -798,6 +840,8 @@ impl<P: SimPool> Sim<'_, P> {
             device_ios,
             data_metaslab_loads: self.data_loads,
             data_load_stall: self.data_load_stall,
+            metadata_blocks: self.meta_blocks,
+            metadata_bytes: self.meta_bytes,
             spec: self.spec.clone(),
             vdev_names: self.names,
             samples: self.samples,
@@ -1116,6 +1160,10 @@ impl<P: SimPool> Sim<'_, P> {
                 return Ok(());
             }
             for t in admitted {
+                if let Some(m) = self.meta_tickets.remove(&t) {
+                    self.allocate_meta(t, m)?;
+                    continue;
+                }
                 let req = self
                     .tickets
                     .remove(&t)
@@ -1166,6 +1214,17 @@ impl<P: SimPool> Sim<'_, P> {
                         self.check_fill()?;
                     }
                 }
+            }
+            SlotKind::Meta(m) => {
+                if let Some(old) = self.meta_live.remove(&m.key) {
+                    self.pool
+                        .free(&old)
+                        .context("free of a rewritten metadata block")?;
+                }
+                self.meta_blocks += 1;
+                self.meta_bytes += slot.extents.iter().map(|e| e.size).sum::<u64>();
+                self.meta_live.insert(m.key, slot.extents);
+                self.syncing_block_done()?;
             }
             SlotKind::LogBlock(ops) => {
                 let now = self.now;
@@ -1374,11 +1433,152 @@ impl<P: SimPool> Sim<'_, P> {
         }
         let reqs = std::mem::take(&mut self.open_reqs);
         self.open_bytes = 0;
-        self.syncing_left = reqs.len() as u64;
+        let metas = match &self.sc.metadata {
+            Some(md) => self.txg_metadata(md, &reqs),
+            None => Vec::new(),
+        };
+        self.syncing_left = (reqs.len() + metas.len()) as u64;
         for req in reqs {
             self.issue_data(req)?;
         }
+        // Parents after their children: the throttle admits them behind
+        // the txg's data, as a dbuf's write follows its children's.
+        for m in metas {
+            self.issue_meta(m)?;
+        }
         Ok(())
+    }
+
+    /// The metadata a txg holding `reqs` writes (`dbuf_sync` of the dirty
+    /// indirect blocks, the dnode block, then the MOS), with the copies
+    /// `dmu_write_policy` gives them: one more than the data for
+    /// `redundant_metadata = all` (level-1 blocks of file data excepted
+    /// with `most`), three for the MOS.
+    fn txg_metadata(&self, md: &Metadata, reqs: &[Req]) -> Vec<MetaReq> {
+        let Some(d) = &self.data else {
+            return Vec::new();
+        };
+        let per_l1 = (md.indirect_block / BLKPTR_SIZE).max(1) as u32;
+        let data_copies = self.sc.copies;
+        let extra = |level1: bool| match md.redundant {
+            RedundantMetadata::All => 1,
+            RedundantMetadata::Most if !level1 => 1,
+            _ => 0,
+        };
+        let copies = |level1: bool| (data_copies + extra(level1)).min(3);
+        // (stream, span) → the highest block index in the span written.
+        let mut spans: Vec<(u32, u32, u32)> = Vec::new();
+        for r in reqs {
+            let st = &d.streams[r.stream as usize];
+            let i = r.block - st.first;
+            let span = i / per_l1;
+            let last = i % per_l1;
+            match spans
+                .iter_mut()
+                .find(|(s, sp, _)| *s == r.stream && *sp == span)
+            {
+                Some(e) => e.2 = e.2.max(last),
+                None => spans.push((r.stream, span, last)),
+            }
+        }
+        let mut out = Vec::new();
+        let mut streams: Vec<u32> = Vec::new();
+        for &(s, span, last) in &spans {
+            // A level-1 block holds the pointers written so far in its
+            // span (sequential writers: up to the last one); the rest are
+            // holes that compress away.
+            let filled = (last as u64 + 1) * BLKPTR_SIZE;
+            let size = ((filled as f64 / md.compression) as u64)
+                .div_ceil(META_MIN)
+                .max(1)
+                * META_MIN;
+            out.push(MetaReq {
+                key: MetaKey::L1(s, span),
+                size: size.min(md.indirect_block),
+                copies: copies(true),
+            });
+            if !streams.contains(&s) {
+                streams.push(s);
+            }
+        }
+        for s in streams {
+            out.push(MetaReq {
+                key: MetaKey::L2(s),
+                size: META_MIN,
+                copies: copies(false),
+            });
+        }
+        if !out.is_empty() {
+            out.push(MetaReq {
+                key: MetaKey::Dnode,
+                size: META_MIN,
+                copies: copies(false),
+            });
+        }
+        for i in 0..md.mos_blocks {
+            out.push(MetaReq {
+                key: MetaKey::Mos(i),
+                size: META_MIN,
+                copies: MOS_COPIES,
+            });
+        }
+        out
+    }
+
+    fn issue_meta(&mut self, m: MetaReq) -> anyhow::Result<()> {
+        let r = AllocRequest {
+            kind: AllocKind::Data,
+            size: m.size,
+            copies: m.copies,
+        };
+        match self.pool.submit(r).context("metadata submit")? {
+            Submitted::Ready(t) => self.allocate_meta(t, m),
+            Submitted::Queued(t) => {
+                self.meta_tickets.insert(t, m);
+                Ok(())
+            }
+        }
+    }
+
+    fn allocate_meta(&mut self, t: Ticket, m: MetaReq) -> anyhow::Result<()> {
+        let busy = self.busy();
+        match self.pool.allocate(t, busy) {
+            Ok(a) => {
+                let loads = a.metaslab_loads as u64;
+                self.data_loads += loads;
+                let stall = loads * self.sc.metaslab_load_cost;
+                self.data_load_stall += stall;
+                let tag = self.new_slot(Slot {
+                    id: a.id,
+                    remaining: a.extents.len() as u32,
+                    extents: a.extents,
+                    kind: SlotKind::Meta(m),
+                });
+                if stall == 0 {
+                    self.enqueue_slot(tag, false);
+                } else {
+                    let at = self.now + stall;
+                    self.push(at, Ev::Loaded(tag));
+                }
+                Ok(())
+            }
+            Err(PoolError::NoSpace { reason, .. }) => {
+                if !self.pool_full {
+                    self.pool_full = true;
+                    self.events.push((
+                        self.now,
+                        format!("pool full ({reason:?}) writing metadata: data load stopped"),
+                    ));
+                }
+                if let Some(d) = &mut self.data {
+                    for s in &mut d.streams {
+                        s.finished = true;
+                    }
+                }
+                self.syncing_block_done()
+            }
+            Err(e) => Err(e).context("metadata allocate"),
+        }
     }
 
     /// Pipeline: one block of the syncing txg is written (or failed); the

@@ -34,6 +34,9 @@ pub struct RunSummary {
     /// their writes waited (`metaslab_load_cost` each; 0 = free).
     pub data_metaslab_loads: u64,
     pub data_load_stall_s: f64,
+    /// `[metadata]`: metadata blocks written and their device bytes.
+    pub metadata_blocks: u64,
+    pub metadata_bytes: u64,
     pub vdevs: Vec<VdevSummary>,
     /// Largest and final (max − min) of the data vdevs' used fractions.
     pub max_spread: f64,
@@ -266,6 +269,8 @@ pub fn run_summary(sc: &Scenario, r: &RunResult, is_log: &[bool]) -> RunSummary 
         allocations: r.allocations,
         data_metaslab_loads: r.data_metaslab_loads,
         data_load_stall_s: r.data_load_stall as f64 / 1e9,
+        metadata_blocks: r.metadata_blocks,
+        metadata_bytes: r.metadata_bytes,
         vdevs,
         max_spread,
         max_spread_at_s: max_spread_at,

@@ -224,6 +224,8 @@ struct RawScenario {
     #[serde(default)]
     prefill: Option<RawPrefill>,
     #[serde(default)]
+    metadata: Option<RawMetadata>,
+    #[serde(default)]
     variant: Vec<RawVariant>,
 }
 
@@ -316,6 +318,19 @@ struct RawLog {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
+struct RawMetadata {
+    #[serde(default)]
+    redundant_metadata: Option<String>,
+    #[serde(default)]
+    indirect_block: Option<Size>,
+    #[serde(default)]
+    compression: Option<f64>,
+    #[serde(default)]
+    mos_blocks: Option<u32>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct RawPrefill {
     fill: f64,
     #[serde(default)]
@@ -358,6 +373,7 @@ pub struct Scenario {
     pub tunables: Vec<(String, String)>,
     pub log: Option<LogLoad>,
     pub prefill: Option<Prefill>,
+    pub metadata: Option<Metadata>,
     pub variants: Vec<Variant>,
 }
 
@@ -485,6 +501,31 @@ pub struct LogLoad {
     pub max_block: u64,
     /// Log block writes in flight at once.
     pub max_inflight: u32,
+}
+
+/// OpenZFS's `redundant_metadata` property.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RedundantMetadata {
+    /// Every metadata block one copy more than the data.
+    All,
+    /// As `all` but level-1 indirect blocks of file data.
+    Most,
+    /// No extra copies (the MOS keeps its three).
+    None,
+}
+
+/// `[metadata]` (pipeline only): the metadata each syncing txg writes
+/// besides its data, as ditto blocks.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Metadata {
+    pub redundant: RedundantMetadata,
+    /// Indirect block size (`indblkshift` 17: 128K): one level-1 block maps
+    /// `indirect_block / 128` data blocks.
+    pub indirect_block: u64,
+    /// How much compression shrinks a level-1 block's pointers.
+    pub compression: f64,
+    /// MOS blocks per txg (space maps, MOS dnodes, DSL objects), 4K each.
+    pub mos_blocks: u32,
 }
 
 #[derive(Clone, Debug)]
@@ -763,6 +804,47 @@ impl Scenario {
                 ));
             }
         };
+        let metadata = match raw.metadata {
+            None => None,
+            Some(m) => {
+                if !load.as_ref().is_some_and(|l| l.allocate_at_sync) {
+                    return Err(invalid(
+                        "metadata",
+                        "metadata is written by syncing txgs: needs [load] allocate = \"sync\"",
+                    ));
+                }
+                let redundant = match m.redundant_metadata.as_deref() {
+                    None | Some("all") => RedundantMetadata::All,
+                    Some("most") => RedundantMetadata::Most,
+                    Some("none") => RedundantMetadata::None,
+                    Some(other) => {
+                        return Err(invalid(
+                            "metadata.redundant_metadata",
+                            format!("unknown value {other:?} (expected all, most or none)"),
+                        ));
+                    }
+                };
+                let indirect_block = m.indirect_block.map(|s| s.0).unwrap_or(128 << 10);
+                if !(1024..=(128 << 10)).contains(&indirect_block)
+                    || !indirect_block.is_power_of_two()
+                {
+                    return Err(invalid(
+                        "metadata.indirect_block",
+                        "must be a power of two within 1K ..= 128K",
+                    ));
+                }
+                let compression = m.compression.unwrap_or(2.0);
+                if !(compression.is_finite() && compression >= 1.0) {
+                    return Err(invalid("metadata.compression", "must be at least 1"));
+                }
+                Some(Metadata {
+                    redundant,
+                    indirect_block,
+                    compression,
+                    mos_blocks: m.mos_blocks.unwrap_or(8),
+                })
+            }
+        };
         let max_time = raw
             .max_time
             .map(|d| d.0)
@@ -785,6 +867,7 @@ impl Scenario {
             tunables,
             log,
             prefill,
+            metadata,
             variants,
         })
     }

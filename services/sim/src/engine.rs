@@ -2216,6 +2216,58 @@ latency = "100us"
     }
 
     #[test]
+    fn syncing_txgs_write_ditto_metadata_and_free_its_old_copies() {
+        let load = "[load]\nmode = \"full\"\nsize = \"100MB\"\nstreams = 2\ndirty_max = \"16MiB\"\nallocate = \"sync\"";
+        let plain = go(&scenario(load), Fake::default());
+        assert_eq!(plain.metadata_blocks, 0);
+        let sc = scenario(&format!("{load}\n[metadata]\nmos_blocks = 3\n"));
+        let r = go(&sc, Fake::default());
+        assert_eq!(r.stop_reason, "done");
+        assert_eq!(r.bytes_committed, plain.bytes_committed);
+        // Every txg: per stream one L1 (762 blocks per stream fit one
+        // 1024-pointer L1) and one L2, the dnode block, three MOS blocks.
+        let per_txg = 2 + 2 + 1 + 3;
+        assert!(r.metadata_blocks >= 3 * per_txg, "{}", r.metadata_blocks);
+        assert_eq!(r.metadata_blocks % per_txg, 0, "{}", r.metadata_blocks);
+        let txgs = r.metadata_blocks / per_txg;
+        // 4K blocks except the L1s (up to 381 pointers × 128 B / 2 = 24K),
+        // with two copies (three for the MOS).
+        let small = txgs * ((2 + 1) * 2 + 3 * 3) * 4096;
+        assert!(r.metadata_bytes > small, "{} vs {small}", r.metadata_bytes);
+        assert!(r.metadata_bytes <= small + txgs * 2 * 2 * (24 << 10));
+        // Copy-on-write: what stays allocated is one version of each.
+        let alloc = |v: &PoolView| v.vdevs.iter().map(|v| v.alloc).sum::<u64>();
+        let extra = alloc(&r.final_view) - alloc(&plain.final_view);
+        assert!(
+            extra <= 2 * (((2 + 1) * 2 + 3 * 3) * 4096 + 2 * 2 * (24 << 10)),
+            "{extra}"
+        );
+    }
+
+    #[test]
+    fn leaf_model_limits_writes_in_flight_per_leaf() {
+        // 1000 unmergeable 4K writes, one in flight per leaf, each 10 ms
+        // to complete: Little's law makes it ~5 s on two vdevs, where the
+        // simple model overlaps the latency of every queued write.
+        let body = "block_size = \"4K\"\n[load]\nmode = \"full\"\nsize = \"4096000\"\nstreams = 4\n[tunables]\nzfs_vdev_aggregation_limit_non_rotating = 0\nzfs_vdev_async_write_min_active = 1\nzfs_vdev_async_write_max_active = 1";
+        let slow = |extra: &str| {
+            let mut sc = scenario(&format!("{extra}\n{body}"));
+            for v in &mut sc.vdevs {
+                v.latency = 10_000_000;
+            }
+            go(&sc, Fake::default())
+        };
+        let simple = slow("");
+        let leaf = slow("device_model = \"leaf\"");
+        assert_eq!(simple.allocations, 1000);
+        assert_eq!(leaf.allocations, 1000);
+        let (s, l) = (simple.end_time as f64 / 1e9, leaf.end_time as f64 / 1e9);
+        assert!(s < 0.1, "simple {s}");
+        assert!((4.9..5.2).contains(&l), "leaf {l}");
+        assert_eq!(leaf.device_ios.iter().sum::<u64>(), 1000);
+    }
+
+    #[test]
     fn write_delay_follows_dmu_tx_delay() {
         let max = 100 << 20;
         assert_eq!(write_delay(max * 60 / 100, max), 0);

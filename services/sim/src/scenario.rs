@@ -1153,6 +1153,51 @@ write_bandwidth = "500MiB/s"
     }
 
     #[test]
+    fn device_model_load_cost_and_metadata_parse_and_are_checked() {
+        let s = Scenario::from_toml(MIN).unwrap();
+        assert_eq!(s.device_model, DeviceModel::Simple);
+        assert_eq!(s.metaslab_load_cost, 0);
+        assert!(s.metadata.is_none());
+        let top = |extra: &str| MIN.replace("name = \"t\"", &format!("name = \"t\"\n{extra}"));
+        let s = Scenario::from_toml(&top("device_model = \"leaf\"\nmetaslab_load_cost = \"1s\""))
+            .unwrap();
+        assert_eq!(s.device_model, DeviceModel::Leaf);
+        assert_eq!(s.metaslab_load_cost, 1_000_000_000);
+        let e = err(&top("device_model = \"quantum\""));
+        assert!(e.starts_with("device_model:"), "{e}");
+        let disk = format!("{MIN}rotational = true\nseek = \"12ms\"\nrotation = \"8333us\"\n");
+        let v = &Scenario::from_toml(&disk).unwrap().vdevs[0];
+        assert_eq!((v.seek, v.rotation), (12_000_000, 8_333_000));
+
+        let e = err(&format!("{MIN}[metadata]\n"));
+        assert!(e.starts_with("metadata:"), "needs the pipeline: {e}");
+        let sync = MIN.replace("mode = \"full\"", "mode = \"full\"\nallocate = \"sync\"");
+        let m = Scenario::from_toml(&format!("{sync}[metadata]\n"))
+            .unwrap()
+            .metadata
+            .unwrap();
+        assert_eq!(m.redundant, RedundantMetadata::All);
+        assert_eq!(m.indirect_block, 128 << 10);
+        assert_eq!(m.mos_blocks, 8);
+        let m = Scenario::from_toml(&format!(
+            "{sync}[metadata]\nredundant_metadata = \"most\"\nindirect_block = \"16K\"\n"
+        ))
+        .unwrap()
+        .metadata
+        .unwrap();
+        assert_eq!(
+            (m.redundant, m.indirect_block),
+            (RedundantMetadata::Most, 16 << 10)
+        );
+        let e = err(&format!(
+            "{sync}[metadata]\nredundant_metadata = \"lots\"\n"
+        ));
+        assert!(e.starts_with("metadata.redundant_metadata:"), "{e}");
+        let e = err(&format!("{sync}[metadata]\nindirect_block = \"100K\"\n"));
+        assert!(e.starts_with("metadata.indirect_block:"), "{e}");
+    }
+
+    #[test]
     fn minimal_scenario_gets_defaults() {
         let s = Scenario::from_toml(MIN).unwrap();
         assert_eq!(s.policies, vec![ThrottlePolicy::Unified]);

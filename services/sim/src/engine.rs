@@ -1306,6 +1306,9 @@ impl<P: SimPool> Sim<'_, P> {
                     s = (s + 1) % n;
                 }
                 self.data.as_mut().unwrap().rr = s;
+                if self.alloc_at_sync {
+                    self.final_push()?;
+                }
             }
             LoadMode::Rate => {
                 for s in 0..n {
@@ -1579,6 +1582,21 @@ impl<P: SimPool> Sim<'_, P> {
             }
             Err(e) => Err(e).context("metadata allocate"),
         }
+    }
+
+    /// Pipeline: once every writer has written its last block, the open
+    /// txg is pushed at once rather than at `zfs_txg_timeout` (the
+    /// writers end with a sync, as the calibration driver's run does), so
+    /// a run's time is not a partial txg's wait.
+    fn final_push(&mut self) -> anyhow::Result<()> {
+        let done = self
+            .data
+            .as_ref()
+            .is_some_and(|d| d.streams.iter().all(|s| s.finished));
+        if done && !self.open_reqs.is_empty() {
+            self.push_txg()?;
+        }
+        Ok(())
     }
 
     /// Pipeline: one block of the syncing txg is written (or failed); the

@@ -983,10 +983,9 @@ impl<P: SimPool> Sim<'_, P> {
     }
 
     fn kick(&mut self, v: u32) {
-        let async_active = self
-            .queue_limits
-            .async_active(self.inflight + self.txg_dirty, self.dirty_max);
-        let sync_active = self.queue_limits.sync_max_active;
+        let dirty = self.inflight + self.txg_dirty;
+        let limits = self.queue_limits;
+        let dirty_max = self.dirty_max;
         match &mut self.devices[v as usize] {
             Dev::Simple(d) => {
                 if let Some(iss) = d.issue(self.now) {
@@ -996,7 +995,8 @@ impl<P: SimPool> Sim<'_, P> {
             }
             Dev::Leaf(d) => {
                 let mut out = std::mem::take(&mut self.issued);
-                d.issue(self.now, async_active, sync_active, &mut out);
+                let async_active = limits.async_active(dirty, dirty_max);
+                d.issue(self.now, async_active, limits.sync_max_active, &mut out);
                 for i in out.drain(..) {
                     self.push(i.done_at, Ev::LeafDone(v, i.leaf));
                 }

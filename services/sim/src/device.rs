@@ -199,6 +199,8 @@ mod tests {
             write_bandwidth: bw,
             latency: 1_000,
             overhead: 10_000,
+            seek: 0,
+            rotation: 0,
             rotational: false,
             children,
             parity: 0,

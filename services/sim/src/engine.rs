@@ -21,8 +21,12 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 use crate::device::{AGGREGATION_LIMIT, AGGREGATION_LIMIT_NON_ROTATING, Device};
+use crate::leaf::{LeafDevice, LeafIssued, QueueLimits};
 use crate::pool::{PoolView, SimPool};
-use crate::scenario::{Action, Amount, LoadMode, RunSpec, Scenario, Trigger, VdevModel};
+use crate::scenario::{
+    Action, Amount, DeviceModel, LoadMode, Metadata, RedundantMetadata, RunSpec, Scenario, Trigger,
+    VdevModel,
+};
 
 /// Samples kept before halving the sampling rate.
 const MAX_SAMPLES: usize = 2000;
@@ -87,6 +91,8 @@ pub struct LogResult {
     pub ops_per_sec: f64,
     pub txg_wait_fallbacks: u64,
     pub metaslab_loads: u64,
+    /// Nanoseconds the ZIL stalled on those loads.
+    pub load_stall: u64,
     pub blocks: u64,
     pub block_bytes: u64,
     pub tier_log: u64,
@@ -113,12 +119,25 @@ pub struct RunResult {
     pub final_view: PoolView,
     /// (virtual ns, what happened) for scenario events.
     pub events: Vec<(u64, String)>,
+    /// Per vdev, the device I/Os completed (leaf model: over all leaves),
+    /// so that the mean I/O size after aggregation can be reported.
+    pub device_ios: Vec<u64>,
+    /// Metaslab loads data allocations made (the sync path; log writers'
+    /// data included) and the nanoseconds their writes waited for them.
+    pub data_metaslab_loads: u64,
+    pub data_load_stall: u64,
+    /// `[metadata]`: metadata blocks written and their device bytes
+    /// (asize, every copy).
+    pub metadata_blocks: u64,
+    pub metadata_bytes: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 enum Ev {
     DevFree(u32),
     DevDone(u32),
+    /// Leaf model: (vdev, leaf) completed its oldest I/O.
+    LeafDone(u32, u32),
     Sync(u64),
     Tick(u32),
     Scenario(u32),
@@ -127,6 +146,8 @@ enum Ev {
     ZilResume,
     /// Pipeline: a writer's write-throttle delay has passed.
     ThrottleWake,
+    /// A data block's metaslab load is done: queue its writes.
+    Loaded(u32),
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -146,7 +167,36 @@ struct Op {
 enum SlotKind {
     Data(Req),
     LogBlock(Vec<Op>),
+    Meta(MetaReq),
 }
+
+/// Which metadata block a write replaces (copy-on-write: the previous
+/// version is freed when the new one commits).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum MetaKey {
+    /// A stream's (object's) level-1 indirect block number `span`.
+    L1(u32, u32),
+    /// A stream's level-2 indirect block (it maps 128 GiB at 128K records).
+    L2(u32),
+    /// The dataset's dnode block.
+    Dnode,
+    /// The MOS's `i`-th block of the txg (space maps, MOS dnodes, DSL).
+    Mos(u32),
+}
+
+#[derive(Clone, Copy, Debug)]
+struct MetaReq {
+    key: MetaKey,
+    size: u64,
+    copies: u8,
+}
+
+/// Bytes of one block pointer (`blkptr_t`).
+const BLKPTR_SIZE: u64 = 128;
+/// Smallest metadata block written (one 4K sector at ashift 12).
+const META_MIN: u64 = 4096;
+/// `spa_max_replication`: the MOS's copies.
+const MOS_COPIES: u8 = 3;
 
 #[derive(Debug)]
 struct Slot {
@@ -220,8 +270,16 @@ struct Sim<'a, P: SimPool> {
     now: u64,
     seq: u64,
     heap: BinaryHeap<Reverse<(u64, u64, Ev)>>,
-    devices: Vec<Device>,
+    devices: Vec<Dev>,
     names: Vec<String>,
+    queue_limits: QueueLimits,
+    issued: Vec<LeafIssued>,
+    data_loads: u64,
+    data_load_stall: u64,
+    meta_tickets: HashMap<Ticket, MetaReq>,
+    meta_live: HashMap<MetaKey, Vec<Extent>>,
+    meta_blocks: u64,
+    meta_bytes: u64,
     agg_limit: u64,
     agg_limit_non_rot: u64,
     slots: Vec<Option<Slot>>,
@@ -301,6 +359,62 @@ pub fn write_delay(dirty: u64, dirty_max: u64) -> u64 {
     (d as u64).min(ZFS_DELAY_MAX_NS)
 }
 
+/// A top-level vdev's device model.
+#[derive(Debug)]
+enum Dev {
+    Simple(Device),
+    Leaf(LeafDevice),
+}
+
+impl Dev {
+    /// Queue a write; returns how many pieces complete separately.
+    fn enqueue(&mut self, offset: u64, size: u64, tag: u32, sync: bool) -> u32 {
+        match self {
+            Dev::Simple(d) => {
+                d.enqueue(offset, size, tag, sync);
+                1
+            }
+            Dev::Leaf(d) => d.enqueue(offset, size, tag, sync),
+        }
+    }
+    fn ios_done(&self) -> u64 {
+        match self {
+            Dev::Simple(d) => d.ios_done,
+            Dev::Leaf(d) => d.ios_done,
+        }
+    }
+    fn bytes_done(&self) -> u64 {
+        match self {
+            Dev::Simple(d) => d.bytes_done,
+            Dev::Leaf(d) => d.bytes_done,
+        }
+    }
+    fn set_used_fraction(&mut self, f: f64) {
+        match self {
+            Dev::Simple(d) => d.used_fraction = f,
+            Dev::Leaf(d) => d.used_fraction = f,
+        }
+    }
+}
+
+/// Read a u64 tunable from the scenario's lists (last one wins).
+fn tunable_u64<'a>(
+    mut list: impl Iterator<Item = &'a (String, String)>,
+    name: &str,
+) -> anyhow::Result<Option<u64>> {
+    let mut out = None;
+    for (k, v) in list.by_ref() {
+        if k == name {
+            out = Some(
+                v.trim()
+                    .parse::<u64>()
+                    .with_context(|| format!("tunables.{k}: {v:?} is not a whole number"))?,
+            );
+        }
+    }
+    Ok(out)
+}
+
 fn vdev_spec(m: &VdevModel) -> VdevSpec {
     VdevSpec {
         capacity: m.total_capacity(),
@@ -337,6 +451,28 @@ pub fn run<P: SimPool>(
             _ => {}
         }
     }
+    // The vdev queue's limits: OpenZFS's defaults, or the run's tunables
+    // (the max active and dirty percents are also the policy crate's).
+    let mut queue_limits = QueueLimits::default();
+    {
+        let all = || sc.tunables.iter().chain(variant.tunables.iter());
+        let t = metaslab::Tunables::default();
+        let u32_of = |v: u64| u32::try_from(v).unwrap_or(u32::MAX);
+        queue_limits.async_min_active =
+            u32_of(tunable_u64(all(), "zfs_vdev_async_write_min_active")?.unwrap_or(2));
+        queue_limits.sync_max_active =
+            u32_of(tunable_u64(all(), "zfs_vdev_sync_write_max_active")?.unwrap_or(10));
+        queue_limits.async_max_active = u32_of(
+            tunable_u64(all(), "zfs_vdev_async_write_max_active")?
+                .unwrap_or(t.zfs_vdev_async_write_max_active),
+        );
+        queue_limits.min_dirty_percent =
+            tunable_u64(all(), "zfs_vdev_async_write_active_min_dirty_percent")?
+                .unwrap_or(t.zfs_vdev_async_write_active_min_dirty_percent);
+        queue_limits.max_dirty_percent =
+            tunable_u64(all(), "zfs_vdev_async_write_active_max_dirty_percent")?
+                .unwrap_or(t.zfs_vdev_async_write_active_max_dirty_percent);
+    }
     let mut sim = Sim {
         pool,
         sc,
@@ -346,6 +482,14 @@ pub fn run<P: SimPool>(
         heap: BinaryHeap::new(),
         devices: Vec::new(),
         names: Vec::new(),
+        queue_limits,
+        issued: Vec::new(),
+        data_loads: 0,
+        data_load_stall: 0,
+        meta_tickets: HashMap::new(),
+        meta_live: HashMap::new(),
+        meta_blocks: 0,
+        meta_bytes: 0,
         agg_limit,
         agg_limit_non_rot,
         slots: Vec::new(),
@@ -416,7 +560,10 @@ impl<P: SimPool> Sim<'_, P> {
         } else {
             self.agg_limit_non_rot
         };
-        self.devices.push(Device::new(m, limit));
+        self.devices.push(match self.sc.device_model {
+            DeviceModel::Simple => Dev::Simple(Device::new(m, limit)),
+            DeviceModel::Leaf => Dev::Leaf(LeafDevice::new(m, limit)),
+        });
         self.names.push(m.name.clone());
         Ok(())
     }
@@ -688,7 +835,13 @@ impl<P: SimPool> Sim<'_, P> {
             };
             l.result
         });
+        let device_ios = self.devices.iter().map(Dev::ios_done).collect();
         Ok(RunResult {
+            device_ios,
+            data_metaslab_loads: self.data_loads,
+            data_load_stall: self.data_load_stall,
+            metadata_blocks: self.meta_blocks,
+            metadata_bytes: self.meta_bytes,
             spec: self.spec.clone(),
             vdev_names: self.names,
             samples: self.samples,
@@ -734,12 +887,30 @@ impl<P: SimPool> Sim<'_, P> {
     fn handle(&mut self, ev: Ev) -> anyhow::Result<()> {
         match ev {
             Ev::DevFree(v) => {
-                self.devices[v as usize].set_free();
+                if let Dev::Simple(d) = &mut self.devices[v as usize] {
+                    d.set_free();
+                }
                 self.kick(v);
             }
-            Ev::DevDone(v) => {
+            Ev::DevDone(_) | Ev::LeafDone(..) => {
                 let mut tags = std::mem::take(&mut self.tags);
-                self.devices[v as usize].complete(&mut tags);
+                match (ev, &mut self.devices) {
+                    (Ev::DevDone(v), devs) => {
+                        if let Dev::Simple(d) = &mut devs[v as usize] {
+                            d.complete(&mut tags);
+                        }
+                    }
+                    (Ev::LeafDone(v, leaf), devs) => {
+                        if let Dev::Leaf(d) = &mut devs[v as usize] {
+                            d.complete(leaf, &mut tags);
+                        }
+                    }
+                    _ => unreachable!(),
+                }
+                if let Ev::LeafDone(v, _) = ev {
+                    // A slot of the leaf's queue is free: issue more.
+                    self.kick(v);
+                }
                 for &tag in &tags {
                     let slot = self.slots[tag as usize].as_mut().expect("live slot");
                     slot.remaining -= 1;
@@ -775,6 +946,7 @@ impl<P: SimPool> Sim<'_, P> {
                     self.log_issue(s)?;
                 }
             }
+            Ev::Loaded(tag) => self.enqueue_slot(tag, false),
             Ev::ThrottleWake => {
                 self.delay_waiting = false;
                 self.delay_served = true;
@@ -811,9 +983,25 @@ impl<P: SimPool> Sim<'_, P> {
     }
 
     fn kick(&mut self, v: u32) {
-        if let Some(iss) = self.devices[v as usize].issue(self.now) {
-            self.push(iss.free_at, Ev::DevFree(v));
-            self.push(iss.done_at, Ev::DevDone(v));
+        let dirty = self.inflight + self.txg_dirty;
+        let limits = self.queue_limits;
+        let dirty_max = self.dirty_max;
+        match &mut self.devices[v as usize] {
+            Dev::Simple(d) => {
+                if let Some(iss) = d.issue(self.now) {
+                    self.push(iss.free_at, Ev::DevFree(v));
+                    self.push(iss.done_at, Ev::DevDone(v));
+                }
+            }
+            Dev::Leaf(d) => {
+                let mut out = std::mem::take(&mut self.issued);
+                let async_active = limits.async_active(dirty, dirty_max);
+                d.issue(self.now, async_active, limits.sync_max_active, &mut out);
+                for i in out.drain(..) {
+                    self.push(i.done_at, Ev::LeafDone(v, i.leaf));
+                }
+                self.issued = out;
+            }
         }
     }
 
@@ -830,11 +1018,39 @@ impl<P: SimPool> Sim<'_, P> {
     fn enqueue_slot(&mut self, tag: u32, sync: bool) {
         let slot = self.slots[tag as usize].as_ref().expect("live slot");
         let n = slot.extents.len();
+        // Count every piece before any can complete (a kick may finish
+        // nothing synchronously, but keep the count whole regardless).
+        let mut pieces = 0;
         for i in 0..n {
             let e = self.slots[tag as usize].as_ref().unwrap().extents[i];
-            self.devices[e.vdev as usize].enqueue(e.offset, e.size, tag, sync);
+            pieces += self.devices[e.vdev as usize].enqueue(e.offset, e.size, tag, sync);
+        }
+        self.slots[tag as usize].as_mut().unwrap().remaining = pieces;
+        for i in 0..n {
+            let e = self.slots[tag as usize].as_ref().unwrap().extents[i];
             self.kick(e.vdev);
         }
+    }
+
+    /// A data block whose allocation loaded `loads` metaslabs: its writes
+    /// wait for the loads (`metaslab_load_cost` each) before they queue.
+    fn place_data(&mut self, a: Allocation, req: Req) {
+        let loads = a.metaslab_loads as u64;
+        self.data_loads += loads;
+        let stall = loads * self.sc.metaslab_load_cost;
+        if stall == 0 {
+            self.place(a, SlotKind::Data(req), false);
+            return;
+        }
+        self.data_load_stall += stall;
+        let tag = self.new_slot(Slot {
+            id: a.id,
+            remaining: a.extents.len() as u32,
+            extents: a.extents,
+            kind: SlotKind::Data(req),
+        });
+        let at = self.now + stall;
+        self.push(at, Ev::Loaded(tag));
     }
 
     fn place(&mut self, a: Allocation, kind: SlotKind, sync: bool) -> u32 {
@@ -911,7 +1127,7 @@ impl<P: SimPool> Sim<'_, P> {
         let busy = self.busy();
         match self.pool.allocate(t, busy) {
             Ok(a) => {
-                self.place(a, SlotKind::Data(req), false);
+                self.place_data(a, req);
                 Ok(())
             }
             Err(PoolError::NoSpace { reason, .. }) => {
@@ -944,6 +1160,10 @@ impl<P: SimPool> Sim<'_, P> {
                 return Ok(());
             }
             for t in admitted {
+                if let Some(m) = self.meta_tickets.remove(&t) {
+                    self.allocate_meta(t, m)?;
+                    continue;
+                }
                 let req = self
                     .tickets
                     .remove(&t)
@@ -994,6 +1214,17 @@ impl<P: SimPool> Sim<'_, P> {
                         self.check_fill()?;
                     }
                 }
+            }
+            SlotKind::Meta(m) => {
+                if let Some(old) = self.meta_live.remove(&m.key) {
+                    self.pool
+                        .free(&old)
+                        .context("free of a rewritten metadata block")?;
+                }
+                self.meta_blocks += 1;
+                self.meta_bytes += slot.extents.iter().map(|e| e.size).sum::<u64>();
+                self.meta_live.insert(m.key, slot.extents);
+                self.syncing_block_done()?;
             }
             SlotKind::LogBlock(ops) => {
                 let now = self.now;
@@ -1075,6 +1306,9 @@ impl<P: SimPool> Sim<'_, P> {
                     s = (s + 1) % n;
                 }
                 self.data.as_mut().unwrap().rr = s;
+                if self.alloc_at_sync {
+                    self.final_push()?;
+                }
             }
             LoadMode::Rate => {
                 for s in 0..n {
@@ -1143,7 +1377,7 @@ impl<P: SimPool> Sim<'_, P> {
         let view = self.pool.view();
         for v in &view.vdevs {
             if let Some(d) = self.devices.get_mut(v.id as usize) {
-                d.used_fraction = v.alloc as f64 / v.capacity.max(1) as f64;
+                d.set_used_fraction(v.alloc as f64 / v.capacity.max(1) as f64);
             }
         }
         if let Some(l) = &mut self.log {
@@ -1202,9 +1436,165 @@ impl<P: SimPool> Sim<'_, P> {
         }
         let reqs = std::mem::take(&mut self.open_reqs);
         self.open_bytes = 0;
-        self.syncing_left = reqs.len() as u64;
+        let metas = match &self.sc.metadata {
+            Some(md) => self.txg_metadata(md, &reqs),
+            None => Vec::new(),
+        };
+        self.syncing_left = (reqs.len() + metas.len()) as u64;
         for req in reqs {
             self.issue_data(req)?;
+        }
+        // Parents after their children: the throttle admits them behind
+        // the txg's data, as a dbuf's write follows its children's.
+        for m in metas {
+            self.issue_meta(m)?;
+        }
+        Ok(())
+    }
+
+    /// The metadata a txg holding `reqs` writes (`dbuf_sync` of the dirty
+    /// indirect blocks, the dnode block, then the MOS), with the copies
+    /// `dmu_write_policy` gives them: one more than the data for
+    /// `redundant_metadata = all` (level-1 blocks of file data excepted
+    /// with `most`), three for the MOS.
+    fn txg_metadata(&self, md: &Metadata, reqs: &[Req]) -> Vec<MetaReq> {
+        let Some(d) = &self.data else {
+            return Vec::new();
+        };
+        let per_l1 = (md.indirect_block / BLKPTR_SIZE).max(1) as u32;
+        let data_copies = self.sc.copies;
+        let extra = |level1: bool| match md.redundant {
+            RedundantMetadata::All => 1,
+            RedundantMetadata::Most if !level1 => 1,
+            _ => 0,
+        };
+        let copies = |level1: bool| (data_copies + extra(level1)).min(3);
+        // (stream, span) → the highest block index in the span written.
+        let mut spans: Vec<(u32, u32, u32)> = Vec::new();
+        for r in reqs {
+            let st = &d.streams[r.stream as usize];
+            let i = r.block - st.first;
+            let span = i / per_l1;
+            let last = i % per_l1;
+            match spans
+                .iter_mut()
+                .find(|(s, sp, _)| *s == r.stream && *sp == span)
+            {
+                Some(e) => e.2 = e.2.max(last),
+                None => spans.push((r.stream, span, last)),
+            }
+        }
+        let mut out = Vec::new();
+        let mut streams: Vec<u32> = Vec::new();
+        for &(s, span, last) in &spans {
+            // A level-1 block holds the pointers written so far in its
+            // span (sequential writers: up to the last one); the rest are
+            // holes that compress away.
+            let filled = (last as u64 + 1) * BLKPTR_SIZE;
+            let size = ((filled as f64 / md.compression) as u64)
+                .div_ceil(META_MIN)
+                .max(1)
+                * META_MIN;
+            out.push(MetaReq {
+                key: MetaKey::L1(s, span),
+                size: size.min(md.indirect_block),
+                copies: copies(true),
+            });
+            if !streams.contains(&s) {
+                streams.push(s);
+            }
+        }
+        for s in streams {
+            out.push(MetaReq {
+                key: MetaKey::L2(s),
+                size: META_MIN,
+                copies: copies(false),
+            });
+        }
+        if !out.is_empty() {
+            out.push(MetaReq {
+                key: MetaKey::Dnode,
+                size: META_MIN,
+                copies: copies(false),
+            });
+        }
+        for i in 0..md.mos_blocks {
+            out.push(MetaReq {
+                key: MetaKey::Mos(i),
+                size: META_MIN,
+                copies: MOS_COPIES,
+            });
+        }
+        out
+    }
+
+    fn issue_meta(&mut self, m: MetaReq) -> anyhow::Result<()> {
+        let r = AllocRequest {
+            kind: AllocKind::Data,
+            size: m.size,
+            copies: m.copies,
+        };
+        match self.pool.submit(r).context("metadata submit")? {
+            Submitted::Ready(t) => self.allocate_meta(t, m),
+            Submitted::Queued(t) => {
+                self.meta_tickets.insert(t, m);
+                Ok(())
+            }
+        }
+    }
+
+    fn allocate_meta(&mut self, t: Ticket, m: MetaReq) -> anyhow::Result<()> {
+        let busy = self.busy();
+        match self.pool.allocate(t, busy) {
+            Ok(a) => {
+                let loads = a.metaslab_loads as u64;
+                self.data_loads += loads;
+                let stall = loads * self.sc.metaslab_load_cost;
+                self.data_load_stall += stall;
+                let tag = self.new_slot(Slot {
+                    id: a.id,
+                    remaining: a.extents.len() as u32,
+                    extents: a.extents,
+                    kind: SlotKind::Meta(m),
+                });
+                if stall == 0 {
+                    self.enqueue_slot(tag, false);
+                } else {
+                    let at = self.now + stall;
+                    self.push(at, Ev::Loaded(tag));
+                }
+                Ok(())
+            }
+            Err(PoolError::NoSpace { reason, .. }) => {
+                if !self.pool_full {
+                    self.pool_full = true;
+                    self.events.push((
+                        self.now,
+                        format!("pool full ({reason:?}) writing metadata: data load stopped"),
+                    ));
+                }
+                if let Some(d) = &mut self.data {
+                    for s in &mut d.streams {
+                        s.finished = true;
+                    }
+                }
+                self.syncing_block_done()
+            }
+            Err(e) => Err(e).context("metadata allocate"),
+        }
+    }
+
+    /// Pipeline: once every writer has written its last block, the open
+    /// txg is pushed at once rather than at `zfs_txg_timeout` (the
+    /// writers end with a sync, as the calibration driver's run does), so
+    /// a run's time is not a partial txg's wait.
+    fn final_push(&mut self) -> anyhow::Result<()> {
+        let done = self
+            .data
+            .as_ref()
+            .is_some_and(|d| d.streams.iter().all(|s| s.finished));
+        if done && !self.open_reqs.is_empty() {
+            self.push_txg()?;
         }
         Ok(())
     }
@@ -1285,10 +1675,36 @@ impl<P: SimPool> Sim<'_, P> {
                         self.agg_limit_non_rot =
                             units::parse_size(v).context("set_tunable value")?
                     }
-                    _ => self
-                        .pool
-                        .set_tunable(k, v)
-                        .with_context(|| format!("event[{i}]: set_tunable {k}"))?,
+                    "zfs_vdev_async_write_min_active" | "zfs_vdev_sync_write_max_active" => {
+                        let n =
+                            tunable_u64(std::iter::once(&(k.clone(), v.clone())), k)?.unwrap_or(0);
+                        let n = u32::try_from(n).unwrap_or(u32::MAX);
+                        if k == "zfs_vdev_async_write_min_active" {
+                            self.queue_limits.async_min_active = n;
+                        } else {
+                            self.queue_limits.sync_max_active = n;
+                        }
+                    }
+                    _ => {
+                        self.pool
+                            .set_tunable(k, v)
+                            .with_context(|| format!("event[{i}]: set_tunable {k}"))?;
+                        // The vdev queue reads these policy tunables too.
+                        let parsed = || tunable_u64(std::iter::once(&(k.clone(), v.clone())), k);
+                        match k.as_str() {
+                            "zfs_vdev_async_write_max_active" => {
+                                self.queue_limits.async_max_active =
+                                    u32::try_from(parsed()?.unwrap_or(10)).unwrap_or(u32::MAX)
+                            }
+                            "zfs_vdev_async_write_active_min_dirty_percent" => {
+                                self.queue_limits.min_dirty_percent = parsed()?.unwrap_or(30)
+                            }
+                            "zfs_vdev_async_write_active_max_dirty_percent" => {
+                                self.queue_limits.max_dirty_percent = parsed()?.unwrap_or(60)
+                            }
+                            _ => {}
+                        }
+                    }
                 }
                 format!("set_tunable {k}={v}")
             }
@@ -1388,6 +1804,7 @@ impl<P: SimPool> Sim<'_, P> {
                         // zil_commit loads the metaslab synchronously: the
                         // ZIL stalls before this block can be written.
                         l.result.metaslab_loads += loads as u64;
+                        l.result.load_stall += loads as u64 * l.load_cost;
                         l.stall = Stall::Load;
                         let at = self.now + loads as u64 * l.load_cost;
                         let tag = self.place(a, SlotKind::LogBlock(ops), true);
@@ -1444,7 +1861,7 @@ impl<P: SimPool> Sim<'_, P> {
                 bytes_done: self
                     .devices
                     .get(v.id as usize)
-                    .map(|d| d.bytes_done)
+                    .map(|d| d.bytes_done())
                     .unwrap_or(0),
                 queue_depth: v.queue_depth,
                 fragmentation: v.fragmentation,
@@ -1516,6 +1933,9 @@ mod tests {
         usable: usize,
         log_fails: bool,
         log_loads: u32,
+        /// Every this many data allocations, one loads a metaslab.
+        data_load_every: u64,
+        data_allocs: u64,
         claims: u64,
     }
 
@@ -1594,7 +2014,11 @@ mod tests {
                 metaslab_loads: if req.kind == AllocKind::Log {
                     self.log_loads
                 } else {
-                    0
+                    self.data_allocs += 1;
+                    u32::from(
+                        self.data_load_every > 0
+                            && self.data_allocs.is_multiple_of(self.data_load_every),
+                    )
                 },
             })
         }
@@ -1772,6 +2196,93 @@ latency = "100us"
         let loaded = r.log.unwrap();
         assert_eq!(loaded.metaslab_loads, loaded.blocks);
         assert!(loaded.latency_p50 >= 100_000_000, "{loaded:?}");
+    }
+
+    #[test]
+    fn data_metaslab_loads_delay_their_writes_by_the_load_cost() {
+        // One writer with one block in flight: nothing overlaps a load.
+        let load = "[load]\nmode = \"full\"\nsize = \"100MB\"\nstreams = 1\ndirty_max = \"128K\"";
+        let free = go(
+            &scenario(load),
+            Fake {
+                data_load_every: 100,
+                ..Default::default()
+            },
+        );
+        // Loads are counted even when free (the default cost is 0).
+        assert_eq!(free.data_metaslab_loads, free.allocations / 100);
+        assert_eq!(free.data_load_stall, 0);
+        let sc = scenario(&format!("metaslab_load_cost = \"50ms\"\n{load}"));
+        let paid = go(
+            &sc,
+            Fake {
+                data_load_every: 100,
+                ..Default::default()
+            },
+        );
+        assert_eq!(paid.bytes_committed, free.bytes_committed);
+        assert_eq!(paid.data_metaslab_loads, paid.allocations / 100);
+        assert_eq!(paid.data_load_stall, paid.data_metaslab_loads * 50_000_000);
+        // Each load adds its 50 ms to the run.
+        assert!(paid.data_metaslab_loads >= 7);
+        assert!(
+            paid.end_time >= free.end_time + paid.data_load_stall,
+            "{} vs {}",
+            paid.end_time,
+            free.end_time
+        );
+    }
+
+    #[test]
+    fn syncing_txgs_write_ditto_metadata_and_free_its_old_copies() {
+        let load = "[load]\nmode = \"full\"\nsize = \"100MB\"\nstreams = 2\ndirty_max = \"16MiB\"\nallocate = \"sync\"";
+        let plain = go(&scenario(load), Fake::default());
+        assert_eq!(plain.metadata_blocks, 0);
+        let sc = scenario(&format!("{load}\n[metadata]\nmos_blocks = 3\n"));
+        let r = go(&sc, Fake::default());
+        assert_eq!(r.stop_reason, "done");
+        assert_eq!(r.bytes_committed, plain.bytes_committed);
+        // Every txg: per stream one L1 (762 blocks per stream fit one
+        // 1024-pointer L1) and one L2, the dnode block, three MOS blocks.
+        let per_txg = 2 + 2 + 1 + 3;
+        assert!(r.metadata_blocks >= 3 * per_txg, "{}", r.metadata_blocks);
+        assert_eq!(r.metadata_blocks % per_txg, 0, "{}", r.metadata_blocks);
+        let txgs = r.metadata_blocks / per_txg;
+        // 4K blocks except the L1s (up to 381 pointers × 128 B / 2 = 24K),
+        // with two copies (three for the MOS).
+        let small = txgs * ((2 + 1) * 2 + 3 * 3) * 4096;
+        assert!(r.metadata_bytes > small, "{} vs {small}", r.metadata_bytes);
+        assert!(r.metadata_bytes <= small + txgs * 2 * 2 * (24 << 10));
+        // Copy-on-write: what stays allocated is one version of each.
+        let alloc = |v: &PoolView| v.vdevs.iter().map(|v| v.alloc).sum::<u64>();
+        let extra = alloc(&r.final_view) - alloc(&plain.final_view);
+        assert!(
+            extra <= 2 * (((2 + 1) * 2 + 3 * 3) * 4096 + 2 * 2 * (24 << 10)),
+            "{extra}"
+        );
+    }
+
+    #[test]
+    fn leaf_model_limits_writes_in_flight_per_leaf() {
+        // 1000 unmergeable 4K writes, one in flight per leaf, each 10 ms
+        // to complete: Little's law makes it ~5 s on two vdevs, where the
+        // simple model overlaps the latency of every queued write.
+        let body = "block_size = \"4K\"\n[load]\nmode = \"full\"\nsize = \"4096000\"\nstreams = 4\n[tunables]\nzfs_vdev_aggregation_limit_non_rotating = 0\nzfs_vdev_async_write_min_active = 1\nzfs_vdev_async_write_max_active = 1";
+        let slow = |extra: &str| {
+            let mut sc = scenario(&format!("{extra}\n{body}"));
+            for v in &mut sc.vdevs {
+                v.latency = 10_000_000;
+            }
+            go(&sc, Fake::default())
+        };
+        let simple = slow("");
+        let leaf = slow("device_model = \"leaf\"");
+        assert_eq!(simple.allocations, 1000);
+        assert_eq!(leaf.allocations, 1000);
+        let (s, l) = (simple.end_time as f64 / 1e9, leaf.end_time as f64 / 1e9);
+        assert!(s < 0.1, "simple {s}");
+        assert!((4.9..5.2).contains(&l), "leaf {l}");
+        assert_eq!(leaf.device_ios.iter().sum::<u64>(), 1000);
     }
 
     #[test]

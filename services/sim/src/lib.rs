@@ -12,6 +12,7 @@ pub mod chart;
 pub mod cli;
 pub mod device;
 pub mod engine;
+pub mod leaf;
 pub mod pool;
 pub mod rebalance;
 pub mod report;

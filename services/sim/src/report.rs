@@ -30,6 +30,13 @@ pub struct RunSummary {
     pub bytes_planned: u64,
     pub mean_throughput_bytes_per_s: f64,
     pub allocations: u64,
+    /// Metaslab loads by data allocations (the sync path) and the seconds
+    /// their writes waited (`metaslab_load_cost` each; 0 = free).
+    pub data_metaslab_loads: u64,
+    pub data_load_stall_s: f64,
+    /// `[metadata]`: metadata blocks written and their device bytes.
+    pub metadata_blocks: u64,
+    pub metadata_bytes: u64,
     pub vdevs: Vec<VdevSummary>,
     /// Largest and final (max − min) of the data vdevs' used fractions.
     pub max_spread: f64,
@@ -48,6 +55,10 @@ pub struct VdevSummary {
     /// Bytes the device wrote (asize, parity included).
     pub bytes_written: u64,
     pub mean_write_bytes_per_s: f64,
+    /// Device write I/Os (each leaf's, with the leaf model) and their mean
+    /// size after aggregation.
+    pub write_ios: u64,
+    pub mean_io_bytes: f64,
     pub start_fragmentation_pct: Option<u32>,
     pub final_fragmentation_pct: Option<u32>,
 }
@@ -68,6 +79,8 @@ pub struct LogSummary {
     pub latency_max_us: f64,
     pub txg_wait_fallbacks: u64,
     pub metaslab_loads: u64,
+    /// Seconds the ZIL stalled on them.
+    pub metaslab_load_stall_s: f64,
     pub log_blocks: u64,
     pub mean_log_block_bytes: f64,
     pub blocks_from_log_class: u64,
@@ -152,6 +165,7 @@ fn log_summary(l: &LogResult, r: &RunResult) -> LogSummary {
         latency_max_us: l.latency_max as f64 / 1e3,
         txg_wait_fallbacks: l.txg_wait_fallbacks,
         metaslab_loads: l.metaslab_loads,
+        metaslab_load_stall_s: l.load_stall as f64 / 1e9,
         log_blocks: l.blocks,
         mean_log_block_bytes: if l.blocks > 0 {
             l.block_bytes as f64 / l.blocks as f64
@@ -227,6 +241,11 @@ pub fn run_summary(sc: &Scenario, r: &RunResult, is_log: &[bool]) -> RunSummary 
                 final_used_fraction: v.map(|v| v.used_fraction()).unwrap_or(0.0),
                 bytes_written: bytes,
                 mean_write_bytes_per_s: if secs > 0.0 { bytes as f64 / secs } else { 0.0 },
+                write_ios: r.device_ios.get(i).copied().unwrap_or(0),
+                mean_io_bytes: match r.device_ios.get(i) {
+                    Some(&n) if n > 0 => bytes as f64 / n as f64,
+                    _ => 0.0,
+                },
                 start_fragmentation_pct: r.start_view.vdevs.get(i).and_then(|v| v.fragmentation),
                 final_fragmentation_pct: r.final_view.vdevs.get(i).and_then(|v| v.fragmentation),
             }
@@ -248,6 +267,10 @@ pub fn run_summary(sc: &Scenario, r: &RunResult, is_log: &[bool]) -> RunSummary 
             0.0
         },
         allocations: r.allocations,
+        data_metaslab_loads: r.data_metaslab_loads,
+        data_load_stall_s: r.data_load_stall as f64 / 1e9,
+        metadata_blocks: r.metadata_blocks,
+        metadata_bytes: r.metadata_bytes,
         vdevs,
         max_spread,
         max_spread_at_s: max_spread_at,

@@ -207,6 +207,12 @@ struct RawScenario {
     max_time: Option<Dur>,
     #[serde(default)]
     load: Option<RawLoad>,
+    /// `simple` (one queue per top-level vdev) or `leaf`.
+    #[serde(default)]
+    device_model: Option<String>,
+    /// What a metaslab load costs a data allocation (default 0: free).
+    #[serde(default)]
+    metaslab_load_cost: Option<Dur>,
     #[serde(default)]
     vdev: Vec<RawVdev>,
     #[serde(default)]
@@ -217,6 +223,8 @@ struct RawScenario {
     log: Option<RawLog>,
     #[serde(default)]
     prefill: Option<RawPrefill>,
+    #[serde(default)]
+    metadata: Option<RawMetadata>,
     #[serde(default)]
     variant: Vec<RawVariant>,
 }
@@ -253,6 +261,10 @@ struct RawVdev {
     latency: Option<Dur>,
     #[serde(default)]
     overhead: Option<Dur>,
+    #[serde(default)]
+    seek: Option<Dur>,
+    #[serde(default)]
+    rotation: Option<Dur>,
     #[serde(default)]
     rotational: Option<bool>,
     #[serde(default)]
@@ -306,6 +318,19 @@ struct RawLog {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
+struct RawMetadata {
+    #[serde(default)]
+    redundant_metadata: Option<String>,
+    #[serde(default)]
+    indirect_block: Option<Size>,
+    #[serde(default)]
+    compression: Option<f64>,
+    #[serde(default)]
+    mos_blocks: Option<u32>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct RawPrefill {
     fill: f64,
     #[serde(default)]
@@ -338,13 +363,30 @@ pub struct Scenario {
     pub txg_sync_time: u64,
     pub max_time: u64,
     pub load: Option<Load>,
+    pub device_model: DeviceModel,
+    /// Nanoseconds a data allocation waits per metaslab it loaded (OpenZFS
+    /// loads it in the allocating thread, in the txg sync); 0 = free.
+    pub metaslab_load_cost: u64,
     pub vdevs: Vec<VdevModel>,
     pub events: Vec<Event>,
     /// In file order; sim-level names (see [`SIM_TUNABLES`]) included.
     pub tunables: Vec<(String, String)>,
     pub log: Option<LogLoad>,
     pub prefill: Option<Prefill>,
+    pub metadata: Option<Metadata>,
     pub variants: Vec<Variant>,
+}
+
+/// How devices are modelled (`device_model`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DeviceModel {
+    /// One bandwidth queue per top-level vdev, latency overlapping freely
+    /// (`device.rs`).
+    #[default]
+    Simple,
+    /// OpenZFS's vdev queue per leaf: dirty-scaled active writes, seeks,
+    /// RAIDZ children on their own (`leaf.rs`).
+    Leaf,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -392,6 +434,13 @@ pub struct VdevModel {
     pub latency: u64,
     /// Nanoseconds each I/O occupies the device besides its transfer.
     pub overhead: u64,
+    /// Leaf model, rotational: a full-stroke seek (ns); a seek over a
+    /// fraction `d` of the disk costs `seek × √d`.
+    pub seek: u64,
+    /// Leaf model, rotational: one revolution (ns). A write that finds the
+    /// disk idle waits for its sector to come round again; one after a
+    /// seek waits half a revolution.
+    pub rotation: u64,
     pub rotational: bool,
     pub children: u32,
     pub parity: u32,
@@ -454,6 +503,31 @@ pub struct LogLoad {
     pub max_inflight: u32,
 }
 
+/// OpenZFS's `redundant_metadata` property.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RedundantMetadata {
+    /// Every metadata block one copy more than the data.
+    All,
+    /// As `all` but level-1 indirect blocks of file data.
+    Most,
+    /// No extra copies (the MOS keeps its three).
+    None,
+}
+
+/// `[metadata]` (pipeline only): the metadata each syncing txg writes
+/// besides its data, as ditto blocks.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Metadata {
+    pub redundant: RedundantMetadata,
+    /// Indirect block size (`indblkshift` 17: 128K): one level-1 block maps
+    /// `indirect_block / 128` data blocks.
+    pub indirect_block: u64,
+    /// How much compression shrinks a level-1 block's pointers.
+    pub compression: f64,
+    /// MOS blocks per txg (space maps, MOS dnodes, DSL objects), 4K each.
+    pub mos_blocks: u32,
+}
+
 #[derive(Clone, Debug)]
 pub struct Prefill {
     pub fill: f64,
@@ -483,6 +557,14 @@ pub const SIM_TUNABLES: &[(&str, &str)] = &[
     (
         "zfs_vdev_aggregation_limit_non_rotating",
         "largest merged write on non-rotational vdevs, per child (default 128KiB)",
+    ),
+    (
+        "zfs_vdev_async_write_min_active",
+        "device_model = \"leaf\": async writes per leaf in flight below the min dirty percent (default 2)",
+    ),
+    (
+        "zfs_vdev_sync_write_max_active",
+        "device_model = \"leaf\": sync writes per leaf in flight (default 10)",
     ),
 ];
 
@@ -712,6 +794,57 @@ impl Scenario {
                 tunables: Vec::new(),
             });
         }
+        let device_model = match raw.device_model.as_deref() {
+            None | Some("simple") => DeviceModel::Simple,
+            Some("leaf") => DeviceModel::Leaf,
+            Some(other) => {
+                return Err(invalid(
+                    "device_model",
+                    format!("unknown model {other:?} (expected \"simple\" or \"leaf\")"),
+                ));
+            }
+        };
+        let metadata = match raw.metadata {
+            None => None,
+            Some(m) => {
+                if !load.as_ref().is_some_and(|l| l.allocate_at_sync) {
+                    return Err(invalid(
+                        "metadata",
+                        "metadata is written by syncing txgs: needs [load] allocate = \"sync\"",
+                    ));
+                }
+                let redundant = match m.redundant_metadata.as_deref() {
+                    None | Some("all") => RedundantMetadata::All,
+                    Some("most") => RedundantMetadata::Most,
+                    Some("none") => RedundantMetadata::None,
+                    Some(other) => {
+                        return Err(invalid(
+                            "metadata.redundant_metadata",
+                            format!("unknown value {other:?} (expected all, most or none)"),
+                        ));
+                    }
+                };
+                let indirect_block = m.indirect_block.map(|s| s.0).unwrap_or(128 << 10);
+                if !(1024..=(128 << 10)).contains(&indirect_block)
+                    || !indirect_block.is_power_of_two()
+                {
+                    return Err(invalid(
+                        "metadata.indirect_block",
+                        "must be a power of two within 1K ..= 128K",
+                    ));
+                }
+                let compression = m.compression.unwrap_or(2.0);
+                if !(compression.is_finite() && compression >= 1.0) {
+                    return Err(invalid("metadata.compression", "must be at least 1"));
+                }
+                Some(Metadata {
+                    redundant,
+                    indirect_block,
+                    compression,
+                    mos_blocks: m.mos_blocks.unwrap_or(8),
+                })
+            }
+        };
         let max_time = raw
             .max_time
             .map(|d| d.0)
@@ -727,11 +860,14 @@ impl Scenario {
             txg_sync_time: raw.txg_sync_time.map(|d| d.0).unwrap_or(100_000_000),
             max_time,
             load,
+            device_model,
+            metaslab_load_cost: raw.metaslab_load_cost.map(|d| d.0).unwrap_or(0),
             vdevs,
             events,
             tunables,
             log,
             prefill,
+            metadata,
             variants,
         })
     }
@@ -861,6 +997,8 @@ fn vdev_model(key: &str, v: &RawVdev) -> Result<VdevModel, ScenarioError> {
         write_bandwidth: v.write_bandwidth.0,
         latency: v.latency.map(|d| d.0).unwrap_or(0),
         overhead: v.overhead.map(|d| d.0).unwrap_or(0),
+        seek: v.seek.map(|d| d.0).unwrap_or(0),
+        rotation: v.rotation.map(|d| d.0).unwrap_or(0),
         rotational,
         children,
         parity,
@@ -1012,6 +1150,51 @@ write_bandwidth = "500MiB/s"
             "mode = \"rate\"\nrate = \"1MiB/s\"\nallocate = \"sync\"",
         );
         assert!(err(&rate).contains("load.allocate"), "{}", err(&rate));
+    }
+
+    #[test]
+    fn device_model_load_cost_and_metadata_parse_and_are_checked() {
+        let s = Scenario::from_toml(MIN).unwrap();
+        assert_eq!(s.device_model, DeviceModel::Simple);
+        assert_eq!(s.metaslab_load_cost, 0);
+        assert!(s.metadata.is_none());
+        let top = |extra: &str| MIN.replace("name = \"t\"", &format!("name = \"t\"\n{extra}"));
+        let s = Scenario::from_toml(&top("device_model = \"leaf\"\nmetaslab_load_cost = \"1s\""))
+            .unwrap();
+        assert_eq!(s.device_model, DeviceModel::Leaf);
+        assert_eq!(s.metaslab_load_cost, 1_000_000_000);
+        let e = err(&top("device_model = \"quantum\""));
+        assert!(e.starts_with("device_model:"), "{e}");
+        let disk = format!("{MIN}rotational = true\nseek = \"12ms\"\nrotation = \"8333us\"\n");
+        let v = &Scenario::from_toml(&disk).unwrap().vdevs[0];
+        assert_eq!((v.seek, v.rotation), (12_000_000, 8_333_000));
+
+        let e = err(&format!("{MIN}[metadata]\n"));
+        assert!(e.starts_with("metadata:"), "needs the pipeline: {e}");
+        let sync = MIN.replace("mode = \"full\"", "mode = \"full\"\nallocate = \"sync\"");
+        let m = Scenario::from_toml(&format!("{sync}[metadata]\n"))
+            .unwrap()
+            .metadata
+            .unwrap();
+        assert_eq!(m.redundant, RedundantMetadata::All);
+        assert_eq!(m.indirect_block, 128 << 10);
+        assert_eq!(m.mos_blocks, 8);
+        let m = Scenario::from_toml(&format!(
+            "{sync}[metadata]\nredundant_metadata = \"most\"\nindirect_block = \"16K\"\n"
+        ))
+        .unwrap()
+        .metadata
+        .unwrap();
+        assert_eq!(
+            (m.redundant, m.indirect_block),
+            (RedundantMetadata::Most, 16 << 10)
+        );
+        let e = err(&format!(
+            "{sync}[metadata]\nredundant_metadata = \"lots\"\n"
+        ));
+        assert!(e.starts_with("metadata.redundant_metadata:"), "{e}");
+        let e = err(&format!("{sync}[metadata]\nindirect_block = \"100K\"\n"));
+        assert!(e.starts_with("metadata.indirect_block:"), "{e}");
     }
 
     #[test]

@@ -4,7 +4,7 @@
 //!   cargo bench -p aliquot-allocator --bench restart
 //!
 //! `ALIQUOT_BENCH_EXTENTS` (default 10^7) 4 KiB extents are written straight
-//! into a store file, in two layouts: `gapped` (one block every 8 KiB, so
+//! into a store file's space maps, in two layouts: `gapped` (one block every 8 KiB, so
 //! nothing coalesces: the worst case) and `packed` (back to back). Each
 //! restart runs in a fresh child process (this binary re-executed), so its
 //! peak RSS (VmHWM) is the restart's own: open + load + `recovery::rebuild`,
@@ -19,8 +19,8 @@ use std::process::Command;
 use std::time::Instant;
 
 use aliquot_allocator::SqliteStore;
-use aliquot_allocator::recovery;
 use aliquot_allocator::store::{Store, TxgRecord, VdevRecord};
+use aliquot_allocator::{recovery, spacemap};
 use metaslab::{Extent, Pool, Tunables, VdevRole, VdevSpec};
 
 const GIB: u64 = 1 << 30;
@@ -84,8 +84,8 @@ async fn build(path: &Path, n: u64, layout: &str) {
         .await
         .unwrap();
     store.close().await;
-    // The rows themselves, in one statement (the store's own persist path is
-    // what txg_sync measures; here only the resulting file matters).
+    // The space maps themselves, written directly (the store's own persist
+    // path is what the txg of frees measures; here only the file matters).
     let mut conn = <sqlx::SqliteConnection as sqlx::Connection>::connect(&format!(
         "sqlite://{}",
         path.display()
@@ -93,17 +93,23 @@ async fn build(path: &Path, n: u64, layout: &str) {
     .await
     .unwrap();
     let st = stride(layout);
-    sqlx::query(
-        "WITH RECURSIVE k(x) AS (SELECT 0 UNION ALL SELECT x + 1 FROM k WHERE x + 1 < ?)
-         INSERT INTO extents (vdev, offset, size, txg) SELECT ?, x * ?, ?, 1 FROM k",
-    )
-    .bind(n as i64)
-    .bind(id as i64)
-    .bind(st as i64)
-    .bind(BLOCK as i64)
-    .execute(&mut conn)
-    .await
-    .unwrap();
+    let mut tx = sqlx::Connection::begin(&mut conn).await.unwrap();
+    let per = spacemap::CHUNK_EXTENTS as u64;
+    let mut run: Vec<(u64, u64)> = Vec::with_capacity(per as usize);
+    for first in (0..n).step_by(per as usize) {
+        run.clear();
+        run.extend((first..(first + per).min(n)).map(|k| (k * st, BLOCK)));
+        let c = spacemap::Chunk::encode(id, &run);
+        sqlx::query("INSERT INTO spacemaps (vdev, start, width, data) VALUES (?, ?, ?, ?)")
+            .bind(id as i64)
+            .bind(c.start as i64)
+            .bind(c.width as i64)
+            .bind(c.data)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
     sqlx::query("UPDATE vdevs SET allocated = ? WHERE id = ?")
         .bind((n * BLOCK) as i64)
         .bind(id as i64)

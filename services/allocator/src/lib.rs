@@ -17,6 +17,7 @@ pub mod rebalance;
 pub mod recovery;
 pub mod registry;
 pub mod service;
+pub mod spacemap;
 pub mod sqlite_store;
 pub mod state;
 pub mod store;

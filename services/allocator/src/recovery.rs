@@ -51,12 +51,13 @@ pub fn rebuild(tunables: Tunables, p: &Persisted) -> Result<Pool, String> {
         }
     }
     let vdevs = p.vdevs.iter().map(|r| (r.id, r.spec.clone())).collect();
-    let pool =
-        Pool::restore(tunables, vdevs, &p.allocated, p.synced_txg).map_err(|e| e.to_string())?;
+    // Streamed from the chunks in store order: nothing is copied out.
+    let pool = Pool::restore_sorted(tunables, vdevs, p.allocated.iter(), p.synced_txg)
+        .map_err(|e| e.to_string())?;
     pool.verify().map_err(|e| e.to_string())?;
     // The rebuilt pool's accounting against the store's own sums.
     let mut sums: BTreeMap<VdevId, u64> = BTreeMap::new();
-    for e in &p.allocated {
+    for e in p.allocated.iter() {
         *sums.entry(e.vdev).or_default() += e.size;
     }
     for v in pool.stats().vdevs {
@@ -77,7 +78,7 @@ pub fn verify(p: &Persisted) -> Result<VerifyReport, String> {
     let pool = rebuild(Tunables::default(), p)?;
     let stats = pool.stats();
     let mut counts: BTreeMap<VdevId, u64> = BTreeMap::new();
-    for e in &p.allocated {
+    for e in p.allocated.iter() {
         *counts.entry(e.vdev).or_default() += 1;
     }
     let vdevs: Vec<VdevSummary> = p

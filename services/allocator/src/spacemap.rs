@@ -201,6 +201,15 @@ impl Extents {
     }
 }
 
+impl<'a> IntoIterator for &'a Extents {
+    type Item = Extent;
+    type IntoIter = Box<dyn Iterator<Item = Extent> + 'a>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        Box::new(self.iter())
+    }
+}
+
 impl From<Vec<Extent>> for Extents {
     /// Chunk a list as it is (runs of one vdev; order kept).
     fn from(v: Vec<Extent>) -> Extents {

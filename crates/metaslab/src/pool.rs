@@ -1049,7 +1049,9 @@ impl Pool {
         let ci = v.class_of(m);
         let ms = &mut v.ms[m as usize];
         if ms.give_back(e.offset, e.size) {
-            v.group_mut(ci).expect("group of its class").alloc -= e.size;
+            let g = v.group_mut(ci).expect("group of its class");
+            g.alloc -= e.size;
+            g.note_changed(m);
             self.classes[ci].alloc -= e.size;
         }
     }
@@ -1620,7 +1622,9 @@ impl Pool {
                 let ok = ms.allocatable.remove(off, len);
                 debug_assert!(ok);
                 self.txg.mark_dirty(e.vdev, ms);
-                v.group_mut(ci).expect("group of its class").alloc += len;
+                let g = v.group_mut(ci).expect("group of its class");
+                g.alloc += len;
+                g.note_changed(m);
                 self.classes[ci].alloc += len;
             }
             self.txg.push(SpaceChange {
@@ -1785,13 +1789,16 @@ impl Pool {
     }
 }
 
-/// Refresh both groups of a vdev (fragmentation, allocatable).
+/// Refresh both groups of a vdev (fragmentation, allocatable). Only the
+/// metaslabs noted as changed since the last refresh are visited (the
+/// group's running sums), so a sync costs its dirty metaslabs, not the
+/// vdev's metaslab count.
 fn refresh_groups(v: &mut Vdev, t: &Tunables) {
     let (vs_space, vs_alloc) = (v.vs_space(), v.vs_alloc());
-    v.mg.refresh(&v.ms, vs_space, vs_alloc, t);
+    v.mg.refresh(&mut v.ms, vs_space, vs_alloc, t);
     v.mg.dirty = false;
     if let Some(g) = v.log_mg.as_mut() {
-        g.refresh(&v.ms, vs_space, vs_alloc, t);
+        g.refresh(&mut v.ms, vs_space, vs_alloc, t);
         g.dirty = false;
     }
 }

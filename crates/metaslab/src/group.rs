@@ -396,17 +396,16 @@ impl Group {
                 total += f;
                 weighted += f * w;
             }
-            let stale: Vec<(u32, (u128, u128), (u128, u128))> = self
+            // Members whose recorded share is out of date (for the message).
+            let stale: Vec<u32> = self
                 .members()
-                .map(|id| &ms[id as usize])
-                .filter(|m| m.frag_share != share(m))
-                .map(|m| (m.id, m.frag_share, share(m)))
+                .filter(|&id| ms[id as usize].frag_share != share(&ms[id as usize]))
                 .take(3)
                 .collect();
             debug_assert_eq!(
                 (total, weighted),
                 (self.frag_free, self.frag_weighted),
-                "vdev {} group fragmentation sums drifted (a change not noted): {stale:?}",
+                "vdev {} group fragmentation sums drifted (a change not noted; metaslabs {stale:?})",
                 self.vdev
             );
         }

@@ -133,18 +133,7 @@ impl Chunk {
 
     /// `(offset, size)` of each entry, in stored order.
     pub fn iter(&self) -> impl ExactSizeIterator<Item = (u64, u64)> + '_ {
-        let (start, narrow) = (self.start, self.width == NARROW);
-        self.data.chunks_exact(self.width as usize).map(move |b| {
-            if narrow {
-                let off = u32::from_le_bytes(b[0..4].try_into().expect("4 bytes")) as u64;
-                let size = u32::from_le_bytes(b[4..8].try_into().expect("4 bytes")) as u64;
-                (start + (off << UNIT_SHIFT), size << UNIT_SHIFT)
-            } else {
-                let off = u64::from_le_bytes(b[0..8].try_into().expect("8 bytes"));
-                let size = u64::from_le_bytes(b[8..16].try_into().expect("8 bytes"));
-                (off, size)
-            }
-        })
+        (0..self.len()).map(|i| entry(self.start, self.width, &self.data, i))
     }
 
     pub fn extents(&self) -> impl Iterator<Item = Extent> + '_ {
@@ -152,6 +141,62 @@ impl Chunk {
         self.iter()
             .map(move |(offset, size)| Extent { vdev, offset, size })
     }
+}
+
+/// Entry `i` of a chunk's data (`start` its key, `width` its entry size).
+fn entry(start: u64, width: u8, data: &[u8], i: usize) -> (u64, u64) {
+    let b = &data[i * width as usize..(i + 1) * width as usize];
+    if width == NARROW {
+        let off = u32::from_le_bytes(b[0..4].try_into().expect("4 bytes")) as u64;
+        let size = u32::from_le_bytes(b[4..8].try_into().expect("4 bytes")) as u64;
+        (start + (off << UNIT_SHIFT), size << UNIT_SHIFT)
+    } else {
+        let off = u64::from_le_bytes(b[0..8].try_into().expect("8 bytes"));
+        let size = u64::from_le_bytes(b[8..16].try_into().expect("8 bytes"));
+        (off, size)
+    }
+}
+
+/// The entries of a stored chunk (borrowed from the row, not decoded as a
+/// whole) that overlap `[off, end)`, found by binary search: the lookup
+/// Claim and Free make per extent. Refuses data that is not whole entries.
+pub fn overlapping_in(
+    start: u64,
+    width: u8,
+    data: &[u8],
+    off: u64,
+    end: u64,
+) -> Result<Vec<(u64, u64)>, String> {
+    if (width != NARROW && width != WIDE) || !data.len().is_multiple_of(width as usize) {
+        return Err(format!(
+            "space map chunk at {start}: {} bytes of {width}-byte entries",
+            data.len()
+        ));
+    }
+    let n = data.len() / width as usize;
+    // First entry starting at or after `off`; the one before may reach in.
+    let (mut lo, mut hi) = (0, n);
+    while lo < hi {
+        let mid = (lo + hi) / 2;
+        if entry(start, width, data, mid).0 < off {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    let mut out = Vec::new();
+    let mut i = lo.saturating_sub(1);
+    while i < n {
+        let (o, l) = entry(start, width, data, i);
+        if o >= end {
+            break;
+        }
+        if o.saturating_add(l) > off {
+            out.push((o, l));
+        }
+        i += 1;
+    }
+    Ok(out)
 }
 
 /// Cut a vdev's extents (in offset order) into chunks of at most
@@ -389,6 +434,32 @@ mod tests {
         assert_eq!(c.iter().collect::<Vec<_>>(), &ext[..2]);
         let back = Chunk::new(2, c.start, c.width, c.data.clone()).unwrap();
         assert_eq!(back, c);
+        // The lookup by binary search agrees with a scan.
+        let many: Vec<(u64, u64)> = (0..100u64)
+            .map(|k| (k * 16384, 4096 * (1 + k % 3)))
+            .collect();
+        for w in [
+            Chunk::encode(3, &many),
+            Chunk::encode(3, &[&many[..], &[(5 << 40, 4096)]].concat()),
+        ] {
+            for (off, len) in [
+                (0, 1),
+                (16384, 4096),
+                (20000, 30000),
+                (1, 16383),
+                (1 << 30, 4096),
+                (0, u64::MAX / 2),
+            ] {
+                let end = off + len;
+                let scan: Vec<(u64, u64)> =
+                    w.iter().filter(|&(o, l)| o < end && o + l > off).collect();
+                assert_eq!(
+                    overlapping_in(w.start, w.width, &w.data, off, end).unwrap(),
+                    scan
+                );
+            }
+        }
+        assert!(overlapping_in(0, NARROW, &[0; 12], 0, 1).is_err());
         // Misaligned: wide.
         assert_eq!(Chunk::encode(0, &[(100, 7)]).width, WIDE);
         // Damaged rows are refused.

@@ -910,9 +910,10 @@ impl Store for SqliteStore {
             let db = |err: sqlx::Error| StoreError(format!("extents overlapping {e}: {err}"));
             let end = e.offset.saturating_add(e.size).min(i64::MAX as u64);
             // By the key (vdev, start): the chunk starting last at or before
-            // `e`, then those starting inside it (see `spacemap`).
-            let mut rows = sqlx::query(
-                "SELECT vdev, start, width, data FROM spacemaps
+            // `e`, then those starting inside it (see `spacemap`); each
+            // searched in place, not decoded.
+            let rows = sqlx::query(
+                "SELECT start, width, data FROM spacemaps
                  WHERE vdev = ?1 AND start < ?3 AND start >= COALESCE(
                      (SELECT MAX(start) FROM spacemaps WHERE vdev = ?1 AND start <= ?2), ?2)
                  ORDER BY start",
@@ -920,15 +921,26 @@ impl Store for SqliteStore {
             .bind(e.vdev as i64)
             .bind(i(e.offset.min(i64::MAX as u64)))
             .bind(i(end))
-            .fetch(&self.db);
+            .fetch_all(&self.db)
+            .await
+            .map_err(db)?;
             let mut out = Vec::new();
-            while let Some(r) = rows.try_next().await.map_err(db)? {
-                let c = chunk_of_row(&r)
-                    .map_err(|err| StoreError(format!("extents overlapping {e}: {err}")))?;
-                out.extend(
-                    c.extents()
-                        .filter(|x| x.offset < end && x.offset + x.size > e.offset),
-                );
+            for r in &rows {
+                let (start, width): (i64, i64) = (r.get(0), r.get(1));
+                let data: &[u8] = r.get(2);
+                let hits = spacemap::overlapping_in(
+                    u(start),
+                    u8::try_from(width).unwrap_or(0),
+                    data,
+                    e.offset,
+                    end,
+                )
+                .map_err(|err| StoreError(format!("extents overlapping {e}: {err}")))?;
+                out.extend(hits.into_iter().map(|(offset, size)| Extent {
+                    vdev: e.vdev,
+                    offset,
+                    size,
+                }));
             }
             Ok(out)
         })

@@ -95,6 +95,15 @@ pub struct Group {
     pub no_free_space: bool,
     pub fragmentation: Option<u64>,
     pub dirty: bool,
+    // Fragmentation kept as running sums over the members (free space in
+    // 512-byte units, and that times each member's fragmentation), so a
+    // sync refreshes only the members that changed since the last refresh
+    // (`frag_changed`) instead of walking every metaslab of the vdev.
+    frag_free: u128,
+    frag_weighted: u128,
+    /// Membership changed: the next refresh recomputes every member.
+    frag_full: bool,
+    frag_changed: Vec<u32>,
 }
 
 impl Group {
@@ -120,6 +129,18 @@ impl Group {
             no_free_space: true,
             fragmentation: Some(0),
             dirty: false,
+            frag_free: 0,
+            frag_weighted: 0,
+            frag_full: true,
+            frag_changed: Vec::new(),
+        }
+    }
+
+    /// `ms`'s free space or fragmentation may have changed: its share of
+    /// the group's fragmentation is recomputed at the next refresh.
+    pub fn note_changed(&mut self, id: u32) {
+        if !self.frag_full {
+            self.frag_changed.push(id);
         }
     }
 
@@ -133,6 +154,8 @@ impl Group {
 
     pub fn insert(&mut self, ms: &Metaslab) {
         self.tree.insert(key(ms));
+        self.frag_full = true;
+        self.frag_changed.clear();
         self.alloc += ms.alloc();
         if !ms.new {
             self.space += ms.size;
@@ -192,6 +215,7 @@ impl Group {
         self.tree.remove(&key(ms));
         ms.compute_weight(rotational, ms_count, t);
         self.tree.insert(key(ms));
+        self.note_changed(ms.id);
     }
 
     /// `find_valid_metaslab` (spec §2.6). `holding` are the metaslabs of
@@ -287,6 +311,7 @@ impl Group {
             if m.should_allocate(asize)
                 && let Some(off) = m.df_alloc(asize, ctx.t)
             {
+                self.note_changed(id);
                 if owned {
                     self.may_passivate(ms, id, ctx);
                 }
@@ -296,7 +321,10 @@ impl Group {
             // Failed: reweigh, and passivate if ours.
             let m = &mut ms[id as usize];
             if owned {
-                m.compute_weight(ctx.rotational, ctx.ms_count, ctx.t);
+                // Re-keyed before passivating (the tree key holds the
+                // weight): changing the weight in place would leave its old
+                // key behind, a phantom member.
+                self.reweigh(m, ctx.rotational, ctx.ms_count, ctx.t);
                 self.passivate(m);
             } else {
                 self.reweigh(m, ctx.rotational, ctx.ms_count, ctx.t);
@@ -322,24 +350,69 @@ impl Group {
         let w = m.segment_weight_from_tree();
         let act = weight_index(m.activation_weight);
         if act >= weight_index(w) + ctx.t.zfs_metaslab_switch_threshold as u32 {
-            m.weight = w;
+            self.set_weight(m, w);
             m.compute_fragmentation();
+            self.note_changed(id);
             self.passivate(m);
         }
     }
 
     /// Refresh fragmentation (spec §2.4, group: weighted by free space in
     /// 512-byte units) and the allocatable state (spec §2.7).
-    pub fn refresh(&mut self, ms: &[Metaslab], vs_space: u64, vs_alloc: u64, t: &Tunables) {
-        let mut weighted: u128 = 0;
-        let mut total: u128 = 0;
-        for id in self.members() {
-            let m = &ms[id as usize];
-            let free = (m.allocatable.space() >> 9) as u128;
-            weighted += free * m.fragmentation as u128;
-            total += free;
+    pub fn refresh(&mut self, ms: &mut [Metaslab], vs_space: u64, vs_alloc: u64, t: &Tunables) {
+        let share = |m: &Metaslab| {
+            (
+                (m.allocatable.space() >> 9) as u128,
+                m.fragmentation as u128,
+            )
+        };
+        if self.frag_full || self.frag_changed.len() > self.tree.len() {
+            (self.frag_free, self.frag_weighted) = (0, 0);
+            for k in &self.tree {
+                let m = &mut ms[k.2 as usize];
+                m.frag_share = share(m);
+                self.frag_free += m.frag_share.0;
+                self.frag_weighted += m.frag_share.0 * m.frag_share.1;
+            }
+            self.frag_full = false;
+            self.frag_changed.clear();
+        } else {
+            for id in self.frag_changed.drain(..) {
+                let m = &mut ms[id as usize];
+                let (f, w) = m.frag_share;
+                self.frag_free -= f;
+                self.frag_weighted -= f * w;
+                m.frag_share = share(m);
+                self.frag_free += m.frag_share.0;
+                self.frag_weighted += m.frag_share.0 * m.frag_share.1;
+            }
         }
-        self.fragmentation = weighted.checked_div(total).map(|f| f as u64);
+        #[cfg(debug_assertions)]
+        {
+            // The walk the running sums replace: they must agree exactly.
+            let (mut total, mut weighted) = (0u128, 0u128);
+            for id in self.members() {
+                let (f, w) = share(&ms[id as usize]);
+                total += f;
+                weighted += f * w;
+            }
+            // Members whose recorded share is out of date (for the message).
+            let stale: Vec<u32> = self
+                .members()
+                .filter(|&id| ms[id as usize].frag_share != share(&ms[id as usize]))
+                .take(3)
+                .collect();
+            debug_assert_eq!(
+                (total, weighted),
+                (self.frag_free, self.frag_weighted),
+                "vdev {} group fragmentation sums drifted (a change not noted; metaslabs {stale:?})",
+                self.vdev
+            );
+        }
+        self.fragmentation = self
+            .frag_weighted
+            .checked_div(self.frag_free)
+            .map(|f| f as u64);
         let free_pct = vs_space.saturating_sub(vs_alloc) as u128 * 100 / (vs_space as u128 + 1);
         self.allocatable = self.ready > 0
             && free_pct > t.zfs_mg_noalloc_threshold as u128

@@ -77,6 +77,9 @@ pub struct Metaslab {
     /// Has been through a sync with changes (OpenZFS: has a space map);
     /// fragmentation is 0 until then.
     pub has_space_map: bool,
+    /// Its share of its group's fragmentation at the group's last refresh:
+    /// (free space in 512-byte units, fragmentation).
+    pub frag_share: (u128, u128),
 }
 
 impl Metaslab {
@@ -105,6 +108,7 @@ impl Metaslab {
             dirty: false,
             embedded_log: false,
             has_space_map: false,
+            frag_share: (0, 0),
         }
     }
 

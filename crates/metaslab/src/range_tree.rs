@@ -156,6 +156,73 @@ impl RangeTree {
         true
     }
 
+    /// Remove many ranges at once: `ranges` are `(start, size)`, sorted by
+    /// start and disjoint, each inside one segment. One pass over the tree
+    /// and a bulk rebuild of its maps, instead of a split per range (a
+    /// restart removes every allocated extent of a metaslab from its
+    /// single free segment: millions of splits otherwise). Returns false,
+    /// the tree unchanged, when a range is out of order or not inside one
+    /// segment.
+    pub fn remove_sorted(&mut self, ranges: &[(u64, u64)]) -> bool {
+        if ranges.is_empty() {
+            return true;
+        }
+        let mut out: Vec<(u64, u64)> = Vec::with_capacity(self.segs.len() + ranges.len());
+        let mut segs = self.segs.iter().map(|(&s, &e)| (s, e)).peekable();
+        // The part of the current segment not yet removed from.
+        let mut cur: Option<(u64, u64)> = None;
+        let mut removed = 0u64;
+        let mut last_end = 0u64;
+        for (n, &(start, size)) in ranges.iter().enumerate() {
+            let end = start + size;
+            if size == 0 || (n > 0 && start < last_end) {
+                return false;
+            }
+            last_end = end;
+            // Advance to the segment containing `start`.
+            loop {
+                match cur {
+                    Some((s, e)) if e > start => {
+                        if s > start {
+                            return false;
+                        }
+                        break;
+                    }
+                    Some(seg) => out.push(seg),
+                    None => {}
+                }
+                match segs.next() {
+                    Some(seg) => cur = Some(seg),
+                    None => return false,
+                }
+            }
+            let (s, e) = cur.expect("found above");
+            if e < end {
+                return false;
+            }
+            if s < start {
+                out.push((s, start));
+            }
+            cur = (end < e).then_some((end, e));
+            removed += size;
+        }
+        out.extend(cur);
+        out.extend(segs);
+        self.hist = [0; RANGE_TREE_HISTOGRAM_SIZE];
+        for &(s, e) in &out {
+            self.hist[bucket(e - s)] += 1;
+        }
+        if self.indexed {
+            let mut by_size: Vec<(u64, u64)> = out.iter().map(|&(s, e)| (e - s, s)).collect();
+            by_size.sort_unstable();
+            self.by_size = by_size.into_iter().collect();
+        }
+        // Already in offset order: the map is built in bulk.
+        self.segs = out.into_iter().collect();
+        self.space -= removed;
+        true
+    }
+
     /// Whether `[start, start+size)` lies entirely inside one segment.
     pub fn contains(&self, start: u64, size: u64) -> bool {
         match self.segs.range(..=start).next_back() {
@@ -283,6 +350,35 @@ mod tests {
         assert_eq!(t.find_at_or_after(2), Some((0, 5)));
         assert!(t.contains(12, 18));
         assert!(!t.contains(12, 19));
+    }
+
+    #[test]
+    fn remove_sorted_matches_one_remove_at_a_time() {
+        let mut bulk = RangeTree::new();
+        bulk.add(0, 1000).unwrap();
+        bulk.add(2000, 1000).unwrap();
+        let mut single = bulk.clone();
+        let ranges = [(0, 10), (20, 5), (990, 10), (2000, 1000)];
+        assert!(bulk.remove_sorted(&ranges));
+        for &(s, l) in &ranges {
+            assert!(single.remove(s, l));
+        }
+        assert_eq!(
+            bulk.iter().collect::<Vec<_>>(),
+            single.iter().collect::<Vec<_>>()
+        );
+        assert_eq!(bulk.space(), single.space());
+        assert_eq!(bulk.histogram(), single.histogram());
+        assert_eq!(bulk.largest(), single.largest());
+        assert_eq!(bulk.smallest_fit(6), single.smallest_fit(6));
+        // Refused, tree unchanged: out of order, across a gap, overlapping.
+        let before: Vec<_> = bulk.iter().collect();
+        assert!(!bulk.remove_sorted(&[(30, 5), (25, 1)]));
+        assert!(!bulk.remove_sorted(&[(980, 20)]));
+        assert!(!bulk.remove_sorted(&[(30, 10), (35, 10)]));
+        assert!(!bulk.remove_sorted(&[(1500, 1)]));
+        assert_eq!(bulk.iter().collect::<Vec<_>>(), before);
+        assert_eq!(bulk.space(), single.space());
     }
 
     #[test]

@@ -268,13 +268,15 @@ impl IoQueue {
                 let r = if n == 1 {
                     device.write_at(offset, first)
                 } else {
-                    let mut buf = Vec::with_capacity(bytes as usize);
-                    for op in &batch {
-                        if let Kind::Write(d) = &op.kind {
-                            buf.extend_from_slice(d);
-                        }
-                    }
-                    device.write_at(offset, &buf)
+                    // The payloads as received, in offset order: no gather copy.
+                    let bufs: Vec<&[u8]> = batch
+                        .iter()
+                        .filter_map(|op| match &op.kind {
+                            Kind::Write(d) => Some(&d[..]),
+                            _ => None,
+                        })
+                        .collect();
+                    device.write_vectored_at(offset, &bufs)
                 };
                 match r {
                     Ok(()) => {

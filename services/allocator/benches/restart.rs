@@ -4,7 +4,7 @@
 //!   cargo bench -p aliquot-allocator --bench restart
 //!
 //! `ALIQUOT_BENCH_EXTENTS` (default 10^7) 4 KiB extents are written straight
-//! into a store file, in two layouts: `gapped` (one block every 8 KiB, so
+//! into a store file's space maps, in two layouts: `gapped` (one block every 8 KiB, so
 //! nothing coalesces: the worst case) and `packed` (back to back). Each
 //! restart runs in a fresh child process (this binary re-executed), so its
 //! peak RSS (VmHWM) is the restart's own: open + load + `recovery::rebuild`,
@@ -12,15 +12,18 @@
 //! loaded rows are dropped and only the pool remains; the target is
 //! peak ≤ 1.5× live and restart ≤ 5 s.
 //! Then the child frees `ALIQUOT_BENCH_FREES` (default 10^6) of the extents
-//! and times `Pool::sync` and `SqliteStore::persist` of that txg (target ≤ 1 s).
+//! and times `Pool::sync` and `SqliteStore::persist` of that txg (target ≤ 1 s),
+//! then a second txg of as many frees spread over the remaining extents.
+//! Before the frees, the store's exact-extent lookup (`allocated_overlapping`,
+//! asked per extent by Claim and Free) is timed over 10^4 extents.
 
 use std::path::Path;
 use std::process::Command;
 use std::time::Instant;
 
 use aliquot_allocator::SqliteStore;
-use aliquot_allocator::recovery;
 use aliquot_allocator::store::{Store, TxgRecord, VdevRecord};
+use aliquot_allocator::{recovery, spacemap};
 use metaslab::{Extent, Pool, Tunables, VdevRole, VdevSpec};
 
 const GIB: u64 = 1 << 30;
@@ -85,8 +88,8 @@ async fn build(path: &Path, n: u64, layout: &str) {
         .await
         .unwrap();
     store.close().await;
-    // The rows themselves, in one statement (the store's own persist path is
-    // what txg_sync measures; here only the resulting file matters).
+    // The space maps themselves, written directly (the store's own persist
+    // path is what the txg of frees measures; here only the file matters).
     let mut conn = <sqlx::SqliteConnection as sqlx::Connection>::connect(&format!(
         "sqlite://{}",
         path.display()
@@ -94,17 +97,23 @@ async fn build(path: &Path, n: u64, layout: &str) {
     .await
     .unwrap();
     let st = stride(layout);
-    sqlx::query(
-        "WITH RECURSIVE k(x) AS (SELECT 0 UNION ALL SELECT x + 1 FROM k WHERE x + 1 < ?)
-         INSERT INTO extents (vdev, offset, size, txg) SELECT ?, x * ?, ?, 1 FROM k",
-    )
-    .bind(n as i64)
-    .bind(id as i64)
-    .bind(st as i64)
-    .bind(BLOCK as i64)
-    .execute(&mut conn)
-    .await
-    .unwrap();
+    let mut tx = sqlx::Connection::begin(&mut conn).await.unwrap();
+    let per = spacemap::CHUNK_EXTENTS as u64;
+    let mut run: Vec<(u64, u64)> = Vec::with_capacity(per as usize);
+    for first in (0..n).step_by(per as usize) {
+        run.clear();
+        run.extend((first..(first + per).min(n)).map(|k| (k * st, BLOCK)));
+        let c = spacemap::Chunk::encode(id, &run);
+        sqlx::query("INSERT INTO spacemaps (vdev, start, width, data) VALUES (?, ?, ?, ?)")
+            .bind(id as i64)
+            .bind(c.start as i64)
+            .bind(c.width as i64)
+            .bind(c.data)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
     sqlx::query("UPDATE vdevs SET allocated = ? WHERE id = ?")
         .bind((n * BLOCK) as i64)
         .bind(id as i64)
@@ -138,8 +147,25 @@ async fn child(path: &Path, layout: &str) {
         peak / live.max(1.0),
     );
 
-    let frees = env_u64("ALIQUOT_BENCH_FREES", 1_000_000).min(rows);
     let st = stride(layout);
+    // Claim's and Free's exact-extent check asks the store per extent.
+    let probes = 10_000u64;
+    let t = Instant::now();
+    for k in 0..probes {
+        let e = Extent {
+            vdev: 0,
+            offset: (k * 7919 % rows) * st,
+            size: BLOCK,
+        };
+        let hit = store.allocated_overlapping(e).await.unwrap();
+        assert_eq!(hit, vec![e]);
+    }
+    println!(
+        "{layout:>6} allocated_overlapping (the exact-extent check): {:.1} us per extent",
+        t.elapsed().as_secs_f64() * 1e6 / probes as f64
+    );
+
+    let frees = env_u64("ALIQUOT_BENCH_FREES", 1_000_000).min(rows);
     let ext: Vec<Extent> = (0..frees)
         .map(|k| Extent {
             vdev: 0,
@@ -160,9 +186,42 @@ async fn child(path: &Path, layout: &str) {
     let t = Instant::now();
     store.persist(&rec).await.unwrap();
     let persist = t.elapsed();
-    store.close().await;
     println!(
         "{layout:>6} txg of {frees} frees | Pool::sync {:>7.3} s, persist {:>7.3} s, total {:>7.3} s",
+        pool_sync.as_secs_f64(),
+        persist.as_secs_f64(),
+        (pool_sync + persist).as_secs_f64(),
+    );
+
+    // The same number of frees spread evenly over the remaining extents:
+    // every space-map chunk is rewritten (the first txg touched a prefix).
+    let step = ((rows - frees) / frees.max(1)).max(1);
+    let ext: Vec<Extent> = (0..frees)
+        .map(|j| frees + j * step)
+        .take_while(|&k| k < rows)
+        .map(|k| Extent {
+            vdev: 0,
+            offset: k * st,
+            size: BLOCK,
+        })
+        .collect();
+    let n = ext.len();
+    pool.free(&ext).unwrap();
+    drop(ext);
+    let t = Instant::now();
+    let sync = pool.sync();
+    let pool_sync = t.elapsed();
+    let rec = TxgRecord {
+        sync,
+        vdevs: Vec::new(),
+        ..Default::default()
+    };
+    let t = Instant::now();
+    store.persist(&rec).await.unwrap();
+    let persist = t.elapsed();
+    store.close().await;
+    println!(
+        "{layout:>6} txg of {n} spread frees | Pool::sync {:>7.3} s, persist {:>7.3} s, total {:>7.3} s",
         pool_sync.as_secs_f64(),
         persist.as_secs_f64(),
         (pool_sync + persist).as_secs_f64(),

@@ -19,6 +19,7 @@ pub mod recovery;
 pub mod registry;
 pub mod relocation;
 pub mod service;
+pub mod spacemap;
 pub mod sqlite_store;
 pub mod state;
 pub mod store;

@@ -51,8 +51,9 @@ pub fn rebuild(tunables: Tunables, p: &Persisted) -> Result<Pool, String> {
         }
     }
     let vdevs = p.vdevs.iter().map(|r| (r.id, r.spec.clone())).collect();
-    let mut pool =
-        Pool::restore(tunables, vdevs, &p.allocated, p.synced_txg).map_err(|e| e.to_string())?;
+    // Streamed from the chunks in store order: nothing is copied out.
+    let mut pool = Pool::restore_sorted(tunables, vdevs, p.allocated.iter(), p.synced_txg)
+        .map_err(|e| e.to_string())?;
     // Administrative states: offline vdevs (a drain) stay offline, removed
     // ones are forgotten again (they must hold nothing).
     for (&id, &state) in &p.vdev_states {
@@ -69,7 +70,7 @@ pub fn rebuild(tunables: Tunables, p: &Persisted) -> Result<Pool, String> {
     pool.verify().map_err(|e| e.to_string())?;
     // The rebuilt pool's accounting against the store's own sums.
     let mut sums: BTreeMap<VdevId, u64> = BTreeMap::new();
-    for e in &p.allocated {
+    for e in p.allocated.iter() {
         *sums.entry(e.vdev).or_default() += e.size;
     }
     if let Some(id) = sums.keys().find(|id| pool.is_removed(**id)) {
@@ -93,7 +94,7 @@ pub fn verify(p: &Persisted) -> Result<VerifyReport, String> {
     let pool = rebuild(Tunables::default(), p)?;
     let stats = pool.stats();
     let mut counts: BTreeMap<VdevId, u64> = BTreeMap::new();
-    for e in &p.allocated {
+    for e in p.allocated.iter() {
         *counts.entry(e.vdev).or_default() += 1;
     }
     let vdevs: Vec<VdevSummary> = p

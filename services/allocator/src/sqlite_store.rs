@@ -2,7 +2,9 @@
 //! `synchronous = FULL`), schema from `migrations/allocator/`. Each txg sync
 //! is ONE transaction (its space changes, the vdevs it added or changed, and
 //! `pool.synced_txg`), so after any crash the file holds exactly the pool as
-//! of some synced txg.
+//! of some synced txg. The extents are kept as space-map chunks
+//! (`crate::spacemap`): a txg rewrites the chunks it touched, a restart
+//! streams the chunks into the pool.
 //!
 //! Opening checks the file read-only BEFORE anything may write to it: not an
 //! SQLite file, truncated, corrupt, a newer schema, a foreign database, or
@@ -14,14 +16,16 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use futures_util::TryStreamExt;
 use futures_util::future::BoxFuture;
 use metaslab::{Extent, SpaceChangeKind, Txg, VdevRole, VdevSpec};
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
     SqliteSynchronous,
 };
-use sqlx::{Connection, QueryBuilder, Row, Sqlite};
+use sqlx::{Connection, Row, Sqlite, SqliteExecutor};
 
+use crate::spacemap::{self, Chunk, Extents};
 use crate::store::{
     AdminState, Persisted, RelocationRecord, Store, StoreError, TxgRecord, VdevRecord,
 };
@@ -42,12 +46,8 @@ const OUR_TABLES: &[&str] = &[
     "generations",
     "agent_bindings",
     "relocations",
+    "spacemaps",
 ];
-
-/// Rows per multi-row INSERT (4 binds each, well under SQLite's limit).
-const INSERT_CHUNK: usize = 200;
-/// Frees per multi-row DELETE (3 binds each).
-const DELETE_CHUNK: usize = 250;
 
 /// Why a store was not opened. Every refusal leaves the file untouched.
 #[derive(Debug, thiserror::Error)]
@@ -273,13 +273,32 @@ async fn load_state(conn: &mut SqliteConnection) -> Result<Option<Persisted>, St
             },
         });
     }
-    let rows = sqlx::query("SELECT vdev, offset, size FROM extents ORDER BY vdev, offset")
-        .fetch_all(&mut *conn)
-        .await
-        .map_err(db)?;
-    let mut allocated = Vec::with_capacity(rows.len());
+    // Streamed chunk by chunk: the rows are never all materialised.
+    let mut allocated = Extents::default();
     let mut sums: BTreeMap<u32, u64> = BTreeMap::new();
-    for r in rows {
+    if has_table(conn, "spacemaps").await? {
+        let mut rows =
+            sqlx::query("SELECT vdev, start, width, data FROM spacemaps ORDER BY vdev, start")
+                .fetch(&mut *conn);
+        while let Some(r) = rows.try_next().await.map_err(db)? {
+            let c = chunk_of_row(&r)?;
+            if !recorded.contains_key(&c.vdev) {
+                return Err(format!(
+                    "space map chunk at {}: no vdev {}",
+                    c.start, c.vdev
+                ));
+            }
+            *sums.entry(c.vdev).or_default() += c.iter().map(|e| e.1).sum::<u64>();
+            allocated.push_chunk(c);
+        }
+    }
+    // Rows of the one-row-per-extent layout (a file an older binary wrote,
+    // read without converting it): merged in, in order, so an overlap
+    // between the two is still seen by recovery.
+    let mut legacy: Vec<Extent> = Vec::new();
+    let mut rows = sqlx::query("SELECT vdev, offset, size FROM extents ORDER BY vdev, offset")
+        .fetch(&mut *conn);
+    while let Some(r) = rows.try_next().await.map_err(db)? {
         let vdev: i64 = r.get(0);
         let e = Extent {
             vdev: vdev as u32,
@@ -290,7 +309,13 @@ async fn load_state(conn: &mut SqliteConnection) -> Result<Option<Persisted>, St
             return Err(format!("extent {e}: no vdev {vdev}"));
         }
         *sums.entry(e.vdev).or_default() += e.size;
-        allocated.push(e);
+        legacy.push(e);
+    }
+    drop(rows);
+    if !legacy.is_empty() {
+        legacy.extend(allocated.iter());
+        legacy.sort();
+        allocated = Extents::from(legacy);
     }
     for (vid, want) in &recorded {
         let got = sums.get(vid).copied().unwrap_or(0);
@@ -380,13 +405,21 @@ pub async fn repair_vdev(path: &Path, vdev: u32, capacity: Option<u64>) -> Resul
         .map_err(db)?
         .ok_or_else(|| format!("the store has no vdev {vdev}"))?;
     let (old_cap, old_shift, old_alloc) = (u(row.get(0)), row.get::<i64, _>(1), u(row.get(2)));
-    let (sum, end): (i64, i64) = sqlx::query_as(
+    let (mut sum, mut end) = (0i64, 0i64);
+    for (off, size) in read_run(&mut *tx, vdev, 0, i64::MAX as u64).await? {
+        sum += size as i64;
+        end = end.max((off + size) as i64);
+    }
+    // Rows an older binary left (not yet moved into chunks) count too.
+    let (lsum, lend): (i64, i64) = sqlx::query_as(
         "SELECT COALESCE(SUM(size), 0), COALESCE(MAX(offset + size), 0) FROM extents WHERE vdev = ?",
     )
     .bind(vdev as i64)
     .fetch_one(&mut *tx)
     .await
     .map_err(db)?;
+    sum += lsum;
+    end = end.max(lend);
     let cap = capacity.unwrap_or(old_cap);
     if (end as u64) > cap {
         return Err(format!(
@@ -479,6 +512,15 @@ impl SqliteStore {
             .run(&db)
             .await
             .map_err(|e| io(format!("cannot migrate it: {e}")))?;
+        let moved = convert_legacy_rows(&db)
+            .await
+            .map_err(|reason| OpenError::Refused {
+                path: p.clone(),
+                reason,
+            })?;
+        if moved > 0 {
+            tracing::info!(path = %p, extents = moved, "extent rows moved into space maps");
+        }
         tracing::info!(path = %p, "store opened");
         Ok(SqliteStore {
             path: path.to_path_buf(),
@@ -549,41 +591,35 @@ impl SqliteStore {
             .await
             .map_err(db)?;
         }
-        // In order; runs of allocations go in multi-row INSERTs, runs of
-        // frees in multi-row DELETEs.
+        // Each vdev's changes, in order, applied to the chunks they fall in.
         let mut delta: BTreeMap<u32, i64> = BTreeMap::new();
-        let mut run: Vec<Extent> = Vec::new();
-        let mut frees: Vec<Extent> = Vec::new();
+        let mut by_vdev: BTreeMap<u32, Vec<(SpaceChangeKind, u64, u64)>> = BTreeMap::new();
         for c in &rec.sync.changes {
             let e = c.extent;
-            if e.offset > i64::MAX as u64 || e.size > i64::MAX as u64 || e.size == 0 {
+            if e.offset > i64::MAX as u64
+                || e.size > i64::MAX as u64
+                || e.size == 0
+                || e.offset
+                    .checked_add(e.size)
+                    .is_none_or(|end| end > i64::MAX as u64)
+            {
                 return Err(format!("txg {txg}: extent {e} cannot be stored"));
             }
+            let d = delta.entry(e.vdev).or_default();
             match c.kind {
-                SpaceChangeKind::Alloc => {
-                    free_extents(&mut tx, &frees, txg).await?;
-                    frees.clear();
-                    *delta.entry(e.vdev).or_default() += e.size as i64;
-                    run.push(e);
-                    if run.len() == INSERT_CHUNK {
-                        insert_extents(&mut tx, &run, txg).await?;
-                        run.clear();
-                    }
-                }
-                SpaceChangeKind::Free => {
-                    insert_extents(&mut tx, &run, txg).await?;
-                    run.clear();
-                    *delta.entry(e.vdev).or_default() -= e.size as i64;
-                    frees.push(e);
-                    if frees.len() == DELETE_CHUNK {
-                        free_extents(&mut tx, &frees, txg).await?;
-                        frees.clear();
-                    }
-                }
+                SpaceChangeKind::Alloc => *d += e.size as i64,
+                SpaceChangeKind::Free => *d -= e.size as i64,
             }
+            by_vdev
+                .entry(e.vdev)
+                .or_default()
+                .push((c.kind, e.offset, e.size));
         }
-        insert_extents(&mut tx, &run, txg).await?;
-        free_extents(&mut tx, &frees, txg).await?;
+        for (vdev, changes) in &by_vdev {
+            persist_vdev(&mut tx, *vdev, changes)
+                .await
+                .map_err(|e| format!("txg {txg}: vdev {vdev}: {e}"))?;
+        }
         for (vdev, d) in delta {
             if d != 0 {
                 sqlx::query("UPDATE vdevs SET allocated = allocated + ? WHERE id = ?")
@@ -638,157 +674,175 @@ impl SqliteStore {
     }
 }
 
-async fn insert_extents(
-    tx: &mut sqlx::Transaction<'_, Sqlite>,
-    run: &[Extent],
-    txg: Txg,
-) -> Result<(), String> {
-    if run.is_empty() {
-        return Ok(());
-    }
-    let mut qb = QueryBuilder::<Sqlite>::new("INSERT INTO extents (vdev, offset, size, txg) ");
-    qb.push_values(run, |mut b, e| {
-        b.push_bind(e.vdev as i64)
-            .push_bind(i(e.offset))
-            .push_bind(i(e.size))
-            .push_bind(i(txg));
-    });
-    qb.build().execute(&mut **tx).await.map_err(|e| {
-        format!(
-            "txg {txg}: allocating {} extents from {}: {e} (the store already holds one of them)",
-            run.len(),
-            run[0]
-        )
-    })?;
-    Ok(())
+fn chunk_of_row(r: &sqlx::sqlite::SqliteRow) -> Result<Chunk, String> {
+    let vdev: i64 = r.get(0);
+    let width: i64 = r.get(2);
+    let vdev =
+        u32::try_from(vdev).map_err(|_| format!("space map chunk of vdev {vdev}: out of range"))?;
+    Chunk::new(
+        vdev,
+        u(r.get(1)),
+        u8::try_from(width).unwrap_or(0),
+        r.get(3),
+    )
 }
 
-/// Remove a run of frees: one DELETE when each frees exactly one stored
-/// extent (the common case), else (rolled back) one at a time with splits.
-async fn free_extents(
+/// The chunks of `vdev` with keys in `first ..= last`, decoded in order.
+async fn read_run<'e>(
+    ex: impl SqliteExecutor<'e>,
+    vdev: u32,
+    first: u64,
+    last: u64,
+) -> Result<Vec<(u64, u64)>, String> {
+    let mut out = Vec::new();
+    let mut rows = sqlx::query(
+        "SELECT vdev, start, width, data FROM spacemaps
+         WHERE vdev = ? AND start >= ? AND start <= ? ORDER BY start",
+    )
+    .bind(vdev as i64)
+    .bind(i(first))
+    .bind(i(last))
+    .fetch(ex);
+    while let Some(r) = rows.try_next().await.map_err(|e| e.to_string())? {
+        out.extend(chunk_of_row(&r)?.iter());
+    }
+    Ok(out)
+}
+
+/// Replace the chunks of `vdev` with keys in `old` (none: `None`) by
+/// `extents`, rechunked.
+async fn write_run(
     tx: &mut sqlx::Transaction<'_, Sqlite>,
-    frees: &[Extent],
-    txg: Txg,
+    vdev: u32,
+    old: Option<(u64, u64)>,
+    extents: &[(u64, u64)],
 ) -> Result<(), String> {
     let db = |e: sqlx::Error| e.to_string();
-    match frees {
-        [] => return Ok(()),
-        [f] => return free_extent(tx, *f, txg).await,
-        _ => {}
-    }
-    sqlx::query("SAVEPOINT frees")
-        .execute(&mut **tx)
-        .await
-        .map_err(db)?;
-    let mut qb =
-        QueryBuilder::<Sqlite>::new("DELETE FROM extents WHERE (vdev, offset, size) IN (VALUES ");
-    for (n, f) in frees.iter().enumerate() {
-        if n > 0 {
-            qb.push(", ");
-        }
-        qb.push("(")
-            .push_bind(f.vdev as i64)
-            .push(", ")
-            .push_bind(i(f.offset))
-            .push(", ")
-            .push_bind(i(f.size))
-            .push(")");
-    }
-    qb.push(")");
-    let done = qb.build().execute(&mut **tx).await.map_err(db)?;
-    if done.rows_affected() == frees.len() as u64 {
-        sqlx::query("RELEASE frees")
+    if let Some((first, last)) = old {
+        sqlx::query("DELETE FROM spacemaps WHERE vdev = ? AND start >= ? AND start <= ?")
+            .bind(vdev as i64)
+            .bind(i(first))
+            .bind(i(last))
             .execute(&mut **tx)
             .await
             .map_err(db)?;
-        return Ok(());
     }
-    sqlx::query("ROLLBACK TO frees; RELEASE frees")
-        .execute(&mut **tx)
-        .await
-        .map_err(db)?;
-    for f in frees {
-        free_extent(tx, *f, txg).await?;
+    for c in spacemap::rechunk(vdev, extents) {
+        sqlx::query("INSERT INTO spacemaps (vdev, start, width, data) VALUES (?, ?, ?, ?)")
+            .bind(vdev as i64)
+            .bind(i(c.start))
+            .bind(c.width as i64)
+            .bind(c.data)
+            .execute(&mut **tx)
+            .await
+            .map_err(db)?;
     }
     Ok(())
 }
 
-/// Remove `f` from the durable extents, splitting the ones it covers in
-/// part. A free of space the store does not hold is an error: the store and
-/// the pool disagree, and that must not be papered over.
-async fn free_extent(
+/// Apply one txg's changes of `vdev` (in order) to its stored chunks: only
+/// the chunks a change can overlap are read and rewritten. Chunks are
+/// handled one at a time unless a change spans several, which are then
+/// joined into one run (so a sync of a million frees never holds more than
+/// a few chunks decoded).
+async fn persist_vdev(
     tx: &mut sqlx::Transaction<'_, Sqlite>,
-    f: Extent,
-    txg: Txg,
+    vdev: u32,
+    changes: &[(SpaceChangeKind, u64, u64)],
 ) -> Result<(), String> {
-    let db = |e: sqlx::Error| e.to_string();
-    let exact = sqlx::query("DELETE FROM extents WHERE vdev = ? AND offset = ? AND size = ?")
-        .bind(f.vdev as i64)
-        .bind(i(f.offset))
-        .bind(i(f.size))
-        .execute(&mut **tx)
-        .await
-        .map_err(db)?;
-    if exact.rows_affected() == 1 {
-        return Ok(());
+    let keys: Vec<u64> =
+        sqlx::query_scalar::<_, i64>("SELECT start FROM spacemaps WHERE vdev = ? ORDER BY start")
+            .bind(vdev as i64)
+            .fetch_all(&mut **tx)
+            .await
+            .map_err(|e| e.to_string())?
+            .into_iter()
+            .map(u)
+            .collect();
+    if keys.is_empty() {
+        let out = spacemap::apply(Vec::new(), changes)?;
+        return write_run(tx, vdev, None, &out).await;
     }
-    let end = f.offset + f.size;
-    // The extent starting at or before f.offset, and those starting inside.
-    let rows = sqlx::query(
-        "SELECT offset, size, txg FROM extents
-         WHERE vdev = ?1 AND offset < ?3 AND offset >= COALESCE(
-             (SELECT MAX(offset) FROM extents WHERE vdev = ?1 AND offset <= ?2), ?2)
-         ORDER BY offset",
-    )
-    .bind(f.vdev as i64)
-    .bind(i(f.offset))
-    .bind(i(end))
-    .fetch_all(&mut **tx)
-    .await
-    .map_err(db)?;
-    let mut covered = 0u64;
-    let mut pieces: Vec<(u64, u64, i64)> = Vec::new();
-    let mut hits: Vec<i64> = Vec::new();
-    for r in rows {
-        let (off, size, etxg) = (u(r.get(0)), u(r.get(1)), r.get::<i64, _>(2));
-        let e_end = off + size;
-        if e_end <= f.offset {
+    // Chunk `le` holds what may overlap a change (the last key at or
+    // before its offset; the first chunk for one before every key), and
+    // every chunk whose key lies inside it; `joined[k]`: chunks k and k + 1
+    // must be rewritten together.
+    let n = keys.len();
+    let mut owner: Vec<usize> = Vec::with_capacity(changes.len());
+    let mut need = vec![false; n];
+    let mut joined = vec![false; n];
+    for &(_, off, size) in changes {
+        let le = keys.partition_point(|&k| k <= off).saturating_sub(1);
+        let hi = keys.partition_point(|&k| k < off + size).max(le + 1);
+        need[le..hi].iter_mut().for_each(|x| *x = true);
+        joined[le..hi - 1].iter_mut().for_each(|x| *x = true);
+        owner.push(le);
+    }
+    // Runs of needed chunks, and each chunk's run.
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    let mut run_of = vec![usize::MAX; n];
+    let mut k = 0;
+    while k < n {
+        if !need[k] {
+            k += 1;
             continue;
         }
-        covered += e_end.min(end) - off.max(f.offset);
-        hits.push(i(off));
-        if off < f.offset {
-            pieces.push((off, f.offset - off, etxg));
+        let first = k;
+        while joined[k] {
+            k += 1;
         }
-        if e_end > end {
-            pieces.push((end, e_end - end, etxg));
+        for r in &mut run_of[first..=k] {
+            *r = runs.len();
         }
+        runs.push((first, k));
+        k += 1;
     }
-    if covered != f.size {
-        return Err(format!(
-            "txg {txg}: free of {f} covers {covered} of its {} bytes in the store",
-            f.size
-        ));
+    let mut per_run: Vec<Vec<(SpaceChangeKind, u64, u64)>> = vec![Vec::new(); runs.len()];
+    for (c, le) in changes.iter().zip(owner) {
+        per_run[run_of[le]].push(*c);
     }
-    for off in hits {
-        sqlx::query("DELETE FROM extents WHERE vdev = ? AND offset = ?")
-            .bind(f.vdev as i64)
-            .bind(off)
-            .execute(&mut **tx)
-            .await
-            .map_err(db)?;
-    }
-    for (off, size, etxg) in pieces {
-        sqlx::query("INSERT INTO extents (vdev, offset, size, txg) VALUES (?, ?, ?, ?)")
-            .bind(f.vdev as i64)
-            .bind(i(off))
-            .bind(i(size))
-            .bind(etxg)
-            .execute(&mut **tx)
-            .await
-            .map_err(db)?;
+    for ((first, last), changes) in runs.into_iter().zip(per_run) {
+        let (kf, kl) = (keys[first], keys[last]);
+        let cur = read_run(&mut **tx, vdev, kf, kl).await?;
+        let out = spacemap::apply(cur, &changes)?;
+        write_run(tx, vdev, Some((kf, kl)), &out).await?;
     }
     Ok(())
+}
+
+/// Move rows of the one-row-per-extent layout (an older binary's) into
+/// space-map chunks, in one transaction. An overlap refuses the store as
+/// inconsistent, with nothing written.
+async fn convert_legacy_rows(db: &SqlitePool) -> Result<u64, String> {
+    let dbe = |e: sqlx::Error| e.to_string();
+    let mut tx = db.begin().await.map_err(dbe)?;
+    let rows: Vec<(i64, i64, i64)> =
+        sqlx::query_as("SELECT vdev, offset, size FROM extents ORDER BY vdev, offset")
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(dbe)?;
+    if rows.is_empty() {
+        return Ok(0);
+    }
+    let mut by_vdev: BTreeMap<u32, Vec<(SpaceChangeKind, u64, u64)>> = BTreeMap::new();
+    for &(v, off, size) in &rows {
+        by_vdev
+            .entry(v as u32)
+            .or_default()
+            .push((SpaceChangeKind::Alloc, u(off), u(size)));
+    }
+    for (vdev, allocs) in &by_vdev {
+        let cur = read_run(&mut *tx, *vdev, 0, i64::MAX as u64).await?;
+        let out = spacemap::apply(cur, allocs)
+            .map_err(|e| format!("it is inconsistent: vdev {vdev}: {e}"))?;
+        write_run(&mut tx, *vdev, Some((0, i64::MAX as u64)), &out).await?;
+    }
+    sqlx::query("DELETE FROM extents")
+        .execute(&mut *tx)
+        .await
+        .map_err(dbe)?;
+    tx.commit().await.map_err(dbe)?;
+    Ok(rows.len() as u64)
 }
 
 impl Store for SqliteStore {
@@ -911,21 +965,29 @@ impl Store for SqliteStore {
         limit: u32,
     ) -> BoxFuture<'_, Result<Vec<Extent>, StoreError>> {
         Box::pin(async move {
-            let rows = sqlx::query(
-                "SELECT offset, size FROM extents WHERE vdev = ? ORDER BY size DESC, offset LIMIT ?",
+            use std::cmp::Reverse;
+            use std::collections::BinaryHeap;
+            let err = |err: String| StoreError(format!("largest extents of vdev {vdev}: {err}"));
+            // A scan of the vdev's chunks keeping the best `limit`: the heap's
+            // top is the worst kept (smallest, then highest offset).
+            let mut best: BinaryHeap<(Reverse<u64>, u64)> = BinaryHeap::new();
+            let mut rows = sqlx::query(
+                "SELECT vdev, start, width, data FROM spacemaps WHERE vdev = ? ORDER BY start",
             )
             .bind(vdev as i64)
-            .bind(limit as i64)
-            .fetch_all(&self.db)
-            .await
-            .map_err(|err| StoreError(format!("largest extents of vdev {vdev}: {err}")))?;
-            Ok(rows
-                .iter()
-                .map(|r| Extent {
-                    vdev,
-                    offset: r.get::<i64, _>(0) as u64,
-                    size: r.get::<i64, _>(1) as u64,
-                })
+            .fetch(&self.db);
+            while let Some(r) = rows.try_next().await.map_err(|e| err(e.to_string()))? {
+                for (offset, size) in chunk_of_row(&r).map_err(err)?.iter() {
+                    best.push((Reverse(size), offset));
+                    if best.len() > limit as usize {
+                        best.pop();
+                    }
+                }
+            }
+            Ok(best
+                .into_sorted_vec()
+                .into_iter()
+                .map(|(Reverse(size), offset)| Extent { vdev, offset, size })
                 .collect())
         })
     }
@@ -933,39 +995,41 @@ impl Store for SqliteStore {
     fn allocated_overlapping(&self, e: Extent) -> BoxFuture<'_, Result<Vec<Extent>, StoreError>> {
         Box::pin(async move {
             let db = |err: sqlx::Error| StoreError(format!("extents overlapping {e}: {err}"));
-            let end = e.offset.saturating_add(e.size);
-            // By the primary key (vdev, offset): the extent starting before
-            // `e`, then those starting inside it.
-            let mut rows = sqlx::query(
-                "SELECT offset, size FROM extents WHERE vdev = ? AND offset < ? \
-                 ORDER BY offset DESC LIMIT 1",
+            let end = e.offset.saturating_add(e.size).min(i64::MAX as u64);
+            // By the key (vdev, start): the chunk starting last at or before
+            // `e`, then those starting inside it (see `spacemap`); each
+            // searched in place, not decoded.
+            let rows = sqlx::query(
+                "SELECT start, width, data FROM spacemaps
+                 WHERE vdev = ?1 AND start < ?3 AND start >= COALESCE(
+                     (SELECT MAX(start) FROM spacemaps WHERE vdev = ?1 AND start <= ?2), ?2)
+                 ORDER BY start",
             )
             .bind(e.vdev as i64)
-            .bind(i(e.offset))
+            .bind(i(e.offset.min(i64::MAX as u64)))
+            .bind(i(end))
             .fetch_all(&self.db)
             .await
             .map_err(db)?;
-            rows.extend(
-                sqlx::query(
-                    "SELECT offset, size FROM extents WHERE vdev = ? AND offset >= ? AND offset < ? \
-                     ORDER BY offset",
+            let mut out = Vec::new();
+            for r in &rows {
+                let (start, width): (i64, i64) = (r.get(0), r.get(1));
+                let data: &[u8] = r.get(2);
+                let hits = spacemap::overlapping_in(
+                    u(start),
+                    u8::try_from(width).unwrap_or(0),
+                    data,
+                    e.offset,
+                    end,
                 )
-                .bind(e.vdev as i64)
-                .bind(i(e.offset))
-                .bind(i(end))
-                .fetch_all(&self.db)
-                .await
-                .map_err(db)?,
-            );
-            Ok(rows
-                .into_iter()
-                .map(|r| Extent {
+                .map_err(|err| StoreError(format!("extents overlapping {e}: {err}")))?;
+                out.extend(hits.into_iter().map(|(offset, size)| Extent {
                     vdev: e.vdev,
-                    offset: u(r.get(0)),
-                    size: u(r.get(1)),
-                })
-                .filter(|x| x.offset + x.size > e.offset)
-                .collect())
+                    offset,
+                    size,
+                }));
+            }
+            Ok(out)
         })
     }
 

@@ -11,6 +11,8 @@ use std::sync::Mutex;
 use futures_util::future::BoxFuture;
 use metaslab::{Extent, SpaceChangeKind, Txg, TxgSync, VdevId, VdevSpec};
 
+use crate::spacemap::Extents;
+
 /// A vdev as the store keeps it (the identity that survives restarts).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct VdevRecord {
@@ -82,8 +84,9 @@ pub struct Persisted {
     pub synced_txg: Txg,
     pub vdevs: Vec<VdevRecord>,
     /// Durable allocated extents (deferred frees not yet reusable included:
-    /// after a restart they are simply free, as nothing references them).
-    pub allocated: Vec<Extent>,
+    /// after a restart they are simply free, as nothing references them),
+    /// in `(vdev, offset)` order, compactly (`crate::spacemap`).
+    pub allocated: Extents,
     /// Tunables set at run time, `(name, value)`, in the order they were set.
     pub tunables: Vec<(String, String)>,
     /// Vdevs whose administrative state is not `Online`.
@@ -269,7 +272,7 @@ impl Store for MemStore {
             pool_guid: s.pool_guid,
             synced_txg: s.synced_txg,
             vdevs: s.vdevs.values().cloned().collect(),
-            allocated: s.allocated.iter().copied().collect(),
+            allocated: Extents::from(s.allocated.iter().copied().collect::<Vec<_>>()),
             tunables: s.tunables.clone(),
             vdev_states: s.vdev_states.clone(),
         });
@@ -454,6 +457,9 @@ mod tests {
             .unwrap();
         assert_eq!(p.pool_guid, 7);
         assert_eq!(p.synced_txg, 5);
-        assert_eq!(p.allocated, vec![ext(0, 4096), ext(8192, 8192)]);
+        assert_eq!(
+            p.allocated.iter().collect::<Vec<_>>(),
+            vec![ext(0, 4096), ext(8192, 8192)]
+        );
     }
 }

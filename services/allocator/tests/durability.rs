@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use aliquot_allocator::spacemap::Chunk;
 use aliquot_allocator::sqlite_store::{self, OpenError};
 use aliquot_allocator::store::{Persisted, StoreError, TxgRecord};
 use aliquot_allocator::{Config, MemStore, SqliteStore, Store};
@@ -216,6 +217,41 @@ async fn refused(path: &Path, pool: &str, guid: Option<u64>) -> OpenError {
     }
 }
 
+/// The space-map chunk holding extent `k` (the last starting at or before it).
+async fn chunk_holding(c: &mut sqlx::SqliteConnection, k: &pb::Extent) -> Chunk {
+    let (start, width, data): (i64, i64, Vec<u8>) = sqlx::query_as(
+        "SELECT start, width, data FROM spacemaps WHERE vdev = ? AND start <= ?
+         ORDER BY start DESC LIMIT 1",
+    )
+    .bind(k.vdev as i64)
+    .bind(k.offset as i64)
+    .fetch_one(&mut *c)
+    .await
+    .unwrap();
+    Chunk::new(k.vdev, start as u64, width as u8, data).unwrap()
+}
+
+/// Overwrite `old`'s row with a chunk of `extents` (none: just delete it).
+async fn replace_chunk(c: &mut sqlx::SqliteConnection, old: &Chunk, extents: &[(u64, u64)]) {
+    sqlx::query("DELETE FROM spacemaps WHERE vdev = ? AND start = ?")
+        .bind(old.vdev as i64)
+        .bind(old.start as i64)
+        .execute(&mut *c)
+        .await
+        .unwrap();
+    if !extents.is_empty() {
+        let n = Chunk::encode(old.vdev, extents);
+        sqlx::query("INSERT INTO spacemaps (vdev, start, width, data) VALUES (?, ?, ?, ?)")
+            .bind(n.vdev as i64)
+            .bind(n.start as i64)
+            .bind(n.width as i64)
+            .bind(n.data)
+            .execute(&mut *c)
+            .await
+            .unwrap();
+    }
+}
+
 async fn rw(path: &Path) -> sqlx::SqliteConnection {
     let o = sqlx::sqlite::SqliteConnectOptions::new().filename(path);
     sqlx::SqliteConnection::connect_with(&o).await.unwrap()
@@ -323,17 +359,16 @@ async fn untrusted_stores_are_refused_and_left_untouched() {
         .unwrap_err();
     assert!(e.contains("overlaps"), "{e}");
 
-    // A lost row: the per-vdev sum no longer matches.
+    // A lost extent (dropped from its space-map chunk): the per-vdev sum
+    // no longer matches.
     let lost = dir.path().join("lost.db");
     std::fs::write(&lost, &before).unwrap();
     {
         let mut c = rw(&lost).await;
-        sqlx::query("DELETE FROM extents WHERE vdev = ? AND offset = ?")
-            .bind(k.vdev as i64)
-            .bind(k.offset as i64)
-            .execute(&mut c)
-            .await
-            .unwrap();
+        let chunk = chunk_holding(&mut c, &k).await;
+        let rest: Vec<(u64, u64)> = chunk.iter().filter(|e| e.0 != k.offset).collect();
+        assert_eq!(rest.len() + 1, chunk.len(), "k is in its chunk");
+        replace_chunk(&mut c, &chunk, &rest).await;
         c.close().await.unwrap();
     }
     let snap = bytes(&lost);
@@ -351,6 +386,38 @@ async fn untrusted_stores_are_refused_and_left_untouched() {
         "{e}"
     );
     assert_eq!(bytes(&lost), snap);
+
+    // An extent written twice into its space-map chunk (sums kept right):
+    // refused at start, naming the overlap; the file untouched.
+    let twice = dir.path().join("twice");
+    std::fs::create_dir_all(&twice).unwrap();
+    let tp = db_path(&twice);
+    std::fs::write(&tp, &before).unwrap();
+    {
+        let mut c = rw(&tp).await;
+        let chunk = chunk_holding(&mut c, &k).await;
+        let mut dup: Vec<(u64, u64)> = chunk.iter().collect();
+        dup.push((k.offset, k.size));
+        dup.sort();
+        replace_chunk(&mut c, &chunk, &dup).await;
+        sqlx::query("UPDATE vdevs SET allocated = allocated + ? WHERE id = ?")
+            .bind(k.size as i64)
+            .bind(k.vdev as i64)
+            .execute(&mut c)
+            .await
+            .unwrap();
+        c.close().await.unwrap();
+    }
+    let snap = bytes(&tp);
+    let mut c = Config::with_listen("127.0.0.1:0".parse().unwrap());
+    c.data_dir = twice.clone();
+    let e = aliquot_allocator::run(c).await.unwrap_err().to_string();
+    assert!(
+        e.contains("inconsistent")
+            && e.contains(&format!("overlaps extent {}:{:#x}", k.vdev, k.offset)),
+        "{e}"
+    );
+    assert_eq!(bytes(&tp), snap, "an inconsistent store is not repaired");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -677,7 +744,10 @@ async fn frees_split_stored_extents_in_one_transaction() {
     assert!(store.persist(&bad).await.is_err());
     let p = store.load().await.unwrap().unwrap();
     assert_eq!(p.synced_txg, 5);
-    assert_eq!(p.allocated, vec![e(0, 4096), e(12288, 4096)]);
+    assert_eq!(
+        p.allocated.iter().collect::<Vec<_>>(),
+        vec![e(0, 4096), e(12288, 4096)]
+    );
     aliquot_allocator::recovery::verify(&p).expect("consistent");
     store.close().await;
 }
@@ -735,4 +805,260 @@ async fn expand_vdev_grows_durably_and_refuses_shrinking_and_oversize() {
     assert_eq!(vs.capacity, GIB, "the expansion survived the crash");
     h.server.shutdown().await.unwrap();
     store.close().await;
+}
+
+/// The space-map store against the reference (`MemStore`, one set entry per
+/// extent) over many txgs of mixed changes on two vdevs: more extents than
+/// fit one chunk, exact frees, frees splitting an extent, frees spanning
+/// two touching extents, reallocation of freed space, an allocation freed
+/// in its own txg. After every txg both load the same extents and answer
+/// the same overlap and largest-extent queries; the file also reopens to
+/// the same state, and a file in the old one-row-per-extent layout is moved
+/// into space maps at open without a change of content.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn space_maps_match_the_reference_store() {
+    use std::collections::BTreeMap;
+
+    use metaslab::{Extent, SpaceChange, SpaceChangeKind, TxgSync, VdevRole, VdevSpec};
+    use rand::rngs::SmallRng;
+    use rand::{Rng, SeedableRng};
+
+    const K: u64 = 4096;
+    let dir = tempfile::tempdir().unwrap();
+    let path = db_path(dir.path());
+    let store = open(&path).await;
+    let mem = MemStore::new();
+    store.create(5).await.unwrap();
+    mem.create(5).await.unwrap();
+    let vdev = |id| aliquot_allocator::store::VdevRecord {
+        id,
+        guid: 9 + id as u64,
+        name: format!("v{id}"),
+        endpoint: "http://127.0.0.1:1".into(),
+        spec: VdevSpec {
+            capacity: 64 * GIB,
+            ashift: 12,
+            children: 1,
+            parity: 0,
+            rotational: false,
+            role: VdevRole::Normal,
+            metaslab_shift: Some(30),
+        },
+    };
+    let mut rng = SmallRng::seed_from_u64(14);
+    // What is allocated, per vdev: offset -> size.
+    let mut live: [BTreeMap<u64, u64>; 2] = [BTreeMap::new(), BTreeMap::new()];
+    let mut cursor = [0u64; 2];
+    let mut holes: Vec<Extent> = Vec::new();
+    let alloc =
+        |v: u32, live: &mut [BTreeMap<u64, u64>; 2], e: Extent, out: &mut Vec<SpaceChange>| {
+            live[v as usize].insert(e.offset, e.size);
+            out.push(SpaceChange {
+                kind: SpaceChangeKind::Alloc,
+                extent: e,
+            });
+        };
+    let free = |e: Extent, out: &mut Vec<SpaceChange>| {
+        out.push(SpaceChange {
+            kind: SpaceChangeKind::Free,
+            extent: e,
+        })
+    };
+    for txg in 4..24u64 {
+        let mut ch: Vec<SpaceChange> = Vec::new();
+        let n_alloc = if txg == 4 {
+            9000
+        } else {
+            rng.random_range(0..400)
+        };
+        for _ in 0..n_alloc {
+            let v = if rng.random_bool(0.9) { 0 } else { 1 };
+            // Touching runs now and then, so a free can span two extents.
+            let gap = if rng.random_bool(0.3) {
+                0
+            } else {
+                K * rng.random_range(1..4)
+            };
+            let e = Extent {
+                vdev: v,
+                offset: cursor[v as usize] + gap,
+                size: K * rng.random_range(1..5),
+            };
+            cursor[v as usize] = e.offset + e.size;
+            alloc(v, &mut live, e, &mut ch);
+        }
+        // Freed space of earlier txgs, allocated again.
+        for e in std::mem::take(&mut holes) {
+            if rng.random_bool(0.5) {
+                alloc(e.vdev, &mut live, e, &mut ch);
+            }
+        }
+        if txg > 4 {
+            for _ in 0..rng.random_range(50..600) {
+                let v = if rng.random_bool(0.9) { 0 } else { 1 };
+                let m = &mut live[v as usize];
+                if m.is_empty() {
+                    continue;
+                }
+                let at = rng.random_range(0..cursor[v as usize]);
+                let Some((&off, &size)) = m.range(at..).next() else {
+                    continue;
+                };
+                let e = Extent {
+                    vdev: v,
+                    offset: off,
+                    size,
+                };
+                match rng.random_range(0..10) {
+                    // A middle block of a longer extent: a split.
+                    0 if size >= 3 * K => {
+                        m.remove(&off);
+                        m.insert(off, K);
+                        m.insert(off + 2 * K, size - 2 * K);
+                        free(
+                            Extent {
+                                offset: off + K,
+                                size: K,
+                                ..e
+                            },
+                            &mut ch,
+                        );
+                    }
+                    // This extent and the next when they touch.
+                    1 => {
+                        let next = m.range(off + size..).next().map(|(&o, &s)| (o, s));
+                        m.remove(&off);
+                        match next {
+                            Some((o, s)) if o == off + size => {
+                                m.remove(&o);
+                                free(
+                                    Extent {
+                                        size: size + s,
+                                        ..e
+                                    },
+                                    &mut ch,
+                                );
+                            }
+                            _ => free(e, &mut ch),
+                        }
+                    }
+                    _ => {
+                        m.remove(&off);
+                        free(e, &mut ch);
+                        holes.push(e);
+                    }
+                }
+            }
+        }
+        // An allocation freed in its own txg.
+        let e = Extent {
+            vdev: 1,
+            offset: cursor[1] + K,
+            size: K,
+        };
+        cursor[1] += 2 * K;
+        ch.push(SpaceChange {
+            kind: SpaceChangeKind::Alloc,
+            extent: e,
+        });
+        free(e, &mut ch);
+        let rec = TxgRecord {
+            sync: TxgSync {
+                txg,
+                changes: ch,
+                undeferred_bytes: 0,
+            },
+            vdevs: if txg == 4 {
+                vec![vdev(0), vdev(1)]
+            } else {
+                vec![]
+            },
+            ..Default::default()
+        };
+        store.persist(&rec).await.unwrap();
+        mem.persist(&rec).await.unwrap();
+        let (a, b) = (
+            store.load().await.unwrap().unwrap(),
+            mem.load().await.unwrap().unwrap(),
+        );
+        assert_eq!(a.allocated, b.allocated, "txg {txg}");
+        let want: Vec<Extent> = (0..2u32)
+            .flat_map(|v| {
+                live[v as usize].iter().map(move |(&offset, &size)| Extent {
+                    vdev: v,
+                    offset,
+                    size,
+                })
+            })
+            .collect();
+        assert!(a.allocated.iter().eq(want.iter().copied()), "txg {txg}");
+        for _ in 0..20 {
+            let v = rng.random_range(0..2u32);
+            let probe = Extent {
+                vdev: v,
+                offset: K * rng.random_range(0..cursor[v as usize] / K + 2),
+                size: K * rng.random_range(1..40),
+            };
+            assert_eq!(
+                store.allocated_overlapping(probe).await.unwrap(),
+                mem.allocated_overlapping(probe).await.unwrap(),
+                "txg {txg}: {probe}"
+            );
+        }
+        for v in 0..2 {
+            assert_eq!(
+                store.largest_extents(v, 7).await.unwrap(),
+                mem.largest_extents(v, 7).await.unwrap()
+            );
+        }
+    }
+    let want = mem.load().await.unwrap().unwrap();
+    aliquot_allocator::recovery::verify(&want).expect("consistent");
+    store.close().await;
+    let store = open(&path).await;
+    assert_eq!(
+        store.load().await.unwrap().unwrap().allocated,
+        want.allocated
+    );
+    store.close().await;
+
+    // The same content in the old layout: one row per extent.
+    {
+        let mut c = rw(&path).await;
+        sqlx::query("DELETE FROM spacemaps")
+            .execute(&mut c)
+            .await
+            .unwrap();
+        for e in want.allocated.iter() {
+            sqlx::query("INSERT INTO extents (vdev, offset, size, txg) VALUES (?, ?, ?, 1)")
+                .bind(e.vdev as i64)
+                .bind(e.offset as i64)
+                .bind(e.size as i64)
+                .execute(&mut c)
+                .await
+                .unwrap();
+        }
+        c.close().await.unwrap();
+    }
+    let (_, old) = sqlite_store::read_only(&path).await.unwrap().unwrap();
+    assert_eq!(old.allocated, want.allocated, "read without converting");
+    let store = open(&path).await;
+    assert_eq!(
+        store.load().await.unwrap().unwrap().allocated,
+        want.allocated
+    );
+    store.close().await;
+    let mut c = rw(&path).await;
+    let (rows, chunks): (i64, i64) =
+        sqlx::query_as("SELECT (SELECT COUNT(*) FROM extents), (SELECT COUNT(*) FROM spacemaps)")
+            .fetch_one(&mut c)
+            .await
+            .unwrap();
+    assert_eq!(rows, 0, "moved out of the old table");
+    assert!(
+        chunks >= 3,
+        "{chunks} chunks for {} extents",
+        want.allocated.len()
+    );
+    c.close().await.unwrap();
 }

@@ -1092,6 +1092,7 @@ impl<P: SimPool> Sim<'_, P> {
 
     /// Hand a written block to the pool: submit, and allocate once admitted.
     fn issue_data(&mut self, req: Req) -> anyhow::Result<()> {
+        self.pool.prefer_allocator(req.stream as usize);
         let r = AllocRequest {
             kind: AllocKind::Data,
             size: req.size,
@@ -1956,6 +1957,7 @@ mod tests {
         fn open_txg(&self) -> Txg {
             self.txg
         }
+        fn prefer_allocator(&mut self, _: usize) {}
         fn submit(&mut self, req: AllocRequest) -> PResult<Submitted> {
             self.ticket += 1;
             self.pending.insert(self.ticket, req);

@@ -1,7 +1,9 @@
 //! Comparison with measured OpenZFS pools (`scenarios/calibration/*.log`,
 //! copied from the shared calibration folder): per-vdev used % at given
 //! pool-fill points and the largest used-% spread, for a measured log and
-//! for a simulated run, so the two can be set side by side.
+//! for a simulated run, so the two can be set side by side; for the t5c
+//! rewrite experiment also the device bytes each vdev wrote in each quarter
+//! of a rewrite pass.
 
 use anyhow::{Context, bail};
 
@@ -50,9 +52,12 @@ impl FillCurve {
                     .parse()
                     .with_context(|| format!("row {}: column {}", n + 2, header[i]))
             };
+            // Rows written before a vdev was added (t5c's fill) are shorter:
+            // they end before that vdev's columns (then `spread_pp`).
+            let present = used.iter().filter(|&&i| i + 1 < f.len()).count().max(1);
             rows.push(FillRow {
                 fill_pct: num(fill)?,
-                used_pct: used
+                used_pct: used[..present]
                     .iter()
                     .map(|&i| num(i))
                     .collect::<anyhow::Result<_>>()?,
@@ -171,5 +176,168 @@ impl Comparison {
             100.0 * (self.simulated_spread - self.measured_spread) / self.measured_spread.max(1e-9)
         );
         out
+    }
+}
+
+/// Device MB (10⁶ bytes) each vdev wrote in each quarter of one rewrite
+/// pass: `mb[quarter][vdev]`. Quarters are of the pass's data (measured:
+/// the application's bytes, `app_MiB`; simulated: the data committed, which
+/// trails it by up to a txg, a few % of a pass).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PassQuarters {
+    pub mb: Vec<Vec<f64>>,
+}
+
+impl PassQuarters {
+    /// From a log's rows of `phase` (`rewrite1`, ...): each row's
+    /// `vN_write_MBps` times the time since the previous row, added to the
+    /// quarter the row's `app_MiB` ends in. None without such rows.
+    pub fn from_log(text: &str, phase: &str) -> anyhow::Result<Option<PassQuarters>> {
+        let mut lines = text
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty());
+        let header: Vec<&str> = lines.next().context("no CSV header")?.split(',').collect();
+        let col = |name: &str| {
+            header
+                .iter()
+                .position(|h| *h == name)
+                .with_context(|| format!("no {name} column"))
+        };
+        let (ph, t, app) = (col("phase")?, col("t_s")?, col("app_MiB")?);
+        let rates: Vec<usize> = (0..)
+            .map_while(|i| col(&format!("v{i}_write_MBps")).ok())
+            .collect();
+        let rows: Vec<Vec<&str>> = lines.map(|l| l.split(',').collect()).collect();
+        let Some(first) = rows.iter().position(|r| r.get(ph) == Some(&phase)) else {
+            return Ok(None);
+        };
+        if first == 0 {
+            bail!("{phase} starts the log: no row before it");
+        }
+        let num = |r: &[&str], i: usize| -> anyhow::Result<f64> {
+            r.get(i)
+                .context("short row")?
+                .parse::<f64>()
+                .with_context(|| format!("column {}", header[i]))
+        };
+        let pass: Vec<&Vec<&str>> = rows[first..]
+            .iter()
+            .take_while(|r| r.get(ph) == Some(&phase))
+            .collect();
+        let a0 = num(&rows[first - 1], app)?;
+        let a1 = num(pass.last().expect("one row at least"), app)?;
+        let mut t_prev = num(&rows[first - 1], t)?;
+        let mut mb = vec![vec![0.0; rates.len()]; 4];
+        for r in pass {
+            let t_now = num(r, t)?;
+            let f = (num(r, app)? - a0) / (a1 - a0).max(1e-9);
+            let q = ((f * 4.0 - 1e-9).max(0.0) as usize).min(3);
+            for (v, &c) in rates.iter().enumerate() {
+                mb[q][v] += num(r, c)? * (t_now - t_prev);
+            }
+            t_prev = t_now;
+        }
+        Ok(Some(PassQuarters { mb }))
+    }
+
+    /// From a simulated run: pass `pass` (0 = the first pass over the
+    /// data) of `passes`, by data committed; each vdev's device bytes
+    /// between the quarter boundaries.
+    pub fn from_run(r: &RunResult, pass: u32, passes: u32) -> PassQuarters {
+        let per_pass = r.bytes_planned / passes.max(1) as u64;
+        let n = r.samples.last().map_or(0, |s| s.vdevs.len());
+        let at = |c: u64| {
+            let s = r
+                .samples
+                .iter()
+                .find(|s| s.committed >= c)
+                .or(r.samples.last());
+            (0..n)
+                .map(|v| s.and_then(|s| s.vdevs.get(v)).map_or(0, |x| x.bytes_done))
+                .collect::<Vec<u64>>()
+        };
+        let start = per_pass * pass as u64;
+        let mb = (0..4u64)
+            .map(|q| {
+                let a = at(start + per_pass * q / 4);
+                let b = at(start + per_pass * (q + 1) / 4);
+                a.iter()
+                    .zip(&b)
+                    .map(|(a, b)| b.saturating_sub(*a) as f64 / 1e6)
+                    .collect()
+            })
+            .collect();
+        PassQuarters { mb }
+    }
+
+    /// The last vdev's share of each quarter's device bytes, in %.
+    pub fn new_share_pct(&self) -> Vec<f64> {
+        self.mb
+            .iter()
+            .map(|q| {
+                let total: f64 = q.iter().sum();
+                100.0 * q.last().copied().unwrap_or(0.0) / total.max(1e-9)
+            })
+            .collect()
+    }
+
+    /// Measured beside simulated, one line per quarter.
+    pub fn table(measured: &PassQuarters, simulated: &PassQuarters) -> String {
+        let f = |v: &[f64]| {
+            v.iter()
+                .map(|x| format!("{x:.0}"))
+                .collect::<Vec<_>>()
+                .join("/")
+        };
+        let (ms, ss) = (measured.new_share_pct(), simulated.new_share_pct());
+        let mut out = String::from(
+            "quarter  measured MB  simulated MB  last vdev's share measured · simulated\n",
+        );
+        for q in 0..4 {
+            out += &format!(
+                "  {}      {:<12} {:<13} {:.0} % · {:.0} %\n",
+                q + 1,
+                f(measured.mb.get(q).map_or(&[][..], |v| v)),
+                f(simulated.mb.get(q).map_or(&[][..], |v| v)),
+                ms.get(q).copied().unwrap_or(0.0),
+                ss.get(q).copied().unwrap_or(0.0)
+            );
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fill row before the add (one vdev: shorter), then a pass of four
+    /// rows, one per quarter of its 400 MiB.
+    const LOG: &str = "# made up\n\
+phase,t_s,app_MiB,pool_fill_pct,v0_used_pct,v0_write_MBps,v1_used_pct,v1_write_MBps,spread_pp\n\
+fill,10.0,400,90.0,90.0,50.0,90.0\n\
+rewrite1,11.0,500,45.0,80.0,10.0,10.0,90.0,70.0\n\
+rewrite1,12.0,600,45.0,70.0,20.0,20.0,80.0,50.0\n\
+rewrite1,14.0,700,45.0,60.0,30.0,30.0,70.0,30.0\n\
+rewrite1,15.0,800,45.0,50.0,40.0,40.0,60.0,10.0\n";
+
+    #[test]
+    fn pass_quarters_integrate_rates_and_short_rows_parse() {
+        let q = PassQuarters::from_log(LOG, "rewrite1").unwrap().unwrap();
+        // Rate × seconds since the previous row, per quarter.
+        assert_eq!(
+            q.mb,
+            vec![
+                vec![10.0, 90.0],
+                vec![20.0, 80.0],
+                vec![60.0, 140.0],
+                vec![40.0, 60.0]
+            ]
+        );
+        assert_eq!(q.new_share_pct(), vec![90.0, 80.0, 70.0, 60.0]);
+        assert!(PassQuarters::from_log(LOG, "rewrite2").unwrap().is_none());
+        let f = FillCurve::from_log(LOG).unwrap();
+        assert_eq!(f.rows.len(), 1);
+        assert_eq!(f.rows[0].used_pct, vec![90.0], "the fill row has one vdev");
     }
 }

@@ -223,6 +223,15 @@ pub fn execute(cli: Cli) -> Result<(), CliError> {
             crate::chart::compare_chart(&chart, &title, &r.vdev_names, &measured, &simulated)
                 .map_err(CliError::Run)?;
             print!("{}", c.table());
+            // A rewrite experiment (t5c): the first rewrite pass by quarters.
+            if let Some(m) = crate::calibration::PassQuarters::from_log(&text, "rewrite1")
+                .map_err(|e| CliError::Run(e.context(format!("{}", log.display()))))?
+            {
+                let passes = sc.load.as_ref().map_or(1, |l| l.passes);
+                let s = crate::calibration::PassQuarters::from_run(&r, 1, passes);
+                println!("first rewrite pass (rewrite1):");
+                print!("{}", crate::calibration::PassQuarters::table(&m, &s));
+            }
             println!("({}) wrote {}", r.stop_reason, chart.display());
             Ok(())
         }

@@ -6,7 +6,10 @@
 //! allocation is committed when every copy's write has completed; an
 //! overwrite frees the block's previous extents at that moment, as a
 //! copy-on-write pool frees the old block in the txg of the new one. The pool
-//! syncs every `zfs_txg_timeout`. The simulator only moves time and bytes:
+//! syncs every `zfs_txg_timeout`. Devices are one queue per top-level vdev
+//! (`device.rs`) or a vdev queue per leaf (`leaf.rs`); with the pipeline a
+//! syncing txg also writes its metadata as ditto blocks, and metaslab loads
+//! the pool reports cost time. The simulator only moves time and bytes:
 //! where and when data may go is the pool's answer.
 
 use std::cmp::Reverse;
@@ -1089,6 +1092,7 @@ impl<P: SimPool> Sim<'_, P> {
 
     /// Hand a written block to the pool: submit, and allocate once admitted.
     fn issue_data(&mut self, req: Req) -> anyhow::Result<()> {
+        self.pool.prefer_allocator(req.stream as usize);
         let r = AllocRequest {
             kind: AllocKind::Data,
             size: req.size,
@@ -1953,6 +1957,7 @@ mod tests {
         fn open_txg(&self) -> Txg {
             self.txg
         }
+        fn prefer_allocator(&mut self, _: usize) {}
         fn submit(&mut self, req: AllocRequest) -> PResult<Submitted> {
             self.ticket += 1;
             self.pending.insert(self.ticket, req);

@@ -48,7 +48,11 @@ pub fn build_pool(sc: &Scenario, run: &RunSpec) -> Result<Pool, ScenarioError> {
             reason: e.to_string(),
         })?;
     }
-    Ok(Pool::new(t))
+    let mut pool = Pool::new(t);
+    if let Some(cpus) = sc.cpus {
+        pool.set_cpus(cpus);
+    }
+    Ok(pool)
 }
 
 /// Which vdevs (in id order) are dedicated log devices: they are left out of

@@ -213,6 +213,9 @@ struct RawScenario {
     /// What a metaslab load costs a data allocation (default 0: free).
     #[serde(default)]
     metaslab_load_cost: Option<Dur>,
+    /// The machine's CPUs: `spa_alloc_count` (default: one allocator).
+    #[serde(default)]
+    cpus: Option<u64>,
     #[serde(default)]
     vdev: Vec<RawVdev>,
     #[serde(default)]
@@ -367,6 +370,9 @@ pub struct Scenario {
     /// Nanoseconds a data allocation waits per metaslab it loaded (OpenZFS
     /// loads it in the allocating thread, in the txg sync); 0 = free.
     pub metaslab_load_cost: u64,
+    /// CPUs of the modelled machine, from which the pool derives
+    /// `spa_alloc_count` (`Pool::set_cpus`); None = one allocator.
+    pub cpus: Option<u64>,
     pub vdevs: Vec<VdevModel>,
     pub events: Vec<Event>,
     /// In file order; sim-level names (see [`SIM_TUNABLES`]) included.
@@ -862,6 +868,10 @@ impl Scenario {
             load,
             device_model,
             metaslab_load_cost: raw.metaslab_load_cost.map(|d| d.0).unwrap_or(0),
+            cpus: match raw.cpus {
+                Some(0) => return Err(invalid("cpus", "must be at least 1")),
+                c => c,
+            },
             vdevs,
             events,
             tunables,
@@ -1165,6 +1175,11 @@ write_bandwidth = "500MiB/s"
         assert_eq!(s.metaslab_load_cost, 1_000_000_000);
         let e = err(&top("device_model = \"quantum\""));
         assert!(e.starts_with("device_model:"), "{e}");
+        assert_eq!(
+            Scenario::from_toml(&top("cpus = 16")).unwrap().cpus,
+            Some(16)
+        );
+        assert!(err(&top("cpus = 0")).starts_with("cpus:"));
         let disk = format!("{MIN}rotational = true\nseek = \"12ms\"\nrotation = \"8333us\"\n");
         let v = &Scenario::from_toml(&disk).unwrap().vdevs[0];
         assert_eq!((v.seek, v.rotation), (12_000_000, 8_333_000));

@@ -186,6 +186,13 @@ impl Pool {
     }
 }
 
+/// Moves the manifest's journal leaves pending (neither moved nor dropped).
+fn unresolved(manifest: &Path) -> u64 {
+    let body = std::fs::read_to_string(manifest).unwrap();
+    let count = |k: &str| body.lines().filter(|l| l.starts_with(k)).count() as u64;
+    count("{\"pending\"") - count("{\"moved\"") - count("{\"dropped\"")
+}
+
 fn report(out: &std::process::Output) -> serde_json::Value {
     assert!(
         out.status.success(),
@@ -363,33 +370,39 @@ fn a_mover_killed_mid_plan_resumes_without_losing_or_leaking_a_block() {
     let tmp = tempfile::tempdir().unwrap();
     let p = filled(tmp.path());
     let slow = args!["--rate", "16MiB/s", "--concurrency", "1", "--no-progress"];
-    // Aborted right after journaling a pending move (its Commit not sent):
-    // the resumed run aborts that relocation, the block stays put.
+    // Aborted right after journaling a batch's pending moves (its Commit not
+    // sent): the resumed run aborts those relocations, the blocks stay put.
     let out = p
         .execute_child(&slow, Some("mover-after-pending:3"))
         .wait_with_output()
         .unwrap();
     assert!(!out.status.success(), "the failpoint aborts the mover");
+    let open = unresolved(&p.manifest());
+    assert!(open >= 1, "the journal holds the batch's pending moves");
     let r = report(
         &p.execute_child(&args!["--max-plans", "1", "--no-progress"], None)
             .wait_with_output()
             .unwrap(),
     );
-    assert_eq!(r["resumed_dropped"].as_u64(), Some(1), "{r}");
+    assert_eq!(r["resumed_dropped"].as_u64(), Some(open), "{r}");
+    assert_eq!(r["resumed_moved"].as_u64(), Some(0), "{r}");
     p.verify_exclusive();
-    // Aborted after its Commit was answered, before `moved` was journaled:
-    // the resumed run finds the move durable and records it.
+    // Aborted after a batch's Commit was answered, before `moved` was
+    // journaled: the resumed run finds those moves durable and records them.
     let out = p
         .execute_child(&slow, Some("mover-after-commit:2"))
         .wait_with_output()
         .unwrap();
     assert!(!out.status.success());
+    let open = unresolved(&p.manifest());
+    assert!(open >= 1);
     let r = report(
         &p.execute_child(&args!["--max-plans", "1", "--no-progress"], None)
             .wait_with_output()
             .unwrap(),
     );
-    assert_eq!(r["resumed_moved"].as_u64(), Some(1), "{r}");
+    assert_eq!(r["resumed_moved"].as_u64(), Some(open), "{r}");
+    assert_eq!(r["resumed_dropped"].as_u64(), Some(0), "{r}");
     p.verify_exclusive();
     // kill -9 at a random instant, then run to the end.
     let mut child = p.execute_child(&slow, None);

@@ -325,6 +325,44 @@ impl Manifest {
             .map_err(|why| ManifestError::Bad { path, line: 0, why })
     }
 
+    /// Append several records with one fsync (a batch of moves); all are
+    /// checked first, so either all are written or none.
+    pub fn append_all(&mut self, recs: Vec<Record>) -> Result<(), ManifestError> {
+        let path = self.path.display().to_string();
+        let bad = |why| ManifestError::Bad {
+            path: path.clone(),
+            line: 0,
+            why,
+        };
+        for r in &recs {
+            self.check(r).map_err(bad)?;
+        }
+        let io = |err| ManifestError::Io {
+            path: path.clone(),
+            err,
+        };
+        if self.journal.is_none() {
+            self.journal = Some(
+                OpenOptions::new()
+                    .append(true)
+                    .open(&self.path)
+                    .map_err(io)?,
+            );
+        }
+        let mut body = String::new();
+        for r in &recs {
+            body.push_str(&serde_json::to_string(r).expect("record serializes"));
+            body.push('\n');
+        }
+        let f = self.journal.as_mut().expect("opened");
+        f.write_all(body.as_bytes()).map_err(io)?;
+        f.sync_data().map_err(io)?;
+        for r in recs {
+            self.apply(r).map_err(bad)?;
+        }
+        Ok(())
+    }
+
     /// Rewrite the file with the journal folded in (pending moves kept).
     pub fn compact(&mut self) -> Result<(), ManifestError> {
         let blocks: Vec<Block> = self

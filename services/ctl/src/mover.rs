@@ -50,10 +50,15 @@ pub struct ExecuteArgs {
     /// Stop after this many plans.
     #[arg(long, env = "ALIQUOT_BALANCER_MAX_PLANS", default_value_t = 100)]
     pub max_plans: u32,
-    /// Moves in flight at once.
+    /// Moves copied at once.
     #[arg(long, env = "ALIQUOT_BALANCER_CONCURRENCY", default_value_t = 4,
         value_parser = clap::value_parser!(u32).range(1..=256))]
     pub concurrency: u32,
+    /// Moves committed together: one flush per agent, one journal fsync and
+    /// one txg for the batch (1 = a move at a time).
+    #[arg(long, env = "ALIQUOT_BALANCER_BATCH", default_value_t = 16,
+        value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub batch: u32,
     /// Move everything of the manifest off these vdevs (names or ids; they
     /// must be offline: `aliquotctl vdev drain`). The target score is then
     /// ignored: plans go on until the drained vdevs hold none of its blocks.
@@ -177,6 +182,12 @@ enum Outcome {
     Skipped(String),
 }
 
+enum Prep {
+    /// Written to its new extent (not yet flushed), on this endpoint.
+    Ready(Pending, String),
+    Skipped(String),
+}
+
 fn pool_score(st: &PoolStatus) -> f64 {
     st.classes
         .iter()
@@ -192,6 +203,14 @@ fn endpoints(st: &PoolStatus) -> BTreeMap<u32, String> {
 }
 
 impl Mover {
+    fn journal_all(&self, recs: Vec<Record>) -> anyhow::Result<()> {
+        self.manifest
+            .lock()
+            .expect("manifest lock")
+            .append_all(recs)
+            .map_err(Into::into)
+    }
+
     fn journal(&self, rec: Record) -> anyhow::Result<()> {
         self.manifest
             .lock()
@@ -298,20 +317,22 @@ impl Mover {
         )
     }
 
-    /// Move copy `copy` of `block`, now at `from`, as plan `plan_id` says.
-    async fn move_one(
+    /// First half of a move of copy `copy` of `block` (now at `from`):
+    /// Relocate, read and check the copy, write it to the new extent. The
+    /// batch then flushes, journals and commits (`finish`).
+    async fn prepare(
         &self,
         eps: &BTreeMap<u32, String>,
         plan_id: u64,
         block: u64,
         copy: usize,
         from: Ext,
-    ) -> anyhow::Result<Outcome> {
+    ) -> anyhow::Result<Prep> {
         let (len, avoid) = {
             let m = self.manifest.lock().expect("manifest lock");
             let copies = &m.blocks[&block];
             if copies.get(copy).map(|c| c.at) != Some(from) {
-                return Ok(Outcome::Skipped("moved since the plan".into()));
+                return Ok(Prep::Skipped("moved since the plan".into()));
             }
             let avoid: Vec<u32> = copies
                 .iter()
@@ -342,18 +363,35 @@ impl Mover {
                         | ErrorReason::VdevsOffline
                         | ErrorReason::NoSpace
                         | ErrorReason::Fragmented,
-                    ) => Ok(Outcome::Skipped(s.message().to_string())),
+                    ) => Ok(Prep::Skipped(s.message().to_string())),
                     _ => Err(client::status_msg(&format!("relocate block {block}"), &s)),
                 };
             }
         };
-        let to = r
-            .extents
-            .first()
-            .copied()
-            .ok_or_else(|| anyhow::anyhow!("relocate block {block}: no extent in the reply"))?;
-        let id = r.allocation_id;
-        let abort = || async {
+        let (Some(to), Some(ep)) = (r.extents.first().copied(), r.endpoints.first().cloned())
+        else {
+            anyhow::bail!("relocate block {block}: no extent or endpoint in the reply");
+        };
+        if let Err(e) = self.copy(eps, block, from, len, &r).await {
+            self.abort(&[r.allocation_id]).await;
+            return Err(e);
+        }
+        Ok(Prep::Ready(
+            Pending {
+                block,
+                copy,
+                from,
+                to: Ext::from(&to),
+                allocation: r.allocation_id,
+                generation: r.generation,
+            },
+            ep,
+        ))
+    }
+
+    async fn abort(&self, ids: &[u64]) {
+        for &id in ids {
+            // Best effort: an allocation that cannot be aborted expires.
             let _ = self
                 .alloc
                 .clone()
@@ -361,67 +399,109 @@ impl Mover {
                     allocation_ids: vec![id],
                 })
                 .await;
-        };
-        let copied = self.copy(eps, block, from, len, &r).await;
-        if let Err(e) = copied {
-            abort().await;
-            return Err(e);
         }
-        let pending = Pending {
-            block,
-            copy,
-            from,
-            to: Ext::from(&to),
-            allocation: id,
-            generation: r.generation,
-        };
-        self.journal(Record::Pending {
-            block,
-            copy,
-            from,
-            to: pending.to,
-            allocation: id,
-            generation: r.generation,
-        })?;
-        Failpoint::hit(
-            self.failpoint.after_pending,
-            &self.failpoint.pendings,
-            "pending",
-        );
-        let committed = self
-            .alloc
-            .clone()
-            .commit(CommitRequest {
-                allocation_ids: vec![id],
-                wait_synced: true,
-                generation: r.generation,
-            })
-            .await;
-        if committed.is_ok() {
-            Failpoint::hit(
-                self.failpoint.after_commit,
-                &self.failpoint.commits,
-                "commit",
-            );
-        }
-        let moved = match committed {
-            Ok(_) => {
-                self.journal(Record::Moved { allocation: id })?;
-                true
-            }
-            // Expired, restarted, or an answer lost: the allocator knows.
-            Err(_) => self.settle(&pending).await?,
-        };
-        Ok(if moved {
-            Outcome::Moved(from.size)
-        } else {
-            Outcome::Skipped(format!(
-                "relocation {id} of block {block} did not take effect"
-            ))
-        })
     }
 
-    /// Read the copy at `from`, check it, write it to the new extent, flush.
+    /// Second half, for a batch of written moves: flush each agent written
+    /// (on stable storage before a commit can make a copy the only one),
+    /// journal every move `pending` (one fsync), Commit them together
+    /// (wait_synced: one txg for the batch), journal them `moved`. A Commit
+    /// that fails is settled move by move with BalancerStatus.
+    async fn finish(&self, ready: Vec<(Pending, String)>) -> anyhow::Result<Vec<Outcome>> {
+        if ready.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ids: Vec<u64> = ready.iter().map(|(p, _)| p.allocation).collect();
+        let mut eps: Vec<&String> = ready.iter().map(|(_, ep)| ep).collect();
+        eps.sort();
+        eps.dedup();
+        let t = self.timeout;
+        let flushes = eps.iter().map(|ep| async move {
+            let mut d = self.agents.get(ep).await?;
+            tokio::time::timeout(t, d.flush(FlushRequest {}))
+                .await
+                .map_err(|_| anyhow::anyhow!("flush {ep}: no answer in {t:?}"))?
+                .map_err(|s| client::status_msg(&format!("flush {ep}"), &s))?;
+            anyhow::Ok(())
+        });
+        for r in futures_util::future::join_all(flushes).await {
+            if let Err(e) = r {
+                self.abort(&ids).await;
+                return Err(e);
+            }
+        }
+        let records = ready
+            .iter()
+            .map(|(p, _)| Record::Pending {
+                block: p.block,
+                copy: p.copy,
+                from: p.from,
+                to: p.to,
+                allocation: p.allocation,
+                generation: p.generation,
+            })
+            .collect();
+        self.journal_all(records)?;
+        for _ in &ready {
+            Failpoint::hit(
+                self.failpoint.after_pending,
+                &self.failpoint.pendings,
+                "pending",
+            );
+        }
+        // One Commit per allocator generation (a restart mid-batch splits it).
+        let mut by_gen: BTreeMap<u64, Vec<&Pending>> = BTreeMap::new();
+        for (p, _) in &ready {
+            by_gen.entry(p.generation).or_default().push(p);
+        }
+        let mut out = Vec::with_capacity(ready.len());
+        for (generation, group) in by_gen {
+            let committed = self
+                .alloc
+                .clone()
+                .commit(CommitRequest {
+                    allocation_ids: group.iter().map(|p| p.allocation).collect(),
+                    wait_synced: true,
+                    generation,
+                })
+                .await;
+            match committed {
+                Ok(_) => {
+                    Failpoint::hit(
+                        self.failpoint.after_commit,
+                        &self.failpoint.commits,
+                        "commit",
+                    );
+                    self.journal_all(
+                        group
+                            .iter()
+                            .map(|p| Record::Moved {
+                                allocation: p.allocation,
+                            })
+                            .collect(),
+                    )?;
+                    out.extend(group.iter().map(|p| Outcome::Moved(p.from.size)));
+                }
+                // Expired, restarted, or an answer lost: the allocator
+                // knows each one's fate (all or none committed).
+                Err(_) => {
+                    for p in group {
+                        out.push(if self.settle(p).await? {
+                            Outcome::Moved(p.from.size)
+                        } else {
+                            Outcome::Skipped(format!(
+                                "relocation {} of block {} did not take effect",
+                                p.allocation, p.block
+                            ))
+                        });
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Read the copy at `from`, check it, write it to the new extent.
     async fn copy(
         &self,
         eps: &BTreeMap<u32, String>,
@@ -487,11 +567,6 @@ impl Mover {
             )
         })?
         .map_err(|s| client::status_msg(&format!("write block {block} to vdev {}", to.vdev), &s))?;
-        // On stable storage before its commit can make it the only copy.
-        tokio::time::timeout(t, d.flush(FlushRequest {}))
-            .await
-            .map_err(|_| anyhow::anyhow!("flush vdev {}: no answer in {t:?}", to.vdev))?
-            .map_err(|s| client::status_msg(&format!("flush vdev {}", to.vdev), &s))?;
         Ok(())
     }
 }
@@ -644,23 +719,47 @@ pub async fn execute(conn: &AllocatorArgs, args: &ExecuteArgs) -> anyhow::Result
         bar.set_length(mine.iter().map(|(_, _, e)| e.size).sum());
         bar.set_position(0);
         let eps = Arc::new(endpoints(&st));
-        let results: Vec<anyhow::Result<Outcome>> = futures_util::stream::iter(mine)
-            .map(|(b, c, e)| {
-                let (mover, eps) = (mover.clone(), eps.clone());
-                async move {
-                    if mover.stop.load(Ordering::Relaxed) {
-                        return Ok(Outcome::Skipped("interrupted".into()));
-                    }
-                    let o = mover.move_one(&eps, plan.plan_id, b, c, e).await;
-                    if let Ok(Outcome::Moved(bytes)) = &o {
-                        mover.bar.inc(*bytes);
-                    }
-                    o
+        let mut results: Vec<anyhow::Result<Outcome>> = Vec::new();
+        for batch in mine.chunks(args.batch as usize) {
+            if mover.stop.load(Ordering::Relaxed) {
+                results.extend(
+                    batch
+                        .iter()
+                        .map(|_| Ok(Outcome::Skipped("interrupted".into()))),
+                );
+                continue;
+            }
+            let prepared: Vec<anyhow::Result<Prep>> = futures_util::stream::iter(batch.to_vec())
+                .map(|(b, c, e)| {
+                    let (mover, eps) = (mover.clone(), eps.clone());
+                    async move { mover.prepare(&eps, plan.plan_id, b, c, e).await }
+                })
+                .buffer_unordered(args.concurrency as usize)
+                .collect()
+                .await;
+            let mut ready = Vec::new();
+            for p in prepared {
+                match p {
+                    Ok(Prep::Ready(p, ep)) => ready.push((p, ep)),
+                    Ok(Prep::Skipped(why)) => results.push(Ok(Outcome::Skipped(why))),
+                    Err(e) => results.push(Err(e)),
                 }
-            })
-            .buffer_unordered(args.concurrency as usize)
-            .collect()
-            .await;
+            }
+            match mover.finish(ready).await {
+                Ok(outs) => {
+                    for o in outs {
+                        if let Outcome::Moved(bytes) = &o {
+                            mover.bar.inc(*bytes);
+                        }
+                        results.push(Ok(o));
+                    }
+                }
+                Err(e) => results.push(Err(e)),
+            }
+            if results.iter().any(|r| r.is_err()) {
+                break;
+            }
+        }
         let mut first_err = None;
         for r in results {
             match r {

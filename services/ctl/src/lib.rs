@@ -53,7 +53,7 @@ pub enum Cmd {
     Write(write::WriteArgs),
     /// List or set the allocator's tunables.
     Tunables(admin::TunablesArgs),
-    /// A vdev by name or id: offline (not allocatable), online, drain, expand.
+    /// A vdev by name or id: offline (not allocatable), online, drain, remove, expand.
     Vdev(admin::VdevArgs),
     /// Balance history from the metrics service (table or SVG).
     History(history::Args),
@@ -65,7 +65,8 @@ pub enum Cmd {
     Verify(verify::VerifyArgs),
     /// The pool CA: `certs init`, `certs issue --role ROLE NAME`.
     Certs(certs::CertsArgs),
-    /// How balanced the pool is and how to rebalance it: `balancer eval`, `balancer plan`.
+    /// How balanced the pool is and how to rebalance it: `eval`, `plan`, `execute --manifest`
+    /// (the mover), `status`, `verify --manifest`.
     Balancer(balancer::BalancerArgs),
 }
 

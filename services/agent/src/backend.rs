@@ -386,4 +386,25 @@ mod tests {
         assert_eq!(got, want);
         assert_eq!(f.metadata().unwrap().len(), 100 + want.len() as u64);
     }
+
+    #[test]
+    fn file_device_writes_vectored_after_the_label() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = Config::new(BackendKind::File);
+        cfg.path = Some(dir.path().join("dev"));
+        cfg.capacity = Some(8 << 20);
+        let opened = open(&cfg).unwrap();
+        let a = vec![1u8; 4096];
+        let b = vec![2u8; 8192];
+        opened.device.write_vectored_at(4096, &[&a, &b]).unwrap();
+        opened.device.flush().unwrap();
+        let mut got = vec![0u8; 3 * 4096];
+        opened.device.read_at(4096, &mut got).unwrap();
+        assert_eq!(got, [a, b].concat());
+        // The label in front is untouched.
+        let f = File::open(dir.path().join("dev")).unwrap();
+        let mut head = vec![0u8; LABEL_BLOCK];
+        f.read_exact_at(&mut head, 0).unwrap();
+        assert!(matches!(Label::decode(&head), Found::Label(_)));
+    }
 }

@@ -137,11 +137,14 @@ impl Group {
     }
 
     /// `ms`'s free space or fragmentation may have changed: its share of
-    /// the group's fragmentation is recomputed at the next refresh.
-    pub fn note_changed(&mut self, id: u32) {
-        if !self.frag_full {
-            self.frag_changed.push(id);
+    /// the group's fragmentation is recomputed at the next refresh (each
+    /// metaslab listed once, so the list never outgrows the members).
+    pub fn note_changed(&mut self, ms: &mut Metaslab) {
+        if self.frag_full || ms.frag_noted {
+            return;
         }
+        ms.frag_noted = true;
+        self.frag_changed.push(ms.id);
     }
 
     pub fn members(&self) -> impl Iterator<Item = u32> + '_ {
@@ -215,7 +218,7 @@ impl Group {
         self.tree.remove(&key(ms));
         ms.compute_weight(rotational, ms_count, t);
         self.tree.insert(key(ms));
-        self.note_changed(ms.id);
+        self.note_changed(ms);
     }
 
     /// `find_valid_metaslab` (spec §2.6). `holding` are the metaslabs of
@@ -311,7 +314,7 @@ impl Group {
             if m.should_allocate(asize)
                 && let Some(off) = m.df_alloc(asize, ctx.t)
             {
-                self.note_changed(id);
+                self.note_changed(m);
                 if owned {
                     self.may_passivate(ms, id, ctx);
                 }
@@ -352,7 +355,7 @@ impl Group {
         if act >= weight_index(w) + ctx.t.zfs_metaslab_switch_threshold as u32 {
             self.set_weight(m, w);
             m.compute_fragmentation();
-            self.note_changed(id);
+            self.note_changed(m);
             self.passivate(m);
         }
     }
@@ -366,10 +369,11 @@ impl Group {
                 m.fragmentation as u128,
             )
         };
-        if self.frag_full || self.frag_changed.len() > self.tree.len() {
+        if self.frag_full {
             (self.frag_free, self.frag_weighted) = (0, 0);
             for k in &self.tree {
                 let m = &mut ms[k.2 as usize];
+                m.frag_noted = false;
                 m.frag_share = share(m);
                 self.frag_free += m.frag_share.0;
                 self.frag_weighted += m.frag_share.0 * m.frag_share.1;
@@ -379,6 +383,7 @@ impl Group {
         } else {
             for id in self.frag_changed.drain(..) {
                 let m = &mut ms[id as usize];
+                m.frag_noted = false;
                 let (f, w) = m.frag_share;
                 self.frag_free -= f;
                 self.frag_weighted -= f * w;

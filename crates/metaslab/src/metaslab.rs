@@ -80,6 +80,8 @@ pub struct Metaslab {
     /// Its share of its group's fragmentation at the group's last refresh:
     /// (free space in 512-byte units, fragmentation).
     pub frag_share: (u128, u128),
+    /// On its group's list of metaslabs to refresh.
+    pub frag_noted: bool,
 }
 
 impl Metaslab {
@@ -109,6 +111,7 @@ impl Metaslab {
             embedded_log: false,
             has_space_map: false,
             frag_share: (0, 0),
+            frag_noted: false,
         }
     }
 

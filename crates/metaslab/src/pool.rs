@@ -121,6 +121,18 @@ impl Vdev {
         }
     }
 
+    /// Metaslab `m` and the group of class `ci` at once (disjoint fields).
+    fn ms_and_group(&mut self, m: u32, ci: usize) -> (&mut Metaslab, Option<&mut Group>) {
+        let g = if ci == ELOG {
+            self.log_mg.as_mut()
+        } else if ci == self.main_class() {
+            Some(&mut self.mg)
+        } else {
+            None
+        };
+        (&mut self.ms[m as usize], g)
+    }
+
     fn group_mut(&mut self, ci: usize) -> Option<&mut Group> {
         if ci == ELOG {
             self.log_mg.as_mut()
@@ -1081,11 +1093,11 @@ impl Pool {
         let v = &mut self.vdevs[e.vdev as usize];
         let m = (e.offset >> v.shift) as u32;
         let ci = v.class_of(m);
-        let ms = &mut v.ms[m as usize];
+        let (ms, g) = v.ms_and_group(m, ci);
         if ms.give_back(e.offset, e.size) {
-            let g = v.group_mut(ci).expect("group of its class");
+            let g = g.expect("group of its class");
             g.alloc -= e.size;
-            g.note_changed(m);
+            g.note_changed(ms);
             self.classes[ci].alloc -= e.size;
         }
     }
@@ -1652,13 +1664,13 @@ impl Pool {
             let shift = v.shift;
             for (m, off, len) in pieces(shift, e) {
                 let ci = v.class_of(m);
-                let ms = &mut v.ms[m as usize];
+                let (ms, g) = v.ms_and_group(m, ci);
                 let ok = ms.allocatable.remove(off, len);
                 debug_assert!(ok);
                 self.txg.mark_dirty(e.vdev, ms);
-                let g = v.group_mut(ci).expect("group of its class");
+                let g = g.expect("group of its class");
                 g.alloc += len;
-                g.note_changed(m);
+                g.note_changed(ms);
                 self.classes[ci].alloc += len;
             }
             self.txg.push(SpaceChange {

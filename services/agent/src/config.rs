@@ -78,6 +78,13 @@ pub struct Config {
     #[arg(long, env = "ALIQUOT_CAPACITY", value_parser = units::size_arg)]
     pub capacity: Option<u64>,
 
+    /// Data I/O with O_DIRECT (file backend): bypasses the page cache (no
+    /// copy into it, no writeback later); Flush still fdatasyncs, so the
+    /// durability contract is the same. Needs a filesystem or block device
+    /// that supports it.
+    #[arg(long, env = "ALIQUOT_DIRECT", value_parser = clap::builder::BoolishValueParser::new())]
+    pub direct: bool,
+
     /// log2 of the device's sector size: offsets and lengths are multiples of 1 << ashift.
     #[arg(long, env = "ALIQUOT_ASHIFT", default_value_t = 12)]
     pub ashift: u32,
@@ -145,6 +152,7 @@ impl Config {
             backend,
             path: None,
             capacity: None,
+            direct: false,
             ashift: 12,
             rotational: false,
             children: 1,
@@ -188,6 +196,12 @@ impl Config {
                 if self.bandwidth.is_some() || self.latency.is_some() {
                     return bad("--bandwidth and --latency apply to --backend sim only".into());
                 }
+                if self.direct && self.ashift < 12 {
+                    return bad(format!(
+                        "--direct needs --ashift 12 or more (O_DIRECT I/O is 4 KiB-aligned), not {}",
+                        self.ashift
+                    ));
+                }
                 if self.guid.is_some() {
                     return bad(
                         "--guid applies to --backend sim only (a file keeps its guid in its label)"
@@ -198,6 +212,9 @@ impl Config {
             BackendKind::Sim => {
                 if self.path.is_some() {
                     return bad("--path applies to --backend file only".into());
+                }
+                if self.direct {
+                    return bad("--direct applies to --backend file only".into());
                 }
                 let Some(cap) = self.capacity else {
                     return bad("--backend sim needs --capacity SIZE".into());

@@ -725,8 +725,9 @@ async fn frees_split_stored_extents_in_one_transaction() {
     );
     first.vdevs.push(vdev);
     store.persist(&first).await.unwrap();
-    // A run of frees: two split the first extent (the batched DELETE does
-    // not match and is rolled back), one removes the second exactly.
+    // A run of frees: two split the first extent (the one-pass merge of
+    // exact frees gives up, the change-by-change path splits), one removes
+    // the second exactly.
     let second = rec(
         5,
         vec![

@@ -175,19 +175,23 @@ pub struct TunableInfo {
     pub description: &'static str,
 }
 
+mod admission;
 pub mod balance;
 pub mod class;
 pub mod error;
 pub mod group;
 mod metaslab;
+mod placement;
 pub mod pool;
 pub mod range_tree;
 pub mod rebalance;
 mod removal;
+mod space;
 pub mod stats;
 pub mod throttle;
 pub mod tunables;
 pub mod txg;
+mod txg_sync;
 pub mod vdev;
 
 pub use error::{Error, NoSpaceReason, Result};

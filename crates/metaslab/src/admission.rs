@@ -1,0 +1,240 @@
+//! Admission: a request becomes a ticket the throttle admits now or
+//! queues FIFO (unified: bytes against the class limit, §3.7–3.8; legacy:
+//! slots, §4.4), tickets leave the queue as space comes back, and whether
+//! the pool is busy (§3.5, the spec preface's dirty-data rule).
+
+use crate::throttle::{legacy, unified};
+use crate::{
+    AllocKind, AllocRequest, ClassKind, Error, Result, SPA_MAXBLOCKSIZE, Submitted, ThrottlePolicy,
+    Ticket,
+};
+
+use crate::pool::*;
+
+impl Pool {
+    /// Validate a request and pass it through the throttle. Log requests are
+    /// always `Ready`.
+    pub fn submit(&mut self, req: AllocRequest) -> Result<Submitted> {
+        if req.size == 0 {
+            return Err(Error::ZeroSize);
+        }
+        if req.size > SPA_MAXBLOCKSIZE {
+            return Err(Error::TooLarge(req.size));
+        }
+        if !(1..=3).contains(&req.copies) {
+            return Err(Error::BadCopies(req.copies));
+        }
+        let ticket = self.next_ticket;
+        self.next_ticket += 1;
+        let allocator = self.next_allocator % self.alloc_count;
+        self.next_allocator = self.next_allocator.wrapping_add(1);
+        let mut st = TicketState {
+            req,
+            allocator,
+            queued: false,
+            res: Reservation::None,
+        };
+        if req.kind == AllocKind::Log {
+            self.tickets.insert(ticket, st);
+            return Ok(Submitted::Ready(ticket));
+        }
+        let bytes = req.copies as u64 * req.size;
+        let policy = self.tun.throttle_policy;
+        let c = &mut self.classes[NORMAL];
+        if policy == ThrottlePolicy::Off || !c.throttle_enabled {
+            self.tickets.insert(ticket, st);
+            return Ok(Submitted::Ready(ticket));
+        }
+        if policy == ThrottlePolicy::Unified && req.size > c.alloc_io_size {
+            // A larger block raises the estimate and rebalances now (§3.4).
+            c.alloc_io_size = req.size;
+            self.balance(NORMAL, false);
+        }
+        let c = &mut self.classes[NORMAL];
+        if c.waiters.is_empty() {
+            let granted = match policy {
+                ThrottlePolicy::Unified => {
+                    unified::reserve(&mut c.reserved, c.alloc_max, bytes, false).0 && {
+                        st.res = Reservation::Bytes(bytes);
+                        true
+                    }
+                }
+                _ => {
+                    legacy::reserve(&mut c.slots_reserved, c.max_slots, req.copies as u64) && {
+                        c.legacy_bytes += bytes;
+                        st.res = Reservation::Slots(req.copies as u64, bytes);
+                        true
+                    }
+                }
+            };
+            if granted {
+                self.tickets.insert(ticket, st);
+                return Ok(Submitted::Ready(ticket));
+            }
+        }
+        st.queued = true;
+        c.waiters.push_back(ticket);
+        c.waiting_bytes += bytes;
+        self.tickets.insert(ticket, st);
+        self.dispatch();
+        Ok(Submitted::Queued(ticket))
+    }
+
+    /// Tickets admitted from the FIFO since the last call, in order.
+    pub fn take_admitted(&mut self) -> Vec<Ticket> {
+        std::mem::take(&mut self.admitted)
+    }
+
+    /// Admit waiters from the head while the throttle allows (§3.8).
+    pub(crate) fn dispatch(&mut self) {
+        let policy = self.tun.throttle_policy;
+        let c = &mut self.classes[NORMAL];
+        while let Some(&t) = c.waiters.front() {
+            let Some(st) = self.tickets.get_mut(&t) else {
+                c.waiters.pop_front();
+                continue;
+            };
+            let bytes = st.req.copies as u64 * st.req.size;
+            let mut more = true;
+            let res = if policy == ThrottlePolicy::Off || !c.throttle_enabled {
+                Reservation::None
+            } else if policy == ThrottlePolicy::Unified {
+                let (granted, m) = unified::reserve(&mut c.reserved, c.alloc_max, bytes, false);
+                if !granted {
+                    break;
+                }
+                more = m;
+                Reservation::Bytes(bytes)
+            } else {
+                if !legacy::reserve(&mut c.slots_reserved, c.max_slots, st.req.copies as u64) {
+                    break;
+                }
+                c.legacy_bytes += bytes;
+                Reservation::Slots(st.req.copies as u64, bytes)
+            };
+            st.res = res;
+            st.queued = false;
+            c.waiters.pop_front();
+            c.waiting_bytes -= bytes;
+            self.admitted.push(t);
+            if !more {
+                break;
+            }
+        }
+    }
+
+    /// Release a reservation; wake waiters when the throttle says so.
+    pub(crate) fn release(&mut self, res: Reservation) {
+        let c = &mut self.classes[NORMAL];
+        let wake = match res {
+            Reservation::None => false,
+            Reservation::Bytes(b) => unified::unreserve(&mut c.reserved, c.alloc_max, b),
+            Reservation::Slots(s, b) => {
+                c.slots_reserved = c.slots_reserved.saturating_sub(s);
+                c.legacy_bytes = c.legacy_bytes.saturating_sub(b);
+                true
+            }
+        };
+        if wake && !c.waiters.is_empty() {
+            self.dispatch();
+        }
+    }
+
+    /// Drop a queued or admitted-but-not-placed ticket (the client went away).
+    pub fn cancel(&mut self, ticket: Ticket) -> Result<()> {
+        let st = self
+            .tickets
+            .remove(&ticket)
+            .ok_or(Error::UnknownTicket(ticket))?;
+        if st.queued {
+            let c = &mut self.classes[NORMAL];
+            if let Some(i) = c.waiters.iter().position(|&t| t == ticket) {
+                c.waiters.remove(i);
+            }
+            c.waiting_bytes -= st.req.copies as u64 * st.req.size;
+            self.dispatch();
+        } else {
+            self.release(st.res);
+        }
+        Ok(())
+    }
+
+    /// The spec's "busy" for a class (preface): reserved + waiting bytes over
+    /// alloc_max × (min% + max%) / 200, or any request waiting.
+    pub fn busy(&self, class: ClassKind) -> bool {
+        let c = &self.classes[class_index(class)];
+        if c.is_log {
+            return false;
+        }
+        match self.tun.throttle_policy {
+            ThrottlePolicy::Unified => unified::busy(
+                c.reserved,
+                c.waiting_bytes,
+                c.waiters.len(),
+                c.alloc_max,
+                self.tun.busy_pct_sum(),
+            ),
+            ThrottlePolicy::Legacy => {
+                !c.waiters.is_empty() || (c.max_slots > 0 && c.slots_reserved >= c.max_slots)
+            }
+            ThrottlePolicy::Off => false,
+        }
+    }
+
+    /// OpenZFS's own busy rule, from the caller's dirty data: `dirty`
+    /// bytes written and not yet synced, against its `dirty_max`
+    /// (`zfs_dirty_data_max`), with the two percentages by their OpenZFS
+    /// names; `sync_pending` as a pending sync task. The caller measures
+    /// dirty data (the allocator: bytes in the open and syncing txgs and in
+    /// flight; the simulator: its modelled dirty data).
+    pub fn busy_dirty(&self, dirty: u64, dirty_max: u64, sync_pending: bool) -> bool {
+        unified::busy_dirty(dirty, dirty_max, self.tun.busy_pct_sum(), sync_pending)
+    }
+
+    /// `spa_alloc_count` from the machine's CPU count (a fact the caller
+    /// passes; OpenZFS fixes it at import): `max(1, min(spa_num_allocators,
+    /// cpus / spa_cpus_per_allocator))`. Each allocator of a class has its
+    /// own rotor position and aliquot counter; requests take them in turn
+    /// (OpenZFS spreads blocks over them by object). Returns the count.
+    pub fn set_cpus(&mut self, cpus: u64) -> usize {
+        let t = &self.tun;
+        let n = (cpus / t.spa_cpus_per_allocator.max(1))
+            .min(t.spa_num_allocators)
+            .max(1);
+        self.alloc_count = n as usize;
+        self.next_allocator = 0;
+        for c in &mut self.classes {
+            c.set_allocators(self.alloc_count);
+        }
+        self.alloc_count
+    }
+
+    /// The next request will be placed by allocator `k % spa_alloc_count`
+    /// (a caller that knows which object a block belongs to keeps its
+    /// blocks on one allocator, as OpenZFS does).
+    pub fn prefer_allocator(&mut self, k: usize) {
+        self.next_allocator = k;
+    }
+
+    pub fn allocator_count(&self) -> usize {
+        self.alloc_count
+    }
+
+    /// Busy for a data allocation (`metaslab_perf_bias`): the throttle's
+    /// own measure (`busy`, the spec preface's proxy, which moves first when
+    /// clients write faster than the pool) or OpenZFS's dirty-data rule on
+    /// the caller's `dirty` bytes against `dirty_max`. The one rule the
+    /// allocator and the simulator both use.
+    pub fn busy_with_dirty(&self, dirty: u64, dirty_max: u64) -> bool {
+        self.busy(ClassKind::Normal) || self.busy_dirty(dirty, dirty_max, false)
+    }
+
+    /// Slop space (spec §5.6), raw bytes.
+    pub(crate) fn slop(&self) -> u64 {
+        let rd = self.classes[NORMAL].space;
+        let elog = self.classes[ELOG].space;
+        let mut slop = (rd >> self.tun.spa_slop_shift).min(128 << 30);
+        slop -= elog.min(slop / 2);
+        slop.max((rd / 2).min(128 << 20))
+    }
+}

@@ -1,0 +1,597 @@
+//! Placement and rotation: an admitted ticket's copies placed DVA by DVA
+//! over the class ring (§2.11), group eligibility (§2.7, legacy §4.5),
+//! metaslab selection within a group, the rotor and its aliquot (§3.5,
+//! §4.2), and the class balance that sets each group's share (§3.3).
+
+use crate::class::Class;
+use crate::group::{Activation, AllocCtx, Group};
+use crate::throttle::{legacy, unified};
+use crate::vdev::psize_to_asize;
+use crate::{
+    AllocKind, Allocation, Error, Extent, Health, LogTier, NoSpaceReason, Result, SPA_MINBLOCKSIZE,
+    TXG_DEFER_SIZE, ThrottlePolicy, Ticket, Txg, VdevId,
+};
+
+use crate::pool::*;
+
+impl Pool {
+    /// Place an admitted ticket. On failure the ticket is consumed and its
+    /// reservation released.
+    pub fn allocate(&mut self, ticket: Ticket, busy: bool) -> Result<Allocation> {
+        self.allocate_avoiding(ticket, busy, &[])
+    }
+
+    /// `allocate`, never placing a copy on a vdev of `avoid`: a balancer
+    /// move's new copy must leave its source vdev and the block's other
+    /// copies' vdevs (the rotor still turns past them as past any vdev it
+    /// cannot use). Only vdevs are avoided, so the class's slop and throttle
+    /// rules are exactly those of any allocation.
+    pub fn allocate_avoiding(
+        &mut self,
+        ticket: Ticket,
+        busy: bool,
+        avoid: &[VdevId],
+    ) -> Result<Allocation> {
+        self.avoid.clear();
+        self.avoid.extend_from_slice(avoid);
+        let r = self.allocate_inner(ticket, busy);
+        self.avoid.clear();
+        r
+    }
+
+    pub(crate) fn allocate_inner(&mut self, ticket: Ticket, busy: bool) -> Result<Allocation> {
+        match self.tickets.get(&ticket) {
+            None => return Err(Error::UnknownTicket(ticket)),
+            Some(st) if st.queued => return Err(Error::NotAdmitted(ticket)),
+            Some(_) => {}
+        }
+        let st = self.tickets.remove(&ticket).expect("checked");
+        let req = st.req;
+        for c in &mut self.classes {
+            c.use_allocator(st.allocator);
+        }
+        let (placed, tier) = match req.kind {
+            AllocKind::Data => {
+                let c = &self.classes[NORMAL];
+                let free = c.space.saturating_sub(c.alloc);
+                let need = req.copies as u64 * req.size;
+                let placed = if free < self.slop().saturating_add(need) {
+                    Err(NoSpaceReason::Full)
+                } else {
+                    self.place(NORMAL, req.size, req.copies, busy, false)
+                        .ok_or_else(|| self.no_space_reason(&[NORMAL]))
+                };
+                match placed {
+                    Ok(p) => (p, None),
+                    Err(reason) => {
+                        self.release(st.res);
+                        return Err(Error::NoSpace {
+                            size: req.size,
+                            copies: req.copies,
+                            reason,
+                        });
+                    }
+                }
+            }
+            AllocKind::Log => {
+                let mut out = None;
+                for (ci, tier) in [
+                    (LOG, LogTier::Log),
+                    (ELOG, LogTier::EmbeddedLog),
+                    (NORMAL, LogTier::Normal),
+                ] {
+                    if self.classes[ci].ring.is_empty() {
+                        continue;
+                    }
+                    if let Some(p) = self.place(ci, req.size, req.copies, busy, true) {
+                        out = Some((p, Some(tier)));
+                        break;
+                    }
+                }
+                match out {
+                    Some(o) => o,
+                    // A sync helps only if it will make freed space
+                    // allocatable; otherwise waiting never ends.
+                    None if self.frees_pending() => {
+                        return Err(Error::TxgWaitRequired {
+                            until: self.open_txg + TXG_DEFER_SIZE,
+                        });
+                    }
+                    None => {
+                        return Err(Error::NoSpace {
+                            size: req.size,
+                            copies: req.copies,
+                            reason: self.no_space_reason(&[LOG, ELOG, NORMAL]),
+                        });
+                    }
+                }
+            }
+        };
+        let id = self.next_alloc;
+        self.next_alloc += 1;
+        // Queue depth: counted exactly for allocations holding a
+        // reservation, released by commit/abort on the same predicate.
+        for e in &placed.extents[..placed.n] {
+            let v = &mut self.vdevs[e.vdev as usize];
+            match st.res {
+                Reservation::Bytes(_) => v.mg.queue_depth += req.size,
+                Reservation::Slots(..) => v.mg.queue_requests += 1,
+                Reservation::None => {}
+            }
+            v.inflight.insert(e.offset, (e.size, id));
+        }
+        let extents = placed.extents[..placed.n].to_vec();
+        self.inflight.insert(
+            id,
+            Inflight {
+                extents: placed.extents,
+                n: placed.n as u8,
+                psize: req.size,
+                res: st.res,
+            },
+        );
+        Ok(Allocation {
+            id,
+            extents,
+            txg: self.open_txg,
+            tier,
+            metaslab_loads: placed.loads,
+        })
+    }
+
+    /// Place `copies` DVAs of `psize` in class `ci` (spec §2.11); on failure
+    /// undo what was placed.
+    pub(crate) fn place(
+        &mut self,
+        ci: usize,
+        psize: u64,
+        copies: u8,
+        busy: bool,
+        zil: bool,
+    ) -> Option<Placed> {
+        let mut placed = Placed::default();
+        for d in 0..copies as usize {
+            match self.place_one(ci, psize, d, &placed, busy, zil) {
+                Some((e, loads)) => {
+                    placed.extents[d] = e;
+                    placed.n += 1;
+                    placed.loads += loads;
+                }
+                None => {
+                    for e in &placed.extents[..placed.n] {
+                        self.unplace(e);
+                    }
+                    return None;
+                }
+            }
+        }
+        Some(placed)
+    }
+
+    /// `spa_min_alloc`: the smallest allocation any vdev can make.
+    pub(crate) fn spa_min_alloc(&self) -> u64 {
+        self.vdevs
+            .iter()
+            .filter(|v| v.vs_space() > 0)
+            .map(|v| v.min_alloc())
+            .min()
+            .unwrap_or(SPA_MINBLOCKSIZE)
+    }
+
+    /// Whether some allocatable vdev of class `ci` has a free segment that
+    /// holds `psize` in one piece (only asked after a failed first pass).
+    pub(crate) fn fits_whole(&self, ci: usize, psize: u64) -> bool {
+        self.classes[ci].ring.iter().any(|&v| {
+            let vd = &self.vdevs[v as usize];
+            let asize = psize_to_asize(&vd.spec, psize);
+            vd.allocatable()
+                && !self.avoid.contains(&v)
+                && vd.group(ci).is_some_and(|g| {
+                    g.members().any(|m| {
+                        !vd.ms[m as usize].new && vd.ms[m as usize].allocatable.max_size() >= asize
+                    })
+                })
+        })
+    }
+
+    /// Whether a txg sync would make freed space allocatable again.
+    pub(crate) fn frees_pending(&self) -> bool {
+        self.vdevs
+            .iter()
+            .any(|v| v.ms.iter().any(|m| m.deferred() > 0))
+    }
+
+    /// Why an allocation failed in classes `cis` (it was not
+    /// the slop check): no allocatable vdev, or no free segment large
+    /// enough (including where OpenZFS would gang), or simply full.
+    pub(crate) fn no_space_reason(&self, cis: &[usize]) -> NoSpaceReason {
+        let mut any = false;
+        let mut largest_free = 0u64;
+        for &ci in cis {
+            for &v in &self.classes[ci].ring {
+                let vd = &self.vdevs[v as usize];
+                if !vd.allocatable() || self.avoid.contains(&v) {
+                    continue;
+                }
+                any = true;
+                if let Some(g) = vd.group(ci) {
+                    for m in g.members() {
+                        largest_free = largest_free.max(vd.ms[m as usize].allocatable.max_size());
+                    }
+                }
+            }
+        }
+        if !any {
+            NoSpaceReason::VdevsOffline
+        } else if largest_free == 0 {
+            NoSpaceReason::Full
+        } else {
+            // Space is free but the request did not fit: smaller blocks
+            // (gang members, in OpenZFS) would.
+            NoSpaceReason::Fragmented { largest_free }
+        }
+    }
+
+    /// Return a placed-but-uncommitted extent to its metaslab.
+    pub(crate) fn unplace(&mut self, e: &Extent) {
+        let v = &mut self.vdevs[e.vdev as usize];
+        let m = (e.offset >> v.shift) as u32;
+        let ci = v.class_of(m);
+        let (ms, g) = v.ms_and_group(m, ci);
+        if ms.give_back(e.offset, e.size) {
+            let g = g.expect("group of its class");
+            g.alloc -= e.size;
+            g.note_changed(ms);
+            self.classes[ci].alloc -= e.size;
+        }
+    }
+
+    pub(crate) fn place_one(
+        &mut self,
+        ci: usize,
+        psize: u64,
+        d: usize,
+        placed: &Placed,
+        busy: bool,
+        zil: bool,
+    ) -> Option<(Extent, u32)> {
+        let n = self.classes[ci].ring.len();
+        if n == 0 {
+            return None;
+        }
+        for try_hard in [false, true] {
+            // The try-hard pass (ignoring the group checks) is for blocks
+            // OpenZFS cannot gang: intent-log blocks and blocks at the minimum
+            // size, or every block with zfs_metaslab_try_hard_before_gang
+            // (spec §2.11). Any other block OpenZFS writes as a gang block
+            // whose members are placed trying hard: where one free segment
+            // still holds the whole block, Aliquot (no gang blocks) places it
+            // whole the same way; where none does, it fails as FRAGMENTED.
+            if try_hard
+                && !(zil
+                    || self.tun.zfs_metaslab_try_hard_before_gang
+                    || psize <= self.spa_min_alloc()
+                    || self.fits_whole(ci, psize))
+            {
+                break;
+            }
+            let c = &self.classes[ci];
+            let start = if d == 0 {
+                c.rotor % n
+            } else {
+                let prev = placed.extents[d - 1].vdev;
+                c.position(prev).map_or(c.rotor % n, |p| (p + 1) % n)
+            };
+            for k in 0..n {
+                // A vdev holding a copy already is not skipped: the copy goes
+                // to another of its metaslabs (spec §2.5, §2.6).
+                let v = self.classes[ci].ring[(start + k) % n];
+                if !self.eligible(ci, v, d, try_hard, zil) {
+                    self.rotate(ci, v, psize, 0, false, busy, zil);
+                    continue;
+                }
+                match self.group_alloc(ci, v, psize, placed, try_hard) {
+                    Some((e, loads)) => {
+                        self.rotate(ci, v, psize, e.size, true, busy, zil);
+                        return Some((e, loads));
+                    }
+                    None => self.rotate(ci, v, psize, 0, false, busy, zil),
+                }
+            }
+        }
+        None
+    }
+
+    /// Group eligibility at allocation time (spec §2.7; legacy §4.5).
+    pub(crate) fn eligible(
+        &self,
+        ci: usize,
+        v: VdevId,
+        d: usize,
+        try_hard: bool,
+        zil: bool,
+    ) -> bool {
+        let vd = &self.vdevs[v as usize];
+        if !vd.allocatable() || self.avoid.contains(&v) {
+            return false;
+        }
+        let Some(g) = vd.group(ci) else { return false };
+        if try_hard {
+            return true;
+        }
+        // Only a non-redundant (leaf) vdev below healthy is spared the first
+        // copy; a degraded RAIDZ or mirror still takes its share (§2.7 rule 3).
+        if d == 0 && vd.health == Health::Degraded && vd.spec.children <= 1 {
+            return false;
+        }
+        let c = &self.classes[ci];
+        if self.tun.throttle_policy == ThrottlePolicy::Legacy && ci == NORMAL {
+            return self.legacy_eligible(c, g, d, zil);
+        }
+        !(g.no_free_space || (!g.allocatable && c.alloc_groups > 0))
+    }
+
+    /// LEGACY `metaslab_group_allocatable` (spec §4.5).
+    pub(crate) fn legacy_eligible(&self, c: &Class, g: &Group, d: usize, zil: bool) -> bool {
+        if c.groups <= 1 {
+            return true;
+        }
+        if !g.allocatable {
+            return c.alloc_groups == 0;
+        }
+        if !c.throttle_enabled {
+            return true;
+        }
+        if g.no_free_space {
+            return false;
+        }
+        if zil {
+            return true;
+        }
+        if g.queue_requests < legacy::qmax(g.legacy_cur_max, d) || c.alloc_groups == 1 {
+            return true;
+        }
+        let n = c.ring.len();
+        let Some(pos) = c.position(g.vdev) else {
+            return true;
+        };
+        let rotor = c.rotor % n;
+        let mut i = (pos + 1) % n;
+        while i != rotor && i != pos {
+            let h = &self.vdevs[c.ring[i] as usize].mg;
+            if h.queue_requests < legacy::qmax(h.legacy_cur_max, d) && !h.no_free_space {
+                return false;
+            }
+            i = (i + 1) % n;
+        }
+        true
+    }
+
+    /// `metaslab_group_alloc` on vdev `v`'s group of class `ci`.
+    pub(crate) fn group_alloc(
+        &mut self,
+        ci: usize,
+        v: VdevId,
+        psize: u64,
+        placed: &Placed,
+        try_hard: bool,
+    ) -> Option<(Extent, u32)> {
+        let Pool {
+            vdevs,
+            classes,
+            tun,
+            lru,
+            now_ms,
+            txg,
+            open_txg,
+            ..
+        } = self;
+        let vd = &mut vdevs[v as usize];
+        let asize = psize_to_asize(&vd.spec, psize);
+        let ctx = AllocCtx {
+            t: tun,
+            txg: *open_txg,
+            now_ms: *now_ms,
+            try_hard,
+            rotational: vd.spec.rotational,
+            ms_count: vd.ms.len() as u64,
+            min_alloc: 1 << vd.spec.ashift,
+        };
+        let g = if ci == ELOG {
+            vd.log_mg.as_mut()?
+        } else {
+            &mut vd.mg
+        };
+        let mut selected = |id: u32, old: Txg, was_loaded: bool| {
+            if was_loaded {
+                lru.remove(&(old, v, id));
+            }
+            lru.insert((*open_txg, v, id));
+        };
+        let (holding, n) = placed.holding(v, vd.shift);
+        let activation = Activation::for_copies_on_vdev(n);
+        let out = g.alloc(
+            &mut vd.ms,
+            asize,
+            activation,
+            &holding[..n],
+            &ctx,
+            &mut selected,
+        );
+        let (m, off) = out.offset?;
+        g.alloc += asize;
+        classes[ci].alloc += asize;
+        txg.mark_dirty(v, &mut vd.ms[m as usize]);
+        Some((
+            Extent {
+                vdev: v,
+                offset: off,
+                size: asize,
+            },
+            out.loads,
+        ))
+    }
+
+    /// The rotor rules: unified (§3.5), legacy (§4.2) or off (strict quota).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn rotate(
+        &mut self,
+        ci: usize,
+        v: VdevId,
+        psize: u64,
+        asize: u64,
+        success: bool,
+        busy: bool,
+        zil: bool,
+    ) {
+        let policy = self.tun.throttle_policy;
+        let c = &mut self.classes[ci];
+        if c.ring.is_empty() {
+            return;
+        }
+        if policy == ThrottlePolicy::Legacy {
+            if !success {
+                c.rotate_after(v);
+                return;
+            }
+            let vd = &mut self.vdevs[v as usize];
+            let bias_enabled = self.tun.metaslab_bias_enabled;
+            let vs_free = vd.vs_space().saturating_sub(vd.vs_alloc());
+            let mc_free = c.space.saturating_sub(c.alloc);
+            let alloc_groups = c.alloc_groups;
+            let Some(g) = vd.group_mut(ci) else { return };
+            if c.visit_bytes == 0 && bias_enabled {
+                g.legacy_bias =
+                    legacy::space_bias(vs_free, mc_free, alloc_groups, g.legacy_aliquot);
+            } else if !bias_enabled {
+                g.legacy_bias = 0;
+            }
+            c.visit_bytes += asize;
+            if legacy::should_rotate(zil, c.visit_bytes, g.legacy_aliquot, g.legacy_bias) {
+                c.rotate_after(v);
+            }
+            return;
+        }
+        if c.groups < 2 || c.rotor_vdev() != Some(v) {
+            return;
+        }
+        if success {
+            c.visit_bytes += psize;
+        }
+        let Some(g) = self.vdevs[v as usize].group(ci) else {
+            return;
+        };
+        let perf_bias = if policy == ThrottlePolicy::Off {
+            0
+        } else {
+            self.tun.metaslab_perf_bias
+        };
+        let rotate = unified::should_rotate(&unified::RotateInput {
+            success,
+            is_log: c.is_log,
+            psize,
+            visit_bytes: c.visit_bytes,
+            aliquot: g.aliquot,
+            queue_target: g.queue_target,
+            queue_depth: g.queue_depth,
+            perf_bias,
+            busy,
+        });
+        if rotate {
+            c.rotate_after(v);
+        }
+    }
+
+    /// Recount `mc_groups` and `mc_alloc_groups` over the ring.
+    pub(crate) fn recount(&mut self, ci: usize) {
+        let c = &mut self.classes[ci];
+        let (mut groups, mut alloc_groups) = (0, 0);
+        for &v in &c.ring {
+            let vd = &self.vdevs[v as usize];
+            if vd.vs_space() > 0 {
+                groups += 1;
+            }
+            if vd.group(ci).is_some_and(|g| g.allocatable) {
+                alloc_groups += 1;
+            }
+        }
+        c.groups = groups;
+        c.alloc_groups = alloc_groups;
+    }
+
+    /// `metaslab_class_balance` (spec §3.3) over the ring; onsync also moves
+    /// `alloc_io_size` and refreshes the throttle flag.
+    pub(crate) fn balance(&mut self, ci: usize, onsync: bool) {
+        let t = &self.tun;
+        let c = &mut self.classes[ci];
+        if onsync || (!c.throttle_initialized && c.groups > 0) {
+            if onsync {
+                c.alloc_io_size = unified::io_size_onsync(c.alloc_io_size, t.aliquot());
+            }
+            c.throttle_enabled = !c.is_log && t.zio_dva_throttle_enabled && c.groups > 0;
+            c.throttle_initialized = c.groups > 0;
+        }
+        let mut inputs = std::mem::take(&mut c.inputs);
+        let mut quotas = std::mem::take(&mut c.quotas);
+        inputs.clear();
+        let (mut space, mut alloc) = (0u64, 0u64);
+        for &v in &c.ring {
+            let vd = &self.vdevs[v as usize];
+            let vs_space = vd.vs_space();
+            inputs.push(unified::GroupInput {
+                data_children: vd.data_children,
+                vs_space,
+                vs_alloc: vd.vs_alloc(),
+            });
+            if let Some(g) = vd.group(ci)
+                && vs_space > 0
+            {
+                space += g.space;
+                alloc += g.alloc;
+            }
+        }
+        let mc = unified::ClassInput {
+            groups: c.groups,
+            space,
+            alloc,
+            alloc_io_size: c.alloc_io_size,
+            metaslab_aliquot: t.aliquot(),
+            bias_enabled: t.metaslab_bias_enabled,
+        };
+        c.alloc_max = unified::balance(&mc, &inputs, &mut quotas);
+        for (i, &v) in c.ring.iter().enumerate() {
+            let vd = &mut self.vdevs[v as usize];
+            let dc = vd.data_children;
+            if let Some(g) = vd.group_mut(ci) {
+                let q = quotas.get(i).copied().unwrap_or(unified::GroupQuota {
+                    aliquot: 0,
+                    queue_target: 0,
+                });
+                g.aliquot = q.aliquot;
+                g.queue_target = q.queue_target;
+                g.legacy_aliquot = legacy::group_aliquot(t.aliquot(), dc);
+            }
+        }
+        c.inputs = inputs;
+        c.quotas = quotas;
+    }
+
+    /// Legacy per-txg reset (spec §4.3): group limits back to the default
+    /// queue depth, class slots = that × initialized groups.
+    pub(crate) fn legacy_reset(&mut self) {
+        let t = &self.tun;
+        let gmax = t.zfs_vdev_async_write_max_active * t.zfs_vdev_queue_depth_pct / 100;
+        let c = &mut self.classes[NORMAL];
+        let mut groups = 0;
+        for &v in &c.ring {
+            let vd = &mut self.vdevs[v as usize];
+            if vd.vs_space() == 0 {
+                continue;
+            }
+            groups += 1;
+            vd.mg.legacy_max = gmax;
+            vd.mg.legacy_cur_max = t.zfs_vdev_def_queue_depth;
+        }
+        c.max_slots = t.zfs_vdev_def_queue_depth * groups;
+    }
+}

@@ -51,16 +51,19 @@ impl Pool {
             self.balance(NORMAL, false);
         }
         let c = &mut self.classes[NORMAL];
-        if c.waiters.is_empty() {
+        let lane = c.lane(allocator);
+        if c.waiters[lane].is_empty() {
             let granted = match policy {
                 ThrottlePolicy::Unified => {
-                    unified::reserve(&mut c.reserved, c.alloc_max, bytes, false).0 && {
+                    unified::reserve(&mut c.reserved_by[lane], c.alloc_max, bytes, false).0 && {
+                        c.reserved += bytes;
                         st.res = Reservation::Bytes(bytes);
                         true
                     }
                 }
                 _ => {
-                    legacy::reserve(&mut c.slots_reserved, c.max_slots, req.copies as u64) && {
+                    legacy::reserve(&mut c.slots_by[lane], c.max_slots, req.copies as u64) && {
+                        c.slots_reserved += req.copies as u64;
                         c.legacy_bytes += bytes;
                         st.res = Reservation::Slots(req.copies as u64, bytes);
                         true
@@ -73,7 +76,7 @@ impl Pool {
             }
         }
         st.queued = true;
-        c.waiters.push_back(ticket);
+        c.waiters[lane].push_back(ticket);
         c.waiting_bytes += bytes;
         self.tickets.insert(ticket, st);
         self.dispatch();
@@ -85,13 +88,20 @@ impl Pool {
         std::mem::take(&mut self.admitted)
     }
 
-    /// Admit waiters from the head while the throttle allows (§3.8).
+    /// Admit waiters from the head of every allocator's queue while its
+    /// budget allows (§3.8).
     pub(crate) fn dispatch(&mut self) {
+        for lane in 0..self.classes[NORMAL].waiters.len() {
+            self.dispatch_lane(lane);
+        }
+    }
+
+    fn dispatch_lane(&mut self, lane: usize) {
         let policy = self.tun.throttle_policy;
         let c = &mut self.classes[NORMAL];
-        while let Some(&t) = c.waiters.front() {
+        while let Some(&t) = c.waiters[lane].front() {
             let Some(st) = self.tickets.get_mut(&t) else {
-                c.waiters.pop_front();
+                c.waiters[lane].pop_front();
                 continue;
             };
             let bytes = st.req.copies as u64 * st.req.size;
@@ -99,22 +109,26 @@ impl Pool {
             let res = if policy == ThrottlePolicy::Off || !c.throttle_enabled {
                 Reservation::None
             } else if policy == ThrottlePolicy::Unified {
-                let (granted, m) = unified::reserve(&mut c.reserved, c.alloc_max, bytes, false);
+                let (granted, m) =
+                    unified::reserve(&mut c.reserved_by[lane], c.alloc_max, bytes, false);
                 if !granted {
                     break;
                 }
+                c.reserved += bytes;
                 more = m;
                 Reservation::Bytes(bytes)
             } else {
-                if !legacy::reserve(&mut c.slots_reserved, c.max_slots, st.req.copies as u64) {
+                let slots = st.req.copies as u64;
+                if !legacy::reserve(&mut c.slots_by[lane], c.max_slots, slots) {
                     break;
                 }
+                c.slots_reserved += slots;
                 c.legacy_bytes += bytes;
-                Reservation::Slots(st.req.copies as u64, bytes)
+                Reservation::Slots(slots, bytes)
             };
             st.res = res;
             st.queued = false;
-            c.waiters.pop_front();
+            c.waiters[lane].pop_front();
             c.waiting_bytes -= bytes;
             self.admitted.push(t);
             if !more {
@@ -124,19 +138,24 @@ impl Pool {
     }
 
     /// Release a reservation; wake waiters when the throttle says so.
-    pub(crate) fn release(&mut self, res: Reservation) {
+    pub(crate) fn release(&mut self, res: Reservation, allocator: usize) {
         let c = &mut self.classes[NORMAL];
+        let lane = c.lane(allocator);
         let wake = match res {
             Reservation::None => false,
-            Reservation::Bytes(b) => unified::unreserve(&mut c.reserved, c.alloc_max, b),
+            Reservation::Bytes(b) => {
+                c.reserved = c.reserved.saturating_sub(b);
+                unified::unreserve(&mut c.reserved_by[lane], c.alloc_max, b)
+            }
             Reservation::Slots(s, b) => {
                 c.slots_reserved = c.slots_reserved.saturating_sub(s);
+                c.slots_by[lane] = c.slots_by[lane].saturating_sub(s);
                 c.legacy_bytes = c.legacy_bytes.saturating_sub(b);
                 true
             }
         };
-        if wake && !c.waiters.is_empty() {
-            self.dispatch();
+        if wake && !c.waiters[lane].is_empty() {
+            self.dispatch_lane(lane);
         }
     }
 
@@ -148,13 +167,14 @@ impl Pool {
             .ok_or(Error::UnknownTicket(ticket))?;
         if st.queued {
             let c = &mut self.classes[NORMAL];
-            if let Some(i) = c.waiters.iter().position(|&t| t == ticket) {
-                c.waiters.remove(i);
+            let lane = c.lane(st.allocator);
+            if let Some(i) = c.waiters[lane].iter().position(|&t| t == ticket) {
+                c.waiters[lane].remove(i);
             }
             c.waiting_bytes -= st.req.copies as u64 * st.req.size;
-            self.dispatch();
+            self.dispatch_lane(lane);
         } else {
-            self.release(st.res);
+            self.release(st.res, st.allocator);
         }
         Ok(())
     }
@@ -167,15 +187,16 @@ impl Pool {
             return false;
         }
         match self.tun.throttle_policy {
+            // Over the class's whole budget: `spa_alloc_count × alloc_max`.
             ThrottlePolicy::Unified => unified::busy(
                 c.reserved,
                 c.waiting_bytes,
-                c.waiters.len(),
-                c.alloc_max,
+                c.waiting(),
+                c.alloc_max.saturating_mul(c.reserved_by.len() as u64),
                 self.tun.busy_pct_sum(),
             ),
             ThrottlePolicy::Legacy => {
-                !c.waiters.is_empty() || (c.max_slots > 0 && c.slots_reserved >= c.max_slots)
+                c.waiting() > 0 || (c.max_slots > 0 && c.slots_by.iter().any(|&s| s >= c.max_slots))
             }
             ThrottlePolicy::Off => false,
         }

@@ -37,14 +37,22 @@ pub struct Class {
     pub alloc_max: u64,
     pub throttle_enabled: bool,
     pub throttle_initialized: bool,
+    /// Bytes reserved, all allocators (`Σ mca_reserved`).
     pub reserved: u64,
+    /// Per allocator (`mca_reserved`): `alloc_max` bounds each one, so the
+    /// class's in-flight bound is `spa_alloc_count × alloc_max` (spec §3.3,
+    /// §9 item 3).
+    pub reserved_by: Vec<u64>,
     // Legacy throttle.
     pub slots_reserved: u64,
+    /// Per allocator (`mca_alloc_slots`), each bounded by `max_slots`.
+    pub slots_by: Vec<u64>,
     pub max_slots: u64,
     /// Bytes admitted under the legacy policy (for stats).
     pub legacy_bytes: u64,
-    // Waiters (FIFO).
-    pub waiters: VecDeque<Ticket>,
+    /// Waiters, one FIFO per allocator (spec §4.6: one queue per class per
+    /// allocator).
+    pub waiters: Vec<VecDeque<Ticket>>,
     pub waiting_bytes: u64,
     // Scratch for balance.
     pub inputs: Vec<GroupInput>,
@@ -71,10 +79,12 @@ impl Class {
             throttle_enabled: false,
             throttle_initialized: false,
             reserved: 0,
+            reserved_by: vec![0],
             slots_reserved: 0,
+            slots_by: vec![0],
             max_slots: 0,
             legacy_bytes: 0,
-            waiters: VecDeque::new(),
+            waiters: vec![VecDeque::new()],
             waiting_bytes: 0,
             inputs: Vec::new(),
             quotas: Vec::new(),
@@ -109,6 +119,22 @@ impl Class {
         self.rotors.resize(n.max(1), here);
         self.cur = self.cur.min(self.rotors.len() - 1);
         self.unpark();
+        // Budgets and queues never shrink below what is outstanding: a
+        // ticket's allocator index stays valid (`lane` clamps it anyway).
+        let lanes = n.max(1).max(self.reserved_by.len());
+        self.reserved_by.resize(lanes, 0);
+        self.slots_by.resize(lanes, 0);
+        self.waiters.resize_with(lanes, VecDeque::new);
+    }
+
+    /// The budget and queue index of allocator `k`.
+    pub fn lane(&self, k: usize) -> usize {
+        k.min(self.reserved_by.len() - 1)
+    }
+
+    /// Requests waiting in every allocator's queue.
+    pub fn waiting(&self) -> usize {
+        self.waiters.iter().map(|q| q.len()).sum()
     }
 
     pub fn allocators(&self) -> usize {

@@ -64,7 +64,7 @@ impl Pool {
                 match placed {
                     Ok(p) => (p, None),
                     Err(reason) => {
-                        self.release(st.res);
+                        self.release(st.res, st.allocator);
                         return Err(Error::NoSpace {
                             size: req.size,
                             copies: req.copies,
@@ -128,6 +128,7 @@ impl Pool {
                 n: placed.n as u8,
                 psize: req.size,
                 res: st.res,
+                allocator: st.allocator,
             },
         );
         Ok(Allocation {

@@ -63,6 +63,8 @@ pub(crate) struct Inflight {
     pub n: u8,
     pub psize: u64,
     pub res: Reservation,
+    /// The allocator whose budget `res` is in.
+    pub allocator: usize,
 }
 
 impl Inflight {

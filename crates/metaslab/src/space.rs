@@ -23,7 +23,7 @@ impl Pool {
                 Reservation::None => {}
             }
         }
-        self.release(a.res);
+        self.release(a.res, a.allocator);
     }
 
     /// The writes finished: release throttle bytes and queue depth; the

@@ -136,7 +136,7 @@ fn class_stats(pool: &Pool, ci: usize) -> ClassStats {
         alloc_max: c.alloc_max,
         alloc_io_size: c.alloc_io_size,
         busy: pool.busy(c.kind),
-        waiting: c.waiters.len() as u32,
+        waiting: c.waiting() as u32,
         waiting_bytes: c.waiting_bytes,
         throttle_enabled: c.throttle_enabled && policy != ThrottlePolicy::Off,
         fragmentation,
@@ -316,9 +316,46 @@ pub(crate) fn verify(pool: &Pool) -> Result<()> {
             c.reserved, c.slots_reserved
         ));
     }
+    if c.reserved_by.iter().sum::<u64>() != c.reserved
+        || c.slots_by.iter().sum::<u64>() != c.slots_reserved
+    {
+        return broken("per-allocator reservations do not add up to the class's".into());
+    }
+    // Each ticket and allocation is in its own allocator's budget and queue.
+    let lanes = c.reserved_by.len();
+    let mut by_lane = vec![(0u64, 0u64); lanes];
+    for (res, k) in pool
+        .inflight
+        .values()
+        .map(|a| (a.res, a.allocator))
+        .chain(pool.tickets.values().map(|t| (t.res, t.allocator)))
+    {
+        match res {
+            Reservation::Bytes(b) => by_lane[c.lane(k)].0 += b,
+            Reservation::Slots(s, _) => by_lane[c.lane(k)].1 += s,
+            Reservation::None => {}
+        }
+    }
+    for (k, &(b, s)) in by_lane.iter().enumerate() {
+        if b != c.reserved_by[k] || s != c.slots_by[k] {
+            return broken(format!(
+                "allocator {k} reserved {} bytes / {} slots but its tickets hold {b} / {s}",
+                c.reserved_by[k], c.slots_by[k]
+            ));
+        }
+    }
+    for (k, q) in c.waiters.iter().enumerate() {
+        if q.iter()
+            .filter_map(|t| pool.tickets.get(t))
+            .any(|t| c.lane(t.allocator) != k)
+        {
+            return broken(format!("allocator {k}'s queue holds another's ticket"));
+        }
+    }
     let waiting: u64 = c
         .waiters
         .iter()
+        .flatten()
         .filter_map(|t| pool.tickets.get(t))
         .map(|t| t.req.copies as u64 * t.req.size)
         .sum();

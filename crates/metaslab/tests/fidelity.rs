@@ -413,3 +413,47 @@ fn allocators_have_their_own_rotors() {
     // Allocator 1 has not placed anything: its rotor is where it began.
     assert_eq!(first(&mut pool, 1), start, "allocator 1 has its own rotor");
 }
+
+/// Spec §9 item 3: `mc_alloc_max` bounds each allocator's reservations
+/// (`mca_reserved`), not the class total, and each allocator has its own
+/// queue: with 4 allocators the class admits about 4 × alloc_max before
+/// anything waits, and a full allocator's waiters do not hold back another's.
+#[test]
+fn each_allocator_has_its_own_throttle_budget_and_queue() {
+    let admitted_before_waiting = |cpus: u64| {
+        let mut pool = Pool::new(Tunables::default());
+        pool.set_cpus(cpus);
+        pool.add_vdev(spec(64 * GIB)).unwrap();
+        pool.add_vdev(spec(64 * GIB)).unwrap();
+        pool.sync();
+        let max = pool.stats().classes[0].alloc_max;
+        let mut ready = 0u64;
+        for i in 0..4096u64 {
+            match pool.submit(req(AllocKind::Data, 128 << 10, 1)).unwrap() {
+                Submitted::Ready(_) => ready += 1,
+                // Requests take the allocators in turn: once every one is
+                // full, everything waits.
+                Submitted::Queued(_) if i > 64 * cpus => break,
+                Submitted::Queued(_) => {}
+            }
+        }
+        pool.verify().unwrap();
+        (ready * (128 << 10), max, pool)
+    };
+    let (one, max1, _) = admitted_before_waiting(2);
+    let (four, max4, mut pool) = admitted_before_waiting(64);
+    assert_eq!(max1, max4, "the per-allocator limit is the same formula");
+    // The test precedes the add: each budget overshoots by at most one
+    // request.
+    assert!(one >= max1 && one <= max1 + (128 << 10), "{one} vs {max1}");
+    assert!(
+        four >= 4 * max4 && four <= 4 * (max4 + (128 << 10)),
+        "{four} vs 4 x {max4}"
+    );
+    let s = pool.stats();
+    assert_eq!(s.classes[0].reserved, four);
+    assert!(s.classes[0].busy, "over the class's whole budget");
+    assert!(s.classes[0].waiting > 0);
+    pool.verify().unwrap();
+    let _ = pool.take_admitted();
+}

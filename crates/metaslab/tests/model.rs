@@ -75,7 +75,11 @@ struct Model {
     deferred: BTreeMap<(VdevId, u64), (u64, Txg)>,
     inflight: Vec<(AllocationId, Vec<Extent>)>,
     committed: Vec<Vec<Extent>>,
-    queued: VecDeque<Ticket>,
+    /// Queued tickets, one FIFO per allocator (each has its own budget).
+    queued: Vec<VecDeque<Ticket>>,
+    /// Requests submitted so far: the allocator of the next is this
+    /// modulo `allocator_count()` (requests take allocators in turn).
+    submitted: u64,
     ready: Vec<Ticket>,
     changes: Vec<SpaceChange>,
     ops: u64,
@@ -97,7 +101,8 @@ impl Model {
             deferred: BTreeMap::new(),
             inflight: vec![],
             committed: vec![],
-            queued: VecDeque::new(),
+            queued: vec![VecDeque::new(); 4],
+            submitted: 0,
             ready: vec![],
             changes: vec![],
             ops: 0,
@@ -171,8 +176,13 @@ impl Model {
 
     fn take_admitted(&mut self) {
         for t in self.pool.take_admitted() {
-            // FIFO: admitted tickets leave from the head.
-            assert_eq!(self.queued.pop_front(), Some(t), "admission out of order");
+            // FIFO per allocator: admitted tickets leave from their queue's head.
+            let lane = self
+                .queued
+                .iter()
+                .position(|q| q.front() == Some(&t))
+                .expect("admission out of order: not at the head of any allocator's queue");
+            self.queued[lane].pop_front();
             self.ready.push(t);
         }
     }
@@ -264,12 +274,14 @@ impl Model {
         };
         let copies = 1 + r.below(3) as u8;
         let req = AllocRequest { kind, size, copies };
+        let lane = (self.submitted % self.pool.allocator_count() as u64) as usize;
+        self.submitted += 1;
         match self.pool.submit(req).unwrap() {
             Submitted::Ready(t) => self.allocate(t, req),
             Submitted::Queued(t) => {
                 assert_eq!(kind, AllocKind::Data);
                 self.counts[6] += 1;
-                self.queued.push_back(t);
+                self.queued[lane].push_back(t);
             }
         }
     }
@@ -388,9 +400,16 @@ impl Model {
             if let Some(t) = Self::pick(&mut self.rng, &mut self.ready) {
                 self.pool.cancel(t).unwrap();
             }
-        } else if !self.queued.is_empty() {
-            let i = self.rng.below(self.queued.len() as u64) as usize;
-            let t = self.queued.remove(i).unwrap();
+        } else {
+            let lanes: Vec<usize> = (0..self.queued.len())
+                .filter(|&k| !self.queued[k].is_empty())
+                .collect();
+            if lanes.is_empty() {
+                return;
+            }
+            let k = lanes[self.rng.below(lanes.len() as u64) as usize];
+            let i = self.rng.below(self.queued[k].len() as u64) as usize;
+            let t = self.queued[k].remove(i).unwrap();
             self.pool.cancel(t).unwrap();
         }
     }

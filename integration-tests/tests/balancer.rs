@@ -363,6 +363,20 @@ fn drain_then_remove_empties_a_vdev_for_good_and_plans_wait_for_a_whole_pool() {
     std::thread::sleep(Duration::from_millis(600));
     assert_eq!(names(&p.status()), vec!["file1", "file2"]);
     p.verify_exclusive();
+    // The store check agrees, and a removed vdev is no mismatch with the
+    // running allocator.
+    let out = ok_stdout(
+        &ctl(&args![
+            "verify",
+            "--data-dir",
+            p.dir.join("allocator").display(),
+            "--allocator",
+            p.url
+        ]),
+        "verify",
+    );
+    assert!(out.contains("file0 (removed)"), "{out}");
+    assert!(out.contains("running allocator agrees"), "{out}");
 }
 
 #[test]

@@ -23,6 +23,8 @@ pub struct VdevSummary {
     pub extents: u64,
     pub allocated: u64,
     pub embedded_log_metaslab: Option<u32>,
+    /// Removed from the pool (RemoveVdev): its row keeps the id and guid.
+    pub removed: bool,
 }
 
 /// What a passing verification found.
@@ -112,6 +114,7 @@ pub fn verify(p: &Persisted) -> Result<VerifyReport, String> {
                 extents: counts.get(&r.id).copied().unwrap_or(0),
                 allocated: s.map_or(0, |v| v.alloc),
                 embedded_log_metaslab: s.and_then(|v| v.embedded_log_metaslab),
+                removed: p.vdev_states.get(&r.id) == Some(&AdminState::Removed),
             }
         })
         .collect();

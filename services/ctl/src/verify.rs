@@ -113,7 +113,7 @@ async fn cross_check(
             r.synced_txg
         );
     }
-    for v in &r.vdevs {
+    for v in r.vdevs.iter().filter(|v| !v.removed) {
         let Some(live) = s.vdevs.iter().find(|x| x.vdev == v.id) else {
             anyhow::bail!("{url} does not know vdev {} of the store", v.id);
         };
@@ -153,7 +153,11 @@ fn table(path: &std::path::Path, id: &Identity, r: &VerifyReport, running: Optio
             "{:>4}  {:<18}  {:<10}  {:>9}  {:>8}  {:>9}  {:>5}  {:>7}",
             v.id,
             format!("{:#x}", v.guid),
-            v.name,
+            if v.removed {
+                format!("{} (removed)", v.name)
+            } else {
+                v.name.clone()
+            },
             units::format_bytes_short(v.capacity),
             v.extents,
             units::format_bytes_short(v.allocated),
@@ -198,6 +202,7 @@ fn json(
             "metaslab_size": 1u64 << v.metaslab_shift,
             "extents": v.extents,
             "allocated": v.allocated,
+            "removed": v.removed,
             "embedded_log_metaslab": v.embedded_log_metaslab,
         })).collect::<Vec<_>>(),
     })

@@ -181,6 +181,37 @@ impl Agent {
         self.write(offset, data).await
     }
 
+    /// A client's batch of `(token, offset, data)` writes, all or nothing at
+    /// the gate: every token and range is checked before any write is
+    /// queued, and the first refused one (by index) refuses the batch. The
+    /// writes are then queued together so contiguous ones merge.
+    pub async fn write_batch_with_token(
+        &self,
+        writes: Vec<(Vec<u8>, u64, Bytes)>,
+    ) -> Result<Vec<u32>, AgentError> {
+        if writes.is_empty() {
+            return Err(AgentError::InvalidArgument(
+                "empty write batch: send at least one write".into(),
+            ));
+        }
+        let vdev = self.vdev();
+        for (index, (token, offset, data)) in writes.iter().enumerate() {
+            let len = data.len() as u64;
+            self.inner
+                .gate
+                .check(token, vdev, *offset, len)
+                .and_then(|()| self.check_range("write", *offset, len))
+                .map_err(|e| AgentError::InBatch {
+                    index,
+                    source: Box::new(e),
+                })?;
+        }
+        self.inner
+            .queue
+            .write_many(writes.into_iter().map(|(_, o, d)| (o, d)).collect())
+            .await
+    }
+
     /// A write without a token check (in-process callers only).
     pub async fn write(&self, offset: u64, data: Bytes) -> Result<u32, AgentError> {
         self.check_range("write", offset, data.len() as u64)?;

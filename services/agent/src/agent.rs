@@ -34,6 +34,8 @@ struct Inner {
     queue: Arc<IoQueue>,
     stats: Arc<Stats>,
     batch_pct: AtomicU32,
+    /// What the percentage is of (`--taskq-cpus`; None: the cores).
+    taskq_cpus: Option<u32>,
     /// The vdev id the allocator gave us (NO_VDEV until registered).
     vdev: AtomicU64,
     tunables: std::sync::Mutex<()>,
@@ -57,7 +59,7 @@ impl Agent {
             opened.device,
             Arc::clone(&stats),
             cfg.aggregation_limit(),
-            config::workers_for_pct(cfg.zio_taskq_batch_pct),
+            config::workers_for_pct(cfg.zio_taskq_batch_pct, cfg.taskq_cpus),
         );
         let agent = Agent {
             inner: Arc::new(Inner {
@@ -68,6 +70,7 @@ impl Agent {
                 queue,
                 stats,
                 batch_pct: AtomicU32::new(cfg.zio_taskq_batch_pct),
+                taskq_cpus: cfg.taskq_cpus,
                 vdev: AtomicU64::new(NO_VDEV),
                 tunables: std::sync::Mutex::new(()),
                 gate: WriteGate::new(verifier),
@@ -262,7 +265,7 @@ impl Agent {
         }
         if let Some(v) = t.zio_taskq_batch_pct {
             let old = self.inner.batch_pct.swap(v, Relaxed);
-            let workers = config::workers_for_pct(v);
+            let workers = config::workers_for_pct(v, self.inner.taskq_cpus);
             self.inner.queue.set_workers(workers);
             if old != v {
                 tracing::info!(

@@ -3,8 +3,8 @@
 //! oldest, and if it is a write, merges the offset-contiguous writes queued
 //! before and after it into one device I/O while the merged span stays within
 //! `zfs_vdev_aggregation_limit` (0 = never merge). The worker count is
-//! `zio_taskq_batch_pct` % of the cores (at least 1), and both can change at
-//! run time. Workers are plain threads: device I/O blocks, and must never
+//! `zio_taskq_batch_pct` % of the cores or `--taskq-cpus` (at least 1), and
+//! both can change at run time. Workers are plain threads: device I/O blocks, and must never
 //! run on the async runtime's workers.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};

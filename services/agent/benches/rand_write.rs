@@ -89,7 +89,11 @@ fn spawn_agent(path: &Path, dev_mib: u64, s: Setting, cpus: u64) -> (Child, Stri
         .args(["--zfs-vdev-aggregation-limit", &s.agg.to_string()])
         .args(["--zio-taskq-batch-pct", &s.pct.to_string()])
         .args(["--taskq-cpus", &cpus.to_string()])
-        .env("RUST_LOG", "warn")
+        // The deployed default: what the log layer then formats matters.
+        .env(
+            "RUST_LOG",
+            std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+        )
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()

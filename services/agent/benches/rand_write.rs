@@ -17,7 +17,8 @@
 //! ALIQUOT_BENCH_TASKQ_CPUS (64), ALIQUOT_BENCH_DEVICE_MIB (1024),
 //! ALIQUOT_BENCH_DIR (the temp dir). ALIQUOT_BENCH_AGG=bytes plus
 //! ALIQUOT_BENCH_PCT=n run that one setting once (for whole-process A/B
-//! timing of the bench binary).
+//! timing of the bench binary). ALIQUOT_BENCH_AGENT_BIN: the agent binary
+//! to run (default: this build's).
 
 use std::io::{BufRead, BufReader};
 use std::os::unix::fs::FileExt;
@@ -76,7 +77,10 @@ struct Run {
 
 fn spawn_agent(path: &Path, dev_mib: u64, s: Setting, cpus: u64) -> (Child, String) {
     let _ = std::fs::remove_file(path);
-    let mut child = Command::new(env!("CARGO_BIN_EXE_aliquot-agent"))
+    // ALIQUOT_BENCH_AGENT_BIN: another build's agent, to compare builds.
+    let bin = std::env::var("ALIQUOT_BENCH_AGENT_BIN")
+        .unwrap_or_else(|_| env!("CARGO_BIN_EXE_aliquot-agent").to_string());
+    let mut child = Command::new(bin)
         .args(["--path", path.to_str().unwrap()])
         .args(["--capacity", &format!("{}MiB", dev_mib + 1)])
         .args([

@@ -399,6 +399,47 @@ fn up_write_verify_status_tunables_and_clean_stop() {
     watch.kill().unwrap();
     watch.wait().unwrap();
 
+    // write --batch: small blocks gathered into WriteBatch requests, every
+    // block still read back and compared.
+    let out = ctl(&args![
+        "write",
+        "--allocator",
+        url,
+        "--total",
+        "2MiB",
+        "--block-size",
+        "4KiB",
+        "--concurrency",
+        "32",
+        "--batch",
+        "16",
+        "--verify",
+        "--json"
+    ]);
+    let batched: serde_json::Value =
+        serde_json::from_str(&ok_stdout(&out, "write --batch")).unwrap();
+    assert_eq!(batched["batch"], 16);
+    assert_eq!(batched["blocks"], 512);
+    assert_eq!(batched["verified_blocks"], 512);
+    assert_eq!(batched["retries"], 0);
+    // More than 8 MiB a request is refused before anything is written.
+    let out = ctl(&args![
+        "write",
+        "--allocator",
+        url,
+        "--total",
+        "1MiB",
+        "--block-size",
+        "1MiB",
+        "--batch",
+        "16"
+    ]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("smaller --batch"),
+        "{out:?}"
+    );
+
     // SIGINT to `up`: it stops every child and exits 0.
     assert!(kids.iter().all(|&k| alive(k)));
     Command::new("kill")

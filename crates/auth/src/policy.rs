@@ -44,7 +44,7 @@ pub fn allowed(path: &str) -> Option<&'static [Role]> {
 
         ("aliquot.v1.VdevAgent", m) => match m {
             // Writes also need a write token; reads a client certificate.
-            "Write" | "Read" | "Flush" => CLIENTS,
+            "Write" | "WriteBatch" | "Read" | "Flush" => CLIENTS,
             "GetStats" => READERS,
             "SetTunables" => ADMIN,
             _ => return None,
@@ -87,6 +87,14 @@ mod tests {
         assert!(!can(Client, "/aliquot.v1.Metrics/RecordBatch"));
         assert!(can(Allocator, "/aliquot.v1.Metrics/RecordSnapshots"));
         assert!(!can(Agent, "/aliquot.v1.VdevAgent/Read"));
+        // A batch of writes is a write: the same roles (and tokens).
+        for role in [Client, Admin, Agent, Allocator] {
+            assert_eq!(
+                can(role, "/aliquot.v1.VdevAgent/WriteBatch"),
+                can(role, "/aliquot.v1.VdevAgent/Write"),
+                "{role:?}"
+            );
+        }
         assert!(can(Agent, "/grpc.health.v1.Health/Check"));
         assert_eq!(allowed("/aliquot.v1.Allocator/NewThing"), None);
         assert_eq!(allowed("garbage"), None);

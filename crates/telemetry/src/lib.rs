@@ -111,23 +111,65 @@ pub fn provider(service: &str, endpoint: &str) -> Result<SdkTracerProvider, Stri
 /// The two outputs are filtered apart: `RUST_LOG` (default `info`) picks the
 /// log lines, `ALIQUOT_TRACE_FILTER` (default `info`) the exported spans, so
 /// quieting the logs (`RUST_LOG=warn`) does not blank the traces.
+///
+/// Spans reach the log layer only when asked for ([`LOG_SPANS_ENV`]`=1`, or
+/// `RUST_LOG` at debug or trace anywhere): the layer formats every span it
+/// sees into a string when the span opens, whether or not a line is ever
+/// logged inside it, and per-request spans (each Write, each Allocate) made
+/// that a large share of a busy agent's CPU. Log lines then carry no span
+/// context at info; the exported spans are unchanged.
 pub fn subscriber(
     service: &str,
     format: LogFormat,
     provider: Option<&SdkTracerProvider>,
 ) -> impl tracing::Subscriber + Send + Sync + 'static {
     let log_filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let spans = log_spans_wanted(&log_filter);
+    build(
+        service,
+        format,
+        provider,
+        std::io::stderr,
+        log_filter,
+        spans,
+    )
+}
+
+/// `ALIQUOT_LOG_SPANS=1`: format spans into log lines even at info.
+pub const LOG_SPANS_ENV: &str = "ALIQUOT_LOG_SPANS";
+
+fn log_spans_wanted(log_filter: &EnvFilter) -> bool {
+    let env = std::env::var(LOG_SPANS_ENV).is_ok_and(|v| v.trim() == "1");
+    let verbose = log_filter
+        .max_level_hint()
+        .is_some_and(|l| l >= tracing_subscriber::filter::LevelFilter::DEBUG);
+    env || verbose
+}
+
+fn build<W>(
+    service: &str,
+    format: LogFormat,
+    provider: Option<&SdkTracerProvider>,
+    writer: W,
+    log_filter: EnvFilter,
+    spans: bool,
+) -> impl tracing::Subscriber + Send + Sync + 'static
+where
+    W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
+{
+    use tracing_subscriber::filter::{FilterExt, filter_fn};
+    let log_filter = log_filter.and(filter_fn(move |m| spans || !m.is_span()));
     let fmt: Box<dyn Layer<Registry> + Send + Sync> = match format {
         // Colour only on a terminal: log files and `docker logs` get plain text.
         LogFormat::Text => tracing_subscriber::fmt::layer()
-            .with_writer(std::io::stderr)
+            .with_writer(writer)
             .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .with_target(false)
             .with_filter(log_filter)
             .boxed(),
         LogFormat::Json => tracing_subscriber::fmt::layer()
             .json()
-            .with_writer(std::io::stderr)
+            .with_writer(writer)
             .with_filter(log_filter)
             .boxed(),
     };
@@ -256,5 +298,59 @@ pub fn link(span: &tracing::Span, to: &tracing::Span) {
     let sc = to.context().span().span_context().clone();
     if sc.is_valid() {
         span.add_link(sc);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    #[derive(Clone, Default)]
+    struct Buf(Arc<Mutex<Vec<u8>>>);
+    impl std::io::Write for Buf {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// What the log layer prints for an info line inside a request span.
+    fn logged(format: LogFormat, filter: &str, spans: bool) -> String {
+        let buf = Buf::default();
+        let w = buf.clone();
+        let sub = build(
+            "t",
+            format,
+            None,
+            move || w.clone(),
+            EnvFilter::new(filter),
+            spans,
+        );
+        tracing::subscriber::with_default(sub, || {
+            let span = tracing::info_span!("write", offset = 4242u64);
+            let _in = span.enter();
+            tracing::info!("inside the request");
+        });
+        String::from_utf8(buf.0.lock().unwrap().clone()).unwrap()
+    }
+
+    #[test]
+    fn request_spans_stay_out_of_the_log_unless_asked() {
+        for format in [LogFormat::Text, LogFormat::Json] {
+            let quiet = logged(format, "info", false);
+            assert!(quiet.contains("inside the request"), "{quiet}");
+            assert!(!quiet.contains("4242"), "{quiet}");
+            let asked = logged(format, "info", true);
+            assert!(asked.contains("inside the request"), "{asked}");
+            assert!(asked.contains("4242"), "{asked}");
+        }
+        // Asking is RUST_LOG at debug or trace, or ALIQUOT_LOG_SPANS=1.
+        assert!(!log_spans_wanted(&EnvFilter::new("info")) || std::env::var(LOG_SPANS_ENV).is_ok());
+        assert!(log_spans_wanted(&EnvFilter::new("info,h2=debug")));
+        assert!(log_spans_wanted(&EnvFilter::new("trace")));
     }
 }

@@ -34,6 +34,8 @@ struct Inner {
     queue: Arc<IoQueue>,
     stats: Arc<Stats>,
     batch_pct: AtomicU32,
+    /// What the percentage is of (`--taskq-cpus`; None: the cores).
+    taskq_cpus: Option<u32>,
     /// The vdev id the allocator gave us (NO_VDEV until registered).
     vdev: AtomicU64,
     tunables: std::sync::Mutex<()>,
@@ -57,7 +59,7 @@ impl Agent {
             opened.device,
             Arc::clone(&stats),
             cfg.aggregation_limit(),
-            config::workers_for_pct(cfg.zio_taskq_batch_pct),
+            config::workers_for_pct(cfg.zio_taskq_batch_pct, cfg.taskq_cpus),
         );
         let agent = Agent {
             inner: Arc::new(Inner {
@@ -68,6 +70,7 @@ impl Agent {
                 queue,
                 stats,
                 batch_pct: AtomicU32::new(cfg.zio_taskq_batch_pct),
+                taskq_cpus: cfg.taskq_cpus,
                 vdev: AtomicU64::new(NO_VDEV),
                 tunables: std::sync::Mutex::new(()),
                 gate: WriteGate::new(verifier),
@@ -181,6 +184,37 @@ impl Agent {
         self.write(offset, data).await
     }
 
+    /// A client's batch of `(token, offset, data)` writes, all or nothing at
+    /// the gate: every token and range is checked before any write is
+    /// queued, and the first refused one (by index) refuses the batch. The
+    /// writes are then queued together so contiguous ones merge.
+    pub async fn write_batch_with_token(
+        &self,
+        writes: Vec<(Vec<u8>, u64, Bytes)>,
+    ) -> Result<Vec<u32>, AgentError> {
+        if writes.is_empty() {
+            return Err(AgentError::InvalidArgument(
+                "empty write batch: send at least one write".into(),
+            ));
+        }
+        let vdev = self.vdev();
+        for (index, (token, offset, data)) in writes.iter().enumerate() {
+            let len = data.len() as u64;
+            self.inner
+                .gate
+                .check(token, vdev, *offset, len)
+                .and_then(|()| self.check_range("write", *offset, len))
+                .map_err(|e| AgentError::InBatch {
+                    index,
+                    source: Box::new(e),
+                })?;
+        }
+        self.inner
+            .queue
+            .write_many(writes.into_iter().map(|(_, o, d)| (o, d)).collect())
+            .await
+    }
+
     /// A write without a token check (in-process callers only).
     pub async fn write(&self, offset: u64, data: Bytes) -> Result<u32, AgentError> {
         self.check_range("write", offset, data.len() as u64)?;
@@ -231,7 +265,7 @@ impl Agent {
         }
         if let Some(v) = t.zio_taskq_batch_pct {
             let old = self.inner.batch_pct.swap(v, Relaxed);
-            let workers = config::workers_for_pct(v);
+            let workers = config::workers_for_pct(v, self.inner.taskq_cpus);
             self.inner.queue.set_workers(workers);
             if old != v {
                 tracing::info!(

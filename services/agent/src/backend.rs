@@ -69,7 +69,11 @@ pub fn open(cfg: &Config) -> Result<Opened, AgentError> {
                     ashift: label.ashift,
                     rotational: cfg.rotational,
                 },
-                device: Box::new(FileDevice { file, direct }),
+                device: Box::new(FileDevice {
+                    file,
+                    direct,
+                    writeback: Writeback::default(),
+                }),
             })
         }
         BackendKind::Sim => {
@@ -246,6 +250,43 @@ struct FileDevice {
     file: File,
     /// The same file opened with O_DIRECT (`--direct`): data I/O goes here.
     direct: Option<File>,
+    writeback: Writeback,
+}
+
+/// Writeback is started once per `WRITEBACK_CHUNK` written, not per device
+/// I/O: a device I/O at least that large starts its own range at once (as
+/// before), smaller ones (4 KiB random writes never merge) only add to a
+/// count, and when the count reaches the chunk one `sync_file_range` over
+/// the whole file starts every dirty page of it (the kernel walks only the
+/// dirty-tagged pages). One call per 256 4 KiB writes instead of one each
+/// (it was 19 % of the agent's CPU); the durability point is still `Flush`
+/// (fdatasync), which this only shortens.
+pub(crate) const WRITEBACK_CHUNK: u64 = 1 << 20;
+
+#[derive(Debug, Default)]
+struct Writeback {
+    /// Bytes written by small I/Os since writeback was last started.
+    unstarted: std::sync::atomic::AtomicU64,
+    /// `sync_file_range` calls made (tests read it).
+    calls: std::sync::atomic::AtomicU64,
+}
+
+impl Writeback {
+    /// Account a buffered write of `len` bytes at `at` (file offset).
+    fn wrote(&self, file: &File, at: u64, len: u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        if len >= WRITEBACK_CHUNK {
+            self.calls.fetch_add(1, Relaxed);
+            start_writeback(file, at, len);
+            return;
+        }
+        let before = self.unstarted.fetch_add(len, Relaxed);
+        if before + len >= WRITEBACK_CHUNK && self.unstarted.swap(0, Relaxed) >= WRITEBACK_CHUNK {
+            self.calls.fetch_add(1, Relaxed);
+            // nbytes 0: from `at` 0 to the end of the file.
+            start_writeback(file, 0, 0);
+        }
+    }
 }
 
 /// Alignment of O_DIRECT buffers, offsets and lengths: 4 KiB covers 512-byte
@@ -492,7 +533,7 @@ impl Device for FileDevice {
             return direct_write(d, &[data], at);
         }
         self.file.write_all_at(data, at)?;
-        start_writeback(&self.file, at, data.len() as u64);
+        self.writeback.wrote(&self.file, at, data.len() as u64);
         Ok(())
     }
 
@@ -503,7 +544,8 @@ impl Device for FileDevice {
             return direct_write(d, bufs, at);
         }
         pwritev_all(&self.file, bufs, at)?;
-        start_writeback(&self.file, at, bufs.iter().map(|b| b.len() as u64).sum());
+        let len = bufs.iter().map(|b| b.len() as u64).sum();
+        self.writeback.wrote(&self.file, at, len);
         Ok(())
     }
 
@@ -550,6 +592,51 @@ mod tests {
         f.read_exact_at(&mut got, 100).unwrap();
         assert_eq!(got, want);
         assert_eq!(f.metadata().unwrap().len(), 100 + want.len() as u64);
+    }
+
+    #[test]
+    fn writeback_starts_once_per_chunk_of_small_writes() {
+        use std::sync::atomic::Ordering::Relaxed;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        let file = OpenOptions::new()
+            .create(true)
+            .truncate(true)
+            .read(true)
+            .write(true)
+            .open(&path)
+            .unwrap();
+        let dev = FileDevice {
+            file,
+            direct: None,
+            writeback: Writeback::default(),
+        };
+        let small = vec![7u8; 4096];
+        let per_chunk = WRITEBACK_CHUNK / 4096;
+        // Scattered 4 KiB writes: none until a chunk's worth, then one.
+        for k in 0..per_chunk - 1 {
+            dev.write_at((k * 7919 % 4096) * 4096, &small).unwrap();
+        }
+        assert_eq!(dev.writeback.calls.load(Relaxed), 0);
+        dev.write_at(0, &small).unwrap();
+        assert_eq!(dev.writeback.calls.load(Relaxed), 1);
+        // Vectored small I/Os count the same way.
+        for k in 0..per_chunk / 2 {
+            dev.write_vectored_at(k * 8192, &[&small, &small]).unwrap();
+        }
+        assert_eq!(dev.writeback.calls.load(Relaxed), 2);
+        // A chunk-sized I/O starts its own range at once, leaving the
+        // small-write count alone.
+        dev.write_at(0, &small).unwrap();
+        dev.write_at(64 << 20, &vec![1u8; WRITEBACK_CHUNK as usize])
+            .unwrap();
+        assert_eq!(dev.writeback.calls.load(Relaxed), 3);
+        assert_eq!(dev.writeback.unstarted.load(Relaxed), 4096);
+        // Flush is still the durability point, and everything reads back.
+        dev.flush().unwrap();
+        let mut got = vec![0u8; 4096];
+        dev.read_at(0, &mut got).unwrap();
+        assert_eq!(got, small);
     }
 
     #[test]

@@ -123,9 +123,17 @@ pub struct Config {
     #[arg(long, env = "ALIQUOT_ZFS_VDEV_AGGREGATION_LIMIT", value_parser = units::size_arg)]
     pub zfs_vdev_aggregation_limit: Option<u64>,
 
-    /// I/O worker threads as a percentage of the cores (at least one worker).
+    /// I/O worker threads as a percentage of --taskq-cpus (at least one
+    /// worker): floor(cpus * pct / 100), at least 1.
     #[arg(long, env = "ALIQUOT_ZIO_TASKQ_BATCH_PCT", default_value_t = ZIO_TASKQ_BATCH_PCT_DEFAULT)]
     pub zio_taskq_batch_pct: u32,
+
+    /// The CPU count zio_taskq_batch_pct is a percentage of (default: this
+    /// machine's cores). On a small box every percentage gives one worker;
+    /// a larger count models a bigger host's taskq (e.g. 64: 80 % is 51
+    /// workers, 5 % is 3).
+    #[arg(long, env = "ALIQUOT_TASKQ_CPUS", value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub taskq_cpus: Option<u32>,
 
     /// Mutual TLS: the pool CA and this agent's certificate (role agent).
     #[command(flatten)]
@@ -163,6 +171,7 @@ impl Config {
             guid: None,
             zfs_vdev_aggregation_limit: None,
             zio_taskq_batch_pct: ZIO_TASKQ_BATCH_PCT_DEFAULT,
+            taskq_cpus: None,
             // Code-built configs (tests, embedding) serve plaintext on
             // loopback unless given files; the CLI has no such default.
             tls: aliquot_auth::TlsArgs::insecure(),
@@ -287,8 +296,34 @@ pub fn validate_batch_pct(v: u32) -> Result<(), String> {
     }
 }
 
-/// I/O workers for a percentage of the cores, as OpenZFS sizes its taskqs.
-pub fn workers_for_pct(pct: u32) -> usize {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    (cores * pct as usize / 100).max(1)
+/// I/O workers for `pct` % of `cpus` (None: this machine's cores), as
+/// OpenZFS sizes a batch taskq (`spa_taskqs_init` passes
+/// `zio_taskq_batch_pct` with `TASKQ_THREADS_CPU_PCT`; the SPL's
+/// `taskq_create` takes that percentage of the online CPUs, rounding down,
+/// at least one thread). The floor is the same: one worker, the least that
+/// can make progress. OpenZFS counts CPUs it has; `--taskq-cpus` lets a
+/// small machine stand in for a big host, where the percentage matters.
+pub fn workers_for_pct(pct: u32, cpus: Option<u32>) -> usize {
+    let cpus = cpus.map_or_else(
+        || std::thread::available_parallelism().map_or(1, |n| n.get()),
+        |c| c as usize,
+    );
+    (cpus * pct as usize / 100).max(1)
+}
+
+#[cfg(test)]
+mod taskq_tests {
+    use super::workers_for_pct;
+
+    #[test]
+    fn pct_maps_to_workers_with_a_floor_of_one() {
+        assert_eq!(workers_for_pct(80, Some(64)), 51);
+        assert_eq!(workers_for_pct(5, Some(64)), 3);
+        assert_eq!(workers_for_pct(100, Some(64)), 64);
+        // A 2-core box: every percentage below 100 is one worker.
+        assert_eq!(workers_for_pct(80, Some(2)), 1);
+        assert_eq!(workers_for_pct(5, Some(2)), 1);
+        assert_eq!(workers_for_pct(1, Some(1)), 1);
+        assert!(workers_for_pct(100, None) >= 1);
+    }
 }

@@ -31,6 +31,13 @@ pub enum AgentError {
     NotRegistered,
     #[error("{0}")]
     Token(#[from] aliquot_auth::TokenError),
+    /// One write of a WriteBatch was refused (so the whole batch was).
+    #[error("write {index} of the batch (none written): {source}")]
+    InBatch {
+        index: usize,
+        #[source]
+        source: Box<AgentError>,
+    },
 }
 
 impl AgentError {
@@ -48,6 +55,11 @@ impl From<AgentError> for Status {
     fn from(e: AgentError) -> Status {
         let msg = e.to_string();
         match e {
+            // The refused write's own code and ErrorInfo, the message naming it.
+            AgentError::InBatch { source, .. } => {
+                let inner = Status::from(*source);
+                Status::with_details(inner.code(), msg, inner.details().to_vec().into())
+            }
             AgentError::InvalidArgument(_) => Status::invalid_argument(msg),
             AgentError::Config(_) | AgentError::Label(_) => Status::failed_precondition(msg),
             AgentError::Io { source, .. } if source.kind() == std::io::ErrorKind::StorageFull => {

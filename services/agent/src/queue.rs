@@ -3,8 +3,8 @@
 //! oldest, and if it is a write, merges the offset-contiguous writes queued
 //! before and after it into one device I/O while the merged span stays within
 //! `zfs_vdev_aggregation_limit` (0 = never merge). The worker count is
-//! `zio_taskq_batch_pct` % of the cores (at least 1), and both can change at
-//! run time. Workers are plain threads: device I/O blocks, and must never
+//! `zio_taskq_batch_pct` % of the cores or `--taskq-cpus` (at least 1), and
+//! both can change at run time. Workers are plain threads: device I/O blocks, and must never
 //! run on the async runtime's workers.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -150,30 +150,76 @@ impl IoQueue {
         self.submit(0, Kind::Flush).await
     }
 
-    async fn submit(&self, offset: u64, kind: Kind) -> Result<Done, AgentError> {
-        let (tx, rx) = oneshot::channel();
-        let op = Op {
-            offset,
-            kind,
-            enqueued: Instant::now(),
-            done: tx,
-        };
-        let len = op.len();
+    /// Queue every write of a batch under one lock (so a worker sees them
+    /// all at once and merges the contiguous ones), then wait for them all.
+    /// Returns each write's aggregation count in order, or the first error.
+    pub async fn write_many(&self, writes: Vec<(u64, Bytes)>) -> Result<Vec<u32>, AgentError> {
+        let mut waits = Vec::with_capacity(writes.len());
         {
             let mut st = self.lock();
             if st.shutting_down {
                 return Err(AgentError::ShuttingDown);
             }
-            let seq = st.next_seq;
-            st.next_seq += 1;
-            if matches!(op.kind, Kind::Write(_)) {
-                self.stats.writes.fetch_add(1, Relaxed);
-                st.by_start.insert((offset, seq));
-                st.by_end.insert((offset + len, seq));
+            for (offset, data) in writes {
+                let (tx, rx) = oneshot::channel();
+                self.enqueue(&mut st, offset, Kind::Write(data), tx);
+                waits.push(rx);
             }
-            st.fifo.insert(seq, op);
-            self.stats.queue_ios.fetch_add(1, Relaxed);
-            self.stats.queue_bytes.fetch_add(len, Relaxed);
+        }
+        self.work.notify_all();
+        let mut out = Vec::with_capacity(waits.len());
+        let mut first_err = None;
+        // Wait for every write even after an error: none is left in flight
+        // when the reply goes out.
+        for rx in waits {
+            match rx.await.unwrap_or(Err(AgentError::ShuttingDown)) {
+                Ok(Done::Written { aggregated }) => out.push(aggregated),
+                Ok(other) => unreachable!("a write completed as {other:?}"),
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(out),
+        }
+    }
+
+    fn enqueue(
+        &self,
+        st: &mut State,
+        offset: u64,
+        kind: Kind,
+        done: oneshot::Sender<Result<Done, AgentError>>,
+    ) {
+        let op = Op {
+            offset,
+            kind,
+            enqueued: Instant::now(),
+            done,
+        };
+        let len = op.len();
+        let seq = st.next_seq;
+        st.next_seq += 1;
+        if matches!(op.kind, Kind::Write(_)) {
+            self.stats.writes.fetch_add(1, Relaxed);
+            st.by_start.insert((offset, seq));
+            st.by_end.insert((offset + len, seq));
+        }
+        st.fifo.insert(seq, op);
+        self.stats.queue_ios.fetch_add(1, Relaxed);
+        self.stats.queue_bytes.fetch_add(len, Relaxed);
+    }
+
+    async fn submit(&self, offset: u64, kind: Kind) -> Result<Done, AgentError> {
+        let (tx, rx) = oneshot::channel();
+        {
+            let mut st = self.lock();
+            if st.shutting_down {
+                return Err(AgentError::ShuttingDown);
+            }
+            self.enqueue(&mut st, offset, kind, tx);
         }
         self.work.notify_one();
         // The worker always answers; a dropped sender means it panicked.

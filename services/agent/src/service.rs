@@ -4,7 +4,7 @@
 use aliquot_proto::v1::vdev_agent_server::VdevAgent;
 use aliquot_proto::v1::{
     AgentStats, AgentTunables, FlushReply, FlushRequest, GetStatsRequest, ReadReply, ReadRequest,
-    WriteReply, WriteRequest,
+    WriteBatchReply, WriteBatchRequest, WriteReply, WriteRequest,
 };
 use tonic::{Request, Response, Status};
 
@@ -41,6 +41,36 @@ impl VdevAgent for VdevAgentService {
             bytes,
             aggregated_ios,
         }))
+    }
+
+    #[tracing::instrument(skip_all, fields(
+        vdev = self.agent.vdev(),
+        writes = req.get_ref().writes.len(),
+    ))]
+    async fn write_batch(
+        &self,
+        req: Request<WriteBatchRequest>,
+    ) -> Result<Response<WriteBatchReply>, Status> {
+        let writes = req.into_inner().writes;
+        let lens: Vec<u64> = writes.iter().map(|w| w.data.len() as u64).collect();
+        let aggregated = self
+            .agent
+            .write_batch_with_token(
+                writes
+                    .into_iter()
+                    .map(|w| (w.token, w.offset, w.data))
+                    .collect(),
+            )
+            .await?;
+        let results = lens
+            .into_iter()
+            .zip(aggregated)
+            .map(|(bytes, aggregated_ios)| WriteReply {
+                bytes,
+                aggregated_ios,
+            })
+            .collect();
+        Ok(Response::new(WriteBatchReply { results }))
     }
 
     #[tracing::instrument(skip_all, fields(

@@ -281,6 +281,29 @@ async fn health_and_reflection_are_served() {
         "grpc.reflection.v1alpha.ServerReflection",
     ];
     assert_eq!(names, want);
+    // The batch write is described too (grpcurl can call it).
+    let req = ServerReflectionRequest {
+        host: String::new(),
+        message_request: Some(MessageRequest::FileContainingSymbol(
+            "aliquot.v1.VdevAgent.WriteBatch".into(),
+        )),
+    };
+    let mut stream = refl
+        .server_reflection_info(tokio_stream::iter([req]))
+        .await
+        .unwrap()
+        .into_inner();
+    let reply = stream.message().await.unwrap().unwrap();
+    let Some(MessageResponse::FileDescriptorResponse(files)) = reply.message_response else {
+        panic!("WriteBatch not found by reflection: {reply:?}");
+    };
+    assert!(
+        files
+            .file_descriptor_proto
+            .iter()
+            .any(|f| f.windows(10).any(|w| w == b"WriteBatch")),
+        "no descriptor names WriteBatch"
+    );
 
     // v1alpha (grpcio-reflection, older grpcurl) lists the same.
     {

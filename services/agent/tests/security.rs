@@ -234,3 +234,164 @@ async fn tokens_and_roles_over_tls() {
     stop.send(()).unwrap();
     served.await.unwrap().unwrap();
 }
+
+/// WriteBatch over real TLS: every write checked against its own token, one
+/// refused write refuses the batch before anything is written, contiguous
+/// writes of a batch merge into one device I/O, and the data reads back.
+#[tokio::test]
+async fn batch_writes_check_every_token() {
+    use aliquot_proto::v1::WriteBatchRequest;
+    let dir = tempfile::tempdir().unwrap();
+    let ca = PoolCa::init(dir.path(), "tank").unwrap();
+    for (role, name) in [
+        (Role::Agent, "a0"),
+        (Role::Agent, "a1"),
+        (Role::Client, "c0"),
+    ] {
+        ca.issue(role, name, &[]).unwrap();
+    }
+    let signer = TokenSigner::load(dir.path()).unwrap();
+    let mut cfg = Config::new(BackendKind::Sim);
+    cfg.capacity = Some(64 << 20);
+    let files = TlsFiles::in_dir(dir.path(), Role::Agent, "a0");
+    cfg.tls.tls_ca = Some(files.ca);
+    cfg.tls.tls_cert = Some(files.cert);
+    cfg.tls.tls_key = Some(files.key);
+    cfg.token_key = Some(dir.path().to_path_buf());
+    let agent = Agent::open(&cfg).unwrap();
+    agent.set_vdev(VDEV);
+    agent.gate().learn_pool(POOL, GENERATION);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let served = tokio::spawn(async move {
+        aliquot_agent::serve(agent, &cfg, listener, async {
+            let _ = stopped.await;
+        })
+        .await
+    });
+    let mut client = VdevAgentClient::new(channel(dir.path(), Role::Client, "c0", port).await);
+
+    // Two extents, each with its own token.
+    let second = EXTENT + 4 * SIZE;
+    let ta = signer.sign(&grant());
+    let tb = signer.sign(&WriteGrant {
+        offset: second,
+        allocation_id: 18,
+        ..grant()
+    });
+    let fill = |offset: u64, len: usize, byte: u8, token: &Vec<u8>| WriteRequest {
+        offset,
+        data: vec![byte; len].into(),
+        token: token.clone(),
+    };
+    let reader = client.clone();
+    let read = |offset: u64, size: u64| {
+        let mut c = reader.clone();
+        async move {
+            c.read(ReadRequest { offset, size })
+                .await
+                .unwrap()
+                .into_inner()
+                .data
+        }
+    };
+
+    let reply = client
+        .write_batch(WriteBatchRequest {
+            writes: vec![
+                fill(EXTENT, 4096, 0x11, &ta),
+                fill(EXTENT + 4096, 4096, 0x22, &ta),
+                fill(second, 8192, 0x33, &tb),
+            ],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let bytes: Vec<u64> = reply.results.iter().map(|r| r.bytes).collect();
+    assert_eq!(bytes, [4096, 4096, 8192]);
+    // Queued together: the two contiguous writes went out as one device I/O.
+    assert_eq!(reply.results[0].aggregated_ios, 2, "{reply:?}");
+    assert_eq!(reply.results[1].aggregated_ios, 2, "{reply:?}");
+    assert_eq!(reply.results[2].aggregated_ios, 1, "{reply:?}");
+    assert_eq!(&read(EXTENT, 4096).await[..], &[0x11; 4096][..]);
+    assert_eq!(&read(EXTENT + 4096, 4096).await[..], &[0x22; 4096][..]);
+    assert_eq!(&read(second, 8192).await[..], &[0x33; 8192][..]);
+
+    let refused = |r: Result<tonic::Response<_>, tonic::Status>, code: Code, reason: &str, at| {
+        let e = r.expect_err("batch accepted");
+        assert_eq!(e.code(), code, "{e:?}");
+        assert!(
+            e.message().contains(&format!("write {at} of the batch")),
+            "{e:?}"
+        );
+        let info = tonic_types::StatusExt::get_error_details(&e)
+            .error_info()
+            .cloned()
+            .expect("ErrorInfo");
+        assert_eq!(info.reason, reason, "{e:?}");
+    };
+    // The second write uses the first extent's token on the second extent:
+    // the whole batch is refused, and its valid first write is not written.
+    refused(
+        client
+            .write_batch(WriteBatchRequest {
+                writes: vec![fill(EXTENT, 4096, 0x44, &ta), fill(second, 4096, 0x44, &ta)],
+            })
+            .await,
+        Code::PermissionDenied,
+        "WRITE_TOKEN_OUT_OF_RANGE",
+        1,
+    );
+    // A missing token last, after two valid writes.
+    refused(
+        client
+            .write_batch(WriteBatchRequest {
+                writes: vec![
+                    fill(EXTENT, 4096, 0x55, &ta),
+                    fill(second, 4096, 0x55, &tb),
+                    fill(EXTENT + 8192, 4096, 0x55, &vec![]),
+                ],
+            })
+            .await,
+        Code::Unauthenticated,
+        "WRITE_TOKEN_MISSING",
+        2,
+    );
+    assert_eq!(&read(EXTENT, 4096).await[..], &[0x11; 4096][..]);
+    assert_eq!(&read(second, 4096).await[..], &[0x33; 4096][..]);
+    assert_eq!(&read(EXTENT + 8192, 4096).await[..], &[0u8; 4096][..]);
+
+    // An unaligned write inside a valid token's range refuses the batch too.
+    let e = client
+        .write_batch(WriteBatchRequest {
+            writes: vec![
+                fill(EXTENT, 4096, 0x66, &ta),
+                fill(EXTENT + 4096, 100, 0x66, &ta),
+            ],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("write 1 of the batch"), "{e:?}");
+    assert_eq!(&read(EXTENT, 4096).await[..], &[0x11; 4096][..]);
+    // An empty batch is an error, not a no-op.
+    let e = client
+        .write_batch(WriteBatchRequest { writes: vec![] })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    // Another agent may not write, batch or not (the role table).
+    let mut other = VdevAgentClient::new(channel(dir.path(), Role::Agent, "a1", port).await);
+    let e = other
+        .write_batch(WriteBatchRequest {
+            writes: vec![fill(EXTENT, 4096, 0x77, &ta)],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    assert_eq!(&read(EXTENT, 4096).await[..], &[0x11; 4096][..]);
+
+    stop.send(()).unwrap();
+    served.await.unwrap().unwrap();
+}

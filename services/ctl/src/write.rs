@@ -79,6 +79,15 @@ pub struct WriteArgs {
     /// the unary throughput in issue 14's measurements) or `unary`.
     #[arg(long, env = "ALIQUOT_WRITE_API", value_enum, default_value_t = Api::Stream)]
     pub api: Api,
+    /// Agent writes per request: 1 sends a Write per copy; N > 1 gathers
+    /// the copies queued for one agent (from all workers) into WriteBatch
+    /// requests of up to N, at most 4 in flight per agent, for small blocks
+    /// (one HTTP/2 request per N). N × block size is at most 8 MiB. The
+    /// agent refuses a batch whole if any of its writes is refused; each
+    /// block of a refused batch is then handled as if its own write failed.
+    #[arg(long, env = "ALIQUOT_WRITE_BATCH", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub batch: u32,
     /// Lease of each allocation (default: the allocator's).
     #[arg(long, env = "ALIQUOT_WRITE_LEASE", value_parser = units::duration_arg)]
     pub lease: Option<Duration>,
@@ -152,6 +161,8 @@ pub struct WriteReport {
     pub copies: u32,
     pub class: ClassArg,
     pub api: Api,
+    /// Agent writes per request (`--batch`).
+    pub batch: u32,
     /// Logical bytes written (blocks × block size), what --total asks for;
     /// throughput counts these.
     pub bytes: u64,
@@ -379,9 +390,94 @@ struct Shared {
     run: tracing::Span,
     /// Its trace id, recorded on every block span.
     run_trace: String,
+    /// `--batch` > 1: each agent's batcher, started on first use.
+    batchers: std::sync::Mutex<HashMap<String, Batcher>>,
+}
+
+/// Bytes of one WriteBatch at most (the agent takes 16 MiB + 64 KiB a
+/// message; extents may exceed the block by the ashift rounding).
+const MAX_BATCH_BYTES: u64 = 8 << 20;
+/// WriteBatch requests in flight per agent: while they are out, the next
+/// batch fills.
+const BATCHES_IN_FLIGHT: usize = 4;
+
+type BatchItem = (
+    aliquot_proto::v1::WriteRequest,
+    oneshot::Sender<Result<(), tonic::Status>>,
+);
+
+/// One agent's write batcher (`--batch N`): workers hand it their writes,
+/// a task sends whatever is queued (up to N) as one WriteBatch, without
+/// waiting for more (batches form while earlier ones are in flight).
+#[derive(Clone)]
+struct Batcher {
+    tx: mpsc::Sender<BatchItem>,
+}
+
+impl Batcher {
+    fn start(agents: Agents, ep: String, max: usize) -> Batcher {
+        let (tx, mut rx) = mpsc::channel::<BatchItem>(4 * max);
+        tokio::spawn(
+            async move {
+                let slots = Arc::new(tokio::sync::Semaphore::new(BATCHES_IN_FLIGHT));
+                while let Some(first) = rx.recv().await {
+                    let mut items = vec![first];
+                    while items.len() < max {
+                        match rx.try_recv() {
+                            Ok(it) => items.push(it),
+                            Err(_) => break,
+                        }
+                    }
+                    let slot = slots.clone().acquire_owned().await.expect("never closed");
+                    let agents = agents.clone();
+                    let ep = ep.clone();
+                    tokio::spawn(async move {
+                        let (writes, waiters): (Vec<_>, Vec<_>) = items.into_iter().unzip();
+                        let r = match agents.get(&ep).await {
+                            Ok(mut c) => c
+                                .write_batch(aliquot_proto::v1::WriteBatchRequest { writes })
+                                .await
+                                .map(|_| ()),
+                            Err(e) => Err(tonic::Status::unavailable(format!("{e:#}"))),
+                        };
+                        for w in waiters {
+                            let _ = w.send(r.clone());
+                        }
+                        drop(slot);
+                    });
+                }
+            }
+            .in_current_span(),
+        );
+        Batcher { tx }
+    }
+
+    async fn write(&self, w: aliquot_proto::v1::WriteRequest) -> Result<(), tonic::Status> {
+        let (done, wait) = oneshot::channel();
+        self.tx
+            .send((w, done))
+            .await
+            .map_err(|_| tonic::Status::unavailable("write batcher stopped"))?;
+        wait.await
+            .unwrap_or_else(|_| Err(tonic::Status::unavailable("write batcher stopped")))
+    }
 }
 
 impl Shared {
+    /// The batcher of agent `ep` (`--batch` > 1).
+    fn batcher(&self, ep: &str) -> Batcher {
+        let mut m = self.batchers.lock().expect("batchers lock");
+        m.entry(ep.to_string())
+            .or_insert_with(|| {
+                Batcher::start(
+                    self.agents.clone(),
+                    ep.to_string(),
+                    self.args.batch as usize,
+                )
+            })
+            .clone()
+    }
+
     /// Remember the generation of a reply; a change means the allocator
     /// restarted (or another one took the store over): say so.
     fn saw_generation(&self, generation: u64) {
@@ -419,6 +515,14 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
     if args.total == 0 {
         anyhow::bail!("--total must be more than 0");
     }
+    if args.batch > 1 && args.batch as u64 * args.block_size > MAX_BATCH_BYTES {
+        anyhow::bail!(
+            "--batch {} of {} blocks is more than {} per request: use a smaller --batch",
+            args.batch,
+            units::format_bytes(args.block_size),
+            units::format_bytes(MAX_BATCH_BYTES)
+        );
+    }
     let blocks = args.total.div_ceil(args.block_size);
     let alloc = args.conn.connect().await?;
     let bar = if args.no_progress || args.json {
@@ -451,6 +555,7 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
         timeouts: AtomicU64::new(0),
         run: tracing::Span::current(),
         run_trace: telemetry::trace_id(&tracing::Span::current()).unwrap_or_default(),
+        batchers: Default::default(),
     });
     let mut tasks = Vec::new();
     // A stream per 8 workers: enough pipelining, without one HTTP/2 stream
@@ -581,6 +686,7 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
         copies: args.copies,
         class: args.class,
         api: args.api,
+        batch: args.batch,
         bytes,
         physical_bytes: bytes * args.copies as u64,
         write_secs,
@@ -836,11 +942,27 @@ async fn one_block(
         };
         let (offset, vdev) = (e.offset, e.vdev);
         let deadline = a.timeout;
+        let batcher = (a.batch > 1).then(|| sh.batcher(ep));
         writes.push(async move {
             let what = || format!("write block {block} to vdev {vdev} at {offset}");
             let r = tokio::time::timeout(deadline, async {
-                let mut c = agents.pattern_writer(ep).await.map_err(BlockError::Retry)?;
-                c.write(w).await.map_err(|s| {
+                let sent = match batcher {
+                    // Batched: the pattern is materialised (the batch is
+                    // encoded by prost, not by the pattern codec).
+                    Some(b) => {
+                        b.write(aliquot_proto::v1::WriteRequest {
+                            offset: w.offset,
+                            data: crate::pattern::make(w.len, w.nonce, w.block).into(),
+                            token: w.token,
+                        })
+                        .await
+                    }
+                    None => {
+                        let mut c = agents.pattern_writer(ep).await.map_err(BlockError::Retry)?;
+                        c.write(w).await.map(|_| ())
+                    }
+                };
+                sent.map_err(|s| {
                     let e = client::status_msg(&what(), &s);
                     if transient(&s) {
                         BlockError::Retry(e)

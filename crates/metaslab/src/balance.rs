@@ -49,6 +49,19 @@ pub fn class_used(vdevs: &[VdevFill]) -> f64 {
     }
 }
 
+/// How `v`'s used fraction compares with the class's (`vdevs`, `v` among
+/// them), exactly: integer cross-multiplication, no rounding. In a class
+/// without capacity every vdev ranks below. Plans move off the vdevs
+/// above; a move's new copy goes to the vdevs below.
+pub fn cmp_to_class(v: &VdevFill, vdevs: &[VdevFill]) -> std::cmp::Ordering {
+    let cap: u128 = vdevs.iter().map(|v| u128::from(v.capacity)).sum();
+    let alloc: u128 = vdevs.iter().map(|v| u128::from(v.alloc)).sum();
+    if cap == 0 {
+        return std::cmp::Ordering::Less;
+    }
+    (u128::from(v.alloc) * cap).cmp(&(alloc * u128::from(v.capacity)))
+}
+
 /// VAR of each vdev (same order); `None` for a vdev without capacity or
 /// while the class holds nothing.
 pub fn vars(vdevs: &[VdevFill]) -> Vec<Option<f64>> {
@@ -99,6 +112,19 @@ mod tests {
     use proptest::prelude::*;
 
     const GIB: u64 = 1 << 30;
+
+    #[test]
+    fn vdevs_rank_against_the_class_fill_exactly() {
+        use std::cmp::Ordering::*;
+        let f = |capacity, alloc| VdevFill { capacity, alloc };
+        let v = [f(2 * GIB, GIB), f(4 * GIB, GIB), f(GIB, GIB)];
+        // Class: 3 of 7 GiB used.
+        let got: Vec<_> = v.iter().map(|x| cmp_to_class(x, &v)).collect();
+        assert_eq!(got, vec![Greater, Less, Greater]);
+        let even = [f(GIB, GIB / 2), f(2 * GIB, GIB)];
+        assert_eq!(cmp_to_class(&even[0], &even), Equal);
+        assert_eq!(cmp_to_class(&f(0, 0), &[f(0, 0)]), Less);
+    }
 
     fn v(capacity: u64, alloc: u64) -> VdevFill {
         VdevFill { capacity, alloc }

@@ -44,6 +44,24 @@ pub struct ClassStats {
     pub groups: Vec<GroupStats>,
 }
 
+impl ClassStats {
+    /// Each group's capacity and allocation, in `groups` order.
+    pub fn fills(&self) -> Vec<crate::balance::VdevFill> {
+        self.groups
+            .iter()
+            .map(|g| crate::balance::VdevFill {
+                capacity: g.capacity,
+                alloc: g.alloc,
+            })
+            .collect()
+    }
+
+    /// The class's balance score (`crate::balance::score`).
+    pub fn balance_score(&self) -> f64 {
+        crate::balance::score(&self.fills())
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct VdevStats {
     pub id: VdevId,

@@ -5,11 +5,12 @@
 //! (the end of a drain). The allocator plans and accounts; the client that
 //! owns the references copies the data.
 
+use std::cmp::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use aliquot_proto::v1 as pb;
-use metaslab::{AllocKind, AllocRequest, Allocation, ClassKind};
+use metaslab::{AllocKind, AllocRequest, Allocation, ClassKind, balance};
 
 use crate::convert;
 use crate::error::{Error, Result};
@@ -56,14 +57,13 @@ pub async fn relocate(
         let g = shared.lock();
         let stats = g.pool.stats();
         if let Some(c) = stats.classes.iter().find(|c| c.kind == ClassKind::Normal) {
-            let (space, alloc) = (u128::from(c.space), u128::from(c.alloc));
+            let fills = c.fills();
             let over: Vec<u32> = c
                 .groups
                 .iter()
-                .filter(|gr| {
-                    space > 0 && u128::from(gr.alloc) * space >= alloc * u128::from(gr.capacity)
-                })
-                .map(|gr| gr.vdev)
+                .zip(&fills)
+                .filter(|(_, f)| balance::cmp_to_class(f, &fills) != Ordering::Less)
+                .map(|(gr, _)| gr.vdev)
                 .collect();
             let left = c
                 .groups
@@ -127,15 +127,7 @@ pub async fn status(
         reply.in_flight_bytes = bytes;
         let stats = g.pool.stats();
         if let Some(c) = stats.classes.iter().find(|c| c.kind == ClassKind::Normal) {
-            reply.score = metaslab::balance::score(
-                &c.groups
-                    .iter()
-                    .map(|m| metaslab::balance::VdevFill {
-                        capacity: m.capacity,
-                        alloc: m.alloc,
-                    })
-                    .collect::<Vec<_>>(),
-            );
+            reply.score = c.balance_score();
         }
         for v in stats.vdevs.iter().filter(|v| !v.online && v.alloc > 0) {
             reply.draining.push(pb::DrainingVdev {

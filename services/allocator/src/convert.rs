@@ -150,15 +150,7 @@ pub fn pool_status(shared: &Shared, g: &Inner) -> pb::PoolStatus {
             waiting_bytes: c.waiting_bytes,
             throttle_enabled: c.throttle_enabled,
             fragmentation: frag(c.fragmentation),
-            balance_score: metaslab::balance::score(
-                &c.groups
-                    .iter()
-                    .map(|m| metaslab::balance::VdevFill {
-                        capacity: m.capacity,
-                        alloc: m.alloc,
-                    })
-                    .collect::<Vec<_>>(),
-            ),
+            balance_score: c.balance_score(),
             groups: c
                 .groups
                 .iter()

@@ -82,11 +82,10 @@ pub async fn plan_rebalance(
         let frees: Vec<Extent> = g.recent_frees.keys().copied().collect();
         (vdevs, frees)
     };
-    let cap: u128 = vdevs.iter().map(|v| u128::from(v.fill.capacity)).sum();
-    let alloc: u128 = vdevs.iter().map(|v| u128::from(v.fill.alloc)).sum();
+    let fills: Vec<VdevFill> = vdevs.iter().map(|v| v.fill).collect();
     let mut candidates = Vec::new();
     for v in &vdevs {
-        let over = cap > 0 && (v.fill.alloc as u128) * cap > alloc * u128::from(v.fill.capacity);
+        let over = metaslab::balance::cmp_to_class(&v.fill, &fills).is_gt();
         if over || v.drain {
             candidates.extend(
                 shared

@@ -185,6 +185,7 @@ mod placement;
 pub mod pool;
 pub mod range_tree;
 pub mod rebalance;
+mod relocation;
 mod removal;
 mod space;
 pub mod stats;

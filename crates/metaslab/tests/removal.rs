@@ -146,3 +146,26 @@ fn a_removed_vdev_is_forgotten_and_its_id_never_reused() {
     pool.sync();
     pool.verify().unwrap();
 }
+
+#[test]
+fn a_move_avoids_its_source_and_over_full_vdevs_while_an_emptier_one_takes_it() {
+    let mut pool = Pool::new(Tunables::default());
+    pool.add_vdev(spec(4 * GIB)).unwrap();
+    pool.add_vdev(spec(4 * GIB)).unwrap();
+    pool.sync();
+    for _ in 0..64 {
+        let a = place_avoiding(&mut pool, &[]).unwrap();
+        pool.commit(a.id).unwrap();
+    }
+    pool.add_vdev(spec(4 * GIB)).unwrap();
+    pool.sync();
+    assert_eq!(pool.relocation_avoid(0, &[]).unwrap(), vec![0, 1]);
+    // The only emptier vdev holds another copy: no vdev below the fill is
+    // left, so the over-full ones are allowed again (the source never).
+    assert_eq!(pool.relocation_avoid(1, &[2]).unwrap(), vec![1, 2]);
+    // The emptier vdev offline: nothing below the fill can take it, so only
+    // the source (and the given copies) are avoided.
+    pool.set_online(2, false).unwrap();
+    assert_eq!(pool.relocation_avoid(0, &[]).unwrap(), vec![0]);
+    assert_eq!(pool.relocation_avoid(7, &[]), Err(Error::UnknownVdev(7)));
+}

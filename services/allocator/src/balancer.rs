@@ -5,12 +5,11 @@
 //! (the end of a drain). The allocator plans and accounts; the client that
 //! owns the references copies the data.
 
-use std::cmp::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use aliquot_proto::v1 as pb;
-use metaslab::{AllocKind, AllocRequest, Allocation, ClassKind, balance};
+use metaslab::{AllocKind, AllocRequest, Allocation, ClassKind};
 
 use crate::convert;
 use crate::error::{Error, Result};
@@ -30,55 +29,13 @@ pub async fn relocate(
         .ok_or_else(|| Error::InvalidArgument("extent is required: the block copy to move".into()))
         .and_then(convert::extent_from_pb)?;
     let lease = shared.lease(req.lease_ms)?;
-    {
-        let g = shared.lock();
-        let stats = g.pool.stats();
-        let Some(v) = stats.vdevs.iter().find(|v| v.id == from.vdev) else {
-            return Err(if g.pool.is_removed(from.vdev) {
-                metaslab::Error::VdevRemoved(from.vdev).into()
-            } else {
-                metaslab::Error::UnknownVdev(from.vdev).into()
-            });
-        };
-        if v.spec.role != metaslab::VdevRole::Normal {
-            return Err(Error::InvalidArgument(format!(
-                "extent {from} is on log vdev {}: the balancer moves normal-class data only",
-                from.vdev
-            )));
-        }
-    }
+    // The crate's placement rule; it also refuses an unknown, removed or
+    // log source vdev, before the store is asked about the extent.
+    let avoid = shared
+        .lock()
+        .pool
+        .relocation_avoid(from.vdev, &req.avoid_vdevs)?;
     crate::claim::check_relocatable(shared, &from).await?;
-    let mut avoid = req.avoid_vdevs.clone();
-    avoid.push(from.vdev);
-    // The throttle places the copy, among the vdevs below the class's fill:
-    // a move onto another over-full vdev would only have to move again
-    // (measured: 1.5x the bytes for the same score without this).
-    {
-        let g = shared.lock();
-        let stats = g.pool.stats();
-        if let Some(c) = stats.classes.iter().find(|c| c.kind == ClassKind::Normal) {
-            let fills = c.fills();
-            let over: Vec<u32> = c
-                .groups
-                .iter()
-                .zip(&fills)
-                .filter(|(_, f)| balance::cmp_to_class(f, &fills) != Ordering::Less)
-                .map(|(gr, _)| gr.vdev)
-                .collect();
-            let left = c
-                .groups
-                .iter()
-                .filter(|gr| {
-                    gr.allocatable && !avoid.contains(&gr.vdev) && !over.contains(&gr.vdev)
-                })
-                .count();
-            if left > 0 {
-                avoid.extend(over);
-            }
-        }
-    }
-    avoid.sort_unstable();
-    avoid.dedup();
     let intent = RelocateIntent {
         from,
         plan_id: req.plan_id,

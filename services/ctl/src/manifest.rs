@@ -144,6 +144,31 @@ pub struct Pending {
     pub generation: u64,
 }
 
+impl Pending {
+    /// The journal record that says this move is pending.
+    pub fn record(&self) -> Record {
+        Record::Pending {
+            block: self.block,
+            copy: self.copy,
+            from: self.from,
+            to: self.to,
+            allocation: self.allocation,
+            generation: self.generation,
+        }
+    }
+}
+
+/// The file's text: the header line, then a line per record.
+fn render(header: &Header, recs: impl Iterator<Item = Record>) -> String {
+    let mut body = serde_json::to_string(header).expect("header serializes");
+    body.push('\n');
+    for r in recs {
+        body.push_str(&serde_json::to_string(&r).expect("record serializes"));
+        body.push('\n');
+    }
+    body
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ManifestError {
     #[error("manifest {path}: {err}")]
@@ -171,14 +196,8 @@ pub struct Manifest {
 impl Manifest {
     /// Write a fresh manifest atomically (temp file, fsync, rename).
     pub fn create(path: &Path, header: Header, blocks: &[Block]) -> Result<(), ManifestError> {
-        let mut body = String::new();
-        body.push_str(&serde_json::to_string(&header).expect("header serializes"));
-        body.push('\n');
-        for b in blocks {
-            body.push_str(&serde_json::to_string(&Record::Block(b.clone())).expect("serializes"));
-            body.push('\n');
-        }
-        replace_file(path, body.as_bytes())
+        let recs = blocks.iter().cloned().map(Record::Block);
+        replace_file(path, render(&header, recs).as_bytes())
     }
 
     pub fn load(path: &Path) -> Result<Manifest, ManifestError> {
@@ -299,30 +318,7 @@ impl Manifest {
     /// Append a record and fsync it, then apply it: once this returns the
     /// record survives a crash.
     pub fn append(&mut self, rec: Record) -> Result<(), ManifestError> {
-        let path = self.path.display().to_string();
-        self.check(&rec).map_err(|why| ManifestError::Bad {
-            path: path.clone(),
-            line: 0,
-            why,
-        })?;
-        let io = |err| ManifestError::Io {
-            path: path.clone(),
-            err,
-        };
-        if self.journal.is_none() {
-            let f = OpenOptions::new()
-                .append(true)
-                .open(&self.path)
-                .map_err(io)?;
-            self.journal = Some(f);
-        }
-        let mut line = serde_json::to_string(&rec).expect("record serializes");
-        line.push('\n');
-        let f = self.journal.as_mut().expect("opened");
-        f.write_all(line.as_bytes()).map_err(io)?;
-        f.sync_data().map_err(io)?;
-        self.apply(rec)
-            .map_err(|why| ManifestError::Bad { path, line: 0, why })
+        self.append_all(vec![rec])
     }
 
     /// Append several records with one fsync (a batch of moves); all are
@@ -365,44 +361,16 @@ impl Manifest {
 
     /// Rewrite the file with the journal folded in (pending moves kept).
     pub fn compact(&mut self) -> Result<(), ManifestError> {
-        let blocks: Vec<Block> = self
-            .blocks
-            .iter()
-            .map(|(&block, copies)| Block {
+        let blocks = self.blocks.iter().map(|(&block, copies)| {
+            Record::Block(Block {
                 block,
                 copies: copies.clone(),
             })
-            .collect();
-        let mut body = String::new();
-        body.push_str(&serde_json::to_string(&self.header).expect("header serializes"));
-        body.push('\n');
-        for b in blocks {
-            body.push_str(&serde_json::to_string(&Record::Block(b)).expect("serializes"));
-            body.push('\n');
-        }
-        for p in self.pending.values() {
-            let rec = Record::Pending {
-                block: p.block,
-                copy: p.copy,
-                from: p.from,
-                to: p.to,
-                allocation: p.allocation,
-                generation: p.generation,
-            };
-            body.push_str(&serde_json::to_string(&rec).expect("serializes"));
-            body.push('\n');
-        }
+        });
+        let pending = self.pending.values().map(Pending::record);
+        let body = render(&self.header, blocks.chain(pending));
         self.journal = None;
         replace_file(&self.path, body.as_bytes())
-    }
-
-    /// The block and copy index whose copy is exactly `e`, if any.
-    pub fn find(&self, e: &Ext) -> Option<(u64, usize)> {
-        // Plans name a few thousand extents: an index would cost more to
-        // build than these scans, except on huge manifests (see `index`).
-        self.blocks
-            .iter()
-            .find_map(|(&b, copies)| copies.iter().position(|c| c.at == *e).map(|i| (b, i)))
     }
 
     /// Extent → (block, copy) for every copy.
@@ -504,7 +472,7 @@ mod tests {
         assert_eq!(m.blocks[&1][0].at, ext(0, 4096));
         assert_eq!(m.blocks[&2][0].at, ext(0, 8192), "pending: not moved yet");
         assert_eq!(m.pending.keys().copied().collect::<Vec<_>>(), vec![12]);
-        assert_eq!(m.find(&ext(1, 0)), Some((0, 0)));
+        assert_eq!(m.index().get(&ext(1, 0)), Some(&(0, 0)));
     }
 
     #[test]

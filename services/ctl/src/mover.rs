@@ -212,11 +212,7 @@ impl Mover {
     }
 
     fn journal(&self, rec: Record) -> anyhow::Result<()> {
-        self.manifest
-            .lock()
-            .expect("manifest lock")
-            .append(rec)
-            .map_err(Into::into)
+        self.journal_all(vec![rec])
     }
 
     /// Wait until `bytes` more fit the rate.
@@ -430,17 +426,7 @@ impl Mover {
                 return Err(e);
             }
         }
-        let records = ready
-            .iter()
-            .map(|(p, _)| Record::Pending {
-                block: p.block,
-                copy: p.copy,
-                from: p.from,
-                to: p.to,
-                allocation: p.allocation,
-                generation: p.generation,
-            })
-            .collect();
+        let records = ready.iter().map(|(p, _)| p.record()).collect();
         self.journal_all(records)?;
         for _ in &ready {
             Failpoint::hit(

@@ -43,16 +43,31 @@ async fn written(h: &mut Harness, n: usize, size: u64) -> Vec<pb::Extent> {
     out
 }
 
-async fn state(h: &mut Harness, id: u64) -> pb::Relocation {
+async fn status(h: &mut Harness, ids: Vec<u64>) -> pb::BalancerStatusReply {
     h.alloc
         .balancer_status(pb::BalancerStatusRequest {
-            allocation_ids: vec![id],
+            allocation_ids: ids,
         })
         .await
         .unwrap()
         .into_inner()
-        .relocations
-        .remove(0)
+}
+
+async fn balancer(h: &mut Harness) -> pb::BalancerStatusReply {
+    status(h, vec![]).await
+}
+
+async fn state(h: &mut Harness, id: u64) -> pb::Relocation {
+    status(h, vec![id]).await.relocations.remove(0)
+}
+
+async fn abort(h: &mut Harness, id: u64) {
+    h.alloc
+        .abort(pb::AbortRequest {
+            allocation_ids: vec![id],
+        })
+        .await
+        .unwrap();
 }
 
 async fn free(h: &mut Harness, e: pb::Extent) -> Result<u64, tonic::Status> {
@@ -88,12 +103,7 @@ async fn a_relocation_commit_swaps_the_extents_in_one_txg() {
     assert_eq!(r.endpoints.len(), 1);
     let s = state(&mut h, r.allocation_id).await;
     assert_eq!(s.state, S::RelocationInFlight as i32, "{s:?}");
-    let st = h
-        .alloc
-        .balancer_status(pb::BalancerStatusRequest::default())
-        .await
-        .unwrap()
-        .into_inner();
+    let st = balancer(&mut h).await;
     assert_eq!((st.in_flight, st.in_flight_bytes), (1, MIB));
 
     let c = h.commit(vec![r.allocation_id]).await.unwrap();
@@ -111,12 +121,7 @@ async fn a_relocation_commit_swaps_the_extents_in_one_txg() {
     h.sync().await;
     h.sync().await;
     assert_eq!(total_alloc(&h.pool().await), before - from.size + to.size);
-    let st = h
-        .alloc
-        .balancer_status(pb::BalancerStatusRequest::default())
-        .await
-        .unwrap()
-        .into_inner();
+    let st = balancer(&mut h).await;
     assert_eq!((st.durable_moves, st.durable_bytes), (1, MIB));
     assert_eq!(st.in_flight, 0);
     // The source is free now, the new extent is a committed extent.
@@ -167,12 +172,7 @@ async fn a_moving_extent_cannot_be_moved_again_or_freed() {
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
 
     // Aborted: the block stays where it was, and can be moved again.
-    h.alloc
-        .abort(pb::AbortRequest {
-            allocation_ids: vec![r.allocation_id],
-        })
-        .await
-        .unwrap();
+    abort(&mut h, r.allocation_id).await;
     let s = state(&mut h, r.allocation_id).await;
     assert_eq!(s.state, S::RelocationNotCommitted as i32, "{s:?}");
     let again = h
@@ -181,12 +181,7 @@ async fn a_moving_extent_cannot_be_moved_again_or_freed() {
         .await
         .unwrap()
         .into_inner();
-    h.alloc
-        .abort(pb::AbortRequest {
-            allocation_ids: vec![again.allocation_id],
-        })
-        .await
-        .unwrap();
+    abort(&mut h, again.allocation_id).await;
     free(&mut h, from).await.expect("still a committed extent");
 }
 
@@ -253,12 +248,7 @@ async fn plan_progress_counts_the_plans_relocations() {
             .into_inner();
         h.commit(vec![r.allocation_id]).await.unwrap();
     }
-    let st = h
-        .alloc
-        .balancer_status(pb::BalancerStatusRequest::default())
-        .await
-        .unwrap()
-        .into_inner();
+    let st = balancer(&mut h).await;
     assert_eq!(st.plan_id, p.plan_id);
     assert_eq!(st.plan_moves, p.moves.len() as u64);
     assert_eq!(st.plan_bytes, p.bytes);

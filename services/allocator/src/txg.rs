@@ -17,6 +17,18 @@ pub async fn run(shared: Arc<Shared>) {
     let mut shutdown = shared.stop.subscribe();
     let mut wanted = shared.wanted.subscribe();
     loop {
+        // Sync until every waiter's txg is durable. This comes first: the
+        // task subscribes after it is spawned, so a waiter that raised
+        // `wanted` before that is already "seen" and `changed()` alone
+        // would never report it (a test hung on exactly that, 1 run in
+        // ~300, with the 600 s timer as the only way out).
+        loop {
+            let want = *wanted.borrow_and_update();
+            if shared.synced_txg() >= want {
+                break;
+            }
+            sync_once(&shared).await;
+        }
         let timeout = shared.txg_timeout();
         let by_timer = tokio::select! {
             _ = tokio::time::sleep(timeout) => true,
@@ -28,14 +40,6 @@ pub async fn run(shared: Arc<Shared>) {
             _ = shutdown.wait_for(|s| *s) => break,
         };
         if by_timer {
-            sync_once(&shared).await;
-        }
-        // Sync until every waiter's txg is durable.
-        loop {
-            let want = *wanted.borrow_and_update();
-            if shared.synced_txg() >= want {
-                break;
-            }
             sync_once(&shared).await;
         }
     }
@@ -99,4 +103,50 @@ pub async fn sync_once(shared: &Shared) {
         g.synced(txg, Instant::now());
     }
     shared.synced.send_replace(txg);
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+    use std::sync::atomic::AtomicU64;
+
+    use super::*;
+    use crate::state::{Fencing, ServiceSettings};
+    use crate::store::{MemStore, Store};
+
+    /// A waiter that raised `wanted` before the clock task first ran (and
+    /// so before it subscribed) is still served, without the timer.
+    #[tokio::test]
+    async fn a_waiter_from_before_the_clock_started_is_served() {
+        let pool = metaslab::Pool::new(metaslab::Tunables::default());
+        let synced = pool.open_txg() - 1;
+        let settings = ServiceSettings {
+            pool_name: "t".into(),
+            default_lease: Duration::from_secs(30),
+            report_interval: Duration::from_secs(600),
+            txg_timeout_us: AtomicU64::new(600_000_000),
+            txg_dirty_max: u64::MAX,
+            max_lease: Duration::from_secs(300),
+            token_signer: None,
+        };
+        let fencing = Fencing {
+            generation: 1,
+            synced_at_open: synced,
+            claim_window_until: None,
+            history: BTreeMap::new(),
+        };
+        let store = Arc::new(MemStore::new());
+        store.create(1).await.unwrap();
+        let shared = Shared::new(pool, settings, 1, fencing, store, synced);
+        // What `wait_synced` does, before the clock exists.
+        shared.wanted.send_replace(synced + 1);
+        let clock = tokio::spawn(run(shared.clone()));
+        let mut rx = shared.synced.subscribe();
+        tokio::time::timeout(Duration::from_secs(10), rx.wait_for(|s| *s > synced))
+            .await
+            .expect("the clock must sync the txg wanted before it started")
+            .unwrap();
+        shared.stop.send_replace(true);
+        clock.await.unwrap();
+    }
 }

@@ -141,6 +141,11 @@ impl Class {
         self.rotors.len()
     }
 
+    /// The allocator in use (its rotor is the class's now).
+    pub fn current_allocator(&self) -> usize {
+        self.cur
+    }
+
     /// Work with allocator `k`'s rotor from now on.
     pub fn use_allocator(&mut self, k: usize) {
         if k != self.cur && k < self.rotors.len() {

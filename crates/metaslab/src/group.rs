@@ -9,7 +9,7 @@ use std::collections::BTreeSet;
 use std::ops::Bound;
 
 use crate::metaslab::{Metaslab, Role, weight_index, weight_is_space};
-use crate::{ClassKind, Tunables, Txg, VdevId};
+use crate::{ClassKind, ThrottlePolicy, Tunables, Txg, VdevId};
 
 /// Tree key: (band, descending weight, id).
 type Key = (u8, Reverse<u64>, u32);
@@ -65,6 +65,10 @@ pub struct AllocCtx<'a> {
     pub rotational: bool,
     pub ms_count: u64,
     pub min_alloc: u64,
+    /// The allocator placing this block (`spa_alloc_count` lanes, §3.1).
+    pub allocator: usize,
+    /// `spa_alloc_count`.
+    pub allocators: usize,
 }
 
 #[derive(Clone, Debug)]
@@ -72,8 +76,11 @@ pub struct Group {
     pub vdev: VdevId,
     pub class: ClassKind,
     tree: BTreeSet<Key>,
-    pub primary: Option<u32>,
-    pub secondary: Option<u32>,
+    /// Active metaslabs per allocator slot, (primary, secondary)
+    /// (`mga_primary`, `mga_secondary`): each allocator writes its own
+    /// front on the vdev while the group has enough ready metaslabs
+    /// (`slot_index`). Grown on first use; slot 0 always exists.
+    slots: Vec<(Option<u32>, Option<u32>)>,
     /// Bytes of members that finished their first sync.
     pub space: u64,
     /// Bytes of members not allocatable (in flight, allocated, deferred).
@@ -112,8 +119,7 @@ impl Group {
             vdev,
             class,
             tree: BTreeSet::new(),
-            primary: None,
-            secondary: None,
+            slots: vec![(None, None)],
             space: 0,
             alloc: 0,
             ready: 0,
@@ -181,11 +187,37 @@ impl Group {
         self.tree.insert(key(ms));
     }
 
-    /// Bind `ms` to the slot of `activation` (CLAIM binds nothing).
-    pub fn activate(&mut self, ms: &mut Metaslab, activation: Activation) {
+    /// The allocator slot allocator `allocator` of `allocators` uses here
+    /// (spec §2.5): its own while the group has at least three ready
+    /// metaslabs per slot up to it (`allocator < mg_ms_ready / 3`), else
+    /// slot 0, so a vdev with few metaslabs shares one pair among
+    /// allocators (`metaslab_group_alloc`,
+    /// module/zfs/metaslab.c@be7657e3f2:5055-5056). LEGACY shared slot 0
+    /// among all allocators until the group had three per allocator
+    /// (`mg_ms_ready < mg_allocators × 3`, @3862ebbf1f:4855-4856).
+    pub fn slot_index(&self, allocator: usize, allocators: usize, legacy: bool) -> usize {
+        let ready = u64::from(self.ready);
+        let shared = if legacy {
+            ready < allocators as u64 * 3
+        } else {
+            allocator as u64 >= ready / 3
+        };
+        if shared { 0 } else { allocator }
+    }
+
+    /// The active (primary, secondary) metaslabs of allocator slot `i`.
+    pub fn active(&self, i: usize) -> (Option<u32>, Option<u32>) {
+        self.slots.get(i).copied().unwrap_or((None, None))
+    }
+
+    /// Bind `ms` to slot `i`'s role for `activation` (CLAIM binds nothing).
+    pub fn activate(&mut self, ms: &mut Metaslab, activation: Activation, i: usize) {
+        if self.slots.len() <= i {
+            self.slots.resize(i + 1, (None, None));
+        }
         let (role, slot) = match activation {
-            Activation::Primary => (Role::Primary, &mut self.primary),
-            Activation::Secondary => (Role::Secondary, &mut self.secondary),
+            Activation::Primary => (Role::Primary, &mut self.slots[i].0),
+            Activation::Secondary => (Role::Secondary, &mut self.slots[i].1),
             Activation::Claim => return,
         };
         *slot = Some(ms.id);
@@ -193,21 +225,26 @@ impl Group {
         self.set_role(ms, role);
     }
 
-    fn slot(&self, activation: Activation) -> Option<u32> {
+    fn slot(&self, activation: Activation, i: usize) -> Option<u32> {
+        let (p, s) = self.active(i);
         match activation {
-            Activation::Primary => self.primary,
-            Activation::Secondary => self.secondary,
+            Activation::Primary => p,
+            Activation::Secondary => s,
             Activation::Claim => None,
         }
     }
 
     /// Passivate `ms` with its recomputed weight.
     pub fn passivate(&mut self, ms: &mut Metaslab) {
-        if self.primary == Some(ms.id) {
-            self.primary = None;
-        }
-        if self.secondary == Some(ms.id) {
-            self.secondary = None;
+        // A metaslab is active for at most one slot and role; clear
+        // wherever it is.
+        for (p, s) in &mut self.slots {
+            if *p == Some(ms.id) {
+                *p = None;
+            }
+            if *s == Some(ms.id) {
+                *s = None;
+            }
         }
         ms.activation_weight = 0;
         self.set_role(ms, Role::Inactive);
@@ -270,12 +307,17 @@ impl Group {
         let mut out = GroupAllocOutcome::default();
         let mut search: Option<Key> = None;
         let mut tried_slot = false;
+        let si = self.slot_index(
+            ctx.allocator,
+            ctx.allocators,
+            ctx.t.throttle_policy == ThrottlePolicy::Legacy,
+        );
         // Bounded: each iteration either succeeds or moves the search past
         // a metaslab; the cap guards against a weight that does not drop.
         let mut budget = self.tree.len() + 2;
         while budget > 0 {
             budget -= 1;
-            let id = match self.slot(activation) {
+            let id = match self.slot(activation, si) {
                 Some(p) if !tried_slot && !holding.contains(&p) => {
                     tried_slot = true;
                     p
@@ -306,11 +348,11 @@ impl Group {
                 }
                 // A taken slot (its metaslab holds a DVA of this block, or
                 // failed just now): use this one without owning it.
-                if self.slot(activation).is_none() {
-                    self.activate(m, activation);
+                if self.slot(activation, si).is_none() {
+                    self.activate(m, activation, si);
                 }
             }
-            let owned = activation != Activation::Claim && self.slot(activation) == Some(id);
+            let owned = activation != Activation::Claim && self.slot(activation, si) == Some(id);
             if m.should_allocate(asize)
                 && let Some(off) = m.df_alloc(asize, ctx.t)
             {
@@ -427,5 +469,34 @@ impl Group {
         if self.ready > 0 {
             self.no_free_space = false;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slot_rules_differ_between_policies_with_four_allocators() {
+        // 9 ready metaslabs, 4 allocators: HEAD gives allocators 0..2 their
+        // own slots (k < 9 / 3 = 3) and 3 shares slot 0; LEGACY shares slot
+        // 0 for all (9 < 4 × 3); at 12 ready LEGACY gives each its own.
+        let mut g = Group::new(0, ClassKind::Normal);
+        for id in 0..12 {
+            g.insert(&Metaslab::new(id, 26, 12, false));
+            let want_legacy: Vec<usize> = if id + 1 >= 12 {
+                vec![0, 1, 2, 3]
+            } else {
+                vec![0; 4]
+            };
+            let legacy: Vec<usize> = (0..4).map(|k| g.slot_index(k, 4, true)).collect();
+            assert_eq!(legacy, want_legacy, "{} ready", g.ready);
+        }
+        let mut g = Group::new(0, ClassKind::Normal);
+        for id in 0..9 {
+            g.insert(&Metaslab::new(id, 26, 12, false));
+        }
+        let head: Vec<usize> = (0..4).map(|k| g.slot_index(k, 4, false)).collect();
+        assert_eq!(head, vec![0, 1, 2, 0]);
     }
 }

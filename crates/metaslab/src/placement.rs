@@ -397,6 +397,8 @@ impl Pool {
             rotational: vd.spec.rotational,
             ms_count: vd.ms.len() as u64,
             min_alloc: 1 << vd.spec.ashift,
+            allocator: classes[ci].current_allocator(),
+            allocators: classes[ci].allocators(),
         };
         let g = if ci == ELOG {
             vd.log_mg.as_mut()?

@@ -457,3 +457,63 @@ fn each_allocator_has_its_own_throttle_budget_and_queue() {
     pool.verify().unwrap();
     let _ = pool.take_admitted();
 }
+
+/// Spec §2.5: each allocator has its own active metaslab per group while
+/// the group has enough ready metaslabs (`allocator < mg_ms_ready / 3`),
+/// so two allocators write two fronts on one vdev; with few metaslabs they
+/// share slot 0's. LEGACY shares until `ready ≥ allocators × 3`.
+fn fronts(policy: ThrottlePolicy, capacity: u64, shift: Option<u8>) -> (u32, Vec<u64>, Vec<u64>) {
+    let mut pool = Pool::new(Tunables {
+        throttle_policy: policy,
+        ..Tunables::default()
+    });
+    pool.add_vdev(VdevSpec {
+        metaslab_shift: shift,
+        ..spec(capacity)
+    })
+    .unwrap();
+    assert_eq!(pool.set_cpus(8), 2, "8 CPUs, 4 per allocator");
+    pool.sync();
+    let count = pool.stats().vdevs[0].metaslab_count;
+    let mut by = [Vec::new(), Vec::new()];
+    for i in 0..40 {
+        pool.prefer_allocator(i % 2);
+        let a = place(&mut pool, req(AllocKind::Data, 128 << 10, 1)).unwrap();
+        by[i % 2].push(metaslab_of(&pool, &a.extents[0]));
+        pool.commit(a.id).unwrap();
+    }
+    pool.verify().unwrap();
+    let [a, b] = by;
+    (count, a, b)
+}
+
+#[test]
+fn each_allocator_writes_its_own_front_when_the_vdev_has_enough_metaslabs() {
+    for policy in [ThrottlePolicy::Unified, ThrottlePolicy::Legacy] {
+        let (count, a, b) = fronts(policy, 4 * GIB, None);
+        assert!(count >= 6, "{count} metaslabs");
+        // Each allocator stays on one metaslab (its primary) ...
+        assert!(
+            a.iter().all(|&m| m == a[0]),
+            "{policy:?} allocator 0: {a:?}"
+        );
+        assert!(
+            b.iter().all(|&m| m == b[0]),
+            "{policy:?} allocator 1: {b:?}"
+        );
+        // ... and the two are different metaslabs: two write fronts.
+        assert_ne!(a[0], b[0], "{policy:?}");
+    }
+}
+
+#[test]
+fn allocators_share_one_front_on_a_vdev_with_few_metaslabs() {
+    // 5 metaslabs of 64 MiB: 5 / 3 = 1, so allocator 1 uses slot 0
+    // (and LEGACY: 5 < 2 × 3).
+    for policy in [ThrottlePolicy::Unified, ThrottlePolicy::Legacy] {
+        let (count, a, b) = fronts(policy, 5 * 64 * MIB + 8 * MIB, Some(26));
+        assert_eq!(count, 5);
+        let all: Vec<u64> = a.iter().chain(&b).copied().collect();
+        assert!(all.iter().all(|&m| m == all[0]), "{policy:?}: {a:?} {b:?}");
+    }
+}

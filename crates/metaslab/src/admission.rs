@@ -62,7 +62,11 @@ impl Pool {
                     }
                 }
                 _ => {
-                    legacy::reserve(&mut c.slots_by[lane], c.max_slots, req.copies as u64) && {
+                    legacy::reserve(
+                        &mut c.slots_by[lane],
+                        c.max_slots_by[lane],
+                        req.copies as u64,
+                    ) && {
                         c.slots_reserved += req.copies as u64;
                         c.legacy_bytes += bytes;
                         st.res = Reservation::Slots(req.copies as u64, bytes);
@@ -119,7 +123,7 @@ impl Pool {
                 Reservation::Bytes(bytes)
             } else {
                 let slots = st.req.copies as u64;
-                if !legacy::reserve(&mut c.slots_by[lane], c.max_slots, slots) {
+                if !legacy::reserve(&mut c.slots_by[lane], c.max_slots_by[lane], slots) {
                     break;
                 }
                 c.slots_reserved += slots;
@@ -196,7 +200,11 @@ impl Pool {
                 self.tun.busy_pct_sum(),
             ),
             ThrottlePolicy::Legacy => {
-                c.waiting() > 0 || (c.max_slots > 0 && c.slots_by.iter().any(|&s| s >= c.max_slots))
+                c.waiting() > 0
+                    || c.slots_by
+                        .iter()
+                        .zip(&c.max_slots_by)
+                        .any(|(&s, &m)| m > 0 && s >= m)
             }
             ThrottlePolicy::Off => false,
         }

@@ -45,9 +45,10 @@ pub struct Class {
     pub reserved_by: Vec<u64>,
     // Legacy throttle.
     pub slots_reserved: u64,
-    /// Per allocator (`mca_alloc_slots`), each bounded by `max_slots`.
+    /// Per allocator (`mca_alloc_slots`), each bounded by its own
+    /// `max_slots_by` (`mca_alloc_max_slots`, ramped up per allocator).
     pub slots_by: Vec<u64>,
-    pub max_slots: u64,
+    pub max_slots_by: Vec<u64>,
     /// Bytes admitted under the legacy policy (for stats).
     pub legacy_bytes: u64,
     /// Waiters, one FIFO per allocator (spec §4.6: one queue per class per
@@ -82,7 +83,7 @@ impl Class {
             reserved_by: vec![0],
             slots_reserved: 0,
             slots_by: vec![0],
-            max_slots: 0,
+            max_slots_by: vec![0],
             legacy_bytes: 0,
             waiters: vec![VecDeque::new()],
             waiting_bytes: 0,
@@ -124,6 +125,8 @@ impl Class {
         let lanes = n.max(1).max(self.reserved_by.len());
         self.reserved_by.resize(lanes, 0);
         self.slots_by.resize(lanes, 0);
+        let max = self.max_slots_by[0];
+        self.max_slots_by.resize(lanes, max);
         self.waiters.resize_with(lanes, VecDeque::new);
     }
 

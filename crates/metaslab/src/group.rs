@@ -92,8 +92,12 @@ pub struct Group {
     /// Bytes placed by throttled allocations, not yet committed.
     pub queue_depth: u64,
     // Legacy throttle (spec §4).
+    /// Requests in flight, all allocators.
     pub queue_requests: u64,
-    pub legacy_cur_max: u64,
+    /// Per allocator (requests in flight, `cur_max`): LEGACY counts queue
+    /// depth and ramps it up per group per allocator (`mga_alloc_queue_depth`,
+    /// `mga_cur_max_alloc_queue_depth`, spec §4.3, §4.5).
+    legacy_lanes: Vec<(u64, u64)>,
     pub legacy_max: u64,
     pub legacy_aliquot: u64,
     pub legacy_bias: i64,
@@ -127,7 +131,7 @@ impl Group {
             queue_target: 0,
             queue_depth: 0,
             queue_requests: 0,
-            legacy_cur_max: 0,
+            legacy_lanes: Vec::new(),
             legacy_max: 0,
             legacy_aliquot: 0,
             legacy_bias: 0,
@@ -185,6 +189,34 @@ impl Group {
         self.tree.remove(&key(ms));
         ms.role = role;
         self.tree.insert(key(ms));
+    }
+
+    /// Allocator `k`'s LEGACY (requests in flight, cur_max).
+    pub fn legacy_lane(&self, k: usize) -> (u64, u64) {
+        self.legacy_lanes.get(k).copied().unwrap_or((0, 0))
+    }
+
+    pub fn legacy_lane_mut(&mut self, k: usize) -> &mut (u64, u64) {
+        if self.legacy_lanes.len() <= k {
+            let cur_max = self.legacy_lanes.first().map_or(0, |l| l.1);
+            self.legacy_lanes.resize(k + 1, (0, cur_max));
+        }
+        &mut self.legacy_lanes[k]
+    }
+
+    /// The per-txg reset (spec §4.3): `n` allocators, each at `cur_max`.
+    pub fn legacy_reset(&mut self, n: usize, cur_max: u64) {
+        if self.legacy_lanes.len() < n {
+            self.legacy_lanes.resize(n, (0, 0));
+        }
+        for l in &mut self.legacy_lanes {
+            l.1 = cur_max;
+        }
+    }
+
+    /// Σ cur_max over the allocators (the group's LEGACY queue target).
+    pub fn legacy_cur_max(&self) -> u64 {
+        self.legacy_lanes.iter().map(|l| l.1).sum()
     }
 
     /// The allocator slot allocator `allocator` of `allocators` uses here

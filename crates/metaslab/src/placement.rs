@@ -115,7 +115,10 @@ impl Pool {
             let v = &mut self.vdevs[e.vdev as usize];
             match st.res {
                 Reservation::Bytes(_) => v.mg.queue_depth += req.size,
-                Reservation::Slots(..) => v.mg.queue_requests += 1,
+                Reservation::Slots(..) => {
+                    v.mg.queue_requests += 1;
+                    v.mg.legacy_lane_mut(st.allocator).0 += 1;
+                }
                 Reservation::None => {}
             }
             v.inflight.insert(e.offset, (e.size, id));
@@ -349,7 +352,10 @@ impl Pool {
         if zil {
             return true;
         }
-        if g.queue_requests < legacy::qmax(g.legacy_cur_max, d) || c.alloc_groups == 1 {
+        // Per allocator (spec §4.5: `depth[allocator]`, `cur_max[allocator]`).
+        let k = c.current_allocator();
+        let (depth, cur_max) = g.legacy_lane(k);
+        if depth < legacy::qmax(cur_max, d) || c.alloc_groups == 1 {
             return true;
         }
         let n = c.ring.len();
@@ -360,7 +366,8 @@ impl Pool {
         let mut i = (pos + 1) % n;
         while i != rotor && i != pos {
             let h = &self.vdevs[c.ring[i] as usize].mg;
-            if h.queue_requests < legacy::qmax(h.legacy_cur_max, d) && !h.no_free_space {
+            let (depth, cur_max) = h.legacy_lane(k);
+            if depth < legacy::qmax(cur_max, d) && !h.no_free_space {
                 return false;
             }
             i = (i + 1) % n;
@@ -585,6 +592,7 @@ impl Pool {
         let t = &self.tun;
         let gmax = t.zfs_vdev_async_write_max_active * t.zfs_vdev_queue_depth_pct / 100;
         let c = &mut self.classes[NORMAL];
+        let n = c.allocators();
         let mut groups = 0;
         for &v in &c.ring {
             let vd = &mut self.vdevs[v as usize];
@@ -593,8 +601,11 @@ impl Pool {
             }
             groups += 1;
             vd.mg.legacy_max = gmax;
-            vd.mg.legacy_cur_max = t.zfs_vdev_def_queue_depth;
+            vd.mg.legacy_reset(n, t.zfs_vdev_def_queue_depth);
         }
-        c.max_slots = t.zfs_vdev_def_queue_depth * groups;
+        // Each allocator's own `mca_alloc_max_slots`.
+        for m in &mut c.max_slots_by {
+            *m = t.zfs_vdev_def_queue_depth * groups;
+        }
     }
 }

@@ -19,6 +19,8 @@ impl Pool {
                 }
                 Reservation::Slots(..) => {
                     v.mg.queue_requests = v.mg.queue_requests.saturating_sub(1);
+                    let l = v.mg.legacy_lane_mut(a.allocator);
+                    l.0 = l.0.saturating_sub(1);
                 }
                 Reservation::None => {}
             }
@@ -34,12 +36,17 @@ impl Pool {
             .remove(&id)
             .ok_or(Error::UnknownAllocation(id))?;
         if let Reservation::Slots(..) = a.res {
-            // Legacy ramp-up: +1 per completed write up to the group max.
+            // Legacy ramp-up: +1 per completed write up to the group max,
+            // for the allocator that placed it (its group lane and its
+            // class slots, spec §4.3).
+            let lane = self.classes[NORMAL].lane(a.allocator);
             for e in a.extents() {
                 let g = &mut self.vdevs[e.vdev as usize].mg;
-                if g.legacy_cur_max < g.legacy_max {
-                    g.legacy_cur_max += 1;
-                    self.classes[NORMAL].max_slots += 1;
+                let max = g.legacy_max;
+                let l = g.legacy_lane_mut(a.allocator);
+                if l.1 < max {
+                    l.1 += 1;
+                    self.classes[NORMAL].max_slots_by[lane] += 1;
                 }
             }
         }

@@ -104,7 +104,7 @@ fn class_stats(pool: &Pool, ci: usize) -> ClassStats {
             if pool.tun.throttle_policy == ThrottlePolicy::Legacy && ci == NORMAL {
                 (
                     (g.legacy_aliquot as i64 + g.legacy_bias).max(0) as u64,
-                    g.legacy_cur_max,
+                    g.legacy_cur_max(),
                 )
             } else {
                 (g.aliquot, g.queue_target)

@@ -517,3 +517,36 @@ fn allocators_share_one_front_on_a_vdev_with_few_metaslabs() {
         assert!(all.iter().all(|&m| m == all[0]), "{policy:?}: {a:?} {b:?}");
     }
 }
+
+/// Spec §4.3: LEGACY ramps each allocator's slot limit by its own
+/// completions (`mca_alloc_max_slots` per allocator): writes completed by
+/// allocator 0 raise allocator 0's limit, not allocator 1's.
+#[test]
+fn legacy_slots_ramp_up_per_allocator() {
+    let mut pool = Pool::new(Tunables {
+        throttle_policy: ThrottlePolicy::Legacy,
+        ..Tunables::default()
+    });
+    pool.add_vdev(spec(4 * GIB)).unwrap();
+    assert_eq!(pool.set_cpus(8), 2);
+    pool.sync();
+    let def = Tunables::default().zfs_vdev_def_queue_depth;
+    // Allocator 0 completes 10 writes: its limit becomes def + 10.
+    for _ in 0..10 {
+        pool.prefer_allocator(0);
+        let a = place(&mut pool, req(AllocKind::Data, 128 << 10, 1)).unwrap();
+        pool.commit(a.id).unwrap();
+    }
+    let admitted = |pool: &mut Pool, k: usize| {
+        let mut n = 0;
+        loop {
+            pool.prefer_allocator(k);
+            match pool.submit(req(AllocKind::Data, 128 << 10, 1)).unwrap() {
+                Submitted::Ready(_) => n += 1,
+                Submitted::Queued(_) => return n,
+            }
+        }
+    };
+    assert_eq!(admitted(&mut pool, 1), def, "allocator 1 keeps the default");
+    assert_eq!(admitted(&mut pool, 0), def + 10, "allocator 0 ramped up");
+}

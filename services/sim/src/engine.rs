@@ -2010,6 +2010,9 @@ mod tests {
         data_load_every: u64,
         data_allocs: u64,
         claims: u64,
+        /// The first sync from this txg on reports every metaslab
+        /// preloaded; 0 = never.
+        preload_at_txg: Txg,
     }
 
     impl SimPool for Fake {
@@ -2120,8 +2123,17 @@ mod tests {
             }
             self.usable = self.caps.len();
             self.txg += 1;
+            let preloaded = if self.preload_at_txg != 0 && self.txg >= self.preload_at_txg {
+                self.preload_at_txg = 0;
+                (0..self.caps.len())
+                    .flat_map(|v| (0..(self.caps[v] >> 24) as u32).map(move |m| (v as u32, m)))
+                    .collect()
+            } else {
+                Vec::new()
+            };
             TxgSync {
                 txg: self.txg - 1,
+                preloaded,
                 ..Default::default()
             }
         }
@@ -2270,6 +2282,31 @@ latency = "100us"
         let loaded = r.log.unwrap();
         assert_eq!(loaded.metaslab_loads, loaded.blocks);
         assert!(loaded.latency_p50 >= 100_000_000, "{loaded:?}");
+    }
+
+    #[test]
+    fn log_blocks_in_a_metaslab_still_preloading_wait_for_it() {
+        // A sync early in the run preloads every metaslab (2 × 64) on one
+        // preload thread (no `cpus`), 100 ms each: log blocks meet loads
+        // still queued and wait for them.
+        let sc = scenario(
+            "[log]\nstreams = 8\nsize = \"8K\"\nduration = \"2s\"\ndataset = \"64MiB\"\nmetaslab_load_cost = \"100ms\"",
+        );
+        let free = go(&sc, Fake::default()).log.unwrap();
+        assert_eq!((free.preloads, free.preload_waits), (0, 0));
+        let r = go(
+            &sc,
+            Fake {
+                preload_at_txg: 2,
+                ..Default::default()
+            },
+        );
+        let l = r.log.unwrap();
+        assert_eq!(l.preloads, 128, "{l:?}");
+        assert!(l.preload_waits > 0, "{l:?}");
+        assert!(l.preload_wait <= 12_800_000_000 * l.preload_waits, "{l:?}");
+        assert_eq!(l.metaslab_loads, 0, "a preload wait is not a load");
+        assert!(l.ops < free.ops, "{l:?} vs {free:?}");
     }
 
     #[test]

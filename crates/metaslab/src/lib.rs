@@ -164,6 +164,12 @@ pub struct TxgSync {
     pub changes: Vec<SpaceChange>,
     /// Bytes whose deferral ended at this sync (allocatable again).
     pub undeferred_bytes: u64,
+    /// Metaslabs `(vdev, metaslab id)` this sync queued for preload
+    /// (`metaslab_group_preload`, spec §2.10), in queue order. The crate
+    /// treats them as loaded at once; a caller with a clock may charge
+    /// their load time (OpenZFS loads them on the preload taskq, and an
+    /// allocation that picks one still loading waits for it).
+    pub preloaded: Vec<(VdevId, u32)>,
 }
 
 /// Description of one tunable.

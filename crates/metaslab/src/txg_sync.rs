@@ -69,7 +69,7 @@ impl Pool {
             refresh_groups(&mut self.vdevs[v as usize], &self.tun);
         }
         self.unload(txg);
-        self.preload();
+        let preloaded = self.preload();
         self.open_txg += 1;
         for ci in 0..3 {
             self.recount(ci);
@@ -84,6 +84,7 @@ impl Pool {
             txg,
             changes,
             undeferred_bytes: undeferred,
+            preloaded,
         }
     }
 
@@ -118,10 +119,12 @@ impl Pool {
     /// `metaslab_group_preload` (spec §2.10): after a sync, the first
     /// `metaslab_preload_limit` metaslabs of each group in tree order are
     /// loaded off the allocation path, so a data allocation rarely pays a
-    /// load. They join the LRU as selected now.
-    pub(crate) fn preload(&mut self) {
+    /// load. They join the LRU as selected now. Returns the metaslabs it
+    /// loaded, in order.
+    pub(crate) fn preload(&mut self) -> Vec<(VdevId, u32)> {
+        let mut loaded = Vec::new();
         if !self.tun.metaslab_preload_enabled || self.tun.metaslab_preload_limit == 0 {
-            return;
+            return loaded;
         }
         let limit = self.tun.metaslab_preload_limit as usize;
         let (txg, now_ms) = (self.open_txg, self.now_ms);
@@ -144,8 +147,10 @@ impl Pool {
                 ms.selected_txg = txg;
                 ms.selected_ms = now_ms;
                 self.lru.insert((txg, v, id));
+                loaded.push((v, id));
             }
         }
+        loaded
     }
 
     pub(crate) fn txg_dirty(&self, v: VdevId, m: u32) -> bool {

@@ -712,6 +712,7 @@ async fn frees_split_stored_extents_in_one_transaction() {
             txg,
             changes,
             undeferred_bytes: 0,
+            ..Default::default()
         },
         vdevs: vec![],
         ..Default::default()
@@ -968,6 +969,7 @@ async fn space_maps_match_the_reference_store() {
                 txg,
                 changes: ch,
                 undeferred_bytes: 0,
+                ..Default::default()
             },
             vdevs: if txg == 4 {
                 vec![vdev(0), vdev(1)]

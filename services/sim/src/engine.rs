@@ -101,6 +101,14 @@ pub struct LogResult {
     pub tier_log: u64,
     pub tier_embedded_log: u64,
     pub tier_normal: u64,
+    /// Log blocks placed in a metaslab whose preload (`TxgSync::preloaded`,
+    /// loaded on the preload taskq in virtual time) had not yet finished:
+    /// the ZIL waited for it (`metaslab_load_wait`).
+    pub preload_waits: u64,
+    /// Nanoseconds of those waits.
+    pub preload_wait: u64,
+    /// Metaslabs queued for preload during the run.
+    pub preloads: u64,
 }
 
 #[derive(Clone, Debug)]
@@ -279,6 +287,13 @@ struct Sim<'a, P: SimPool> {
     issued: Vec<LeafIssued>,
     data_loads: u64,
     data_load_stall: u64,
+    /// Per vdev, its metaslab shift (to name the metaslab of an extent).
+    ms_shift: Vec<u8>,
+    /// Virtual time at which each queued preload finishes.
+    preload_done: HashMap<(metaslab::VdevId, u32), u64>,
+    /// When each preload taskq thread is next free.
+    preload_threads: Vec<u64>,
+    preloads: u64,
     meta_tickets: HashMap<Ticket, MetaReq>,
     meta_live: HashMap<MetaKey, Vec<Extent>>,
     meta_blocks: u64,
@@ -489,6 +504,12 @@ pub fn run<P: SimPool>(
         issued: Vec::new(),
         data_loads: 0,
         data_load_stall: 0,
+        ms_shift: Vec::new(),
+        preload_done: HashMap::new(),
+        // `metaslab_preload_pct = 50` % of CPUs as threads
+        // (module/zfs/spa.c@be7657e3f2:196, 1915-1917; spec §2.10).
+        preload_threads: vec![0; (sc.cpus.unwrap_or(1) * 50 / 100).max(1) as usize],
+        preloads: 0,
         meta_tickets: HashMap::new(),
         meta_live: HashMap::new(),
         meta_blocks: 0,
@@ -582,6 +603,7 @@ impl<P: SimPool> Sim<'_, P> {
             self.prefill(p.fill, &p.holes.clone(), &p.weights.clone())?;
         }
         let view = self.pool.view();
+        self.ms_shift = view.vdevs.iter().map(|v| v.metaslab_shift).collect();
         // Data capacity in psize terms: parity is not data.
         let data_capacity: f64 = sc
             .vdevs
@@ -818,6 +840,7 @@ impl<P: SimPool> Sim<'_, P> {
         let final_view = self.pool.view();
         let log = self.log.take().map(|mut l| {
             let r = &mut l.result;
+            r.preloads = self.preloads;
             l.latencies.sort_unstable();
             let n = l.latencies.len();
             r.ops = n as u64;
@@ -1373,8 +1396,48 @@ impl<P: SimPool> Sim<'_, P> {
 
     // --- txg sync and events -------------------------------------------------
 
+    /// The crate treats preloaded metaslabs as loaded at once; OpenZFS loads
+    /// them on the preload taskq (`metaslab_load_cost` each, as many at a
+    /// time as the taskq has threads), in the order queued.
+    fn queue_preloads(&mut self, preloaded: &[(metaslab::VdevId, u32)]) {
+        let cost = self.log.as_ref().map(|l| l.load_cost).unwrap_or(0);
+        if cost == 0 {
+            return;
+        }
+        for &key in preloaded {
+            let (i, &free) = self
+                .preload_threads
+                .iter()
+                .enumerate()
+                .min_by_key(|&(_, &t)| t)
+                .expect("at least one preload thread");
+            let done = free.max(self.now) + cost;
+            self.preload_threads[i] = done;
+            self.preload_done.insert(key, done);
+            self.preloads += 1;
+        }
+    }
+
+    /// How long an allocation in `extents` must wait for preloads still
+    /// running in its metaslabs (`metaslab_load_wait`); 0 if none.
+    fn preload_wait(&self, extents: &[Extent]) -> u64 {
+        extents
+            .iter()
+            .filter_map(|e| {
+                let shift = *self.ms_shift.get(e.vdev as usize)?;
+                let done = *self
+                    .preload_done
+                    .get(&(e.vdev, (e.offset >> shift) as u32))?;
+                Some(done.saturating_sub(self.now))
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
     fn sync(&mut self) -> anyhow::Result<()> {
-        let synced = self.pool.sync(self.now / 1_000_000).txg;
+        let ts = self.pool.sync(self.now / 1_000_000);
+        let synced = ts.txg;
+        self.queue_preloads(&ts.preloaded);
         self.last_sync = self.now;
         self.txg_dirty = 0;
         self.dirty_sync_pending = false;
@@ -1795,6 +1858,7 @@ impl<P: SimPool> Sim<'_, P> {
             match self.pool.allocate(t, busy) {
                 Ok(a) => {
                     let loads = a.metaslab_loads;
+                    let wait = self.preload_wait(&a.extents);
                     let l = self.log.as_mut().unwrap();
                     l.inflight += 1;
                     l.result.blocks += 1;
@@ -1804,13 +1868,18 @@ impl<P: SimPool> Sim<'_, P> {
                         Some(LogTier::EmbeddedLog) => l.result.tier_embedded_log += 1,
                         Some(LogTier::Normal) | None => l.result.tier_normal += 1,
                     }
-                    if loads > 0 {
-                        // zil_commit loads the metaslab synchronously: the
-                        // ZIL stalls before this block can be written.
+                    if wait > 0 {
+                        l.result.preload_waits += 1;
+                        l.result.preload_wait += wait;
+                    }
+                    if loads > 0 || wait > 0 {
+                        // zil_commit loads the metaslab synchronously (or
+                        // waits for its preload): the ZIL stalls before this
+                        // block can be written.
                         l.result.metaslab_loads += loads as u64;
                         l.result.load_stall += loads as u64 * l.load_cost;
                         l.stall = Stall::Load;
-                        let at = self.now + loads as u64 * l.load_cost;
+                        let at = self.now + (loads as u64 * l.load_cost).max(wait);
                         let tag = self.place(a, SlotKind::LogBlock(ops), true);
                         self.log.as_mut().unwrap().parked = Some(tag);
                         self.push(at, Ev::ZilResume);
@@ -1941,6 +2010,9 @@ mod tests {
         data_load_every: u64,
         data_allocs: u64,
         claims: u64,
+        /// The first sync from this txg on reports every metaslab
+        /// preloaded; 0 = never.
+        preload_at_txg: Txg,
     }
 
     impl SimPool for Fake {
@@ -2051,8 +2123,17 @@ mod tests {
             }
             self.usable = self.caps.len();
             self.txg += 1;
+            let preloaded = if self.preload_at_txg != 0 && self.txg >= self.preload_at_txg {
+                self.preload_at_txg = 0;
+                (0..self.caps.len())
+                    .flat_map(|v| (0..(self.caps[v] >> 24) as u32).map(move |m| (v as u32, m)))
+                    .collect()
+            } else {
+                Vec::new()
+            };
             TxgSync {
                 txg: self.txg - 1,
+                preloaded,
                 ..Default::default()
             }
         }
@@ -2201,6 +2282,31 @@ latency = "100us"
         let loaded = r.log.unwrap();
         assert_eq!(loaded.metaslab_loads, loaded.blocks);
         assert!(loaded.latency_p50 >= 100_000_000, "{loaded:?}");
+    }
+
+    #[test]
+    fn log_blocks_in_a_metaslab_still_preloading_wait_for_it() {
+        // A sync early in the run preloads every metaslab (2 × 64) on one
+        // preload thread (no `cpus`), 100 ms each: log blocks meet loads
+        // still queued and wait for them.
+        let sc = scenario(
+            "[log]\nstreams = 8\nsize = \"8K\"\nduration = \"2s\"\ndataset = \"64MiB\"\nmetaslab_load_cost = \"100ms\"",
+        );
+        let free = go(&sc, Fake::default()).log.unwrap();
+        assert_eq!((free.preloads, free.preload_waits), (0, 0));
+        let r = go(
+            &sc,
+            Fake {
+                preload_at_txg: 2,
+                ..Default::default()
+            },
+        );
+        let l = r.log.unwrap();
+        assert_eq!(l.preloads, 128, "{l:?}");
+        assert!(l.preload_waits > 0, "{l:?}");
+        assert!(l.preload_wait <= 12_800_000_000 * l.preload_waits, "{l:?}");
+        assert_eq!(l.metaslab_loads, 0, "a preload wait is not a load");
+        assert!(l.ops < free.ops, "{l:?} vs {free:?}");
     }
 
     #[test]

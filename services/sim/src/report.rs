@@ -81,6 +81,11 @@ pub struct LogSummary {
     pub metaslab_loads: u64,
     /// Seconds the ZIL stalled on them.
     pub metaslab_load_stall_s: f64,
+    /// Metaslabs preloaded during the run (each `metaslab_load_cost` on the
+    /// preload taskq), log blocks that waited for one, and the waits' time.
+    pub preloads: u64,
+    pub preload_waits: u64,
+    pub preload_wait_s: f64,
     pub log_blocks: u64,
     pub mean_log_block_bytes: f64,
     pub blocks_from_log_class: u64,
@@ -166,6 +171,9 @@ fn log_summary(l: &LogResult, r: &RunResult) -> LogSummary {
         txg_wait_fallbacks: l.txg_wait_fallbacks,
         metaslab_loads: l.metaslab_loads,
         metaslab_load_stall_s: l.load_stall as f64 / 1e9,
+        preloads: l.preloads,
+        preload_waits: l.preload_waits,
+        preload_wait_s: l.preload_wait as f64 / 1e9,
         log_blocks: l.blocks,
         mean_log_block_bytes: if l.blocks > 0 {
             l.block_bytes as f64 / l.blocks as f64

@@ -91,6 +91,7 @@ async fn pool_over_mutual_tls_with_write_tokens() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(up, "the agent did not register over TLS");
+    agent_knows_its_registration(&agent).await;
 
     // Allocate, write with the token, commit.
     let reply = alloc
@@ -262,6 +263,20 @@ async fn start_allocator(
     (running, store)
 }
 
+/// The allocator lists a vdev once it has recorded the registration; the
+/// agent accepts writes only once the reply (vdev, pool, generation) has
+/// reached it, a moment later (on a loaded machine the test's first write
+/// could land in between and get UNAVAILABLE "not registered yet").
+async fn agent_knows_its_registration(agent: &Agent) {
+    for _ in 0..200 {
+        if agent.vdev().is_some() && agent.gate().generation() > 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the agent never learned its registration");
+}
+
 /// Allocation ids bound to the client, Free/Claim/admin calls by role,
 /// RenewLease reissuing tokens, an agent certificate that can neither grow
 /// nor move its vdev (and stays bound to its device across a restart), a
@@ -353,6 +368,7 @@ async fn identities_own_their_allocations_devices_and_metrics() {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
+    agent_knows_its_registration(&agent).await;
 
     // A client certificate cannot Report (any vdev).
     let mut reg_alice =

@@ -11,6 +11,7 @@ pub mod agent;
 pub mod backend;
 pub mod config;
 pub mod error;
+pub mod fastwrite;
 pub mod gate;
 pub mod label;
 pub mod queue;

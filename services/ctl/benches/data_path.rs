@@ -1,0 +1,353 @@
+//! The data path target of issue 14: `aliquotctl write` of 1 GiB in 1 MiB
+//! blocks (32 in flight, freed after) to a local pool of three 4 GiB file
+//! agents, all real processes (`aliquotctl up --insecure`, this build's
+//! release binary), against `dd if=/dev/zero bs=1M count=1024 conv=fsync`
+//! on the same filesystem, interleaved per round. Prints per round and as
+//! medians: wall throughput of each, write/dd, and CPU per MiB of the
+//! client (getrusage of reaped children), each agent and the allocator
+//! (/proc/PID/stat), and dd.
+//!
+//! `cargo bench -p aliquotctl --bench data_path`
+//! Env: ALIQUOT_BENCH_ROUNDS (3), ALIQUOT_BENCH_DIR (where the temp dir
+//! goes, default /work if it exists, else the system temp dir),
+//! ALIQUOT_BENCH_TOTAL (1GiB), ALIQUOT_BENCH_VS="ENV=VAL ..." (a second
+//! pool, B, whose processes get these variables, run interleaved with A;
+//! B/A ratios are printed).
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const MIB: f64 = (1u64 << 20) as f64;
+
+fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_aliquotctl")
+}
+
+/// user + system CPU of a process, from /proc (10 ms ticks).
+fn cpu(pid: u32) -> Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let after = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<u64> = after
+        .split_whitespace()
+        .map(|x| x.parse().unwrap_or(0))
+        .collect();
+    let ticks = f.get(11).copied().unwrap_or(0) + f.get(12).copied().unwrap_or(0);
+    Duration::from_millis(ticks * 10)
+}
+
+/// user + system CPU of every reaped child so far.
+fn children_cpu() -> Duration {
+    // SAFETY: getrusage only writes the struct we pass.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut ru) };
+    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+struct Pool {
+    name: &'static str,
+    up: Child,
+    url: String,
+    allocator: u32,
+    agents: Vec<u32>,
+}
+
+fn start_pool(name: &'static str, dir: &Path, env: &[(String, String)]) -> Pool {
+    let data = dir.join(name);
+    let mut up = Command::new(bin())
+        .args(["up", "--insecure", "--ephemeral", "--no-metrics"])
+        .args(["--agents", "4GiB,4GiB,4GiB"])
+        .arg("--data-dir")
+        .arg(&data)
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .env(
+            "RUST_LOG",
+            std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()),
+        )
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start aliquotctl up");
+    let mut lines = BufReader::new(up.stdout.take().unwrap()).lines();
+    let url = loop {
+        let line = lines
+            .next()
+            .and_then(Result::ok)
+            .unwrap_or_else(|| panic!("pool {name}: up exited; logs in {}", data.display()));
+        if let Some(a) = line.trim().strip_prefix("LISTEN grpc ") {
+            break format!("http://{a}");
+        }
+    };
+    // Keep draining so `up` never blocks on its stdout.
+    std::thread::spawn(move || for _ in lines {});
+    let mut allocator = 0;
+    let mut agents = Vec::new();
+    let tasks = std::fs::read_dir(format!("/proc/{}/task", up.id())).unwrap();
+    for t in tasks.flatten() {
+        let kids = std::fs::read_to_string(t.path().join("children")).unwrap_or_default();
+        for pid in kids
+            .split_whitespace()
+            .filter_map(|p| p.parse::<u32>().ok())
+        {
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            if cmd.contains(" serve agent ") {
+                agents.push(pid);
+            } else if cmd.contains(" serve allocator ") {
+                allocator = pid;
+            }
+        }
+    }
+    assert!(
+        allocator != 0 && agents.len() == 3,
+        "pool {name}: processes not found"
+    );
+    Pool {
+        name,
+        up,
+        url,
+        allocator,
+        agents,
+    }
+}
+
+fn stop_pool(mut p: Pool) {
+    // SAFETY: a signal to our own child.
+    unsafe { libc::kill(p.up.id() as i32, libc::SIGINT) };
+    let _ = p.up.wait();
+}
+
+/// CPU per MiB: client, agents (each), allocator; and MiB/s.
+struct WriteRun {
+    mib_s: f64,
+    client: f64,
+    agents: Vec<f64>,
+    allocator: f64,
+}
+
+impl WriteRun {
+    fn total(&self) -> f64 {
+        self.client + self.agents.iter().sum::<f64>() + self.allocator
+    }
+}
+
+fn ms_per_mib(d: Duration, mib: f64) -> f64 {
+    d.as_secs_f64() * 1e3 / mib
+}
+
+fn write_run(p: &Pool, total: &str, mib: f64) -> WriteRun {
+    let a0: Vec<Duration> = p.agents.iter().map(|&a| cpu(a)).collect();
+    let l0 = cpu(p.allocator);
+    let c0 = children_cpu();
+    let t = Instant::now();
+    let st = Command::new(bin())
+        .args(["write", "--insecure", "--allocator", &p.url])
+        .args([
+            "--total",
+            total,
+            "--block-size",
+            "1MiB",
+            "--concurrency",
+            "32",
+        ])
+        .args(["--free", "--no-progress"])
+        .stdout(Stdio::null())
+        .status()
+        .expect("run aliquotctl write");
+    let wall = t.elapsed();
+    assert!(
+        st.success(),
+        "pool {}: aliquotctl write failed: {st}",
+        p.name
+    );
+    let client = children_cpu() - c0;
+    WriteRun {
+        mib_s: mib / wall.as_secs_f64(),
+        client: ms_per_mib(client, mib),
+        agents: p
+            .agents
+            .iter()
+            .zip(a0)
+            .map(|(&a, c)| ms_per_mib(cpu(a) - c, mib))
+            .collect(),
+        allocator: ms_per_mib(cpu(p.allocator) - l0, mib),
+    }
+}
+
+/// dd: MiB/s and CPU per MiB.
+fn dd_run(dir: &Path, mib: f64) -> (f64, f64) {
+    let f = dir.join("dd.img");
+    let c0 = children_cpu();
+    let t = Instant::now();
+    let st = Command::new("dd")
+        .arg("if=/dev/zero")
+        .arg(format!("of={}", f.display()))
+        .args(["bs=1M", &format!("count={}", mib as u64), "conv=fsync"])
+        .stderr(Stdio::null())
+        .status()
+        .expect("run dd");
+    let wall = t.elapsed();
+    assert!(st.success(), "dd failed: {st}");
+    let used = children_cpu() - c0;
+    let _ = std::fs::remove_file(&f);
+    (mib / wall.as_secs_f64(), ms_per_mib(used, mib))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n == 0 {
+        return f64::NAN;
+    }
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+fn show(label: &str, r: &WriteRun, dd: f64) {
+    let agents: Vec<String> = r.agents.iter().map(|a| format!("{a:.2}")).collect();
+    println!(
+        "  {label}: {:7.1} MiB/s ({:.2}× dd)  CPU ms/MiB total {:.2}: client {:.2}, agents {} (sum {:.2}), allocator {:.2}",
+        r.mib_s,
+        r.mib_s / dd,
+        r.total(),
+        r.client,
+        agents.join("/"),
+        r.agents.iter().sum::<f64>(),
+        r.allocator
+    );
+}
+
+fn summary(label: &str, runs: &[WriteRun], dds: &[(f64, f64)]) -> [f64; 6] {
+    let m = |f: &dyn Fn(&WriteRun) -> f64| median(runs.iter().map(f).collect());
+    let ratio = median(runs.iter().zip(dds).map(|(r, d)| r.mib_s / d.0).collect());
+    let s = [
+        m(&|r| r.mib_s),
+        ratio,
+        m(&WriteRun::total),
+        m(&|r| r.client),
+        m(&|r| r.agents.iter().sum()),
+        m(&|r| r.allocator),
+    ];
+    println!(
+        "{label}: {:.1} MiB/s, {:.2}× dd; CPU ms/MiB total {:.2} = client {:.2} + agents {:.2} + allocator {:.2}",
+        s[0], s[1], s[2], s[3], s[4], s[5]
+    );
+    s
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return;
+    }
+    let rounds = std::env::var("ALIQUOT_BENCH_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3usize);
+    let total = std::env::var("ALIQUOT_BENCH_TOTAL").unwrap_or_else(|_| "1GiB".into());
+    let mib = units::size_arg(&total).expect("ALIQUOT_BENCH_TOTAL") as f64 / MIB;
+    let vs: Vec<(String, String)> = std::env::var("ALIQUOT_BENCH_VS")
+        .unwrap_or_default()
+        .split_whitespace()
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    let base: PathBuf = std::env::var_os("ALIQUOT_BENCH_DIR")
+        .map(PathBuf::from)
+        .or_else(|| Path::new("/work").is_dir().then(|| "/work".into()))
+        .unwrap_or_else(std::env::temp_dir);
+    let dir = tempfile::Builder::new()
+        .prefix("aliquot-data-path.")
+        .tempdir_in(&base)
+        .expect("temp dir");
+    println!(
+        "data path: aliquotctl write --total {total} --block-size 1MiB --concurrency 32 --free, 3 file agents of 4 GiB in {}; dd bs=1M count={} conv=fsync; {rounds} rounds{}",
+        dir.path().display(),
+        mib as u64,
+        if vs.is_empty() {
+            String::new()
+        } else {
+            format!("; B = A with {vs:?}")
+        }
+    );
+    let a = start_pool("A", dir.path(), &[]);
+    let b = (!vs.is_empty()).then(|| start_pool("B", dir.path(), &vs));
+    let (mut ra, mut rb, mut dds) = (Vec::new(), Vec::new(), Vec::new());
+    for round in 0..rounds {
+        // A B dd, then dd B A: drift falls on all alike.
+        let fwd = round % 2 == 0;
+        let mut order: Vec<u8> = vec![0, 1, 2];
+        if !fwd {
+            order.reverse();
+        }
+        let mut d = (0.0, 0.0);
+        for o in order {
+            match o {
+                0 => ra.push(write_run(&a, &total, mib)),
+                1 => {
+                    if let Some(b) = &b {
+                        rb.push(write_run(b, &total, mib));
+                    }
+                }
+                _ => d = dd_run(dir.path(), mib),
+            }
+        }
+        dds.push(d);
+        println!(
+            "round {}: dd {:7.1} MiB/s, CPU {:.2} ms/MiB",
+            round + 1,
+            d.0,
+            d.1
+        );
+        show("A", ra.last().unwrap(), d.0);
+        if let Some(r) = rb.last() {
+            show("B", r, d.0);
+        }
+    }
+    println!("medians:");
+    println!(
+        "dd: {:.1} MiB/s, CPU {:.2} ms/MiB",
+        median(dds.iter().map(|d| d.0).collect()),
+        median(dds.iter().map(|d| d.1).collect())
+    );
+    let sa = summary("A", &ra, &dds);
+    if b.is_some() {
+        let sb = summary("B", &rb, &dds);
+        let r = |i: usize| {
+            median(
+                ra.iter()
+                    .zip(&rb)
+                    .map(|(x, y)| pick(y, i) / pick(x, i))
+                    .collect(),
+            )
+        };
+        println!(
+            "B/A (median of per-round ratios): throughput {:.2}, CPU total {:.2}, client {:.2}, agents {:.2}, allocator {:.2}  (of medians: {:.2} / {:.2})",
+            r(0),
+            r(2),
+            r(3),
+            r(4),
+            r(5),
+            sb[0] / sa[0],
+            sb[2] / sa[2]
+        );
+    }
+    stop_pool(a);
+    if let Some(b) = b {
+        stop_pool(b);
+    }
+}
+
+fn pick(r: &WriteRun, i: usize) -> f64 {
+    match i {
+        0 => r.mib_s,
+        2 => r.total(),
+        3 => r.client,
+        4 => r.agents.iter().sum(),
+        _ => r.allocator,
+    }
+}

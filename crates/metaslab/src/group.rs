@@ -92,8 +92,6 @@ pub struct Group {
     /// Bytes placed by throttled allocations, not yet committed.
     pub queue_depth: u64,
     // Legacy throttle (spec §4).
-    /// Requests in flight, all allocators.
-    pub queue_requests: u64,
     /// Per allocator (requests in flight, `cur_max`): LEGACY counts queue
     /// depth and ramps it up per group per allocator (`mga_alloc_queue_depth`,
     /// `mga_cur_max_alloc_queue_depth`, spec §4.3, §4.5).
@@ -130,7 +128,6 @@ impl Group {
             aliquot: 0,
             queue_target: 0,
             queue_depth: 0,
-            queue_requests: 0,
             legacy_lanes: Vec::new(),
             legacy_max: 0,
             legacy_aliquot: 0,
@@ -212,6 +209,11 @@ impl Group {
         for l in &mut self.legacy_lanes {
             l.1 = cur_max;
         }
+    }
+
+    /// LEGACY requests in flight, all allocators.
+    pub fn legacy_requests(&self) -> u64 {
+        self.legacy_lanes.iter().map(|l| l.0).sum()
     }
 
     /// Σ cur_max over the allocators (the group's LEGACY queue target).

@@ -115,10 +115,7 @@ impl Pool {
             let v = &mut self.vdevs[e.vdev as usize];
             match st.res {
                 Reservation::Bytes(_) => v.mg.queue_depth += req.size,
-                Reservation::Slots(..) => {
-                    v.mg.queue_requests += 1;
-                    v.mg.legacy_lane_mut(st.allocator).0 += 1;
-                }
+                Reservation::Slots(..) => v.mg.legacy_lane_mut(st.allocator).0 += 1,
                 Reservation::None => {}
             }
             v.inflight.insert(e.offset, (e.size, id));

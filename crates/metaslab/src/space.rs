@@ -18,7 +18,6 @@ impl Pool {
                     v.mg.queue_depth = v.mg.queue_depth.saturating_sub(a.psize)
                 }
                 Reservation::Slots(..) => {
-                    v.mg.queue_requests = v.mg.queue_requests.saturating_sub(1);
                     let l = v.mg.legacy_lane_mut(a.allocator);
                     l.0 = l.0.saturating_sub(1);
                 }

@@ -314,7 +314,7 @@ pub(crate) fn verify(pool: &Pool) -> Result<()> {
                 v.id, v.mg.queue_depth, depth[v.id as usize]
             ));
         }
-        if v.mg.queue_requests != requests[v.id as usize] {
+        if v.mg.legacy_requests() != requests[v.id as usize] {
             return broken(format!("vdev {}: legacy queue depth drifted", v.id));
         }
     }

@@ -33,18 +33,8 @@ fn pattern(len: usize, seed: u64) -> Vec<u8> {
         .collect()
 }
 
-/// CPU time (user + system) of this process so far, from /proc (10 ms
-/// ticks): load-independent, unlike wall time on a shared machine.
 fn cpu() -> Duration {
-    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
-    let after = stat.rsplit_once(')').map_or("", |(_, r)| r);
-    let f: Vec<u64> = after
-        .split_whitespace()
-        .map(|x| x.parse().unwrap_or(0))
-        .collect();
-    // Fields 14 and 15 of stat(5), counted from the state field (3).
-    let ticks = f.get(11).copied().unwrap_or(0) + f.get(12).copied().unwrap_or(0);
-    Duration::from_millis(ticks * 10)
+    aliquot_agent::procstat::process_cpu("self")
 }
 
 fn mib_s(bytes: u64, d: Duration) -> f64 {

@@ -14,6 +14,7 @@ pub mod error;
 pub mod fastwrite;
 pub mod gate;
 pub mod label;
+pub mod procstat;
 pub mod queue;
 pub mod registration;
 pub mod service;

@@ -25,16 +25,8 @@ fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_aliquotctl")
 }
 
-/// user + system CPU of a process, from /proc (10 ms ticks).
 fn cpu(pid: u32) -> Duration {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let after = stat.rsplit_once(')').map_or("", |(_, r)| r);
-    let f: Vec<u64> = after
-        .split_whitespace()
-        .map(|x| x.parse().unwrap_or(0))
-        .collect();
-    let ticks = f.get(11).copied().unwrap_or(0) + f.get(12).copied().unwrap_or(0);
-    Duration::from_millis(ticks * 10)
+    aliquot_agent::procstat::process_cpu(&pid.to_string())
 }
 
 /// user + system CPU of every reaped child so far.

@@ -13,6 +13,7 @@ use crate::backend::{self, DeviceInfo};
 use crate::config::{self, Config};
 use crate::error::AgentError;
 use crate::gate::WriteGate;
+use crate::payload::Payload;
 use crate::queue::{Done, IoQueue};
 use crate::stats::Stats;
 
@@ -176,8 +177,9 @@ impl Agent {
         &self,
         token: &[u8],
         offset: u64,
-        data: Bytes,
+        data: impl Into<Payload>,
     ) -> Result<u32, AgentError> {
+        let data = data.into();
         self.inner
             .gate
             .check(token, self.vdev(), offset, data.len() as u64)?;
@@ -211,12 +213,13 @@ impl Agent {
         }
         self.inner
             .queue
-            .write_many(writes.into_iter().map(|(_, o, d)| (o, d)).collect())
+            .write_many(writes.into_iter().map(|(_, o, d)| (o, d.into())).collect())
             .await
     }
 
     /// A write without a token check (in-process callers only).
-    pub async fn write(&self, offset: u64, data: Bytes) -> Result<u32, AgentError> {
+    pub async fn write(&self, offset: u64, data: impl Into<Payload>) -> Result<u32, AgentError> {
+        let data = data.into();
         self.check_range("write", offset, data.len() as u64)?;
         match self.inner.queue.write(offset, data).await? {
             Done::Written { aggregated } => Ok(aggregated),
@@ -285,6 +288,15 @@ impl Agent {
         } else {
             VdevHealth::Healthy
         }
+    }
+
+    /// Unary Writes served by the fast path since the agent started.
+    pub fn fast_writes(&self) -> u64 {
+        self.inner.stats.fast_writes.load(Relaxed)
+    }
+
+    pub(crate) fn count_fast_write(&self) {
+        self.inner.stats.fast_writes.fetch_add(1, Relaxed);
     }
 
     pub fn stats(&self) -> AgentStats {

@@ -85,6 +85,13 @@ pub struct Config {
     #[arg(long, env = "ALIQUOT_DIRECT", value_parser = clap::builder::BoolishValueParser::new())]
     pub direct: bool,
 
+    /// Serve unary Writes through tonic's decoder instead of the fast path
+    /// (which writes the payload from the received HTTP/2 frames without
+    /// copying it). For A/B measurements and as a way out; replies and
+    /// refusals are the same either way.
+    #[arg(long, env = "ALIQUOT_NO_FAST_WRITE", hide = true, value_parser = clap::builder::BoolishValueParser::new())]
+    pub no_fast_write: bool,
+
     /// log2 of the device's sector size: offsets and lengths are multiples of 1 << ashift.
     #[arg(long, env = "ALIQUOT_ASHIFT", default_value_t = 12)]
     pub ashift: u32,
@@ -161,6 +168,7 @@ impl Config {
             path: None,
             capacity: None,
             direct: false,
+            no_fast_write: false,
             ashift: 12,
             rotational: false,
             children: 1,

@@ -14,6 +14,7 @@ pub mod error;
 pub mod fastwrite;
 pub mod gate;
 pub mod label;
+pub mod payload;
 pub mod procstat;
 pub mod queue;
 pub mod registration;
@@ -157,6 +158,12 @@ pub async fn serve(
             "no --token-key: writes are not checked against the allocator's write tokens"
         );
     }
+    let fast_write = if config.no_fast_write {
+        tracing::info!("--no-fast-write: unary Writes are decoded by tonic");
+        fastwrite::FastWriteLayer::disabled()
+    } else {
+        fastwrite::FastWriteLayer::new(agent.clone(), MAX_MESSAGE)
+    };
     let rpc = std::sync::Arc::new(telemetry::rpc_metrics::RpcMetrics::default());
     if let Some(a) = config.prometheus_listen {
         let bound = telemetry::rpc_metrics::serve(a, rpc.clone())
@@ -176,6 +183,8 @@ pub async fn serve(
         .initial_connection_window_size(CONNECTION_WINDOW)
         .max_frame_size(MAX_FRAME)
         .layer(roles)
+        // Inside the role check: a Write it takes was authorized first.
+        .layer(fast_write)
         .add_service(health)
         .add_service(reflection)
         .add_service(reflection_v1alpha)

@@ -14,10 +14,9 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use tokio::sync::oneshot;
-use tonic::codegen::Bytes;
-
 use crate::backend::Device;
 use crate::error::AgentError;
+use crate::payload::Payload;
 use crate::stats::Stats;
 
 /// What a completed request returns.
@@ -32,8 +31,8 @@ pub enum Done {
 }
 
 enum Kind {
-    /// The payload as received: a view of the RPC's buffer, never copied.
-    Write(Bytes),
+    /// The payload as received: views of the RPC's buffers, never copied.
+    Write(Payload),
     Read(usize),
     Flush,
 }
@@ -138,7 +137,7 @@ impl IoQueue {
         self.work.notify_all();
     }
 
-    pub async fn write(&self, offset: u64, data: Bytes) -> Result<Done, AgentError> {
+    pub async fn write(&self, offset: u64, data: Payload) -> Result<Done, AgentError> {
         self.submit(offset, Kind::Write(data)).await
     }
 
@@ -153,7 +152,7 @@ impl IoQueue {
     /// Queue every write of a batch under one lock (so a worker sees them
     /// all at once and merges the contiguous ones), then wait for them all.
     /// Returns each write's aggregation count in order, or the first error.
-    pub async fn write_many(&self, writes: Vec<(u64, Bytes)>) -> Result<Vec<u32>, AgentError> {
+    pub async fn write_many(&self, writes: Vec<(u64, Payload)>) -> Result<Vec<u32>, AgentError> {
         let mut waits = Vec::with_capacity(writes.len());
         {
             let mut st = self.lock();
@@ -311,18 +310,20 @@ impl IoQueue {
         let result = match &batch[0].kind {
             Kind::Write(first) => {
                 self.stats.device_writes.fetch_add(1, Relaxed);
-                let r = if n == 1 {
-                    device.write_at(offset, first)
-                } else {
-                    // The payloads as received, in offset order: no gather copy.
-                    let bufs: Vec<&[u8]> = batch
-                        .iter()
-                        .filter_map(|op| match &op.kind {
-                            Kind::Write(d) => Some(&d[..]),
-                            _ => None,
-                        })
-                        .collect();
-                    device.write_vectored_at(offset, &bufs)
+                let r = match (n, first.as_single()) {
+                    (1, Some(one)) => device.write_at(offset, one),
+                    _ => {
+                        // The payloads as received, in offset order: no gather copy.
+                        let bufs: Vec<&[u8]> = batch
+                            .iter()
+                            .flat_map(|op| match &op.kind {
+                                Kind::Write(d) => Some(d.slices()),
+                                _ => None,
+                            })
+                            .flatten()
+                            .collect();
+                        device.write_vectored_at(offset, &bufs)
+                    }
                 };
                 match r {
                     Ok(()) => {

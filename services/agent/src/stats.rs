@@ -19,6 +19,9 @@ pub struct Stats {
     /// I/O requests queued or in flight at the device.
     pub queue_ios: AtomicU64,
     pub queue_bytes: AtomicU64,
+    /// Unary Writes the fast path took off the wire (not reported: tests
+    /// and benches read it to know which path served them).
+    pub fast_writes: AtomicU64,
     latency: Mutex<Intervals>,
 }
 
@@ -56,6 +59,7 @@ impl Default for Stats {
     fn default() -> Self {
         Stats {
             writes: AtomicU64::new(0),
+            fast_writes: AtomicU64::new(0),
             device_writes: AtomicU64::new(0),
             reads: AtomicU64::new(0),
             bytes_written: AtomicU64::new(0),

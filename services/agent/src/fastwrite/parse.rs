@@ -1,12 +1,9 @@
-//! The Write fast path's parser (issue 14): a unary gRPC `WriteRequest`
-//! read straight from the received HTTP/2 body frames, the `data` field
-//! kept as slices of those frames (`Bytes`, no copy). Anything it does not
-//! handle (compression, more or less than one message, wire types it does
-//! not skip, truncation, varint overflow) is `None`: the caller then
-//! replays the frames to tonic, which gives its own answer or error.
-//!
-//! Not yet wired in front of the tonic server (see the README's
-//! Performance section): this is the parser and its tests.
+//! The Write fast path's parser: a unary gRPC `WriteRequest` read straight
+//! from the received HTTP/2 body frames, the `data` field kept as slices of
+//! those frames (`Bytes`, no copy). Anything it does not handle
+//! (compression, more or less than one message, wire types it does not
+//! skip, truncation, varint overflow) is `None`: the caller then replays
+//! the frames to tonic, which gives its own answer or error.
 
 use tonic::codegen::Bytes;
 

@@ -3,7 +3,8 @@
 //! agents, all real processes (`aliquotctl up --insecure`, this build's
 //! release binary), against `dd if=/dev/zero bs=1M count=1024 conv=notrunc,fsync`
 //! on the same filesystem, interleaved per round. Every round overwrites
-//! laid-out blocks on both sides: each pool first runs the workload
+//! laid-out blocks on both sides: the agents' files are filled with zeros
+//! behind their labels ([`lay_out`]), each pool then runs the workload
 //! untimed (ALIQUOT_BENCH_WARMUP times, default 1) and dd's file is written
 //! once before the rounds and then overwritten in place (`conv=notrunc`),
 //! so neither side pays the filesystem's block allocation in sparse files
@@ -107,6 +108,38 @@ fn start_pool(name: &'static str, dir: &Path, env: &[(String, String)]) -> Pool 
         url,
         allocator,
         agents,
+    }
+}
+
+/// Write zeros over every agent's data area (behind the label) once, before
+/// any timed write: the agents' files are created sparse, and the first
+/// write into a hole makes ext4 allocate blocks at writeback, in the
+/// agent's `sync_file_range`. Allocating 12 GiB of them over the rounds
+/// would be most of the agents' CPU and would differ round to round. The
+/// pool is the bench's own and holds nothing yet.
+fn lay_out(p: &Pool) {
+    let mut files = std::collections::BTreeSet::new();
+    for pid in &p.agents {
+        for fd in std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().flatten() {
+            if let Ok(path) = std::fs::read_link(fd.path())
+                && std::fs::metadata(&path).is_ok_and(|m| m.is_file() && m.len() >= 1 << 30)
+            {
+                files.insert(path);
+            }
+        }
+    }
+    assert_eq!(files.len(), 3, "pool {}: agent files {files:?}", p.name);
+    for f in files {
+        let mib = std::fs::metadata(&f).unwrap().len() >> 20;
+        let st = Command::new("dd")
+            .arg("if=/dev/zero")
+            .arg(format!("of={}", f.display()))
+            .args(["bs=1M", "seek=1", &format!("count={}", mib - 1)])
+            .arg("conv=notrunc,fsync")
+            .stderr(Stdio::null())
+            .status()
+            .expect("run dd");
+        assert!(st.success(), "laying out {}: {st}", f.display());
     }
 }
 
@@ -280,6 +313,10 @@ fn main() {
         .unwrap_or(1usize);
     let a = start_pool("A", dir.path(), &[]);
     let b = (!vs.is_empty()).then(|| start_pool("B", dir.path(), &vs));
+    lay_out(&a);
+    if let Some(b) = &b {
+        lay_out(b);
+    }
     for _ in 0..warmup {
         write_run(&a, &total, mib);
         if let Some(b) = &b {
@@ -287,7 +324,9 @@ fn main() {
         }
     }
     dd_run(dir.path(), mib);
-    println!("warm-up: {warmup} untimed run(s) per pool, dd's file laid out");
+    println!(
+        "warm-up: agents' files laid out with zeros, {warmup} untimed run(s) per pool, dd's file laid out"
+    );
     let (mut ra, mut rb, mut dds) = (Vec::new(), Vec::new(), Vec::new());
     for round in 0..rounds {
         // A B dd, then dd B A: drift falls on all alike.

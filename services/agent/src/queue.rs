@@ -13,11 +13,11 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-use tokio::sync::oneshot;
 use crate::backend::Device;
 use crate::error::AgentError;
 use crate::payload::Payload;
 use crate::stats::Stats;
+use tokio::sync::oneshot;
 
 /// What a completed request returns.
 #[derive(Debug)]

@@ -146,10 +146,16 @@ async fn the_fast_path_writes_and_refuses_exactly_as_tonic_does() {
         two.extend_from_slice(&one);
     }
     let raw_cases: Vec<(&str, Bytes)> = vec![
-        ("data with a varint wire type", Bytes::from_static(&[0x10, 1])),
+        (
+            "data with a varint wire type",
+            Bytes::from_static(&[0x10, 1]),
+        ),
         ("a group", Bytes::from_static(&[0x0b, 0x0c])),
         ("field 0", Bytes::from_static(&[0x00, 1])),
-        ("a length past the end", Bytes::from_static(&[0x12, 10, 1, 2])),
+        (
+            "a length past the end",
+            Bytes::from_static(&[0x12, 10, 1, 2]),
+        ),
     ];
     for (what, msg) in raw_cases {
         let a = raw_write(&fast, msg.clone()).await.expect_err(what);

@@ -120,7 +120,10 @@ fn start_pool(name: &'static str, dir: &Path, env: &[(String, String)]) -> Pool 
 fn lay_out(p: &Pool) {
     let mut files = std::collections::BTreeSet::new();
     for pid in &p.agents {
-        for fd in std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().flatten() {
+        for fd in std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .unwrap()
+            .flatten()
+        {
             if let Ok(path) = std::fs::read_link(fd.path())
                 && std::fs::metadata(&path).is_ok_and(|m| m.is_file() && m.len() >= 1 << 30)
             {

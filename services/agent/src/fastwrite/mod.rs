@@ -132,7 +132,9 @@ fn takes(req: &http::Request<Body>) -> bool {
         && req.method() == http::Method::POST
         && !req.headers().contains_key("grpc-encoding")
         && matches!(
-            req.headers().get(http::header::CONTENT_TYPE).map(|v| v.as_bytes()),
+            req.headers()
+                .get(http::header::CONTENT_TYPE)
+                .map(|v| v.as_bytes()),
             Some(b"application/grpc" | b"application/grpc+proto")
         )
 }
@@ -388,7 +390,10 @@ mod tests {
             aggregated_ios: 3,
         };
         let resp = reply(&msg);
-        assert_eq!(resp.headers()[http::header::CONTENT_TYPE], "application/grpc");
+        assert_eq!(
+            resp.headers()[http::header::CONTENT_TYPE],
+            "application/grpc"
+        );
         let (data, trailers, _) = drain(resp.into_body()).await;
         assert_eq!(data[0], 0);
         let len = u32::from_be_bytes(data[1..5].try_into().unwrap()) as usize;

@@ -247,7 +247,7 @@ fn test6_raidz_new_at_least_old_gain_largest_at_small_blocks() {
 /// Test 6 at full scale on the per-leaf device model (about 45 s in a
 /// release build: `cargo test --release -p aliquot-sim --test seed_claims
 /// -- --ignored`): the seed's old → new ratio within ±10 % at 16K, 1M and
-/// 16M. At 128K the seed's 1.229 is not reached (1.011 here: legacy's 3.2
+/// 16M. At 128K the seed's 1.229 is not reached (1.010 here: legacy's 3.2
 /// MiB per leaf keep the modelled disks streaming), held so that it
 /// fails if that changes either way.
 #[test]

@@ -24,7 +24,7 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 use crate::device::{AGGREGATION_LIMIT, AGGREGATION_LIMIT_NON_ROTATING, Device};
-use crate::leaf::{LeafDevice, LeafIssued, QueueLimits};
+use crate::leaf::{LeafDevice, LeafEvent, QueueLimits};
 use crate::pool::{PoolView, SimPool};
 use crate::scenario::{
     Action, Amount, DeviceModel, LoadMode, Metadata, RedundantMetadata, RunSpec, Scenario, Trigger,
@@ -133,6 +133,9 @@ pub struct RunResult {
     /// Per vdev, the device I/Os completed (leaf model: over all leaves),
     /// so that the mean I/O size after aggregation can be reported.
     pub device_ios: Vec<u64>,
+    /// Per vdev, the I/Os its disks served away from the head (leaf model,
+    /// rotational: seeks; 0 otherwise).
+    pub device_seeks: Vec<u64>,
     /// Metaslab loads data allocations made (the sync path; log writers'
     /// data included) and the nanoseconds their writes waited for them.
     pub data_metaslab_loads: u64,
@@ -147,8 +150,10 @@ pub struct RunResult {
 enum Ev {
     DevFree(u32),
     DevDone(u32),
-    /// Leaf model: (vdev, leaf) completed its oldest I/O.
-    LeafDone(u32, u32),
+    /// Leaf model: (vdev, leaf) completed its I/O (id).
+    LeafDone(u32, u32, u32),
+    /// Leaf model: (vdev, leaf)'s disk is free to serve its next command.
+    LeafFree(u32, u32),
     Sync(u64),
     Tick(u32),
     Scenario(u32),
@@ -284,7 +289,7 @@ struct Sim<'a, P: SimPool> {
     devices: Vec<Dev>,
     names: Vec<String>,
     queue_limits: QueueLimits,
-    issued: Vec<LeafIssued>,
+    issued: Vec<LeafEvent>,
     data_loads: u64,
     data_load_stall: u64,
     /// Per vdev, its metaslab shift (to name the metaslab of an extent).
@@ -399,6 +404,12 @@ impl Dev {
         match self {
             Dev::Simple(d) => d.ios_done,
             Dev::Leaf(d) => d.ios_done,
+        }
+    }
+    fn seeks(&self) -> u64 {
+        match self {
+            Dev::Simple(_) => 0,
+            Dev::Leaf(d) => d.seeks,
         }
     }
     fn bytes_done(&self) -> u64 {
@@ -862,8 +873,10 @@ impl<P: SimPool> Sim<'_, P> {
             l.result
         });
         let device_ios = self.devices.iter().map(Dev::ios_done).collect();
+        let device_seeks = self.devices.iter().map(Dev::seeks).collect();
         Ok(RunResult {
             device_ios,
+            device_seeks,
             data_metaslab_loads: self.data_loads,
             data_load_stall: self.data_load_stall,
             metadata_blocks: self.meta_blocks,
@@ -912,6 +925,14 @@ impl<P: SimPool> Sim<'_, P> {
 
     fn handle(&mut self, ev: Ev) -> anyhow::Result<()> {
         match ev {
+            Ev::LeafFree(v, leaf) => {
+                let mut out = std::mem::take(&mut self.issued);
+                if let Dev::Leaf(d) = &mut self.devices[v as usize] {
+                    d.wake(leaf, self.now, &mut out);
+                }
+                self.schedule_leaf(v, &mut out);
+                self.issued = out;
+            }
             Ev::DevFree(v) => {
                 if let Dev::Simple(d) = &mut self.devices[v as usize] {
                     d.set_free();
@@ -926,14 +947,14 @@ impl<P: SimPool> Sim<'_, P> {
                             d.complete(&mut tags);
                         }
                     }
-                    (Ev::LeafDone(v, leaf), devs) => {
+                    (Ev::LeafDone(v, leaf, io), devs) => {
                         if let Dev::Leaf(d) = &mut devs[v as usize] {
-                            d.complete(leaf, &mut tags);
+                            d.complete(leaf, io, &mut tags);
                         }
                     }
                     _ => unreachable!(),
                 }
-                if let Ev::LeafDone(v, _) = ev {
+                if let Ev::LeafDone(v, ..) = ev {
                     // A slot of the leaf's queue is free: issue more.
                     self.kick(v);
                 }
@@ -1008,6 +1029,17 @@ impl<P: SimPool> Sim<'_, P> {
         }
     }
 
+    /// Push the events a leaf device asked for (`out` is left empty).
+    fn schedule_leaf(&mut self, v: u32, out: &mut Vec<LeafEvent>) {
+        for e in out.drain(..) {
+            let ev = match e.io {
+                Some(io) => Ev::LeafDone(v, e.leaf, io),
+                None => Ev::LeafFree(v, e.leaf),
+            };
+            self.push(e.at, ev);
+        }
+    }
+
     fn kick(&mut self, v: u32) {
         let dirty = self.inflight + self.txg_dirty;
         let limits = self.queue_limits;
@@ -1023,9 +1055,7 @@ impl<P: SimPool> Sim<'_, P> {
                 let mut out = std::mem::take(&mut self.issued);
                 let async_active = limits.async_active(dirty, dirty_max);
                 d.issue(self.now, async_active, limits.sync_max_active, &mut out);
-                for i in out.drain(..) {
-                    self.push(i.done_at, Ev::LeafDone(v, i.leaf));
-                }
+                self.schedule_leaf(v, &mut out);
                 self.issued = out;
             }
         }

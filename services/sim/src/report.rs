@@ -59,6 +59,9 @@ pub struct VdevSummary {
     /// size after aggregation.
     pub write_ios: u64,
     pub mean_io_bytes: f64,
+    /// Leaf model, rotational: writes the disks served away from their
+    /// head (a seek and half a revolution each).
+    pub seeks: u64,
     pub start_fragmentation_pct: Option<u32>,
     pub final_fragmentation_pct: Option<u32>,
 }
@@ -254,6 +257,7 @@ pub fn run_summary(sc: &Scenario, r: &RunResult, is_log: &[bool]) -> RunSummary 
                     Some(&n) if n > 0 => bytes as f64 / n as f64,
                     _ => 0.0,
                 },
+                seeks: r.device_seeks.get(i).copied().unwrap_or(0),
                 start_fragmentation_pct: r.start_view.vdevs.get(i).and_then(|v| v.fragmentation),
                 final_fragmentation_pct: r.final_view.vdevs.get(i).and_then(|v| v.fragmentation),
             }

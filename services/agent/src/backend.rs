@@ -54,7 +54,10 @@ pub fn open(cfg: &Config) -> Result<Opened, AgentError> {
                 AgentError::Config("--backend file needs --path FILE_OR_DEVICE".into())
             })?;
             let (file, label) = open_file(path, cfg)?;
-            let direct = if cfg.direct {
+            let block = file
+                .metadata()
+                .is_ok_and(|m| m.file_type().is_block_device());
+            let direct = if wants_direct(cfg, block) {
                 Some(open_direct(path)?)
             } else {
                 None
@@ -98,6 +101,14 @@ pub fn open(cfg: &Config) -> Result<Opened, AgentError> {
             })
         }
     }
+}
+
+/// O_DIRECT when asked, and by default on a block device whose sectors
+/// are O_DIRECT-sized (as OpenZFS writes to disks without a page cache);
+/// `--buffered` keeps the page cache.
+fn wants_direct(cfg: &Config, block_device: bool) -> bool {
+    let default = cfg!(target_os = "linux") && block_device && cfg.ashift >= 12;
+    cfg.direct || (default && !cfg.buffered)
 }
 
 /// A random non-zero guid (std's `RandomState` is seeded from the OS).
@@ -307,7 +318,7 @@ fn open_direct(path: &Path) -> Result<File, AgentError> {
             .open(path)
             .map_err(|e| {
                 AgentError::Config(format!(
-                    "--direct: cannot open {} with O_DIRECT ({e}); its filesystem may not support it",
+                    "cannot open {} with O_DIRECT ({e}); its filesystem may not support it (--buffered uses the page cache)",
                     path.display()
                 ))
             })
@@ -592,6 +603,23 @@ mod tests {
         f.read_exact_at(&mut got, 100).unwrap();
         assert_eq!(got, want);
         assert_eq!(f.metadata().unwrap().len(), 100 + want.len() as u64);
+    }
+
+    #[test]
+    fn block_devices_default_to_direct_io_files_to_buffered() {
+        let mut cfg = Config::new(BackendKind::File);
+        assert!(!wants_direct(&cfg, false), "a file stays buffered");
+        assert!(wants_direct(&cfg, true), "a block device goes direct");
+        cfg.buffered = true;
+        assert!(!wants_direct(&cfg, true), "--buffered keeps the page cache");
+        cfg.buffered = false;
+        cfg.ashift = 9;
+        assert!(
+            !wants_direct(&cfg, true),
+            "512-byte sectors: O_DIRECT needs 4 KiB here"
+        );
+        cfg.direct = true;
+        assert!(wants_direct(&cfg, false), "--direct on a file");
     }
 
     #[test]

@@ -81,9 +81,16 @@ pub struct Config {
     /// Data I/O with O_DIRECT (file backend): bypasses the page cache (no
     /// copy into it, no writeback later); Flush still fdatasyncs, so the
     /// durability contract is the same. Needs a filesystem or block device
-    /// that supports it.
-    #[arg(long, env = "ALIQUOT_DIRECT", value_parser = clap::builder::BoolishValueParser::new())]
+    /// that supports it. The default for block devices (with --ashift 12 or
+    /// more; --buffered turns it off); regular files stay buffered unless
+    /// asked, since small writes then wait for the disk one by one.
+    #[arg(long, env = "ALIQUOT_DIRECT", value_parser = clap::builder::BoolishValueParser::new(), conflicts_with = "buffered")]
     pub direct: bool,
+
+    /// Data I/O through the page cache even on a block device (where
+    /// O_DIRECT is the default).
+    #[arg(long, env = "ALIQUOT_BUFFERED", value_parser = clap::builder::BoolishValueParser::new())]
+    pub buffered: bool,
 
     /// Serve unary Writes through tonic's decoder instead of the fast path
     /// (which writes the payload from the received HTTP/2 frames without
@@ -168,6 +175,7 @@ impl Config {
             path: None,
             capacity: None,
             direct: false,
+            buffered: false,
             no_fast_write: false,
             ashift: 12,
             rotational: false,
@@ -213,6 +221,9 @@ impl Config {
                 if self.bandwidth.is_some() || self.latency.is_some() {
                     return bad("--bandwidth and --latency apply to --backend sim only".into());
                 }
+                if self.direct && self.buffered {
+                    return bad("--direct and --buffered contradict each other: give one".into());
+                }
                 if self.direct && self.ashift < 12 {
                     return bad(format!(
                         "--direct needs --ashift 12 or more (O_DIRECT I/O is 4 KiB-aligned), not {}",
@@ -230,8 +241,8 @@ impl Config {
                 if self.path.is_some() {
                     return bad("--path applies to --backend file only".into());
                 }
-                if self.direct {
-                    return bad("--direct applies to --backend file only".into());
+                if self.direct || self.buffered {
+                    return bad("--direct and --buffered apply to --backend file only".into());
                 }
                 let Some(cap) = self.capacity else {
                     return bad("--backend sim needs --capacity SIZE".into());

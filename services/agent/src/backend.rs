@@ -53,11 +53,12 @@ pub fn open(cfg: &Config) -> Result<Opened, AgentError> {
             let path = cfg.path.as_deref().ok_or_else(|| {
                 AgentError::Config("--backend file needs --path FILE_OR_DEVICE".into())
             })?;
-            let (file, label) = open_file(path, cfg)?;
-            let block = file
-                .metadata()
-                .is_ok_and(|m| m.file_type().is_block_device());
-            let direct = if wants_direct(cfg, block) {
+            let LabelledFile {
+                file,
+                label,
+                block_device,
+            } = open_file(path, cfg)?;
+            let direct = if wants_direct(cfg, block_device) {
                 Some(open_direct(path)?)
             } else {
                 None
@@ -123,7 +124,15 @@ pub fn new_guid() -> u64 {
     }
 }
 
-fn open_file(path: &Path, cfg: &Config) -> Result<(File, Label), AgentError> {
+/// A file or block device opened, locked and labelled.
+struct LabelledFile {
+    file: File,
+    label: Label,
+    /// A block device (not a regular file): O_DIRECT by default.
+    block_device: bool,
+}
+
+fn open_file(path: &Path, cfg: &Config) -> Result<LabelledFile, AgentError> {
     let shown = path.display();
     let io = |what: &str| {
         let what = format!("{what} {shown}");
@@ -201,7 +210,11 @@ fn open_file(path: &Path, cfg: &Config) -> Result<(File, Label), AgentError> {
                 )));
             }
             tracing::info!(path = %shown, guid = l.guid, device_size = l.device_size, "opened labelled device");
-            Ok((file, l))
+            Ok(LabelledFile {
+                file,
+                label: l,
+                block_device: block,
+            })
         }
         Found::Foreign(why) => Err(AgentError::Label(format!(
             "refusing {shown}: it holds {why}; point --path at a new or empty file, or at this vdev's own device"
@@ -245,7 +258,11 @@ fn open_file(path: &Path, cfg: &Config) -> Result<(File, Label), AgentError> {
                 let _ = d.sync_all();
             }
             tracing::info!(path = %shown, guid = l.guid, device_size, "labelled new device");
-            Ok((file, l))
+            Ok(LabelledFile {
+                file,
+                label: l,
+                block_device: block,
+            })
         }
     }
 }

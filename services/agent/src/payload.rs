@@ -40,15 +40,6 @@ impl Payload {
             _ => None,
         }
     }
-
-    /// A copy in one buffer (tests and the simulated device).
-    pub fn to_vec(&self) -> Vec<u8> {
-        let mut v = Vec::with_capacity(self.len);
-        for s in self.slices() {
-            v.extend_from_slice(s);
-        }
-        v
-    }
 }
 
 impl From<Bytes> for Payload {
@@ -71,7 +62,7 @@ mod tests {
         assert_eq!(p.len(), 5);
         assert_eq!(p.slices().count(), 2);
         assert_eq!(p.as_single(), None);
-        assert_eq!(p.to_vec(), b"abcde");
+        assert_eq!(p.slices().collect::<Vec<_>>().concat(), b"abcde");
         let one = Payload::from(Bytes::from_static(b"xyz"));
         assert_eq!(one.as_single(), Some(&b"xyz"[..]));
         assert!(Payload::default().is_empty());

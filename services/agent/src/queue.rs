@@ -13,11 +13,12 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
+use tokio::sync::oneshot;
+
 use crate::backend::Device;
 use crate::error::AgentError;
 use crate::payload::Payload;
 use crate::stats::Stats;
-use tokio::sync::oneshot;
 
 /// What a completed request returns.
 #[derive(Debug)]
@@ -316,7 +317,7 @@ impl IoQueue {
                         // The payloads as received, in offset order: no gather copy.
                         let bufs: Vec<&[u8]> = batch
                             .iter()
-                            .flat_map(|op| match &op.kind {
+                            .filter_map(|op| match &op.kind {
                                 Kind::Write(d) => Some(d.slices()),
                                 _ => None,
                             })

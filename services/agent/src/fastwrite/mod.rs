@@ -253,10 +253,10 @@ fn reply(msg: &WriteReply) -> http::Response<Body> {
         .expect("a Vec grows to hold any message");
     let mut trailers = http::HeaderMap::new();
     trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
-    let mut resp = http::Response::new(Body::new(Reply {
-        data: Some(Bytes::from(buf)),
-        trailers: Some(trailers),
-    }));
+    let mut resp = http::Response::new(Body::new(Replay::frames([
+        Frame::data(Bytes::from(buf)),
+        Frame::trailers(trailers),
+    ])));
     resp.headers_mut().insert(
         http::header::CONTENT_TYPE,
         http::HeaderValue::from_static("application/grpc"),
@@ -264,38 +264,24 @@ fn reply(msg: &WriteReply) -> http::Response<Body> {
     resp
 }
 
-/// The reply body: one data frame, then the trailers.
-struct Reply {
-    data: Option<Bytes>,
-    trailers: Option<http::HeaderMap>,
-}
-
-impl HttpBody for Reply {
-    type Data = Bytes;
-    type Error = Status;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        _cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
-        let this = self.get_mut();
-        if let Some(d) = this.data.take() {
-            return Poll::Ready(Some(Ok(Frame::data(d))));
-        }
-        Poll::Ready(this.trailers.take().map(|t| Ok(Frame::trailers(t))))
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.data.is_none() && self.trailers.is_none()
-    }
-}
-
-/// A request body given back to tonic: the frames already read, then the
-/// error that stopped the read, then the rest of the original body.
+/// A body of frames known in advance, then an error, then the rest of
+/// another body (each part optional): a request given back to tonic (the
+/// frames already read, the error that stopped the read, the unread rest)
+/// and the fast path's reply (one message, then the trailers).
 struct Replay {
     frames: VecDeque<Frame<Bytes>>,
     error: Option<Status>,
     rest: Option<Body>,
+}
+
+impl Replay {
+    fn frames(frames: impl IntoIterator<Item = Frame<Bytes>>) -> Replay {
+        Replay {
+            frames: frames.into_iter().collect(),
+            error: None,
+            rest: None,
+        }
+    }
 }
 
 impl HttpBody for Replay {
@@ -346,10 +332,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_replay_gives_back_every_byte_then_the_rest() {
-        let rest = Body::new(Reply {
-            data: Some(Bytes::from_static(b"tail")),
-            trailers: None,
-        });
+        let rest = Body::new(Replay::frames([Frame::data(Bytes::from_static(b"tail"))]));
         let c = Collected {
             data: vec![Bytes::from_static(b"he"), Bytes::from_static(b"llo ")],
             stop: Some(Stop::TooLarge),
@@ -372,10 +355,10 @@ mod tests {
 
     #[tokio::test]
     async fn collect_stops_past_the_limit_and_keeps_the_rest() {
-        let mut body = Body::new(Reply {
-            data: Some(Bytes::from(vec![7u8; 100])),
-            trailers: Some(http::HeaderMap::new()),
-        });
+        let mut body = Body::new(Replay::frames([
+            Frame::data(Bytes::from(vec![7u8; 100])),
+            Frame::trailers(http::HeaderMap::new()),
+        ]));
         let c = collect(&mut body, 10).await;
         assert!(matches!(c.stop, Some(Stop::TooLarge)));
         let (data, trailers, _) = drain(Body::new(c.into_replay(body))).await;

@@ -20,6 +20,7 @@
 //! timing of the bench binary). ALIQUOT_BENCH_AGENT_BIN: the agent binary
 //! to run (default: this build's).
 
+use aliquot_agent::measure::median;
 use std::io::{BufRead, BufReader};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
@@ -38,7 +39,7 @@ fn env_u64(name: &str) -> Option<u64> {
 }
 
 fn cpu(pid: &str) -> Duration {
-    aliquot_agent::procstat::process_cpu(pid)
+    aliquot_agent::measure::process_cpu(pid)
 }
 
 /// Random block offsets over the device (xorshift: the same every run).
@@ -187,11 +188,6 @@ fn raw(path: &Path, offs: &[u64]) -> (f64, f64) {
     let _ = std::fs::remove_file(path);
     let n = offs.len() as f64;
     (used.as_secs_f64() * 1e6 / n, n / wall.as_secs_f64())
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 fn main() {

@@ -10,6 +10,7 @@
 //! ALIQUOT_BENCH_ROUNDS (3), ALIQUOT_BENCH_CONNS (client connections, 1),
 //! ALIQUOT_BENCH_DIRECT=1 (the file backend's O_DIRECT mode).
 
+use aliquot_agent::measure::median;
 use std::fs::OpenOptions;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
@@ -34,7 +35,7 @@ fn pattern(len: usize, seed: u64) -> Vec<u8> {
 }
 
 fn cpu() -> Duration {
-    aliquot_agent::procstat::process_cpu("self")
+    aliquot_agent::measure::process_cpu("self")
 }
 
 fn mib_s(bytes: u64, d: Duration) -> f64 {
@@ -153,11 +154,6 @@ async fn agent(
     (mib_s(total, d), used, s.writes, s.device_writes)
 }
 
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().and_then(|s| s.parse().ok())
 }
@@ -215,15 +211,10 @@ fn main() {
             ac.push(per_mib(c));
             counts = (w, dw);
         }
-        let (r, rc, a, ac) = (
-            median(&mut r),
-            median(&mut rc),
-            median(&mut a),
-            median(&mut ac),
-        );
+        let (r, rc, a, ac) = (median(r), median(rc), median(a), median(ac));
         println!("block {:>4} KiB, median of {rounds}:", block >> 10);
         println!("  raw pwrite + fsync            {r:8.1} MiB/s  cpu {rc:.2} ms/MiB");
-        let dd_rate = (!d.is_empty()).then(|| median(&mut d));
+        let dd_rate = (!d.is_empty()).then(|| median(d));
         match dd_rate {
             Some(x) => println!("  dd bs={block:<7} conv=fsync     {x:8.1} MiB/s"),
             None => println!("  dd                            (not available)"),

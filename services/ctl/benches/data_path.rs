@@ -20,6 +20,7 @@
 //! pool, B, whose processes get these variables, run interleaved with A;
 //! B/A ratios are printed).
 
+use aliquot_agent::measure::median;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -32,7 +33,7 @@ fn bin() -> &'static str {
 }
 
 fn cpu(pid: u32) -> Duration {
-    aliquot_agent::procstat::process_cpu(&pid.to_string())
+    aliquot_agent::measure::process_cpu(&pid.to_string())
 }
 
 /// user + system CPU of every reaped child so far.
@@ -134,16 +135,22 @@ fn lay_out(p: &Pool) {
     assert_eq!(files.len(), 3, "pool {}: agent files {files:?}", p.name);
     for f in files {
         let mib = std::fs::metadata(&f).unwrap().len() >> 20;
-        let st = Command::new("dd")
-            .arg("if=/dev/zero")
-            .arg(format!("of={}", f.display()))
-            .args(["bs=1M", "seek=1", &format!("count={}", mib - 1)])
-            .arg("conv=notrunc,fsync")
-            .stderr(Stdio::null())
-            .status()
-            .expect("run dd");
-        assert!(st.success(), "laying out {}: {st}", f.display());
+        dd_zeros(&f, 1, mib - 1);
     }
+}
+
+/// `dd if=/dev/zero` over `count` MiB of `f` from MiB `seek`, in place,
+/// fsynced.
+fn dd_zeros(f: &Path, seek: u64, count: u64) {
+    let st = Command::new("dd")
+        .arg("if=/dev/zero")
+        .arg(format!("of={}", f.display()))
+        .args(["bs=1M", &format!("seek={seek}"), &format!("count={count}")])
+        .arg("conv=notrunc,fsync")
+        .stderr(Stdio::null())
+        .status()
+        .expect("run dd");
+    assert!(st.success(), "dd over {}: {st}", f.display());
 }
 
 fn stop_pool(mut p: Pool) {
@@ -214,34 +221,10 @@ fn dd_run(dir: &Path, mib: f64) -> (f64, f64) {
     let f = dir.join("dd.img");
     let c0 = children_cpu();
     let t = Instant::now();
-    let st = Command::new("dd")
-        .arg("if=/dev/zero")
-        .arg(format!("of={}", f.display()))
-        .args([
-            "bs=1M",
-            &format!("count={}", mib as u64),
-            "conv=notrunc,fsync",
-        ])
-        .stderr(Stdio::null())
-        .status()
-        .expect("run dd");
+    dd_zeros(&f, 0, mib as u64);
     let wall = t.elapsed();
-    assert!(st.success(), "dd failed: {st}");
     let used = children_cpu() - c0;
     (mib / wall.as_secs_f64(), ms_per_mib(used, mib))
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n == 0 {
-        return f64::NAN;
-    }
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
 }
 
 fn show(label: &str, r: &WriteRun, dd: f64) {
@@ -258,20 +241,26 @@ fn show(label: &str, r: &WriteRun, dd: f64) {
     );
 }
 
-fn summary(label: &str, runs: &[WriteRun], dds: &[(f64, f64)]) -> [f64; 6] {
-    let m = |f: &dyn Fn(&WriteRun) -> f64| median(runs.iter().map(f).collect());
+/// A run's figures, as pools are compared: MiB/s, then CPU ms/MiB in
+/// total, of the client, of the agents and of the allocator.
+fn figures(r: &WriteRun) -> [f64; 5] {
+    [
+        r.mib_s,
+        r.total(),
+        r.client,
+        r.agents.iter().sum(),
+        r.allocator,
+    ]
+}
+
+/// Prints the medians of `runs` (and their throughput against dd's) and
+/// returns the medians of their [`figures`].
+fn summary(label: &str, runs: &[WriteRun], dds: &[(f64, f64)]) -> [f64; 5] {
     let ratio = median(runs.iter().zip(dds).map(|(r, d)| r.mib_s / d.0).collect());
-    let s = [
-        m(&|r| r.mib_s),
-        ratio,
-        m(&WriteRun::total),
-        m(&|r| r.client),
-        m(&|r| r.agents.iter().sum()),
-        m(&|r| r.allocator),
-    ];
+    let s: [f64; 5] = std::array::from_fn(|i| median(runs.iter().map(|r| figures(r)[i]).collect()));
     println!(
         "{label}: {:.1} MiB/s, {:.2}× dd; CPU ms/MiB total {:.2} = client {:.2} + agents {:.2} + allocator {:.2}",
-        s[0], s[1], s[2], s[3], s[4], s[5]
+        s[0], ratio, s[1], s[2], s[3], s[4]
     );
     s
 }
@@ -375,33 +364,23 @@ fn main() {
             median(
                 ra.iter()
                     .zip(&rb)
-                    .map(|(x, y)| pick(y, i) / pick(x, i))
+                    .map(|(x, y)| figures(y)[i] / figures(x)[i])
                     .collect(),
             )
         };
         println!(
             "B/A (median of per-round ratios): throughput {:.2}, CPU total {:.2}, client {:.2}, agents {:.2}, allocator {:.2}  (of medians: {:.2} / {:.2})",
             r(0),
+            r(1),
             r(2),
             r(3),
             r(4),
-            r(5),
             sb[0] / sa[0],
-            sb[2] / sa[2]
+            sb[1] / sa[1]
         );
     }
     stop_pool(a);
     if let Some(b) = b {
         stop_pool(b);
-    }
-}
-
-fn pick(r: &WriteRun, i: usize) -> f64 {
-    match i {
-        0 => r.mib_s,
-        2 => r.total(),
-        3 => r.client,
-        4 => r.agents.iter().sum(),
-        _ => r.allocator,
     }
 }

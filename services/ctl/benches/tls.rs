@@ -16,6 +16,7 @@
 //! 3), `ALIQUOT_BENCH_SECS` per AllocateStream run (default 2),
 //! `ALIQUOT_BENCH_WRITE` bytes per write run (default 256MiB).
 
+use aliquot_agent::measure::median;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -197,11 +198,6 @@ async fn write_run(p: &Pool, total: u64) -> f64 {
     w.no_progress = true;
     let r = write::write(&w).await.expect("write");
     r.bytes_per_sec
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
 }
 
 fn main() {

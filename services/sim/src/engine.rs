@@ -111,6 +111,11 @@ pub struct LogResult {
     pub preloads: u64,
 }
 
+/// `metaslab_preload_pct`: the preload taskq's threads as a percentage of
+/// the CPUs (module/zfs/spa.c@be7657e3f2:196, 1915-1917; spec §2.10). A
+/// machine fact for the simulator's clock, not a policy decision.
+const METASLAB_PRELOAD_PCT: u64 = 50;
+
 #[derive(Clone, Debug)]
 pub struct RunResult {
     pub spec: RunSpec,
@@ -517,9 +522,10 @@ pub fn run<P: SimPool>(
         data_load_stall: 0,
         ms_shift: Vec::new(),
         preload_done: HashMap::new(),
-        // `metaslab_preload_pct = 50` % of CPUs as threads
-        // (module/zfs/spa.c@be7657e3f2:196, 1915-1917; spec §2.10).
-        preload_threads: vec![0; (sc.cpus.unwrap_or(1) * 50 / 100).max(1) as usize],
+        preload_threads: vec![
+            0;
+            (sc.cpus.unwrap_or(1) * METASLAB_PRELOAD_PCT / 100).max(1) as usize
+        ],
         preloads: 0,
         meta_tickets: HashMap::new(),
         meta_live: HashMap::new(),

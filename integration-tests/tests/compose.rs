@@ -356,9 +356,7 @@ fn compose_deployment_end_to_end() {
     }
     // An agent listens, advertises and is published on one port (so the
     // host can reach it with --agent-host): free ones, not the defaults.
-    let free: Vec<std::net::TcpListener> = (0..4)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("free port"))
-        .collect();
+    let free = free_ports_below_ephemeral(4);
     for (name, l) in ["AGENT1", "AGENT2", "AGENT3", "HDD1"].iter().zip(&free) {
         let port = l.local_addr().expect("addr").port();
         env.push((format!("ALIQUOT_{name}_PORT"), port.to_string()));
@@ -613,4 +611,30 @@ fn compose_deployment_end_to_end() {
         "volumes left after down -v: {}",
         text(&o)
     );
+}
+
+/// `n` free ports below the kernel's ephemeral range. The services
+/// published on port 0 get theirs from Docker out of that range, and a
+/// port the kernel handed out for `bind(0)` here could be given to one of
+/// them before the agent claims it (seen: "Bind for 127.0.0.1:32785
+/// failed: port is already allocated"). Held open until the caller drops
+/// them, so no two are the same.
+fn free_ports_below_ephemeral(n: usize) -> Vec<std::net::TcpListener> {
+    let low: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32768);
+    let span = u32::from(low.saturating_sub(10_000).max(1));
+    // Start somewhere different in each run (several test processes may
+    // run at once), then walk down from there.
+    let mut at = u32::from(low) - 1 - std::process::id() % span;
+    let mut out = Vec::new();
+    while out.len() < n {
+        assert!(at > 1024, "no free port below the ephemeral range");
+        if let Ok(l) = std::net::TcpListener::bind(("127.0.0.1", at as u16)) {
+            out.push(l);
+        }
+        at -= 1;
+    }
+    out
 }

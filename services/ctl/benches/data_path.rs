@@ -19,6 +19,12 @@
 //! ALIQUOT_BENCH_TOTAL (1GiB), ALIQUOT_BENCH_VS="ENV=VAL ..." (a second
 //! pool, B, whose processes get these variables, run interleaved with A;
 //! B/A ratios are printed).
+//!
+//! Each round also runs the floor of any design that moves the data over a
+//! local socket ([`floor_run`]): a process generating 1 MiB blocks of the
+//! same pattern as `aliquotctl write` and sending them over loopback TCP, or
+//! over a Unix socket, to a process that pwrites each into a laid-out file
+//! (fdatasync at the end): no protocol, no allocator, one stream.
 
 use aliquot_agent::measure::median;
 use std::io::{BufRead, BufReader};
@@ -227,6 +233,106 @@ fn dd_run(dir: &Path, mib: f64) -> (f64, f64) {
     (mib / wall.as_secs_f64(), ms_per_mib(used, mib))
 }
 
+/// Child roles of the floor run (this bench binary again, told by env).
+const FLOOR_ROLE: &str = "ALIQUOT_BENCH_FLOOR_ROLE";
+const FLOOR_ADDR: &str = "ALIQUOT_BENCH_FLOOR_ADDR";
+const FLOOR_FILE: &str = "ALIQUOT_BENCH_FLOOR_FILE";
+const FLOOR_MIB: &str = "ALIQUOT_BENCH_FLOOR_MIB";
+
+fn floor_child(role: &str) {
+    use std::io::{Read as _, Write as _};
+    use std::os::unix::fs::FileExt as _;
+    let addr = std::env::var(FLOOR_ADDR).unwrap();
+    let blocks: u64 = std::env::var(FLOOR_MIB).unwrap().parse().unwrap();
+    let mut buf = vec![0u8; 1 << 20];
+    if role == "recv" {
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(std::env::var(FLOOR_FILE).unwrap())
+            .unwrap();
+        let mut s: Box<dyn std::io::Read> = match addr.strip_prefix("unix:") {
+            Some(p) => {
+                let l = std::os::unix::net::UnixListener::bind(p).unwrap();
+                println!("ready");
+                Box::new(l.accept().unwrap().0)
+            }
+            None => {
+                let l = std::net::TcpListener::bind(&addr).unwrap();
+                println!("ready {}", l.local_addr().unwrap());
+                Box::new(l.accept().unwrap().0)
+            }
+        };
+        for b in 0..blocks {
+            s.read_exact(&mut buf).unwrap();
+            f.write_all_at(&buf, b << 20).unwrap();
+        }
+        f.sync_data().unwrap();
+    } else {
+        let mut s: Box<dyn std::io::Write> = match addr.strip_prefix("unix:") {
+            Some(p) => Box::new(std::os::unix::net::UnixStream::connect(p).unwrap()),
+            None => {
+                let s = std::net::TcpStream::connect(&addr).unwrap();
+                s.set_nodelay(true).unwrap();
+                Box::new(s)
+            }
+        };
+        for b in 0..blocks {
+            aliquotctl::pattern::fill(&mut buf, 1, b);
+            s.write_all(&buf).unwrap();
+        }
+    }
+}
+
+/// The floor over `transport` ("tcp" or "unix"): MiB/s and CPU per MiB of
+/// sender and receiver together.
+fn floor_run(dir: &Path, mib: f64, transport: &str) -> (f64, f64) {
+    let file = dir.join("floor.img");
+    if !file.exists() {
+        dd_zeros(&file, 0, mib as u64);
+    }
+    let sock = dir.join("floor.sock");
+    let _ = std::fs::remove_file(&sock);
+    let addr = match transport {
+        "unix" => format!("unix:{}", sock.display()),
+        _ => "127.0.0.1:0".into(),
+    };
+    let me = std::env::current_exe().unwrap();
+    let c0 = children_cpu();
+    let mut recv = Command::new(&me)
+        .env(FLOOR_ROLE, "recv")
+        .env(FLOOR_ADDR, &addr)
+        .env(FLOOR_FILE, &file)
+        .env(FLOOR_MIB, (mib as u64).to_string())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("start floor receiver");
+    let mut ready = String::new();
+    BufReader::new(recv.stdout.take().unwrap())
+        .read_line(&mut ready)
+        .unwrap();
+    let to = match ready.trim().strip_prefix("ready ") {
+        Some(a) => a.to_string(),
+        None => addr,
+    };
+    let t = Instant::now();
+    let sent = Command::new(&me)
+        .env(FLOOR_ROLE, "send")
+        .env(FLOOR_ADDR, &to)
+        .env(FLOOR_MIB, (mib as u64).to_string())
+        .status()
+        .expect("run floor sender");
+    let got = recv.wait().expect("floor receiver");
+    let wall = t.elapsed();
+    assert!(
+        sent.success() && got.success(),
+        "floor {transport}: {sent} / {got}"
+    );
+    (
+        mib / wall.as_secs_f64(),
+        ms_per_mib(children_cpu() - c0, mib),
+    )
+}
+
 fn show(label: &str, r: &WriteRun, dd: f64) {
     let agents: Vec<String> = r.agents.iter().map(|a| format!("{a:.2}")).collect();
     println!(
@@ -268,6 +374,9 @@ fn summary(label: &str, runs: &[WriteRun], dds: &[(f64, f64)]) -> [f64; 5] {
 fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
+    }
+    if let Ok(role) = std::env::var(FLOOR_ROLE) {
+        return floor_child(&role);
     }
     let rounds = std::env::var("ALIQUOT_BENCH_ROUNDS")
         .ok()
@@ -320,6 +429,7 @@ fn main() {
         "warm-up: agents' files laid out with zeros, {warmup} untimed run(s) per pool, dd's file laid out"
     );
     let (mut ra, mut rb, mut dds) = (Vec::new(), Vec::new(), Vec::new());
+    let mut floors: Vec<[(f64, f64); 2]> = Vec::new();
     for round in 0..rounds {
         // A B dd, then dd B A: drift falls on all alike.
         let fwd = round % 2 == 0;
@@ -340,11 +450,20 @@ fn main() {
             }
         }
         dds.push(d);
+        let f = [
+            floor_run(dir.path(), mib, "tcp"),
+            floor_run(dir.path(), mib, "unix"),
+        ];
+        floors.push(f);
         println!(
-            "round {}: dd {:7.1} MiB/s, CPU {:.2} ms/MiB",
+            "round {}: dd {:7.1} MiB/s, CPU {:.2} ms/MiB; floor over TCP {:.1} MiB/s, {:.2} ms/MiB; over a Unix socket {:.1} MiB/s, {:.2} ms/MiB",
             round + 1,
             d.0,
-            d.1
+            d.1,
+            f[0].0,
+            f[0].1,
+            f[1].0,
+            f[1].1
         );
         show("A", ra.last().unwrap(), d.0);
         if let Some(r) = rb.last() {
@@ -357,6 +476,13 @@ fn main() {
         median(dds.iter().map(|d| d.0).collect()),
         median(dds.iter().map(|d| d.1).collect())
     );
+    for (i, t) in ["loopback TCP", "a Unix socket"].iter().enumerate() {
+        println!(
+            "floor over {t}: {:.1} MiB/s, CPU {:.2} ms/MiB (sender + receiver)",
+            median(floors.iter().map(|f| f[i].0).collect()),
+            median(floors.iter().map(|f| f[i].1).collect())
+        );
+    }
     let sa = summary("A", &ra, &dds);
     if b.is_some() {
         let sb = summary("B", &rb, &dds);

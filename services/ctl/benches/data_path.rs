@@ -233,7 +233,9 @@ fn dd_run(dir: &Path, mib: f64) -> (f64, f64) {
     (mib / wall.as_secs_f64(), ms_per_mib(used, mib))
 }
 
-/// Child roles of the floor run (this bench binary again, told by env).
+/// Child roles of the floor run (this bench binary again, told by env). The
+/// receiver binds, prints `ready ADDR` (`unix:PATH`, or the TCP port it got)
+/// and the sender connects to ADDR.
 const FLOOR_ROLE: &str = "ALIQUOT_BENCH_FLOOR_ROLE";
 const FLOOR_ADDR: &str = "ALIQUOT_BENCH_FLOOR_ADDR";
 const FLOOR_FILE: &str = "ALIQUOT_BENCH_FLOOR_FILE";
@@ -253,7 +255,7 @@ fn floor_child(role: &str) {
         let mut s: Box<dyn std::io::Read> = match addr.strip_prefix("unix:") {
             Some(p) => {
                 let l = std::os::unix::net::UnixListener::bind(p).unwrap();
-                println!("ready");
+                println!("ready {addr}");
                 Box::new(l.accept().unwrap().0)
             }
             None => {
@@ -310,10 +312,12 @@ fn floor_run(dir: &Path, mib: f64, transport: &str) -> (f64, f64) {
     BufReader::new(recv.stdout.take().unwrap())
         .read_line(&mut ready)
         .unwrap();
-    let to = match ready.trim().strip_prefix("ready ") {
-        Some(a) => a.to_string(),
-        None => addr,
-    };
+    // The address to send to: the socket's, or the port the receiver got.
+    let to = ready
+        .trim()
+        .strip_prefix("ready ")
+        .unwrap_or_else(|| panic!("floor receiver said {ready:?}"))
+        .to_string();
     let t = Instant::now();
     let sent = Command::new(&me)
         .env(FLOOR_ROLE, "send")

@@ -448,7 +448,7 @@ async fn step(c: &mut Cluster, m: &mut Model, rng: &mut Rng) -> StepResult {
         .commit(pb::CommitRequest {
             allocation_ids: vec![a.allocation_id],
             wait_synced,
-            ..Default::default()
+            generation: a.generation,
         })
         .await
         .map_err(|e| format!("commit: {e}"))?

@@ -79,6 +79,33 @@ async fn register(p: &Proc, guid: u64, capacity: u64) -> pb::RegisterReply {
         .into_inner()
 }
 
+/// A known device's agent back after an allocator restart: it registers
+/// again and reports once. Until then the allocator places nothing on the
+/// vdev (its agent may not know the new generation yet).
+async fn rejoin(p: &Proc, guid: u64, capacity: u64) {
+    let mut r = registry(p).await;
+    let vdev = r
+        .register(register_req(guid, capacity))
+        .await
+        .expect("register again")
+        .into_inner()
+        .vdev;
+    let report = pb::AgentReport {
+        vdev,
+        capacity,
+        health: pb::VdevHealth::Healthy as i32,
+        ..Default::default()
+    };
+    r.report(tokio_stream::iter([report]))
+        .await
+        .expect("report")
+        .into_inner()
+        .message()
+        .await
+        .expect("ack")
+        .expect("an ack");
+}
+
 fn reason(s: &tonic::Status) -> String {
     s.get_details_error_info()
         .map(|i| i.reason)
@@ -170,6 +197,7 @@ async fn a_txg_lost_in_a_crash_is_not_reported_synced_and_claim_wins_the_window(
     alloc.restart().expect("restart");
     let restarted = Instant::now();
     let mut c = client(&alloc).await;
+    rejoin(&alloc, 7, 256 * MIB).await;
     let st = c
         .get_pool(pb::GetPoolRequest {})
         .await
@@ -271,6 +299,7 @@ async fn a_txg_lost_in_one_generation_stays_lost_after_a_later_one_reuses_its_nu
 
     // Generation 2 reuses the number T for its own txg, and syncs it.
     let mut c = client(&alloc).await;
+    rejoin(&alloc, 11, 256 * MIB).await;
     let b = c.allocate(data(MIB)).await.unwrap().into_inner();
     let g2 = b.generation;
     assert_eq!(g2, g1 + 1);
@@ -340,6 +369,7 @@ async fn expired_space_is_not_handed_out_while_a_late_writer_could_land() {
                 );
                 c.commit(pb::CommitRequest {
                     allocation_ids: vec![r.allocation_id],
+                    generation: r.generation,
                     ..Default::default()
                 })
                 .await
@@ -356,6 +386,7 @@ async fn expired_space_is_not_handed_out_while_a_late_writer_could_land() {
     let e = c
         .commit(pb::CommitRequest {
             allocation_ids: vec![slow.allocation_id],
+            generation: slow.generation,
             ..Default::default()
         })
         .await
@@ -397,7 +428,7 @@ async fn repeated_commit_and_free_return_the_first_answer() {
     assert_eq!(f1.txg, f2.txg, "a repeated free answers its txg");
     c.sync_txg(pb::SyncTxgRequest {
         txg: f1.txg,
-        ..Default::default()
+        generation: f1.generation,
     })
     .await
     .unwrap();
@@ -440,7 +471,7 @@ async fn claim_of_a_sub_range_or_a_span_across_extents_fails() {
         if synced {
             c.sync_txg(pb::SyncTxgRequest {
                 txg: r.txg,
-                ..Default::default()
+                generation: r.generation,
             })
             .await
             .unwrap();
@@ -574,6 +605,7 @@ async fn leases_are_bounded_and_renewable() {
     }
     c.commit(pb::CommitRequest {
         allocation_ids: vec![a.allocation_id],
+        generation: a.generation,
         ..Default::default()
     })
     .await
@@ -596,8 +628,10 @@ async fn log_blocks_on_a_full_pool_end_in_resource_exhausted() {
     let e = loop {
         match c.allocate(log).await {
             Ok(r) => {
+                let r = r.into_inner();
                 c.commit(pb::CommitRequest {
-                    allocation_ids: vec![r.into_inner().allocation_id],
+                    allocation_ids: vec![r.allocation_id],
+                    generation: r.generation,
                     ..Default::default()
                 })
                 .await

@@ -129,7 +129,7 @@ fn writer(
                 c.commit(pb::CommitRequest {
                     allocation_ids: vec![a.allocation_id],
                     wait_synced: false,
-                    ..Default::default()
+                    generation: a.generation,
                 })
                 .await
                 .ok()?;

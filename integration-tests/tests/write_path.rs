@@ -191,7 +191,7 @@ async fn allocate_write_read_commit_then_frees_wait_two_txgs() {
             .commit(pb::CommitRequest {
                 allocation_ids: vec![a.allocation_id],
                 wait_synced: true,
-                ..Default::default()
+                generation: a.generation,
             })
             .await
             .unwrap()
@@ -235,7 +235,7 @@ async fn allocate_write_read_commit_then_frees_wait_two_txgs() {
         .into_inner();
     let sync = |txg| pb::SyncTxgRequest {
         txg,
-        ..Default::default()
+        generation: f.generation,
     };
     c.sync_txg(sync(f.txg)).await.unwrap();
     assert_eq!(
@@ -297,7 +297,7 @@ async fn load(
                 c.commit(pb::CommitRequest {
                     allocation_ids: vec![a.allocation_id],
                     wait_synced: false,
-                    ..Default::default()
+                    generation: a.generation,
                 })
                 .await
                 .unwrap();
@@ -406,7 +406,7 @@ async fn a_killed_agent_is_unavailable_within_3s_and_rejoins() {
         c.commit(pb::CommitRequest {
             allocation_ids: vec![a.allocation_id],
             wait_synced: false,
-            ..Default::default()
+            generation: a.generation,
         })
         .await
         .unwrap();
@@ -435,7 +435,7 @@ async fn a_killed_agent_is_unavailable_within_3s_and_rejoins() {
         c.commit(pb::CommitRequest {
             allocation_ids: vec![a.allocation_id],
             wait_synced: false,
-            ..Default::default()
+            generation: a.generation,
         })
         .await
         .unwrap();
@@ -462,7 +462,7 @@ async fn an_uncommitted_allocation_expires_at_its_lease() {
         .commit(pb::CommitRequest {
             allocation_ids: vec![a.allocation_id],
             wait_synced: false,
-            ..Default::default()
+            generation: a.generation,
         })
         .await
         .unwrap_err();
@@ -499,7 +499,7 @@ async fn bad_input_gets_a_precise_status_and_leaves_the_pool_unchanged() {
     c.commit(pb::CommitRequest {
         allocation_ids: vec![a.allocation_id],
         wait_synced: true,
-        ..Default::default()
+        generation: a.generation,
     })
     .await
     .unwrap();
@@ -543,7 +543,7 @@ async fn bad_input_gets_a_precise_status_and_leaves_the_pool_unchanged() {
         k.commit(pb::CommitRequest {
             allocation_ids: vec![424242],
             wait_synced: false,
-            ..Default::default()
+            generation: before.generation,
         })
         .await
         .map(|_| ()),

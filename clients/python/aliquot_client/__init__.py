@@ -8,6 +8,6 @@ Commit, retrying the calls that are safe to retry. The generated stubs are
 importable as `aliquot.v1.allocator_pb2` & co. for everything else.
 """
 
-from .pool import Block, ErrorReason, AliquotError, Pool, Tls, error_reason
+from .pool import Block, ErrorReason, AliquotError, Pool, Tls, Txg, error_reason
 
-__all__ = ["Block", "ErrorReason", "AliquotError", "Pool", "Tls", "error_reason"]
+__all__ = ["Block", "ErrorReason", "AliquotError", "Pool", "Tls", "Txg", "error_reason"]

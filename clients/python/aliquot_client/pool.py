@@ -77,6 +77,17 @@ class AliquotError(Exception):
         super().__init__(f"{what}: {self.details} ({self.code.name}, reason {self.reason})")
 
 
+class Txg(int):
+    """A txg number with the allocator generation it was seen in."""
+
+    generation: int
+
+    def __new__(cls, txg: int, generation: int) -> "Txg":
+        t = super().__new__(cls, txg)
+        t.generation = generation
+        return t
+
+
 @dataclasses.dataclass(frozen=True)
 class Tls:
     """The pool CA and this client's certificate (PEM files), as
@@ -185,18 +196,27 @@ class Pool:
                 raise AliquotError(what, e) from e
 
     def sync_txg(self, txg: int = 0, generation: int = 0) -> int:
-        """Wait until `txg` (0: the open one) has synced; the synced txg."""
+        """Wait until `txg` (0: the open one) has synced; the synced txg.
+
+        A txg other than 0 needs the allocator generation it was seen in
+        (the allocator refuses it without one: after a restart the same
+        number may name another generation's txg). A `Txg` returned by
+        `free` carries its own."""
+        if not generation:
+            generation = getattr(txg, "generation", 0)
         r = self._repeat(
             "sync txg",
             self.allocator.SyncTxg,
-            allocator_pb2.SyncTxgRequest(txg=txg, generation=generation),
+            allocator_pb2.SyncTxgRequest(txg=int(txg), generation=generation),
         )
         return r.synced_txg
 
-    def free(self, blocks: Sequence[Block]) -> int:
-        """Free blocks' extents; the txg the frees belong to."""
+    def free(self, blocks: Sequence[Block]) -> "Txg":
+        """Free blocks' extents; the txg the frees belong to (an int that
+        also carries the allocator generation it belongs to)."""
         extents = [e for b in blocks for e in b.extents]
-        return self._repeat("free", self.allocator.Free, allocator_pb2.FreeRequest(extents=extents)).txg
+        r = self._repeat("free", self.allocator.Free, allocator_pb2.FreeRequest(extents=extents))
+        return Txg(r.txg, r.generation)
 
     def get_pool(self) -> allocator_pb2.PoolStatus:
         return self._repeat("get pool", self.allocator.GetPool, allocator_pb2.GetPoolRequest())
@@ -220,7 +240,8 @@ class Pool:
                 last = attempt + 1 == self.attempts
                 if reason == ErrorReason.TXG_WAIT and not last:
                     # Log space comes back when txg `until` syncs.
-                    self.sync_txg(int(info.metadata.get("until", "0")))
+                    until = int(info.metadata.get("until", "0"))
+                    self.sync_txg(until, self.get_pool().generation)
                     continue
                 if e.code() in _TRANSIENT and not last:
                     time.sleep(0.1 * 2**attempt)

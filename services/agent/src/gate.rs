@@ -80,7 +80,12 @@ impl WriteGate {
                     len,
                 },
             )
-            .map(|_| ())
+            // A genuine token of a newer generation proves the allocator
+            // reached it: from now on refuse the older generation's tokens
+            // even if the RegisterReply/ReportAck saying so is still on its
+            // way (a late write of the old generation must not follow a
+            // write of the new one onto the same extent).
+            .map(|grant| self.learn_generation(grant.generation))
             .map_err(AgentError::Token)
     }
 }

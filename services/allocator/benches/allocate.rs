@@ -61,7 +61,7 @@ async fn unary_client(
         c.commit(pb::CommitRequest {
             allocation_ids: vec![a.allocation_id],
             wait_synced: false,
-            ..Default::default()
+            generation: a.generation,
         })
         .await
         .expect("commit");
@@ -113,7 +113,7 @@ async fn stream_client(
                     op: Some(Op::Commit(pb::CommitRequest {
                         allocation_ids: vec![a.allocation_id],
                         wait_synced: false,
-                        ..Default::default()
+                        generation: a.generation,
                     })),
                 })
                 .await

@@ -346,7 +346,12 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
     }
     let shared = Shared::new(pool, settings, pool_guid, fencing, store, synced);
     if let Some((_, vdevs)) = guid {
-        // Known vdevs come back silent until their agents report.
+        // Known vdevs come back silent and unallocatable until their agents
+        // report: an agent learns the new generation from its RegisterReply
+        // before it sends its first report, so a report proves that it will
+        // refuse the previous generation's tokens. Allocating before that
+        // would let a late write of the old generation land on an extent
+        // already given to a client of this one (issue 25, item 5).
         let now = Instant::now();
         let mut g = shared.lock();
         for r in vdevs {
@@ -367,12 +372,14 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
                     last_seen: now,
                     prev_report: None,
                     last_report_at: None,
-                    silent: false,
+                    silent: true,
+                    generation_acked: false,
                     reported_health: metaslab::Health::Healthy,
                     stalled_reports: 0,
                     stalled: false,
                 },
             );
+            let _ = g.pool.set_health(r.id, metaslab::Health::Unavailable);
         }
     }
 

@@ -299,7 +299,14 @@ impl RegistryService {
                     );
                 }
             }
-            mark_alive(&mut g, id, now, "agent registered again");
+            // A vdev whose agent has not yet reported in this generation
+            // waits for that report (it follows the RegisterReply that
+            // teaches the agent the generation); see `report_one`.
+            if g.vdevs.get(&id).is_some_and(|v| v.generation_acked) {
+                mark_alive(&mut g, id, now, "agent registered again");
+            } else if let Some(info) = g.vdevs.get_mut(&id) {
+                info.last_seen = now;
+            }
             if changed && let Some(rec) = record_of(&g, id) {
                 g.pending_vdevs.push(rec);
             }
@@ -344,6 +351,9 @@ impl RegistryService {
                 prev_report: None,
                 last_report_at: None,
                 silent: false,
+                // A device new to the pool has no token of an older
+                // generation to fear.
+                generation_acked: true,
                 reported_health: Health::Healthy,
                 stalled_reports: 0,
                 stalled: false,
@@ -391,6 +401,7 @@ impl RegistryService {
         info.last_report = Some(r);
         info.last_report_at = Some(now);
         let was_silent = info.silent;
+        info.generation_acked = true;
         if was_silent {
             mark_alive(&mut g, id, now, "reports resumed");
         } else {

@@ -591,8 +591,11 @@ impl Allocator for AllocatorService {
         req: Request<pb::SyncTxgRequest>,
     ) -> Result<Response<pb::SyncTxgReply>, Status> {
         self.shared.check_serving()?;
-        self.shared
-            .check_generation(req.get_ref().generation, req.get_ref().txg)?;
+        // "The txg open now" needs no generation: it is this one's.
+        if req.get_ref().txg != 0 || req.get_ref().generation != 0 {
+            self.shared
+                .check_generation(req.get_ref().generation, req.get_ref().txg)?;
+        }
         let open = self.shared.lock().pool.open_txg();
         let txg = match req.get_ref().txg {
             0 => open,

@@ -38,6 +38,10 @@ pub struct VdevInfo {
     pub last_report_at: Option<Instant>,
     /// Silent for `MISSED_REPORTS` intervals: health forced to Unavailable.
     pub silent: bool,
+    /// The agent has reported in this generation (so it knows it and
+    /// refuses older tokens). Until then the vdev stays silent: a
+    /// re-registration alone does not make it allocatable.
+    pub generation_acked: bool,
     /// The health the agent itself reported last.
     pub reported_health: metaslab::Health,
     /// Reports in a row with writes queued and none completing.
@@ -557,11 +561,19 @@ impl Shared {
         Ok(())
     }
 
-    /// A txg a client saw in generation `seen` (0: this one): refuse it if
-    /// it belongs to an older generation and never synced there.
+    /// A txg a client saw in generation `seen`: refuse it if it belongs to
+    /// an older generation and never synced there. `seen` is required: with
+    /// 0 ("whatever generation this is") a txg lost in a restart and reused
+    /// by the new generation would be reported synced to a client that never
+    /// had it durable (issue 25, item 5).
     pub fn check_generation(&self, seen: u64, txg: Txg) -> Result<()> {
         let current = self.fencing.generation;
-        if seen == 0 || seen == current {
+        if seen == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "generation is required: pass the generation of the reply that named the                  allocation or txg (this allocator is at generation {current}; GetPool tells it)"
+            )));
+        }
+        if seen == current {
             return Ok(());
         }
         if seen > current {

@@ -301,6 +301,8 @@ async fn drain_and_remove_survive_restarts() {
     // Restart: still offline.
     h.server.shutdown().await.unwrap();
     let mut h = start_with(restart_config(), open(dir.path()).await).await;
+    assert_eq!(h.rejoin(1, GIB).await, a);
+    assert_eq!(h.rejoin(2, GIB).await, b);
     let p = h.pool().await;
     assert!(!p.vdevs.iter().find(|v| v.vdev == a).unwrap().online);
     // Move everything off a.

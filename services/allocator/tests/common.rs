@@ -74,6 +74,27 @@ impl Harness {
             .vdev
     }
 
+    /// A known device's agent comes back after a restart: it registers
+    /// again and reports once (a vdev loaded from the store is allocatable
+    /// only after its agent has reported in the new generation).
+    pub async fn rejoin(&mut self, guid: u64, capacity: u64) -> u32 {
+        let vdev = self.add_vdev(guid, capacity).await;
+        let report = pb::AgentReport {
+            vdev,
+            capacity,
+            health: pb::VdevHealth::Healthy as i32,
+            ..Default::default()
+        };
+        let mut acks = self
+            .registry
+            .report(tokio_stream::iter([report]))
+            .await
+            .expect("report stream")
+            .into_inner();
+        acks.message().await.expect("report ack").expect("an ack");
+        vdev
+    }
+
     pub async fn pool(&mut self) -> pb::PoolStatus {
         self.alloc
             .get_pool(pb::GetPoolRequest {})
@@ -99,11 +120,12 @@ impl Harness {
     }
 
     pub async fn commit(&mut self, ids: Vec<u64>) -> Result<pb::CommitReply, tonic::Status> {
+        let generation = self.pool().await.generation;
         self.alloc
             .commit(pb::CommitRequest {
                 allocation_ids: ids,
                 wait_synced: false,
-                ..Default::default()
+                generation,
             })
             .await
             .map(|r| r.into_inner())

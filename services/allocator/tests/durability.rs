@@ -53,7 +53,7 @@ async fn alloc_commit(h: &mut Harness, size: u64, wait_synced: bool) -> (pb::Ext
         .commit(pb::CommitRequest {
             allocation_ids: vec![a.allocation_id],
             wait_synced,
-            ..Default::default()
+            generation: a.generation,
         })
         .await
         .expect("commit")
@@ -142,8 +142,13 @@ async fn synced_state_survives_restart_and_claims_follow_the_contract() {
     let by_guid: Vec<(u64, u32)> = after.vdevs.iter().map(|v| (v.guid, v.vdev)).collect();
     assert_eq!(by_guid, vec![(11, v0), (12, v1)]);
 
+    // Until their agents report in this generation, the loaded vdevs take
+    // no allocation (a stopped agent would still honour the old tokens).
+    let e = h.allocate(MIB).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unavailable, "{e}");
+    assert!(e.message().contains("no vdev is allocatable"), "{e}");
     // Re-registration by device guid gives the old vdev id back.
-    assert_eq!(h.add_vdev(11, 2 * GIB).await, v0);
+    assert_eq!(h.rejoin(11, 2 * GIB).await, v0);
     // A different device at a known (silent or live) endpoint is refused.
     let mut thief = register_req(99, 2 * GIB);
     thief.endpoint = register_req(12, 0).endpoint;
@@ -559,24 +564,22 @@ impl Store for GateStore {
 /// Start a sync of the open txg and wait until its persist is in flight.
 async fn hold_sync(h: &Harness, gate: &GateStore) -> (u64, tokio::task::JoinHandle<u64>) {
     gate.open.send_replace(false);
-    let txg = {
+    let (txg, generation) = {
         let mut a = h.alloc.clone();
-        a.get_pool(pb::GetPoolRequest {})
+        let p = a
+            .get_pool(pb::GetPoolRequest {})
             .await
             .unwrap()
-            .into_inner()
-            .open_txg
+            .into_inner();
+        (p.open_txg, p.generation)
     };
     let mut a = h.alloc.clone();
     let waiter = tokio::spawn(async move {
-        a.sync_txg(pb::SyncTxgRequest {
-            txg,
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .synced_txg
+        a.sync_txg(pb::SyncTxgRequest { txg, generation })
+            .await
+            .unwrap()
+            .into_inner()
+            .synced_txg
     });
     let mut rx = gate.persisting.subscribe();
     tokio::time::timeout(Duration::from_secs(5), rx.wait_for(|t| *t == txg))

@@ -221,11 +221,26 @@ async fn sync_txg_and_commit_wait_synced() {
     assert_eq!(s1.synced_txg, synced);
     assert!(s1.open_txg > open);
     // An old txg answers at once; one too far ahead is refused.
+    // A txg names the generation it was seen in (issue 25 item 5).
+    let e = h
+        .alloc
+        .sync_txg(pb::SyncTxgRequest {
+            txg: open,
+            generation: 0,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    assert!(
+        e.message().contains("generation is required"),
+        "{}",
+        e.message()
+    );
     let again = h
         .alloc
         .sync_txg(pb::SyncTxgRequest {
             txg: open,
-            ..Default::default()
+            generation: s1.generation,
         })
         .await
         .unwrap()
@@ -235,7 +250,7 @@ async fn sync_txg_and_commit_wait_synced() {
         .alloc
         .sync_txg(pb::SyncTxgRequest {
             txg: s1.open_txg + 100,
-            ..Default::default()
+            generation: s1.generation,
         })
         .await
         .unwrap_err();
@@ -247,7 +262,7 @@ async fn sync_txg_and_commit_wait_synced() {
         .alloc
         .sync_txg(pb::SyncTxgRequest {
             txg: ahead,
-            ..Default::default()
+            generation: s1.generation,
         })
         .await
         .unwrap()
@@ -265,7 +280,7 @@ async fn sync_txg_and_commit_wait_synced() {
         .commit(pb::CommitRequest {
             allocation_ids: vec![b.allocation_id],
             wait_synced: true,
-            ..Default::default()
+            generation: b.generation,
         })
         .await
         .unwrap()
@@ -421,7 +436,7 @@ async fn stream_replies_come_back_out_of_order_by_id() {
         op: Some(Op::Commit(pb::CommitRequest {
             allocation_ids: vec![log.allocation_id],
             wait_synced: false,
-            ..Default::default()
+            generation: log.generation,
         })),
     })
     .await
@@ -462,7 +477,7 @@ async fn stream_replies_come_back_out_of_order_by_id() {
         op: Some(Op::Commit(pb::CommitRequest {
             allocation_ids: vec![a1.allocation_id],
             wait_synced: true,
-            ..Default::default()
+            generation: a1.generation,
         })),
     })
     .await
@@ -548,11 +563,21 @@ async fn bad_input_gets_a_precise_status_and_changes_nothing() {
         Code::InvalidArgument,
         "class 9",
     );
+    // Commit names its generation (issue 25 item 5): without it, refused.
+    let commit = c
+        .commit(pb::CommitRequest {
+            allocation_ids: vec![a.allocation_id],
+            wait_synced: false,
+            generation: 0,
+        })
+        .await
+        .map(|_| ());
+    expect(commit, Code::InvalidArgument, "generation is required");
     let commit = c
         .commit(pb::CommitRequest {
             allocation_ids: vec![987654],
             wait_synced: false,
-            ..Default::default()
+            generation: before.generation,
         })
         .await
         .map(|_| ());
@@ -714,7 +739,7 @@ async fn a_restart_reloads_what_was_synced() {
         .commit(pb::CommitRequest {
             allocation_ids: vec![a.allocation_id],
             wait_synced: true,
-            ..Default::default()
+            generation: a.generation,
         })
         .await
         .unwrap();

@@ -193,6 +193,13 @@ impl Proc {
         self.args.push(value.to_string());
     }
 
+    /// Drop one `--flag value` pair for the next `restart`.
+    pub fn remove_arg(&mut self, flag: &str) {
+        if let Some(i) = self.args.iter().position(|a| a == flag) {
+            self.args.drain(i..(i + 2).min(self.args.len()));
+        }
+    }
+
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.as_mut().map(|c| c.try_wait()), Some(Ok(None)))
     }

@@ -336,18 +336,17 @@ async fn step(c: &mut Cluster, m: &mut Model, rng: &mut Rng) -> StepResult {
         let key = durable[rng.below(durable.len() as u64) as usize];
         m.blocks.get_mut(&key).unwrap().st = St::Freeing;
         let extents = m.blocks[&key].extents.clone();
-        let txg = c
+        let f = c
             .client
             .free(pb::FreeRequest { extents })
             .await
             .map_err(|e| format!("free: {e}"))?
-            .into_inner()
-            .txg;
+            .into_inner();
         let s = c
             .client
             .sync_txg(pb::SyncTxgRequest {
-                txg,
-                ..Default::default()
+                txg: f.txg,
+                generation: f.generation,
             })
             .await
             .map_err(|e| format!("sync: {e}"))?

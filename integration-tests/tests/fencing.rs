@@ -67,6 +67,7 @@ fn register_req(guid: u64, capacity: u64) -> pb::RegisterRequest {
         parity: 0,
         log: false,
         backend: "sim".into(),
+        ..Default::default()
     }
 }
 

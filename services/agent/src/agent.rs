@@ -41,6 +41,7 @@ struct Inner {
     vdev: AtomicU64,
     tunables: std::sync::Mutex<()>,
     gate: WriteGate,
+    uberblocks: Arc<crate::uberblock::Uberblocks>,
 }
 
 impl Agent {
@@ -56,6 +57,7 @@ impl Agent {
             None => None,
         };
         let stats = Arc::new(Stats::default());
+        let uberblocks = Arc::new(opened.uberblocks);
         let queue = IoQueue::new(
             opened.device,
             Arc::clone(&stats),
@@ -75,6 +77,7 @@ impl Agent {
                 vdev: AtomicU64::new(NO_VDEV),
                 tunables: std::sync::Mutex::new(()),
                 gate: WriteGate::new(verifier),
+                uberblocks,
             }),
         };
         let i = &agent.inner;
@@ -91,6 +94,11 @@ impl Agent {
             "device open"
         );
         Ok(agent)
+    }
+
+    /// The pool's marks on the device (see [`crate::uberblock`]).
+    pub fn uberblocks(&self) -> &Arc<crate::uberblock::Uberblocks> {
+        &self.inner.uberblocks
     }
 
     pub fn info(&self) -> &DeviceInfo {

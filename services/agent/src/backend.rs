@@ -44,6 +44,8 @@ pub struct DeviceInfo {
 pub struct Opened {
     pub device: Box<dyn Device>,
     pub info: DeviceInfo,
+    /// The pool's marks in the device's label area.
+    pub uberblocks: crate::uberblock::Uberblocks,
 }
 
 /// Open (or create) the device the config names.
@@ -64,7 +66,17 @@ pub fn open(cfg: &Config) -> Result<Opened, AgentError> {
                 None
             };
             let name = cfg.name.clone().unwrap_or_else(|| label.name.clone());
+            let uberblocks = file
+                .try_clone()
+                .and_then(crate::uberblock::Uberblocks::open)
+                .map_err(|e| {
+                    AgentError::Label(format!(
+                        "cannot read the pool marks of {}: {e}",
+                        path.display()
+                    ))
+                })?;
             Ok(Opened {
+                uberblocks,
                 info: DeviceInfo {
                     guid: label.guid,
                     name,
@@ -86,6 +98,7 @@ pub fn open(cfg: &Config) -> Result<Opened, AgentError> {
                 .ok_or_else(|| AgentError::Config("--backend sim needs --capacity SIZE".into()))?;
             let capacity = label::data_capacity(size, cfg.ashift);
             Ok(Opened {
+                uberblocks: crate::uberblock::Uberblocks::in_memory(),
                 info: DeviceInfo {
                     guid: cfg.guid.unwrap_or_else(new_guid),
                     name: cfg.name.clone().unwrap_or_else(|| "sim".into()),

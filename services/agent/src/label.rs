@@ -105,7 +105,7 @@ fn truncate_name(name: &str) -> &str {
     &name[..end]
 }
 
-fn fnv1a64(b: &[u8]) -> u64 {
+pub(crate) fn fnv1a64(b: &[u8]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for &x in b {
         h ^= x as u64;

@@ -21,6 +21,7 @@ pub mod registration;
 pub mod service;
 pub mod sim;
 pub mod stats;
+pub mod uberblock;
 
 use std::future::Future;
 use std::io::Write as _;

@@ -80,6 +80,7 @@ async fn session(
         .map_err(|e| format!("connect: {e}"))?;
     let mut client = AgentRegistryClient::with_interceptor(channel, telemetry::TraceInjector);
     let info = agent.info().clone();
+    let mark = agent.uberblocks().current().unwrap_or_default();
     let reply = client
         .register(RegisterRequest {
             endpoint: endpoint.to_string(),
@@ -92,10 +93,30 @@ async fn session(
             parity: agent.parity(),
             log: agent.log(),
             backend: info.backend.as_str().into(),
+            label_pool_guid: mark.pool_guid,
+            label_generation: mark.generation,
+            label_txg: mark.txg,
         })
         .await
-        .map_err(|s| format!("register: {}: {}", s.code(), s.message()))?
+        .map_err(|s| {
+            let e = format!("register: {}: {}", s.code(), s.message());
+            // A refusal an operator must act on: say it loudly every time.
+            if s.code() == tonic::Code::FailedPrecondition {
+                tracing::error!(allocator, "{e}");
+            }
+            e
+        })?
         .into_inner();
+    // Never serve a pool other than the one the label names (an allocator
+    // that does not check labels would otherwise take the device over).
+    if mark.pool_guid != 0 && reply.pool_guid != mark.pool_guid {
+        let e = format!(
+            "the allocator at {allocator} serves pool {:#x}, but this device's label belongs to              pool {:#x} (last synced txg {}): refusing to join; point the agent at its own pool's              allocator, or give it a fresh device",
+            reply.pool_guid, mark.pool_guid, mark.txg
+        );
+        tracing::error!("{e}");
+        return Err(e);
+    }
     agent.set_vdev(reply.vdev);
     agent.gate().learn_pool(reply.pool_guid, reply.generation);
     *registered = true;
@@ -142,6 +163,7 @@ async fn session(
             ack = acks.message() => match ack {
                 Ok(Some(ack)) => {
                     agent.gate().learn_generation(ack.generation);
+                    record_mark(agent, &ack).await;
                     let now = (ack.health, ack.online);
                     if seen != Some(now) {
                         let health = VdevHealth::try_from(ack.health)
@@ -154,5 +176,31 @@ async fn session(
                 Err(s) => return Err(format!("report stream: {}: {}", s.code(), s.message())),
             },
         }
+    }
+}
+
+/// Write what the allocator says of the pool to the device's label when it
+/// changed (at most once per report; a txg sync is seconds apart). A failed
+/// label write is logged and retried at the next ack; the check at the
+/// allocator then rests on the other devices' labels.
+async fn record_mark(agent: &Agent, ack: &aliquot_proto::v1::ReportAck) {
+    if ack.pool_guid == 0 {
+        return; // an allocator that does not send marks
+    }
+    let mark = crate::uberblock::PoolMark {
+        pool_guid: ack.pool_guid,
+        generation: ack.generation,
+        txg: ack.synced_txg,
+    };
+    if agent.uberblocks().current() == Some(mark) {
+        return;
+    }
+    let u = std::sync::Arc::clone(agent.uberblocks());
+    match tokio::task::spawn_blocking(move || u.record(mark)).await {
+        Ok(Ok(_)) => {
+            tracing::debug!(txg = mark.txg, generation = mark.generation, "label marked")
+        }
+        Ok(Err(e)) => tracing::error!(error = %e, "cannot write the pool mark to the label"),
+        Err(e) => tracing::error!(error = %e, "label writer panicked"),
     }
 }

@@ -215,6 +215,7 @@ fn main() {
                 parity: 0,
                 log: false,
                 backend: "sim".into(),
+                ..Default::default()
             })
             .await
             .expect("register");

@@ -169,6 +169,7 @@ async fn part2() {
         parity: 0,
         log: false,
         backend: "sim".into(),
+        ..Default::default()
     })
     .await
     .unwrap();

@@ -93,6 +93,22 @@ pub enum Error {
     },
     #[error("store: {0}")]
     Store(String),
+    /// A device's label names another pool.
+    #[error("{message}")]
+    PoolMismatch {
+        label_pool_guid: u64,
+        pool_guid: u64,
+        message: String,
+    },
+    /// A device's label saw a synced txg this store does not hold: the
+    /// store went back in time. Sticky: every data call answers it.
+    #[error("{message}")]
+    StoreRolledBack {
+        vdev: u32,
+        label_txg: u64,
+        store_txg: u64,
+        message: String,
+    },
 }
 
 fn fmt_extents(v: &[metaslab::Extent]) -> String {
@@ -145,6 +161,7 @@ impl Error {
             Error::ShuttingDown => Code::Unavailable,
             Error::PoolDegraded(_) | Error::RelocationConflict { .. } => Code::FailedPrecondition,
             Error::Store(_) => Code::Internal,
+            Error::PoolMismatch { .. } | Error::StoreRolledBack { .. } => Code::FailedPrecondition,
         }
     }
 
@@ -271,6 +288,30 @@ impl Error {
                 ],
             ),
             Error::Store(_) => (ErrorReason::Store, vec![]),
+            Error::PoolMismatch {
+                label_pool_guid,
+                pool_guid,
+                ..
+            } => (
+                ErrorReason::PoolMismatch,
+                vec![
+                    ("label_pool_guid", format!("{label_pool_guid:#x}")),
+                    ("pool_guid", format!("{pool_guid:#x}")),
+                ],
+            ),
+            Error::StoreRolledBack {
+                vdev,
+                label_txg,
+                store_txg,
+                ..
+            } => (
+                ErrorReason::StoreRolledBack,
+                vec![
+                    ("vdev", vdev.to_string()),
+                    ("label_txg", label_txg.to_string()),
+                    ("store_txg", store_txg.to_string()),
+                ],
+            ),
         }
     }
 

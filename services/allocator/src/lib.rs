@@ -133,6 +133,14 @@ pub struct Config {
     /// reply then carries a token agents with `token.pub` check.
     #[arg(long, env = "ALIQUOT_TOKEN_KEY")]
     pub token_key: Option<PathBuf>,
+    /// Accept a store older than what the devices' labels saw (like `zpool
+    /// import -F`): TXG must be the store's synced txg. Every txg after it
+    /// that a label recorded is lost; blocks committed in them are free
+    /// again and may be overwritten. The allocator refuses such a store
+    /// without this flag and names the txg to give here. The acceptance is
+    /// kept in the store: later starts do not need the flag.
+    #[arg(long, env = "ALIQUOT_REWIND_TO", value_name = "TXG")]
+    pub rewind_to: Option<u64>,
 
     /// Mutual TLS: the pool CA and the allocator's certificate (role allocator).
     #[command(flatten)]
@@ -328,8 +336,28 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
             }
         },
     };
+    if let Some(t) = config.rewind_to
+        && t != synced
+    {
+        return Err(ConfigError(format!(
+            "--rewind-to {t}: the store's synced txg is {synced}; give --rewind-to {synced} to              accept it (or restore a newer store and start without the flag)"
+        ))
+        .into());
+    }
     let generation = store.open_generation().await?;
     let history = store.generation_history().await?;
+    let rewind_generation = if config.rewind_to.is_some() {
+        store.set_rewind_generation(generation).await?;
+        tracing::warn!(
+            synced_txg = synced,
+            generation,
+            "--rewind-to: serving the store at its synced txg; whatever a device's label \
+             recorded after it is lost (named as each device registers)"
+        );
+        generation
+    } else {
+        store.rewind_generation().await?
+    };
     // A restarted pool (one the store already held) opens with a claim
     // window; a new one has nothing to claim.
     let restarted = guid.is_some();
@@ -339,6 +367,7 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
         claim_window_until: (restarted && !config.claim_window.is_zero())
             .then(|| Instant::now() + config.claim_window),
         history,
+        rewind_generation,
     };
     if restarted {
         tracing::info!(generation, synced_txg = synced, claim_window = ?config.claim_window,

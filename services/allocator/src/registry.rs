@@ -18,7 +18,7 @@ use tracing::Instrument;
 
 use crate::convert;
 use crate::error::{Error, Result};
-use crate::state::{Inner, MISSED_REPORTS, Shared, VdevInfo};
+use crate::state::{Inner, MISSED_REPORTS, RolledBack, Shared, VdevInfo};
 use crate::store::VdevRecord;
 
 #[derive(Clone)]
@@ -225,6 +225,75 @@ impl RegistryService {
         Ok(reply)
     }
 
+    /// Compare what the device's label says of its pool with this pool and
+    /// store (OpenZFS compares the labels' uberblocks at import,
+    /// `spa.c:spa_load_impl@zfs-2.4.0`, and refuses a pool whose devices
+    /// say another guid, `vdev_label.c:vdev_validate@zfs-2.4.0`).
+    fn check_label(&self, r: &pb::RegisterRequest) -> Result<()> {
+        if r.label_pool_guid == 0 {
+            return Ok(()); // a new device, or one from before labels had marks
+        }
+        let pool = self.shared.pool_guid;
+        let device = format!(
+            "device {:#x} ({:?} at {})",
+            r.device_guid, r.name, r.endpoint
+        );
+        if r.label_pool_guid != pool {
+            return Err(Error::PoolMismatch {
+                label_pool_guid: r.label_pool_guid,
+                pool_guid: pool,
+                message: format!(
+                    "{device} is labelled for pool {:#x} (synced txg {} in generation {}), not \
+                     this pool {pool:#x}; nothing was written to it. If it belongs to another \
+                     pool, point its agent at that pool's allocator. If this allocator lost its \
+                     store (a deleted data dir or WAL makes it start a new, empty pool), stop it \
+                     and restore the store. To reuse the device here, give the agent a fresh \
+                     device (or zero its first MiB).",
+                    r.label_pool_guid, r.label_txg, r.label_generation
+                ),
+            });
+        }
+        let store_txg = self.shared.synced_txg();
+        if r.label_txg <= store_txg {
+            return Ok(());
+        }
+        let vdev = self
+            .shared
+            .lock()
+            .by_guid
+            .get(&r.device_guid)
+            .copied()
+            .unwrap_or(u32::MAX);
+        if r.label_generation < self.shared.fencing.rewind_generation {
+            tracing::warn!(
+                vdev,
+                label_txg = r.label_txg,
+                store_txg,
+                "{device}: rollback accepted by --rewind-to: txgs {}..={} it saw are lost",
+                store_txg + 1,
+                r.label_txg
+            );
+            return Ok(());
+        }
+        Err(self.shared.refuse_rolled_back(RolledBack {
+            vdev,
+            label_txg: r.label_txg,
+            store_txg,
+            message: format!(
+                "the store is older than the pool: {device} says txg {} synced (generation {}), \
+                 the store holds only up to txg {store_txg}. Txgs {}..={} are missing (a \
+                 deleted or truncated WAL, or an older copy of the data dir restored); blocks \
+                 committed in them would be handed out again, so this allocator serves \
+                 nothing. Restore the newest store and restart, or accept losing those txgs: \
+                 restart the allocator with --rewind-to {store_txg} (as `zpool import -F`).",
+                r.label_txg,
+                r.label_generation,
+                store_txg + 1,
+                r.label_txg
+            ),
+        }))
+    }
+
     /// The synchronous part of Register; a new vdev also returns the txg
     /// to wait for.
     fn register_locked(
@@ -428,6 +497,9 @@ impl RegistryService {
             health: convert::health_to_pb(v.map_or(Health::Unavailable, |v| v.health)) as i32,
             online: v.is_some_and(|v| v.online),
             generation: self.shared.fencing.generation,
+            // What the agent writes to its label: only a txg already durable.
+            pool_guid: self.shared.pool_guid,
+            synced_txg: self.shared.synced_txg(),
         })
     }
 }
@@ -467,6 +539,9 @@ impl AgentRegistry for RegistryService {
         req: Request<pb::RegisterRequest>,
     ) -> Result<Response<pb::RegisterReply>, Status> {
         let id = req.extensions().get::<aliquot_auth::Identity>().cloned();
+        // The label first: a device of another pool, or one proving the store
+        // lost txgs, is refused before anything (binding included) changes.
+        self.check_label(req.get_ref())?;
         self.bindings
             .bind(
                 self.shared.store.as_ref(),

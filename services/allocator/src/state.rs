@@ -443,6 +443,9 @@ pub struct Fencing {
     /// Generation -> synced txg when it opened (`Store::generation_history`):
     /// generation G's last synced txg is the entry of G + 1.
     pub history: BTreeMap<u64, Txg>,
+    /// Labels written before this generation are not held against the
+    /// store (an operator accepted a rollback with `--rewind-to`).
+    pub rewind_generation: u64,
 }
 
 impl Fencing {
@@ -477,6 +480,29 @@ pub struct Shared {
     pub closed: watch::Sender<bool>,
     /// Who made each in-flight allocation (mutual TLS only).
     pub owners: crate::ownership::Owners,
+    /// Set when a device's label proved the store older than the pool:
+    /// from then on nothing is served (see `refuse_rolled_back`).
+    rolled_back: Mutex<Option<RolledBack>>,
+}
+
+/// What proved the store older than the pool.
+#[derive(Clone, Debug)]
+pub struct RolledBack {
+    pub vdev: u32,
+    pub label_txg: Txg,
+    pub store_txg: Txg,
+    pub message: String,
+}
+
+impl RolledBack {
+    fn error(&self) -> Error {
+        Error::StoreRolledBack {
+            vdev: self.vdev,
+            label_txg: self.label_txg,
+            store_txg: self.store_txg,
+            message: self.message.clone(),
+        }
+    }
 }
 
 /// How a `begin_allocate` ended.
@@ -516,6 +542,7 @@ impl Shared {
             stop: watch::Sender::new(false),
             closed: watch::Sender::new(false),
             owners: Default::default(),
+            rolled_back: Mutex::new(None),
         })
     }
 
@@ -570,7 +597,8 @@ impl Shared {
         let current = self.fencing.generation;
         if seen == 0 {
             return Err(Error::InvalidArgument(format!(
-                "generation is required: pass the generation of the reply that named the                  allocation or txg (this allocator is at generation {current}; GetPool tells it)"
+                "generation is required: pass the generation of the reply that named the \
+                 allocation or txg (this allocator is at generation {current}; GetPool tells it)"
             )));
         }
         if seen == current {
@@ -616,10 +644,35 @@ impl Shared {
 
     pub fn check_serving(&self) -> Result<()> {
         if self.shutting_down.load(Ordering::Relaxed) {
-            Err(Error::ShuttingDown)
-        } else {
-            Ok(())
+            return Err(Error::ShuttingDown);
         }
+        if let Some(r) = self
+            .rolled_back
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+        {
+            return Err(r.error());
+        }
+        Ok(())
+    }
+
+    /// The store is older than a device's label: serve nothing more (no
+    /// Allocate, Claim, Commit, Free, SyncTxg, Register) until an operator
+    /// restores the store or accepts the loss (`--rewind-to`). The first
+    /// proof is kept; it is what the operator is told.
+    pub fn refuse_rolled_back(&self, r: RolledBack) -> Error {
+        let mut g = self.rolled_back.lock().unwrap_or_else(|p| p.into_inner());
+        if g.is_none() {
+            tracing::error!(
+                vdev = r.vdev,
+                label_txg = r.label_txg,
+                store_txg = r.store_txg,
+                "{}",
+                r.message
+            );
+        }
+        g.get_or_insert(r).error()
     }
 
     /// Submit a request; place it at once when the throttle admits it,

@@ -122,6 +122,16 @@ pub trait Store: Send + Sync + 'static {
     fn generation_history(&self) -> BoxFuture<'_, Result<BTreeMap<u64, Txg>, StoreError>> {
         Box::pin(async { Ok(BTreeMap::new()) })
     }
+    /// The generation that accepted a rollback (`--rewind-to`), 0 if none:
+    /// device labels of older generations are not compared with the store.
+    fn rewind_generation(&self) -> BoxFuture<'_, Result<u64, StoreError>> {
+        Box::pin(async { Ok(0) })
+    }
+    /// Record that generation `g` accepted a rollback; durable on return.
+    fn set_rewind_generation(&self, g: u64) -> BoxFuture<'_, Result<(), StoreError>> {
+        let _ = g;
+        Box::pin(async { Ok(()) })
+    }
     /// Durable allocated extents overlapping `e` (for Claim's exact check).
     fn allocated_overlapping(&self, e: Extent) -> BoxFuture<'_, Result<Vec<Extent>, StoreError>>;
     /// Up to `limit` durable extents of `vdev`, largest first: the
@@ -181,6 +191,7 @@ struct MemState {
     bindings: BTreeMap<String, u64>,
     vdev_states: BTreeMap<VdevId, AdminState>,
     relocations: BTreeMap<u64, RelocationRecord>,
+    rewind_generation: u64,
 }
 
 impl MemStore {
@@ -313,6 +324,19 @@ impl Store for MemStore {
             }
         };
         Box::pin(async move { r })
+    }
+
+    fn rewind_generation(&self) -> BoxFuture<'_, Result<u64, StoreError>> {
+        let g = self.state.lock().unwrap();
+        let r = g.as_ref().map_or(0, |s| s.rewind_generation);
+        Box::pin(async move { Ok(r) })
+    }
+
+    fn set_rewind_generation(&self, gen_: u64) -> BoxFuture<'_, Result<(), StoreError>> {
+        if let Some(s) = self.state.lock().unwrap().as_mut() {
+            s.rewind_generation = gen_;
+        }
+        Box::pin(async { Ok(()) })
     }
 
     fn open_generation(&self) -> BoxFuture<'_, Result<u64, StoreError>> {

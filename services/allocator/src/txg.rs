@@ -134,6 +134,7 @@ mod tests {
             synced_at_open: synced,
             claim_window_until: None,
             history: BTreeMap::new(),
+            rewind_generation: 0,
         };
         let store = Arc::new(MemStore::new());
         store.create(1).await.unwrap();

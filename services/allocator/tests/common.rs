@@ -61,6 +61,7 @@ pub fn register_req(guid: u64, capacity: u64) -> pb::RegisterRequest {
         parity: 0,
         log: false,
         backend: "sim".into(),
+        ..Default::default()
     }
 }
 

@@ -1,0 +1,367 @@
+//! Issue 25, item 1, across real processes: the allocator's store is checked
+//! against what the devices' labels saw. Agents write the pool's guid and
+//! its last synced txg to their labels at every report; at registration the
+//! allocator refuses a store older than a label (an older copy of the data
+//! dir restored) and a new pool over devices labelled for another (a lost
+//! data dir), naming what it found and how to recover; `--rewind-to`
+//! accepts a rollback explicitly. The WAL is checkpointed at every txg, so
+//! deleting it loses nothing.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use aliquot_agent::uberblock::Uberblocks;
+use aliquot_proto::v1 as pb;
+use integration_tests::{Proc, args, bin};
+use pb::allocator_client::AllocatorClient;
+use pb::vdev_agent_client::VdevAgentClient;
+use tonic::Code;
+use tonic::transport::Channel;
+use tonic_types::StatusExt;
+
+const MIB: u64 = 1 << 20;
+
+fn reason(s: &tonic::Status) -> String {
+    s.get_details_error_info()
+        .map(|i| i.reason)
+        .unwrap_or_default()
+}
+
+fn lazy(url: &str) -> Channel {
+    Channel::from_shared(url.to_string())
+        .unwrap()
+        .connect_timeout(Duration::from_secs(2))
+        .connect_lazy()
+}
+
+struct Pool {
+    dir: PathBuf,
+    alloc: Proc,
+    agents: Vec<Proc>,
+}
+
+impl Pool {
+    fn data_dir(&self) -> PathBuf {
+        self.dir.join("allocator")
+    }
+    fn img(&self, i: usize) -> PathBuf {
+        self.dir.join(format!("d{i}.img"))
+    }
+    fn client(&self) -> AllocatorClient<Channel> {
+        AllocatorClient::new(lazy(&self.alloc.url("grpc")))
+    }
+    fn agent(&self, endpoint: &str) -> VdevAgentClient<Channel> {
+        VdevAgentClient::new(lazy(endpoint))
+    }
+}
+
+fn start(dir: &Path, name: &str, agents: usize) -> Pool {
+    let mut alloc = Proc::start(
+        "allocator",
+        &bin("aliquot-allocator"),
+        &args![
+            "--listen",
+            "127.0.0.1:0",
+            "--pool",
+            name,
+            "--data-dir",
+            dir.join("allocator").display(),
+            "--report-interval",
+            "100ms",
+            "--zfs-txg-timeout",
+            "200ms",
+            "--claim-window",
+            "0s",
+        ],
+        &[],
+        &["grpc"],
+        dir,
+    )
+    .expect("start allocator");
+    let addr = alloc.addr("grpc");
+    alloc.set_arg("--listen", &addr.to_string());
+    let url = alloc.url("grpc");
+    let agents = (0..agents)
+        .map(|i| {
+            let mut a = Proc::start(
+                &format!("agent{i}"),
+                &bin("aliquot-agent"),
+                &args![
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--allocator",
+                    url,
+                    "--name",
+                    format!("d{i}"),
+                    "--path",
+                    dir.join(format!("d{i}.img")).display(),
+                    "--capacity",
+                    "128MiB",
+                ],
+                &[],
+                &["grpc"],
+                dir,
+            )
+            .expect("start agent");
+            let addr = a.addr("grpc");
+            a.set_arg("--listen", &addr.to_string());
+            a
+        })
+        .collect();
+    Pool {
+        dir: dir.to_path_buf(),
+        alloc,
+        agents,
+    }
+}
+
+fn data(size: u64) -> pb::AllocateRequest {
+    pb::AllocateRequest {
+        class: pb::AllocationClass::Data as i32,
+        size,
+        copies: 1,
+        lease_ms: 0,
+    }
+}
+
+/// Allocate until the pool serves (agents registered and reported).
+async fn allocate(c: &mut AllocatorClient<Channel>) -> pb::AllocateReply {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        match c.allocate(data(MIB)).await {
+            Ok(r) => return r.into_inner(),
+            Err(e) => {
+                assert!(Instant::now() < deadline, "never allocatable: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+fn pattern(seed: u64) -> Vec<u8> {
+    (0..MIB)
+        .map(|i| (i.wrapping_mul(31) ^ seed.wrapping_mul(131)) as u8)
+        .collect()
+}
+
+/// Write `n` durable 1 MiB blocks; the extents and their contents.
+async fn write_blocks(p: &Pool, n: u64, seed: u64) -> Vec<(pb::Extent, String, Vec<u8>)> {
+    let mut c = p.client();
+    let mut out = Vec::new();
+    for k in 0..n {
+        let a = allocate(&mut c).await;
+        let bytes = pattern(seed + k);
+        p.agent(&a.endpoints[0])
+            .write(pb::WriteRequest {
+                offset: a.extents[0].offset,
+                data: bytes.clone().into(),
+                token: Default::default(),
+            })
+            .await
+            .expect("write");
+        p.agent(&a.endpoints[0])
+            .flush(pb::FlushRequest {})
+            .await
+            .expect("flush");
+        c.commit(pb::CommitRequest {
+            allocation_ids: vec![a.allocation_id],
+            wait_synced: true,
+            generation: a.generation,
+        })
+        .await
+        .expect("commit");
+        out.push((a.extents[0], a.endpoints[0].clone(), bytes));
+    }
+    out
+}
+
+async fn synced_txg(p: &Pool) -> u64 {
+    p.client()
+        .get_pool(pb::GetPoolRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .synced_txg
+}
+
+/// The mark in a device's label, read as the agent reads it.
+fn label_txg(img: &Path) -> u64 {
+    Uberblocks::open(File::open(img).unwrap())
+        .unwrap()
+        .current()
+        .map_or(0, |m| m.txg)
+}
+
+/// Wait until every agent's label recorded at least `txg`.
+async fn labels_reach(p: &Pool, txg: u64) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for i in 0..p.agents.len() {
+        while label_txg(&p.img(i)) < txg {
+            assert!(
+                Instant::now() < deadline,
+                "label of d{i} never reached txg {txg}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
+/// The refusal a client sees once an agent proved the store old.
+async fn refused(p: &Pool) -> tonic::Status {
+    let mut c = p.client();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        match c.allocate(data(MIB)).await {
+            Ok(r) => panic!("a rolled-back store allocated {:?}", r.into_inner().extents),
+            Err(e) if reason(&e) == "STORE_ROLLED_BACK" => return e,
+            Err(e) => {
+                // Until an agent registers: nothing is allocatable either.
+                assert_eq!(e.code(), Code::Unavailable, "{e}");
+                assert!(Instant::now() < deadline, "never refused: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+async fn check_blocks(p: &Pool, blocks: &[(pb::Extent, String, Vec<u8>)]) {
+    for (e, ep, bytes) in blocks {
+        let back = p
+            .agent(ep)
+            .read(pb::ReadRequest {
+                offset: e.offset,
+                size: e.size,
+            })
+            .await
+            .expect("read")
+            .into_inner()
+            .data;
+        assert!(back == *bytes, "block at {e:?} was overwritten");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_older_store_is_refused_until_an_operator_rewinds() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut p = start(dir.path(), "rollback", 2);
+    let first = write_blocks(&p, 4, 1).await;
+    let t1 = synced_txg(&p).await;
+    labels_reach(&p, t1).await;
+
+    // A crash, and the WAL deleted: every txg was checkpointed into the
+    // file, so nothing is lost.
+    p.alloc.kill9();
+    let wal = p.data_dir().join("pool.db-wal");
+    let _ = std::fs::remove_file(&wal);
+    // Keep this copy of the store: the "backup" restored below.
+    let backup = dir.path().join("backup");
+    copy_dir(&p.data_dir(), &backup);
+    p.alloc.restart().expect("restart without the WAL");
+    assert_eq!(synced_txg(&p).await, t1, "a deleted WAL lost nothing");
+
+    // More durable blocks: the labels move past the backup.
+    let second = write_blocks(&p, 4, 100).await;
+    let t2 = synced_txg(&p).await;
+    assert!(t2 > t1);
+    labels_reach(&p, t2).await;
+
+    // Restore the older store: refused as soon as an agent registers.
+    p.alloc.kill9();
+    std::fs::remove_dir_all(p.data_dir()).unwrap();
+    copy_dir(&backup, &p.data_dir());
+    p.alloc.restart().expect("restart on the old store");
+    let e = refused(&p).await;
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+    assert!(
+        e.message().contains("the store is older than the pool"),
+        "{e}"
+    );
+    assert!(
+        e.message().contains(&format!("--rewind-to {t1}")),
+        "names the way out: {e}"
+    );
+    let info = e.get_details_error_info().unwrap();
+    assert_eq!(info.metadata["store_txg"], t1.to_string());
+    assert!(info.metadata["label_txg"].parse::<u64>().unwrap() >= t2);
+    // Nothing was written: the store did not move, the newer blocks are
+    // intact on the devices.
+    assert_eq!(synced_txg(&p).await, t1);
+    check_blocks(&p, &second).await;
+
+    // A wrong --rewind-to: the allocator does not start, and says which.
+    p.alloc.set_arg("--rewind-to", &(t1 + 1).to_string());
+    let err = p.alloc.restart().expect_err("a wrong rewind txg");
+    assert!(
+        err.to_string().contains(&format!("--rewind-to {t1}")),
+        "{err}"
+    );
+    // The operator accepts the loss: served again, labels rewritten.
+    p.alloc.set_arg("--rewind-to", &t1.to_string());
+    p.alloc.restart().expect("rewound");
+    let a = allocate(&mut p.client()).await;
+    assert!(a.extents[0].size > 0);
+    check_blocks(&p, &first).await;
+    // The acceptance is durable: a later start needs no flag.
+    p.alloc.remove_arg("--rewind-to");
+    p.alloc.restart().expect("restart after the rewind");
+    allocate(&mut p.client()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_store_or_another_pool_does_not_take_over_labelled_devices() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut p = start(dir.path(), "lost", 1);
+    let blocks = write_blocks(&p, 4, 7).await;
+    let t = synced_txg(&p).await;
+    labels_reach(&p, t).await;
+
+    // The whole data dir is lost: the allocator starts a new, empty pool;
+    // the agent's device carries the old pool's label and is refused.
+    p.alloc.kill9();
+    std::fs::remove_dir_all(p.data_dir()).unwrap();
+    p.alloc.restart().expect("restart on an empty data dir");
+    let mut c = p.client();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let st = c
+        .get_pool(pb::GetPoolRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(st.vdevs.is_empty(), "the labelled device joined a new pool");
+    let e = c.allocate(data(MIB)).await.unwrap_err();
+    assert_ne!(e.code(), Code::Ok);
+    let log = std::fs::read_to_string(&p.agents[0].log).unwrap();
+    assert!(log.contains("is labelled for pool"), "agent log: {log}");
+    assert!(
+        log.contains("POOL_MISMATCH") || log.contains("not this pool"),
+        "{log}"
+    );
+    check_blocks(&p, &blocks).await;
+
+    // The same for an agent pointed at another pool's allocator.
+    let other_dir = dir.path().join("other");
+    std::fs::create_dir_all(&other_dir).unwrap();
+    let other = start(&other_dir, "other", 0);
+    p.agents[0].set_arg("--allocator", &other.alloc.url("grpc"));
+    p.agents[0]
+        .restart()
+        .expect("agent restarted towards pool B");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let st = other
+        .client()
+        .get_pool(pb::GetPoolRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(st.vdevs.is_empty(), "another pool's device joined");
+    check_blocks(&p, &blocks).await;
+}

@@ -86,6 +86,11 @@ impl Pool {
         self.next_alloc = self.next_alloc.max(first);
     }
 
+    /// The id the next allocation will get (ids only grow).
+    pub fn next_allocation_id(&self) -> AllocationId {
+        self.next_alloc
+    }
+
     /// A lease ended before the commit: release the allocation like an
     /// abort, but defer its space like a free (`TXG_DEFER_SIZE` syncs), so
     /// a late writer still holding the extent cannot land on a block that a

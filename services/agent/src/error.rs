@@ -31,6 +31,9 @@ pub enum AgentError {
     NotRegistered,
     #[error("{0}")]
     Token(#[from] aliquot_auth::TokenError),
+    /// A genuine token whose allocation no longer owns the bytes.
+    #[error("{0}")]
+    Fenced(crate::fence::Fenced),
     /// One write of a WriteBatch was refused (so the whole batch was).
     #[error("write {index} of the batch (none written): {source}")]
     InBatch {
@@ -68,6 +71,20 @@ impl From<AgentError> for Status {
             // The device itself failed: another copy or vdev may serve.
             AgentError::Io { .. } => Status::unavailable(msg),
             AgentError::ShuttingDown | AgentError::NotRegistered => Status::unavailable(msg),
+            AgentError::Fenced(f) => Status::with_error_details(
+                Code::PermissionDenied,
+                msg,
+                ErrorDetails::with_error_info(
+                    match f {
+                        crate::fence::Fenced::Superseded { .. } => "WRITE_TOKEN_SUPERSEDED",
+                        crate::fence::Fenced::BeforeStart { .. } => {
+                            "WRITE_TOKEN_BEFORE_AGENT_START"
+                        }
+                    },
+                    aliquot_auth::DOMAIN,
+                    HashMap::<String, String>::new(),
+                ),
+            ),
             AgentError::Token(t) => {
                 let code = match t {
                     aliquot_auth::TokenError::Missing => Code::Unauthenticated,

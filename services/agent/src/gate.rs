@@ -18,6 +18,8 @@ pub struct WriteGate {
     verifier: Option<TokenVerifier>,
     pool_guid: AtomicU64,
     generation: AtomicU64,
+    /// Tokens die once a newer allocation wrote their bytes.
+    fence: crate::fence::WriteFence,
 }
 
 impl WriteGate {
@@ -26,6 +28,7 @@ impl WriteGate {
             verifier,
             pool_guid: AtomicU64::new(0),
             generation: AtomicU64::new(0),
+            fence: Default::default(),
         }
     }
 
@@ -43,6 +46,16 @@ impl WriteGate {
     /// was signed before the allocator last restarted.
     pub fn learn_generation(&self, generation: u64) {
         self.generation.fetch_max(generation, Relaxed);
+    }
+
+    /// A registration's floor of honoured allocation ids and the
+    /// allocator's longest lease (see [`crate::fence`]).
+    pub fn learn_fence(&self, first_allocation_id: u64, max_lease_ms: u64) {
+        self.fence.learn_floor(first_allocation_id, max_lease_ms);
+    }
+
+    pub fn fence(&self) -> &crate::fence::WriteFence {
+        &self.fence
     }
 
     pub fn generation(&self) -> u64 {
@@ -85,7 +98,13 @@ impl WriteGate {
             // even if the RegisterReply/ReportAck saying so is still on its
             // way (a late write of the old generation must not follow a
             // write of the new one onto the same extent).
-            .map(|grant| self.learn_generation(grant.generation))
             .map_err(AgentError::Token)
+            .and_then(|grant| {
+                self.fence
+                    .admit(grant.allocation_id, offset, len, grant.expires_ms, now_ms)
+                    .map_err(AgentError::Fenced)?;
+                self.learn_generation(grant.generation);
+                Ok(())
+            })
     }
 }

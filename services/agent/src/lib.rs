@@ -12,6 +12,7 @@ pub mod backend;
 pub mod config;
 pub mod error;
 pub mod fastwrite;
+pub mod fence;
 pub mod gate;
 pub mod label;
 pub mod measure;

@@ -119,6 +119,9 @@ async fn session(
     }
     agent.set_vdev(reply.vdev);
     agent.gate().learn_pool(reply.pool_guid, reply.generation);
+    agent
+        .gate()
+        .learn_fence(reply.next_allocation_id, reply.max_lease_ms);
     *registered = true;
     let interval = match reply.report_interval_ms {
         0 => DEFAULT_INTERVAL,

@@ -315,13 +315,16 @@ impl RegistryService {
         }
         validate_registration(&r)?;
         let now = Instant::now();
+        let mut g = self.shared.lock();
+        let next_allocation_id = g.pool.next_allocation_id();
         let reply = |vdev| pb::RegisterReply {
             vdev,
             pool_guid: self.shared.pool_guid,
             report_interval_ms: self.shared.settings.report_interval.as_millis() as u32,
             generation: self.shared.fencing.generation,
+            next_allocation_id,
+            max_lease_ms: self.shared.settings.max_lease.as_millis() as u64,
         };
-        let mut g = self.shared.lock();
         if let Some(&id) = g.by_guid.get(&r.device_guid) {
             if g.pool.is_removed(id) {
                 return Err(Error::VdevConflict(format!(

@@ -1,0 +1,239 @@
+//! Issue 25, item 2, across real processes: a write token dies with its
+//! block. Alice allocates, writes, commits and frees; Bob is given the same
+//! space, writes and commits; Alice's old (bearer) token is then refused
+//! and Bob's block is intact. A restarted agent honours no token of an
+//! allocation made before it registered.
+
+use std::time::{Duration, Instant};
+
+use aliquot_proto::v1 as pb;
+use integration_tests::{Proc, args, bin};
+use pb::allocator_client::AllocatorClient;
+use pb::vdev_agent_client::VdevAgentClient;
+use tonic::Code;
+use tonic::transport::Channel;
+use tonic_types::StatusExt;
+
+const MIB: u64 = 1 << 20;
+
+fn lazy(url: &str) -> Channel {
+    Channel::from_shared(url.to_string())
+        .unwrap()
+        .connect_timeout(Duration::from_secs(2))
+        .connect_lazy()
+}
+
+fn reason(s: &tonic::Status) -> String {
+    s.get_details_error_info()
+        .map(|i| i.reason)
+        .unwrap_or_default()
+}
+
+fn data(size: u64) -> pb::AllocateRequest {
+    pb::AllocateRequest {
+        class: pb::AllocationClass::Data as i32,
+        size,
+        copies: 1,
+        lease_ms: 0,
+    }
+}
+
+fn overlaps(a: &pb::Extent, b: &pb::Extent) -> bool {
+    a.vdev == b.vdev && a.offset < b.offset + b.size && b.offset < a.offset + a.size
+}
+
+async fn write(
+    agent: &mut VdevAgentClient<Channel>,
+    a: &pb::AllocateReply,
+    byte: u8,
+) -> Result<(), tonic::Status> {
+    let e = a.extents[0];
+    agent
+        .write(pb::WriteRequest {
+            offset: e.offset,
+            data: vec![byte; e.size as usize].into(),
+            token: a.tokens[0].clone(),
+        })
+        .await
+        .map(|_| ())
+}
+
+async fn sync(c: &mut AllocatorClient<Channel>, generation: u64) {
+    let open = c
+        .get_pool(pb::GetPoolRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .open_txg;
+    // The free's txg and the two after it (frees are deferred two txgs).
+    c.sync_txg(pb::SyncTxgRequest {
+        txg: open + 2,
+        generation,
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_dies_when_its_space_is_given_to_someone_else() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = dir.path().join("certs");
+    aliquot_auth::PoolCa::init(&certs, "tokens").unwrap();
+    let mut alloc = Proc::start(
+        "allocator",
+        &bin("aliquot-allocator"),
+        &args![
+            "--listen",
+            "127.0.0.1:0",
+            "--pool",
+            "tokens",
+            "--data-dir",
+            dir.path().join("allocator").display(),
+            "--token-key",
+            certs.display(),
+            "--report-interval",
+            "100ms",
+            "--zfs-txg-timeout",
+            "100ms",
+        ],
+        &[],
+        &["grpc"],
+        dir.path(),
+    )
+    .expect("allocator");
+    let addr = alloc.addr("grpc");
+    alloc.set_arg("--listen", &addr.to_string());
+    let url = alloc.url("grpc");
+    let mut agent = Proc::start(
+        "agent",
+        &bin("aliquot-agent"),
+        &args![
+            "--listen",
+            "127.0.0.1:0",
+            "--allocator",
+            url,
+            "--name",
+            "d0",
+            "--path",
+            dir.path().join("d0.img").display(),
+            "--capacity",
+            "64MiB",
+            "--token-key",
+            certs.display(),
+        ],
+        &[],
+        &["grpc"],
+        dir.path(),
+    )
+    .expect("agent");
+    let agent_addr = agent.addr("grpc");
+    agent.set_arg("--listen", &agent_addr.to_string());
+    let mut c = AllocatorClient::new(lazy(&url));
+    let mut ag = VdevAgentClient::new(lazy(&agent.url("grpc")));
+
+    // Alice: allocate, write, commit, free, and the free becomes reusable.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let alice = loop {
+        match c.allocate(data(MIB)).await {
+            Ok(r) => break r.into_inner(),
+            Err(e) => {
+                assert!(Instant::now() < deadline, "{e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    write(&mut ag, &alice, 0xa1).await.expect("alice writes");
+    c.commit(pb::CommitRequest {
+        allocation_ids: vec![alice.allocation_id],
+        wait_synced: true,
+        generation: alice.generation,
+    })
+    .await
+    .unwrap();
+    c.free(pb::FreeRequest {
+        extents: alice.extents.clone(),
+    })
+    .await
+    .unwrap();
+    sync(&mut c, alice.generation).await;
+
+    // Bob: allocate until he is given (part of) Alice's old space.
+    let mut held = Vec::new();
+    let bob = loop {
+        let r = c.allocate(data(MIB)).await.unwrap().into_inner();
+        if overlaps(&r.extents[0], &alice.extents[0]) {
+            break r;
+        }
+        held.push(r.allocation_id);
+        assert!(held.len() < 64, "alice's space never came back");
+    };
+    write(&mut ag, &bob, 0xb2).await.expect("bob writes");
+    c.commit(pb::CommitRequest {
+        allocation_ids: vec![bob.allocation_id],
+        wait_synced: true,
+        generation: bob.generation,
+    })
+    .await
+    .unwrap();
+
+    // Alice (or whoever holds her token) writes again: refused.
+    let e = write(&mut ag, &alice, 0xa1)
+        .await
+        .expect_err("alice's token after her block was freed and given to bob");
+    assert_eq!(e.code(), Code::PermissionDenied, "{e}");
+    assert_eq!(reason(&e), "WRITE_TOKEN_SUPERSEDED", "{e}");
+    assert!(e.message().contains("allocate again"), "{e}");
+    let be = bob.extents[0];
+    let back = ag
+        .read(pb::ReadRequest {
+            offset: be.offset,
+            size: be.size,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .data;
+    assert!(
+        back.iter().all(|&b| b == 0xb2),
+        "bob's committed block intact"
+    );
+    // Bob's own token still writes his block.
+    write(&mut ag, &bob, 0xb3).await.expect("bob rewrites");
+
+    // The agent restarts: it cannot know what was written before, so no
+    // token of an earlier allocation is honoured any more.
+    let carol = c.allocate(data(MIB)).await.unwrap().into_inner();
+    agent.kill9();
+    agent.restart().expect("agent restarts");
+    let mut ag = VdevAgentClient::new(lazy(&agent.url("grpc")));
+    // Allocations made once the agent registered again are honoured (one
+    // placed in the instant before it did is refused like Carol's: the
+    // writer allocates again).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let dave = match c.allocate(data(MIB)).await {
+            Ok(r) => r.into_inner(),
+            Err(e) => {
+                assert!(Instant::now() < deadline, "{e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        match write(&mut ag, &dave, 0xd5).await {
+            Ok(()) => break,
+            Err(e) => {
+                assert!(Instant::now() < deadline, "{e}");
+                let r = reason(&e);
+                assert!(
+                    r == "WRITE_TOKEN_BEFORE_AGENT_START" || e.code() == Code::Unavailable,
+                    "{e}"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+    let e = write(&mut ag, &carol, 0xc4)
+        .await
+        .expect_err("a token from before the agent restarted");
+    assert_eq!(reason(&e), "WRITE_TOKEN_BEFORE_AGENT_START", "{e}");
+}

@@ -1,0 +1,209 @@
+//! The write fence: a token dies once a newer allocation has written over
+//! its bytes (issue 25, item 2). Allocation ids only grow (the generation is
+//! in their high bits), and space is handed out again only after it was
+//! freed or aborted; so a write whose allocation id is older than one that
+//! already wrote any of the same bytes comes from an allocation that no
+//! longer owns them: alice's bearer token replayed after her block was freed
+//! and the space given to bob, or the source extent of a block the balancer
+//! moved away. It is refused (PERMISSION_DENIED, reason `TOKEN_SUPERSEDED`),
+//! so bob's committed block is never overwritten.
+//!
+//! What the fence remembers lives in memory: a restarted agent knows no
+//! history, so it also refuses every token of an allocation made before it
+//! registered (the allocator gives the floor in RegisterReply); those
+//! clients allocate again. An entry is kept until no older token can still
+//! be valid: every token expires within the allocator's longest lease of
+//! its issue, and an older token was issued before this entry's.
+//!
+//! Not covered: a replay of alice's token onto her own block between her
+//! Commit and her Free (nobody else owns the bytes yet), and two overlapping
+//! writes in flight at the same instant (the older one may land last).
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering::Relaxed;
+
+/// The allocator's default `--max-lease` (5 min), used until it says.
+const DEFAULT_MAX_LEASE_MS: u64 = 5 * 60 * 1000;
+
+#[derive(Clone, Copy, Debug)]
+struct Written {
+    end: u64,
+    allocation_id: u64,
+    /// When the writer's token expires (unix ms).
+    expires_ms: u64,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum Fenced {
+    #[error(
+        "write token of allocation {mine} is superseded: allocation {newer} has written bytes \
+         [{offset}, {end}) since (the space was freed and given again); allocate again"
+    )]
+    Superseded {
+        mine: u64,
+        newer: u64,
+        offset: u64,
+        end: u64,
+    },
+    #[error(
+        "write token of allocation {mine} was issued before this agent (re)started (first \
+         allocation it honours: {floor}): allocate again"
+    )]
+    BeforeStart { mine: u64, floor: u64 },
+}
+
+#[derive(Debug, Default)]
+pub struct WriteFence {
+    /// offset -> what wrote [offset, end) last; ranges never overlap.
+    written: Mutex<BTreeMap<u64, Written>>,
+    /// Allocation ids below this were made before this process registered.
+    floor: AtomicU64,
+    max_lease_ms: AtomicU64,
+}
+
+impl WriteFence {
+    /// The first registration of this process sets the floor; later ones
+    /// (the same process reconnecting) keep the history and the floor.
+    pub fn learn_floor(&self, first_allocation_id: u64, max_lease_ms: u64) {
+        let _ = self
+            .floor
+            .compare_exchange(0, first_allocation_id, Relaxed, Relaxed);
+        if max_lease_ms > 0 {
+            self.max_lease_ms.store(max_lease_ms, Relaxed);
+        }
+    }
+
+    fn max_lease_ms(&self) -> u64 {
+        match self.max_lease_ms.load(Relaxed) {
+            0 => DEFAULT_MAX_LEASE_MS,
+            ms => ms,
+        }
+    }
+
+    /// Admit a write of `[offset, offset+len)` by `allocation_id` (whose
+    /// token was verified and expires at `expires_ms`), and remember it.
+    pub fn admit(
+        &self,
+        allocation_id: u64,
+        offset: u64,
+        len: u64,
+        expires_ms: u64,
+        now_ms: u64,
+    ) -> Result<(), Fenced> {
+        let floor = self.floor.load(Relaxed);
+        if allocation_id < floor {
+            return Err(Fenced::BeforeStart {
+                mine: allocation_id,
+                floor,
+            });
+        }
+        let end = offset.saturating_add(len);
+        let keep_for = self.max_lease_ms();
+        let mut w = self.written.lock().unwrap_or_else(|p| p.into_inner());
+        // Overlapping ranges: the one starting before `offset` and those
+        // starting inside [offset, end).
+        let first = w
+            .range(..offset)
+            .next_back()
+            .filter(|(_, x)| x.end > offset)
+            .map(|(o, _)| *o)
+            .unwrap_or(offset);
+        let overlapping: Vec<(u64, Written)> = w.range(first..end).map(|(o, x)| (*o, *x)).collect();
+        if let Some((o, x)) = overlapping
+            .iter()
+            .find(|(_, x)| x.allocation_id > allocation_id)
+        {
+            return Err(Fenced::Superseded {
+                mine: allocation_id,
+                newer: x.allocation_id,
+                offset: (*o).max(offset),
+                end: x.end.min(end),
+            });
+        }
+        // Replace what this write covers, keeping the uncovered ends.
+        for (o, x) in overlapping {
+            w.remove(&o);
+            if o < offset {
+                w.insert(o, Written { end: offset, ..x });
+            }
+            if x.end > end {
+                w.insert(end, x);
+            }
+        }
+        w.insert(
+            offset,
+            Written {
+                end,
+                allocation_id,
+                expires_ms,
+            },
+        );
+        // Forget what no older token can reach any more. Bounded work: a
+        // full sweep only when the map has doubled since the last one.
+        if w.len() > 1024 && w.len().is_power_of_two() {
+            w.retain(|_, x| x.expires_ms.saturating_add(keep_for) > now_ms);
+        }
+        Ok(())
+    }
+
+    /// Ranges remembered (tests, stats).
+    pub fn len(&self) -> usize {
+        self.written.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_newer_allocation_fences_older_tokens_over_its_bytes_only() {
+        let f = WriteFence::default();
+        f.admit(5, 0, 8192, 1000, 0).unwrap();
+        // Bob (9) is given [4096, 12288) and writes it.
+        f.admit(9, 4096, 8192, 1000, 0).unwrap();
+        // Alice again: refused wherever she overlaps bob.
+        let e = f.admit(5, 0, 8192, 1000, 0).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Fenced::Superseded {
+                    newer: 9,
+                    offset: 4096,
+                    end: 8192,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        assert!(f.admit(5, 4096, 4096, 1000, 0).is_err());
+        // The part nobody newer wrote is still hers.
+        f.admit(5, 0, 4096, 1000, 0).unwrap();
+        // Bob rewrites his own block; a newer one writes next to it.
+        f.admit(9, 4096, 8192, 1000, 0).unwrap();
+        f.admit(12, 12288, 4096, 1000, 0).unwrap();
+        assert!(f.admit(9, 12288, 4096, 1000, 0).is_err());
+    }
+
+    #[test]
+    fn a_restarted_agent_honours_nothing_older_than_its_registration() {
+        let f = WriteFence::default();
+        f.learn_floor(100, 0);
+        f.learn_floor(200, 0); // a reconnect of the same process
+        assert_eq!(
+            f.admit(99, 0, 4096, 1, 0),
+            Err(Fenced::BeforeStart {
+                mine: 99,
+                floor: 100
+            })
+        );
+        f.admit(100, 0, 4096, 1, 0).unwrap();
+        f.admit(150, 0, 4096, 1, 0).unwrap();
+    }
+}

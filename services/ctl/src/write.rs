@@ -102,6 +102,11 @@ pub struct WriteArgs {
     #[arg(long, env = "ALIQUOT_WRITE_ATTEMPTS", default_value_t = 5,
           value_parser = clap::value_parser!(u32).range(1..=100))]
     pub attempts: u32,
+    /// How long a block waits for an unreachable or restarting allocator
+    /// (or for any vdev to be allocatable again) before the run fails;
+    /// these waits do not count as attempts.
+    #[arg(long, env = "ALIQUOT_WRITE_ALLOCATOR_WAIT", value_parser = units::duration_arg, default_value = "60s")]
+    pub allocator_wait: Duration,
     /// Skip the final agent Flush and SyncTxg.
     #[arg(long, env = "ALIQUOT_WRITE_NO_SYNC")]
     pub no_sync: bool,
@@ -220,13 +225,47 @@ fn micros(d: Duration) -> u64 {
 #[derive(Clone)]
 enum Ops {
     Unary(Allocator),
-    Stream(Arc<StreamOps>),
+    Stream(Arc<ReStream>),
+}
+
+/// An AllocateStream that is opened again after the allocator went away
+/// (killed, restarted, or a takeover): the calls in flight fail as
+/// UNAVAILABLE and the next call opens a new stream.
+struct ReStream {
+    alloc: Allocator,
+    cur: tokio::sync::Mutex<Arc<StreamOps>>,
+}
+
+impl ReStream {
+    async fn open(alloc: Allocator) -> anyhow::Result<ReStream> {
+        let s = StreamOps::open(alloc.clone()).await?;
+        Ok(ReStream {
+            alloc,
+            cur: tokio::sync::Mutex::new(Arc::new(s)),
+        })
+    }
+
+    async fn call(&self, op: Op) -> Result<StreamResult, tonic::Status> {
+        let s = {
+            let mut g = self.cur.lock().await;
+            if g.closed.load(Ordering::Relaxed) {
+                let fresh = StreamOps::open(self.alloc.clone())
+                    .await
+                    .map_err(|e| tonic::Status::unavailable(format!("{e:#}")))?;
+                *g = Arc::new(fresh);
+            }
+            g.clone()
+        };
+        s.call(op).await
+    }
 }
 
 struct StreamOps {
     tx: mpsc::Sender<StreamRequest>,
     pending: Arc<std::sync::Mutex<HashMap<u64, oneshot::Sender<StreamReply>>>>,
     next: AtomicU64,
+    /// The allocator ended the stream (or it broke): open another.
+    closed: Arc<AtomicBool>,
 }
 
 impl StreamOps {
@@ -240,12 +279,15 @@ impl StreamOps {
         let pending: Arc<std::sync::Mutex<HashMap<u64, oneshot::Sender<StreamReply>>>> =
             Default::default();
         let p = pending.clone();
+        let closed = Arc::new(AtomicBool::new(false));
+        let done = closed.clone();
         tokio::spawn(async move {
             while let Ok(Some(r)) = replies.message().await {
                 if let Some(w) = p.lock().expect("pending lock").remove(&r.request_id) {
                     let _ = w.send(r);
                 }
             }
+            done.store(true, Ordering::Relaxed);
             // Dropping the senders fails every request still waiting.
             p.lock().expect("pending lock").clear();
         });
@@ -253,6 +295,7 @@ impl StreamOps {
             tx,
             pending,
             next: AtomicU64::new(1),
+            closed,
         })
     }
 
@@ -350,6 +393,36 @@ fn retry_block(s: &tonic::Status) -> bool {
     )
 }
 
+/// An agent's answer to a write after which the block is written again
+/// with a new allocation: the agent is gone or restarting (transport
+/// errors), its device is full (ENOSPC), or it no longer honours the
+/// allocation's token (it restarted, or the allocator did).
+fn rewrite_elsewhere(s: &tonic::Status) -> bool {
+    use tonic::Code;
+    let token_reason = || {
+        use tonic_types::StatusExt;
+        s.get_details_error_info().map(|i| i.reason)
+    };
+    match s.code() {
+        Code::Unavailable | Code::DeadlineExceeded | Code::Unknown | Code::Cancelled => true,
+        Code::Aborted | Code::ResourceExhausted => true,
+        Code::PermissionDenied => matches!(
+            token_reason().as_deref(),
+            Some("WRITE_TOKEN_BEFORE_AGENT_START" | "WRITE_TOKEN_OLD_GENERATION")
+        ),
+        _ => false,
+    }
+}
+
+/// The allocator cannot place anything right now but will (it is down,
+/// restarting, or no vdev is allocatable yet): wait, not an attempt.
+fn allocator_away(s: &tonic::Status) -> bool {
+    matches!(
+        s.code(),
+        tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Unknown
+    ) || reason(s) == Some(ErrorReason::VdevsOffline)
+}
+
 /// Failures of a retry-safe call worth repeating as they are.
 fn transient(s: &tonic::Status) -> bool {
     matches!(
@@ -367,6 +440,9 @@ struct WorkerOut {
     tiers: HashMap<i32, u64>,
     placed: Vec<Placed>,
     retries: u64,
+    /// Why this worker stopped early (the run then fails, after recording
+    /// what was placed).
+    failed: Option<anyhow::Error>,
 }
 
 struct Shared {
@@ -380,6 +456,8 @@ struct Shared {
     bar: ProgressBar,
     /// The allocator's generation in the last reply (0 before any).
     generation: AtomicU64,
+    /// The pool's guid, asked once at the start.
+    pool_guid: AtomicU64,
     /// Micros from `start` to the last block completed, and the longest
     /// gap between completions so far.
     last_done_us: AtomicU64,
@@ -550,6 +628,14 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
         agents: args.conn.agents()?,
         bar,
         generation: AtomicU64::new(0),
+        // For the manifest, even if the allocator is gone at the end.
+        pool_guid: AtomicU64::new(
+            alloc
+                .clone()
+                .get_pool(GetPoolRequest {})
+                .await
+                .map_or(0, |p| p.into_inner().guid),
+        ),
         last_done_us: AtomicU64::new(0),
         max_stall_us: AtomicU64::new(0),
         timeouts: AtomicU64::new(0),
@@ -566,7 +652,7 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
             Api::Unary => Ops::Unary(alloc.clone()),
             Api::Stream => {
                 if w % 8 == 0 || stream.is_none() {
-                    stream = Some(Ops::Stream(Arc::new(StreamOps::open(alloc.clone()).await?)));
+                    stream = Some(Ops::Stream(Arc::new(ReStream::open(alloc.clone()).await?)));
                 }
                 stream.clone().expect("stream opened")
             }
@@ -577,7 +663,12 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
     let mut first_err = None;
     for t in tasks {
         match t.await {
-            Ok(Ok(o)) => outs.push(o),
+            Ok(Ok(mut o)) => {
+                if let Some(e) = o.failed.take() {
+                    first_err.get_or_insert(e);
+                }
+                outs.push(o)
+            }
             Ok(Err(e)) => {
                 first_err.get_or_insert(e);
             }
@@ -588,7 +679,8 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
     }
     shared.bar.finish_and_clear();
     if let Some(e) = first_err {
-        return Err(e);
+        let placed: Vec<Placed> = outs.into_iter().flat_map(|o| o.placed).collect();
+        return Err(salvage(&alloc, &shared, placed, e).await);
     }
     let write_secs = shared.start.elapsed().as_secs_f64();
 
@@ -710,6 +802,72 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
     })
 }
 
+/// A run that failed part way: make what it placed durable (flush the
+/// agents, sync or claim), record it in the manifest when one was asked
+/// for, and say how much was written and what was not, so nothing written
+/// is left unreachable.
+async fn salvage(
+    alloc: &Allocator,
+    sh: &Shared,
+    placed: Vec<Placed>,
+    err: anyhow::Error,
+) -> anyhow::Error {
+    let args = &sh.args;
+    let n = placed.len() as u64;
+    let bytes = units::format_bytes(n * args.block_size);
+    if n == 0 {
+        return err.context("nothing was written");
+    }
+    let mut durable = false;
+    let mut why_not = String::new();
+    if !args.no_sync {
+        let mut flushed = true;
+        for ep in sh.agents.endpoints() {
+            let r = async {
+                let mut c = sh.agents.get(&ep).await?;
+                tokio::time::timeout(Duration::from_secs(10), c.flush(FlushRequest {}))
+                    .await
+                    .map_err(|_| anyhow::anyhow!("flush {ep}: no answer"))?
+                    .map_err(|s| client::status_msg(&format!("flush {ep}"), &s))?;
+                anyhow::Ok(())
+            }
+            .await;
+            if let Err(e) = r {
+                // An agent that is gone holds blocks of this run: they are
+                // not durable (its file may still have them).
+                flushed = false;
+                why_not = format!("{e:#}");
+            }
+        }
+        if flushed {
+            match sync_or_claim(alloc, sh, &placed).await {
+                Ok(_) => durable = true,
+                Err(e) => why_not = format!("{e:#}"),
+            }
+        }
+    }
+    let mut recorded = String::new();
+    if let Some(path) = &args.manifest {
+        match write_manifest(alloc, sh, &placed, path).await {
+            Ok(()) => recorded = format!("; all {n} are listed in the manifest {}", path.display()),
+            Err(e) => recorded = format!("; the manifest could not be written: {e:#}"),
+        }
+    }
+    let state = if durable {
+        "durable".to_string()
+    } else if args.no_sync {
+        "allocated and committed (not synced: --no-sync)".to_string()
+    } else {
+        format!("committed but NOT known durable ({why_not})")
+    };
+    err.context(format!(
+        "the run stopped after {n} of {} blocks ({bytes}), which are {state} and stay \
+         allocated{recorded}; the other {} blocks were not written",
+        sh.blocks,
+        sh.blocks.saturating_sub(n)
+    ))
+}
+
 /// The manifest of a durable run: its blocks in order, each copy with the
 /// bytes of pattern it holds (the whole extent, as written).
 async fn write_manifest(
@@ -719,12 +877,18 @@ async fn write_manifest(
     path: &std::path::Path,
 ) -> anyhow::Result<()> {
     use crate::manifest::{Block, Copy, Header, Manifest, VERSION};
-    let pool = alloc
-        .clone()
-        .get_pool(GetPoolRequest {})
-        .await
-        .map_err(|s| client::status_msg("get pool (for the manifest)", &s))?
-        .into_inner();
+    let pool_guid = match sh.pool_guid.load(Ordering::Relaxed) {
+        0 => {
+            alloc
+                .clone()
+                .get_pool(GetPoolRequest {})
+                .await
+                .map_err(|s| client::status_msg("get pool (for the manifest)", &s))?
+                .into_inner()
+                .guid
+        }
+        g => g,
+    };
     let mut blocks: Vec<Block> = placed
         .iter()
         .map(|p| Block {
@@ -742,7 +906,7 @@ async fn write_manifest(
     blocks.sort_by_key(|b| b.block);
     let header = Header {
         aliquot_manifest: VERSION,
-        pool_guid: pool.guid,
+        pool_guid,
         nonce: sh.nonce,
         block_size: sh.args.block_size,
     };
@@ -798,6 +962,7 @@ async fn worker(sh: Arc<Shared>, ops: Ops) -> anyhow::Result<WorkerOut> {
         tiers: HashMap::new(),
         placed: Vec::new(),
         retries: 0,
+        failed: None,
     };
     let a = &sh.args;
     let class = match a.class {
@@ -834,11 +999,30 @@ async fn worker(sh: Arc<Shared>, ops: Ops) -> anyhow::Result<WorkerOut> {
         );
         telemetry::link(&span, &sh.run);
         let mut attempt = 1;
+        let mut waiting_since: Option<Instant> = None;
         let r = loop {
             match one_block(&sh, &ops, &mut out, block, class, lease_ms)
                 .instrument(span.clone())
                 .await
             {
+                Err(BlockError::Wait(why))
+                    if waiting_since.get_or_insert_with(Instant::now).elapsed()
+                        < a.allocator_wait =>
+                {
+                    let waited = waiting_since.map_or(Duration::ZERO, |t| t.elapsed());
+                    if waited < Duration::from_millis(200) {
+                        tracing::info!(block, %why, "waiting for the allocator");
+                    }
+                    // 100 ms, doubling, at most 1 s between tries.
+                    let n = (waited.as_millis() / 100).min(10) as u64;
+                    tokio::time::sleep(Duration::from_millis((100 + n * 100).min(1000))).await;
+                }
+                Err(BlockError::Wait(e)) => {
+                    break Err(e.context(format!(
+                        "the allocator did not place block {block} within --allocator-wait {:?}",
+                        a.allocator_wait
+                    )));
+                }
                 Err(BlockError::Retry(why)) | Err(BlockError::Abandon(why))
                     if attempt < a.attempts =>
                 {
@@ -855,7 +1039,9 @@ async fn worker(sh: Arc<Shared>, ops: Ops) -> anyhow::Result<WorkerOut> {
         };
         if let Err(e) = r {
             sh.stop.store(true, Ordering::Relaxed);
-            return Err(e);
+            // What this worker placed is still reported (and recorded).
+            out.failed = Some(e.context(format!("block {block}")));
+            return Ok(out);
         }
         sh.block_done();
         sh.bar.inc(a.block_size);
@@ -867,6 +1053,9 @@ async fn worker(sh: Arc<Shared>, ops: Ops) -> anyhow::Result<WorkerOut> {
 enum BlockError {
     /// Write it again with a new allocation.
     Retry(anyhow::Error),
+    /// The allocator is away: try again when it is back, without counting
+    /// an attempt (bounded by --allocator-wait).
+    Wait(anyhow::Error),
     /// Write it again, but leave this allocation to its lease: a write that
     /// timed out may still land when the agent wakes, so its space must not
     /// be reusable before the allocator's lease expiry defers it.
@@ -900,10 +1089,10 @@ async fn one_block(
         .await
         .map_err(|s| {
             let e = client::status_msg(&format!("allocate block {block}"), &s);
-            // No vdev to place on right now (all hung or offline): wait a
-            // little and try again, within the attempts.
-            if reason(&s) == Some(ErrorReason::VdevsOffline) || transient(&s) {
-                BlockError::Retry(e)
+            // The allocator is away or restarting, or no vdev is placeable
+            // right now: wait for it (bounded by --allocator-wait).
+            if allocator_away(&s) {
+                BlockError::Wait(e)
             } else {
                 BlockError::Fatal(e)
             }
@@ -964,7 +1153,7 @@ async fn one_block(
                 };
                 sent.map_err(|s| {
                     let e = client::status_msg(&what(), &s);
-                    if transient(&s) {
+                    if rewrite_elsewhere(&s) {
                         BlockError::Retry(e)
                     } else {
                         BlockError::Fatal(e)
@@ -1014,13 +1203,17 @@ async fn one_block(
 
     let t2 = Instant::now();
     // Commit is retry-safe: a repeat answers the first txg.
-    let mut tries = 0;
+    // The allocator may be restarting: keep asking (bounded by
+    // --allocator-wait); once it is back, a Commit of the old generation's
+    // allocation answers ALLOCATOR_RESTARTED and the block is written again.
+    let mut tries = 0u32;
+    let since = Instant::now();
     let c = loop {
         match ops.commit(reply.allocation_id, reply.generation).await {
             Ok(c) => break c,
-            Err(s) if transient(&s) && tries < 3 => {
+            Err(s) if transient(&s) && since.elapsed() < a.allocator_wait => {
                 tries += 1;
-                tokio::time::sleep(Duration::from_millis(200 << tries)).await;
+                tokio::time::sleep(Duration::from_millis(100 << tries.min(4))).await;
             }
             Err(s) => {
                 let e = client::status_msg(&format!("commit block {block}"), &s);

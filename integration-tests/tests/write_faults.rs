@@ -1,0 +1,166 @@
+//! Issue 25, item 6, across real processes: `aliquotctl write` survives a
+//! kill -9 of the allocator and of an agent in the middle of a run. Blocks
+//! whose agent write fails on the transport (or whose agent restarted and
+//! no longer honours the token) are written again elsewhere; the writer
+//! waits for the restarted allocator and reconnects its stream; the run
+//! finishes with every block verified and listed in the manifest. A run
+//! that fails still records the blocks it made durable.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use aliquotctl::manifest::Manifest;
+use integration_tests::{INSECURE_ENV, Proc, args, bin};
+
+fn pool(dir: &Path) -> (Proc, Vec<Proc>) {
+    let mut alloc = Proc::start(
+        "allocator",
+        &bin("aliquot-allocator"),
+        &args![
+            "--listen",
+            "127.0.0.1:0",
+            "--pool",
+            "faults",
+            "--data-dir",
+            dir.join("allocator").display(),
+            "--report-interval",
+            "200ms",
+            "--zfs-txg-timeout",
+            "200ms",
+            "--claim-window",
+            "1s",
+        ],
+        &[],
+        &["grpc"],
+        dir,
+    )
+    .expect("allocator");
+    let addr = alloc.addr("grpc");
+    alloc.set_arg("--listen", &addr.to_string());
+    let url = alloc.url("grpc");
+    let agents = (0..3)
+        .map(|i| {
+            let mut a = Proc::start(
+                &format!("agent{i}"),
+                &bin("aliquot-agent"),
+                &args![
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--allocator",
+                    url,
+                    "--name",
+                    format!("d{i}"),
+                    "--path",
+                    dir.join(format!("d{i}.img")).display(),
+                    "--capacity",
+                    "512MiB",
+                ],
+                &[],
+                &["grpc"],
+                dir,
+            )
+            .expect("agent");
+            let a_addr = a.addr("grpc");
+            a.set_arg("--listen", &a_addr.to_string());
+            a
+        })
+        .collect();
+    (alloc, agents)
+}
+
+fn writer(url: &str, manifest: &Path, total: &str, extra: &[String]) -> std::process::Child {
+    let mut a = args![
+        "write",
+        "--allocator",
+        url,
+        "--total",
+        total,
+        "--block-size",
+        "1MiB",
+        "--concurrency",
+        "8",
+        "--rate",
+        "48MiB/s",
+        "--timeout",
+        "2s",
+        "--manifest",
+        manifest.display(),
+        "--verify",
+        "--no-progress",
+    ];
+    a.extend_from_slice(extra);
+    Command::new(bin("aliquotctl"))
+        .args(&a)
+        .env(INSECURE_ENV, "1")
+        .env_remove("ALIQUOT_ALLOCATOR")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn aliquotctl write")
+}
+
+fn wait(child: std::process::Child, limit: Duration) -> std::process::Output {
+    let start = Instant::now();
+    let mut child = child;
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            return child.wait_with_output().unwrap();
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "aliquotctl write still running after {limit:?}; stderr:\n{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_write_survives_kill9_of_the_allocator_and_of_an_agent() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut alloc, mut agents) = pool(dir.path());
+    let url = alloc.url("grpc");
+    let manifest = dir.path().join("run.manifest");
+    let w = writer(&url, &manifest, "192MiB", &[]);
+
+    std::thread::sleep(Duration::from_millis(1200));
+    alloc.kill9();
+    std::thread::sleep(Duration::from_millis(700));
+    alloc.restart().expect("allocator back");
+    std::thread::sleep(Duration::from_millis(1000));
+    agents[1].kill9();
+    std::thread::sleep(Duration::from_millis(500));
+    agents[1].restart().expect("agent back");
+
+    let out = wait(w, Duration::from_secs(120));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "the run failed:\n{stderr}\n{stdout}");
+    assert!(stdout.contains("verified"), "{stdout}");
+    let m = Manifest::load(&manifest).expect("manifest");
+    assert_eq!(m.blocks.len(), 192, "every block is in the manifest");
+}
+
+#[test]
+fn a_failed_run_records_what_it_made_durable() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut alloc, _agents) = pool(dir.path());
+    let url = alloc.url("grpc");
+    let manifest = dir.path().join("failed.manifest");
+    // The allocator goes away for good: the writer waits --allocator-wait,
+    // then stops, flushing and recording what it placed before.
+    let w = writer(&url, &manifest, "512MiB", &args!["--allocator-wait", "2s"]);
+    std::thread::sleep(Duration::from_millis(1500));
+    alloc.kill9();
+    let out = wait(w, Duration::from_secs(60));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the run cannot finish: {stderr}");
+    assert!(stderr.contains("the run stopped after"), "{stderr}");
+    assert!(stderr.contains("listed in the manifest"), "{stderr}");
+    let m = Manifest::load(&manifest).expect("a manifest of the failed run");
+    assert!(!m.blocks.is_empty(), "the blocks placed before the failure");
+}

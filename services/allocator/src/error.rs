@@ -75,6 +75,16 @@ pub enum Error {
     },
     #[error("{message}")]
     NotOwnerDevice { device: u64, message: String },
+    #[error(
+        "extent {extent} was committed by {owner}; {caller} may not {action} it (only its owner \
+         or an admin may)"
+    )]
+    NotOwnerExtent {
+        extent: metaslab::Extent,
+        owner: String,
+        caller: String,
+        action: &'static str,
+    },
     #[error("the allocator is shutting down; retry against its successor")]
     ShuttingDown,
     #[error(
@@ -155,9 +165,9 @@ impl Error {
             }
             Error::LeaseExpired(_) | Error::AllocatorRestarted { .. } => Code::Aborted,
             Error::GenerationAhead { .. } => Code::FailedPrecondition,
-            Error::NotOwnerAllocation { .. } | Error::NotOwnerDevice { .. } => {
-                Code::PermissionDenied
-            }
+            Error::NotOwnerAllocation { .. }
+            | Error::NotOwnerDevice { .. }
+            | Error::NotOwnerExtent { .. } => Code::PermissionDenied,
             Error::ShuttingDown => Code::Unavailable,
             Error::PoolDegraded(_) | Error::RelocationConflict { .. } => Code::FailedPrecondition,
             Error::Store(_) => Code::Internal,
@@ -273,6 +283,9 @@ impl Error {
             ),
             Error::NotOwnerAllocation { id, .. } => {
                 (ErrorReason::NotOwner, vec![("allocation", id.to_string())])
+            }
+            Error::NotOwnerExtent { extent, .. } => {
+                (ErrorReason::NotOwner, vec![("extent", extent.to_string())])
             }
             Error::NotOwnerDevice { device, .. } => (
                 ErrorReason::NotOwner,

@@ -11,6 +11,7 @@ pub mod binding;
 pub mod claim;
 pub mod convert;
 pub mod error;
+pub mod extent_owners;
 pub mod lock;
 pub mod metrics_push;
 pub mod ownership;
@@ -276,6 +277,7 @@ impl Running {
 /// Validate, rebuild the pool from `store`, bind and serve in the background.
 pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Running> {
     let mut v = validate(&config)?;
+    let mut owners = extent_owners::ExtentOwners::default();
     let (pool, guid, synced) = match store.load().await? {
         Some(p) => {
             if let Some(want) = config.pool_guid
@@ -300,6 +302,7 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
                 extents = p.allocated.len(),
                 "pool recovered from the store"
             );
+            owners = extent_owners::ExtentOwners::restore(p.owner_identities, p.owner_runs);
             (pool, Some((p.pool_guid, p.vdevs)), p.synced_txg)
         }
         None => {
@@ -383,6 +386,7 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
         // already given to a client of this one (issue 25, item 5).
         let now = Instant::now();
         let mut g = shared.lock();
+        g.extent_owners = std::mem::take(&mut owners);
         for r in vdevs {
             g.by_guid.insert(r.guid, r.id);
             // A removed vdev keeps its guid (its device cannot rejoin

@@ -105,6 +105,29 @@ fn caller<T>(req: &Request<T>) -> Option<&Identity> {
     req.extensions().get::<Identity>()
 }
 
+/// Only the identity that committed an extent (or an admin) may free or
+/// move it. Without mutual TLS there is no caller and nothing is checked.
+fn check_extent_owner(
+    g: &crate::state::Inner,
+    caller: Option<&Identity>,
+    extents: &[metaslab::Extent],
+    action: &'static str,
+) -> Result<()> {
+    let Some(c) = caller else { return Ok(()) };
+    if c.role == aliquot_auth::Role::Admin {
+        return Ok(());
+    }
+    match g.extent_owners.foreign(&c.to_string(), extents) {
+        None => Ok(()),
+        Some((extent, owner)) => Err(Error::NotOwnerExtent {
+            extent,
+            owner,
+            caller: c.to_string(),
+            action,
+        }),
+    }
+}
+
 fn record_allocation(span: &Span, a: &Allocation, waited: Duration) {
     let vdevs: Vec<String> = a.extents.iter().map(|e| e.vdev.to_string()).collect();
     span.record("allocation", a.id);
@@ -242,7 +265,8 @@ fn commit_locked(shared: &Shared, ids: &[u64], caller: Option<&Identity>) -> Res
     let txg = {
         let mut g = shared.lock();
         shared.owners.check(&g, caller, ids, "commit")?;
-        let txg = g.commit(ids)?;
+        let owner = caller.map(|c| c.to_string());
+        let txg = g.commit_as(ids, owner.as_deref())?;
         shared.kick_if_dirty(&g);
         txg
     };
@@ -551,6 +575,7 @@ impl Allocator for AllocatorService {
         crate::claim::check_free_exact(&self.shared, &extents).await?;
         let txg = {
             let mut g = self.shared.lock();
+            check_extent_owner(&g, caller(&req), &extents, "free")?;
             let txg = g.free(&extents)?;
             self.shared.kick_if_dirty(&g);
             txg
@@ -826,6 +851,10 @@ impl Allocator for AllocatorService {
         &self,
         req: Request<pb::RelocateRequest>,
     ) -> Result<Response<pb::AllocateReply>, Status> {
+        if let Some(from) = req.get_ref().extent.as_ref() {
+            let from = convert::extent_from_pb(from)?;
+            check_extent_owner(&self.shared.lock(), caller(&req), &[from], "move")?;
+        }
         let (a, eps, deadline, waited) =
             crate::balancer::relocate(&self.shared, req.get_ref()).await?;
         record_allocation(&Span::current(), &a, waited);

@@ -47,6 +47,8 @@ const OUR_TABLES: &[&str] = &[
     "agent_bindings",
     "relocations",
     "spacemaps",
+    "owners",
+    "owner_runs",
 ];
 
 /// Why a store was not opened. Every refusal leaves the file untouched.
@@ -331,6 +333,42 @@ async fn load_state(conn: &mut SqliteConnection) -> Result<Option<Persisted>, St
     .fetch_all(&mut *conn)
     .await
     .map_err(db)?;
+    // A store written by a binary from before owners (read by `verify`
+    // without migrating) has no owner tables: no owners.
+    let has_owners: bool = sqlx::query_scalar(
+        "SELECT count(*) > 0 FROM sqlite_master WHERE type = 'table' AND name = 'owner_runs'",
+    )
+    .fetch_one(&mut *conn)
+    .await
+    .map_err(db)?;
+    if !has_owners {
+        return Ok(Some(Persisted {
+            pool_guid: id.guid,
+            synced_txg: id.synced_txg,
+            vdevs,
+            allocated,
+            tunables,
+            vdev_states,
+            ..Default::default()
+        }));
+    }
+    let owner_identities: Vec<(u32, String)> =
+        sqlx::query_as::<_, (i64, String)>("SELECT idx, identity FROM owners ORDER BY idx")
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(|e| e.to_string())?
+            .into_iter()
+            .map(|(i, n)| (i as u32, n))
+            .collect();
+    let owner_runs: Vec<(u32, u64, u64, u32)> = sqlx::query_as::<_, (i64, i64, i64, i64)>(
+        "SELECT vdev, start, stop, owner FROM owner_runs ORDER BY vdev, start",
+    )
+    .fetch_all(&mut *conn)
+    .await
+    .map_err(|e| e.to_string())?
+    .into_iter()
+    .map(|(v, s, e, o)| (v as u32, u(s), u(e), o as u32))
+    .collect();
     Ok(Some(Persisted {
         pool_guid: id.guid,
         synced_txg: id.synced_txg,
@@ -338,6 +376,8 @@ async fn load_state(conn: &mut SqliteConnection) -> Result<Option<Persisted>, St
         allocated,
         tunables,
         vdev_states,
+        owner_identities,
+        owner_runs,
     }))
 }
 
@@ -664,6 +704,35 @@ impl SqliteStore {
             .execute(&mut *tx)
             .await
             .map_err(db)?;
+        }
+        for (idx, name) in &rec.owners.identities {
+            sqlx::query("INSERT INTO owners (idx, identity) VALUES (?, ?)")
+                .bind(*idx as i64)
+                .bind(name)
+                .execute(&mut *tx)
+                .await
+                .map_err(db)?;
+        }
+        for w in &rec.owners.windows {
+            sqlx::query("DELETE FROM owner_runs WHERE vdev = ? AND start >= ? AND start < ?")
+                .bind(w.vdev as i64)
+                .bind(i(w.start))
+                .bind(i(w.end))
+                .execute(&mut *tx)
+                .await
+                .map_err(db)?;
+            for &(s, e, o) in &w.runs {
+                sqlx::query(
+                    "INSERT INTO owner_runs (vdev, start, stop, owner) VALUES (?, ?, ?, ?)",
+                )
+                .bind(w.vdev as i64)
+                .bind(i(s))
+                .bind(i(e))
+                .bind(o as i64)
+                .execute(&mut *tx)
+                .await
+                .map_err(db)?;
+            }
         }
         sqlx::query("UPDATE pool SET synced_txg = ? WHERE id = 1")
             .bind(i(txg))

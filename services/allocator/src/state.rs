@@ -84,6 +84,8 @@ pub struct Inner {
     pub syncing_bytes: u64,
     /// `--txg-dirty-max`: plays `zfs_dirty_data_max` for the busy rule.
     pub dirty_max: u64,
+    /// Who owns each committed extent (mutual TLS only).
+    pub extent_owners: crate::extent_owners::ExtentOwners,
 }
 
 /// Txgs after its sync that a committed id is still remembered.
@@ -112,6 +114,7 @@ impl Inner {
             recent_allocs: BTreeMap::new(),
             syncing_bytes: 0,
             dirty_max: u64::MAX,
+            extent_owners: Default::default(),
         }
     }
 
@@ -196,6 +199,12 @@ impl Inner {
     /// makes them durable. Ids committed already (a retry) answer their
     /// first txg; ids whose lease expired fail with LeaseExpired.
     pub fn commit(&mut self, ids: &[AllocationId]) -> Result<Txg> {
+        self.commit_as(ids, None)
+    }
+
+    /// Commit, recording `owner` (the committing identity) as the owner of
+    /// the extents; a relocation's new extent keeps its source's owner.
+    pub fn commit_as(&mut self, ids: &[AllocationId], owner: Option<&str>) -> Result<Txg> {
         if ids.is_empty() {
             return Err(Error::InvalidArgument("no allocation ids given".into()));
         }
@@ -227,6 +236,7 @@ impl Inner {
                 self.recent_frees.insert(e, t);
             }
         }
+        let moved: HashMap<AllocationId, Extent> = sources.iter().copied().collect();
         let mut fresh = false;
         for id in ids {
             if self.committed.contains_key(id) {
@@ -234,6 +244,11 @@ impl Inner {
             }
             let extents = self.pool.extents_of(*id)?;
             let t = self.pool.commit(*id)?;
+            match (moved.get(id), owner) {
+                (Some(from), _) => self.extent_owners.moved(from, &extents),
+                (None, Some(o)) => self.extent_owners.committed(o, &extents),
+                (None, None) => {}
+            }
             txg = txg.max(t);
             fresh = true;
             self.inflight.remove(id);
@@ -298,6 +313,7 @@ impl Inner {
         }
         match self.pool.free(extents) {
             Ok(txg) => {
+                self.extent_owners.freed(extents);
                 for e in extents {
                     self.recent_frees.insert(*e, txg);
                 }

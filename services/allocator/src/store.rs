@@ -75,6 +75,8 @@ pub struct TxgRecord {
     pub vdev_states: Vec<(VdevId, AdminState)>,
     /// Relocations committed in this txg.
     pub relocations: Vec<RelocationRecord>,
+    /// Owners of committed extents changed in this txg.
+    pub owners: crate::extent_owners::OwnerChanges,
 }
 
 /// What `load` returns: the state as of the last synced txg.
@@ -91,6 +93,10 @@ pub struct Persisted {
     pub tunables: Vec<(String, String)>,
     /// Vdevs whose administrative state is not `Online`.
     pub vdev_states: BTreeMap<VdevId, AdminState>,
+    /// Owner identities by number, and the owner runs
+    /// `(vdev, start, end, owner)` (see `crate::extent_owners`).
+    pub owner_identities: Vec<(u32, String)>,
+    pub owner_runs: Vec<(u32, u64, u64, u32)>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -192,6 +198,8 @@ struct MemState {
     vdev_states: BTreeMap<VdevId, AdminState>,
     relocations: BTreeMap<u64, RelocationRecord>,
     rewind_generation: u64,
+    owner_identities: BTreeMap<u32, String>,
+    owner_runs: BTreeMap<(u32, u64), (u64, u32)>,
 }
 
 impl MemStore {
@@ -243,6 +251,16 @@ impl MemStore {
         for r in &record.relocations {
             st.relocations.insert(r.allocation_id, *r);
         }
+        for (i, name) in &record.owners.identities {
+            st.owner_identities.insert(*i, name.clone());
+        }
+        for w in &record.owners.windows {
+            st.owner_runs
+                .retain(|&(v, s), _| !(v == w.vdev && s >= w.start && s < w.end));
+            for &(s, e, o) in &w.runs {
+                st.owner_runs.insert((w.vdev, s), (e, o));
+            }
+        }
         st.synced_txg = record.sync.txg;
         Ok(())
     }
@@ -286,6 +304,16 @@ impl Store for MemStore {
             allocated: Extents::from(s.allocated.iter().copied().collect::<Vec<_>>()),
             tunables: s.tunables.clone(),
             vdev_states: s.vdev_states.clone(),
+            owner_identities: s
+                .owner_identities
+                .iter()
+                .map(|(i, n)| (*i, n.clone()))
+                .collect(),
+            owner_runs: s
+                .owner_runs
+                .iter()
+                .map(|(&(v, st), &(e, o))| (v, st, e, o))
+                .collect(),
         });
         Box::pin(async move { Ok(out) })
     }

@@ -60,11 +60,13 @@ pub async fn sync_once(shared: &Shared) {
         let vdevs = std::mem::take(&mut g.pending_vdevs);
         let vdev_states = std::mem::take(&mut g.pending_vdev_states);
         let relocations = g.relocations.take_committed(sync.txg);
+        let owners = g.extent_owners.take_changes();
         TxgRecord {
             sync,
             vdevs,
             vdev_states,
             relocations,
+            owners,
         }
     };
     let txg = record.sync.txg;

@@ -691,6 +691,13 @@ enum Kill {
     Both,
     /// SIGSTOP an agent for longer than the write deadline, then SIGCONT.
     Hang,
+    /// SIGSTOP an agent, kill -9 and restart the allocator, SIGCONT: nothing
+    /// may be placed on the sleeping agent's vdev meanwhile (it does not
+    /// know the new generation).
+    HangAcrossRestart,
+    /// Restart the allocator on an older copy of its store: refused
+    /// (STORE_ROLLED_BACK) until the newest store is put back.
+    Rollback,
 }
 
 fn signal(p: &Proc, sig: &str) {
@@ -703,7 +710,38 @@ fn signal(p: &Proc, sig: &str) {
     assert!(ok, "kill {sig} {pid}");
 }
 
+fn copy_store(from: &Path, to: &Path) {
+    let _ = std::fs::remove_dir_all(to);
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_file() {
+            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+        }
+    }
+}
+
+/// The vdev an agent serves.
+fn vdev_of(c: &Cluster, agent: usize) -> u32 {
+    c.endpoints
+        .iter()
+        .find(|(_, ep)| **ep == c.agents[agent].url("grpc"))
+        .map(|(v, _)| *v)
+        .unwrap()
+}
+
 async fn crash_run(allocator_kills: usize, agent_kills: usize, both_kills: usize, hangs: usize) {
+    crash_run_with(allocator_kills, agent_kills, both_kills, hangs, 0, 0).await
+}
+
+async fn crash_run_with(
+    allocator_kills: usize,
+    agent_kills: usize,
+    both_kills: usize,
+    hangs: usize,
+    hangs_across_restarts: usize,
+    rollbacks: usize,
+) {
     let seed = std::env::var("ALIQUOT_CRASH_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -723,7 +761,14 @@ async fn crash_run(allocator_kills: usize, agent_kills: usize, both_kills: usize
         .chain(std::iter::repeat_n(Kill::Agent, agent_kills))
         .chain(std::iter::repeat_n(Kill::Both, both_kills))
         .chain(std::iter::repeat_n(Kill::Hang, hangs))
+        .chain(std::iter::repeat_n(
+            Kill::HangAcrossRestart,
+            hangs_across_restarts,
+        ))
+        .chain(std::iter::repeat_n(Kill::Rollback, rollbacks))
         .collect();
+    let mut refused_placements = 0u64;
+    let mut rollbacks_refused = 0u64;
     for i in (1..plan.len()).rev() {
         let j = rng.below(i as u64 + 1) as usize;
         plan.swap(i, j);
@@ -786,6 +831,90 @@ async fn crash_run(allocator_kills: usize, agent_kills: usize, both_kills: usize
                 // Its durable blocks are intact after the late writes landed.
                 check_patterns(&mut c, &mut m, Some(vdev)).await;
             }
+            Kill::HangAcrossRestart => {
+                write_until(&mut c, &mut m, &mut rng, Instant::now() + run_for).await;
+                let victim = rng.below(AGENTS as u64) as usize;
+                let vdev = vdev_of(&c, victim);
+                signal(&c.agents[victim], "-STOP");
+                c.alloc.kill9();
+                check_store(&mut c, &mut m).await;
+                c.restart_allocator().await;
+                resolve(&mut c, &mut m).await;
+                // The other agents report in; the sleeping one cannot: not
+                // one allocation may land on its vdev.
+                let until = Instant::now() + Duration::from_millis(800);
+                while Instant::now() < until {
+                    match c.client.allocate(data_req(64 << 10)).await {
+                        Ok(r) => {
+                            let r = r.into_inner();
+                            assert!(
+                                r.extents.iter().all(|e| e.vdev != vdev),
+                                "placed {:?} on vdev {vdev}, whose agent slept through the restart",
+                                r.extents
+                            );
+                            c.client
+                                .abort(pb::AbortRequest {
+                                    allocation_ids: vec![r.allocation_id],
+                                })
+                                .await
+                                .expect("abort");
+                            refused_placements += 1;
+                        }
+                        Err(e) => assert_eq!(e.code(), Code::Unavailable, "{e}"),
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                signal(&c.agents[victim], "-CONT");
+                tokio::time::sleep(Duration::from_millis(600)).await;
+                check_patterns(&mut c, &mut m, None).await;
+            }
+            Kill::Rollback => {
+                write_until(&mut c, &mut m, &mut rng, Instant::now() + run_for).await;
+                c.alloc.kill9();
+                check_store(&mut c, &mut m).await;
+                let store_dir = c.dir.join("allocator");
+                let older = c.dir.join("older-store");
+                copy_store(&store_dir, &older);
+                c.restart_allocator().await;
+                resolve(&mut c, &mut m).await;
+                // More synced txgs, and time for the labels to record them.
+                write_until(&mut c, &mut m, &mut rng, Instant::now() + run_for).await;
+                c.client
+                    .sync_txg(pb::SyncTxgRequest::default())
+                    .await
+                    .expect("sync");
+                tokio::time::sleep(Duration::from_millis(800)).await;
+                c.alloc.kill9();
+                check_store(&mut c, &mut m).await;
+                let newest = c.dir.join("newest-store");
+                copy_store(&store_dir, &newest);
+                copy_store(&older, &store_dir);
+                c.restart_allocator().await;
+                let deadline = Instant::now() + Duration::from_secs(10);
+                loop {
+                    match c.client.allocate(data_req(64 << 10)).await {
+                        Ok(r) => panic!(
+                            "the allocator served an older store: {:?}",
+                            r.into_inner().extents
+                        ),
+                        Err(e) if e.code() == Code::FailedPrecondition => {
+                            assert!(e.message().contains("--rewind-to"), "{e}");
+                            break;
+                        }
+                        Err(e) => {
+                            assert!(Instant::now() < deadline, "never refused: {e}");
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                        }
+                    }
+                }
+                rollbacks_refused += 1;
+                // The operator puts the newest store back.
+                c.alloc.kill9();
+                copy_store(&newest, &store_dir);
+                c.restart_allocator().await;
+                resolve(&mut c, &mut m).await;
+                check_patterns(&mut c, &mut m, None).await;
+            }
         }
         eprintln!(
             "round {round:>3} {kill:?}: {} blocks held, {} durable acks, {} allocations",
@@ -816,7 +945,22 @@ async fn crash_run(allocator_kills: usize, agent_kills: usize, both_kills: usize
         m.dup_commits,
         m.write_timeouts
     );
+    eprintln!(
+        "crash test: {hangs_across_restarts} agents slept through allocator restarts \
+         ({refused_placements} placements meanwhile, none on a sleeping agent's vdev); \
+         {rollbacks_refused} of {rollbacks} older stores refused"
+    );
+    assert_eq!(rollbacks_refused, rollbacks as u64);
     assert!(m.durable_acks > 0 && m.verified_extents > 0);
+}
+
+fn data_req(size: u64) -> pb::AllocateRequest {
+    pb::AllocateRequest {
+        class: pb::AllocationClass::Data as i32,
+        size,
+        copies: 1,
+        lease_ms: 0,
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -824,8 +968,15 @@ async fn kill9_allocator_and_agents_loses_nothing_durable() {
     crash_run(20, 4, 4, 3).await;
 }
 
+/// Issue 25's faults: agents asleep across allocator restarts, and
+/// restarts on an older copy of the store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_asleep_across_restarts_and_rolled_back_stores_lose_nothing() {
+    crash_run_with(4, 0, 0, 0, 3, 2).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "long: 200 kills, a few minutes"]
 async fn kill9_many_times() {
-    crash_run(150, 25, 25, 10).await;
+    crash_run_with(150, 25, 25, 10, 15, 10).await;
 }

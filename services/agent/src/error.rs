@@ -80,6 +80,7 @@ impl From<AgentError> for Status {
                         crate::fence::Fenced::BeforeStart { .. } => {
                             "WRITE_TOKEN_BEFORE_AGENT_START"
                         }
+                        crate::fence::Fenced::Revoked { .. } => "WRITE_TOKEN_REVOKED",
                     },
                     aliquot_auth::DOMAIN,
                     HashMap::<String, String>::new(),

@@ -15,9 +15,13 @@
 //! be valid: every token expires within the allocator's longest lease of
 //! its issue, and an older token was issued before this entry's.
 //!
-//! Not covered: a replay of alice's token onto her own block between her
-//! Commit and her Free (nobody else owns the bytes yet), and two overlapping
-//! writes in flight at the same instant (the older one may land last).
+//! The allocator also tells the agent, in its next ReportAck, which
+//! allocations were committed, aborted or expired: their tokens are refused
+//! from then on (`WRITE_TOKEN_REVOKED`), which covers a replay onto the
+//! holder's own committed block, after at most one report interval.
+//!
+//! Not covered: two overlapping writes in flight at the same instant (the
+//! older one may land last), and a replay within that report interval.
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -52,6 +56,11 @@ pub enum Fenced {
          allocation it honours: {floor}): allocate again"
     )]
     BeforeStart { mine: u64, floor: u64 },
+    #[error(
+        "write token of allocation {mine} is revoked: the allocation was committed, aborted or \
+         expired; allocate again to write"
+    )]
+    Revoked { mine: u64 },
 }
 
 #[derive(Debug, Default)]
@@ -61,6 +70,8 @@ pub struct WriteFence {
     /// Allocation ids below this were made before this process registered.
     floor: AtomicU64,
     max_lease_ms: AtomicU64,
+    /// Allocations that ended (from ReportAck) -> expiry of their tokens.
+    revoked: Mutex<std::collections::HashMap<u64, u64>>,
 }
 
 impl WriteFence {
@@ -72,6 +83,20 @@ impl WriteFence {
             .compare_exchange(0, first_allocation_id, Relaxed, Relaxed);
         if max_lease_ms > 0 {
             self.max_lease_ms.store(max_lease_ms, Relaxed);
+        }
+    }
+
+    /// The allocator says these allocations ended; their tokens die now
+    /// (each is remembered until its token would have expired anyway).
+    pub fn revoke(&self, ids: &[u64], expires_ms: &[u64], now_ms: u64) {
+        let mut r = self.revoked.lock().unwrap_or_else(|p| p.into_inner());
+        for (id, exp) in ids.iter().zip(expires_ms) {
+            if *exp > now_ms {
+                r.insert(*id, *exp);
+            }
+        }
+        if r.len() > 4096 && r.len().is_power_of_two() {
+            r.retain(|_, exp| *exp > now_ms);
         }
     }
 
@@ -97,6 +122,16 @@ impl WriteFence {
             return Err(Fenced::BeforeStart {
                 mine: allocation_id,
                 floor,
+            });
+        }
+        if self
+            .revoked
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains_key(&allocation_id)
+        {
+            return Err(Fenced::Revoked {
+                mine: allocation_id,
             });
         }
         let end = offset.saturating_add(len);
@@ -189,6 +224,19 @@ mod tests {
         f.admit(9, 4096, 8192, 1000, 0).unwrap();
         f.admit(12, 12288, 4096, 1000, 0).unwrap();
         assert!(f.admit(9, 12288, 4096, 1000, 0).is_err());
+    }
+
+    #[test]
+    fn a_revoked_allocation_writes_no_more_until_its_token_expired() {
+        let f = WriteFence::default();
+        f.admit(7, 0, 4096, 1000, 0).unwrap();
+        f.revoke(&[7, 8], &[1000, 10], 100);
+        assert_eq!(
+            f.admit(7, 0, 4096, 1000, 200),
+            Err(Fenced::Revoked { mine: 7 })
+        );
+        // Already expired when revoked: nothing to remember.
+        f.admit(8, 8192, 4096, 10, 200).unwrap();
     }
 
     #[test]

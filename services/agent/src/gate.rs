@@ -58,6 +58,14 @@ impl WriteGate {
         &self.fence
     }
 
+    /// Allocations the allocator says ended (ReportAck).
+    pub fn revoke(&self, ids: &[u64], expires_ms: &[u64]) {
+        let now_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        self.fence.revoke(ids, expires_ms, now_ms);
+    }
+
     pub fn generation(&self) -> u64 {
         self.generation.load(Relaxed)
     }

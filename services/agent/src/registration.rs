@@ -166,6 +166,9 @@ async fn session(
             ack = acks.message() => match ack {
                 Ok(Some(ack)) => {
                     agent.gate().learn_generation(ack.generation);
+                    agent
+                        .gate()
+                        .revoke(&ack.revoked_allocations, &ack.revoked_expires_ms);
                     record_mark(agent, &ack).await;
                     let now = (ack.health, ack.online);
                     if seen != Some(now) {

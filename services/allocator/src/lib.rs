@@ -377,6 +377,8 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
             "claim window open: Claim is served, Allocate waits");
     }
     let shared = Shared::new(pool, settings, pool_guid, fencing, store, synced);
+    // Agents are told which allocations ended only when there are tokens.
+    shared.lock().revoke_tokens = shared.settings.token_signer.is_some();
     if let Some((_, vdevs)) = guid {
         // Known vdevs come back silent and unallocatable until their agents
         // report: an agent learns the new generation from its RegisterReply

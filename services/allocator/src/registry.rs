@@ -494,6 +494,7 @@ impl RegistryService {
             );
         }
         stall_check(&mut g, id);
+        let (revoked_allocations, revoked_expires_ms) = g.take_revoked(id).into_iter().unzip();
         let stats = g.pool.stats();
         let v = stats.vdevs.iter().find(|v| v.id == id);
         Ok(pb::ReportAck {
@@ -503,6 +504,8 @@ impl RegistryService {
             // What the agent writes to its label: only a txg already durable.
             pool_guid: self.shared.pool_guid,
             synced_txg: self.shared.synced_txg(),
+            revoked_allocations,
+            revoked_expires_ms,
         })
     }
 }

@@ -20,6 +20,9 @@ use crate::error::{Error, Result};
 use crate::relocation::{RelocateIntent, Relocations};
 use crate::store::{AdminState, Store, VdevRecord};
 
+/// Revocations queued for one vdev's agent at most (see `Inner::revoke`).
+const REVOKED_QUEUE_MAX: usize = 1 << 20;
+
 /// How many report intervals a vdev may stay silent before it is unavailable.
 pub const MISSED_REPORTS: u32 = 3;
 
@@ -86,6 +89,11 @@ pub struct Inner {
     pub dirty_max: u64,
     /// Who owns each committed extent (mutual TLS only).
     pub extent_owners: crate::extent_owners::ExtentOwners,
+    /// Allocations whose write tokens must die, per vdev, until the vdev's
+    /// next ReportAck carries them to its agent: `(allocation id, expiry of
+    /// its newest token, unix ms)`. Only when tokens are signed.
+    pub revoked: HashMap<u32, Vec<(AllocationId, u64)>>,
+    pub revoke_tokens: bool,
 }
 
 /// Txgs after its sync that a committed id is still remembered.
@@ -115,6 +123,8 @@ impl Inner {
             syncing_bytes: 0,
             dirty_max: u64::MAX,
             extent_owners: Default::default(),
+            revoked: HashMap::new(),
+            revoke_tokens: false,
         }
     }
 
@@ -251,7 +261,9 @@ impl Inner {
             }
             txg = txg.max(t);
             fresh = true;
-            self.inflight.remove(id);
+            if let Some(d) = self.inflight.remove(id) {
+                self.revoke(*id, &extents, d);
+            }
             self.committed.insert(*id, t);
             self.relocations.committed(*id, t);
             for e in extents {
@@ -262,6 +274,31 @@ impl Inner {
             self.wake_admitted();
         }
         Ok(if txg == 0 { open } else { txg })
+    }
+
+    /// The allocation is over (committed, aborted or expired): its tokens
+    /// must not write again; the agents of its vdevs are told.
+    fn revoke(&mut self, id: AllocationId, extents: &[Extent], deadline: Instant) {
+        if !self.revoke_tokens {
+            return;
+        }
+        let expires_ms = crate::convert::deadline_unix_ms(deadline);
+        for e in extents {
+            let q = self.revoked.entry(e.vdev).or_default();
+            if q.last().map(|l| l.0) != Some(id) {
+                q.push((id, expires_ms));
+            }
+            // An agent that stopped reporting is re-fenced by its restart
+            // (it then honours no older token at all): keep the queue bounded.
+            if q.len() > REVOKED_QUEUE_MAX {
+                q.drain(..q.len() - REVOKED_QUEUE_MAX);
+            }
+        }
+    }
+
+    /// What to tell `vdev`'s agent in its next ReportAck.
+    pub fn take_revoked(&mut self, vdev: u32) -> Vec<(AllocationId, u64)> {
+        self.revoked.remove(&vdev).unwrap_or_default()
     }
 
     /// Allocated and neither committed, aborted nor expired.
@@ -357,8 +394,11 @@ impl Inner {
     pub fn abort(&mut self, ids: &[AllocationId]) -> Result<()> {
         self.check_inflight(ids)?;
         for id in ids {
+            let extents = self.pool.extents_of(*id)?;
             self.pool.abort(*id)?;
-            self.inflight.remove(id);
+            if let Some(d) = self.inflight.remove(id) {
+                self.revoke(*id, &extents, d);
+            }
             self.relocations.forget(*id);
         }
         self.wake_admitted();
@@ -396,6 +436,9 @@ impl Inner {
             if self.inflight.get(&id) == Some(&deadline) {
                 self.inflight.remove(&id);
                 self.relocations.forget(id);
+                if let Ok(extents) = self.pool.extents_of(id) {
+                    self.revoke(id, &extents, deadline);
+                }
                 if self.pool.expire(id).is_ok() {
                     self.expired.insert(id, now);
                     expired.push(id);

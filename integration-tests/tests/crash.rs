@@ -648,6 +648,7 @@ async fn check_patterns(c: &mut Cluster, m: &mut Model, only: Option<u32>) {
                 .read(pb::ReadRequest {
                     offset: e.offset,
                     size: e.size,
+                    token: Default::default(),
                 })
                 .await
                 .unwrap_or_else(|err| panic!("read {e:?} from {ep}: {err}"))

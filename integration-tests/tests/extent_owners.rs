@@ -1,7 +1,8 @@
 //! Issue 25, item 3, across real processes over mutual TLS: a committed
 //! extent belongs to the identity that committed it. Another client cannot
 //! free it (PERMISSION_DENIED, reason NOT_OWNER) nor move it (Relocate is
-//! an admin call); its owner and admins can free it. Owners are persisted with the txg: the refusal holds
+//! an admin call) nor read it (read tokens go to the owner and admins);
+//! its owner and admins can. Owners are persisted with the txg: the refusal holds
 //! after the allocator is killed and restarted.
 
 use std::path::Path;
@@ -178,6 +179,51 @@ async fn only_the_owner_or_an_admin_frees_or_moves_a_block() {
             .expect("alice commits");
         mine.push(e);
     }
+
+    // Reads need a read token, issued to the owner (and admins) only.
+    let e = bob
+        .read_tokens(pb::ReadTokensRequest {
+            extents: vec![mine[0]],
+        })
+        .await
+        .expect_err("bob asks to read alice's block");
+    assert_eq!(reason(&e), "NOT_OWNER", "{e}");
+    let mut bob_agent = VdevAgentClient::new(channel(
+        &agent_url,
+        &certs,
+        Role::Client,
+        "bob",
+        Role::Agent,
+    ));
+    let e = bob_agent
+        .read(pb::ReadRequest {
+            offset: mine[0].offset,
+            size: mine[0].size,
+            token: Default::default(),
+        })
+        .await
+        .expect_err("a read without a token");
+    assert_eq!(e.code(), Code::Unauthenticated, "{e}");
+    let token = alice
+        .read_tokens(pb::ReadTokensRequest {
+            extents: vec![mine[0]],
+        })
+        .await
+        .expect("alice's read token")
+        .into_inner()
+        .tokens
+        .remove(0);
+    let back = alice_agent
+        .read(pb::ReadRequest {
+            offset: mine[0].offset,
+            size: mine[0].size,
+            token,
+        })
+        .await
+        .expect("alice reads her block")
+        .into_inner()
+        .data;
+    assert!(back.iter().all(|&b| b == 0xa1));
 
     let refused = |r: Result<tonic::Response<pb::FreeReply>, tonic::Status>| {
         let e = r.expect_err("bob frees alice's block");

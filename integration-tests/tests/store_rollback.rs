@@ -240,6 +240,7 @@ async fn check_blocks(p: &Pool, blocks: &[(pb::Extent, String, Vec<u8>)]) {
             .read(pb::ReadRequest {
                 offset: e.offset,
                 size: e.size,
+                token: Default::default(),
             })
             .await
             .expect("read")

@@ -143,7 +143,12 @@ async fn a_token_dies_when_its_space_is_given_to_someone_else() {
             }
         }
     };
-    write(&mut ag, &alice, 0xa1).await.expect("alice writes");
+    // The agent may not have its RegisterReply yet (UNAVAILABLE: retry).
+    while let Err(e) = write(&mut ag, &alice, 0xa1).await {
+        assert_eq!(e.code(), Code::Unavailable, "alice writes: {e}");
+        assert!(Instant::now() < deadline, "{e}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     c.commit(pb::CommitRequest {
         allocation_ids: vec![alice.allocation_id],
         wait_synced: true,
@@ -206,10 +211,19 @@ async fn a_token_dies_when_its_space_is_given_to_someone_else() {
     );
     assert!(e.message().contains("allocate again"), "{e}");
     let be = bob.extents[0];
+    // Reads need a read token (issue 25 item 4), from the allocator.
+    let token = c
+        .read_tokens(pb::ReadTokensRequest { extents: vec![be] })
+        .await
+        .unwrap()
+        .into_inner()
+        .tokens
+        .remove(0);
     let back = ag
         .read(pb::ReadRequest {
             offset: be.offset,
             size: be.size,
+            token,
         })
         .await
         .unwrap()

@@ -208,6 +208,7 @@ async fn allocate_write_read_commit_then_frees_wait_two_txgs() {
                 .read(pb::ReadRequest {
                     offset: e.offset,
                     size: e.size,
+                    token: Default::default(),
                 })
                 .await
                 .unwrap()

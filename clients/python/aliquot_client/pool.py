@@ -327,12 +327,21 @@ class Pool:
     def read_block(self, block: Block, copy: Optional[int] = None) -> bytes:
         """Read a block back: copy `copy`, or the first copy that answers."""
         order = [copy] if copy is not None else list(range(len(block.extents)))
+        # Agents with the pool's token key read only what a read token
+        # covers; the allocator issues them to the block's owner.
+        tokens = self._repeat(
+            "read tokens",
+            self.allocator.ReadTokens,
+            allocator_pb2.ReadTokensRequest(extents=[block.extents[i] for i in order]),
+        ).tokens
         last: Optional[grpc.RpcError] = None
-        for i in order:
+        for n, i in enumerate(order):
             ext, ep = block.extents[i], block.endpoints[i]
+            token = tokens[n] if n < len(tokens) else b""
             try:
                 r = self.agent(ep).Read(
-                    agent_pb2.ReadRequest(offset=ext.offset, size=ext.size), timeout=self.timeout
+                    agent_pb2.ReadRequest(offset=ext.offset, size=ext.size, token=token),
+                    timeout=self.timeout,
                 )
                 return r.data[: block.length]
             except grpc.RpcError as e:

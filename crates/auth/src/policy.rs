@@ -31,7 +31,7 @@ pub fn allowed(path: &str) -> Option<&'static [Role]> {
 
         ("aliquot.v1.Allocator", m) => match m {
             "Allocate" | "AllocateStream" | "Commit" | "Abort" | "RenewLease" | "Free"
-            | "Claim" | "SyncTxg" => CLIENTS,
+            | "Claim" | "SyncTxg" | "ReadTokens" => CLIENTS,
             "GetPool" | "WatchPool" | "GetTunables" => READERS,
             "SetTunable" | "SetVdevState" | "ExpandVdev" => ADMIN,
             // A plan names other clients' extents, and a relocation's commit

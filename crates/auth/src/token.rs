@@ -25,6 +25,11 @@ pub const TOKEN_KEY: &str = "token.key";
 pub const TOKEN_PUB: &str = "token.pub";
 
 const VERSION: u8 = 1;
+/// The first byte of a read capability (issue 25): the same fields, signed
+/// under its own prefix, so a write token never reads and a read token never
+/// writes (HDFS block tokens' access modes).
+const READ_VERSION: u8 = 2;
+const READ_CONTEXT: &[u8] = b"aliquot read token v1\0";
 const BODY: usize = 1 + 8 + 8 + 4 + 8 + 8 + 8 + 8;
 const SIG: usize = 64;
 pub const TOKEN_LEN: usize = BODY + SIG;
@@ -44,8 +49,12 @@ pub struct WriteGrant {
 
 impl WriteGrant {
     fn body(&self) -> [u8; BODY] {
+        self.body_as(VERSION)
+    }
+
+    fn body_as(&self, version: u8) -> [u8; BODY] {
         let mut b = [0u8; BODY];
-        b[0] = VERSION;
+        b[0] = version;
         b[1..9].copy_from_slice(&self.pool_guid.to_be_bytes());
         b[9..17].copy_from_slice(&self.generation.to_be_bytes());
         b[17..21].copy_from_slice(&self.vdev.to_be_bytes());
@@ -56,9 +65,9 @@ impl WriteGrant {
         b
     }
 
-    fn parse(b: &[u8]) -> Option<WriteGrant> {
+    fn parse_as(b: &[u8], version: u8) -> Option<WriteGrant> {
         let u64_at = |i: usize| u64::from_be_bytes(b[i..i + 8].try_into().unwrap_or([0; 8]));
-        (b.len() == TOKEN_LEN && b[0] == VERSION).then(|| WriteGrant {
+        (b.len() == TOKEN_LEN && b[0] == version).then(|| WriteGrant {
             pool_guid: u64_at(1),
             generation: u64_at(9),
             vdev: u32::from_be_bytes([b[17], b[18], b[19], b[20]]),
@@ -71,8 +80,12 @@ impl WriteGrant {
 }
 
 fn signed_message(body: &[u8]) -> Vec<u8> {
-    let mut m = Vec::with_capacity(CONTEXT.len() + body.len());
-    m.extend_from_slice(CONTEXT);
+    signed_message_in(CONTEXT, body)
+}
+
+fn signed_message_in(context: &[u8], body: &[u8]) -> Vec<u8> {
+    let mut m = Vec::with_capacity(context.len() + body.len());
+    m.extend_from_slice(context);
     m.extend_from_slice(body);
     m
 }
@@ -163,6 +176,17 @@ impl TokenSigner {
         TokenVerifier { public }
     }
 
+    /// A read capability for the same fields (`allocation_id` 0: reads are
+    /// of committed extents, not of an allocation in flight).
+    pub fn sign_read(&self, grant: &WriteGrant) -> Vec<u8> {
+        let body = grant.body_as(READ_VERSION);
+        let sig = self.key.sign(&signed_message_in(READ_CONTEXT, &body));
+        let mut t = Vec::with_capacity(TOKEN_LEN);
+        t.extend_from_slice(&body);
+        t.extend_from_slice(sig.as_ref());
+        t
+    }
+
     pub fn sign(&self, grant: &WriteGrant) -> Vec<u8> {
         let body = grant.body();
         let sig = self.key.sign(&signed_message(&body));
@@ -211,15 +235,32 @@ impl TokenVerifier {
         Ok(TokenVerifier { public })
     }
 
+    /// Verify a read token as [`Self::verify`] does a write token (the
+    /// `WriteCheck` then describes the read).
+    pub fn verify_read(&self, token: &[u8], check: &WriteCheck) -> Result<WriteGrant, TokenError> {
+        self.verify_as(token, check, READ_VERSION, READ_CONTEXT)
+    }
+
     /// Verify the signature first (nothing unsigned is looked at), then pool,
     /// vdev, generation, expiry and range.
     pub fn verify(&self, token: &[u8], check: &WriteCheck) -> Result<WriteGrant, TokenError> {
+        self.verify_as(token, check, VERSION, CONTEXT)
+    }
+
+    fn verify_as(
+        &self,
+        token: &[u8],
+        check: &WriteCheck,
+        version: u8,
+        context: &[u8],
+    ) -> Result<WriteGrant, TokenError> {
         if token.is_empty() {
             return Err(TokenError::Missing);
         }
-        let grant = WriteGrant::parse(token).ok_or(TokenError::Malformed(token.len()))?;
+        let grant =
+            WriteGrant::parse_as(token, version).ok_or(TokenError::Malformed(token.len()))?;
         UnparsedPublicKey::new(&ED25519, &self.public)
-            .verify(&signed_message(&token[..BODY]), &token[BODY..])
+            .verify(&signed_message_in(context, &token[..BODY]), &token[BODY..])
             .map_err(|_| TokenError::Forged)?;
         if grant.pool_guid != check.pool_guid {
             return Err(TokenError::OtherPool {

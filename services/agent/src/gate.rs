@@ -70,6 +70,41 @@ impl WriteGate {
         self.generation.load(Relaxed)
     }
 
+    /// Check a read of `len` bytes at `offset` of `vdev` against its read
+    /// token (issue 25: reads need a capability as writes do).
+    pub fn check_read(
+        &self,
+        token: &[u8],
+        vdev: Option<u32>,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), AgentError> {
+        let Some(verifier) = &self.verifier else {
+            return Ok(());
+        };
+        let pool_guid = self.pool_guid.load(Relaxed);
+        let (Some(vdev), true) = (vdev, pool_guid != 0) else {
+            return Err(AgentError::NotRegistered);
+        };
+        let now_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        verifier
+            .verify_read(
+                token,
+                &WriteCheck {
+                    pool_guid,
+                    vdev,
+                    known_generation: self.generation(),
+                    now_ms,
+                    offset,
+                    len,
+                },
+            )
+            .map(|_| ())
+            .map_err(AgentError::Token)
+    }
+
     /// Check a write of `len` bytes at `offset` to `vdev` (None: not
     /// registered yet).
     pub fn check(

@@ -79,7 +79,14 @@ impl VdevAgent for VdevAgentService {
         size = req.get_ref().size,
     ))]
     async fn read(&self, req: Request<ReadRequest>) -> Result<Response<ReadReply>, Status> {
-        let ReadRequest { offset, size } = req.into_inner();
+        let ReadRequest {
+            offset,
+            size,
+            token,
+        } = req.into_inner();
+        self.agent
+            .gate()
+            .check_read(&token, self.agent.vdev(), offset, size)?;
         let data = self.agent.read(offset, size).await?;
         Ok(Response::new(ReadReply { data: data.into() }))
     }

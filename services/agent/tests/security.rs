@@ -108,15 +108,49 @@ async fn tokens_and_roles_over_tls() {
         .write(write(EXTENT, SIZE as usize, token.clone()))
         .await
         .unwrap();
+    // Reads need a read capability: none, or a write token, is refused.
+    let e = client
+        .read(ReadRequest {
+            offset: EXTENT,
+            size: 4096,
+            token: Default::default(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::Unauthenticated, "{e:?}");
+    let e = client
+        .read(ReadRequest {
+            offset: EXTENT,
+            size: 4096,
+            token: token.clone(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        e.code(),
+        Code::PermissionDenied,
+        "a write token reads: {e:?}"
+    );
     let back = client
         .read(ReadRequest {
             offset: EXTENT,
             size: 4096,
+            token: signer.sign_read(&grant()),
         })
         .await
         .unwrap()
         .into_inner();
     assert_eq!(&back.data[..], &[0x5a; 4096][..]);
+    // A read token does not write.
+    let e = client
+        .write(write(EXTENT, 4096, signer.sign_read(&grant())))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        e.code(),
+        Code::PermissionDenied,
+        "a read token writes: {e:?}"
+    );
 
     let refused = |r: Result<tonic::Response<_>, tonic::Status>, code: Code, reason: &str| {
         let e = r.expect_err("write accepted");
@@ -204,6 +238,7 @@ async fn tokens_and_roles_over_tls() {
         .read(ReadRequest {
             offset: EXTENT,
             size: 4096,
+            token: signer.sign_read(&grant()),
         })
         .await
         .unwrap_err();
@@ -226,6 +261,7 @@ async fn tokens_and_roles_over_tls() {
             .read(ReadRequest {
                 offset: EXTENT,
                 size: 4096,
+                token: Default::default(),
             })
             .await
     };
@@ -288,12 +324,21 @@ async fn batch_writes_check_every_token() {
     let reader = client.clone();
     let read = |offset: u64, size: u64| {
         let mut c = reader.clone();
+        let token = signer.sign_read(&WriteGrant {
+            offset,
+            size,
+            ..grant()
+        });
         async move {
-            c.read(ReadRequest { offset, size })
-                .await
-                .unwrap()
-                .into_inner()
-                .data
+            c.read(ReadRequest {
+                offset,
+                size,
+                token,
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .data
         }
     };
 

@@ -587,6 +587,42 @@ impl Allocator for AllocatorService {
         }))
     }
 
+    #[tracing::instrument(skip_all, fields(extents = req.get_ref().extents.len()))]
+    async fn read_tokens(
+        &self,
+        req: Request<pb::ReadTokensRequest>,
+    ) -> Result<Response<pb::ReadTokensReply>, Status> {
+        self.shared.check_serving()?;
+        let extents = convert::extents_from_pb(&req.get_ref().extents)?;
+        // Exactly committed extents (the rule Free follows), of the caller.
+        crate::claim::check_free_exact(&self.shared, &extents).await?;
+        check_extent_owner(&self.shared.lock(), caller(&req), &extents, "read")?;
+        let deadline = Instant::now() + self.shared.settings.max_lease;
+        let expires_ms = convert::deadline_unix_ms(deadline);
+        let tokens = match &self.shared.settings.token_signer {
+            None => Vec::new(),
+            Some(signer) => extents
+                .iter()
+                .map(|e| {
+                    signer.sign_read(&aliquot_auth::WriteGrant {
+                        pool_guid: self.shared.pool_guid,
+                        generation: self.shared.fencing.generation,
+                        vdev: e.vdev,
+                        offset: e.offset,
+                        size: e.size,
+                        allocation_id: 0,
+                        expires_ms,
+                    })
+                })
+                .collect(),
+        };
+        Ok(Response::new(pb::ReadTokensReply {
+            tokens,
+            expires_ms,
+            generation: self.shared.fencing.generation,
+        }))
+    }
+
     #[tracing::instrument(skip_all, fields(extents = req.get_ref().extents.len(), txg))]
     async fn claim(
         &self,

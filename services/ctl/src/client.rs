@@ -299,6 +299,31 @@ pub fn status_msg(what: &str, s: &tonic::Status) -> anyhow::Error {
     anyhow::anyhow!("{what}: {} ({:?}){hint}", s.message(), s.code())
 }
 
+/// Read capabilities for committed extents, by `(vdev, offset)` (empty
+/// tokens when the allocator signs none): agents with the token key read
+/// only what one covers (issue 25). Asked in chunks of 1024 extents.
+pub async fn read_tokens(
+    alloc: &Allocator,
+    extents: impl IntoIterator<Item = aliquot_proto::v1::Extent>,
+) -> anyhow::Result<std::collections::HashMap<(u32, u64), Vec<u8>>> {
+    let extents: Vec<_> = extents.into_iter().collect();
+    let mut out = std::collections::HashMap::with_capacity(extents.len());
+    for chunk in extents.chunks(1024) {
+        let r = alloc
+            .clone()
+            .read_tokens(aliquot_proto::v1::ReadTokensRequest {
+                extents: chunk.to_vec(),
+            })
+            .await
+            .map_err(|s| status_msg("read tokens", &s))?
+            .into_inner();
+        for (e, t) in chunk.iter().zip(r.tokens) {
+            out.insert((e.vdev, e.offset), t);
+        }
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

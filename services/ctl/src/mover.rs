@@ -500,12 +500,18 @@ impl Mover {
             .get(&from.vdev)
             .ok_or_else(|| anyhow::anyhow!("vdev {} has no agent endpoint", from.vdev))?;
         let t = self.timeout;
+        let at: aliquot_proto::v1::Extent = from.into();
+        let token = client::read_tokens(&self.alloc, [at])
+            .await?
+            .remove(&(at.vdev, at.offset))
+            .unwrap_or_default();
         let mut c = self.agents.get(src).await?;
         let data = tokio::time::timeout(
             t,
             c.read(ReadRequest {
                 offset: from.offset,
                 size: from.size,
+                token,
             }),
         )
         .await
@@ -845,6 +851,15 @@ pub async fn verify(
     let eps = Arc::new(endpoints(&st));
     let agents = conn.agents()?;
     let nonce = m.header.nonce;
+    let tokens = Arc::new(
+        client::read_tokens(
+            &alloc,
+            m.blocks
+                .values()
+                .flat_map(|cs| cs.iter().map(|c| aliquot_proto::v1::Extent::from(c.at))),
+        )
+        .await?,
+    );
     let work: Vec<(u64, crate::manifest::Copy)> = m
         .blocks
         .iter()
@@ -862,7 +877,7 @@ pub async fn verify(
     }
     let results: Vec<anyhow::Result<()>> = futures_util::stream::iter(work)
         .map(|(b, c)| {
-            let (agents, eps) = (agents.clone(), eps.clone());
+            let (agents, eps, tokens) = (agents.clone(), eps.clone(), tokens.clone());
             async move {
                 let ep = eps.get(&c.at.vdev).ok_or_else(|| {
                     anyhow::anyhow!("block {b}: vdev {} is not in the pool", c.at.vdev)
@@ -873,6 +888,10 @@ pub async fn verify(
                     .read(ReadRequest {
                         offset: c.at.offset,
                         size: c.len,
+                        token: tokens
+                            .get(&(c.at.vdev, c.at.offset))
+                            .cloned()
+                            .unwrap_or_default(),
                     })
                     .await
                     .map_err(|s| client::status_msg(&format!("read block {b} at {}", c.at), &s))?

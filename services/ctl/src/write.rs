@@ -755,7 +755,12 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
     let mut verified_blocks = 0;
     let t_verify = Instant::now();
     if args.verify {
-        verified_blocks = verify(&shared, &placed).await?;
+        let tokens = client::read_tokens(
+            &alloc,
+            placed.iter().flat_map(|p| p.extents.iter().cloned()),
+        )
+        .await?;
+        verified_blocks = verify(&shared, &placed, Arc::new(tokens)).await?;
     }
     let verify_secs = t_verify.elapsed().as_secs_f64();
     let mut freed_blocks = 0;
@@ -1239,12 +1244,16 @@ async fn one_block(
     Ok(())
 }
 
-async fn verify(sh: &Arc<Shared>, placed: &[Placed]) -> anyhow::Result<u64> {
+async fn verify(
+    sh: &Arc<Shared>,
+    placed: &[Placed],
+    tokens: Arc<HashMap<(u32, u64), Vec<u8>>>,
+) -> anyhow::Result<u64> {
     let next = Arc::new(AtomicU64::new(0));
     let placed: Arc<Vec<Placed>> = Arc::new(placed.to_vec());
     let mut tasks = Vec::new();
     for _ in 0..sh.args.concurrency.min(64) {
-        let (sh, next, placed) = (sh.clone(), next.clone(), placed.clone());
+        let (sh, next, placed, tokens) = (sh.clone(), next.clone(), placed.clone(), tokens.clone());
         tasks.push(tokio::spawn(async move {
             let mut n = 0u64;
             loop {
@@ -1258,6 +1267,7 @@ async fn verify(sh: &Arc<Shared>, placed: &[Placed]) -> anyhow::Result<u64> {
                         c.read(ReadRequest {
                             offset: e.offset,
                             size: e.size,
+                            token: tokens.get(&(e.vdev, e.offset)).cloned().unwrap_or_default(),
                         }),
                     )
                     .await

@@ -84,7 +84,11 @@ impl Running {
 
     pub async fn read(&mut self, offset: u64, size: u64) -> Result<Vec<u8>, tonic::Status> {
         self.client
-            .read(ReadRequest { offset, size })
+            .read(ReadRequest {
+                offset,
+                size,
+                ..Default::default()
+            })
             .await
             .map(|r| r.into_inner().data.to_vec())
     }

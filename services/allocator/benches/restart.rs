@@ -113,6 +113,29 @@ async fn build(path: &Path, n: u64, layout: &str) {
             .await
             .unwrap();
     }
+    // Owners (issue 25): `ALIQUOT_BENCH_OWNERS=alternating` gives every
+    // extent the other of two owners than its neighbours: one owner run per
+    // extent, the worst case (one client per pool is one run per vdev).
+    if std::env::var("ALIQUOT_BENCH_OWNERS").as_deref() == Ok("alternating") {
+        for (idx, name) in [(1i64, "client/a"), (2, "client/b")] {
+            sqlx::query("INSERT INTO owners (idx, identity) VALUES (?, ?)")
+                .bind(idx)
+                .bind(name)
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+        }
+        for k in 0..n {
+            sqlx::query("INSERT INTO owner_runs (vdev, start, stop, owner) VALUES (?, ?, ?, ?)")
+                .bind(id as i64)
+                .bind((k * st) as i64)
+                .bind((k * st + BLOCK) as i64)
+                .bind(1 + (k % 2) as i64)
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+        }
+    }
     tx.commit().await.unwrap();
     sqlx::query("UPDATE vdevs SET allocated = ? WHERE id = ?")
         .bind((n * BLOCK) as i64)
@@ -131,12 +154,24 @@ async fn child(path: &Path, layout: &str) {
     let p = store.load().await.unwrap().expect("a pool");
     let loaded = t.elapsed();
     let mut pool = recovery::rebuild(Tunables::default(), &p).expect("consistent");
+    let mut p = p;
+    let owner_runs = p.owner_runs.len();
+    let owners = aliquot_allocator::extent_owners::ExtentOwners::restore(
+        std::mem::take(&mut p.owner_identities),
+        std::mem::take(&mut p.owner_runs),
+    );
     let ready = t.elapsed();
     let (rows, ranges) = (
         env_u64("ALIQUOT_BENCH_EXTENTS", 10_000_000),
         p.allocated.len(),
     );
     drop(p);
+    if owner_runs > 0 {
+        println!(
+            "{layout:>6} {owner_runs} owner runs loaded ({} in memory)",
+            owners.runs()
+        );
+    }
     let (peak, live) = mem_mib();
     println!(
         "{layout:>6} {rows:>9} extents ({ranges:>9} ranges) | open {:>6.2} s, load {:>6.2} s, rebuild {:>6.2} s: serving after {:>6.2} s | peak RSS {peak:>7.0} MiB, live {live:>7.0} MiB ({:.2}x)",

@@ -127,12 +127,37 @@ impl ExtentOwners {
         }
         if let Some(o) = owner {
             pieces.push((a, b, o));
+            // A run may span free space: ownership of free bytes is never
+            // asked (Free, ReadTokens take exactly committed extents) and
+            // the next commit there sets its own owner. So the nearest runs
+            // on either side join this one when they are the same owner's:
+            // one client's blocks stay one run however they interleave
+            // with free space (the gapped layout of the restart bench).
+            let left = self
+                .runs
+                .range((vdev, 0)..(vdev, lo))
+                .next_back()
+                .map(|(&(_, s), &(e, oo))| (s, e, oo));
+            let right = self
+                .runs
+                .range((vdev, hi)..(vdev, u64::MAX))
+                .next()
+                .map(|(&(_, s), &(e, oo))| (s, e, oo));
+            for (s, e, oo) in left.into_iter().chain(right) {
+                if oo == o {
+                    self.runs.remove(&(vdev, s));
+                    lo = lo.min(s);
+                    hi = hi.max(e);
+                    pieces.push((s, e, oo));
+                }
+            }
         }
         pieces.sort_unstable();
         let mut merged: Vec<(u64, u64, OwnerIdx)> = Vec::new();
         for p in pieces {
             match merged.last_mut() {
-                Some(l) if l.1 == p.0 && l.2 == p.2 => l.1 = p.1,
+                // Touching, or (for a commit) across free space: see above.
+                Some(l) if l.2 == p.2 && (l.1 == p.0 || owner == Some(p.2)) => l.1 = l.1.max(p.1),
                 _ => merged.push(p),
             }
         }
@@ -237,6 +262,10 @@ mod tests {
         assert_eq!(o.runs(), 1, "one owner's consecutive blocks are one run");
         o.committed("client/bob", &[ext(0, 30, 10)]);
         assert_eq!(o.runs(), 2);
+        // Across free space, one owner's blocks stay one run.
+        o.committed("client/bob", &[ext(0, 100, 10)]);
+        assert_eq!(o.runs(), 2);
+        o.freed(&[ext(0, 100, 10)]);
         assert_eq!(o.foreign("client/alice", &[ext(0, 10, 10)]), None);
         assert_eq!(
             o.foreign("client/bob", &[ext(0, 10, 10)]).map(|x| x.1),
@@ -245,7 +274,7 @@ mod tests {
         let c = o.take_changes();
         assert_eq!(c.identities.len(), 2);
         assert_eq!(c.windows.len(), 1);
-        assert_eq!(c.windows[0].runs, vec![(0, 30, 1), (30, 40, 2)]);
+        assert_eq!(c.windows[0].runs, vec![(0, 30, 1), (30, 100, 2)]);
         // Free the middle block: the run splits.
         o.freed(&[ext(0, 10, 10)]);
         assert_eq!(o.runs(), 3);

@@ -164,3 +164,25 @@ fn a_failed_run_records_what_it_made_durable() {
     let m = Manifest::load(&manifest).expect("a manifest of the failed run");
     assert!(!m.blocks.is_empty(), "the blocks placed before the failure");
 }
+
+#[test]
+fn an_interrupted_run_records_what_it_wrote() {
+    let dir = tempfile::tempdir().unwrap();
+    let (alloc, _agents) = pool(dir.path());
+    let manifest = dir.path().join("stopped.manifest");
+    let w = writer(&alloc.url("grpc"), &manifest, "512MiB", &[]);
+    std::thread::sleep(Duration::from_millis(1500));
+    let ok = Command::new("kill")
+        .args(["-TERM", &w.id().to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok);
+    let out = wait(w, Duration::from_secs(60));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("interrupted"), "{stderr}");
+    assert!(stderr.contains("which are durable"), "{stderr}");
+    let m = Manifest::load(&manifest).expect("a manifest of the interrupted run");
+    assert!(!m.blocks.is_empty());
+}

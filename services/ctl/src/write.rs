@@ -659,6 +659,29 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
         };
         tasks.push(tokio::spawn(worker(shared.clone(), ops).in_current_span()));
     }
+    // Ctrl-C or SIGTERM: stop taking blocks, finish those in flight, and
+    // record what was written (as for any failure) instead of vanishing
+    // with blocks allocated that no manifest lists.
+    let interrupted = Arc::new(AtomicBool::new(false));
+    let signals = {
+        let (sh, flag) = (shared.clone(), interrupted.clone());
+        tokio::spawn(async move {
+            let term = async {
+                match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                    Ok(mut s) => {
+                        s.recv().await;
+                    }
+                    Err(_) => std::future::pending::<()>().await,
+                }
+            };
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term => {}
+            }
+            flag.store(true, Ordering::Relaxed);
+            sh.stop.store(true, Ordering::Relaxed);
+        })
+    };
     let mut outs = Vec::new();
     let mut first_err = None;
     for t in tasks {
@@ -677,7 +700,11 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
             }
         }
     }
+    signals.abort();
     shared.bar.finish_and_clear();
+    if first_err.is_none() && interrupted.load(Ordering::Relaxed) {
+        first_err = Some(anyhow::anyhow!("interrupted (SIGINT or SIGTERM)"));
+    }
     if let Some(e) = first_err {
         let placed: Vec<Placed> = outs.into_iter().flat_map(|o| o.placed).collect();
         return Err(salvage(&alloc, &shared, placed, e).await);

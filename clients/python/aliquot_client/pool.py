@@ -215,8 +215,14 @@ class Pool:
         """Free blocks' extents; the txg the frees belong to (an int that
         also carries the allocator generation it belongs to)."""
         extents = [e for b in blocks for e in b.extents]
-        r = self._repeat("free", self.allocator.Free, allocator_pb2.FreeRequest(extents=extents))
-        return Txg(r.txg, r.generation)
+        # The allocator takes at most 4096 extents per Free.
+        txg, generation = 0, 0
+        for i in range(0, len(extents), 4096):
+            r = self._repeat(
+                "free", self.allocator.Free, allocator_pb2.FreeRequest(extents=extents[i : i + 4096])
+            )
+            txg, generation = max(txg, r.txg), r.generation
+        return Txg(txg, generation)
 
     def get_pool(self) -> allocator_pb2.PoolStatus:
         return self._repeat("get pool", self.allocator.GetPool, allocator_pb2.GetPoolRequest())

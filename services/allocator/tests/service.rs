@@ -589,6 +589,20 @@ async fn bad_input_gets_a_precise_status_and_changes_nothing() {
         .await
         .map(|_| ());
     expect(abort, Code::NotFound, "987654");
+    // One request names at most 4096 extents (issue 27, item 3).
+    let many = c
+        .free(pb::FreeRequest {
+            extents: (0..4097u64)
+                .map(|k| pb::Extent {
+                    vdev: 0,
+                    offset: k << 20,
+                    size: 4096,
+                })
+                .collect(),
+        })
+        .await
+        .map(|_| ());
+    expect(many, Code::InvalidArgument, "at most 4096");
     let free = |e: pb::Extent| {
         let mut c = c.clone();
         async move {

@@ -96,6 +96,7 @@ async fn session(
             label_pool_guid: mark.pool_guid,
             label_generation: mark.generation,
             label_txg: mark.txg,
+            label_state_digest: mark.digest,
         })
         .await
         .map_err(|s| {
@@ -197,6 +198,7 @@ async fn record_mark(agent: &Agent, ack: &aliquot_proto::v1::ReportAck) {
         pool_guid: ack.pool_guid,
         generation: ack.generation,
         txg: ack.synced_txg,
+        digest: ack.state_digest,
     };
     if agent.uberblocks().current() == Some(mark) {
         return;

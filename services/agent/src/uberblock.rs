@@ -24,8 +24,8 @@ const MAGIC: &[u8; 8] = b"ALQTUBER";
 const VERSION: u32 = 1;
 /// Byte offsets of the two slots in the label area.
 const SLOTS: [u64; 2] = [LABEL_BLOCK as u64, 2 * LABEL_BLOCK as u64];
-/// magic, version, seq, pool guid, generation, txg, checksum.
-const ENCODED: usize = 8 + 4 + 8 * 4 + 8;
+/// magic, version, seq, pool guid, generation, txg, digest, checksum.
+const ENCODED: usize = 8 + 4 + 8 * 5 + 8;
 
 /// What a device's label says of its pool.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -34,13 +34,15 @@ pub struct PoolMark {
     pub generation: u64,
     /// The newest txg the allocator had synced when it told us.
     pub txg: u64,
+    /// The store's state digest at that txg (0: not known).
+    pub digest: u64,
 }
 
 fn encode(seq: u64, m: &PoolMark) -> Vec<u8> {
     let mut b = Vec::with_capacity(LABEL_BLOCK);
     b.extend_from_slice(MAGIC);
     b.extend_from_slice(&VERSION.to_le_bytes());
-    for v in [seq, m.pool_guid, m.generation, m.txg] {
+    for v in [seq, m.pool_guid, m.generation, m.txg, m.digest] {
         b.extend_from_slice(&v.to_le_bytes());
     }
     let sum = crate::label::fnv1a64(&b);
@@ -59,7 +61,7 @@ fn decode(b: &[u8]) -> Option<(u64, PoolMark)> {
     if u32::from_le_bytes(b[8..12].try_into().expect("4 bytes")) != VERSION {
         return None;
     }
-    if crate::label::fnv1a64(&b[..44]) != u64_at(44) {
+    if crate::label::fnv1a64(&b[..52]) != u64_at(52) {
         return None;
     }
     Some((
@@ -68,6 +70,7 @@ fn decode(b: &[u8]) -> Option<(u64, PoolMark)> {
             pool_guid: u64_at(20),
             generation: u64_at(28),
             txg: u64_at(36),
+            digest: u64_at(44),
         },
     ))
 }
@@ -154,6 +157,7 @@ mod tests {
             pool_guid: 7,
             generation: 1,
             txg: 10,
+            digest: 0xabc,
         };
         let m2 = PoolMark { txg: 11, ..m1 };
         assert!(u.record(m1).unwrap());

@@ -278,6 +278,7 @@ impl Running {
 pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Running> {
     let mut v = validate(&config)?;
     let mut owners = extent_owners::ExtentOwners::default();
+    let mut state_digest = 0;
     let (pool, guid, synced) = match store.load().await? {
         Some(p) => {
             if let Some(want) = config.pool_guid
@@ -303,6 +304,7 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
                 "pool recovered from the store"
             );
             owners = extent_owners::ExtentOwners::restore(p.owner_identities, p.owner_runs);
+            state_digest = p.state_digest;
             (pool, Some((p.pool_guid, p.vdevs)), p.synced_txg)
         }
         None => {
@@ -379,6 +381,10 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
     let shared = Shared::new(pool, settings, pool_guid, fencing, store, synced);
     // Agents are told which allocations ended only when there are tokens.
     shared.lock().revoke_tokens = shared.settings.token_signer.is_some();
+    *shared
+        .synced_state
+        .lock()
+        .unwrap_or_else(|p| p.into_inner()) = (synced, state_digest);
     if let Some((_, vdevs)) = guid {
         // Known vdevs come back silent and unallocatable until their agents
         // report: an agent learns the new generation from its RegisterReply

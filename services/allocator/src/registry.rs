@@ -253,8 +253,19 @@ impl RegistryService {
                 ),
             });
         }
-        let store_txg = self.shared.synced_txg();
-        if r.label_txg <= store_txg {
+        let (store_txg, store_digest) = *self
+            .shared
+            .synced_state
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        // At the same txg the digests must agree (0: not known on a side):
+        // otherwise the store is of another history (a copy that went its
+        // own way), and what the device holds is not what it says.
+        let diverged = r.label_txg == store_txg
+            && r.label_state_digest != 0
+            && store_digest != 0
+            && r.label_state_digest != store_digest;
+        if r.label_txg < store_txg || (r.label_txg == store_txg && !diverged) {
             return Ok(());
         }
         let vdev = self
@@ -274,6 +285,21 @@ impl RegistryService {
                 r.label_txg
             );
             return Ok(());
+        }
+        if diverged {
+            return Err(self.shared.refuse_rolled_back(RolledBack {
+                vdev,
+                label_txg: r.label_txg,
+                store_txg,
+                message: format!(
+                    "the store is not the pool's: {device} saw txg {store_txg} sync with state \
+                     digest {:#x}, this store's txg {store_txg} has digest {store_digest:#x} (a \
+                     copy of the store that went its own way). Restore the store the devices \
+                     were written with, or accept this one: restart the allocator with \
+                     --rewind-to {store_txg}.",
+                    r.label_state_digest
+                ),
+            }));
         }
         Err(self.shared.refuse_rolled_back(RolledBack {
             vdev,
@@ -495,6 +521,11 @@ impl RegistryService {
         }
         stall_check(&mut g, id);
         let (revoked_allocations, revoked_expires_ms) = g.take_revoked(id).into_iter().unzip();
+        let synced_state = *self
+            .shared
+            .synced_state
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         let stats = g.pool.stats();
         let v = stats.vdevs.iter().find(|v| v.id == id);
         Ok(pb::ReportAck {
@@ -503,7 +534,8 @@ impl RegistryService {
             generation: self.shared.fencing.generation,
             // What the agent writes to its label: only a txg already durable.
             pool_guid: self.shared.pool_guid,
-            synced_txg: self.shared.synced_txg(),
+            synced_txg: synced_state.0,
+            state_digest: synced_state.1,
             revoked_allocations,
             revoked_expires_ms,
         })

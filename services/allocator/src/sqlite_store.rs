@@ -335,6 +335,11 @@ async fn load_state(conn: &mut SqliteConnection) -> Result<Option<Persisted>, St
     .map_err(db)?;
     // A store written by a binary from before owners (read by `verify`
     // without migrating) has no owner tables: no owners.
+    // Stores from before digests (read by `verify` unmigrated): unknown.
+    let state_digest: i64 = sqlx::query_scalar("SELECT state_digest FROM pool WHERE id = 1")
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap_or(0);
     let has_owners: bool = sqlx::query_scalar(
         "SELECT count(*) > 0 FROM sqlite_master WHERE type = 'table' AND name = 'owner_runs'",
     )
@@ -349,6 +354,7 @@ async fn load_state(conn: &mut SqliteConnection) -> Result<Option<Persisted>, St
             allocated,
             tunables,
             vdev_states,
+            state_digest: u(state_digest),
             ..Default::default()
         }));
     }
@@ -378,6 +384,7 @@ async fn load_state(conn: &mut SqliteConnection) -> Result<Option<Persisted>, St
         vdev_states,
         owner_identities,
         owner_runs,
+        state_digest: u(state_digest),
     }))
 }
 
@@ -734,8 +741,9 @@ impl SqliteStore {
                 .map_err(db)?;
             }
         }
-        sqlx::query("UPDATE pool SET synced_txg = ? WHERE id = 1")
+        sqlx::query("UPDATE pool SET synced_txg = ?, state_digest = ? WHERE id = 1")
             .bind(i(txg))
+            .bind(i(rec.state_digest))
             .execute(&mut *tx)
             .await
             .map_err(db)?;

@@ -542,6 +542,9 @@ pub struct Shared {
     /// Set when a device's label proved the store older than the pool:
     /// from then on nothing is served (see `refuse_rolled_back`).
     rolled_back: Mutex<Option<RolledBack>>,
+    /// The last synced txg and the store's state digest at it, as one pair
+    /// (what ReportAck tells the agents to write to their labels).
+    pub synced_state: Mutex<(Txg, u64)>,
 }
 
 /// What proved the store older than the pool.
@@ -602,6 +605,7 @@ impl Shared {
             closed: watch::Sender::new(false),
             owners: Default::default(),
             rolled_back: Mutex::new(None),
+            synced_state: Mutex::new((synced_txg, 0)),
         })
     }
 

@@ -77,6 +77,33 @@ pub struct TxgRecord {
     pub relocations: Vec<RelocationRecord>,
     /// Owners of committed extents changed in this txg.
     pub owners: crate::extent_owners::OwnerChanges,
+    /// The store's state digest after this txg: [`state_digest`] of the
+    /// previous one and this record. Devices' labels keep it beside the
+    /// txg, so a store of another history at the same txg is caught.
+    pub state_digest: u64,
+}
+
+/// The state digest after `rec`, chained from the previous txg's `prev`
+/// (FNV-1a 64 over the txg and its space changes, in persist order): two
+/// stores at the same txg with different histories differ in it.
+pub fn state_digest(prev: u64, rec: &TxgRecord) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |v: u64| {
+        for b in v.to_le_bytes() {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    };
+    eat(prev);
+    eat(rec.sync.txg);
+    for c in &rec.sync.changes {
+        eat(matches!(c.kind, SpaceChangeKind::Alloc) as u64);
+        eat(c.extent.vdev as u64);
+        eat(c.extent.offset);
+        eat(c.extent.size);
+    }
+    // Never 0: 0 means "not known" (stores from before digests).
+    h.max(1)
 }
 
 /// What `load` returns: the state as of the last synced txg.
@@ -97,6 +124,8 @@ pub struct Persisted {
     /// `(vdev, start, end, owner)` (see `crate::extent_owners`).
     pub owner_identities: Vec<(u32, String)>,
     pub owner_runs: Vec<(u32, u64, u64, u32)>,
+    /// The state digest at `synced_txg` (0: not known).
+    pub state_digest: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -200,6 +229,7 @@ struct MemState {
     rewind_generation: u64,
     owner_identities: BTreeMap<u32, String>,
     owner_runs: BTreeMap<(u32, u64), (u64, u32)>,
+    state_digest: u64,
 }
 
 impl MemStore {
@@ -262,6 +292,7 @@ impl MemStore {
             }
         }
         st.synced_txg = record.sync.txg;
+        st.state_digest = record.state_digest;
         Ok(())
     }
 }
@@ -314,6 +345,7 @@ impl Store for MemStore {
                 .iter()
                 .map(|(&(v, st), &(e, o))| (v, st, e, o))
                 .collect(),
+            state_digest: s.state_digest,
         });
         Box::pin(async move { Ok(out) })
     }

@@ -61,13 +61,22 @@ pub async fn sync_once(shared: &Shared) {
         let vdev_states = std::mem::take(&mut g.pending_vdev_states);
         let relocations = g.relocations.take_committed(sync.txg);
         let owners = g.extent_owners.take_changes();
-        TxgRecord {
+        let mut rec = TxgRecord {
             sync,
             vdevs,
             vdev_states,
             relocations,
             owners,
-        }
+            state_digest: 0,
+        };
+        // Syncs run one at a time: the pair holds the previous txg's digest.
+        let prev = shared
+            .synced_state
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .1;
+        rec.state_digest = crate::store::state_digest(prev, &rec);
+        rec
     };
     let txg = record.sync.txg;
     let span = tracing::info_span!(
@@ -104,6 +113,10 @@ pub async fn sync_once(shared: &Shared) {
         g.syncing_bytes = 0;
         g.synced(txg, Instant::now());
     }
+    *shared
+        .synced_state
+        .lock()
+        .unwrap_or_else(|p| p.into_inner()) = (txg, record.state_digest);
     shared.synced.send_replace(txg);
 }
 

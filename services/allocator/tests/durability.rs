@@ -1068,3 +1068,50 @@ async fn space_maps_match_the_reference_store() {
     );
     c.close().await.unwrap();
 }
+
+/// Issue 25: a device's label keeps the store's state digest beside the
+/// synced txg; at the same txg a different digest means the store is of
+/// another history (a copy that went its own way): refused, and sticky.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_of_another_history_at_the_same_txg_is_refused() {
+    let mut h = start(config()).await;
+    let v = h.add_vdev(1, GIB).await;
+    let a = h.allocate(MIB).await.unwrap();
+    h.commit(vec![a.allocation_id]).await.unwrap();
+    h.sync().await;
+    let pool = h.pool().await;
+    let ack = h
+        .registry
+        .report(tokio_stream::iter([pb::AgentReport {
+            vdev: v,
+            capacity: GIB,
+            health: pb::VdevHealth::Healthy as i32,
+            ..Default::default()
+        }]))
+        .await
+        .unwrap()
+        .into_inner()
+        .message()
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(ack.synced_txg, pool.synced_txg);
+    assert_ne!(ack.state_digest, 0, "a digest once a txg synced");
+    // The same history: accepted.
+    let mut same = register_req(1, GIB);
+    same.label_pool_guid = pool.guid;
+    same.label_txg = ack.synced_txg;
+    same.label_state_digest = ack.state_digest;
+    h.registry.register(same).await.expect("the same history");
+    // Another history at the same txg: refused, and nothing is served after.
+    let mut other = register_req(3, GIB);
+    other.label_pool_guid = pool.guid;
+    other.label_txg = ack.synced_txg;
+    other.label_state_digest = ack.state_digest ^ 1;
+    let e = h.registry.register(other).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+    assert!(e.message().contains("is not the pool's"), "{e}");
+    assert!(e.message().contains("--rewind-to"), "{e}");
+    let e = h.allocate(MIB).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+}

@@ -185,6 +185,9 @@ struct Cluster {
     /// vdev id → endpoint, as the allocator reported them.
     endpoints: HashMap<u32, String>,
     guids: Vec<(u32, u64)>,
+    /// The vdev whose agent is stopped (SIGSTOP) across a restart: it
+    /// cannot report in, so a restart does not wait for it.
+    asleep: Option<u32>,
 }
 
 fn lazy(url: &str) -> Channel {
@@ -270,6 +273,7 @@ impl Cluster {
             agent_clients: HashMap::new(),
             endpoints: HashMap::new(),
             guids: Vec::new(),
+            asleep: None,
         };
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
@@ -317,12 +321,44 @@ impl Cluster {
     }
 
     async fn restart_allocator(&mut self) {
+        self.restart_allocator_on_any_store().await;
+        self.wait_vdevs_reported().await;
+    }
+
+    /// Restarts the allocator without waiting for the agents to report in
+    /// (on an older store they never will: it is refused).
+    async fn restart_allocator_on_any_store(&mut self) {
         self.alloc.restart().expect("restart allocator");
         self.client = AllocatorClient::new(lazy(&self.alloc_url));
         // Same pool, same vdevs, same ids.
         let s = self.pool().await;
         let guids: Vec<(u32, u64)> = s.vdevs.iter().map(|v| (v.vdev, v.guid)).collect();
         assert_eq!(guids, self.guids, "vdevs recovered with their ids");
+    }
+
+    async fn wait_vdevs_reported(&mut self) {
+        // Recovered vdevs stay unavailable until their agents report in
+        // the new generation; a client would wait (as `aliquotctl write
+        // --allocator-wait` does), and so does the test.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let s = self.pool().await;
+            let waiting: Vec<u32> = s
+                .vdevs
+                .iter()
+                .filter(|v| Some(v.vdev) != self.asleep)
+                .filter(|v| v.health == pb::VdevHealth::Unavailable as i32)
+                .map(|v| v.vdev)
+                .collect();
+            if waiting.is_empty() {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "vdevs {waiting:?} never reported in after the restart"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 }
 
@@ -839,6 +875,7 @@ async fn crash_run_with(
                 signal(&c.agents[victim], "-STOP");
                 c.alloc.kill9();
                 check_store(&mut c, &mut m).await;
+                c.asleep = Some(vdev);
                 c.restart_allocator().await;
                 resolve(&mut c, &mut m).await;
                 // The other agents report in; the sleeping one cannot: not
@@ -866,6 +903,7 @@ async fn crash_run_with(
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
                 signal(&c.agents[victim], "-CONT");
+                c.asleep = None;
                 tokio::time::sleep(Duration::from_millis(600)).await;
                 check_patterns(&mut c, &mut m, None).await;
             }
@@ -890,7 +928,7 @@ async fn crash_run_with(
                 let newest = c.dir.join("newest-store");
                 copy_store(&store_dir, &newest);
                 copy_store(&older, &store_dir);
-                c.restart_allocator().await;
+                c.restart_allocator_on_any_store().await;
                 let deadline = Instant::now() + Duration::from_secs(10);
                 loop {
                     match c.client.allocate(data_req(64 << 10)).await {

@@ -158,6 +158,13 @@ pub struct Config {
     #[arg(long, env = "ALIQUOT_TOKEN_KEY")]
     pub token_key: Option<PathBuf>,
 
+    /// With mutual TLS, serve writes without checking write tokens: any
+    /// client certificate may then write anywhere on the device. Without
+    /// this flag an agent with TLS refuses to start without --token-key.
+    #[arg(long, env = "ALIQUOT_UNCHECKED_WRITES", conflicts_with = "token_key",
+          value_parser = clap::builder::BoolishValueParser::new())]
+    pub unchecked_writes: bool,
+
     #[command(flatten)]
     pub telemetry: telemetry::TelemetryArgs,
 }
@@ -192,6 +199,7 @@ impl Config {
             // loopback unless given files; the CLI has no such default.
             tls: aliquot_auth::TlsArgs::insecure(),
             token_key: None,
+            unchecked_writes: false,
             telemetry: Default::default(),
         }
     }
@@ -199,6 +207,16 @@ impl Config {
     /// Checks everything that can be checked without touching the device.
     pub fn validate(&self) -> Result<(), AgentError> {
         let bad = |m: String| Err(AgentError::Config(m));
+        // Issue 27: TLS authenticates clients, but without tokens any client
+        // certificate could overwrite any block; say so rather than warn.
+        if self.tls.files().is_some() && self.token_key.is_none() && !self.unchecked_writes {
+            return bad(
+                "mutual TLS without --token-key: any client certificate could write anywhere on \
+                 this device. Give --token-key (the allocator's token.pub, or the pool's CA \
+                 directory), or --unchecked-writes to serve writes unchecked"
+                    .into(),
+            );
+        }
         if !(9..=16).contains(&self.ashift) {
             return bad(format!("--ashift {} is out of range 9..=16", self.ashift));
         }

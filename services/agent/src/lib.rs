@@ -157,6 +157,7 @@ pub async fn serve(
         tracing::info!("write tokens required (--token-key)");
     } else {
         tracing::warn!(
+            unchecked_writes = config.unchecked_writes,
             "no --token-key: writes are not checked against the allocator's write tokens"
         );
     }
@@ -236,13 +237,19 @@ pub fn tune_allocator() {
     }
 }
 
-/// Resolves on SIGINT or SIGTERM.
-pub async fn shutdown_signal() {
+/// Resolves on SIGINT or SIGTERM. The handlers are installed when this is
+/// called, not when the future is first polled: the server may answer calls
+/// (and print LISTEN) before it polls its shutdown future, and a SIGTERM in
+/// between would otherwise kill the process without flushing the device.
+pub fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     use tokio::signal::unix::{SignalKind, signal};
     let mut term = signal(SignalKind::terminate()).expect("install SIGTERM handler");
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
+    let mut int = signal(SignalKind::interrupt()).expect("install SIGINT handler");
+    async move {
+        tokio::select! {
+            _ = int.recv() => {}
+            _ = term.recv() => {}
+        }
+        tracing::info!("shutdown signal received");
     }
-    tracing::info!("shutdown signal received");
 }

@@ -51,6 +51,37 @@ fn bad_configuration_exits_2_with_a_clear_message() {
         "{err}"
     );
 
+    // Mutual TLS without --token-key: refused unless --unchecked-writes
+    // (any client certificate could write anywhere), before the device.
+    let certs = dir.path().join("certs");
+    let ca = aliquot_auth::PoolCa::init(&certs, "p").unwrap();
+    let issued = ca.issue(aliquot_auth::Role::Agent, "a0", &[]).unwrap();
+    let fresh = dir.path().join("fresh.img");
+    let tls = [
+        "--path".to_string(),
+        fresh.display().to_string(),
+        "--capacity".into(),
+        "16MiB".into(),
+        "--tls-ca".into(),
+        certs.join(aliquot_auth::ca::CA_CERT).display().to_string(),
+        "--tls-cert".into(),
+        issued.cert.display().to_string(),
+        "--tls-key".into(),
+        issued.key.display().to_string(),
+    ];
+    let out = Command::new(BIN)
+        .args(&tls)
+        .env_remove("ALIQUOT_INSECURE")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("--token-key") && err.contains("--unchecked-writes"),
+        "{err}"
+    );
+    assert!(!fresh.exists(), "the device was not touched");
+
     // clap's own usage errors are 2 as well.
     let (code, _) = run_fails(&["--no-such-flag"]);
     assert_eq!(code, 2);

@@ -8,6 +8,8 @@
 //! on loopback) unless their arguments or environment bring TLS files or
 //! say otherwise. Security tests pass certificates; see `tests/security.rs`.
 
+pub mod postgres;
+
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;

@@ -53,7 +53,10 @@ pub struct Config {
     #[arg(long, env = "ALIQUOT_ADVERTISE")]
     pub advertise: Option<String>,
 
-    /// The allocator's URL; "none" runs the agent without registering.
+    /// The allocator's URL, or several separated by commas (allocators
+    /// sharing one PostgreSQL store: the agent registers with whichever
+    /// leads, following NOT_LEADER); "none" runs the agent without
+    /// registering.
     #[arg(
         long,
         env = "ALIQUOT_ALLOCATOR",
@@ -286,17 +289,27 @@ impl Config {
                 "--advertise {a} must be an http:// or https:// URL"
             ));
         }
-        if !self.registers()
-            || self.allocator.starts_with("http://")
-            || self.allocator.starts_with("https://")
-        {
-            Ok(())
-        } else {
-            bad(format!(
-                "--allocator {} must be an http:// URL or \"none\"",
-                self.allocator
-            ))
+        if !self.registers() {
+            return Ok(());
         }
+        for a in self.allocators() {
+            if !(a.starts_with("http://") || a.starts_with("https://")) {
+                return bad(format!(
+                    "--allocator {a} must be an http:// or https:// URL (or \"none\")"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The allocator URLs of --allocator, in order.
+    pub fn allocators(&self) -> Vec<String> {
+        self.allocator
+            .split(',')
+            .map(str::trim)
+            .filter(|a| !a.is_empty())
+            .map(str::to_string)
+            .collect()
     }
 
     /// Whether the agent registers with an allocator at all.

@@ -111,7 +111,7 @@ pub async fn serve(
     if config.registers() {
         tasks.push(tokio::spawn(registration::run(
             agent.clone(),
-            config.allocator.clone(),
+            config.allocators(),
             endpoint,
             config.tls.files(),
             stop_rx.clone(),

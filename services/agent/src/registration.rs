@@ -2,7 +2,9 @@
 //! then keep the `Report` stream open with one report per interval. Any
 //! failure (allocator down, stream closed, refused registration) ends the
 //! session; the agent reconnects with exponential backoff capped at 5 s and
-//! registers again. It never exits because the allocator is away.
+//! registers again. It never exits because the allocator is away. Given
+//! several allocators (one leads, the others stand by), it follows a
+//! NOT_LEADER refusal to the leader it names, or tries the next one.
 
 use std::time::Duration;
 
@@ -15,25 +17,69 @@ use crate::agent::Agent;
 
 const BACKOFF_START: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(5);
+/// With several allocators, one of them takes over within its lease: keep
+/// looking often enough to report to it within a second of the takeover.
+const BACKOFF_MAX_SEVERAL: Duration = Duration::from_millis(500);
 const DEFAULT_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Why a session ended, and the leader a standby named, if any.
+struct Ended {
+    why: String,
+    leader: Option<String>,
+}
+
+impl From<String> for Ended {
+    fn from(why: String) -> Ended {
+        Ended { why, leader: None }
+    }
+}
+
+impl From<&str> for Ended {
+    fn from(why: &str) -> Ended {
+        Ended::from(why.to_string())
+    }
+}
+
+/// The leader a NOT_LEADER refusal names (empty metadata: none known).
+fn leader_of(s: &tonic::Status) -> Option<String> {
+    use tonic_types::StatusExt;
+    let info = s.get_details_error_info()?;
+    (info.reason == "NOT_LEADER")
+        .then(|| info.metadata.get("leader").cloned())
+        .flatten()
+        .filter(|l| !l.is_empty())
+}
 
 /// Register and report until `stop` turns true.
 pub async fn run(
     agent: Agent,
-    allocator: String,
+    allocators: Vec<String>,
     endpoint: String,
     tls: Option<aliquot_auth::TlsFiles>,
     mut stop: watch::Receiver<bool>,
 ) {
     let mut backoff = BACKOFF_START;
     let mut failures: u32 = 0;
+    let mut current = 0usize;
+    let mut allocator = allocators.first().cloned().unwrap_or_default();
     loop {
         let mut registered = false;
         let result = tokio::select! {
-            r = session(&agent, &allocator, &endpoint, tls.as_ref(), &mut registered) => r,
+            r = session(&agent, &allocator, allocators.len() > 1, &endpoint, tls.as_ref(), &mut registered) => r,
             _ = stop.wait_for(|s| *s) => return,
         };
-        let Err(e) = result;
+        let Err(Ended { why: e, leader }) = result;
+        // Next: the leader a standby named, else the next allocator given.
+        if let Some(l) = leader.filter(|l| *l != allocator) {
+            tracing::info!(from = %allocator, to = %l, "following NOT_LEADER to the leader");
+            allocator = l;
+            backoff = BACKOFF_START;
+            continue;
+        }
+        if allocators.len() > 1 {
+            current = (current + 1) % allocators.len();
+            allocator = allocators[current].clone();
+        }
         if registered {
             // A working session ended: start over with a short backoff.
             tracing::warn!(allocator = %allocator, error = %e, "lost the allocator, reconnecting");
@@ -51,7 +97,12 @@ pub async fn run(
             _ = tokio::time::sleep(backoff) => {}
             _ = stop.wait_for(|s| *s) => return,
         }
-        backoff = (backoff * 2).min(BACKOFF_MAX);
+        let cap = if allocators.len() > 1 {
+            BACKOFF_MAX_SEVERAL
+        } else {
+            BACKOFF_MAX
+        };
+        backoff = (backoff * 2).min(cap);
     }
 }
 
@@ -59,21 +110,28 @@ pub async fn run(
 async fn session(
     agent: &Agent,
     allocator: &str,
+    several: bool,
     endpoint: &str,
     tls: Option<&aliquot_auth::TlsFiles>,
     registered: &mut bool,
-) -> Result<std::convert::Infallible, String> {
+) -> Result<std::convert::Infallible, Ended> {
     // Mutual TLS to a server whose certificate says "allocator" (the URL's
     // scheme follows: https), or plaintext under --insecure.
     let channel = aliquot_auth::ClientTls::from(tls.cloned())
         .endpoint(allocator, aliquot_auth::Role::Allocator)
         .map_err(|e| format!("allocator endpoint: {e}"))?;
+    // Notice a vanished allocator even when no report is due; sooner when
+    // another allocator may be taking over from a paused one.
+    let (ping, patience) = if several {
+        (Duration::from_secs(1), Duration::from_secs(2))
+    } else {
+        (Duration::from_secs(2), Duration::from_secs(3))
+    };
     let channel = channel
         .connect_timeout(Duration::from_secs(2))
         .tcp_nodelay(true)
-        // Notice a vanished allocator even when no report is due.
-        .http2_keep_alive_interval(Duration::from_secs(2))
-        .keep_alive_timeout(Duration::from_secs(3))
+        .http2_keep_alive_interval(ping)
+        .keep_alive_timeout(patience)
         .keep_alive_while_idle(true)
         .connect()
         .await
@@ -81,31 +139,36 @@ async fn session(
     let mut client = AgentRegistryClient::with_interceptor(channel, telemetry::TraceInjector);
     let info = agent.info().clone();
     let mark = agent.uberblocks().current().unwrap_or_default();
-    let reply = client
-        .register(RegisterRequest {
-            endpoint: endpoint.to_string(),
-            device_guid: info.guid,
-            name: info.name.clone(),
-            capacity: info.capacity,
-            ashift: info.ashift,
-            rotational: info.rotational,
-            children: agent.children(),
-            parity: agent.parity(),
-            log: agent.log(),
-            backend: info.backend.as_str().into(),
-            label_pool_guid: mark.pool_guid,
-            label_generation: mark.generation,
-            label_txg: mark.txg,
-            label_state_digest: mark.digest,
-        })
+    // A paused allocator accepts the connection and never answers.
+    let registering = client.register(RegisterRequest {
+        endpoint: endpoint.to_string(),
+        device_guid: info.guid,
+        name: info.name.clone(),
+        capacity: info.capacity,
+        ashift: info.ashift,
+        rotational: info.rotational,
+        children: agent.children(),
+        parity: agent.parity(),
+        log: agent.log(),
+        backend: info.backend.as_str().into(),
+        label_pool_guid: mark.pool_guid,
+        label_generation: mark.generation,
+        label_txg: mark.txg,
+        label_state_digest: mark.digest,
+    });
+    let reply = tokio::time::timeout(Duration::from_secs(10), registering)
         .await
+        .map_err(|_| Ended::from("register: no answer in 10 s"))?
         .map_err(|s| {
             let e = format!("register: {}: {}", s.code(), s.message());
             // A refusal an operator must act on: say it loudly every time.
             if s.code() == tonic::Code::FailedPrecondition {
                 tracing::error!(allocator, "{e}");
             }
-            e
+            Ended {
+                why: e,
+                leader: leader_of(&s),
+            }
         })?
         .into_inner();
     // Never serve a pool other than the one the label names (an allocator
@@ -116,7 +179,7 @@ async fn session(
             reply.pool_guid, mark.pool_guid, mark.txg
         );
         tracing::error!("{e}");
-        return Err(e);
+        return Err(e.into());
     }
     agent.set_vdev(reply.vdev);
     agent.gate().learn_pool(reply.pool_guid, reply.generation);
@@ -180,7 +243,12 @@ async fn session(
                     }
                 }
                 Ok(None) => return Err("the allocator ended the report stream".into()),
-                Err(s) => return Err(format!("report stream: {}: {}", s.code(), s.message())),
+                Err(s) => {
+                    return Err(Ended {
+                        why: format!("report stream: {}: {}", s.code(), s.message()),
+                        leader: leader_of(&s),
+                    })
+                }
             },
         }
     }

@@ -42,6 +42,13 @@ pub enum Error {
         synced: Txg,
         window_ms: u64,
     },
+    /// A standby, or a leader whose lease ran out or that was replaced.
+    #[error("this allocator does not lead the pool ({why}){}", leader_hint(.leader))]
+    NotLeader {
+        why: String,
+        leader: String,
+        generation: u64,
+    },
     #[error(
         "generation {seen} is newer than this allocator's ({current}): another allocator serves this pool?"
     )]
@@ -168,7 +175,7 @@ impl Error {
             Error::NotOwnerAllocation { .. }
             | Error::NotOwnerDevice { .. }
             | Error::NotOwnerExtent { .. } => Code::PermissionDenied,
-            Error::ShuttingDown => Code::Unavailable,
+            Error::ShuttingDown | Error::NotLeader { .. } => Code::Unavailable,
             Error::PoolDegraded(_) | Error::RelocationConflict { .. } => Code::FailedPrecondition,
             Error::Store(_) => Code::Internal,
             Error::PoolMismatch { .. } | Error::StoreRolledBack { .. } => Code::FailedPrecondition,
@@ -292,6 +299,15 @@ impl Error {
                 vec![("device", format!("{device:#x}"))],
             ),
             Error::ShuttingDown => (ErrorReason::ShuttingDown, vec![]),
+            Error::NotLeader {
+                leader, generation, ..
+            } => (
+                ErrorReason::NotLeader,
+                vec![
+                    ("leader", leader.clone()),
+                    ("generation", generation.to_string()),
+                ],
+            ),
             Error::PoolDegraded(v) => (ErrorReason::PoolDegraded, vec![("vdevs", v.join(","))]),
             Error::RelocationConflict { extent, allocation } => (
                 ErrorReason::RelocationConflict,
@@ -331,6 +347,14 @@ impl Error {
     /// The reason's proto name (ErrorInfo.reason, StreamError.reason).
     pub fn reason_name(&self) -> &'static str {
         self.reason().0.as_str_name()
+    }
+}
+
+fn leader_hint(leader: &str) -> String {
+    if leader.is_empty() {
+        ": no allocator leads it now; retry shortly".into()
+    } else {
+        format!(": the leader is {leader}, retry there")
     }
 }
 

@@ -12,9 +12,12 @@ pub mod claim;
 pub mod convert;
 pub mod error;
 pub mod extent_owners;
+pub mod ha;
+pub mod leadership;
 pub mod lock;
 pub mod metrics_push;
 pub mod ownership;
+pub mod pg_store;
 pub mod rebalance;
 pub mod recovery;
 pub mod registry;
@@ -86,6 +89,21 @@ pub struct Config {
         default_value = "./aliquot-data/allocator"
     )]
     pub data_dir: PathBuf,
+    /// The pool's state in PostgreSQL instead of `--data-dir`'s SQLite file
+    /// (`postgres://user:password@host:port/database`): several allocators
+    /// may then share it, one leading and the others standing by (see
+    /// --leader-lease). The database may hold several pools, by --pool.
+    #[arg(long, env = "ALIQUOT_STORE", value_name = "URL")]
+    pub store: Option<String>,
+    /// With --store: how long a leader's lease lasts. The leader renews it
+    /// every third of that; a standby takes the pool once it has expired.
+    #[arg(long, env = "ALIQUOT_LEADER_LEASE", default_value = "5s", value_parser = units::duration_arg)]
+    pub leader_lease: Duration,
+    /// With --store: the URL clients and agents reach this allocator at,
+    /// named by standbys as the leader's (default: the scheme and the
+    /// listen address).
+    #[arg(long, env = "ALIQUOT_ADVERTISE", value_name = "URL")]
+    pub advertise: Option<String>,
     /// Refuse a store whose pool guid is not this (decimal or 0x-hex); a
     /// fresh pool is created with it.
     #[arg(long, env = "ALIQUOT_POOL_GUID", value_parser = parse_guid)]
@@ -276,6 +294,28 @@ impl Running {
 
 /// Validate, rebuild the pool from `store`, bind and serve in the background.
 pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Running> {
+    validate(&config)?;
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .map_err(|e| anyhow::anyhow!("bind {}: {e}", config.listen))?;
+    let addr = listener.local_addr()?;
+    // Without nodelay, Nagle and delayed ACKs add ~40 ms to small RPCs.
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    start_serving(config, store, addr, incoming, None).await
+}
+
+/// [`start`] on connections that arrive on `incoming` (bound at `addr`),
+/// leading under `lease` when the store is shared (`crate::ha`).
+pub(crate) async fn start_serving<I>(
+    config: Config,
+    store: Arc<dyn Store>,
+    addr: SocketAddr,
+    incoming: I,
+    lease: Option<Arc<leadership::Lease>>,
+) -> anyhow::Result<Running>
+where
+    I: futures_util::Stream<Item = Result<tokio::net::TcpStream, std::io::Error>> + Send + 'static,
+{
     let mut v = validate(&config)?;
     let mut owners = extent_owners::ExtentOwners::default();
     let mut state_digest = 0;
@@ -379,6 +419,9 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
             "claim window open: Claim is served, Allocate waits");
     }
     let shared = Shared::new(pool, settings, pool_guid, fencing, store, synced);
+    if let Some(l) = lease {
+        let _ = shared.lease.set(l);
+    }
     // Agents are told which allocations ended only when there are tokens.
     shared.lock().revoke_tokens = shared.settings.token_signer.is_some();
     *shared
@@ -423,11 +466,6 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
             let _ = g.pool.set_health(r.id, metaslab::Health::Unavailable);
         }
     }
-
-    let listener = tokio::net::TcpListener::bind(config.listen)
-        .await
-        .map_err(|e| anyhow::anyhow!("bind {}: {e}", config.listen))?;
-    let addr = listener.local_addr()?;
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     health_reporter
@@ -495,11 +533,7 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
             .add_service(reflection_v1alpha)
             .add_service(AllocatorServer::new(alloc_svc))
             .add_service(AgentRegistryServer::new(reg_svc))
-            .serve_with_incoming_shutdown(
-                // Without it, Nagle and delayed ACKs add ~40 ms to small RPCs.
-                tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-                async move { stop.stopping().await },
-            ),
+            .serve_with_incoming_shutdown(incoming, async move { stop.stopping().await }),
     );
     tracing::info!(%addr, pool = %config.pool, guid = pool_guid, policy = ?config.throttle_policy,
         txg_timeout_ms = v.txg_timeout.as_millis() as u64, "allocator serving");
@@ -560,33 +594,73 @@ async fn housekeeping(shared: Arc<Shared>) {
     }
 }
 
-/// Resolves on SIGINT or SIGTERM.
-pub async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
+/// SIGINT and SIGTERM, caught from the moment `install` returns (a signal
+/// sent right after the LISTEN line must not kill the process unhandled).
+pub struct ShutdownSignal {
     #[cfg(unix)]
-    {
-        let mut term =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-        tokio::select! {
-            _ = ctrl_c => {}
-            _ = async {
-                match term.as_mut() {
-                    Some(t) => { t.recv().await; }
+    term: Option<tokio::signal::unix::Signal>,
+    #[cfg(unix)]
+    int: Option<tokio::signal::unix::Signal>,
+}
+
+impl ShutdownSignal {
+    pub fn install() -> ShutdownSignal {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            ShutdownSignal {
+                term: signal(SignalKind::terminate()).ok(),
+                int: signal(SignalKind::interrupt()).ok(),
+            }
+        }
+        #[cfg(not(unix))]
+        ShutdownSignal {}
+    }
+
+    /// Resolves at the next SIGINT or SIGTERM.
+    pub async fn recv(&mut self) {
+        #[cfg(unix)]
+        {
+            async fn one(s: &mut Option<tokio::signal::unix::Signal>) {
+                match s.as_mut() {
+                    Some(s) => {
+                        s.recv().await;
+                    }
                     None => std::future::pending::<()>().await,
                 }
-            } => {}
+            }
+            tokio::select! {
+                _ = one(&mut self.term) => {}
+                _ = one(&mut self.int) => {}
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            let _ = tokio::signal::ctrl_c().await;
         }
     }
-    #[cfg(not(unix))]
-    {
-        let _ = ctrl_c.await;
-    }
+}
+
+/// Resolves on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    ShutdownSignal::install().recv().await
 }
 
 /// The binary's body: start, print the LISTEN line, serve until a signal.
 pub async fn run(config: Config) -> anyhow::Result<()> {
     // Refuse bad flags before touching the store.
     validate(&config)?;
+    if let Some(url) = &config.store {
+        if !pg_store::is_postgres_url(url) {
+            return Err(ConfigError(format!(
+                "--store {}: expected a postgres:// URL (the SQLite store is --data-dir)",
+                pg_store::redact(url)
+            ))
+            .into());
+        }
+        return ha::run(config.clone(), url.clone()).await;
+    }
+    let mut signals = ShutdownSignal::install();
     // One owner per store, for this process's lifetime (released by the
     // kernel however it ends).
     let _lock = lock::DataDirLock::acquire(&config.data_dir)?;
@@ -613,7 +687,7 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
         }
         out.flush()?;
     }
-    shutdown_signal().await;
+    signals.recv().await;
     tracing::info!("shutting down");
     let r = running.shutdown().await;
     store.close().await;

@@ -416,6 +416,60 @@ fn apply_in_order(
     Ok(map.into_iter().collect())
 }
 
+/// One space change of a vdev: kind, offset, size.
+pub type Change = (SpaceChangeKind, u64, u64);
+
+/// The chunks one txg's changes of a vdev must rewrite, given the vdev's
+/// chunk keys in order (not empty): runs `(first key, last key)` of
+/// consecutive chunks, each with the changes that fall in it, in order.
+/// Chunks are rewritten one at a time unless a change spans several, which
+/// are then joined into one run (so a sync of a million frees never holds
+/// more than a few chunks decoded). Shared by every store.
+pub fn plan_runs(keys: &[u64], changes: &[Change]) -> Vec<((u64, u64), Vec<Change>)> {
+    // Chunk `le` holds what may overlap a change (the last key at or
+    // before its offset; the first chunk for one before every key), and
+    // every chunk whose key lies inside it; `joined[k]`: chunks k and k + 1
+    // must be rewritten together.
+    let n = keys.len();
+    let mut owner: Vec<usize> = Vec::with_capacity(changes.len());
+    let mut need = vec![false; n];
+    let mut joined = vec![false; n];
+    for &(_, off, size) in changes {
+        let le = keys.partition_point(|&k| k <= off).saturating_sub(1);
+        let hi = keys.partition_point(|&k| k < off + size).max(le + 1);
+        need[le..hi].iter_mut().for_each(|x| *x = true);
+        joined[le..hi - 1].iter_mut().for_each(|x| *x = true);
+        owner.push(le);
+    }
+    // Runs of needed chunks, and each chunk's run.
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    let mut run_of = vec![usize::MAX; n];
+    let mut k = 0;
+    while k < n {
+        if !need[k] {
+            k += 1;
+            continue;
+        }
+        let first = k;
+        while joined[k] {
+            k += 1;
+        }
+        for r in &mut run_of[first..=k] {
+            *r = runs.len();
+        }
+        runs.push((first, k));
+        k += 1;
+    }
+    let mut per_run: Vec<Vec<(SpaceChangeKind, u64, u64)>> = vec![Vec::new(); runs.len()];
+    for (c, le) in changes.iter().zip(owner) {
+        per_run[run_of[le]].push(*c);
+    }
+    runs.into_iter()
+        .map(|(first, last)| (keys[first], keys[last]))
+        .zip(per_run)
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use futures_util::TryStreamExt;
 use futures_util::future::BoxFuture;
-use metaslab::{Extent, SpaceChangeKind, Txg, VdevRole, VdevSpec};
+use metaslab::{Extent, SpaceChangeKind, Txg, VdevRole};
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
     SqliteSynchronous,
@@ -26,9 +26,7 @@ use sqlx::sqlite::{
 use sqlx::{Connection, Row, Sqlite, SqliteExecutor};
 
 use crate::spacemap::{self, Chunk, Extents};
-use crate::store::{
-    AdminState, Persisted, RelocationRecord, Store, StoreError, TxgRecord, VdevRecord,
-};
+use crate::store::{Persisted, RelocationRecord, Store, StoreError, TxgRecord, VdevRow};
 
 /// The schema, embedded from `migrations/allocator/`.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/allocator");
@@ -222,59 +220,11 @@ async fn load_state(conn: &mut SqliteConnection) -> Result<Option<Persisted>, St
         return Ok(None);
     };
     let db = |e: sqlx::Error| e.to_string();
-    let rows = sqlx::query(
-        "SELECT id, guid, name, endpoint, capacity, ashift, metaslab_shift, metaslab_size,
-                children, parity, rotational, class, allocated, admin_state
-         FROM vdevs ORDER BY id",
-    )
-    .fetch_all(&mut *conn)
-    .await
-    .map_err(db)?;
-    let mut vdevs = Vec::with_capacity(rows.len());
-    let mut vdev_states = BTreeMap::new();
-    let mut recorded: BTreeMap<u32, u64> = BTreeMap::new();
-    for r in rows {
-        let vid: i64 = r.get(0);
-        let shift: i64 = r.get(6);
-        let ms_size: i64 = r.get(7);
-        if !(0..64).contains(&shift) || 1i64.checked_shl(shift as u32) != Some(ms_size) {
-            return Err(format!(
-                "vdev {vid}: metaslab size {ms_size} does not match its shift {shift}"
-            ));
-        }
-        let class: String = r.get(11);
-        let role = match class.as_str() {
-            "normal" => VdevRole::Normal,
-            "log" => VdevRole::Log,
-            other => return Err(format!("vdev {vid}: unknown class {other:?}")),
-        };
-        let vid = u32::try_from(vid).map_err(|_| format!("vdev id {vid} is out of range"))?;
-        recorded.insert(vid, u(r.get(12)));
-        let admin: String = r.get(13);
-        match AdminState::parse(&admin) {
-            Some(AdminState::Online) => {}
-            Some(a) => {
-                vdev_states.insert(vid, a);
-            }
-            None => return Err(format!("vdev {vid}: unknown admin state {admin:?}")),
-        }
-        vdevs.push(VdevRecord {
-            id: vid,
-            guid: u(r.get(1)),
-            name: r.get(2),
-            endpoint: r.get(3),
-            spec: VdevSpec {
-                capacity: u(r.get(4)),
-                ashift: u8::try_from(r.get::<i64, _>(5))
-                    .map_err(|_| format!("vdev {vid}: ashift out of range"))?,
-                children: r.get::<i64, _>(8) as u32,
-                parity: r.get::<i64, _>(9) as u32,
-                rotational: r.get::<i64, _>(10) != 0,
-                role,
-                metaslab_shift: Some(shift as u8),
-            },
-        });
-    }
+    let rows: Vec<VdevRow> = sqlx::query_as(VdevRow::SELECT)
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(db)?;
+    let (vdevs, vdev_states, recorded) = VdevRow::records(rows)?;
     // Streamed chunk by chunk: the rows are never all materialised.
     let mut allocated = Extents::default();
     let mut sums: BTreeMap<u32, u64> = BTreeMap::new();
@@ -860,46 +810,7 @@ async fn persist_vdev(
         let out = spacemap::apply(Vec::new(), changes)?;
         return write_run(tx, vdev, None, &out).await;
     }
-    // Chunk `le` holds what may overlap a change (the last key at or
-    // before its offset; the first chunk for one before every key), and
-    // every chunk whose key lies inside it; `joined[k]`: chunks k and k + 1
-    // must be rewritten together.
-    let n = keys.len();
-    let mut owner: Vec<usize> = Vec::with_capacity(changes.len());
-    let mut need = vec![false; n];
-    let mut joined = vec![false; n];
-    for &(_, off, size) in changes {
-        let le = keys.partition_point(|&k| k <= off).saturating_sub(1);
-        let hi = keys.partition_point(|&k| k < off + size).max(le + 1);
-        need[le..hi].iter_mut().for_each(|x| *x = true);
-        joined[le..hi - 1].iter_mut().for_each(|x| *x = true);
-        owner.push(le);
-    }
-    // Runs of needed chunks, and each chunk's run.
-    let mut runs: Vec<(usize, usize)> = Vec::new();
-    let mut run_of = vec![usize::MAX; n];
-    let mut k = 0;
-    while k < n {
-        if !need[k] {
-            k += 1;
-            continue;
-        }
-        let first = k;
-        while joined[k] {
-            k += 1;
-        }
-        for r in &mut run_of[first..=k] {
-            *r = runs.len();
-        }
-        runs.push((first, k));
-        k += 1;
-    }
-    let mut per_run: Vec<Vec<(SpaceChangeKind, u64, u64)>> = vec![Vec::new(); runs.len()];
-    for (c, le) in changes.iter().zip(owner) {
-        per_run[run_of[le]].push(*c);
-    }
-    for ((first, last), changes) in runs.into_iter().zip(per_run) {
-        let (kf, kl) = (keys[first], keys[last]);
+    for ((kf, kl), changes) in spacemap::plan_runs(&keys, changes) {
         let cur = read_run(&mut **tx, vdev, kf, kl).await?;
         let out = spacemap::apply(cur, &changes)?;
         write_run(tx, vdev, Some((kf, kl)), &out).await?;

@@ -545,6 +545,9 @@ pub struct Shared {
     /// The last synced txg and the store's state digest at it, as one pair
     /// (what ReportAck tells the agents to write to their labels).
     pub synced_state: Mutex<(Txg, u64)>,
+    /// Leadership among allocators sharing a store (`--store postgres://`);
+    /// `None` for a store with one writer by construction (SQLite).
+    pub lease: std::sync::OnceLock<Arc<crate::leadership::Lease>>,
 }
 
 /// What proved the store older than the pool.
@@ -606,6 +609,7 @@ impl Shared {
             owners: Default::default(),
             rolled_back: Mutex::new(None),
             synced_state: Mutex::new((synced_txg, 0)),
+            lease: std::sync::OnceLock::new(),
         })
     }
 
@@ -706,6 +710,9 @@ impl Shared {
     }
 
     pub fn check_serving(&self) -> Result<()> {
+        if let Some(l) = self.lease.get() {
+            l.check()?;
+        }
         if self.shutting_down.load(Ordering::Relaxed) {
             return Err(Error::ShuttingDown);
         }

@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
 
 use futures_util::future::BoxFuture;
-use metaslab::{Extent, SpaceChangeKind, Txg, TxgSync, VdevId, VdevSpec};
+use metaslab::{Extent, SpaceChangeKind, Txg, TxgSync, VdevId, VdevRole, VdevSpec};
 
 use crate::spacemap::Extents;
 
@@ -22,6 +22,98 @@ pub struct VdevRecord {
     pub endpoint: String,
     /// `metaslab_shift` is always `Some` here: the shift chosen at add time.
     pub spec: VdevSpec,
+}
+
+/// A `vdevs` row as every SQL store keeps it (integers as BIGINT / the
+/// i64 bit patterns of u64), checked into a [`VdevRecord`] by [`VdevRow::records`].
+#[derive(Clone, Debug, sqlx::FromRow)]
+pub struct VdevRow {
+    pub id: i64,
+    pub guid: i64,
+    pub name: String,
+    pub endpoint: String,
+    pub capacity: i64,
+    pub ashift: i64,
+    pub metaslab_shift: i64,
+    pub metaslab_size: i64,
+    pub children: i64,
+    pub parity: i64,
+    pub rotational: i64,
+    pub class: String,
+    pub allocated: i64,
+    pub admin_state: String,
+}
+
+/// Vdevs with their administrative states (non-online ones) and the
+/// allocated bytes each records.
+pub type VdevRecords = (
+    Vec<VdevRecord>,
+    BTreeMap<VdevId, AdminState>,
+    BTreeMap<VdevId, u64>,
+);
+
+impl VdevRow {
+    /// The columns, in the struct's order (append `WHERE` clauses).
+    pub const SELECT: &'static str = "SELECT id, guid, name, endpoint, capacity, ashift, \
+         metaslab_shift, metaslab_size, children, parity, rotational, class, allocated, \
+         admin_state FROM vdevs ORDER BY id";
+    /// The same, of one pool of a store holding several (`$1`: its id).
+    pub const SELECT_OF_POOL: &'static str = "SELECT id, guid, name, endpoint, capacity, ashift, \
+         metaslab_shift, metaslab_size, children, parity, rotational, class, allocated, \
+         admin_state FROM vdevs WHERE pool = $1 ORDER BY id";
+
+    /// Check each row (shift against size, known class and admin state, ids
+    /// in range) into records.
+    pub fn records(rows: Vec<VdevRow>) -> Result<VdevRecords, String> {
+        let mut vdevs = Vec::with_capacity(rows.len());
+        let mut states = BTreeMap::new();
+        let mut recorded = BTreeMap::new();
+        for r in rows {
+            let vid = r.id;
+            let (shift, ms_size) = (r.metaslab_shift, r.metaslab_size);
+            if !(0..64).contains(&shift) || 1i64.checked_shl(shift as u32) != Some(ms_size) {
+                return Err(format!(
+                    "vdev {vid}: metaslab size {ms_size} does not match its shift {shift}"
+                ));
+            }
+            let role = match r.class.as_str() {
+                "normal" => VdevRole::Normal,
+                "log" => VdevRole::Log,
+                other => return Err(format!("vdev {vid}: unknown class {other:?}")),
+            };
+            let vid = u32::try_from(vid).map_err(|_| format!("vdev id {vid} is out of range"))?;
+            recorded.insert(vid, r.allocated as u64);
+            match AdminState::parse(&r.admin_state) {
+                Some(AdminState::Online) => {}
+                Some(a) => {
+                    states.insert(vid, a);
+                }
+                None => {
+                    return Err(format!(
+                        "vdev {vid}: unknown admin state {:?}",
+                        r.admin_state
+                    ));
+                }
+            }
+            vdevs.push(VdevRecord {
+                id: vid,
+                guid: r.guid as u64,
+                name: r.name,
+                endpoint: r.endpoint,
+                spec: VdevSpec {
+                    capacity: r.capacity as u64,
+                    ashift: u8::try_from(r.ashift)
+                        .map_err(|_| format!("vdev {vid}: ashift out of range"))?,
+                    children: r.children as u32,
+                    parity: r.parity as u32,
+                    rotational: r.rotational != 0,
+                    role,
+                    metaslab_shift: Some(shift as u8),
+                },
+            });
+        }
+        Ok((vdevs, states, recorded))
+    }
 }
 
 /// A vdev's administrative state, as persisted.
@@ -146,6 +238,12 @@ pub trait Store: Send + Sync + 'static {
         name: &'a str,
         value: &'a str,
     ) -> BoxFuture<'a, Result<(), StoreError>>;
+    /// A persist failed because another allocator leads the pool now (the
+    /// txg's fencing check found a newer generation): never retry, stop
+    /// serving. Stores with one writer by construction answer false.
+    fn fenced(&self) -> bool {
+        false
+    }
     /// Bump the pool's generation (once per start, after `load`/`create`)
     /// and return the new one; durable when this returns.
     fn open_generation(&self) -> BoxFuture<'_, Result<u64, StoreError>>;

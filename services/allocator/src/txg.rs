@@ -27,7 +27,9 @@ pub async fn run(shared: Arc<Shared>) {
             if shared.synced_txg() >= want {
                 break;
             }
-            sync_once(&shared).await;
+            if !sync_once(&shared).await {
+                return fenced(&shared);
+            }
         }
         let timeout = shared.txg_timeout();
         let by_timer = tokio::select! {
@@ -39,16 +41,36 @@ pub async fn run(shared: Arc<Shared>) {
             _ = shared.txg_timeout_changed.notified() => continue,
             _ = shutdown.wait_for(|s| *s) => break,
         };
-        if by_timer {
-            sync_once(&shared).await;
+        if by_timer && !sync_once(&shared).await {
+            return fenced(&shared);
         }
     }
     sync_once(&shared).await;
     shared.closed.send_replace(true);
 }
 
-/// Close the open txg and persist it.
-pub async fn sync_once(shared: &Shared) {
+/// Another allocator leads: the clock stops; waiters hear Unavailable.
+fn fenced(shared: &Shared) {
+    shared.lock().drop_waiters();
+    shared.closed.send_replace(true);
+}
+
+/// Has this allocator lost the pool (a persist was fenced, or the lease
+/// was taken)? Then nothing it holds may be persisted or acknowledged.
+fn lost_the_pool(shared: &Shared) -> bool {
+    let deposed = shared.lease.get().is_some_and(|l| l.is_deposed());
+    if shared.store.fenced() {
+        if let Some(l) = shared.lease.get() {
+            l.depose("", "a txg's fencing check found a newer generation");
+        }
+        return true;
+    }
+    deposed
+}
+
+/// Close the open txg and persist it. False: the pool is led by another
+/// allocator now; nothing was persisted and nothing is acknowledged.
+pub async fn sync_once(shared: &Shared) -> bool {
     let start = Instant::now();
     let record = {
         let mut g = shared.lock();
@@ -86,11 +108,15 @@ pub async fn sync_once(shared: &Shared) {
         undeferred_bytes = record.sync.undeferred_bytes,
         duration_us = tracing::field::Empty,
     );
-    async {
+    let persisted = async {
         let mut backoff = Duration::from_millis(50);
         loop {
             match shared.store.persist(&record).await {
                 Ok(()) => break,
+                Err(e) if lost_the_pool(shared) => {
+                    tracing::error!(txg, error = %e, "txg not persisted: another allocator leads the pool");
+                    return false;
+                }
                 Err(e) => {
                     // Waiters stay parked: durability is not claimed until
                     // the store has the txg.
@@ -103,9 +129,13 @@ pub async fn sync_once(shared: &Shared) {
         let us = start.elapsed().as_micros() as u64;
         tracing::Span::current().record("duration_us", us);
         tracing::debug!(txg, duration_us = us, "txg synced");
+        true
     }
     .instrument(span)
     .await;
+    if !persisted {
+        return false;
+    }
     // Retries of what this txg made durable no longer need remembering
     // (commit ids for a few txgs more), and the store now has its extents.
     {
@@ -118,6 +148,7 @@ pub async fn sync_once(shared: &Shared) {
         .lock()
         .unwrap_or_else(|p| p.into_inner()) = (txg, record.state_digest);
     shared.synced.send_replace(txg);
+    true
 }
 
 #[cfg(test)]

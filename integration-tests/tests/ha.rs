@@ -418,3 +418,62 @@ async fn a_paused_leader_woken_after_a_takeover_persists_and_serves_nothing() {
         .await
         .expect("write on the new leader");
 }
+
+/// The run: a 32-way `aliquotctl write` given both allocators,
+/// the leader killed with -9 under it. The standby takes over, the write
+/// follows it and finishes (claiming what the lost txg held), and every
+/// block of its manifest is allocated in the store, which verifies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_given_both_allocators_finishes_across_a_leader_kill() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut ha = Ha::start(dir.path());
+    let (leader, _) = ha.leader(Duration::from_secs(30)).await;
+    let manifest = dir.path().join("run.manifest");
+    let w = std::process::Command::new(bin("aliquotctl"))
+        .args(args![
+            "write",
+            "--allocator",
+            ha.urls().join(","),
+            "--total",
+            "160MiB",
+            "--block-size",
+            "1MiB",
+            "--concurrency",
+            "32",
+            "--rate",
+            "40MiB/s",
+            "--manifest",
+            manifest.display(),
+            "--verify",
+            "--no-progress",
+        ])
+        .env(integration_tests::INSECURE_ENV, "1")
+        .env_remove("ALIQUOT_ALLOCATOR")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn aliquotctl write");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    ha.allocators[leader].kill9();
+    let (next, took) = ha.leader(Duration::from_millis(LEASE_MS + 8000)).await;
+    assert_ne!(next, leader);
+    eprintln!("takeover under the write: {took:?}");
+    let out = tokio::task::spawn_blocking(move || w.wait_with_output().unwrap())
+        .await
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "the run failed:\n{stderr}\n{stdout}");
+    assert!(stdout.contains("verified"), "{stdout}");
+    let m = aliquotctl::manifest::Manifest::load(&manifest).expect("manifest");
+    assert_eq!(m.blocks.len(), 160, "every block is in the manifest");
+    let durable: BTreeSet<(u32, u64, u64)> = m
+        .blocks
+        .values()
+        .flat_map(|copies| copies.iter().map(|c| (c.at.vdev, c.at.offset, c.at.size)))
+        .collect();
+    check_store(&ha.pg, &durable).await;
+    let v = integration_tests::ctl(&args!["verify", "--store", ha.pg.url(), "--pool", "ha"]);
+    let text = integration_tests::ok_stdout(&v, "verify --store");
+    assert!(text.contains("ha"), "{text}");
+}

@@ -143,6 +143,37 @@ fn a_write_survives_kill9_of_the_allocator_and_of_an_agent() {
     assert!(stdout.contains("verified"), "{stdout}");
     let m = Manifest::load(&manifest).expect("manifest");
     assert_eq!(m.blocks.len(), 192, "every block is in the manifest");
+    // And every block of it is allocated in the store, exactly: a block
+    // committed in the killed generation's unsynced txg was claimed in the
+    // new one's claim window (before this check existed, the writer only
+    // claimed when its final sync saw the old generation, and lost them).
+    alloc.kill();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let db = dir
+        .path()
+        .join("allocator")
+        .join(aliquot_allocator::sqlite_store::DB_FILE);
+    let (_, p) = rt
+        .block_on(aliquot_allocator::sqlite_store::read_only(&db))
+        .expect("store")
+        .expect("pool");
+    let stored: std::collections::HashSet<(u32, u64, u64)> = p
+        .allocated
+        .iter()
+        .map(|e| (e.vdev, e.offset, e.size))
+        .collect();
+    for (block, copies) in &m.blocks {
+        for c in copies {
+            assert!(
+                stored.contains(&(c.at.vdev, c.at.offset, c.at.size)),
+                "block {block} ({:?}) is in the manifest but not allocated in the store",
+                c.at
+            );
+        }
+    }
 }
 
 #[test]

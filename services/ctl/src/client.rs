@@ -35,8 +35,10 @@ pub const MAX_MESSAGE: usize = 17 * 1024 * 1024;
 #[derive(Clone, Debug, clap::Args)]
 pub struct AllocatorArgs {
     /// The allocator's gRPC endpoint (the scheme follows the TLS mode:
-    /// https with certificates, http with --insecure). Global: it may follow
-    /// a subcommand (`vdev offline file0 --allocator URL`).
+    /// https with certificates, http with --insecure), or several separated
+    /// by commas (allocators sharing a PostgreSQL store: calls go to the one
+    /// that leads, following NOT_LEADER). Global: it may follow a
+    /// subcommand (`vdev offline file0 --allocator URL`).
     #[arg(
         long,
         global = true,
@@ -82,7 +84,9 @@ fn with_host(url: &str, host: &str) -> String {
     }
 }
 
-pub type Allocator = AllocatorClient<TracedChannel>;
+pub type Allocator = AllocatorClient<
+    tonic::service::interceptor::InterceptedService<crate::leader::LeaderChannel, TraceInjector>,
+>;
 pub type Agent = VdevAgentClient<TracedChannel>;
 
 fn endpoint(tls: &ClientTls, url: &str, server: Role) -> anyhow::Result<Endpoint> {
@@ -121,7 +125,28 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 }
 
 pub async fn allocator(tls: &ClientTls, url: &str) -> anyhow::Result<Allocator> {
-    let ch = channel(tls, url, Role::Allocator).await?;
+    let urls: Vec<&str> = url
+        .split(',')
+        .map(str::trim)
+        .filter(|u| !u.is_empty())
+        .collect();
+    let chans = match urls.as_slice() {
+        [] => anyhow::bail!("--allocator: no URL given"),
+        // One allocator: connect now, so a wrong URL fails with a reason.
+        [one] => vec![(one.to_string(), channel(tls, one, Role::Allocator).await?)],
+        // Several: any may be down (that is why there are several).
+        several => several
+            .iter()
+            .map(|u| {
+                let u = tls.url(u);
+                Ok((
+                    u.clone(),
+                    endpoint(tls, &u, Role::Allocator)?.connect_lazy(),
+                ))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?,
+    };
+    let ch = crate::leader::LeaderChannel::new(chans);
     Ok(AllocatorClient::with_interceptor(ch, TraceInjector)
         .max_decoding_message_size(MAX_MESSAGE)
         .max_encoding_message_size(MAX_MESSAGE))

@@ -11,6 +11,7 @@ pub mod client;
 pub mod demo;
 pub mod health;
 pub mod history;
+pub mod leader;
 pub mod local;
 pub mod manifest;
 pub mod mover;

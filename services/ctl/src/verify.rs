@@ -26,6 +26,13 @@ pub struct VerifyArgs {
     /// The store file itself, instead of --data-dir.
     #[arg(long)]
     pub db: Option<PathBuf>,
+    /// A PostgreSQL store (the allocators' --store postgres://…), instead
+    /// of --data-dir; read in one read-only snapshot, the allocators may run.
+    #[arg(long, env = "ALIQUOT_STORE", value_name = "URL", conflicts_with_all = ["db", "repair_vdev"])]
+    pub store: Option<String>,
+    /// With --store: the pool to verify (a database may hold several).
+    #[arg(long, env = "ALIQUOT_POOL", default_value = "aliquot")]
+    pub pool: String,
     /// Also cross-check a running allocator (same guid, vdevs, txgs).
     #[arg(long)]
     pub allocator: Option<String>,
@@ -60,9 +67,28 @@ pub async fn run(args: VerifyArgs) -> anyhow::Result<()> {
             .map_err(|e| anyhow::anyhow!("{}: repair refused: {e}", path.display()))?;
         eprintln!("repaired {}: {changed}", path.display());
     }
-    let (id, persisted) = sqlite_store::read_only(&path)
-        .await?
-        .ok_or_else(|| anyhow::anyhow!("{}: no pool has been created in it", path.display()))?;
+    let (id, persisted) = match &args.store {
+        Some(url) => {
+            let shown = aliquot_allocator::pg_store::redact(url);
+            let p = aliquot_allocator::pg_store::read_only(url, &args.pool)
+                .await
+                .map_err(|e| anyhow::anyhow!("{e}"))?
+                .ok_or_else(|| anyhow::anyhow!("{shown}: it holds no pool {:?}", args.pool))?;
+            let id = Identity {
+                guid: p.pool_guid,
+                name: args.pool.clone(),
+                synced_txg: p.synced_txg,
+            };
+            (id, p)
+        }
+        None => sqlite_store::read_only(&path)
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("{}: no pool has been created in it", path.display()))?,
+    };
+    let path = match &args.store {
+        Some(url) => PathBuf::from(aliquot_allocator::pg_store::redact(url)),
+        None => path,
+    };
     let report = recovery::verify(&persisted).map_err(|e| {
         anyhow::anyhow!(
             "{}: pool {:?} at txg {} is INCONSISTENT: {e}",

@@ -456,6 +456,19 @@ struct Shared {
     bar: ProgressBar,
     /// The allocator's generation in the last reply (0 before any).
     generation: AtomicU64,
+    /// The allocator (unary), for the restart check.
+    alloc: Allocator,
+    /// Blocks committed, by the generation that committed them, not yet
+    /// re-asserted in a later one: if that generation ended before their
+    /// txg synced, they must be claimed in the next one's claim window,
+    /// before its Allocate may hand their space to anyone (our own next
+    /// blocks included).
+    committed: std::sync::Mutex<Vec<(u64, Vec<Extent>)>>,
+    /// One restart check at a time.
+    restart_check: tokio::sync::Mutex<()>,
+    /// Blocks a late claim could not re-assert (their space was given out):
+    /// the run fails naming them.
+    lost: std::sync::Mutex<Vec<Extent>>,
     /// The pool's guid, asked once at the start.
     pool_guid: AtomicU64,
     /// Micros from `start` to the last block completed, and the longest
@@ -573,6 +586,63 @@ impl Shared {
         }
     }
 
+    /// The allocator was away: if it came back in a new generation (a
+    /// restart, or another allocator took the pool over), claim every block
+    /// committed in an older one at once, inside the new generation's claim
+    /// window (its Allocate waits meanwhile); blocks that did sync claim as
+    /// no-ops. Called before a worker retries after the allocator was away.
+    async fn claim_if_restarted(&self) {
+        let _one = self.restart_check.lock().await;
+        let mut c = self.alloc.clone();
+        let st = match tokio::time::timeout(Duration::from_secs(5), c.get_pool(GetPoolRequest {}))
+            .await
+        {
+            Ok(Ok(st)) => st.into_inner(),
+            _ => return, // still away: the next retry checks again
+        };
+        let now = st.generation;
+        let older: Vec<Extent> = {
+            let g = self.committed.lock().unwrap_or_else(|p| p.into_inner());
+            g.iter()
+                .filter(|(gen_, _)| *gen_ != now)
+                .flat_map(|(_, e)| e.iter().cloned())
+                .collect()
+        };
+        if older.is_empty() {
+            self.saw_generation(now);
+            return;
+        }
+        tracing::warn!(
+            generation = now,
+            extents = older.len(),
+            "the allocator changed generation: claiming what older ones committed"
+        );
+        for chunk in older.chunks(1024) {
+            match c
+                .claim(ClaimRequest {
+                    extents: chunk.to_vec(),
+                })
+                .await
+            {
+                Ok(_) => {}
+                Err(s) if transient(&s) => return, // retried at the next check
+                Err(s) => {
+                    // Someone was given the space: these blocks are lost.
+                    tracing::error!(error = %s, "claim refused");
+                    self.lost
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .extend(chunk.iter().cloned());
+                }
+            }
+        }
+        self.committed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|(gen_, _)| *gen_ == now);
+        self.saw_generation(now);
+    }
+
     /// A block completed: track the longest gap in progress.
     fn block_done(&self) {
         let now = micros(self.start.elapsed());
@@ -628,6 +698,10 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
         agents: args.conn.agents()?,
         bar,
         generation: AtomicU64::new(0),
+        alloc: alloc.clone(),
+        committed: Default::default(),
+        restart_check: Default::default(),
+        lost: Default::default(),
         // For the manifest, even if the allocator is gone at the end.
         pool_guid: AtomicU64::new(
             alloc
@@ -760,7 +834,28 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
         for r in futures_util::future::join_all(flushes).await {
             r?;
         }
+        // A restart seen only now (no worker was waiting when it
+        // happened): claim before the final sync.
+        shared.claim_if_restarted().await;
         synced_txg = Some(sync_or_claim(&alloc, &shared, &placed).await?);
+        let lost = shared
+            .lost
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if !lost.is_empty() {
+            anyhow::bail!(
+                "{} extents committed before the allocator changed generation could not be \
+                 claimed in the new one (their space was given out first): those blocks are \
+                 lost; first: {}",
+                lost.len(),
+                lost.iter()
+                    .take(4)
+                    .map(|e| format!("{}:{}+{}", e.vdev, e.offset, e.size))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
     }
     let sync_secs = t_sync.elapsed().as_secs_f64();
 
@@ -1045,6 +1140,7 @@ async fn worker(sh: Arc<Shared>, ops: Ops) -> anyhow::Result<WorkerOut> {
                     if waited < Duration::from_millis(200) {
                         tracing::info!(block, %why, "waiting for the allocator");
                     }
+                    sh.claim_if_restarted().await;
                     // 100 ms, doubling, at most 1 s between tries.
                     let n = (waited.as_millis() / 100).min(10) as u64;
                     tokio::time::sleep(Duration::from_millis((100 + n * 100).min(1000))).await;
@@ -1244,6 +1340,7 @@ async fn one_block(
         match ops.commit(reply.allocation_id, reply.generation).await {
             Ok(c) => break c,
             Err(s) if transient(&s) && since.elapsed() < a.allocator_wait => {
+                sh.claim_if_restarted().await;
                 tries += 1;
                 tokio::time::sleep(Duration::from_millis(100 << tries.min(4))).await;
             }
@@ -1260,6 +1357,10 @@ async fn one_block(
     out.commit.saturating_record(micros(t2.elapsed()));
     tracing::Span::current().record("txg", c.txg);
 
+    sh.committed
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push((reply.generation, reply.extents.clone()));
     for e in &reply.extents {
         *out.vdev_bytes.entry(e.vdev).or_insert(0) += e.size;
     }

@@ -1,0 +1,175 @@
+//! A channel to whichever of several allocators leads the pool (issue 26).
+//! `--allocator a,b,c` names allocators sharing one PostgreSQL store: one
+//! leads, the others stand by and answer UNAVAILABLE / `NOT_LEADER` naming
+//! the leader. Each call goes to the allocator believed to lead; a call
+//! refused with NOT_LEADER, or that cannot reach it, moves the belief (to
+//! the leader named, else the next allocator) for the calls that follow.
+//! The refused call itself returns its error, so the caller's own retry
+//! rules (the write's `--allocator-wait`, reopening its stream, claiming
+//! after ALLOCATOR_RESTARTED) decide what to do, exactly as for one
+//! allocator restarting.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context, Poll};
+
+use tonic::body::Body;
+use tonic::codegen::{Service, http};
+use tonic::transport::Channel;
+use tonic_types::StatusExt;
+use tower::ServiceExt;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+#[derive(Clone)]
+pub struct LeaderChannel {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    /// (url as given, channel), in the order given.
+    allocators: Vec<(String, Channel)>,
+    current: AtomicUsize,
+}
+
+impl LeaderChannel {
+    pub fn new(allocators: Vec<(String, Channel)>) -> LeaderChannel {
+        assert!(!allocators.is_empty(), "at least one allocator");
+        LeaderChannel {
+            inner: Arc::new(Inner {
+                allocators,
+                current: AtomicUsize::new(0),
+            }),
+        }
+    }
+
+    /// The URL calls go to now.
+    pub fn current(&self) -> &str {
+        &self.inner.allocators[self.inner.current.load(Ordering::Relaxed)].0
+    }
+}
+
+impl Inner {
+    /// Move the belief away from `from` (if nobody moved it already): to
+    /// the named leader when it is one of ours, else to the next one.
+    fn move_from(&self, from: usize, leader: Option<&str>) {
+        let n = self.allocators.len();
+        let to = leader
+            .and_then(|l| {
+                self.allocators
+                    .iter()
+                    .position(|(u, _)| same_endpoint(u, l))
+            })
+            .unwrap_or((from + 1) % n);
+        if to != from
+            && self
+                .current
+                .compare_exchange(from, to, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+        {
+            tracing::info!(
+                from = %self.allocators[from].0,
+                to = %self.allocators[to].0,
+                "following the pool's leader"
+            );
+        }
+    }
+}
+
+/// `http://h:p` and `https://h:p/` name the same allocator.
+fn same_endpoint(a: &str, b: &str) -> bool {
+    let strip = |s: &str| {
+        s.split_once("://")
+            .map_or(s, |(_, r)| r)
+            .trim_end_matches('/')
+            .to_string()
+    };
+    strip(a) == strip(b)
+}
+
+/// The leader a trailers-only NOT_LEADER response names, if it is one.
+fn not_leader(headers: &http::HeaderMap) -> Option<Option<String>> {
+    let status = tonic::Status::from_header_map(headers)?;
+    if status.code() != tonic::Code::Unavailable {
+        return None;
+    }
+    let info = status.get_details_error_info()?;
+    (info.reason == "NOT_LEADER").then(|| {
+        info.metadata
+            .get("leader")
+            .filter(|l| !l.is_empty())
+            .cloned()
+    })
+}
+
+impl Service<http::Request<Body>> for LeaderChannel {
+    type Response = http::Response<Body>;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        // Each call readies the channel it picks (a Channel buffers).
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: http::Request<Body>) -> Self::Future {
+        let inner = self.inner.clone();
+        let idx = inner.current.load(Ordering::Acquire);
+        let ch = inner.allocators[idx].1.clone();
+        Box::pin(async move {
+            match ch.oneshot(req).await {
+                Ok(resp) => {
+                    if let Some(leader) = not_leader(resp.headers()) {
+                        inner.move_from(idx, leader.as_deref());
+                    }
+                    Ok(resp)
+                }
+                Err(e) => {
+                    if inner.allocators.len() > 1 {
+                        inner.move_from(idx, None);
+                    }
+                    Err(e.into())
+                }
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints_compare_without_scheme_or_slash() {
+        assert!(same_endpoint(
+            "http://127.0.0.1:7000",
+            "https://127.0.0.1:7000/"
+        ));
+        assert!(!same_endpoint(
+            "http://127.0.0.1:7000",
+            "http://127.0.0.1:7001"
+        ));
+    }
+
+    #[test]
+    fn a_not_leader_status_names_its_leader() {
+        let s = tonic::Status::with_error_details(
+            tonic::Code::Unavailable,
+            "standby",
+            tonic_types::ErrorDetails::with_error_info(
+                "NOT_LEADER",
+                "aliquot.v1",
+                [("leader".to_string(), "http://b:7000".to_string())],
+            ),
+        );
+        let resp: http::Response<Body> = s.into_http();
+        assert_eq!(
+            not_leader(resp.headers()),
+            Some(Some("http://b:7000".into()))
+        );
+        let other: http::Response<Body> = tonic::Status::unavailable("down").into_http();
+        assert_eq!(not_leader(other.headers()), None);
+    }
+}

@@ -66,6 +66,10 @@ struct Ha {
 
 impl Ha {
     fn start(dir: &Path) -> Ha {
+        Ha::start_with_lease(dir, LEASE)
+    }
+
+    fn start_with_lease(dir: &Path, lease: &str) -> Ha {
         let pg = Postgres::start();
         let certs = dir.join("certs");
         aliquot_auth::PoolCa::init(&certs, "ha").unwrap();
@@ -84,7 +88,7 @@ impl Ha {
                 "--pool",
                 "ha",
                 "--leader-lease",
-                LEASE,
+                lease,
                 "--token-key",
                 ha.certs.display(),
                 "--report-interval",
@@ -476,4 +480,51 @@ async fn a_write_given_both_allocators_finishes_across_a_leader_kill() {
     let v = integration_tests::ctl(&args!["verify", "--store", ha.pg.url(), "--pool", "ha"]);
     let text = integration_tests::ok_stdout(&v, "verify --store");
     assert!(text.contains("ha"), "{text}");
+}
+
+/// A graceful handover does not wait for the lease: `aliquotctl allocator
+/// step-down` and SIGTERM each move the pool to the standby, which serves
+/// (agents reported in) well before a 10 s lease could have expired.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn step_down_and_sigterm_hand_over_without_waiting_for_the_lease() {
+    let dir = tempfile::tempdir().unwrap();
+    let ha = Ha::start_with_lease(dir.path(), "10s");
+    let (leader, _) = ha.leader(Duration::from_secs(30)).await;
+    let both = ha.urls().join(",");
+    // The leader lists the standby once it has seen it poll (refreshed at
+    // each renewal, every third of the lease).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let text = loop {
+        let o = integration_tests::ctl(&args!["allocator", "status", "--allocator", both]);
+        let text = integration_tests::ok_stdout(&o, "allocator status");
+        if !text.contains("none seen") {
+            break text;
+        }
+        assert!(Instant::now() < deadline, "no standby listed:\n{text}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    assert!(text.contains(&ha.urls()[leader]), "{text}");
+    assert!(text.contains(&ha.urls()[1 - leader]), "{text}");
+    assert!(text.contains("postgres"), "{text}");
+
+    let t0 = Instant::now();
+    let o = integration_tests::ctl(&args!["allocator", "step-down", "--allocator", both]);
+    let text = integration_tests::ok_stdout(&o, "allocator step-down");
+    let (next, _) = ha.leader(Duration::from_secs(8)).await;
+    let took = t0.elapsed();
+    eprintln!("step-down: {text} serving Allocate {took:?} after it was asked");
+    assert_ne!(next, leader, "the standby leads");
+    assert!(took < Duration::from_secs(3), "step-down took {took:?}");
+
+    // SIGTERM: the same handover on the way out.
+    let t0 = Instant::now();
+    signal(&ha.allocators[next], "-TERM");
+    let (again, _) = ha.leader(Duration::from_secs(8)).await;
+    let took = t0.elapsed();
+    eprintln!("SIGTERM handover: serving Allocate {took:?} after the signal");
+    assert_eq!(again, leader);
+    assert!(
+        took < Duration::from_secs(3),
+        "SIGTERM handover took {took:?}"
+    );
 }

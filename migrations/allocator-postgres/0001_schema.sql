@@ -121,3 +121,13 @@ CREATE TABLE owner_runs (
     owner  BIGINT NOT NULL,
     PRIMARY KEY (pool, vdev, start)
 );
+
+-- Standbys polling the leadership, for `aliquotctl status` (the leader lists
+-- those seen in the last seconds). Advisory only: nothing depends on it.
+CREATE TABLE standbys (
+    pool     TEXT        NOT NULL,
+    id       TEXT        NOT NULL,
+    address  TEXT        NOT NULL,
+    seen     TIMESTAMPTZ NOT NULL,
+    PRIMARY KEY (pool, id)
+);

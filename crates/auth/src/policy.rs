@@ -37,6 +37,8 @@ pub fn allowed(path: &str) -> Option<&'static [Role]> {
             // A plan names other clients' extents, and a relocation's commit
             // frees the extent it moves: operators (the mover) only.
             "PlanRebalance" | "Relocate" | "RemoveVdev" => ADMIN,
+            // Moves the pool to another allocator: operators only.
+            "StepDown" => ADMIN,
             "BalancerStatus" => READERS,
             _ => return None,
         },

@@ -227,6 +227,19 @@ pub fn pool_status(shared: &Shared, g: &Inner) -> pb::PoolStatus {
         generation: shared.fencing.generation,
         claim_window_remaining_ms: shared.claim_window_remaining().as_millis() as u64,
         max_lease_ms: shared.settings.max_lease.as_millis() as u64,
+        leadership: Some(match shared.lease.get() {
+            Some(l) => pb::Leadership {
+                store: "postgres".into(),
+                leader: l.address().to_string(),
+                lease_left_ms: l.left().as_millis() as u64,
+                standbys: l.standbys(),
+                lease_ms: l.duration().as_millis() as u64,
+            },
+            None => pb::Leadership {
+                store: "sqlite".into(),
+                ..Default::default()
+            },
+        }),
     }
 }
 

@@ -42,6 +42,11 @@ pub enum Error {
         synced: Txg,
         window_ms: u64,
     },
+    #[error(
+        "this allocator keeps the pool in SQLite (--data-dir): no standby can take it over; \
+         run allocators with --store postgres://… to hand leadership over"
+    )]
+    NoStandby,
     /// A standby, or a leader whose lease ran out or that was replaced.
     #[error("this allocator does not lead the pool ({why}){}", leader_hint(.leader))]
     NotLeader {
@@ -176,6 +181,7 @@ impl Error {
             | Error::NotOwnerDevice { .. }
             | Error::NotOwnerExtent { .. } => Code::PermissionDenied,
             Error::ShuttingDown | Error::NotLeader { .. } => Code::Unavailable,
+            Error::NoStandby => Code::FailedPrecondition,
             Error::PoolDegraded(_) | Error::RelocationConflict { .. } => Code::FailedPrecondition,
             Error::Store(_) => Code::Internal,
             Error::PoolMismatch { .. } | Error::StoreRolledBack { .. } => Code::FailedPrecondition,
@@ -299,6 +305,7 @@ impl Error {
                 vec![("device", format!("{device:#x}"))],
             ),
             Error::ShuttingDown => (ErrorReason::ShuttingDown, vec![]),
+            Error::NoStandby => (ErrorReason::NoStandby, vec![]),
             Error::NotLeader {
                 leader, generation, ..
             } => (

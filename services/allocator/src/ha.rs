@@ -111,6 +111,7 @@ async fn serve_roles(
 ) -> anyhow::Result<()> {
     // Poll often enough that a handover (lease cleared) is taken quickly.
     let poll = (lease / 10).clamp(Duration::from_millis(100), Duration::from_millis(500));
+    let mut hold_until = Instant::now();
     loop {
         // Standing by.
         let standby = Standby::serve(config, store.clone(), reroute(route))?;
@@ -122,9 +123,17 @@ async fn serve_roles(
                     standby.stop().await;
                     return Ok(());
                 }
-                r = store.try_acquire(lease) => match r {
+                r = async {
+                    if Instant::now() < hold_until {
+                        Ok(None)
+                    } else {
+                        store.try_acquire(lease).await
+                    }
+                } => match r {
                     Ok(Some(g)) => break (g, sent),
-                    Ok(None) => {}
+                    Ok(None) => {
+                        let _ = store.heartbeat().await;
+                    }
                     Err(e) => tracing::warn!(error = %e, "cannot read the leadership"),
                 },
             }
@@ -137,7 +146,8 @@ async fn serve_roles(
             }
         };
         let (generation, sent) = generation;
-        let lease_state = Arc::new(Lease::new(generation, lease, sent));
+        let address = store.address();
+        let lease_state = Arc::new(Lease::new(generation, &address, lease, sent));
         standby.stop().await;
         tracing::info!(generation, pool = %config.pool, "took the leadership: loading the store");
         let running = match crate::start_serving(
@@ -173,6 +183,19 @@ async fn serve_roles(
                 renewer.abort();
                 running.abandon().await;
             }
+            _ = lease_state.step_down_requested() => {
+                renewer.abort();
+                tracing::info!(generation, "stepping down: a last txg, then the lease is handed back");
+                if let Err(e) = running.shutdown().await {
+                    tracing::warn!(error = %e, "the last txg before stepping down");
+                }
+                if let Err(e) = store.release().await {
+                    tracing::warn!(error = %e, "could not hand the lease back; it expires on its own");
+                }
+                // Let a standby (polling every `poll`) take it before this
+                // one tries again.
+                hold_until = Instant::now() + 2 * poll;
+            }
         }
     }
 }
@@ -187,7 +210,12 @@ async fn renew(store: Arc<PgStore>, lease: Arc<Lease>) {
         tokio::time::sleep(every).await;
         let sent = Instant::now();
         match tokio::time::timeout(every, store.renew(lease.duration())).await {
-            Ok(Ok(true)) => lease.extend(sent),
+            Ok(Ok(true)) => {
+                lease.extend(sent);
+                if let Ok(s) = store.standbys().await {
+                    lease.set_standbys(s);
+                }
+            }
             Ok(Ok(false)) => {
                 let leader = store.leader().await.map(|l| l.address).unwrap_or_default();
                 lease.depose(&leader, "the lease was taken by another allocator");

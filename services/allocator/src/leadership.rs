@@ -18,6 +18,12 @@ const MARGIN: Duration = Duration::from_millis(250);
 
 pub struct Lease {
     generation: u64,
+    /// This allocator's advertised URL.
+    address: String,
+    /// Standbys seen polling lately (refreshed at each renewal).
+    standbys: Mutex<Vec<String>>,
+    /// An operator asked this leader to hand the pool over.
+    step_down: tokio::sync::Notify,
     duration: Duration,
     valid_until: Mutex<Instant>,
     deposed: AtomicBool,
@@ -28,9 +34,12 @@ pub struct Lease {
 
 impl Lease {
     /// A lease just taken by a compare-and-swap sent at `sent`.
-    pub fn new(generation: u64, duration: Duration, sent: Instant) -> Lease {
+    pub fn new(generation: u64, address: &str, duration: Duration, sent: Instant) -> Lease {
         Lease {
             generation,
+            address: address.to_string(),
+            standbys: Mutex::new(Vec::new()),
+            step_down: tokio::sync::Notify::new(),
             duration,
             valid_until: Mutex::new(sent + duration.saturating_sub(MARGIN)),
             deposed: AtomicBool::new(false),
@@ -45,6 +54,31 @@ impl Lease {
 
     pub fn duration(&self) -> Duration {
         self.duration
+    }
+
+    pub fn address(&self) -> &str {
+        &self.address
+    }
+
+    pub fn standbys(&self) -> Vec<String> {
+        self.standbys
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    pub fn set_standbys(&self, s: Vec<String>) {
+        *self.standbys.lock().unwrap_or_else(|p| p.into_inner()) = s;
+    }
+
+    /// Ask the leader's loop to hand the pool over (StepDown).
+    pub fn request_step_down(&self) {
+        self.step_down.notify_one();
+    }
+
+    /// Resolves when a step-down was asked for.
+    pub async fn step_down_requested(&self) {
+        self.step_down.notified().await
     }
 
     /// A renewal sent at `sent` succeeded.
@@ -127,7 +161,12 @@ mod tests {
 
     #[test]
     fn a_lease_refuses_once_it_runs_out_or_is_deposed() {
-        let l = Lease::new(3, Duration::from_millis(400), Instant::now());
+        let l = Lease::new(
+            3,
+            "http://a:7000",
+            Duration::from_millis(400),
+            Instant::now(),
+        );
         assert!(l.check().is_ok());
         std::thread::sleep(Duration::from_millis(200));
         assert!(l.check().is_err(), "past the lease less the margin");

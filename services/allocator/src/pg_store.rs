@@ -188,6 +188,14 @@ impl PgStore {
     }
 
     /// The address this allocator advertises as leader.
+    pub fn address(&self) -> String {
+        self.address
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Set the address this allocator advertises as leader.
     pub fn set_address(&self, a: &str) {
         *self.address.lock().unwrap_or_else(|p| p.into_inner()) = a.to_string();
     }
@@ -248,6 +256,12 @@ impl PgStore {
         .execute(&mut *tx)
         .await
         .map_err(db)?;
+        sqlx::query("DELETE FROM standbys WHERE pool = $1 AND id = $2")
+            .bind(&self.pool_name)
+            .bind(&self.me)
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
         tx.commit().await.map_err(db)?;
         // The pool may have been created by an earlier leader meanwhile.
         let id: Option<i64> = sqlx::query_scalar("SELECT id FROM pools WHERE name = $1")
@@ -305,6 +319,39 @@ impl PgStore {
         .await
         .map_err(|e| StoreError(format!("step down: {e}")))?;
         Ok(())
+    }
+
+    /// A standby says it polls (for the leader's status view).
+    pub async fn heartbeat(&self) -> Result<(), StoreError> {
+        let address = self
+            .address
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        sqlx::query(
+            "INSERT INTO standbys (pool, id, address, seen) VALUES ($1, $2, $3, clock_timestamp())
+             ON CONFLICT (pool, id) DO UPDATE SET address = excluded.address, seen = excluded.seen",
+        )
+        .bind(&self.pool_name)
+        .bind(&self.me)
+        .bind(&address)
+        .execute(&self.db)
+        .await
+        .map_err(|e| StoreError(format!("standby heartbeat: {e}")))?;
+        Ok(())
+    }
+
+    /// Standbys seen polling in the last 3 s (this allocator excluded).
+    pub async fn standbys(&self) -> Result<Vec<String>, StoreError> {
+        sqlx::query_scalar(
+            "SELECT address FROM standbys WHERE pool = $1 AND id <> $2
+                AND seen > clock_timestamp() - interval '3 seconds' ORDER BY address",
+        )
+        .bind(&self.pool_name)
+        .bind(&self.me)
+        .fetch_all(&self.db)
+        .await
+        .map_err(|e| StoreError(format!("read the standbys: {e}")))
     }
 
     /// The pool's leader as the database says.

@@ -685,6 +685,23 @@ impl Allocator for AllocatorService {
         Ok(Response::new(self.status()))
     }
 
+    #[tracing::instrument(skip_all)]
+    async fn step_down(
+        &self,
+        _req: Request<pb::StepDownRequest>,
+    ) -> Result<Response<pb::StepDownReply>, Status> {
+        let Some(l) = self.shared.lease.get() else {
+            return Err(Error::NoStandby.into());
+        };
+        l.check()?;
+        tracing::warn!(generation = l.generation(), standbys = ?l.standbys(), "asked to step down");
+        l.request_step_down();
+        Ok(Response::new(pb::StepDownReply {
+            generation: l.generation(),
+            standbys: l.standbys(),
+        }))
+    }
+
     type WatchPoolStream = BoxStream<pb::PoolStatus>;
 
     #[tracing::instrument(skip_all, fields(interval_ms = req.get_ref().interval_ms))]

@@ -5,6 +5,7 @@
 //! binary is enough to run the whole system.
 
 pub mod admin;
+pub mod allocators;
 pub mod balancer;
 pub mod certs;
 pub mod client;
@@ -62,6 +63,9 @@ pub enum Cmd {
     Demo(demo::DemoArgs),
     /// gRPC health probe of a service (exit 0 when SERVING), for health checks.
     Health(health::HealthArgs),
+    /// Allocators sharing a PostgreSQL store: `status` (leader, standbys,
+    /// lease), `step-down` (hand the pool to a standby now).
+    Allocator(allocators::AllocatorCmdArgs),
     /// Check the allocator's store (stopped or running pool), like `zdb -b`.
     Verify(verify::VerifyArgs),
     /// The pool CA: `certs init`, `certs issue --role ROLE NAME`.
@@ -109,6 +113,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Demo(a) => demo::run(a).await,
         Cmd::Health(a) => health::run(a).await,
         Cmd::Verify(a) => verify::run(a).await,
+        Cmd::Allocator(a) => allocators::run(a).await,
         Cmd::Certs(a) => certs::run(a),
         Cmd::Balancer(a) => balancer::run(a).await,
     }

@@ -784,6 +784,7 @@ mod tests {
             group(2, 4 * GIB, 400 * MIB),
         ];
         PoolStatus {
+            leadership: None,
             name: "aliquot".into(),
             guid: 0x1234,
             open_txg: 42,

@@ -528,3 +528,193 @@ async fn step_down_and_sigterm_hand_over_without_waiting_for_the_lease() {
         "SIGTERM handover took {took:?}"
     );
 }
+
+/// PostgreSQL itself restarted under load (fast shutdown, start): the
+/// leader retries its txg and acknowledges nothing it did not persist; then
+/// PostgreSQL unreachable (paused) for longer than the lease: no allocator
+/// serves meanwhile, and one serves again once it is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_restarted_or_unreachable_loses_nothing_acknowledged() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut ha = Ha::start(dir.path());
+    let (leader, _) = ha.leader(Duration::from_secs(30)).await;
+    let url = ha.urls()[leader].clone();
+    let durable = std::sync::Arc::new(std::sync::Mutex::new(BTreeSet::new()));
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (durable, stop, urls) = (durable.clone(), stop.clone(), ha.urls());
+        tokio::spawn(async move {
+            let mut n = 0u8;
+            let (mut ok, mut failed) = (0u32, 0u32);
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                // Whoever leads: a failed block is simply not durable.
+                for u in &urls {
+                    let mut c = AllocatorClient::new(channel(u));
+                    n = n.wrapping_add(1);
+                    match write_durable(&mut c, 16 << 10, n).await {
+                        Ok(e) => {
+                            ok += 1;
+                            assert!(durable.lock().unwrap().insert(key(&e)), "{e:?} twice");
+                        }
+                        Err(_) => failed += 1,
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            (ok, failed)
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let at_restart = durable.lock().unwrap().len();
+    ha.pg.stop_fast();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    ha.pg.launch();
+    tokio::time::sleep(Duration::from_millis(3000)).await;
+    let before_pause = durable.lock().unwrap().len();
+    assert!(at_restart > 0, "nothing was written");
+    assert!(
+        before_pause > at_restart,
+        "no block became durable after PostgreSQL restarted ({at_restart} before)"
+    );
+
+    // Unreachable past the lease: nobody serves.
+    ha.pg.pause(true);
+    tokio::time::sleep(Duration::from_millis(LEASE_MS + 1000)).await;
+    for u in ha.urls() {
+        let mut c = AllocatorClient::new(channel(&u));
+        let r = tokio::time::timeout(Duration::from_secs(3), c.allocate(data(4096))).await;
+        if let Ok(Ok(a)) = r {
+            panic!(
+                "{u} allocated {:?} with the store unreachable past the lease",
+                a.into_inner().extents
+            );
+        }
+    }
+    ha.pg.pause(false);
+    let (again, took) = ha.leader(Duration::from_secs(30)).await;
+    eprintln!(
+        "serving again {took:?} after PostgreSQL came back (allocator {again}, was {leader} at {url})"
+    );
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (ok, failed) = writer.await.unwrap();
+    eprintln!("writes: {ok} durable, {failed} refused or failed across the faults");
+    let durable = durable.lock().unwrap().clone();
+    check_store(&ha.pg, &durable).await;
+}
+
+fn allocator_exit(args: &[String]) -> (i32, String) {
+    let o = std::process::Command::new(bin("aliquot-allocator"))
+        .args(args)
+        .env(integration_tests::INSECURE_ENV, "1")
+        .output()
+        .expect("run aliquot-allocator");
+    (
+        o.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&o.stderr).to_string(),
+    )
+}
+
+/// Bad input is refused with a clear error and nothing written: a wrong
+/// URL, a URL of another database kind, a pool of another guid, a schema
+/// newer than the binary. Two pools in one database each have their own
+/// leadership.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_stores_are_refused_and_two_pools_share_a_database() {
+    let dir = tempfile::tempdir().unwrap();
+    let pg = Postgres::start();
+    let common = |store: &str, pool: &str| {
+        args![
+            "--listen",
+            "127.0.0.1:0",
+            "--store",
+            store,
+            "--pool",
+            pool,
+            "--leader-lease",
+            "1s"
+        ]
+    };
+    // Nothing listens there.
+    let (code, err) = allocator_exit(&common("postgres://aliquot@127.0.0.1:1/postgres", "p"));
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("cannot reach the store"), "{err}");
+    // Not PostgreSQL.
+    let (code, err) = allocator_exit(&common("mysql://u@h/db", "p"));
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("expected a postgres:// URL"), "{err}");
+
+    // Two pools, one database, each led by its own allocator.
+    let mut procs = Vec::new();
+    for pool in ["a", "b"] {
+        let p = Proc::start(
+            &format!("alloc-{pool}"),
+            &bin("aliquot-allocator"),
+            &common(&pg.url(), pool),
+            &[],
+            &["grpc"],
+            dir.path(),
+        )
+        .expect("start");
+        procs.push(p);
+    }
+    let mut guids = Vec::new();
+    for p in &procs {
+        let mut c = AllocatorClient::new(channel(&p.url("grpc")));
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let st = loop {
+            match c.get_pool(pb::GetPoolRequest {}).await {
+                Ok(st) => break st.into_inner(),
+                Err(e) => {
+                    assert!(Instant::now() < deadline, "{}: never led: {e}", p.name);
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        };
+        assert_eq!(st.generation, 1, "each pool has its own leadership");
+        guids.push(st.guid);
+    }
+    assert_ne!(guids[0], guids[1]);
+    drop(procs);
+
+    // Pool "a" of another guid: refused before anything is written.
+    let mut a = common(&pg.url(), "a");
+    a.extend(args!["--pool-guid", "0x1234"]);
+    let (code, err) = allocator_exit(&a);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("not the expected 0x1234"), "{err}");
+
+    // A schema from a newer binary.
+    let db = sqlx::PgPool::connect(&pg.url()).await.unwrap();
+    sqlx::query("CREATE DATABASE newer")
+        .execute(&db)
+        .await
+        .unwrap();
+    let newer_url = pg.url().replace("/postgres", "/newer");
+    let newer = sqlx::PgPool::connect(&newer_url).await.unwrap();
+    sqlx::query(
+        "CREATE TABLE _sqlx_migrations (version BIGINT PRIMARY KEY, description TEXT NOT NULL,
+            installed_on TIMESTAMPTZ NOT NULL DEFAULT now(), success BOOLEAN NOT NULL,
+            checksum BYTEA NOT NULL, execution_time BIGINT NOT NULL)",
+    )
+    .execute(&newer)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time)
+         VALUES (99990101, 'from the future', true, '\\x00', 0)",
+    )
+    .execute(&newer)
+    .await
+    .unwrap();
+    let (code, err) = allocator_exit(&common(&newer_url, "p"));
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("newer than this binary"), "{err}");
+    let tables: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM information_schema.tables WHERE table_schema = 'public'",
+    )
+    .fetch_one(&newer)
+    .await
+    .unwrap();
+    assert_eq!(tables, 1, "nothing was created in the newer database");
+}

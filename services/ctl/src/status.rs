@@ -425,6 +425,20 @@ pub fn render_table_with(st: &PoolStatus, style: Style) -> String {
     } else {
         let _ = writeln!(out, "health {health}: {}", why.join(", "));
     }
+    if let Some(l) = st.leadership.as_ref().filter(|l| l.store == "postgres") {
+        let standbys = if l.standbys.is_empty() {
+            "no standby seen".to_string()
+        } else {
+            format!("standbys {}", l.standbys.join(", "))
+        };
+        let _ = writeln!(
+            out,
+            "leader {} (store postgres, lease {:.1}/{:.1} s)  {standbys}",
+            l.leader,
+            l.lease_left_ms as f64 / 1000.0,
+            l.lease_ms as f64 / 1000.0
+        );
+    }
     if st.claim_window_remaining_ms > 0 {
         let _ = writeln!(
             out,

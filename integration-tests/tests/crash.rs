@@ -188,6 +188,10 @@ struct Cluster {
     /// The vdev whose agent is stopped (SIGSTOP) across a restart: it
     /// cannot report in, so a restart does not wait for it.
     asleep: Option<u32>,
+    /// The PostgreSQL variant (issue 26): the store, and the allocator
+    /// standing by; a "restart" of the killed leader is a takeover by it.
+    pg: Option<integration_tests::postgres::Postgres>,
+    standby: Option<Proc>,
 }
 
 fn lazy(url: &str) -> Channel {
@@ -201,8 +205,9 @@ fn lazy(url: &str) -> Channel {
 }
 
 impl Cluster {
-    async fn start(dir: &Path) -> Cluster {
-        let alloc_args = args![
+    /// With `ha`, two allocators on a private PostgreSQL server.
+    async fn start_with(dir: &Path, ha: bool) -> Cluster {
+        let mut alloc_args = args![
             "--listen",
             "127.0.0.1:0",
             "--pool",
@@ -220,6 +225,10 @@ impl Cluster {
             "--claim-window",
             "300ms",
         ];
+        let pg = ha.then(integration_tests::postgres::Postgres::start);
+        if let Some(pg) = &pg {
+            alloc_args.extend(args!["--store", pg.url(), "--leader-lease", "1s"]);
+        }
         let mut alloc = Proc::start(
             "allocator",
             &bin("aliquot-allocator"),
@@ -229,10 +238,29 @@ impl Cluster {
             dir,
         )
         .expect("start allocator");
+        let mut standby = None;
+        if ha {
+            let mut b = Proc::start(
+                "allocator-b",
+                &bin("aliquot-allocator"),
+                &alloc_args,
+                &[],
+                &["grpc"],
+                dir,
+            )
+            .expect("start allocator b");
+            let addr = b.addr("grpc");
+            b.set_arg("--listen", &addr.to_string());
+            standby = Some(b);
+        }
         // Restarts come back on the same port, where the agents look.
         let addr = alloc.addr("grpc");
         alloc.set_arg("--listen", &addr.to_string());
-        let alloc_url = alloc.url("grpc");
+        let mut alloc_url = alloc.url("grpc");
+        let allocators = match &standby {
+            Some(b) => format!("{alloc_url},{}", b.url("grpc")),
+            None => alloc_url.clone(),
+        };
         let mut agents = Vec::new();
         for i in 0..AGENTS {
             let name = format!("v{i}");
@@ -240,7 +268,7 @@ impl Cluster {
                 "--listen",
                 "127.0.0.1:0",
                 "--allocator",
-                alloc_url,
+                allocators,
                 "--name",
                 name,
                 "--backend",
@@ -263,6 +291,24 @@ impl Cluster {
             a.set_arg("--listen", &a_addr.to_string());
             agents.push(a);
         }
+        // Whichever leads is `alloc`.
+        if let Some(b) = standby.as_mut() {
+            let deadline = Instant::now() + Duration::from_secs(20);
+            loop {
+                let mut ca = AllocatorClient::new(lazy(&alloc_url));
+                if ca.get_pool(pb::GetPoolRequest {}).await.is_ok() {
+                    break;
+                }
+                let mut cb = AllocatorClient::new(lazy(&b.url("grpc")));
+                if cb.get_pool(pb::GetPoolRequest {}).await.is_ok() {
+                    std::mem::swap(&mut alloc, b);
+                    alloc_url = alloc.url("grpc");
+                    break;
+                }
+                assert!(Instant::now() < deadline, "no allocator leads");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
         let client = AllocatorClient::new(lazy(&alloc_url));
         let mut c = Cluster {
             dir: dir.to_path_buf(),
@@ -274,6 +320,8 @@ impl Cluster {
             endpoints: HashMap::new(),
             guids: Vec::new(),
             asleep: None,
+            pg,
+            standby,
         };
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
@@ -328,7 +376,25 @@ impl Cluster {
     /// Restarts the allocator without waiting for the agents to report in
     /// (on an older store they never will: it is refused).
     async fn restart_allocator_on_any_store(&mut self) {
-        self.alloc.restart().expect("restart allocator");
+        if let Some(b) = self.standby.as_mut() {
+            // The killed leader's standby takes over within the lease; the
+            // killed one comes back as the standby.
+            let deadline = Instant::now() + Duration::from_secs(20);
+            let url = b.url("grpc");
+            loop {
+                let mut cb = AllocatorClient::new(lazy(&url));
+                if cb.get_pool(pb::GetPoolRequest {}).await.is_ok() {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "the standby never took over");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            std::mem::swap(&mut self.alloc, b);
+            b.restart().expect("restart the old leader as a standby");
+            self.alloc_url = url;
+        } else {
+            self.alloc.restart().expect("restart allocator");
+        }
         self.client = AllocatorClient::new(lazy(&self.alloc_url));
         // Same pool, same vdevs, same ids.
         let s = self.pool().await;
@@ -539,10 +605,19 @@ async fn write_forever(c: &mut Cluster, m: &mut Model, rng: &mut Rng) {
 
 /// With the allocator dead: the store as `aliquotctl verify` reads it.
 async fn check_store(c: &mut Cluster, m: &mut Model) {
-    let (_, p) = sqlite_store::read_only(&c.db())
-        .await
-        .expect("store readable")
-        .expect("pool exists");
+    let p = match &c.pg {
+        Some(pg) => aliquot_allocator::pg_store::read_only(&pg.url(), "crash")
+            .await
+            .expect("store readable")
+            .expect("pool exists"),
+        None => {
+            sqlite_store::read_only(&c.db())
+                .await
+                .expect("store readable")
+                .expect("pool exists")
+                .1
+        }
+    };
     recovery::verify(&p).unwrap_or_else(|e| panic!("store inconsistent after kill -9: {e}"));
     let exact: HashSet<(u32, u64, u64)> = p
         .allocated
@@ -608,11 +683,12 @@ async fn check_store(c: &mut Cluster, m: &mut Model) {
         }
     }
     // The operator's tool on the stopped pool says the same.
-    let out = std::process::Command::new(bin("aliquotctl"))
-        .args(["verify", "--db"])
-        .arg(c.db())
-        .output()
-        .expect("run aliquotctl verify");
+    let mut verify = std::process::Command::new(bin("aliquotctl"));
+    match &c.pg {
+        Some(pg) => verify.args(["verify", "--pool", "crash", "--store", &pg.url()]),
+        None => verify.args(["verify", "--db"]).arg(c.db()),
+    };
+    let out = verify.output().expect("run aliquotctl verify");
     assert!(
         out.status.success() && String::from_utf8_lossy(&out.stdout).contains("OK"),
         "aliquotctl verify failed: {}{}",
@@ -779,6 +855,31 @@ async fn crash_run_with(
     hangs_across_restarts: usize,
     rollbacks: usize,
 ) {
+    crash_run_on(
+        false,
+        allocator_kills,
+        agent_kills,
+        both_kills,
+        hangs,
+        hangs_across_restarts,
+        rollbacks,
+    )
+    .await
+}
+
+/// With `ha`, every allocator kill is a takeover by the standby on the
+/// shared PostgreSQL store (rollbacks, which copy an SQLite file, need
+/// `ha` false).
+async fn crash_run_on(
+    ha: bool,
+    allocator_kills: usize,
+    agent_kills: usize,
+    both_kills: usize,
+    hangs: usize,
+    hangs_across_restarts: usize,
+    rollbacks: usize,
+) {
+    assert!(!(ha && rollbacks > 0), "rollbacks copy the SQLite store");
     let seed = std::env::var("ALIQUOT_CRASH_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -792,7 +893,7 @@ async fn crash_run_with(
     eprintln!("crash test seed {seed} (ALIQUOT_CRASH_SEED={seed} replays it)");
     let mut rng = Rng(seed);
     let tmp = tempfile::tempdir().unwrap();
-    let mut c = Cluster::start(tmp.path()).await;
+    let mut c = Cluster::start_with(tmp.path(), ha).await;
     let mut m = Model::default();
     let mut plan: Vec<Kill> = std::iter::repeat_n(Kill::Allocator, allocator_kills)
         .chain(std::iter::repeat_n(Kill::Agent, agent_kills))
@@ -1012,6 +1113,19 @@ async fn kill9_allocator_and_agents_loses_nothing_durable() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agents_asleep_across_restarts_and_rolled_back_stores_lose_nothing() {
     crash_run_with(4, 0, 0, 0, 3, 2).await;
+}
+
+/// Issue 26: the same faults with two allocators on PostgreSQL; each
+/// allocator kill is a takeover by the standby.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn takeovers_on_postgres_lose_nothing_durable() {
+    crash_run_on(true, 8, 2, 2, 1, 2, 0).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "long: many takeovers on PostgreSQL"]
+async fn takeovers_on_postgres_many_times() {
+    crash_run_on(true, 60, 10, 10, 5, 10, 0).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -8,7 +8,8 @@
 //! on loopback) unless their arguments or environment bring TLS files or
 //! say otherwise. Security tests pass certificates; see `tests/security.rs`.
 
-pub mod postgres;
+/// A private PostgreSQL server per test (the `local-postgres` crate).
+pub use local_postgres as postgres;
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};

@@ -592,7 +592,7 @@ async fn postgres_restarted_or_unreachable_loses_nothing_acknowledged() {
     let at_restart = durable.lock().unwrap().len();
     ha.pg.stop_fast();
     tokio::time::sleep(Duration::from_millis(300)).await;
-    ha.pg.launch();
+    ha.pg.launch().expect("postgres back");
     tokio::time::sleep(Duration::from_millis(3000)).await;
     let before_pause = durable.lock().unwrap().len();
     assert!(at_restart > 0, "nothing was written");

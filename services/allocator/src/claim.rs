@@ -15,6 +15,18 @@ use crate::state::Shared;
 /// in-flight and deferred space.
 pub async fn check_exact(shared: &Shared, extents: &[Extent]) -> Result<()> {
     for e in extents {
+        // Exactly an extent an Allocate of THIS generation committed: the
+        // claimed block's own txg was lost and its space given out again
+        // (a claim after the claim window). A no-op here would tell the
+        // claimant its block is safe while another block owns the bytes.
+        let given_out = shared
+            .lock()
+            .recent_allocs
+            .get(&(e.vdev, e.offset))
+            .is_some_and(|&(size, _, claimed)| size == e.size && !claimed);
+        if given_out {
+            return Err(Error::ClaimGivenOut(*e));
+        }
         let overlapping = committed_overlapping(shared, e).await?;
         if overlapping.is_empty() || overlapping == [*e] {
             continue;
@@ -72,8 +84,8 @@ async fn committed_overlapping(shared: &Shared, e: &Extent) -> Result<Vec<Extent
             let end = e.offset.saturating_add(e.size);
             g.recent_allocs
                 .range((e.vdev, 0)..(e.vdev, end))
-                .filter(|((_, off), (size, _))| off + size > e.offset)
-                .map(|(&(vdev, offset), &(size, _))| Extent { vdev, offset, size })
+                .filter(|((_, off), (size, _, _))| off + size > e.offset)
+                .map(|(&(vdev, offset), &(size, _, _))| Extent { vdev, offset, size })
                 .collect()
         };
         overlapping.extend(

@@ -47,6 +47,12 @@ pub enum Error {
          run allocators with --store postgres://… to hand leadership over"
     )]
     NoStandby,
+    #[error(
+        "claim of {0}: an allocation of this generation was given that extent after the claim \
+         window closed; the block claimed was lost with its txg (claim within the window, or \
+         ask SyncTxg with your txg and generation whether it synced)"
+    )]
+    ClaimGivenOut(metaslab::Extent),
     /// A standby, or a leader whose lease ran out or that was replaced.
     #[error("this allocator does not lead the pool ({why}){}", leader_hint(.leader))]
     NotLeader {
@@ -181,7 +187,7 @@ impl Error {
             | Error::NotOwnerDevice { .. }
             | Error::NotOwnerExtent { .. } => Code::PermissionDenied,
             Error::ShuttingDown | Error::NotLeader { .. } => Code::Unavailable,
-            Error::NoStandby => Code::FailedPrecondition,
+            Error::NoStandby | Error::ClaimGivenOut(_) => Code::FailedPrecondition,
             Error::PoolDegraded(_) | Error::RelocationConflict { .. } => Code::FailedPrecondition,
             Error::Store(_) => Code::Internal,
             Error::PoolMismatch { .. } | Error::StoreRolledBack { .. } => Code::FailedPrecondition,
@@ -306,6 +312,10 @@ impl Error {
             ),
             Error::ShuttingDown => (ErrorReason::ShuttingDown, vec![]),
             Error::NoStandby => (ErrorReason::NoStandby, vec![]),
+            Error::ClaimGivenOut(e) => (
+                ErrorReason::ClaimConflict,
+                vec![("requested", e.to_string()), ("conflicting", e.to_string())],
+            ),
             Error::NotLeader {
                 leader, generation, ..
             } => (

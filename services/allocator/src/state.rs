@@ -80,9 +80,11 @@ pub struct Inner {
     /// Extents freed in txgs not yet synced → the txg, so a repeated Free
     /// gets the first answer (after the sync, a repeat is a double free).
     pub recent_frees: HashMap<Extent, Txg>,
-    /// Extents committed or claimed in txgs not yet persisted → txg (the
-    /// store does not have them yet; Claim's exact check looks here too).
-    pub recent_allocs: BTreeMap<(VdevId, u64), (u64, Txg)>,
+    /// Extents committed or claimed in txgs not yet persisted → (size,
+    /// txg, claimed): the store does not have them yet; Claim's exact check
+    /// looks here too, and refuses to take an extent an Allocate of this
+    /// generation committed for the lost block of an older one.
+    pub recent_allocs: BTreeMap<(VdevId, u64), (u64, Txg, bool)>,
     /// Bytes of the txg being persisted (dirty until the store has them).
     pub syncing_bytes: u64,
     /// `--txg-dirty-max`: plays `zfs_dirty_data_max` for the busy rule.
@@ -267,7 +269,8 @@ impl Inner {
             self.committed.insert(*id, t);
             self.relocations.committed(*id, t);
             for e in extents {
-                self.recent_allocs.insert((e.vdev, e.offset), (e.size, t));
+                self.recent_allocs
+                    .insert((e.vdev, e.offset), (e.size, t, false));
             }
         }
         if fresh {
@@ -372,7 +375,8 @@ impl Inner {
     pub fn claim(&mut self, extents: &[Extent]) -> Result<Txg> {
         let txg = self.pool.claim(extents)?;
         for e in extents {
-            self.recent_allocs.insert((e.vdev, e.offset), (e.size, txg));
+            self.recent_allocs
+                .insert((e.vdev, e.offset), (e.size, txg, true));
         }
         Ok(txg)
     }
@@ -383,7 +387,7 @@ impl Inner {
         self.committed
             .retain(|_, t| *t + COMMIT_MEMORY_TXGS > synced);
         self.recent_frees.retain(|_, t| *t > synced);
-        self.recent_allocs.retain(|_, (_, t)| *t > synced);
+        self.recent_allocs.retain(|_, (_, t, _)| *t > synced);
         if self.expired.len() > EXPIRED_MEMORY_MAX {
             self.expired.clear();
         }

@@ -69,7 +69,7 @@ impl Inner {
                 .compare_exchange(from, to, Ordering::AcqRel, Ordering::Relaxed)
                 .is_ok()
         {
-            tracing::info!(
+            tracing::debug!(
                 from = %self.allocators[from].0,
                 to = %self.allocators[to].0,
                 "following the pool's leader"

@@ -55,6 +55,16 @@ pub struct PoolArgs {
         default_value = "127.0.0.1:7000"
     )]
     pub allocator_listen: SocketAddr,
+    /// High availability on this machine: a PostgreSQL server of the pool's
+    /// own (initdb in DATA_DIR/postgres on first use, run as an
+    /// unprivileged user when started as root) and two allocators sharing
+    /// it, one leading and one standing by; agents and clients are given
+    /// both. Needs Debian's `postgresql` package (initdb, postgres).
+    #[arg(long, env = "ALIQUOT_HA")]
+    pub ha: bool,
+    /// With --ha: the PostgreSQL port, used when free.
+    #[arg(long, env = "ALIQUOT_POSTGRES_PORT", default_value_t = 7432)]
+    pub postgres_port: u16,
     /// Metrics gRPC address, used when free.
     #[arg(long, env = "ALIQUOT_METRICS_LISTEN", default_value = "127.0.0.1:7100")]
     pub metrics_listen: SocketAddr,
@@ -169,6 +179,11 @@ pub struct LocalPool {
     pub tls: aliquot_auth::ClientTls,
     deaths: mpsc::UnboundedReceiver<(String, ExitStatus)>,
     deaths_tx: mpsc::UnboundedSender<(String, ExitStatus)>,
+    /// With --ha: the pool's PostgreSQL server and its URL.
+    pub postgres: Option<(local_postgres::Postgres, String)>,
+    /// With --ha: each allocator's flags, its listen address pinned to the
+    /// one it bound, to start it again (as a standby) after it exits.
+    ha_allocators: Vec<(String, Vec<String>)>,
     /// Held while the pool runs (see `DataDirLock`).
     _lock: aliquot_allocator::lock::DataDirLock,
 }
@@ -232,6 +247,8 @@ impl LocalPool {
             tls,
             deaths,
             deaths_tx,
+            postgres: None,
+            ha_allocators: Vec::new(),
             _lock: lock,
         };
         match pool.start_all(args).await {
@@ -302,11 +319,51 @@ impl LocalPool {
             ]);
         }
         aargs.extend(self.security_flags(aliquot_auth::Role::Allocator, "allocator")?);
+        if args.ha {
+            let port = pick(
+                SocketAddr::from(([127, 0, 0, 1], args.postgres_port)),
+                args.ephemeral,
+            )
+            .port();
+            let port = if port == 0 {
+                TcpListener::bind("127.0.0.1:0")?.local_addr()?.port()
+            } else {
+                port
+            };
+            let pgdir = dir.join("postgres");
+            let pg = tokio::task::spawn_blocking(move || {
+                local_postgres::Postgres::start_in(&pgdir, port)
+            })
+            .await?
+            .map_err(|e| anyhow::anyhow!("--ha: the pool's PostgreSQL: {e}"))?;
+            let url = pg.url();
+            aargs.extend(["--store".into(), url.clone()]);
+            self.postgres = Some((pg, url));
+        }
         let a = self
             .spawn("allocator", Role::Allocator, &aargs, &["grpc"])
             .await?;
         self.allocator_addr = a[0];
         self.allocator_url = format!("{}://{}", self.scheme(), a[0]);
+        if args.ha {
+            let pin = |args: &[String], addr: SocketAddr| {
+                let mut v = args.to_vec();
+                if let Some(i) = v.iter().position(|a| a == "--listen") {
+                    v[i + 1] = addr.to_string();
+                }
+                v
+            };
+            self.ha_allocators
+                .push(("allocator".into(), pin(&aargs, a[0])));
+            // The standby: the same flags on another port.
+            let bargs = pin(&aargs, SocketAddr::from(([127, 0, 0, 1], 0)));
+            let b = self
+                .spawn("allocator-b", Role::Allocator, &bargs, &["grpc"])
+                .await?;
+            self.ha_allocators
+                .push(("allocator-b".into(), pin(&bargs, b[0])));
+            self.allocator_url = format!("{},{}://{}", self.allocator_url, self.scheme(), b[0]);
+        }
 
         // Agents report their own addresses.
         // (name, kind, capacity, path, backend flags)
@@ -625,6 +682,17 @@ impl LocalPool {
         self.deaths.recv().await
     }
 
+    /// With --ha, start an allocator that exited again, on its address: it
+    /// stands by (the other leads). False without --ha.
+    pub async fn restart_ha_allocator(&mut self, name: &str) -> anyhow::Result<bool> {
+        let Some((_, args)) = self.ha_allocators.iter().find(|(n, _)| n == name).cloned() else {
+            return Ok(false);
+        };
+        self.children.retain(|c| c.name != name);
+        self.spawn(name, Role::Allocator, &args, &["grpc"]).await?;
+        Ok(true)
+    }
+
     pub fn is_allocator(&self, name: &str) -> bool {
         self.children
             .iter()
@@ -671,6 +739,10 @@ impl LocalPool {
             }
         }
         self.children.clear();
+        // The allocators are gone: the database can stop (fast shutdown).
+        if let Some((pg, _)) = self.postgres.take() {
+            let _ = tokio::task::spawn_blocking(move || drop(pg)).await;
+        }
         killed
     }
 
@@ -701,6 +773,14 @@ impl LocalPool {
             }
         }
         let _ = writeln!(s, "  allocator  {}", self.allocator_url);
+        if let Some((_, url)) = &self.postgres {
+            let _ = writeln!(
+                s,
+                "  store      {url} (two allocators: one leads, one stands by; \
+                 `aliquotctl allocator status --allocator {}`)",
+                self.allocator_url
+            );
+        }
         if let (Some(m), Some(h)) = (&self.metrics_url, self.metrics_http) {
             let _ = writeln!(s, "  metrics    {m}   charts http://{h}/");
         }
@@ -861,6 +941,14 @@ pub async fn up(args: PoolArgs) -> anyhow::Result<()> {
                 let log = pool.log_of(&name).map(tail_note).unwrap_or_default();
                 eprintln!("aliquotctl: {name} exited ({st}); {log}");
                 if pool.is_allocator(&name) {
+                    match pool.restart_ha_allocator(&name).await {
+                        Ok(true) => {
+                            eprintln!("aliquotctl: {name} started again (--ha: it stands by; the other allocator leads)");
+                            continue;
+                        }
+                        Ok(false) => {}
+                        Err(e) => eprintln!("aliquotctl: cannot start {name} again: {e:#}"),
+                    }
                     eprintln!("aliquotctl: the allocator is gone; stopping the pool");
                     failed = Some(name);
                     break;

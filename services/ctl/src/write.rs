@@ -238,7 +238,15 @@ struct ReStream {
 
 impl ReStream {
     async fn open(alloc: Allocator) -> anyhow::Result<ReStream> {
-        let s = StreamOps::open(alloc.clone()).await?;
+        // An allocator away at the start (restarting, or a takeover under
+        // way) is waited for like one lost later: the first call reopens.
+        let s = match StreamOps::open(alloc.clone()).await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "allocate stream: the allocator is away; blocks wait for it (--allocator-wait)");
+                StreamOps::closed()
+            }
+        };
         Ok(ReStream {
             alloc,
             cur: tokio::sync::Mutex::new(Arc::new(s)),
@@ -269,6 +277,17 @@ struct StreamOps {
 }
 
 impl StreamOps {
+    /// A stream already ended: the next call opens a real one.
+    fn closed() -> StreamOps {
+        let (tx, _) = mpsc::channel(1);
+        StreamOps {
+            tx,
+            pending: Default::default(),
+            next: AtomicU64::new(1),
+            closed: Arc::new(AtomicBool::new(true)),
+        }
+    }
+
     async fn open(mut c: Allocator) -> anyhow::Result<StreamOps> {
         let (tx, rx) = mpsc::channel::<StreamRequest>(1024);
         let mut replies = c
@@ -445,6 +464,13 @@ struct WorkerOut {
     failed: Option<anyhow::Error>,
 }
 
+/// A block's commit: the generation and txg it joined, and its extents.
+struct Committed {
+    generation: u64,
+    txg: u64,
+    extents: Vec<Extent>,
+}
+
 struct Shared {
     args: WriteArgs,
     blocks: u64,
@@ -463,7 +489,11 @@ struct Shared {
     /// txg synced, they must be claimed in the next one's claim window,
     /// before its Allocate may hand their space to anyone (our own next
     /// blocks included).
-    committed: std::sync::Mutex<Vec<(u64, Vec<Extent>)>>,
+    committed: std::sync::Mutex<Vec<Committed>>,
+    /// Poked when the allocator was away (an error reaching it, or
+    /// ALLOCATOR_RESTARTED): the restart watcher then probes it until it
+    /// answers, and claims at once (see `claim_if_restarted`).
+    away: tokio::sync::Notify,
     /// One restart check at a time.
     restart_check: tokio::sync::Mutex<()>,
     /// Blocks a late claim could not re-assert (their space was given out):
@@ -587,60 +617,128 @@ impl Shared {
     }
 
     /// The allocator was away: if it came back in a new generation (a
-    /// restart, or another allocator took the pool over), claim every block
-    /// committed in an older one at once, inside the new generation's claim
-    /// window (its Allocate waits meanwhile); blocks that did sync claim as
-    /// no-ops. Called before a worker retries after the allocator was away.
-    async fn claim_if_restarted(&self) {
+    /// restart, or another allocator took the pool over), re-assert every
+    /// block committed in an older one. Inside the new generation's claim
+    /// window (its Allocate waits meanwhile) that is a Claim of each (those
+    /// that did sync claim as no-ops). After the window the space of an
+    /// unsynced block may already be someone else's — even ours, in the
+    /// very same shape, which a Claim would take for a no-op — so then the
+    /// allocator is asked which of the older generation's txgs synced
+    /// (SyncTxg names the last), and the blocks of later txgs are lost: the
+    /// run fails naming them. False: the allocator did not answer.
+    async fn claim_if_restarted(&self) -> bool {
         let _one = self.restart_check.lock().await;
         let mut c = self.alloc.clone();
         let st = match tokio::time::timeout(Duration::from_secs(5), c.get_pool(GetPoolRequest {}))
             .await
         {
             Ok(Ok(st)) => st.into_inner(),
-            _ => return, // still away: the next retry checks again
+            _ => return false,
         };
         let now = st.generation;
-        let older: Vec<Extent> = {
-            let g = self.committed.lock().unwrap_or_else(|p| p.into_inner());
-            g.iter()
-                .filter(|(gen_, _)| *gen_ != now)
-                .flat_map(|(_, e)| e.iter().cloned())
-                .collect()
+        let older: Vec<Committed> = {
+            let mut g = self.committed.lock().unwrap_or_else(|p| p.into_inner());
+            let (old, cur): (Vec<Committed>, Vec<Committed>) =
+                g.drain(..).partition(|b| b.generation != now);
+            *g = cur;
+            old
         };
+        self.saw_generation(now);
         if older.is_empty() {
-            self.saw_generation(now);
-            return;
+            return true;
         }
-        tracing::warn!(
-            generation = now,
-            extents = older.len(),
-            "the allocator changed generation: claiming what older ones committed"
-        );
-        for chunk in older.chunks(1024) {
-            match c
-                .claim(ClaimRequest {
-                    extents: chunk.to_vec(),
-                })
-                .await
-            {
-                Ok(_) => {}
-                Err(s) if transient(&s) => return, // retried at the next check
-                Err(s) => {
-                    // Someone was given the space: these blocks are lost.
-                    tracing::error!(error = %s, "claim refused");
-                    self.lost
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .extend(chunk.iter().cloned());
+        let mut retry: Vec<Committed> = Vec::new();
+        if st.claim_window_remaining_ms > 0 {
+            tracing::warn!(
+                generation = now,
+                blocks = older.len(),
+                "the allocator changed generation: claiming what older ones committed"
+            );
+            let mut it = older.into_iter().peekable();
+            while it.peek().is_some() {
+                let chunk: Vec<Committed> = it.by_ref().take(512).collect();
+                let extents: Vec<Extent> = chunk
+                    .iter()
+                    .flat_map(|b| b.extents.iter().cloned())
+                    .collect();
+                match c.claim(ClaimRequest { extents }).await {
+                    Ok(_) => {}
+                    Err(s) if transient(&s) => retry.extend(chunk),
+                    Err(s) => {
+                        tracing::error!(error = %s, "claim refused");
+                        self.lose(chunk.iter().flat_map(|b| b.extents.iter().cloned()));
+                    }
+                }
+            }
+        } else {
+            // Which txgs of each older generation synced?
+            let mut by_gen: BTreeMap<u64, Vec<Committed>> = BTreeMap::new();
+            for b in older {
+                by_gen.entry(b.generation).or_default().push(b);
+            }
+            for (g, blocks) in by_gen {
+                let max = blocks.iter().map(|b| b.txg).max().unwrap_or(0);
+                let synced = match c
+                    .sync_txg(SyncTxgRequest {
+                        txg: max,
+                        generation: g,
+                    })
+                    .await
+                {
+                    Ok(_) => max,
+                    Err(s) if reason(&s) == Some(ErrorReason::AllocatorRestarted) => {
+                        use tonic_types::StatusExt;
+                        s.get_details_error_info()
+                            .and_then(|i| i.metadata.get("synced_txg")?.parse().ok())
+                            .unwrap_or(0)
+                    }
+                    Err(_) => {
+                        retry.extend(blocks);
+                        continue;
+                    }
+                };
+                let (kept, lost): (Vec<Committed>, Vec<Committed>) =
+                    blocks.into_iter().partition(|b| b.txg <= synced);
+                drop(kept);
+                if !lost.is_empty() {
+                    tracing::error!(
+                        generation = g,
+                        synced,
+                        blocks = lost.len(),
+                        "the claim window closed before these blocks could be claimed"
+                    );
+                    self.lose(lost.iter().flat_map(|b| b.extents.iter().cloned()));
                 }
             }
         }
+        let answered = retry.is_empty();
         self.committed
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .retain(|(gen_, _)| *gen_ == now);
-        self.saw_generation(now);
+            .extend(retry);
+        answered
+    }
+
+    fn lose(&self, extents: impl Iterator<Item = Extent>) {
+        self.lost
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend(extents);
+    }
+
+    /// The restart watcher: each time the allocator was away, probe it
+    /// (every 100 ms, for up to --allocator-wait) until it answers, and
+    /// claim at once: GetPool is served during the claim window while
+    /// Allocate waits, so the claims land before anyone can be given the
+    /// space.
+    async fn watch_restarts(self: Arc<Self>) {
+        loop {
+            self.away.notified().await;
+            let since = Instant::now();
+            while !self.claim_if_restarted().await && since.elapsed() < self.args.allocator_wait {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
     }
 
     /// A block completed: track the longest gap in progress.
@@ -700,6 +798,7 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
         generation: AtomicU64::new(0),
         alloc: alloc.clone(),
         committed: Default::default(),
+        away: tokio::sync::Notify::new(),
         restart_check: Default::default(),
         lost: Default::default(),
         // For the manifest, even if the allocator is gone at the end.
@@ -717,6 +816,7 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
         run_trace: telemetry::trace_id(&tracing::Span::current()).unwrap_or_default(),
         batchers: Default::default(),
     });
+    let watcher = tokio::spawn(shared.clone().watch_restarts().in_current_span());
     let mut tasks = Vec::new();
     // A stream per 8 workers: enough pipelining, without one HTTP/2 stream
     // becoming the bottleneck.
@@ -837,6 +937,7 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
         // A restart seen only now (no worker was waiting when it
         // happened): claim before the final sync.
         shared.claim_if_restarted().await;
+        watcher.abort();
         synced_txg = Some(sync_or_claim(&alloc, &shared, &placed).await?);
         let lost = shared
             .lost
@@ -1140,7 +1241,7 @@ async fn worker(sh: Arc<Shared>, ops: Ops) -> anyhow::Result<WorkerOut> {
                     if waited < Duration::from_millis(200) {
                         tracing::info!(block, %why, "waiting for the allocator");
                     }
-                    sh.claim_if_restarted().await;
+                    sh.away.notify_one();
                     // 100 ms, doubling, at most 1 s between tries.
                     let n = (waited.as_millis() / 100).min(10) as u64;
                     tokio::time::sleep(Duration::from_millis((100 + n * 100).min(1000))).await;
@@ -1340,11 +1441,14 @@ async fn one_block(
         match ops.commit(reply.allocation_id, reply.generation).await {
             Ok(c) => break c,
             Err(s) if transient(&s) && since.elapsed() < a.allocator_wait => {
-                sh.claim_if_restarted().await;
+                sh.away.notify_one();
                 tries += 1;
                 tokio::time::sleep(Duration::from_millis(100 << tries.min(4))).await;
             }
             Err(s) => {
+                if reason(&s) == Some(ErrorReason::AllocatorRestarted) {
+                    sh.away.notify_one();
+                }
                 let e = client::status_msg(&format!("commit block {block}"), &s);
                 return Err(if retry_block(&s) {
                     BlockError::Retry(e)
@@ -1360,7 +1464,11 @@ async fn one_block(
     sh.committed
         .lock()
         .unwrap_or_else(|p| p.into_inner())
-        .push((reply.generation, reply.extents.clone()));
+        .push(Committed {
+            generation: reply.generation,
+            txg: c.txg,
+            extents: reply.extents.clone(),
+        });
     for e in &reply.extents {
         *out.vdev_bytes.entry(e.vdev).or_insert(0) += e.size;
     }

@@ -1,5 +1,7 @@
-//! A private PostgreSQL server for a test: its own data dir (initdb) and a
-//! free port on 127.0.0.1, never the system's. The binaries come from
+//! A private PostgreSQL server: its own data dir (initdb on first use) and
+//! a port on 127.0.0.1, never the system's: for the tests (a temporary
+//! directory, a free port) and for `aliquotctl up --ha` (in the pool's data
+//! dir, kept across runs). The binaries come from
 //! `ALIQUOT_PG_BIN`, Debian's `/usr/lib/postgresql/<version>/bin`, or PATH
 //! (`.ci/run` installs Debian's `postgresql` package where they are
 //! missing). PostgreSQL refuses to run as root: as root the server runs as
@@ -10,13 +12,30 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// Where the server's files live.
+enum Dir {
+    Temp(tempfile::TempDir),
+    Kept(PathBuf),
+}
+
+impl Dir {
+    fn path(&self) -> &Path {
+        match self {
+            Dir::Temp(t) => t.path(),
+            Dir::Kept(p) => p,
+        }
+    }
+}
+
 /// A running PostgreSQL server; stopped (immediate mode) when dropped.
 pub struct Postgres {
     pub port: u16,
-    dir: tempfile::TempDir,
+    dir: Dir,
     bin: PathBuf,
     user: Option<(u32, u32)>,
     child: Option<Child>,
+    /// fsync off (tests only).
+    fast: bool,
 }
 
 /// Where `initdb` and `postgres` are, if anywhere.
@@ -73,50 +92,78 @@ fn free_port() -> u16 {
 }
 
 impl Postgres {
-    /// initdb a fresh cluster and start it. Panics with what is missing
-    /// when PostgreSQL is not installed.
+    /// A fresh cluster in a temporary directory on a free port, started.
+    /// Panics with what is missing when PostgreSQL is not installed (tests).
     pub fn start() -> Postgres {
-        let bin = bin_dir().expect(
-            "PostgreSQL is not installed: .ci/run installs Debian's `postgresql` package \
-             (or set ALIQUOT_PG_BIN to the directory holding initdb and postgres)",
-        );
         let dir = tempfile::Builder::new()
             .prefix("aliquot-pg-")
             .tempdir()
             .expect("tempdir");
-        let user = if is_root() {
-            Some(
-                user_ids("postgres")
-                    .or_else(|| user_ids("nobody"))
-                    .expect("a postgres or nobody user to run PostgreSQL as"),
-            )
-        } else {
-            None
-        };
+        let mut pg =
+            Postgres::prepare(Dir::Temp(dir), free_port()).unwrap_or_else(|e| panic!("{e}"));
+        pg.launch().unwrap_or_else(|e| panic!("{e}"));
+        pg
+    }
+
+    /// The cluster in `dir` (created by initdb if it is not there yet) on
+    /// `port`, started. For a pool's own server that outlives this process
+    /// only as files: it is stopped when the value is dropped.
+    pub fn start_in(dir: &Path, port: u16) -> Result<Postgres, String> {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        let mut pg = Postgres::prepare(Dir::Kept(dir.to_path_buf()), port)?;
+        pg.launch()?;
+        Ok(pg)
+    }
+
+    fn prepare(dir: Dir, port: u16) -> Result<Postgres, String> {
+        let bin = bin_dir().ok_or(
+            "PostgreSQL is not installed: install Debian's `postgresql` package (.ci/run does) \
+             or set ALIQUOT_PG_BIN to the directory holding initdb and postgres",
+        )?;
+        // PostgreSQL refuses to run as root.
+        let user =
+            if is_root() {
+                Some(user_ids("postgres").or_else(|| user_ids("nobody")).ok_or(
+                    "running as root, and no postgres or nobody user to run PostgreSQL as",
+                )?)
+            } else {
+                None
+            };
         if let Some((uid, gid)) = user {
-            chown_tree(dir.path(), uid, gid).expect("chown the data dir");
+            chown_tree(dir.path(), uid, gid)
+                .map_err(|e| format!("cannot chown {}: {e}", dir.path().display()))?;
         }
-        let mut pg = Postgres {
-            port: free_port(),
+        let fast = matches!(dir, Dir::Temp(_));
+        let pg = Postgres {
+            port,
             dir,
             bin,
             user,
             child: None,
+            fast,
         };
-        let out = pg
-            .command("initdb")
-            .args(["-D"])
-            .arg(pg.data())
-            .args(["-U", "aliquot", "--auth=trust", "-E", "UTF8", "--no-sync"])
-            .output()
-            .expect("run initdb");
-        assert!(
-            out.status.success(),
-            "initdb failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        pg.launch();
-        pg
+        if !pg.data().join("PG_VERSION").exists() {
+            let out = pg
+                .command("initdb")
+                .args(["-D"])
+                .arg(pg.data())
+                .args(["-U", "aliquot", "--auth=trust", "-E", "UTF8", "--no-sync"])
+                .output()
+                .map_err(|e| format!("cannot run initdb: {e}"))?;
+            if !out.status.success() {
+                return Err(format!(
+                    "initdb failed: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                ));
+            }
+        }
+        Ok(pg)
+    }
+
+    /// The server's log file.
+    pub fn log_path(&self) -> PathBuf {
+        self.log()
     }
 
     fn data(&self) -> PathBuf {
@@ -136,6 +183,11 @@ impl Postgres {
         c
     }
 
+    /// The postmaster's pid, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+
     /// The URL allocators take (`--store`).
     pub fn url(&self) -> String {
         format!("postgres://aliquot@127.0.0.1:{}/postgres", self.port)
@@ -143,12 +195,15 @@ impl Postgres {
 
     /// Start the server on the existing data dir; returns once it accepts
     /// connections.
-    pub fn launch(&mut self) {
+    pub fn launch(&mut self) -> Result<(), String> {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(self.log())
-            .expect("postgres log");
+            .map_err(|e| format!("cannot open {}: {e}", self.log().display()))?;
+        if let Some((uid, gid)) = self.user {
+            let _ = std::os::unix::fs::chown(self.log(), Some(uid), Some(gid));
+        }
         let start_at = std::fs::metadata(self.log()).map(|m| m.len()).unwrap_or(0);
         let child = self
             .command("postgres")
@@ -161,13 +216,19 @@ impl Postgres {
                 "unix_socket_directories={}",
                 self.dir.path().display()
             ))
+            .args(["-c", "max_connections=200"])
             // A test machine does not lose power; crash safety of the
-            // server itself is PostgreSQL's, not what these tests check.
-            .args(["-c", "fsync=off", "-c", "max_connections=200"])
+            // server itself is PostgreSQL's, not what the tests check. A
+            // pool's own server (`up --ha`) keeps fsync on.
+            .args(if self.fast {
+                &["-c", "fsync=off"][..]
+            } else {
+                &[][..]
+            })
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
-            .expect("start postgres");
+            .map_err(|e| format!("cannot start postgres: {e}"))?;
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
@@ -175,17 +236,17 @@ impl Postgres {
             let fresh =
                 String::from_utf8_lossy(&text[(start_at as usize).min(text.len())..]).to_string();
             if fresh.contains("ready to accept connections") {
-                return;
+                return Ok(());
             }
             if let Some(c) = self.child.as_mut()
                 && let Ok(Some(st)) = c.try_wait()
             {
-                panic!("postgres exited ({st}):\n{fresh}");
+                self.child = None;
+                return Err(format!("postgres exited ({st}):\n{fresh}"));
             }
-            assert!(
-                Instant::now() < deadline,
-                "postgres did not start:\n{fresh}"
-            );
+            if Instant::now() > deadline {
+                return Err(format!("postgres did not start within 60 s:\n{fresh}"));
+            }
             std::thread::sleep(Duration::from_millis(50));
         }
     }
@@ -223,8 +284,9 @@ impl Drop for Postgres {
     fn drop(&mut self) {
         if self.child.is_some() {
             self.pause(false);
-            // Immediate shutdown: no checkpoint, backends end at once.
-            self.signal("-QUIT");
+            // Fast shutdown (SIGINT: sessions end, a checkpoint is written);
+            // immediate (SIGQUIT), then SIGKILL, if it takes too long.
+            self.signal("-INT");
             if let Some(mut c) = self.child.take() {
                 let deadline = Instant::now() + Duration::from_secs(10);
                 while Instant::now() < deadline {
@@ -233,6 +295,10 @@ impl Drop for Postgres {
                     }
                     std::thread::sleep(Duration::from_millis(20));
                 }
+                let _ = Command::new("kill")
+                    .args(["-QUIT", &c.id().to_string()])
+                    .status();
+                std::thread::sleep(Duration::from_millis(500));
                 let _ = c.kill();
                 let _ = c.wait();
             }

@@ -743,3 +743,132 @@ async fn bad_stores_are_refused_and_two_pools_share_a_database() {
     .unwrap();
     assert_eq!(tables, 1, "nothing was created in the newer database");
 }
+
+/// Does process `pid` hold the socket listening on 127.0.0.1:`port`?
+fn listens_on(pid: u32, port: u16) -> bool {
+    let tcp = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
+    // "sl local_address rem_address st ... inode": st 0A is LISTEN.
+    let inode = tcp.lines().skip(1).find_map(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        let local_port = u16::from_str_radix(f.get(1)?.rsplit(':').next()?, 16).ok()?;
+        (local_port == port && f.get(3) == Some(&"0A")).then(|| f.get(9).map(|s| s.to_string()))?
+    });
+    let Some(inode) = inode else { return false };
+    let want = format!("socket:[{inode}]");
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|l| l.to_string_lossy() == want))
+}
+
+fn cmdline(pid: u32) -> String {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+        .unwrap_or_default()
+}
+
+/// `aliquotctl up --ha`: a pool with its own PostgreSQL and two
+/// allocators. A write runs across a kill -9 of the leading allocator; `up`
+/// starts it again as the standby, and the pool serves on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_ha_serves_across_a_killed_allocator() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let up = Proc::start(
+        "up",
+        &bin("aliquotctl"),
+        &args![
+            "up",
+            "--ha",
+            "--insecure",
+            "--ephemeral",
+            "--no-metrics",
+            "--data-dir",
+            dir.path().join("pool").display(),
+            "--agents",
+            "512MiB,512MiB"
+        ],
+        &[],
+        &["grpc"],
+        dir.path(),
+    )
+    .expect("up --ha");
+    // The allocators are `up`'s children running `serve allocator`.
+    let allocators = || -> Vec<u32> {
+        integration_tests::children_of(up.pid().unwrap())
+            .into_iter()
+            .filter(|p| cmdline(*p).contains("serve allocator"))
+            .collect()
+    };
+    assert_eq!(allocators().len(), 2, "two allocators");
+    // The leader and the standby, as the leader lists them.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let text = loop {
+        let o =
+            integration_tests::ctl(&args!["allocator", "status", "--allocator", up.url("grpc")]);
+        let text = integration_tests::ok_stdout(&o, "allocator status");
+        if !text.contains("none seen") {
+            break text;
+        }
+        assert!(Instant::now() < deadline, "no standby listed:\n{text}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    let field = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .map(|l| l.trim().split(' ').next().unwrap().to_string())
+            .unwrap_or_else(|| panic!("no {name} line:\n{text}"))
+    };
+    let (leader, standby) = (field("leader"), field("standbys"));
+    let both = format!("{leader},{standby}");
+    let port: u16 = leader.rsplit(':').next().unwrap().parse().unwrap();
+    let leader_pid = allocators()
+        .into_iter()
+        .find(|p| listens_on(*p, port))
+        .expect("the leader's process");
+    let w = std::process::Command::new(bin("aliquotctl"))
+        .args(args![
+            "write",
+            "--allocator",
+            both,
+            "--insecure",
+            "--total",
+            "96MiB",
+            "--rate",
+            "32MiB/s",
+            "--verify",
+            "--no-progress"
+        ])
+        .env_remove("ALIQUOT_ALLOCATOR")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    std::process::Command::new("kill")
+        .args(["-9", &leader_pid.to_string()])
+        .status()
+        .unwrap();
+    let out = tokio::task::spawn_blocking(move || w.wait_with_output().unwrap())
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "the write failed:\n{}\n{stdout}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("verified"), "{stdout}");
+    // `up` started the killed allocator again: two, one standing by.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let o = integration_tests::ctl(&args!["allocator", "status", "--allocator", both]);
+        let text = String::from_utf8_lossy(&o.stdout).to_string();
+        if o.status.success() && allocators().len() == 2 && !text.contains("none seen") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no standby again:\n{text}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}

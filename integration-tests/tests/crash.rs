@@ -192,6 +192,10 @@ struct Cluster {
     /// standing by; a "restart" of the killed leader is a takeover by it.
     pg: Option<integration_tests::postgres::Postgres>,
     standby: Option<Proc>,
+    /// When the leader was last killed, and each takeover's time from the
+    /// kill to the standby serving with every awake vdev reported in.
+    killed_at: Option<Instant>,
+    takeovers: Vec<Duration>,
 }
 
 fn lazy(url: &str) -> Channel {
@@ -322,6 +326,8 @@ impl Cluster {
             asleep: None,
             pg,
             standby,
+            killed_at: None,
+            takeovers: Vec::new(),
         };
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
@@ -368,9 +374,17 @@ impl Cluster {
             .expect("agent of vdev")
     }
 
+    fn kill_allocator(&mut self) {
+        self.alloc.kill9();
+        self.killed_at = Some(Instant::now());
+    }
+
     async fn restart_allocator(&mut self) {
         self.restart_allocator_on_any_store().await;
         self.wait_vdevs_reported().await;
+        if let (true, Some(t)) = (self.standby.is_some(), self.killed_at.take()) {
+            self.takeovers.push(t.elapsed());
+        }
     }
 
     /// Restarts the allocator without waiting for the agents to report in
@@ -920,7 +934,7 @@ async fn crash_run_on(
                     _ = write_forever(&mut c, &mut m, &mut rng) => unreachable!(),
                     _ = tokio::time::sleep(run_for) => {}
                 }
-                c.alloc.kill9();
+                c.kill_allocator();
                 let victim = rng.below(AGENTS as u64) as usize;
                 if matches!(kill, Kill::Both) {
                     c.agents[victim].kill9();
@@ -974,7 +988,7 @@ async fn crash_run_on(
                 let victim = rng.below(AGENTS as u64) as usize;
                 let vdev = vdev_of(&c, victim);
                 signal(&c.agents[victim], "-STOP");
-                c.alloc.kill9();
+                c.kill_allocator();
                 check_store(&mut c, &mut m).await;
                 c.asleep = Some(vdev);
                 c.restart_allocator().await;
@@ -1010,7 +1024,7 @@ async fn crash_run_on(
             }
             Kill::Rollback => {
                 write_until(&mut c, &mut m, &mut rng, Instant::now() + run_for).await;
-                c.alloc.kill9();
+                c.kill_allocator();
                 check_store(&mut c, &mut m).await;
                 let store_dir = c.dir.join("allocator");
                 let older = c.dir.join("older-store");
@@ -1024,7 +1038,7 @@ async fn crash_run_on(
                     .await
                     .expect("sync");
                 tokio::time::sleep(Duration::from_millis(800)).await;
-                c.alloc.kill9();
+                c.kill_allocator();
                 check_store(&mut c, &mut m).await;
                 let newest = c.dir.join("newest-store");
                 copy_store(&store_dir, &newest);
@@ -1049,7 +1063,7 @@ async fn crash_run_on(
                 }
                 rollbacks_refused += 1;
                 // The operator puts the newest store back.
-                c.alloc.kill9();
+                c.kill_allocator();
                 copy_store(&newest, &store_dir);
                 c.restart_allocator().await;
                 resolve(&mut c, &mut m).await;
@@ -1090,6 +1104,16 @@ async fn crash_run_on(
          ({refused_placements} placements meanwhile, none on a sleeping agent's vdev); \
          {rollbacks_refused} of {rollbacks} older stores refused"
     );
+    if !c.takeovers.is_empty() {
+        let mut t = c.takeovers.clone();
+        t.sort();
+        eprintln!(
+            "crash test: {} takeovers, kill to serving (store checked meanwhile): p50 {:?}, max {:?}",
+            t.len(),
+            t[t.len() / 2],
+            t[t.len() - 1]
+        );
+    }
     assert_eq!(rollbacks_refused, rollbacks as u64);
     assert!(m.durable_acks > 0 && m.verified_extents > 0);
 }

@@ -187,3 +187,103 @@ fn python_client_writes_reads_and_discovers_over_tls() {
         "allocator holds {have}, the client placed {total_placed} and freed down to {after_free}"
     );
 }
+
+/// The client across a takeover (issue 26): given both allocators of an
+/// `up --ha` pool, it writes durable blocks, the leading allocator is
+/// killed with -9, and it follows NOT_LEADER to the new leader, waits out
+/// the takeover and the claim window, writes on, and reads everything back.
+const PY_HA: &str = r#"
+import os, sys, time
+from aliquot_client import Pool
+
+def listener_pid(port):
+    inodes = set()
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            p = line.split()
+            if int(p[1].rsplit(":", 1)[1], 16) == port and p[3] == "0A":
+                inodes.add("socket:[%s]" % p[9])
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            for fd in os.listdir("/proc/%s/fd" % pid):
+                if os.readlink("/proc/%s/fd/%s" % (pid, fd)) in inodes:
+                    return int(pid)
+        except OSError:
+            pass
+    raise SystemExit("no process listens on %d" % port)
+
+pool = Pool(sys.argv[1], allocator_wait=60)
+before = [pool.write_block(bytes([i]) * 65536) for i in range(4)]
+st = pool.get_pool()
+leader = st.leadership.leader
+os.kill(listener_pid(int(leader.rsplit(":", 1)[1])), 9)
+t0 = time.time()
+after = [pool.write_block(bytes([100 + i]) * 65536) for i in range(4)]
+took = time.time() - t0
+st2 = pool.get_pool()
+# A new generation leads (`up` restarts the killed allocator as a standby,
+# and either may win the expired lease).
+assert st2.generation > st.generation, (st.generation, st2.generation)
+for i, b in enumerate(before):
+    assert pool.read_block(b) == bytes([i]) * 65536, i
+for i, b in enumerate(after):
+    assert pool.read_block(b) == bytes([100 + i]) * 65536, i
+print("takeover followed: %d blocks before, %d after (%.1f s), all read back" % (len(before), len(after), took))
+"#;
+
+#[test]
+fn python_client_follows_a_takeover() {
+    let py = std::env::var("ALIQUOT_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
+    let pypath = python_path(&py);
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    let up = Proc::start(
+        "up",
+        &bin("aliquotctl"),
+        &args![
+            "up",
+            "--ha",
+            "--insecure",
+            "--ephemeral",
+            "--no-metrics",
+            "--data-dir",
+            data.display(),
+            "--agents",
+            "256MiB,256MiB"
+        ],
+        &[],
+        &["grpc"],
+        tmp.path(),
+    )
+    .expect("aliquotctl up --ha");
+    // Both allocators, as the leader lists them once it saw the standby.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let both = loop {
+        let o = ctl(&args!["allocator", "status", "--allocator", up.url("grpc")]);
+        let text = ok_stdout(&o, "allocator status");
+        let field = |name: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name))
+                .map(|l| l.trim().split(' ').next().unwrap_or("").to_string())
+        };
+        if let (Some(l), Some(s)) = (field("leader"), field("standbys"))
+            && s.starts_with("http")
+        {
+            break format!("{l},{s}");
+        }
+        assert!(std::time::Instant::now() < deadline, "no standby:\n{text}");
+        std::thread::sleep(std::time::Duration::from_millis(300));
+    };
+    let out = Command::new(&py)
+        .args(["-c", PY_HA, &both])
+        .env("PYTHONPATH", &pypath)
+        .output()
+        .expect("run python");
+    assert!(
+        out.status.success(),
+        "python client failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    eprintln!("{}", String::from_utf8_lossy(&out.stdout));
+}

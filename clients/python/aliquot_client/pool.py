@@ -43,6 +43,7 @@ class ErrorReason:
     TXG_WAIT = "TXG_WAIT"
     SHUTTING_DOWN = "SHUTTING_DOWN"
     NOT_OWNER = "NOT_OWNER"
+    NOT_LEADER = "NOT_LEADER"
 
 
 def error_info(err: grpc.RpcError) -> Optional[error_details_pb2.ErrorInfo]:
@@ -142,19 +143,56 @@ class Pool:
 
     def __init__(
         self,
-        allocator: str,
+        allocator,
         tls: Optional[Tls] = None,
         timeout: float = 10.0,
         attempts: int = 5,
+        allocator_wait: float = 60.0,
     ):
+        """`allocator_wait`: how long (seconds) a call keeps retrying an
+        allocator that is unreachable, restarting or being taken over (as
+        `aliquotctl write --allocator-wait`).
+
+        `allocator`: its address, or several (a list, or one string
+        separated by commas) of allocators sharing a PostgreSQL store: calls
+        go to the one that leads, following NOT_LEADER after a takeover."""
         self.tls = tls
         self.timeout = timeout
         self.attempts = attempts
+        self.allocator_wait = allocator_wait
         self._creds = tls.credentials() if tls is not None else None
-        self._allocator_channel = self._channel(_target(allocator), "allocator.aliquot")
-        self.allocator = allocator_pb2_grpc.AllocatorStub(self._allocator_channel)
+        urls = allocator.split(",") if isinstance(allocator, str) else list(allocator)
+        targets = [_target(u.strip()) for u in urls if u.strip()]
+        if not targets:
+            raise ValueError("no allocator address given")
+        self._allocators = []
+        for t in targets:
+            ch = self._channel(t, "allocator.aliquot")
+            self._allocators.append((t, ch, allocator_pb2_grpc.AllocatorStub(ch)))
+        self._leader = 0
         self._agents: Dict[str, agent_pb2_grpc.VdevAgentStub] = {}
-        self._channels = [self._allocator_channel]
+        self._channels = [ch for _, ch, _ in self._allocators]
+
+    @property
+    def allocator(self) -> allocator_pb2_grpc.AllocatorStub:
+        """The stub of the allocator believed to lead."""
+        return self._allocators[self._leader][2]
+
+    def _follow(self, err: grpc.RpcError) -> None:
+        """After a failed call: move to the leader a NOT_LEADER names, or
+        (another allocator unreachable or standing by) to the next one."""
+        if len(self._allocators) < 2:
+            return
+        info = error_info(err)
+        if info is not None and info.reason == ErrorReason.NOT_LEADER:
+            leader = _target(info.metadata.get("leader", ""))
+            for i, (t, _, _) in enumerate(self._allocators):
+                if leader and t == leader:
+                    self._leader = i
+                    return
+        if info is None or info.reason == ErrorReason.NOT_LEADER:
+            if err.code() in _TRANSIENT:
+                self._leader = (self._leader + 1) % len(self._allocators)
 
     def _channel(self, target: str, server_name: str) -> grpc.Channel:
         if self._creds is None:
@@ -185,13 +223,20 @@ class Pool:
     # ---- calls safe to repeat ------------------------------------------------
 
     def _repeat(self, what: str, call, *args, **kwargs):
-        """`call` again on a transient failure, with backoff."""
-        for attempt in range(self.attempts):
+        """`call` again on a transient failure, with backoff. A method name
+        (str) is looked up on the allocator believed to lead at each try,
+        so a retry after NOT_LEADER goes to the leader."""
+        deadline = time.monotonic() + self.allocator_wait
+        attempt = 0
+        while True:
             try:
-                return call(*args, timeout=self.timeout, **kwargs)
+                fn = getattr(self.allocator, call) if isinstance(call, str) else call
+                return fn(*args, timeout=self.timeout, **kwargs)
             except grpc.RpcError as e:
-                if e.code() in _TRANSIENT and attempt + 1 < self.attempts:
-                    time.sleep(0.1 * 2**attempt)
+                self._follow(e)
+                if e.code() in _TRANSIENT and time.monotonic() < deadline:
+                    time.sleep(min(0.1 * 2**attempt, 1.0))
+                    attempt += 1
                     continue
                 raise AliquotError(what, e) from e
 
@@ -206,7 +251,7 @@ class Pool:
             generation = getattr(txg, "generation", 0)
         r = self._repeat(
             "sync txg",
-            self.allocator.SyncTxg,
+            "SyncTxg",
             allocator_pb2.SyncTxgRequest(txg=int(txg), generation=generation),
         )
         return r.synced_txg
@@ -219,13 +264,13 @@ class Pool:
         txg, generation = 0, 0
         for i in range(0, len(extents), 4096):
             r = self._repeat(
-                "free", self.allocator.Free, allocator_pb2.FreeRequest(extents=extents[i : i + 4096])
+                "free", "Free", allocator_pb2.FreeRequest(extents=extents[i : i + 4096])
             )
             txg, generation = max(txg, r.txg), r.generation
         return Txg(txg, generation)
 
     def get_pool(self) -> allocator_pb2.PoolStatus:
-        return self._repeat("get pool", self.allocator.GetPool, allocator_pb2.GetPoolRequest())
+        return self._repeat("get pool", "GetPool", allocator_pb2.GetPoolRequest())
 
     # ---- the write protocol --------------------------------------------------
 
@@ -235,22 +280,27 @@ class Pool:
             copies=copies,
             **{"class": allocator_pb2.ALLOCATION_CLASS_LOG if log else allocator_pb2.ALLOCATION_CLASS_DATA},
         )
-        for attempt in range(self.attempts):
+        deadline = time.monotonic() + self.allocator_wait
+        waits, away = 0, 0
+        while True:
             try:
                 # No client deadline: a DATA allocation may wait in the
                 # throttle, which is the point of it.
                 return self.allocator.Allocate(req)
             except grpc.RpcError as e:
+                self._follow(e)
                 info = error_info(e)
                 reason = info.reason if info else None
-                last = attempt + 1 == self.attempts
-                if reason == ErrorReason.TXG_WAIT and not last:
+                if reason == ErrorReason.TXG_WAIT and waits + 1 < self.attempts:
                     # Log space comes back when txg `until` syncs.
+                    waits += 1
                     until = int(info.metadata.get("until", "0"))
                     self.sync_txg(until, self.get_pool().generation)
                     continue
-                if e.code() in _TRANSIENT and not last:
-                    time.sleep(0.1 * 2**attempt)
+                if e.code() in _TRANSIENT and time.monotonic() < deadline:
+                    # Away, restarting or taken over: wait (allocator_wait).
+                    time.sleep(min(0.1 * 2**away, 1.0))
+                    away += 1
                     continue
                 raise AliquotError("allocate", e) from e
         raise AssertionError("unreachable")
@@ -291,7 +341,7 @@ class Pool:
             try:
                 c = self._repeat(
                     "commit",
-                    self.allocator.Commit,
+                    "Commit",
                     allocator_pb2.CommitRequest(
                         allocation_ids=[r.allocation_id],
                         wait_synced=durable,
@@ -309,7 +359,7 @@ class Pool:
                 # know the allocation: re-assert its extents.
                 try:
                     cl = self._repeat(
-                        "claim", self.allocator.Claim, allocator_pb2.ClaimRequest(extents=r.extents)
+                        "claim", "Claim", allocator_pb2.ClaimRequest(extents=r.extents)
                     )
                 except AliquotError as ce:
                     if ce.reason == ErrorReason.CLAIM_CONFLICT:
@@ -337,7 +387,7 @@ class Pool:
         # covers; the allocator issues them to the block's owner.
         tokens = self._repeat(
             "read tokens",
-            self.allocator.ReadTokens,
+            "ReadTokens",
             allocator_pb2.ReadTokensRequest(extents=[block.extents[i] for i in order]),
         ).tokens
         last: Optional[grpc.RpcError] = None

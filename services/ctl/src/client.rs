@@ -146,7 +146,11 @@ pub async fn allocator(tls: &ClientTls, url: &str) -> anyhow::Result<Allocator> 
             })
             .collect::<anyhow::Result<Vec<_>>>()?,
     };
+    let several = chans.len() > 1;
     let ch = crate::leader::LeaderChannel::new(chans);
+    if several {
+        ch.find_leader().await;
+    }
     Ok(AllocatorClient::with_interceptor(ch, TraceInjector)
         .max_decoding_message_size(MAX_MESSAGE)
         .max_encoding_message_size(MAX_MESSAGE))

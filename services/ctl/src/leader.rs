@@ -49,6 +49,45 @@ impl LeaderChannel {
     pub fn current(&self) -> &str {
         &self.inner.allocators[self.inner.current.load(Ordering::Relaxed)].0
     }
+
+    /// Start with the allocator that leads now, so a command's first call
+    /// is not spent on a standby: each is asked GetPool in turn (briefly);
+    /// the first that answers, or the leader a standby names, is taken.
+    pub async fn find_leader(&self) {
+        use aliquot_proto::v1::GetPoolRequest;
+        use aliquot_proto::v1::allocator_client::AllocatorClient;
+        for (i, (_, ch)) in self.inner.allocators.iter().enumerate() {
+            let mut c = AllocatorClient::new(ch.clone());
+            let r = tokio::time::timeout(
+                std::time::Duration::from_secs(2),
+                c.get_pool(GetPoolRequest {}),
+            )
+            .await;
+            match r {
+                Ok(Ok(_)) => {
+                    self.inner.current.store(i, Ordering::Release);
+                    return;
+                }
+                Ok(Err(s)) => {
+                    let leader = s
+                        .get_details_error_info()
+                        .filter(|e| e.reason == "NOT_LEADER")
+                        .and_then(|e| e.metadata.get("leader").cloned());
+                    if let Some(l) = leader
+                        && let Some(j) = self
+                            .inner
+                            .allocators
+                            .iter()
+                            .position(|(u, _)| same_endpoint(u, &l))
+                    {
+                        self.inner.current.store(j, Ordering::Release);
+                        return;
+                    }
+                }
+                Err(_) => {}
+            }
+        }
+    }
 }
 
 impl Inner {

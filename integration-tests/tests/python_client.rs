@@ -49,7 +49,7 @@ pool.sync_txg(freed_txg)
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
-services = sorted(ProtoReflectionDescriptorDatabase(pool._allocator_channel).get_services())
+services = sorted(ProtoReflectionDescriptorDatabase(pool.allocator_channel).get_services())
 print(json.dumps({"placed": placed, "services": services,
                   "freed": [e.size for e in blocks[0].extents],
                   "freed_vdevs": [e.vdev for e in blocks[0].extents]}))

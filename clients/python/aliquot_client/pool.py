@@ -178,6 +178,12 @@ class Pool:
         """The stub of the allocator believed to lead."""
         return self._allocators[self._leader][2]
 
+    @property
+    def allocator_channel(self) -> grpc.Channel:
+        """The channel to the allocator believed to lead (for reflection or
+        stubs of your own)."""
+        return self._allocators[self._leader][1]
+
     def _follow(self, err: grpc.RpcError) -> None:
         """After a failed call: move to the leader a NOT_LEADER names, or
         (another allocator unreachable or standing by) to the next one."""

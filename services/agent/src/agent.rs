@@ -349,9 +349,32 @@ impl Agent {
             read_errors: s.read_errors,
             writes: s.writes,
             device_writes: s.device_writes,
+            out_of_space: self.out_of_space(),
             time_ms: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_millis() as u64),
+        }
+    }
+
+    /// A write met ENOSPC and the file system has not had room since: room
+    /// means at least `RESUME_FREE` bytes available to us again (statvfs of
+    /// the device file's file system), checked at each report.
+    pub fn out_of_space(&self) -> bool {
+        const RESUME_FREE: u64 = 64 << 20;
+        let full = &self.inner.stats.storage_full;
+        if !full.load(Relaxed) {
+            return false;
+        }
+        let Some(path) = &self.inner.info.path else {
+            return true;
+        };
+        match free_bytes(path) {
+            Some(free) if free >= RESUME_FREE => {
+                full.store(false, Relaxed);
+                tracing::info!(free, "the device's file system has room again");
+                false
+            }
+            _ => true,
         }
     }
 
@@ -360,4 +383,14 @@ impl Agent {
         let q = Arc::clone(&self.inner.queue);
         let _ = tokio::task::spawn_blocking(move || q.shutdown()).await;
     }
+}
+
+/// Bytes available to unprivileged writers on the file system of `path`.
+fn free_bytes(path: &std::path::Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a valid NUL-terminated path and `st` a valid out-pointer.
+    let r = unsafe { libc::statvfs(c.as_ptr(), &mut st) };
+    (r == 0).then(|| st.f_bavail as u64 * st.f_frsize as u64)
 }

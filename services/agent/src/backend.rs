@@ -39,6 +39,9 @@ pub struct DeviceInfo {
     pub capacity: u64,
     pub ashift: u32,
     pub rotational: bool,
+    /// A file device's path: its file system is asked for free space after
+    /// a write met ENOSPC (None: a simulated device).
+    pub path: Option<std::path::PathBuf>,
 }
 
 pub struct Opened {
@@ -84,6 +87,7 @@ pub fn open(cfg: &Config) -> Result<Opened, AgentError> {
                     capacity: label.data_capacity(),
                     ashift: label.ashift,
                     rotational: cfg.rotational,
+                    path: Some(path.to_path_buf()),
                 },
                 device: Box::new(FileDevice {
                     file,
@@ -106,6 +110,7 @@ pub fn open(cfg: &Config) -> Result<Opened, AgentError> {
                     capacity,
                     ashift: cfg.ashift,
                     rotational: cfg.rotational,
+                    path: None,
                 },
                 device: Box::new(SimDevice::new(
                     capacity,

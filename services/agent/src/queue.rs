@@ -333,6 +333,9 @@ impl IoQueue {
                     }
                     Err(e) => {
                         self.stats.write_errors.fetch_add(n as u64, Relaxed);
+                        if e.kind() == std::io::ErrorKind::StorageFull {
+                            self.stats.storage_full.store(true, Relaxed);
+                        }
                         tracing::warn!(offset, bytes, error = %e, "device write failed");
                         Err(e)
                     }
@@ -357,6 +360,9 @@ impl IoQueue {
                 Ok(()) => Ok(None),
                 Err(e) => {
                     self.stats.write_errors.fetch_add(1, Relaxed);
+                    if e.kind() == std::io::ErrorKind::StorageFull {
+                        self.stats.storage_full.store(true, Relaxed);
+                    }
                     tracing::warn!(error = %e, "device flush failed");
                     Err(e)
                 }

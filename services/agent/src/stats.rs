@@ -22,6 +22,9 @@ pub struct Stats {
     /// Unary Writes the fast path took off the wire (not reported: tests
     /// and benches read it to know which path served them).
     pub fast_writes: AtomicU64,
+    /// A device write or flush met ENOSPC; cleared once the file system
+    /// has room again (`Agent::out_of_space`).
+    pub storage_full: std::sync::atomic::AtomicBool,
     latency: Mutex<Intervals>,
 }
 
@@ -65,6 +68,7 @@ impl Default for Stats {
             bytes_written: AtomicU64::new(0),
             bytes_read: AtomicU64::new(0),
             write_errors: AtomicU64::new(0),
+            storage_full: std::sync::atomic::AtomicBool::new(false),
             read_errors: AtomicU64::new(0),
             queue_ios: AtomicU64::new(0),
             queue_bytes: AtomicU64::new(0),

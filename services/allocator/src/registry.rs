@@ -182,28 +182,48 @@ fn stall_check(g: &mut Inner, id: VdevId) {
     } else {
         info.stalled_reports = 0;
     }
-    let stalled = info.stalled_reports >= STALLED_REPORTS;
+    let hung = info.stalled_reports >= STALLED_REPORTS;
+    // An agent whose device met ENOSPC (issue 27 item 4): every write
+    // placed there fails until its file system has room again.
+    let full = last.out_of_space;
+    let stalled = hung || full;
     let health = info.reported_health;
     let depth = last.queue_depth_ios;
     if stalled && !info.stalled {
         info.stalled = true;
         let _ = g.pool.set_health(id, Health::Unavailable);
-        g.event(
-            "vdev_stalled",
-            id,
-            format!("{depth} writes queued, none completing"),
-        );
-        tracing::warn!(
-            vdev = id,
-            queued = depth,
-            "vdev stalled: its queue is not draining; not allocating there"
-        );
+        if full {
+            g.event(
+                "vdev_full",
+                id,
+                "its device's file system is full (ENOSPC)".into(),
+            );
+            tracing::warn!(
+                vdev = id,
+                "vdev out of space: a write met ENOSPC; not allocating there until the agent has room"
+            );
+        } else {
+            g.event(
+                "vdev_stalled",
+                id,
+                format!("{depth} writes queued, none completing"),
+            );
+            tracing::warn!(
+                vdev = id,
+                queued = depth,
+                "vdev stalled: its queue is not draining; not allocating there"
+            );
+        }
     } else if !stalled && info.stalled {
         info.stalled = false;
         let _ = g.pool.set_health(id, health);
         g.wake_admitted();
-        g.event("vdev_online", id, "queue draining again".into());
-        tracing::info!(vdev = id, "vdev draining again");
+        g.event(
+            "vdev_online",
+            id,
+            "queue draining again, with room on its device".into(),
+        );
+        tracing::info!(vdev = id, "vdev writable again");
     }
 }
 
@@ -503,8 +523,13 @@ impl RegistryService {
         if was_silent {
             mark_alive(&mut g, id, now, "reports resumed");
         } else {
-            g.vdevs.get_mut(&id).expect("present").last_seen = now;
-            if health != old_health {
+            let v = g.vdevs.get_mut(&id).expect("present");
+            v.last_seen = now;
+            // A stalled or full vdev stays unavailable whatever health its
+            // agent reports; `stall_check` restores the reported one when
+            // it drains or has room again.
+            let held = v.stalled;
+            if health != old_health && !held {
                 g.pool.set_health(id, health)?;
                 g.wake_admitted();
                 tracing::info!(vdev = id, ?health, "vdev health changed");

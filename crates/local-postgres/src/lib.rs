@@ -101,18 +101,40 @@ impl Postgres {
             .expect("tempdir");
         let mut pg =
             Postgres::prepare(Dir::Temp(dir), free_port()).unwrap_or_else(|e| panic!("{e}"));
-        pg.launch().unwrap_or_else(|e| panic!("{e}"));
+        pg.launch_on_a_free_port().unwrap_or_else(|e| panic!("{e}"));
         pg
     }
 
+    /// `launch`, on another free port when the one picked was taken between
+    /// the pick and PostgreSQL's bind (other tests pick ports too).
+    fn launch_on_a_free_port(&mut self) -> Result<(), String> {
+        let mut tries = 0;
+        loop {
+            match self.launch() {
+                Err(e) if e.contains("Address already in use") && tries < 5 => {
+                    tries += 1;
+                    self.port = free_port();
+                }
+                r => return r,
+            }
+        }
+    }
+
     /// The cluster in `dir` (created by initdb if it is not there yet) on
-    /// `port`, started. For a pool's own server that outlives this process
-    /// only as files: it is stopped when the value is dropped.
+    /// `port` (0: a free one), started. For a pool's own server that
+    /// outlives this process only as files: it is stopped when the value is
+    /// dropped.
     pub fn start_in(dir: &Path, port: u16) -> Result<Postgres, String> {
         std::fs::create_dir_all(dir)
             .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        let auto = port == 0;
+        let port = if auto { free_port() } else { port };
         let mut pg = Postgres::prepare(Dir::Kept(dir.to_path_buf()), port)?;
-        pg.launch()?;
+        if auto {
+            pg.launch_on_a_free_port()?;
+        } else {
+            pg.launch()?;
+        }
         Ok(pg)
     }
 

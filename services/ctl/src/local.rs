@@ -320,16 +320,13 @@ impl LocalPool {
         }
         aargs.extend(self.security_flags(aliquot_auth::Role::Allocator, "allocator")?);
         if args.ha {
+            // 0 (ephemeral, or the port is taken): a free one, picked
+            // again if another process takes it before PostgreSQL binds.
             let port = pick(
                 SocketAddr::from(([127, 0, 0, 1], args.postgres_port)),
                 args.ephemeral,
             )
             .port();
-            let port = if port == 0 {
-                TcpListener::bind("127.0.0.1:0")?.local_addr()?.port()
-            } else {
-                port
-            };
             let pgdir = dir.join("postgres");
             let pg = tokio::task::spawn_blocking(move || {
                 local_postgres::Postgres::start_in(&pgdir, port)

@@ -89,6 +89,7 @@ impl<P: SimPool> Sim<'_, P> {
             data_load_stall: self.data_load_stall,
             metadata_blocks: self.meta_blocks,
             metadata_bytes: self.meta_bytes,
+            cpu_busy: self.cpu.as_ref().map(|c| c.busy),
             spec: self.spec.clone(),
             vdev_names: self.names,
             samples: self.samples,
@@ -202,6 +203,7 @@ impl<P: SimPool> Sim<'_, P> {
                 }
             }
             Ev::Loaded(tag) => self.enqueue_slot(tag, false),
+            Ev::CpuDone(i) => self.cpu_done(i)?,
             Ev::ThrottleWake => {
                 self.delay_waiting = false;
                 self.delay_served = true;

@@ -31,6 +31,7 @@ use crate::scenario::{
     VdevModel,
 };
 
+mod cpu;
 mod event_loop;
 mod log;
 mod metadata;
@@ -42,6 +43,7 @@ mod tests;
 mod txg;
 mod writers;
 
+use cpu::{CpuState, CpuWork};
 use log::{LOG_STREAM, LogState, Stall};
 use metadata::{MetaKey, MetaReq};
 pub use result::{LogResult, RunResult, Sample, VdevSample};
@@ -77,6 +79,8 @@ enum Ev {
     ThrottleWake,
     /// A data block's metaslab load is done: queue its writes.
     Loaded(u32),
+    /// `[cpu]`: CPU `i` finished its block.
+    CpuDone(u32),
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -207,6 +211,8 @@ struct Sim<'a, P: SimPool> {
     delay_served: bool,
     delay_waiting: bool,
     dirty_sync_pending: bool,
+    /// `[cpu]`: the CPUs a syncing txg's blocks pass before allocation.
+    cpu: Option<CpuState>,
 }
 
 /// A top-level vdev's device model.
@@ -395,6 +401,7 @@ pub fn run<P: SimPool>(
             * ZFS_DIRTY_DATA_SYNC_PERCENT
             / 100,
         dirty_sync_pending: false,
+        cpu: sc.cpu.as_ref().map(CpuState::new),
     };
     sim.setup()?;
     sim.main_loop(progress)

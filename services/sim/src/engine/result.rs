@@ -101,4 +101,7 @@ pub struct RunResult {
     /// (asize, every copy).
     pub metadata_blocks: u64,
     pub metadata_bytes: u64,
+    /// `[cpu]`: CPU nanoseconds spent over all CPUs (utilisation is this
+    /// over CPUs × `end_time`: near 1, the run was CPU-bound).
+    pub cpu_busy: Option<u64>,
 }

@@ -146,12 +146,12 @@ impl<P: SimPool> Sim<'_, P> {
         };
         self.syncing_left = (reqs.len() + metas.len()) as u64;
         for req in reqs {
-            self.issue_data(req)?;
+            self.cpu_issue(CpuWork::Data(req))?;
         }
         // Parents after their children: the throttle admits them behind
         // the txg's data, as a dbuf's write follows its children's.
         for m in metas {
-            self.issue_meta(m)?;
+            self.cpu_issue(CpuWork::Meta(m))?;
         }
         Ok(())
     }

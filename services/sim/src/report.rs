@@ -37,6 +37,8 @@ pub struct RunSummary {
     /// `[metadata]`: metadata blocks written and their device bytes.
     pub metadata_blocks: u64,
     pub metadata_bytes: u64,
+    /// `[cpu]`: the CPUs' busy share of the run (near 1: CPU-bound).
+    pub cpu_utilisation: Option<f64>,
     pub vdevs: Vec<VdevSummary>,
     /// Largest and final (max − min) of the data vdevs' used fractions.
     pub max_spread: f64,
@@ -283,6 +285,7 @@ pub fn run_summary(sc: &Scenario, r: &RunResult, is_log: &[bool]) -> RunSummary 
         data_load_stall_s: r.data_load_stall as f64 / 1e9,
         metadata_blocks: r.metadata_blocks,
         metadata_bytes: r.metadata_bytes,
+        cpu_utilisation: r.cpu_utilisation(),
         vdevs,
         max_spread,
         max_spread_at_s: max_spread_at,

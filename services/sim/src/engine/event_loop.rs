@@ -90,6 +90,7 @@ impl<P: SimPool> Sim<'_, P> {
             metadata_blocks: self.meta_blocks,
             metadata_bytes: self.meta_bytes,
             cpu_busy: self.cpu.as_ref().map(|c| c.busy),
+            spec_cpus: self.cpu.as_ref().map(|c| c.model.count),
             spec: self.spec.clone(),
             vdev_names: self.names,
             samples: self.samples,

@@ -104,4 +104,16 @@ pub struct RunResult {
     /// `[cpu]`: CPU nanoseconds spent over all CPUs (utilisation is this
     /// over CPUs × `end_time`: near 1, the run was CPU-bound).
     pub cpu_busy: Option<u64>,
+    /// `[cpu]`: how many CPUs.
+    pub spec_cpus: Option<u32>,
+}
+
+impl RunResult {
+    /// `[cpu]`: the CPUs' busy share of the run (near 1: the run was bound
+    /// by its CPUs, not its devices).
+    pub fn cpu_utilisation(&self) -> Option<f64> {
+        let cpus = self.spec_cpus?;
+        let busy = self.cpu_busy?;
+        (self.end_time > 0).then(|| busy as f64 / (cpus as f64 * self.end_time as f64))
+    }
 }

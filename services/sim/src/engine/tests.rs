@@ -430,3 +430,51 @@ fn prefill_claims_the_fill_fraction() {
     let f = v.normal_alloc as f64 / v.normal_space as f64;
     assert!((0.55..0.65).contains(&f), "{f}");
 }
+
+#[test]
+fn rate_load_through_the_pipeline_allocates_each_txg_at_sync() {
+    // 10 MB/s with 1 s txgs: a txg's 10 MB stay dirty (unallocated) until
+    // the txg is pushed at `zfs_txg_timeout`, then go out as one burst.
+    let sc = scenario(
+        "[load]\nmode = \"rate\"\nrate = \"10MB/s\"\nsize = \"30MB\"\nstreams = 2\n\
+         dirty_max = \"64MiB\"\nallocate = \"sync\"",
+    );
+    let r = go(&sc, Fake::default());
+    assert_eq!(r.stop_reason, "done");
+    let secs = r.end_time as f64 / 1e9;
+    assert!((2.95..3.1).contains(&secs), "{secs}");
+    let alloc_at = |t: f64| {
+        let s = r
+            .samples
+            .iter()
+            .rev()
+            .find(|s| (s.t as f64) <= t * 1e9)
+            .unwrap();
+        s.vdevs.iter().map(|v| v.alloc).sum::<u64>()
+    };
+    assert_eq!(alloc_at(0.9), 0, "nothing allocated before the first sync");
+    let first = alloc_at(1.2);
+    assert!((9_000_000..11_000_000).contains(&first), "{first}");
+    assert_eq!(alloc_at(1.9), first, "the next txg waits for its sync");
+}
+
+#[test]
+fn cpu_model_bounds_a_full_load_by_its_cpus() {
+    // Devices take 1500 MB/s together; one CPU at 50 MB/s sets the pace.
+    let load = "[load]\nmode = \"full\"\nsize = \"100MB\"\nstreams = 4\n\
+                dirty_max = \"64MiB\"\nallocate = \"sync\"\n";
+    let fast = go(&scenario(load), Fake::default());
+    let cpu = go(
+        &scenario(&format!(
+            "{load}[cpu]\ncount = 1\nblock_cost = \"0\"\nbandwidth = \"50MB/s\""
+        )),
+        Fake::default(),
+    );
+    assert_eq!(cpu.bytes_committed, fast.bytes_committed);
+    let (t_fast, t_cpu) = (fast.end_time as f64 / 1e9, cpu.end_time as f64 / 1e9);
+    assert!(t_fast < 0.5, "{t_fast}");
+    assert!((1.9..2.3).contains(&t_cpu), "{t_cpu}");
+    let u = cpu.cpu_utilisation().unwrap();
+    assert!(u > 0.85, "{u}");
+    assert!(fast.cpu_utilisation().is_none());
+}

@@ -324,6 +324,9 @@ impl<P: SimPool> Sim<'_, P> {
                         self.submit_data(req)?;
                     }
                 }
+                if self.alloc_at_sync {
+                    self.final_push()?;
+                }
             }
         }
         Ok(())
@@ -361,6 +364,10 @@ impl<P: SimPool> Sim<'_, P> {
                 let st = &mut d.streams[s as usize];
                 if !st.finished {
                     st.blocked = true;
+                }
+                if self.alloc_at_sync {
+                    // The last writer done: its txg is pushed at once.
+                    self.final_push()?;
                 }
                 Ok(())
             }

@@ -144,3 +144,57 @@ fn t5c_unified_first_rewrite_matches_openzfs_2_4() {
 fn t5c_legacy_first_rewrite_matches_openzfs_2_3() {
     t5c_pass1_shares("legacy", "t5c-2.3.log");
 }
+
+/// Median pool fill % over the rewrite passes of t5c: measured (log rows
+/// of the `rewriteN` phases) and simulated (samples after the vdev add).
+fn t5c_rewrite_fill(policy: &str, log: &str) -> (f64, f64) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios/calibration");
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let text = std::fs::read_to_string(dir.join(log)).unwrap();
+    let measured: Vec<f64> = text
+        .lines()
+        .filter(|l| l.starts_with("rewrite"))
+        .map(|l| l.split(',').nth(3).unwrap().parse().unwrap())
+        .collect();
+    let sc = Scenario::from_file(&dir.join("t5c.toml")).unwrap();
+    let spec = sc.runs().into_iter().find(|r| r.label == policy).unwrap();
+    let r = run_one(&sc, &spec, &mut |_| {}).unwrap();
+    // A second after the add: the fill's last txg is synced by then.
+    let added = r
+        .events
+        .iter()
+        .find(|(_, w)| w.contains("add_vdev"))
+        .unwrap()
+        .0;
+    let simulated: Vec<f64> = r
+        .samples
+        .iter()
+        .filter(|s| s.t > added + 1_000_000_000 && s.vdevs.len() == 2)
+        .map(|s| {
+            let a: u64 = s.vdevs.iter().map(|v| v.alloc).sum();
+            let c: u64 = s.vdevs.iter().map(|v| v.capacity).sum();
+            100.0 * a as f64 / c as f64
+        })
+        .collect();
+    (median(measured), median(simulated))
+}
+
+/// Issue 30 item 3: during rewrites the pool holds its data plus the
+/// overwritten blocks not yet released. OpenZFS's `vs_alloc` moves only at
+/// `metaslab_sync_done`, so it shows two txgs of deferred frees and never
+/// the syncing txg's new blocks; the simulator showed both, 2 points over
+/// (49.1 % against 47.1 %). Now within a point.
+#[test]
+fn t5c_rewrites_hold_what_openzfs_holds() {
+    for (policy, log) in [("unified", "t5c-2.4.log"), ("legacy", "t5c-2.3.log")] {
+        let (m, s) = t5c_rewrite_fill(policy, log);
+        eprintln!("t5c {policy}: rewrite pool fill measured {m:.2} %, simulated {s:.2} %");
+        assert!(
+            (s - m).abs() <= 1.0,
+            "t5c {policy}: measured {m:.2} %, simulated {s:.2} %"
+        );
+    }
+}

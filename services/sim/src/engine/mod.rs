@@ -211,6 +211,12 @@ struct Sim<'a, P: SimPool> {
     delay_served: bool,
     delay_waiting: bool,
     dirty_sync_pending: bool,
+    /// Pipeline: each vdev's allocated bytes as of the last sync, which is
+    /// what OpenZFS reports (`vs_alloc` moves only in
+    /// `metaslab.c:metaslab_sync_done@zfs-2.4.0`): the syncing txg's
+    /// allocations show once it is synced, when its overwrites' frees have
+    /// entered the defer tree, never before.
+    synced_alloc: Vec<u64>,
     /// `[cpu]`: the CPUs a syncing txg's blocks pass before allocation.
     cpu: Option<CpuState>,
 }
@@ -402,6 +408,7 @@ pub fn run<P: SimPool>(
             / 100,
         dirty_sync_pending: false,
         cpu: sc.cpu.as_ref().map(CpuState::new),
+        synced_alloc: Vec::new(),
     };
     sim.setup()?;
     sim.main_loop(progress)

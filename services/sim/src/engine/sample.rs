@@ -17,7 +17,11 @@ impl<P: SimPool> Sim<'_, P> {
             .vdevs
             .iter()
             .map(|v| VdevSample {
-                alloc: v.alloc,
+                alloc: self
+                    .synced_alloc
+                    .get(v.id as usize)
+                    .copied()
+                    .unwrap_or(v.alloc),
                 capacity: v.capacity,
                 bytes_done: self
                     .devices

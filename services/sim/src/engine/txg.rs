@@ -79,6 +79,9 @@ impl<P: SimPool> Sim<'_, P> {
         self.txg_dirty = 0;
         self.dirty_sync_pending = false;
         let view = self.pool.view();
+        if self.alloc_at_sync {
+            self.synced_alloc = view.vdevs.iter().map(|v| v.alloc).collect();
+        }
         for v in &view.vdevs {
             if let Some(d) = self.devices.get_mut(v.id as usize) {
                 d.set_used_fraction(v.alloc as f64 / v.capacity.max(1) as f64);

@@ -131,10 +131,22 @@ impl<P: SimPool> Sim<'_, P> {
                     l.inflight += 1;
                     l.result.blocks += 1;
                     l.result.block_bytes += block;
-                    match a.tier {
-                        Some(LogTier::Log) => l.result.tier_log += 1,
-                        Some(LogTier::EmbeddedLog) => l.result.tier_embedded_log += 1,
-                        Some(LogTier::Normal) | None => l.result.tier_normal += 1,
+                    let k = match a.tier {
+                        Some(LogTier::Log) => 0,
+                        Some(LogTier::EmbeddedLog) => 1,
+                        Some(LogTier::Normal) | None => 2,
+                    };
+                    match k {
+                        0 => l.result.tier_log += 1,
+                        1 => l.result.tier_embedded_log += 1,
+                        _ => l.result.tier_normal += 1,
+                    }
+                    for e in &a.extents {
+                        let v = e.vdev as usize;
+                        if l.result.tier_by_vdev.len() <= v {
+                            l.result.tier_by_vdev.resize(v + 1, [0; 3]);
+                        }
+                        l.result.tier_by_vdev[v][k] += 1;
                     }
                     if wait > 0 {
                         l.result.preload_waits += 1;

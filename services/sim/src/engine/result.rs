@@ -58,6 +58,9 @@ pub struct LogResult {
     pub tier_log: u64,
     pub tier_embedded_log: u64,
     pub tier_normal: u64,
+    /// Per vdev, the log block copies placed there from each tier:
+    /// `[log, embedded_log, normal]`.
+    pub tier_by_vdev: Vec<[u64; 3]>,
     /// Log blocks placed in a metaslab whose preload (`TxgSync::preloaded`,
     /// loaded on the preload taskq in virtual time) had not yet finished:
     /// the ZIL waited for it (`metaslab_load_wait`).

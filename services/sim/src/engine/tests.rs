@@ -264,6 +264,19 @@ fn sync_writes_batch_into_log_blocks_and_fall_back_to_txg_wait() {
     let l = r.log.unwrap();
     assert!(l.ops > 1000, "{l:?}");
     assert_eq!(l.txg_wait_fallbacks, 0);
+    // Every log block is counted on the vdev it landed on, under its tier;
+    // the fake round-robins them over both vdevs.
+    let by_vdev: Vec<u64> = l.tier_by_vdev.iter().map(|t| t.iter().sum()).collect();
+    assert_eq!(
+        by_vdev.iter().sum::<u64>(),
+        l.blocks,
+        "{:?}",
+        l.tier_by_vdev
+    );
+    assert!(
+        by_vdev.len() == 2 && by_vdev.iter().all(|&n| n > 0),
+        "{by_vdev:?}"
+    );
     assert!(
         l.block_bytes / l.blocks > 12 << 10,
         "records were batched: {l:?}"

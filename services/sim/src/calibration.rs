@@ -152,6 +152,14 @@ impl Comparison {
         (self.simulated_spread - self.measured_spread).abs() / self.measured_spread.max(1e-9)
     }
 
+    /// The max spread within the project's target: ±max(5 points, 30 %)
+    /// of the measured one (a spread of 1–2 points, as a CPU-bound pool's,
+    /// is judged in points, not by its relative error).
+    pub fn spread_within_target(&self) -> bool {
+        (self.simulated_spread - self.measured_spread).abs()
+            <= (0.30 * self.measured_spread).max(5.0)
+    }
+
     /// A plain-text table, one line per fill point.
     pub fn table(&self) -> String {
         let f = |v: &[f64]| {

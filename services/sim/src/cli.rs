@@ -223,6 +223,18 @@ pub fn execute(cli: Cli) -> Result<(), CliError> {
             crate::chart::compare_chart(&chart, &title, &r.vdev_names, &measured, &simulated)
                 .map_err(CliError::Run)?;
             print!("{}", c.table());
+            let secs = r.end_time as f64 / 1e9;
+            print!(
+                "run: {:.1} s, {:.0} MiB/s",
+                secs,
+                r.bytes_committed as f64 / secs.max(1e-9) / 1048576.0
+            );
+            match r.cpu_utilisation() {
+                // Past 90 % busy the CPUs, not the devices, set the pace.
+                Some(u) if u >= 0.9 => println!("; CPUs {:.0} % busy: CPU-bound", 100.0 * u),
+                Some(u) => println!("; CPUs {:.0} % busy: device-bound", 100.0 * u),
+                None => println!("; no [cpu]: device-bound"),
+            }
             // A rewrite experiment (t5c): the first rewrite pass by quarters.
             if let Some(m) = crate::calibration::PassQuarters::from_log(&text, "rewrite1")
                 .map_err(|e| CliError::Run(e.context(format!("{}", log.display()))))?

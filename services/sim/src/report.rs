@@ -37,6 +37,8 @@ pub struct RunSummary {
     /// `[metadata]`: metadata blocks written and their device bytes.
     pub metadata_blocks: u64,
     pub metadata_bytes: u64,
+    /// `[cpu]`: the CPUs' busy share of the run (near 1: CPU-bound).
+    pub cpu_utilisation: Option<f64>,
     pub vdevs: Vec<VdevSummary>,
     /// Largest and final (max − min) of the data vdevs' used fractions.
     pub max_spread: f64,
@@ -64,6 +66,22 @@ pub struct VdevSummary {
     pub seeks: u64,
     pub start_fragmentation_pct: Option<u32>,
     pub final_fragmentation_pct: Option<u32>,
+    /// Metaslabs at the end of the run, their shift, and the embedded log
+    /// metaslab's index (None: this vdev has none).
+    pub metaslab_count: u32,
+    pub metaslab_shift: u8,
+    pub embedded_log_metaslab: Option<u32>,
+    /// Log blocks (copies) placed on this vdev, by tier; None without a
+    /// log load.
+    pub log_blocks: Option<LogTierCounts>,
+}
+
+/// Where a vdev's log blocks came from.
+#[derive(Debug, Serialize, PartialEq, Eq)]
+pub struct LogTierCounts {
+    pub log: u64,
+    pub embedded_log: u64,
+    pub normal: u64,
 }
 
 #[derive(Debug, Serialize)]
@@ -260,6 +278,21 @@ pub fn run_summary(sc: &Scenario, r: &RunResult, is_log: &[bool]) -> RunSummary 
                 seeks: r.device_seeks.get(i).copied().unwrap_or(0),
                 start_fragmentation_pct: r.start_view.vdevs.get(i).and_then(|v| v.fragmentation),
                 final_fragmentation_pct: r.final_view.vdevs.get(i).and_then(|v| v.fragmentation),
+                metaslab_count: r.final_view.vdevs.get(i).map_or(0, |v| v.metaslab_count),
+                metaslab_shift: r.final_view.vdevs.get(i).map_or(0, |v| v.metaslab_shift),
+                embedded_log_metaslab: r
+                    .final_view
+                    .vdevs
+                    .get(i)
+                    .and_then(|v| v.embedded_log_metaslab),
+                log_blocks: r.log.as_ref().map(|l| {
+                    let t = l.tier_by_vdev.get(i).copied().unwrap_or([0; 3]);
+                    LogTierCounts {
+                        log: t[0],
+                        embedded_log: t[1],
+                        normal: t[2],
+                    }
+                }),
             }
         })
         .collect();
@@ -283,6 +316,7 @@ pub fn run_summary(sc: &Scenario, r: &RunResult, is_log: &[bool]) -> RunSummary 
         data_load_stall_s: r.data_load_stall as f64 / 1e9,
         metadata_blocks: r.metadata_blocks,
         metadata_bytes: r.metadata_bytes,
+        cpu_utilisation: r.cpu_utilisation(),
         vdevs,
         max_spread,
         max_spread_at_s: max_spread_at,

@@ -60,6 +60,58 @@ fn t3_legacy_matches_openzfs_2_3() {
     assert_close(&compare("t3", "legacy", "t3-2.3.log"), "t3 legacy", 5.0);
 }
 
+/// t1a: equal memory-speed file vdevs of 1 and 2 GiB; the pool is bound by
+/// its 2 CPUs (209 MiB/s measured), so neither policy's device queues fill
+/// and both keep the vdevs within 2 points (the model without `[cpu]` gave
+/// 8.7 and 49.8 points of max spread). Held to the issue's target:
+/// ±5 points at each fill point, max spread within ±max(5 points, 30 %).
+fn t1a(policy: &str, log: &str) {
+    let c = compare("t1a", policy, log);
+    for (i, d) in c.worst_diff.iter().enumerate() {
+        assert!(
+            *d <= 5.0,
+            "t1a {policy}: {d:.1} points off at fill point {i}\n{}",
+            c.table()
+        );
+    }
+    assert!(
+        c.spread_within_target(),
+        "t1a {policy}: max spread\n{}",
+        c.table()
+    );
+}
+
+#[test]
+fn t1a_unified_cpu_bound_matches_openzfs_2_4() {
+    t1a("unified", "t1a-2.4.log");
+}
+
+#[test]
+fn t1a_legacy_cpu_bound_matches_openzfs_2_3() {
+    t1a("legacy", "t1a-2.3.log");
+}
+
+/// t2: 2 GiB + 4 GiB memory-speed file vdevs written at 40 MiB/s through
+/// the txg pipeline (a rate load allocated at sync). 2.4 unified stays
+/// within a point. (2.3 legacy drifts 11 points towards the large vdev;
+/// the simulator does not yet: not asserted, see the README.)
+#[test]
+fn t2_unified_rate_load_matches_openzfs_2_4() {
+    let c = compare("t2", "unified", "t2-2.4.log");
+    for (i, d) in c.worst_diff.iter().enumerate() {
+        assert!(
+            *d <= 5.0,
+            "t2 unified: {d:.1} points off at fill point {i}\n{}",
+            c.table()
+        );
+    }
+    assert!(
+        c.spread_within_target(),
+        "t2 unified: max spread\n{}",
+        c.table()
+    );
+}
+
 /// t5c (fill one vdev to 90 %, add a second, rewrite everything twice): the
 /// new vdev's share of the device bytes written in each quarter of the
 /// first rewrite pass, within 5 points of the measured one (2.4.4: 88, 73,
@@ -91,4 +143,58 @@ fn t5c_unified_first_rewrite_matches_openzfs_2_4() {
 #[test]
 fn t5c_legacy_first_rewrite_matches_openzfs_2_3() {
     t5c_pass1_shares("legacy", "t5c-2.3.log");
+}
+
+/// Median pool fill % over the rewrite passes of t5c: measured (log rows
+/// of the `rewriteN` phases) and simulated (samples after the vdev add).
+fn t5c_rewrite_fill(policy: &str, log: &str) -> (f64, f64) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios/calibration");
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let text = std::fs::read_to_string(dir.join(log)).unwrap();
+    let measured: Vec<f64> = text
+        .lines()
+        .filter(|l| l.starts_with("rewrite"))
+        .map(|l| l.split(',').nth(3).unwrap().parse().unwrap())
+        .collect();
+    let sc = Scenario::from_file(&dir.join("t5c.toml")).unwrap();
+    let spec = sc.runs().into_iter().find(|r| r.label == policy).unwrap();
+    let r = run_one(&sc, &spec, &mut |_| {}).unwrap();
+    // A second after the add: the fill's last txg is synced by then.
+    let added = r
+        .events
+        .iter()
+        .find(|(_, w)| w.contains("add_vdev"))
+        .unwrap()
+        .0;
+    let simulated: Vec<f64> = r
+        .samples
+        .iter()
+        .filter(|s| s.t > added + 1_000_000_000 && s.vdevs.len() == 2)
+        .map(|s| {
+            let a: u64 = s.vdevs.iter().map(|v| v.alloc).sum();
+            let c: u64 = s.vdevs.iter().map(|v| v.capacity).sum();
+            100.0 * a as f64 / c as f64
+        })
+        .collect();
+    (median(measured), median(simulated))
+}
+
+/// Issue 30 item 3: during rewrites the pool holds its data plus the
+/// overwritten blocks not yet released. OpenZFS's `vs_alloc` moves only at
+/// `metaslab_sync_done`, so it shows two txgs of deferred frees and never
+/// the syncing txg's new blocks; the simulator showed both, 2 points over
+/// (49.1 % against 47.1 %). Now within a point.
+#[test]
+fn t5c_rewrites_hold_what_openzfs_holds() {
+    for (policy, log) in [("unified", "t5c-2.4.log"), ("legacy", "t5c-2.3.log")] {
+        let (m, s) = t5c_rewrite_fill(policy, log);
+        eprintln!("t5c {policy}: rewrite pool fill measured {m:.2} %, simulated {s:.2} %");
+        assert!(
+            (s - m).abs() <= 1.0,
+            "t5c {policy}: measured {m:.2} %, simulated {s:.2} %"
+        );
+    }
 }

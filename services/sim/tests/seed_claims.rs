@@ -244,40 +244,50 @@ fn test6_raidz_new_at_least_old_gain_largest_at_small_blocks() {
     assert!(best_small > best_large + 0.02, "gains {gains:?}");
 }
 
-/// Test 6 at full scale on the per-leaf device model (about 45 s in a
-/// release build: `cargo test --release -p aliquot-sim --test seed_claims
-/// -- --ignored`): the seed's old → new ratio within ±10 % at 16K, 1M and
-/// 16M. At 128K the seed's 1.229 is not reached (1.010 here: legacy's 3.2
-/// MiB per leaf keep the modelled disks streaming), held so that it
-/// fails if that changes either way.
-#[test]
-#[ignore = "full scale: run with --release -- --ignored"]
-fn test6_full_scale_ratios_near_the_seed() {
+/// Test 6's old → new throughput ratio at full scale on the per-leaf
+/// device model, simulated against the seed's (about 12 s per block size
+/// in a release build).
+fn test6_ratio_off(bs: &str, old: f64, new: f64) -> f64 {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios/6-raidz-hdd-blocksizes.toml");
     let sc = Scenario::from_file(&path).unwrap();
     let rate = |label: &str| {
         let r = run_label(&sc, label);
         r.bytes_committed as f64 / (r.end_time as f64 / 1e9)
     };
+    let sim = rate(&format!("unified-{bs}")) / rate(&format!("legacy-{bs}"));
+    let off = sim / (new / old) - 1.0;
+    eprintln!(
+        "{bs}: simulated new/old {sim:.3}, seed {:.3}, {:+.1} %",
+        new / old,
+        100.0 * off
+    );
+    off
+}
+
+/// Test 6 at full scale (`cargo test --release -p aliquot-sim --test
+/// seed_claims -- --ignored`): the seed's old → new ratio within ±10 % at
+/// 16K, 1M and 16M.
+#[test]
+#[ignore = "full scale: run with --release -- --ignored"]
+fn test6_full_scale_ratios_near_the_seed() {
     for (bs, old, new) in [
         ("16K", 3076.0, 3621.0),
-        ("128K", 3773.0, 4638.0),
         ("1M", 4434.0, 4541.0),
         ("16M", 4105.0, 4145.0),
     ] {
-        let sim = rate(&format!("unified-{bs}")) / rate(&format!("legacy-{bs}"));
-        let off = sim / (new / old) - 1.0;
-        eprintln!(
-            "{bs}: simulated new/old {sim:.3}, seed {:.3}, {:+.1} %",
-            new / old,
-            100.0 * off
-        );
-        if bs == "128K" {
-            assert!((-0.25..-0.10).contains(&off), "128K: {off}");
-        } else {
-            assert!(off.abs() <= 0.10, "{bs}: {off}");
-        }
+        let off = test6_ratio_off(bs, old, new);
+        assert!(off.abs() <= 0.10, "{bs}: {off}");
     }
+}
+
+/// Test 6 at 128K: the seed's 1.229 within ±10 %. A known gap (issue 30
+/// item 4): the simulator gives about 1.010 (−18 %), so this fails until
+/// the cause is found; it is not held as a passing range.
+#[test]
+#[ignore = "known gap (issue 30 item 4): fails, -18 % against the seed at 128K"]
+fn test6_128k_ratio_near_the_seed() {
+    let off = test6_ratio_off("128K", 3773.0, 4638.0);
+    assert!(off.abs() <= 0.10, "128K: {off}");
 }
 
 /// The ZIL seed test (the shipped file is at the seed's proportions:

@@ -1,0 +1,292 @@
+//! Txgs: the write throttle, pushing and syncing txgs (with the
+//! pipeline, the syncing txg's allocations), metaslab preloads, and the
+//! scenario's fill-triggered events.
+
+use super::*;
+
+/// OpenZFS's `zfs_dirty_data_sync_percent`: a txg is pushed as soon as its
+/// dirty data exceeds this share of `zfs_dirty_data_max` (here the load's
+/// `dirty_max`), not only after `zfs_txg_timeout`.
+pub const ZFS_DIRTY_DATA_SYNC_PERCENT: u64 = 20;
+
+/// OpenZFS's write throttle (`dmu_tx_delay`): above
+/// `zfs_delay_min_dirty_percent` of `zfs_dirty_data_max` each write waits
+/// `zfs_delay_scale × (dirty − min) / (max − dirty)` ns, at most
+/// `zfs_delay_max_ns`, and the waits of all writers queue one after another.
+pub const ZFS_DELAY_MIN_DIRTY_PERCENT: u64 = 60;
+
+pub const ZFS_DELAY_SCALE: u64 = 500_000;
+
+pub const ZFS_DELAY_MAX_NS: u64 = 100_000_000;
+
+/// The delay `dmu_tx_delay` gives a write at `dirty` bytes of dirty data.
+pub fn write_delay(dirty: u64, dirty_max: u64) -> u64 {
+    let min = dirty_max * ZFS_DELAY_MIN_DIRTY_PERCENT / 100;
+    if dirty <= min {
+        return 0;
+    }
+    if dirty >= dirty_max {
+        return ZFS_DELAY_MAX_NS;
+    }
+    let d = ZFS_DELAY_SCALE as u128 * (dirty - min) as u128 / (dirty_max - dirty) as u128;
+    (d as u64).min(ZFS_DELAY_MAX_NS)
+}
+
+impl<P: SimPool> Sim<'_, P> {
+    /// The crate treats preloaded metaslabs as loaded at once; OpenZFS loads
+    /// them on the preload taskq (`metaslab_load_cost` each, as many at a
+    /// time as the taskq has threads), in the order queued.
+    pub(super) fn queue_preloads(&mut self, preloaded: &[(metaslab::VdevId, u32)]) {
+        let cost = self.log.as_ref().map(|l| l.load_cost).unwrap_or(0);
+        if cost == 0 {
+            return;
+        }
+        for &key in preloaded {
+            let (i, &free) = self
+                .preload_threads
+                .iter()
+                .enumerate()
+                .min_by_key(|&(_, &t)| t)
+                .expect("at least one preload thread");
+            let done = free.max(self.now) + cost;
+            self.preload_threads[i] = done;
+            self.preload_done.insert(key, done);
+            self.preloads += 1;
+        }
+    }
+
+    /// How long an allocation in `extents` must wait for preloads still
+    /// running in its metaslabs (`metaslab_load_wait`); 0 if none.
+    pub(super) fn preload_wait(&self, extents: &[Extent]) -> u64 {
+        extents
+            .iter()
+            .filter_map(|e| {
+                let shift = *self.ms_shift.get(e.vdev as usize)?;
+                let done = *self
+                    .preload_done
+                    .get(&(e.vdev, (e.offset >> shift) as u32))?;
+                Some(done.saturating_sub(self.now))
+            })
+            .max()
+            .unwrap_or(0)
+    }
+
+    pub(super) fn sync(&mut self) -> anyhow::Result<()> {
+        let ts = self.pool.sync(self.now / 1_000_000);
+        let synced = ts.txg;
+        self.queue_preloads(&ts.preloaded);
+        self.last_sync = self.now;
+        self.txg_dirty = 0;
+        self.dirty_sync_pending = false;
+        let view = self.pool.view();
+        if self.alloc_at_sync {
+            self.synced_alloc = view.vdevs.iter().map(|v| v.alloc).collect();
+        }
+        for v in &view.vdevs {
+            if let Some(d) = self.devices.get_mut(v.id as usize) {
+                d.set_used_fraction(v.alloc as f64 / v.capacity.max(1) as f64);
+            }
+        }
+        if let Some(l) = &mut self.log {
+            while l.frees.front().is_some_and(|(t, _)| *t <= synced) {
+                let (_, ext) = l.frees.pop_front().unwrap();
+                self.pool.free(&ext).context("free of a log block")?;
+            }
+            if matches!(l.stall, Stall::Txg(until) if synced >= until) {
+                l.stall = Stall::None;
+                let now = self.now;
+                let waiters = std::mem::take(&mut l.txg_waiters);
+                for op in &waiters {
+                    let lat = now - op.issued;
+                    l.latencies.push(lat);
+                    self.log_ops_acc += 1;
+                    self.log_lat_acc += lat;
+                    self.log_max_acc = self.log_max_acc.max(lat);
+                }
+                for op in waiters {
+                    self.log_issue(op.stream)?;
+                }
+                self.zil_try_issue()?;
+            }
+        }
+        // Still waiting for a txg (perhaps anew after the waiters retried):
+        // keep syncing back to back.
+        let forced = self
+            .log
+            .as_ref()
+            .is_some_and(|l| matches!(l.stall, Stall::Txg(until) if until > synced));
+        self.sync_gen += 1;
+        let g = self.sync_gen;
+        let next = if forced {
+            self.now + self.sc.txg_sync_time
+        } else {
+            self.now + self.sc.txg_timeout
+        };
+        self.push(next, Ev::Sync(g));
+        self.check_fill()?;
+        self.drain_admitted()?;
+        self.pump_wanted = true;
+        Ok(())
+    }
+
+    /// Pipeline: quiesce the open txg and start syncing it, or remember the
+    /// push while a txg is still syncing (one syncing txg at a time).
+    pub(super) fn push_txg(&mut self) -> anyhow::Result<()> {
+        if self.syncing_left > 0 {
+            self.push_pending = true;
+            return Ok(());
+        }
+        self.push_pending = false;
+        if self.open_reqs.is_empty() {
+            // Nothing dirty: an empty txg syncs at once.
+            return self.sync();
+        }
+        let reqs = std::mem::take(&mut self.open_reqs);
+        self.open_bytes = 0;
+        let metas = match &self.sc.metadata {
+            Some(md) => self.txg_metadata(md, &reqs),
+            None => Vec::new(),
+        };
+        self.syncing_left = (reqs.len() + metas.len()) as u64;
+        for req in reqs {
+            self.cpu_issue(CpuWork::Data(req))?;
+        }
+        // Parents after their children: the throttle admits them behind
+        // the txg's data, as a dbuf's write follows its children's.
+        for m in metas {
+            self.cpu_issue(CpuWork::Meta(m))?;
+        }
+        Ok(())
+    }
+
+    /// Pipeline: once every writer has written its last block, the open
+    /// txg is pushed at once rather than at `zfs_txg_timeout` (the
+    /// writers end with a sync, as the calibration driver's run does), so
+    /// a run's time is not a partial txg's wait.
+    pub(super) fn final_push(&mut self) -> anyhow::Result<()> {
+        let done = self
+            .data
+            .as_ref()
+            .is_some_and(|d| d.streams.iter().all(|s| s.finished));
+        if done && !self.open_reqs.is_empty() {
+            self.push_txg()?;
+        }
+        Ok(())
+    }
+
+    /// Pipeline: one block of the syncing txg is written (or failed); the
+    /// last one completes the sync, and a push that waited starts the next.
+    pub(super) fn syncing_block_done(&mut self) -> anyhow::Result<()> {
+        self.syncing_left -= 1;
+        if self.syncing_left > 0 {
+            return Ok(());
+        }
+        self.sync()?;
+        if self.push_pending || self.open_bytes >= self.dirty_sync_bytes {
+            self.push_txg()?;
+        }
+        Ok(())
+    }
+
+    /// Someone waits for a txg: sync as soon as a sync can run, as
+    /// `txg_wait_synced` kicks the sync thread.
+    pub(super) fn force_sync(&mut self) {
+        self.sync_gen += 1;
+        let g = self.sync_gen;
+        let at = self.now.max(self.last_sync + self.sc.txg_sync_time);
+        self.push(at, Ev::Sync(g));
+    }
+
+    pub(super) fn check_fill(&mut self) -> anyhow::Result<()> {
+        if self.fill_events.is_empty() {
+            return Ok(());
+        }
+        let v = self.pool.view();
+        let fill = v.normal_alloc as f64 / v.normal_space.max(1) as f64;
+        let sc = self.sc;
+        let due: Vec<u32> = self
+            .fill_events
+            .iter()
+            .copied()
+            .filter(|&i| matches!(sc.events[i as usize].trigger, Trigger::Fill(f) if fill >= f))
+            .collect();
+        self.fill_events.retain(|i| !due.contains(i));
+        for i in due {
+            self.fire(i)?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn fire(&mut self, i: u32) -> anyhow::Result<()> {
+        let sc = self.sc;
+        let e = &sc.events[i as usize];
+        let what = match &e.action {
+            Action::AddVdev(m) => {
+                self.add_device(m)?;
+                format!("add_vdev {}", m.name)
+            }
+            Action::StartLoad => {
+                if let Some(d) = &mut self.data {
+                    d.active = true;
+                    for s in &mut d.streams {
+                        s.blocked = false;
+                    }
+                }
+                self.start_streams()?;
+                "start_load".to_string()
+            }
+            Action::StopLoad => {
+                if let Some(d) = &mut self.data {
+                    d.active = false;
+                }
+                "stop_load".to_string()
+            }
+            Action::SetTunable(k, v) => {
+                match k.as_str() {
+                    "zfs_vdev_aggregation_limit" => {
+                        self.agg_limit = units::parse_size(v).context("set_tunable value")?
+                    }
+                    "zfs_vdev_aggregation_limit_non_rotating" => {
+                        self.agg_limit_non_rot =
+                            units::parse_size(v).context("set_tunable value")?
+                    }
+                    "zfs_vdev_async_write_min_active" | "zfs_vdev_sync_write_max_active" => {
+                        let n =
+                            tunable_u64(std::iter::once(&(k.clone(), v.clone())), k)?.unwrap_or(0);
+                        let n = u32::try_from(n).unwrap_or(u32::MAX);
+                        if k == "zfs_vdev_async_write_min_active" {
+                            self.queue_limits.async_min_active = n;
+                        } else {
+                            self.queue_limits.sync_max_active = n;
+                        }
+                    }
+                    _ => {
+                        self.pool
+                            .set_tunable(k, v)
+                            .with_context(|| format!("event[{i}]: set_tunable {k}"))?;
+                        // The vdev queue reads these policy tunables too.
+                        let parsed = || tunable_u64(std::iter::once(&(k.clone(), v.clone())), k);
+                        match k.as_str() {
+                            "zfs_vdev_async_write_max_active" => {
+                                self.queue_limits.async_max_active =
+                                    u32::try_from(parsed()?.unwrap_or(10)).unwrap_or(u32::MAX)
+                            }
+                            "zfs_vdev_async_write_active_min_dirty_percent" => {
+                                self.queue_limits.min_dirty_percent = parsed()?.unwrap_or(30)
+                            }
+                            "zfs_vdev_async_write_active_max_dirty_percent" => {
+                                self.queue_limits.max_dirty_percent = parsed()?.unwrap_or(60)
+                            }
+                            _ => {}
+                        }
+                    }
+                }
+                format!("set_tunable {k}={v}")
+            }
+        };
+        self.events.push((self.now, what));
+        Ok(())
+    }
+
+    // --- intent log ----------------------------------------------------------
+}

@@ -1,0 +1,378 @@
+//! Data writers: streams of blocks submitted, allocated, queued on the
+//! devices and committed; overwrites free the previous extents.
+
+use super::*;
+
+impl<P: SimPool> Sim<'_, P> {
+    pub(super) fn new_slot(&mut self, slot: Slot) -> u32 {
+        if let Some(i) = self.free_slots.pop() {
+            self.slots[i as usize] = Some(slot);
+            i
+        } else {
+            self.slots.push(Some(slot));
+            (self.slots.len() - 1) as u32
+        }
+    }
+
+    pub(super) fn enqueue_slot(&mut self, tag: u32, sync: bool) {
+        let slot = self.slots[tag as usize].as_ref().expect("live slot");
+        let n = slot.extents.len();
+        // Count every piece before any can complete (a kick may finish
+        // nothing synchronously, but keep the count whole regardless).
+        let mut pieces = 0;
+        for i in 0..n {
+            let e = self.slots[tag as usize].as_ref().unwrap().extents[i];
+            pieces += self.devices[e.vdev as usize].enqueue(e.offset, e.size, tag, sync);
+        }
+        self.slots[tag as usize].as_mut().unwrap().remaining = pieces;
+        for i in 0..n {
+            let e = self.slots[tag as usize].as_ref().unwrap().extents[i];
+            self.kick(e.vdev);
+        }
+    }
+
+    /// A data block whose allocation loaded `loads` metaslabs: its writes
+    /// wait for the loads (`metaslab_load_cost` each) before they queue.
+    pub(super) fn place_data(&mut self, a: Allocation, req: Req) {
+        let loads = a.metaslab_loads as u64;
+        self.data_loads += loads;
+        let stall = loads * self.sc.metaslab_load_cost;
+        if stall == 0 {
+            self.place(a, SlotKind::Data(req), false);
+            return;
+        }
+        self.data_load_stall += stall;
+        let tag = self.new_slot(Slot {
+            id: a.id,
+            remaining: a.extents.len() as u32,
+            extents: a.extents,
+            kind: SlotKind::Data(req),
+        });
+        let at = self.now + stall;
+        self.push(at, Ev::Loaded(tag));
+    }
+
+    pub(super) fn place(&mut self, a: Allocation, kind: SlotKind, sync: bool) -> u32 {
+        let tag = self.new_slot(Slot {
+            id: a.id,
+            remaining: a.extents.len() as u32,
+            extents: a.extents,
+            kind,
+        });
+        if !sync || self.log.as_ref().is_none_or(|l| l.stall != Stall::Load) {
+            self.enqueue_slot(tag, sync);
+        }
+        tag
+    }
+
+    pub(super) fn submit_data(&mut self, req: Req) -> anyhow::Result<()> {
+        self.block_busy[req.block as usize] = true;
+        self.inflight += req.size;
+        if req.stream == LOG_STREAM {
+            self.log.as_mut().unwrap().outstanding += req.size;
+        } else {
+            let d = self.data.as_mut().unwrap();
+            d.streams[req.stream as usize].outstanding += req.size;
+            if self.alloc_at_sync {
+                // Dirty data of the open txg; allocated when the txg syncs.
+                self.open_bytes += req.size;
+                self.open_reqs.push(req);
+                if self.open_bytes >= self.dirty_sync_bytes {
+                    self.push_txg()?;
+                }
+                return Ok(());
+            }
+        }
+        self.issue_data(req)
+    }
+
+    /// Hand a written block to the pool: submit, and allocate once admitted.
+    pub(super) fn issue_data(&mut self, req: Req) -> anyhow::Result<()> {
+        self.pool.prefer_allocator(req.stream as usize);
+        let r = AllocRequest {
+            kind: AllocKind::Data,
+            size: req.size,
+            copies: self.sc.copies,
+        };
+        match self.pool.submit(r).context("submit")? {
+            Submitted::Ready(t) => self.allocate_data(t, req),
+            Submitted::Queued(t) => {
+                self.tickets.insert(t, req);
+                Ok(())
+            }
+        }
+    }
+
+    pub(super) fn release_req(&mut self, req: Req) {
+        self.block_busy[req.block as usize] = false;
+        self.inflight -= req.size;
+        if req.stream == LOG_STREAM {
+            self.log.as_mut().unwrap().outstanding -= req.size;
+        } else {
+            let d = self.data.as_mut().unwrap();
+            d.streams[req.stream as usize].outstanding -= req.size;
+        }
+        self.pump_wanted = true;
+    }
+
+    /// Busy as the allocator service decides it: the throttle's own proxy,
+    /// or OpenZFS's dirty-data rule on the bytes written and not yet
+    /// synced (in flight plus committed into the open txg).
+    pub(super) fn busy(&self) -> bool {
+        let dirty = self.inflight + self.txg_dirty;
+        self.pool.busy_with_dirty(dirty, self.dirty_max)
+    }
+
+    pub(super) fn allocate_data(&mut self, t: Ticket, req: Req) -> anyhow::Result<()> {
+        let busy = self.busy();
+        match self.pool.allocate(t, busy) {
+            Ok(a) => {
+                self.place_data(a, req);
+                Ok(())
+            }
+            Err(PoolError::NoSpace { reason, .. }) => {
+                self.release_req(req);
+                if !self.pool_full {
+                    self.pool_full = true;
+                    self.events.push((
+                        self.now,
+                        format!("pool full ({reason:?}): data load stopped"),
+                    ));
+                }
+                if self.alloc_at_sync && req.stream != LOG_STREAM {
+                    self.syncing_block_done()?;
+                }
+                if let Some(d) = &mut self.data {
+                    for s in &mut d.streams {
+                        s.finished = true;
+                    }
+                }
+                Ok(())
+            }
+            Err(e) => Err(e).context("allocate"),
+        }
+    }
+
+    pub(super) fn drain_admitted(&mut self) -> anyhow::Result<()> {
+        loop {
+            let admitted = self.pool.take_admitted();
+            if admitted.is_empty() {
+                return Ok(());
+            }
+            for t in admitted {
+                if let Some(m) = self.meta_tickets.remove(&t) {
+                    self.allocate_meta(t, m)?;
+                    continue;
+                }
+                let req = self
+                    .tickets
+                    .remove(&t)
+                    .with_context(|| format!("the pool admitted unknown ticket {t}"))?;
+                self.allocate_data(t, req)?;
+            }
+        }
+    }
+
+    pub(super) fn finish_slot(&mut self, tag: u32) -> anyhow::Result<()> {
+        let slot = self.slots[tag as usize].take().expect("live slot");
+        self.free_slots.push(tag);
+        let txg = self.pool.commit(slot.id).context("commit")?;
+        match slot.kind {
+            SlotKind::Data(req) => {
+                let c = self.copies;
+                let b = req.block as usize * c;
+                if self.blocks[b].size > 0 {
+                    let old: Vec<Extent> = self.blocks[b..b + c].to_vec();
+                    self.pool
+                        .free(&old)
+                        .context("free of an overwritten block")?;
+                }
+                for (i, e) in slot.extents.iter().enumerate().take(c) {
+                    self.blocks[b + i] = *e;
+                }
+                self.committed += req.size;
+                self.allocations += 1;
+                self.txg_dirty += req.size;
+                if self.alloc_at_sync && req.stream != LOG_STREAM {
+                    self.release_req(req);
+                    self.syncing_block_done()?;
+                } else if self.txg_dirty >= self.dirty_sync_bytes && !self.dirty_sync_pending {
+                    // The open txg holds enough dirty data: push it now.
+                    self.dirty_sync_pending = true;
+                    self.force_sync();
+                    self.release_req(req);
+                } else {
+                    self.release_req(req);
+                }
+                if req.stream == LOG_STREAM {
+                    self.unblock_log_streams()?;
+                }
+                if !self.fill_events.is_empty() {
+                    self.commits_since_fill_check += 1;
+                    if self.commits_since_fill_check >= 256 {
+                        self.commits_since_fill_check = 0;
+                        self.check_fill()?;
+                    }
+                }
+            }
+            SlotKind::Meta(m) => {
+                if let Some(old) = self.meta_live.remove(&m.key) {
+                    self.pool
+                        .free(&old)
+                        .context("free of a rewritten metadata block")?;
+                }
+                self.meta_blocks += 1;
+                self.meta_bytes += slot.extents.iter().map(|e| e.size).sum::<u64>();
+                self.meta_live.insert(m.key, slot.extents);
+                self.syncing_block_done()?;
+            }
+            SlotKind::LogBlock(ops) => {
+                let now = self.now;
+                let l = self.log.as_mut().unwrap();
+                l.inflight -= 1;
+                l.frees.push_back((txg, slot.extents));
+                let mut streams = Vec::with_capacity(ops.len());
+                for op in ops {
+                    let lat = now - op.issued;
+                    l.latencies.push(lat);
+                    self.log_ops_acc += 1;
+                    self.log_lat_acc += lat;
+                    self.log_max_acc = self.log_max_acc.max(lat);
+                    streams.push(op.stream);
+                }
+                for s in streams {
+                    self.log_issue(s)?;
+                }
+                self.zil_try_issue()?;
+            }
+        }
+        Ok(())
+    }
+
+    // --- data writers -------------------------------------------------------
+
+    /// The next block of stream `s`, or None when it must wait or is done.
+    pub(super) fn next_block(&mut self, s: usize) -> Option<Req> {
+        let d = self.data.as_mut()?;
+        let bs = d.block_size;
+        let st = &mut d.streams[s];
+        if !d.active || st.finished {
+            return None;
+        }
+        if st.outstanding > 0 && st.outstanding + bs > d.dirty_per_stream {
+            return None;
+        }
+        if self.block_busy[st.cursor as usize] {
+            return None;
+        }
+        let block = st.cursor;
+        st.cursor += 1;
+        if st.cursor == st.first + st.count {
+            st.cursor = st.first;
+            st.pass += 1;
+            if st.pass == d.passes {
+                st.finished = true;
+            }
+        }
+        Some(Req {
+            block,
+            stream: s as u32,
+            size: bs,
+        })
+    }
+
+    pub(super) fn pump(&mut self) -> anyhow::Result<()> {
+        let Some(d) = &self.data else {
+            return Ok(());
+        };
+        let n = d.streams.len();
+        match d.mode {
+            LoadMode::Full => {
+                // Round-robin so streams interleave as concurrent writers do.
+                let mut idle = 0;
+                let mut s = d.rr;
+                while idle < n {
+                    if self.alloc_at_sync && !self.throttle_admits() {
+                        break;
+                    }
+                    match self.next_block(s) {
+                        Some(req) => {
+                            self.delay_served = false;
+                            self.submit_data(req)?;
+                            idle = 0;
+                        }
+                        None => idle += 1,
+                    }
+                    s = (s + 1) % n;
+                }
+                self.data.as_mut().unwrap().rr = s;
+                if self.alloc_at_sync {
+                    self.final_push()?;
+                }
+            }
+            LoadMode::Rate => {
+                for s in 0..n {
+                    let d = self.data.as_ref().unwrap();
+                    if !d.streams[s].blocked {
+                        continue;
+                    }
+                    if let Some(req) = self.next_block(s) {
+                        let d = self.data.as_mut().unwrap();
+                        d.streams[s].blocked = false;
+                        let at = self.now + d.interval;
+                        self.push(at, Ev::Tick(s as u32));
+                        self.submit_data(req)?;
+                    }
+                }
+                if self.alloc_at_sync {
+                    self.final_push()?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Pipeline write throttle: may the next write go now? If dirty data
+    /// calls for a delay not yet served, schedule the wake-up and say no.
+    pub(super) fn throttle_admits(&mut self) -> bool {
+        if self.delay_waiting {
+            return false;
+        }
+        if self.delay_served {
+            return true;
+        }
+        let delay = write_delay(self.inflight, self.dirty_max);
+        if delay == 0 {
+            return true;
+        }
+        let wake = self.now.max(self.last_wakeup) + delay;
+        self.last_wakeup = wake;
+        self.delay_waiting = true;
+        self.push(wake, Ev::ThrottleWake);
+        false
+    }
+
+    pub(super) fn tick(&mut self, s: u32) -> anyhow::Result<()> {
+        match self.next_block(s as usize) {
+            Some(req) => {
+                let at = self.now + self.data.as_ref().unwrap().interval;
+                self.push(at, Ev::Tick(s));
+                self.submit_data(req)
+            }
+            None => {
+                let d = self.data.as_mut().unwrap();
+                let st = &mut d.streams[s as usize];
+                if !st.finished {
+                    st.blocked = true;
+                }
+                if self.alloc_at_sync {
+                    // The last writer done: its txg is pushed at once.
+                    self.final_push()?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    // --- txg sync and events -------------------------------------------------
+}

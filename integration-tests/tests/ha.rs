@@ -209,13 +209,25 @@ async fn write_durable(
     let a = c.allocate(data(size)).await?.into_inner();
     let e = a.extents[0];
     let mut agent = VdevAgentClient::new(channel(&a.endpoints[0]));
-    agent
-        .write(pb::WriteRequest {
-            offset: e.offset,
-            data: vec![seed; size as usize].into(),
-            token: a.tokens[0].clone(),
-        })
-        .await?;
+    // An agent whose RegisterReply is still in flight answers UNAVAILABLE
+    // (it does not know the pool's generation yet): retry briefly.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let w = agent
+            .write(pb::WriteRequest {
+                offset: e.offset,
+                data: vec![seed; size as usize].into(),
+                token: a.tokens[0].clone(),
+            })
+            .await;
+        match w {
+            Ok(_) => break,
+            Err(s) if s.code() == Code::Unavailable && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(s) => return Err(s),
+        }
+    }
     let r = c
         .commit(pb::CommitRequest {
             allocation_ids: vec![a.allocation_id],

@@ -296,3 +296,66 @@ pub fn children_of(pid: u32) -> Vec<u32> {
 pub fn json_u64(v: &serde_json::Value) -> Option<u64> {
     v.as_u64().or_else(|| v.as_str()?.parse().ok())
 }
+
+/// `kill SIG` the process (e.g. "-STOP", "-CONT", "-TERM"); it must run.
+pub fn signal(p: &Proc, sig: &str) {
+    let pid = p.pid().expect("the process runs").to_string();
+    let ok = Command::new("kill")
+        .args([sig, &pid])
+        .status()
+        .expect("run kill")
+        .success();
+    assert!(ok, "kill {sig} {pid}");
+}
+
+/// An Allocate of one DATA block of `size` bytes, one copy, default lease.
+pub fn data_request(size: u64) -> aliquot_proto::v1::AllocateRequest {
+    aliquot_proto::v1::AllocateRequest {
+        class: aliquot_proto::v1::AllocationClass::Data as i32,
+        size,
+        copies: 1,
+        lease_ms: 0,
+    }
+}
+
+/// A plaintext channel connected on first use: 2 s to connect, 5 s a call,
+/// and no Nagle (with it, delayed ACKs add ~40 ms to each small RPC).
+pub fn lazy_channel(url: &str) -> tonic::transport::Channel {
+    tonic::transport::Endpoint::from_shared(url.to_string())
+        .expect("a URL")
+        .connect_timeout(Duration::from_secs(2))
+        .timeout(Duration::from_secs(5))
+        .tcp_nodelay(true)
+        .connect_lazy()
+}
+
+/// The leader's and a standby's URLs of the allocators at `allocators`, as
+/// `aliquotctl allocator status` shows them once the leader has seen a
+/// standby poll (waits up to 20 s for that; blocking).
+pub fn leader_and_standby(allocators: &str) -> (String, String) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let o = ctl(&[
+            "allocator".into(),
+            "status".into(),
+            "--allocator".into(),
+            allocators.into(),
+        ]);
+        let text = ok_stdout(&o, "allocator status");
+        let field = |name: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name))
+                .map(|l| l.trim().split(' ').next().unwrap_or("").to_string())
+        };
+        if let (Some(l), Some(s)) = (field("leader"), field("standbys"))
+            && s.starts_with("http")
+        {
+            return (l, s);
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no standby listed:\n{text}"
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}

@@ -25,11 +25,11 @@ use std::time::{Duration, Instant};
 use aliquot_allocator::recovery;
 use aliquot_allocator::sqlite_store;
 use aliquot_proto::v1 as pb;
-use integration_tests::{Proc, args, bin};
+use integration_tests::{Proc, args, bin, data_request as data_req, lazy_channel as lazy, signal};
 use pb::allocator_client::AllocatorClient;
 use pb::vdev_agent_client::VdevAgentClient;
 use tonic::Code;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 
 const AGENTS: usize = 3;
 /// The writer's deadline on each agent write (`aliquotctl write --timeout`).
@@ -196,16 +196,6 @@ struct Cluster {
     /// kill to the standby serving with every awake vdev reported in.
     killed_at: Option<Instant>,
     takeovers: Vec<Duration>,
-}
-
-fn lazy(url: &str) -> Channel {
-    Endpoint::from_shared(url.to_string())
-        .unwrap()
-        .connect_timeout(Duration::from_secs(2))
-        .timeout(Duration::from_secs(5))
-        // Without it, Nagle and delayed ACKs add ~40 ms to each small RPC.
-        .tcp_nodelay(true)
-        .connect_lazy()
 }
 
 impl Cluster {
@@ -827,16 +817,6 @@ enum Kill {
     Rollback,
 }
 
-fn signal(p: &Proc, sig: &str) {
-    let pid = p.pid().expect("agent running").to_string();
-    let ok = std::process::Command::new("kill")
-        .args([sig, &pid])
-        .status()
-        .expect("run kill")
-        .success();
-    assert!(ok, "kill {sig} {pid}");
-}
-
 fn copy_store(from: &Path, to: &Path) {
     let _ = std::fs::remove_dir_all(to);
     std::fs::create_dir_all(to).unwrap();
@@ -1116,15 +1096,6 @@ async fn crash_run_on(
     }
     assert_eq!(rollbacks_refused, rollbacks as u64);
     assert!(m.durable_acks > 0 && m.verified_extents > 0);
-}
-
-fn data_req(size: u64) -> pb::AllocateRequest {
-    pb::AllocateRequest {
-        class: pb::AllocationClass::Data as i32,
-        size,
-        copies: 1,
-        lease_ms: 0,
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

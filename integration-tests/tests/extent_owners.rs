@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use aliquot_auth::{PoolCa, Role, TlsFiles};
 use aliquot_proto::v1 as pb;
-use integration_tests::{Proc, args, bin};
+use integration_tests::{Proc, args, bin, data_request as data};
 use pb::allocator_client::AllocatorClient;
 use pb::vdev_agent_client::VdevAgentClient;
 use tonic::Code;
@@ -45,15 +45,6 @@ fn channel(url: &str, certs: &Path, role: Role, name: &str, server: Role) -> Cha
         .unwrap()
         .connect_timeout(Duration::from_secs(2))
         .connect_lazy()
-}
-
-fn data(size: u64) -> pb::AllocateRequest {
-    pb::AllocateRequest {
-        class: pb::AllocationClass::Data as i32,
-        size,
-        copies: 1,
-        lease_ms: 0,
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

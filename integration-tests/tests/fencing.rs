@@ -7,7 +7,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use aliquot_proto::v1 as pb;
-use integration_tests::{Proc, args, bin};
+use integration_tests::{Proc, args, bin, data_request as data};
 use pb::agent_registry_client::AgentRegistryClient;
 use pb::allocator_client::AllocatorClient;
 use tonic::Code;
@@ -111,15 +111,6 @@ fn reason(s: &tonic::Status) -> String {
     s.get_details_error_info()
         .map(|i| i.reason)
         .unwrap_or_default()
-}
-
-fn data(size: u64) -> pb::AllocateRequest {
-    pb::AllocateRequest {
-        class: pb::AllocationClass::Data as i32,
-        size,
-        copies: 1,
-        lease_ms: 0,
-    }
 }
 
 fn overlaps(a: &pb::Extent, b: &pb::Extent) -> bool {

@@ -8,32 +8,13 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use aliquot_proto::v1 as pb;
-use integration_tests::{Proc, args, bin};
+use integration_tests::{Proc, args, bin, data_request as data, signal};
 use pb::allocator_client::AllocatorClient;
 use pb::vdev_agent_client::VdevAgentClient;
 use tonic::Code;
 use tonic::transport::Channel;
 
 const MIB: u64 = 1 << 20;
-
-fn data(size: u64) -> pb::AllocateRequest {
-    pb::AllocateRequest {
-        class: pb::AllocationClass::Data as i32,
-        size,
-        copies: 1,
-        lease_ms: 0,
-    }
-}
-
-fn signal(p: &Proc, sig: &str) {
-    let pid = p.pid().expect("running").to_string();
-    let ok = std::process::Command::new("kill")
-        .args([sig, &pid])
-        .status()
-        .expect("run kill")
-        .success();
-    assert!(ok, "kill {sig} {pid}");
-}
 
 async fn channel(url: &str) -> Channel {
     Channel::from_shared(url.to_string())

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use aliquot_proto::v1 as pb;
 use integration_tests::postgres::Postgres;
-use integration_tests::{Proc, args, bin};
+use integration_tests::{Proc, args, bin, data_request as data, lazy_channel as channel, signal};
 use pb::allocator_client::AllocatorClient;
 use pb::vdev_agent_client::VdevAgentClient;
 use tonic::Code;
@@ -27,34 +27,6 @@ const AGENTS: usize = 2;
 /// two agents, and two of them assert takeover times that a machine running
 /// six such pools at once on two cores could not keep.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-fn data(size: u64) -> pb::AllocateRequest {
-    pb::AllocateRequest {
-        class: pb::AllocationClass::Data as i32,
-        size,
-        copies: 1,
-        lease_ms: 0,
-    }
-}
-
-fn signal(p: &Proc, sig: &str) {
-    let pid = p.pid().expect("running").to_string();
-    let ok = std::process::Command::new("kill")
-        .args([sig, &pid])
-        .status()
-        .expect("run kill")
-        .success();
-    assert!(ok, "kill {sig} {pid}");
-}
-
-fn channel(url: &str) -> Channel {
-    Channel::from_shared(url.to_string())
-        .unwrap()
-        .connect_timeout(Duration::from_secs(2))
-        .timeout(Duration::from_secs(5))
-        .tcp_nodelay(true)
-        .connect_lazy()
-}
 
 fn reason(s: &tonic::Status) -> String {
     s.get_details_error_info()
@@ -528,18 +500,15 @@ async fn step_down_and_sigterm_hand_over_without_waiting_for_the_lease() {
     let both = ha.urls().join(",");
     // The leader lists the standby once it has seen it poll (refreshed at
     // each renewal, every third of the lease).
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let text = loop {
-        let o = integration_tests::ctl(&args!["allocator", "status", "--allocator", both]);
-        let text = integration_tests::ok_stdout(&o, "allocator status");
-        if !text.contains("none seen") {
-            break text;
-        }
-        assert!(Instant::now() < deadline, "no standby listed:\n{text}");
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    };
-    assert!(text.contains(&ha.urls()[leader]), "{text}");
-    assert!(text.contains(&ha.urls()[1 - leader]), "{text}");
+    let all = both.clone();
+    let (listed_leader, listed_standby) =
+        tokio::task::spawn_blocking(move || integration_tests::leader_and_standby(&all))
+            .await
+            .unwrap();
+    assert_eq!(listed_leader, ha.urls()[leader]);
+    assert_eq!(listed_standby, ha.urls()[1 - leader]);
+    let o = integration_tests::ctl(&args!["allocator", "status", "--allocator", both]);
+    let text = integration_tests::ok_stdout(&o, "allocator status");
     assert!(text.contains("postgres"), "{text}");
 
     let t0 = Instant::now();
@@ -815,24 +784,11 @@ async fn up_ha_serves_across_a_killed_allocator() {
     };
     assert_eq!(allocators().len(), 2, "two allocators");
     // The leader and the standby, as the leader lists them.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let text = loop {
-        let o =
-            integration_tests::ctl(&args!["allocator", "status", "--allocator", up.url("grpc")]);
-        let text = integration_tests::ok_stdout(&o, "allocator status");
-        if !text.contains("none seen") {
-            break text;
-        }
-        assert!(Instant::now() < deadline, "no standby listed:\n{text}");
-        tokio::time::sleep(Duration::from_millis(300)).await;
-    };
-    let field = |name: &str| {
-        text.lines()
-            .find_map(|l| l.strip_prefix(name))
-            .map(|l| l.trim().split(' ').next().unwrap().to_string())
-            .unwrap_or_else(|| panic!("no {name} line:\n{text}"))
-    };
-    let (leader, standby) = (field("leader"), field("standbys"));
+    let url = up.url("grpc");
+    let (leader, standby) =
+        tokio::task::spawn_blocking(move || integration_tests::leader_and_standby(&url))
+            .await
+            .unwrap();
     let both = format!("{leader},{standby}");
     let port: u16 = leader.rsplit(':').next().unwrap().parse().unwrap();
     let leader_pid = allocators()

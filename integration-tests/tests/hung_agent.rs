@@ -11,7 +11,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use aliquot_proto::v1 as pb;
-use integration_tests::{Proc, args, bin};
+use integration_tests::{Proc, args, bin, signal};
 use pb::allocator_client::AllocatorClient;
 
 const STOP: Duration = Duration::from_secs(10);
@@ -51,15 +51,6 @@ fn file_agent(dir: &Path, name: &str, alloc: &Proc) -> Proc {
         "1GiB",
     ];
     Proc::start(name, &bin("aliquot-agent"), &a, &[], &["grpc"], dir).expect("start agent")
-}
-
-fn signal(p: &Proc, sig: &str) {
-    let pid = p.pid().expect("agent running").to_string();
-    let ok = Command::new("kill")
-        .args([sig, &pid])
-        .status()
-        .expect("run kill");
-    assert!(ok.success(), "kill {sig} {pid} failed");
 }
 
 async fn wait_allocatable(url: String, n: usize) {

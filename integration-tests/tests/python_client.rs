@@ -257,23 +257,8 @@ fn python_client_follows_a_takeover() {
     )
     .expect("aliquotctl up --ha");
     // Both allocators, as the leader lists them once it saw the standby.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-    let both = loop {
-        let o = ctl(&args!["allocator", "status", "--allocator", up.url("grpc")]);
-        let text = ok_stdout(&o, "allocator status");
-        let field = |name: &str| {
-            text.lines()
-                .find_map(|l| l.strip_prefix(name))
-                .map(|l| l.trim().split(' ').next().unwrap_or("").to_string())
-        };
-        if let (Some(l), Some(s)) = (field("leader"), field("standbys"))
-            && s.starts_with("http")
-        {
-            break format!("{l},{s}");
-        }
-        assert!(std::time::Instant::now() < deadline, "no standby:\n{text}");
-        std::thread::sleep(std::time::Duration::from_millis(300));
-    };
+    let (leader, standby) = integration_tests::leader_and_standby(&up.url("grpc"));
+    let both = format!("{leader},{standby}");
     let out = Command::new(&py)
         .args(["-c", PY_HA, &both])
         .env("PYTHONPATH", &pypath)

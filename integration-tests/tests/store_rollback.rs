@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use aliquot_agent::uberblock::Uberblocks;
 use aliquot_proto::v1 as pb;
-use integration_tests::{Proc, args, bin};
+use integration_tests::{Proc, args, bin, data_request as data};
 use pb::allocator_client::AllocatorClient;
 use pb::vdev_agent_client::VdevAgentClient;
 use tonic::Code;
@@ -113,15 +113,6 @@ fn start(dir: &Path, name: &str, agents: usize) -> Pool {
         dir: dir.to_path_buf(),
         alloc,
         agents,
-    }
-}
-
-fn data(size: u64) -> pb::AllocateRequest {
-    pb::AllocateRequest {
-        class: pb::AllocationClass::Data as i32,
-        size,
-        copies: 1,
-        lease_ms: 0,
     }
 }
 

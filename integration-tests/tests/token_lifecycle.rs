@@ -8,7 +8,7 @@
 use std::time::{Duration, Instant};
 
 use aliquot_proto::v1 as pb;
-use integration_tests::{Proc, args, bin};
+use integration_tests::{Proc, args, bin, data_request as data};
 use pb::allocator_client::AllocatorClient;
 use pb::vdev_agent_client::VdevAgentClient;
 use tonic::Code;
@@ -28,15 +28,6 @@ fn reason(s: &tonic::Status) -> String {
     s.get_details_error_info()
         .map(|i| i.reason)
         .unwrap_or_default()
-}
-
-fn data(size: u64) -> pb::AllocateRequest {
-    pb::AllocateRequest {
-        class: pb::AllocationClass::Data as i32,
-        size,
-        copies: 1,
-        lease_ms: 0,
-    }
 }
 
 fn overlaps(a: &pb::Extent, b: &pb::Extent) -> bool {

@@ -152,7 +152,10 @@ impl Postgres {
             } else {
                 None
             };
-        if let Some((uid, gid)) = user {
+        // Handed to that user once, when the cluster is made (a kept one's
+        // files already belong to it: no walk over its data at each start).
+        let fresh = !dir.path().join("data").join("PG_VERSION").exists();
+        if let (Some((uid, gid)), true) = (user, fresh) {
             chown_tree(dir.path(), uid, gid)
                 .map_err(|e| format!("cannot chown {}: {e}", dir.path().display()))?;
         }

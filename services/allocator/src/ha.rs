@@ -26,7 +26,7 @@ use tonic::server::NamedService;
 
 use crate::error::Error;
 use crate::leadership::Lease;
-use crate::pg_store::PgStore;
+use crate::pg_store::{Leader, PgStore};
 use crate::{Config, ConfigError, Running, ShutdownSignal};
 
 type Conn = Result<TcpStream, std::io::Error>;
@@ -114,7 +114,7 @@ async fn serve_roles(
     let mut hold_until = Instant::now();
     loop {
         // Standing by.
-        let standby = Standby::serve(config, store.clone(), reroute(route))?;
+        let standby = Standby::serve(config, reroute(route))?;
         tracing::info!(pool = %config.pool, "standing by");
         let generation = loop {
             let sent = Instant::now();
@@ -131,9 +131,10 @@ async fn serve_roles(
                     }
                 } => match r {
                     Ok(Some(g)) => break (g, sent),
-                    Ok(None) => {
-                        let _ = store.heartbeat().await;
-                    }
+                    Ok(None) => match store.stand_by().await {
+                        Ok(l) => standby.set_leader(l),
+                        Err(e) => tracing::warn!(error = %e, "cannot read the leadership"),
+                    },
                     Err(e) => tracing::warn!(error = %e, "cannot read the leadership"),
                 },
             }
@@ -258,14 +259,12 @@ impl Running {
 struct Standby {
     stop: tokio::sync::watch::Sender<bool>,
     server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+    /// Who leads, as the last poll read it (and when): what NOT_LEADER names.
+    leader: Arc<Mutex<(Leader, Instant)>>,
 }
 
 impl Standby {
-    fn serve(
-        config: &Config,
-        store: Arc<PgStore>,
-        incoming: ReceiverStream<Conn>,
-    ) -> anyhow::Result<Standby> {
+    fn serve(config: &Config, incoming: ReceiverStream<Conn>) -> anyhow::Result<Standby> {
         let (health_reporter, health_service) = tonic_health::server::health_reporter();
         let mut builder = tonic::transport::Server::builder();
         let roles = match config.tls.server_mode("allocator")? {
@@ -276,7 +275,10 @@ impl Standby {
             None => aliquot_auth::RoleLayer::insecure(),
         };
         let (stop, mut stopped) = tokio::sync::watch::channel(false);
-        let hint = NotLeader { store };
+        let hint = NotLeader {
+            leader: Arc::new(Mutex::new((Leader::default(), Instant::now()))),
+        };
+        let leader = hint.leader.clone();
         let server = tokio::spawn(async move {
             health_reporter
                 .set_service_status(
@@ -300,7 +302,15 @@ impl Standby {
                 })
                 .await
         });
-        Ok(Standby { stop, server })
+        Ok(Standby {
+            stop,
+            server,
+            leader,
+        })
+    }
+
+    fn set_leader(&self, l: Leader) {
+        *self.leader.lock().unwrap_or_else(|p| p.into_inner()) = (l, Instant::now());
     }
 
     async fn stop(self) {
@@ -317,20 +327,22 @@ impl Standby {
     }
 }
 
-/// Answers any call with NOT_LEADER and the leader's address.
+/// Answers any call with NOT_LEADER and the leader's address, as the
+/// standby's last poll read it (no database round trip per call).
 #[derive(Clone)]
 struct NotLeader {
-    store: Arc<PgStore>,
+    leader: Arc<Mutex<(Leader, Instant)>>,
 }
 
 impl NotLeader {
-    async fn status(&self) -> tonic::Status {
-        let leader = tokio::time::timeout(Duration::from_secs(1), self.store.leader())
-            .await
-            .ok()
-            .and_then(Result::ok)
-            .unwrap_or_default();
-        let live = leader.lease_left_ms > 0;
+    fn status(&self) -> tonic::Status {
+        let (leader, read) = self
+            .leader
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        // Named only while its lease (as read) has not run out since.
+        let live = read.elapsed() < Duration::from_millis(leader.lease_left_ms);
         Error::NotLeader {
             why: "a standby".into(),
             leader: if live { leader.address } else { String::new() },
@@ -390,7 +402,7 @@ where
     }
 
     fn call(&mut self, _req: http::Request<B>) -> Self::Future {
-        let inner = self.inner.clone();
-        Box::pin(async move { Ok(inner.status().await.into_http()) })
+        let status = self.inner.status();
+        Box::pin(async move { Ok(status.into_http()) })
     }
 }

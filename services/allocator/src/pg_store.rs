@@ -24,8 +24,10 @@ use metaslab::{Extent, SpaceChangeKind, Txg, VdevRole};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
 use sqlx::{Postgres, Row};
 
-use crate::spacemap::{self, Chunk, Extents};
-use crate::store::{Persisted, RelocationRecord, Store, StoreError, TxgRecord, VdevRow};
+use crate::spacemap::{self, Chunk};
+use crate::store::{
+    Persisted, RelocationRecord, Store, StoreError, TxgRecord, VdevChanges, VdevRow,
+};
 
 /// The schema, embedded from `migrations/allocator-postgres/`.
 pub static MIGRATOR: sqlx::migrate::Migrator =
@@ -101,6 +103,16 @@ pub fn redact(url: &str) -> String {
         }
         _ => url.to_string(),
     }
+}
+
+/// A `leaders` row as read: generation, holder id, address, lease left (ms).
+fn leader_of(r: Option<(i64, String, String, f64)>) -> Leader {
+    r.map_or_else(Leader::default, |(g, id, address, left)| Leader {
+        generation: u(g),
+        id,
+        address,
+        lease_left_ms: left as u64,
+    })
 }
 
 /// Is `s` a PostgreSQL URL (what `--store` takes)?
@@ -237,12 +249,15 @@ impl PgStore {
         let Some(g) = g else {
             return Ok(None);
         };
-        let synced: i64 = sqlx::query_scalar("SELECT synced_txg FROM pools WHERE name = $1")
-            .bind(&self.pool_name)
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(db)?
-            .unwrap_or(0);
+        // The pool row, if an earlier leader created it: its id, and the
+        // synced txg this generation opens at.
+        let pool: Option<(i64, i64)> =
+            sqlx::query_as("SELECT id, synced_txg FROM pools WHERE name = $1")
+                .bind(&self.pool_name)
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(db)?;
+        let (id, synced) = pool.unwrap_or((0, 0));
         sqlx::query(
             "INSERT INTO generations (pool, generation, synced_txg_at_open, opened_ms, leader_id,
                 leader_address) VALUES ($1, $2, $3, $4, $5, $6)",
@@ -263,13 +278,7 @@ impl PgStore {
             .await
             .map_err(db)?;
         tx.commit().await.map_err(db)?;
-        // The pool may have been created by an earlier leader meanwhile.
-        let id: Option<i64> = sqlx::query_scalar("SELECT id FROM pools WHERE name = $1")
-            .bind(&self.pool_name)
-            .fetch_optional(&self.db)
-            .await
-            .map_err(db)?;
-        self.pool_id.store(id.unwrap_or(0), Ordering::Release);
+        self.pool_id.store(id, Ordering::Release);
         self.deposed.store(false, Ordering::Release);
         self.generation.store(u(g), Ordering::Release);
         Ok(Some(u(g)))
@@ -321,24 +330,27 @@ impl PgStore {
         Ok(())
     }
 
-    /// A standby says it polls (for the leader's status view).
-    pub async fn heartbeat(&self) -> Result<(), StoreError> {
-        let address = self
-            .address
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        sqlx::query(
-            "INSERT INTO standbys (pool, id, address, seen) VALUES ($1, $2, $3, clock_timestamp())
-             ON CONFLICT (pool, id) DO UPDATE SET address = excluded.address, seen = excluded.seen",
+    /// A standby's poll: record that it polls (for the leader's status
+    /// view) and read who leads, in one statement.
+    pub async fn stand_by(&self) -> Result<Leader, StoreError> {
+        let address = self.address();
+        let r: Option<(i64, String, String, f64)> = sqlx::query_as(
+            "WITH seen AS (
+                INSERT INTO standbys (pool, id, address, seen)
+                VALUES ($1, $2, $3, clock_timestamp())
+                ON CONFLICT (pool, id) DO UPDATE SET address = excluded.address,
+                    seen = excluded.seen)
+             SELECT generation, leader_id, leader_address,
+                GREATEST(0, EXTRACT(EPOCH FROM (lease_until - clock_timestamp())) * 1000)::float8
+             FROM leaders WHERE pool = $1",
         )
         .bind(&self.pool_name)
         .bind(&self.me)
         .bind(&address)
-        .execute(&self.db)
+        .fetch_optional(&self.db)
         .await
-        .map_err(|e| StoreError(format!("standby heartbeat: {e}")))?;
-        Ok(())
+        .map_err(|e| StoreError(format!("standby poll: {e}")))?;
+        Ok(leader_of(r))
     }
 
     /// Standbys seen polling in the last 3 s (this allocator excluded).
@@ -365,14 +377,7 @@ impl PgStore {
         .fetch_optional(&self.db)
         .await
         .map_err(|e| StoreError(format!("read the leadership: {e}")))?;
-        Ok(
-            r.map_or_else(Leader::default, |(g, id, address, left)| Leader {
-                generation: u(g),
-                id,
-                address,
-                lease_left_ms: left as u64,
-            }),
-        )
+        Ok(leader_of(r))
     }
 
     fn pool_id(&self) -> Result<i64, StoreError> {
@@ -458,29 +463,7 @@ impl PgStore {
             .await
             .map_err(db)?;
         }
-        let mut delta: BTreeMap<u32, i64> = BTreeMap::new();
-        let mut by_vdev: BTreeMap<u32, Vec<(SpaceChangeKind, u64, u64)>> = BTreeMap::new();
-        for c in &rec.sync.changes {
-            let e = c.extent;
-            if e.size == 0
-                || e.offset
-                    .checked_add(e.size)
-                    .is_none_or(|end| end > i64::MAX as u64)
-            {
-                return Err(StoreError(format!(
-                    "txg {txg}: extent {e} cannot be stored"
-                )));
-            }
-            let d = delta.entry(e.vdev).or_default();
-            match c.kind {
-                SpaceChangeKind::Alloc => *d += e.size as i64,
-                SpaceChangeKind::Free => *d -= e.size as i64,
-            }
-            by_vdev
-                .entry(e.vdev)
-                .or_default()
-                .push((c.kind, e.offset, e.size));
-        }
+        let VdevChanges { by_vdev, delta } = VdevChanges::of(rec).map_err(StoreError)?;
         for (vdev, changes) in &by_vdev {
             persist_vdev(&mut tx, pool, *vdev, changes)
                 .await
@@ -747,8 +730,7 @@ async fn load_state(conn: &mut sqlx::PgConnection, pool: i64) -> Result<Option<P
         .await
         .map_err(db)?;
     let (vdevs, vdev_states, recorded) = VdevRow::records(rows)?;
-    let mut allocated = Extents::default();
-    let mut sums: BTreeMap<u32, u64> = BTreeMap::new();
+    let mut loading = spacemap::Loading::new(&recorded);
     {
         let mut rows = sqlx::query(
             "SELECT vdev, start, width, data FROM spacemaps WHERE pool = $1 ORDER BY vdev, start",
@@ -756,25 +738,10 @@ async fn load_state(conn: &mut sqlx::PgConnection, pool: i64) -> Result<Option<P
         .bind(pool)
         .fetch(&mut *conn);
         while let Some(r) = rows.try_next().await.map_err(db)? {
-            let c = chunk_of_row(&r)?;
-            if !recorded.contains_key(&c.vdev) {
-                return Err(format!(
-                    "space map chunk at {}: no vdev {}",
-                    c.start, c.vdev
-                ));
-            }
-            *sums.entry(c.vdev).or_default() += c.iter().map(|e| e.1).sum::<u64>();
-            allocated.push_chunk(c);
+            loading.push(chunk_of_row(&r)?)?;
         }
     }
-    for (vid, want) in &recorded {
-        let got = sums.get(vid).copied().unwrap_or(0);
-        if got != *want {
-            return Err(format!(
-                "vdev {vid}: its extents sum to {got} bytes but the vdev records {want} allocated"
-            ));
-        }
-    }
+    let allocated = loading.finish()?;
     let tunables = sqlx::query_as::<_, (String, String)>(
         "SELECT name, value FROM tunables WHERE pool = $1 ORDER BY set_ms, name",
     )
@@ -953,20 +920,8 @@ impl Store for PgStore {
             .fetch_optional(&self.db)
             .await
             .map_err(|e| StoreError(format!("relocation {id}: {e}")))?;
-            Ok(row.map(|r| RelocationRecord {
-                allocation_id: id,
-                plan_id: u(r.get(0)),
-                from: Extent {
-                    vdev: r.get::<i64, _>(1) as u32,
-                    offset: u(r.get(2)),
-                    size: u(r.get(3)),
-                },
-                to: Extent {
-                    vdev: r.get::<i64, _>(4) as u32,
-                    offset: u(r.get(5)),
-                    size: u(r.get(6)),
-                },
-                txg: u(r.get(7)),
+            Ok(row.map(|r| {
+                RelocationRecord::from_columns(id, std::array::from_fn(|k| r.get::<i64, _>(k)))
             }))
         })
     }
@@ -991,10 +946,8 @@ impl Store for PgStore {
         limit: u32,
     ) -> BoxFuture<'_, Result<Vec<Extent>, StoreError>> {
         Box::pin(async move {
-            use std::cmp::Reverse;
-            use std::collections::BinaryHeap;
             let err = |err: String| StoreError(format!("largest extents of vdev {vdev}: {err}"));
-            let mut best: BinaryHeap<(Reverse<u64>, u64)> = BinaryHeap::new();
+            let mut best = spacemap::Largest::new(limit);
             let mut rows = sqlx::query(
                 "SELECT vdev, start, width, data FROM spacemaps WHERE pool = $1 AND vdev = $2
                  ORDER BY start",
@@ -1003,18 +956,9 @@ impl Store for PgStore {
             .bind(vdev as i64)
             .fetch(&self.db);
             while let Some(r) = rows.try_next().await.map_err(|e| err(e.to_string()))? {
-                for (offset, size) in chunk_of_row(&r).map_err(err)?.iter() {
-                    best.push((Reverse(size), offset));
-                    if best.len() > limit as usize {
-                        best.pop();
-                    }
-                }
+                best.push_chunk(&chunk_of_row(&r).map_err(err)?);
             }
-            Ok(best
-                .into_sorted_vec()
-                .into_iter()
-                .map(|(Reverse(size), offset)| Extent { vdev, offset, size })
-                .collect())
+            Ok(best.into_extents(vdev))
         })
     }
 
@@ -1036,25 +980,13 @@ impl Store for PgStore {
             .fetch_all(&self.db)
             .await
             .map_err(db)?;
-            let mut out = Vec::new();
-            for r in &rows {
-                let (start, width): (i64, i64) = (r.get(0), r.get(1));
-                let data: &[u8] = r.get(2);
-                let hits = spacemap::overlapping_in(
-                    u(start),
-                    u8::try_from(width).unwrap_or(0),
-                    data,
-                    e.offset,
-                    end,
-                )
-                .map_err(|err| StoreError(format!("extents overlapping {e}: {err}")))?;
-                out.extend(hits.into_iter().map(|(offset, size)| Extent {
-                    vdev: e.vdev,
-                    offset,
-                    size,
-                }));
-            }
-            Ok(out)
+            spacemap::overlapping_rows(
+                e.vdev,
+                rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))),
+                e.offset,
+                end,
+            )
+            .map_err(|err| StoreError(format!("extents overlapping {e}: {err}")))
         })
     }
 

@@ -199,6 +199,115 @@ pub fn overlapping_in(
     Ok(out)
 }
 
+/// The extents of `vdev` overlapping `[off, end)` in stored chunk rows
+/// `(start, width, data)`, as a store's lookup for Claim and Free found
+/// them (the chunk starting last at or before `off`, then those inside).
+pub fn overlapping_rows<'a>(
+    vdev: u32,
+    rows: impl IntoIterator<Item = (i64, i64, &'a [u8])>,
+    off: u64,
+    end: u64,
+) -> Result<Vec<Extent>, String> {
+    let mut out = Vec::new();
+    for (start, width, data) in rows {
+        let hits = overlapping_in(
+            start as u64,
+            u8::try_from(width).unwrap_or(0),
+            data,
+            off,
+            end,
+        )?;
+        out.extend(
+            hits.into_iter()
+                .map(|(offset, size)| Extent { vdev, offset, size }),
+        );
+    }
+    Ok(out)
+}
+
+/// The `limit` largest extents of chunks pushed in order (largest first,
+/// then lowest offset): the candidates of a rebalance plan, kept in a
+/// bounded heap so a scan of a vdev never holds more than `limit`.
+pub struct Largest {
+    limit: usize,
+    /// Max-heap of the kept, worst (smallest, then highest offset) on top.
+    best: std::collections::BinaryHeap<(std::cmp::Reverse<u64>, u64)>,
+}
+
+impl Largest {
+    pub fn new(limit: u32) -> Largest {
+        Largest {
+            limit: limit as usize,
+            best: Default::default(),
+        }
+    }
+
+    pub fn push_chunk(&mut self, c: &Chunk) {
+        for (offset, size) in c.iter() {
+            self.best.push((std::cmp::Reverse(size), offset));
+            if self.best.len() > self.limit {
+                self.best.pop();
+            }
+        }
+    }
+
+    pub fn into_extents(self, vdev: u32) -> Vec<Extent> {
+        self.best
+            .into_sorted_vec()
+            .into_iter()
+            .map(|(std::cmp::Reverse(size), offset)| Extent { vdev, offset, size })
+            .collect()
+    }
+}
+
+/// Chunks loaded at start, with the store's own check: every chunk's vdev
+/// is recorded, and each vdev's extents sum to the `allocated` it records.
+pub struct Loading<'a> {
+    recorded: &'a BTreeMap<u32, u64>,
+    sums: BTreeMap<u32, u64>,
+    pub extents: Extents,
+}
+
+impl<'a> Loading<'a> {
+    pub fn new(recorded: &'a BTreeMap<u32, u64>) -> Loading<'a> {
+        Loading {
+            recorded,
+            sums: BTreeMap::new(),
+            extents: Extents::default(),
+        }
+    }
+
+    pub fn push(&mut self, c: Chunk) -> Result<(), String> {
+        if !self.recorded.contains_key(&c.vdev) {
+            return Err(format!(
+                "space map chunk at {}: no vdev {}",
+                c.start, c.vdev
+            ));
+        }
+        *self.sums.entry(c.vdev).or_default() += c.iter().map(|e| e.1).sum::<u64>();
+        self.extents.push_chunk(c);
+        Ok(())
+    }
+
+    /// Extents counted outside chunks (an older layout's rows).
+    pub fn count(&mut self, vdev: u32, bytes: u64) {
+        *self.sums.entry(vdev).or_default() += bytes;
+    }
+
+    /// Check the sums; the extents on success.
+    pub fn finish(self) -> Result<Extents, String> {
+        for (vid, want) in self.recorded {
+            let got = self.sums.get(vid).copied().unwrap_or(0);
+            if got != *want {
+                return Err(format!(
+                    "vdev {vid}: its extents sum to {got} bytes but the vdev records {want} allocated"
+                ));
+            }
+        }
+        Ok(self.extents)
+    }
+}
+
 /// Cut a vdev's extents (in offset order) into chunks of at most
 /// [`CHUNK_EXTENTS`], evenly sized.
 pub fn rechunk(vdev: u32, extents: &[(u64, u64)]) -> Vec<Chunk> {

@@ -26,7 +26,9 @@ use sqlx::sqlite::{
 use sqlx::{Connection, Row, Sqlite, SqliteExecutor};
 
 use crate::spacemap::{self, Chunk, Extents};
-use crate::store::{Persisted, RelocationRecord, Store, StoreError, TxgRecord, VdevRow};
+use crate::store::{
+    Persisted, RelocationRecord, Store, StoreError, TxgRecord, VdevChanges, VdevRow,
+};
 
 /// The schema, embedded from `migrations/allocator/`.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations/allocator");
@@ -226,22 +228,13 @@ async fn load_state(conn: &mut SqliteConnection) -> Result<Option<Persisted>, St
         .map_err(db)?;
     let (vdevs, vdev_states, recorded) = VdevRow::records(rows)?;
     // Streamed chunk by chunk: the rows are never all materialised.
-    let mut allocated = Extents::default();
-    let mut sums: BTreeMap<u32, u64> = BTreeMap::new();
+    let mut loading = spacemap::Loading::new(&recorded);
     if has_table(conn, "spacemaps").await? {
         let mut rows =
             sqlx::query("SELECT vdev, start, width, data FROM spacemaps ORDER BY vdev, start")
                 .fetch(&mut *conn);
         while let Some(r) = rows.try_next().await.map_err(db)? {
-            let c = chunk_of_row(&r)?;
-            if !recorded.contains_key(&c.vdev) {
-                return Err(format!(
-                    "space map chunk at {}: no vdev {}",
-                    c.start, c.vdev
-                ));
-            }
-            *sums.entry(c.vdev).or_default() += c.iter().map(|e| e.1).sum::<u64>();
-            allocated.push_chunk(c);
+            loading.push(chunk_of_row(&r)?)?;
         }
     }
     // Rows of the one-row-per-extent layout (a file an older binary wrote,
@@ -260,22 +253,15 @@ async fn load_state(conn: &mut SqliteConnection) -> Result<Option<Persisted>, St
         if !recorded.contains_key(&e.vdev) {
             return Err(format!("extent {e}: no vdev {vdev}"));
         }
-        *sums.entry(e.vdev).or_default() += e.size;
+        loading.count(e.vdev, e.size);
         legacy.push(e);
     }
     drop(rows);
+    let mut allocated = loading.finish()?;
     if !legacy.is_empty() {
         legacy.extend(allocated.iter());
         legacy.sort();
         allocated = Extents::from(legacy);
-    }
-    for (vid, want) in &recorded {
-        let got = sums.get(vid).copied().unwrap_or(0);
-        if got != *want {
-            return Err(format!(
-                "vdev {vid}: its extents sum to {got} bytes but the vdev records {want} allocated"
-            ));
-        }
     }
     let tunables = sqlx::query_as::<_, (String, String)>(
         "SELECT name, value FROM tunables ORDER BY set_ms, name",
@@ -589,29 +575,7 @@ impl SqliteStore {
             .map_err(db)?;
         }
         // Each vdev's changes, in order, applied to the chunks they fall in.
-        let mut delta: BTreeMap<u32, i64> = BTreeMap::new();
-        let mut by_vdev: BTreeMap<u32, Vec<(SpaceChangeKind, u64, u64)>> = BTreeMap::new();
-        for c in &rec.sync.changes {
-            let e = c.extent;
-            if e.offset > i64::MAX as u64
-                || e.size > i64::MAX as u64
-                || e.size == 0
-                || e.offset
-                    .checked_add(e.size)
-                    .is_none_or(|end| end > i64::MAX as u64)
-            {
-                return Err(format!("txg {txg}: extent {e} cannot be stored"));
-            }
-            let d = delta.entry(e.vdev).or_default();
-            match c.kind {
-                SpaceChangeKind::Alloc => *d += e.size as i64,
-                SpaceChangeKind::Free => *d -= e.size as i64,
-            }
-            by_vdev
-                .entry(e.vdev)
-                .or_default()
-                .push((c.kind, e.offset, e.size));
-        }
+        let VdevChanges { by_vdev, delta } = VdevChanges::of(rec)?;
         for (vdev, changes) in &by_vdev {
             persist_vdev(&mut tx, *vdev, changes)
                 .await
@@ -959,20 +923,8 @@ impl Store for SqliteStore {
             .fetch_optional(&self.db)
             .await
             .map_err(|e| StoreError(format!("relocation {id}: {e}")))?;
-            Ok(row.map(|r| RelocationRecord {
-                allocation_id: id,
-                plan_id: u(r.get(0)),
-                from: Extent {
-                    vdev: r.get::<i64, _>(1) as u32,
-                    offset: u(r.get(2)),
-                    size: u(r.get(3)),
-                },
-                to: Extent {
-                    vdev: r.get::<i64, _>(4) as u32,
-                    offset: u(r.get(5)),
-                    size: u(r.get(6)),
-                },
-                txg: u(r.get(7)),
+            Ok(row.map(|r| {
+                RelocationRecord::from_columns(id, std::array::from_fn(|k| r.get::<i64, _>(k)))
             }))
         })
     }
@@ -994,30 +946,17 @@ impl Store for SqliteStore {
         limit: u32,
     ) -> BoxFuture<'_, Result<Vec<Extent>, StoreError>> {
         Box::pin(async move {
-            use std::cmp::Reverse;
-            use std::collections::BinaryHeap;
             let err = |err: String| StoreError(format!("largest extents of vdev {vdev}: {err}"));
-            // A scan of the vdev's chunks keeping the best `limit`: the heap's
-            // top is the worst kept (smallest, then highest offset).
-            let mut best: BinaryHeap<(Reverse<u64>, u64)> = BinaryHeap::new();
+            let mut best = spacemap::Largest::new(limit);
             let mut rows = sqlx::query(
                 "SELECT vdev, start, width, data FROM spacemaps WHERE vdev = ? ORDER BY start",
             )
             .bind(vdev as i64)
             .fetch(&self.db);
             while let Some(r) = rows.try_next().await.map_err(|e| err(e.to_string()))? {
-                for (offset, size) in chunk_of_row(&r).map_err(err)?.iter() {
-                    best.push((Reverse(size), offset));
-                    if best.len() > limit as usize {
-                        best.pop();
-                    }
-                }
+                best.push_chunk(&chunk_of_row(&r).map_err(err)?);
             }
-            Ok(best
-                .into_sorted_vec()
-                .into_iter()
-                .map(|(Reverse(size), offset)| Extent { vdev, offset, size })
-                .collect())
+            Ok(best.into_extents(vdev))
         })
     }
 
@@ -1040,25 +979,13 @@ impl Store for SqliteStore {
             .fetch_all(&self.db)
             .await
             .map_err(db)?;
-            let mut out = Vec::new();
-            for r in &rows {
-                let (start, width): (i64, i64) = (r.get(0), r.get(1));
-                let data: &[u8] = r.get(2);
-                let hits = spacemap::overlapping_in(
-                    u(start),
-                    u8::try_from(width).unwrap_or(0),
-                    data,
-                    e.offset,
-                    end,
-                )
-                .map_err(|err| StoreError(format!("extents overlapping {e}: {err}")))?;
-                out.extend(hits.into_iter().map(|(offset, size)| Extent {
-                    vdev: e.vdev,
-                    offset,
-                    size,
-                }));
-            }
-            Ok(out)
+            spacemap::overlapping_rows(
+                e.vdev,
+                rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))),
+                e.offset,
+                end,
+            )
+            .map_err(|err| StoreError(format!("extents overlapping {e}: {err}")))
         })
     }
 

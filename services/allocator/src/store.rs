@@ -175,6 +175,63 @@ pub struct TxgRecord {
     pub state_digest: u64,
 }
 
+/// One txg's space changes, checked to fit a store's i64 columns and
+/// grouped per vdev in order, with each vdev's net change of allocated
+/// bytes: what every SQL store's persist applies.
+pub struct VdevChanges {
+    pub by_vdev: BTreeMap<VdevId, Vec<crate::spacemap::Change>>,
+    pub delta: BTreeMap<VdevId, i64>,
+}
+
+impl VdevChanges {
+    pub fn of(rec: &TxgRecord) -> Result<VdevChanges, String> {
+        let txg = rec.sync.txg;
+        let mut out = VdevChanges {
+            by_vdev: BTreeMap::new(),
+            delta: BTreeMap::new(),
+        };
+        for c in &rec.sync.changes {
+            let e = c.extent;
+            if e.size == 0
+                || e.offset
+                    .checked_add(e.size)
+                    .is_none_or(|end| end > i64::MAX as u64)
+            {
+                return Err(format!("txg {txg}: extent {e} cannot be stored"));
+            }
+            let d = out.delta.entry(e.vdev).or_default();
+            match c.kind {
+                SpaceChangeKind::Alloc => *d += e.size as i64,
+                SpaceChangeKind::Free => *d -= e.size as i64,
+            }
+            out.by_vdev
+                .entry(e.vdev)
+                .or_default()
+                .push((c.kind, e.offset, e.size));
+        }
+        Ok(out)
+    }
+}
+
+impl RelocationRecord {
+    /// From a `relocations` row's columns: plan id, from (vdev, offset,
+    /// size), to (vdev, offset, size), txg; i64 bit patterns of u64s.
+    pub fn from_columns(allocation_id: u64, c: [i64; 8]) -> RelocationRecord {
+        let ext = |v: i64, o: i64, s: i64| Extent {
+            vdev: v as u32,
+            offset: o as u64,
+            size: s as u64,
+        };
+        RelocationRecord {
+            allocation_id,
+            plan_id: c[0] as u64,
+            from: ext(c[1], c[2], c[3]),
+            to: ext(c[4], c[5], c[6]),
+            txg: c[7] as u64,
+        }
+    }
+}
+
 /// The state digest after `rec`, chained from the previous txg's `prev`
 /// (FNV-1a 64 over the txg and its space changes, in persist order): two
 /// stores at the same txg with different histories differ in it.

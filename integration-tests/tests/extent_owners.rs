@@ -238,6 +238,50 @@ async fn only_the_owner_or_an_admin_frees_or_moves_a_block() {
     // Relocate is an admin call already (the mover runs as admin).
     assert_eq!(e.code(), Code::PermissionDenied, "{e}");
 
+    // A claim of exactly alice's block is not a no-op for bob: the bytes
+    // are another client's (his own block was lost), so it is refused.
+    let e = bob
+        .claim(pb::ClaimRequest {
+            extents: vec![mine[0]],
+        })
+        .await
+        .expect_err("bob claims alice's block");
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+    assert_eq!(reason(&e), "CLAIM_CONFLICT", "{e}");
+    // An admin's claim is a claim too, not an override.
+    let e = op
+        .claim(pb::ClaimRequest {
+            extents: vec![mine[1]],
+        })
+        .await
+        .expect_err("an admin claims alice's block");
+    assert_eq!(reason(&e), "CLAIM_CONFLICT", "{e}");
+    // Alice's own claim of her block is the idempotent retry it always was.
+    alice
+        .claim(pb::ClaimRequest {
+            extents: vec![mine[0]],
+        })
+        .await
+        .expect("alice claims her own block");
+    // Free space bob claims is his: alice cannot free it.
+    let claimed = pb::Extent {
+        vdev: mine[0].vdev,
+        offset: 64 * MIB,
+        size: MIB,
+    };
+    bob.claim(pb::ClaimRequest {
+        extents: vec![claimed],
+    })
+    .await
+    .expect("bob claims free space");
+    let e = alice
+        .free(pb::FreeRequest {
+            extents: vec![claimed],
+        })
+        .await
+        .expect_err("alice frees bob's claimed block");
+    assert_eq!(reason(&e), "NOT_OWNER", "{e}");
+
     // Owners are durable: after kill -9 and a restart, still refused.
     alloc.kill9();
     alloc.restart().expect("restart");
@@ -253,6 +297,13 @@ async fn only_the_owner_or_an_admin_frees_or_moves_a_block() {
         })
         .await,
     );
+    let e = bob
+        .claim(pb::ClaimRequest {
+            extents: vec![mine[0]],
+        })
+        .await
+        .expect_err("bob claims alice's block after the restart");
+    assert_eq!(reason(&e), "CLAIM_CONFLICT", "{e}");
     // The owner frees her block; an admin frees any.
     alice
         .free(pb::FreeRequest {

@@ -48,9 +48,10 @@ pub enum Error {
     )]
     NoStandby,
     #[error(
-        "claim of {0}: an allocation of this generation was given that extent after the claim \
-         window closed; the block claimed was lost with its txg (claim within the window, or \
-         ask SyncTxg with your txg and generation whether it synced)"
+        "claim of {0}: another block was given that extent after the claimed block's txg was \
+         lost (an allocation after the claim window closed, or another client owns it); the \
+         block claimed is lost (claim within the window, or ask SyncTxg with your txg and \
+         generation whether it synced)"
     )]
     ClaimGivenOut(metaslab::Extent),
     /// A standby, or a leader whose lease ran out or that was replaced.

@@ -202,6 +202,11 @@ impl ExtentOwners {
             .collect()
     }
 
+    /// No identity owns any byte of `e`.
+    pub fn unowned(&self, e: &Extent) -> bool {
+        self.owners_of(e).is_empty()
+    }
+
     /// The first of `extents` that some identity other than `caller` owns,
     /// with that owner's name.
     pub fn foreign(&self, caller: &str, extents: &[Extent]) -> Option<(Extent, String)> {

@@ -633,9 +633,20 @@ impl Allocator for AllocatorService {
         // Free space is claimed; space allocated as exactly that extent is
         // already theirs; anything else fails naming what it overlaps.
         crate::claim::check_exact(&self.shared, &extents).await?;
+        let claimant = caller(&req).map(|c| c.to_string());
         let txg = {
             let mut g = self.shared.lock();
-            let txg = g.claim(&extents)?;
+            // Exactly an extent another identity owns: the claimant's block
+            // was lost with its txg and the bytes given to that owner (after
+            // the claim window, when `recent_allocs` no longer says so). A
+            // no-op here would leave two clients holding one extent. Admins
+            // too: a claim says "this block is mine", not an override.
+            if let Some(c) = &claimant {
+                if let Some((extent, _)) = g.extent_owners.foreign(c, &extents) {
+                    return Err(Error::ClaimGivenOut(extent).into());
+                }
+            }
+            let txg = g.claim(&extents, claimant.as_deref())?;
             self.shared.kick_if_dirty(&g);
             txg
         };

@@ -372,8 +372,18 @@ impl Inner {
 
     /// Claim extents (after `claim::check_exact`); remembered until their
     /// txg is persisted.
-    pub fn claim(&mut self, extents: &[Extent]) -> Result<Txg> {
+    /// With an identity, the claimant becomes the owner of what had none
+    /// (free space claimed, or a block committed without identities).
+    pub fn claim(&mut self, extents: &[Extent], claimant: Option<&str>) -> Result<Txg> {
         let txg = self.pool.claim(extents)?;
+        if let Some(c) = claimant {
+            let unowned: Vec<Extent> = extents
+                .iter()
+                .filter(|e| self.extent_owners.unowned(e))
+                .copied()
+                .collect();
+            self.extent_owners.committed(c, &unowned);
+        }
         for e in extents {
             self.recent_allocs
                 .insert((e.vdev, e.offset), (e.size, txg, true));

@@ -641,10 +641,10 @@ impl Allocator for AllocatorService {
             // the claim window, when `recent_allocs` no longer says so). A
             // no-op here would leave two clients holding one extent. Admins
             // too: a claim says "this block is mine", not an override.
-            if let Some(c) = &claimant {
-                if let Some((extent, _)) = g.extent_owners.foreign(c, &extents) {
-                    return Err(Error::ClaimGivenOut(extent).into());
-                }
+            if let Some(c) = &claimant
+                && let Some((extent, _)) = g.extent_owners.foreign(c, &extents)
+            {
+                return Err(Error::ClaimGivenOut(extent).into());
             }
             let txg = g.claim(&extents, claimant.as_deref())?;
             self.shared.kick_if_dirty(&g);

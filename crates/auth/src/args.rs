@@ -23,9 +23,17 @@ pub struct TlsArgs {
     #[arg(long, env = "ALIQUOT_INSECURE", conflicts_with = "tls_ca",
           value_parser = clap::builder::BoolishValueParser::new())]
     pub insecure: bool,
+    /// Caps on the peers' connections (every server takes them).
+    #[command(flatten)]
+    pub listen: crate::listen::ListenArgs,
 }
 
 impl TlsArgs {
+    /// The connection caps for a listener of this server.
+    pub fn listen_limits(&self) -> crate::listen::ListenLimits {
+        self.listen.limits()
+    }
+
     /// What a server does: mutual TLS with the files (Some), plaintext only
     /// with an explicit `--insecure` (None, and a warning is logged), and
     /// otherwise it refuses to start. `what` names the server in the warning.
@@ -68,6 +76,7 @@ impl TlsArgs {
             tls_cert: Some(files.cert),
             tls_key: Some(files.key),
             insecure: false,
+            listen: Default::default(),
         }
     }
 

@@ -18,6 +18,8 @@ pub enum AuthError {
     },
     #[error("{path} already exists; remove it first if you mean to replace the pool's CA")]
     Exists { path: PathBuf },
+    #[error("TLS configuration: {0}")]
+    Tls(String),
     #[error("certificate generation failed: {0}")]
     Rcgen(#[from] rcgen::Error),
     #[error("invalid name {0:?}: use letters, digits, '-', '_' and '.' (1..=64 characters)")]

@@ -79,11 +79,21 @@ where
         if !self.enforce {
             return Box::pin(self.inner.call(req));
         }
-        let certs = req
+        // Our listener's (crate::listen) or, for a server on tonic's own
+        // TLS, tonic's.
+        let ours = req
+            .extensions()
+            .get::<crate::listen::PeerInfo>()
+            .and_then(|i| i.certs.clone());
+        let tonics = req
             .extensions()
             .get::<TlsConnectInfo<TcpConnectInfo>>()
             .and_then(|i| i.peer_certs());
-        let leaf = certs.as_ref().and_then(|c| c.first()).map(|c| c.as_ref());
+        let leaf = match (&ours, &tonics) {
+            (Some(c), _) => c.first().map(|c| c.as_ref()),
+            (None, Some(c)) => c.first().map(|c| c.as_ref()),
+            (None, None) => None,
+        };
         match authorize(req.uri().path(), leaf) {
             Ok(id) => {
                 req.extensions_mut().insert(id);

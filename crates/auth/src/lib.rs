@@ -16,6 +16,7 @@ pub mod ca;
 pub mod client;
 pub mod error;
 pub mod layer;
+pub mod listen;
 pub mod policy;
 pub mod role;
 pub mod tls;

@@ -201,10 +201,20 @@ impl RpcMetrics {
 
 /// Serve `GET /metrics` (the service's RPC metrics) on `addr` until the
 /// process ends; returns the bound address (port 0 picks one).
-pub async fn serve(addr: SocketAddr, rpc: Arc<RpcMetrics>) -> std::io::Result<SocketAddr> {
+/// `guard` wraps the bound listener (the services pass their connection
+/// caps: `aliquot_auth::listen`).
+pub async fn serve<L>(
+    addr: SocketAddr,
+    rpc: Arc<RpcMetrics>,
+    guard: impl FnOnce(tokio::net::TcpListener) -> L,
+) -> std::io::Result<SocketAddr>
+where
+    L: axum::serve::Listener<Addr = SocketAddr>,
+{
     use axum::routing::get;
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
+    let listener = guard(listener);
     let app = axum::Router::new().route(
         "/metrics",
         get(move || {

@@ -168,6 +168,27 @@ pub struct Config {
           value_parser = clap::builder::BoolishValueParser::new())]
     pub unchecked_writes: bool,
 
+    /// A write's request body must arrive within this time of its start,
+    /// or its stream is reset and its buffers freed (a slow or stalled
+    /// sender cannot pin memory).
+    #[arg(long, env = "ALIQUOT_BODY_TIMEOUT", default_value = "30s", value_parser = units::duration_arg)]
+    pub body_timeout: Duration,
+
+    /// Bytes of write bodies the agent buffers at once, over all
+    /// connections; further writes wait (in HTTP/2 flow control) for room.
+    #[arg(long, env = "ALIQUOT_MAX_BUFFERED", default_value = "512MiB", value_parser = units::size_arg)]
+    pub max_buffered: u64,
+
+    /// Bytes of write bodies one connection may hold buffered at once.
+    #[arg(long, env = "ALIQUOT_CONNECTION_BUFFER", default_value = "128MiB", value_parser = units::size_arg)]
+    pub connection_buffer: u64,
+
+    /// Concurrent HTTP/2 streams (calls) per connection; a client's further
+    /// calls wait for one to end.
+    #[arg(long, env = "ALIQUOT_MAX_STREAMS", default_value_t = 64,
+          value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub max_streams: u32,
+
     #[command(flatten)]
     pub telemetry: telemetry::TelemetryArgs,
 }
@@ -203,6 +224,10 @@ impl Config {
             tls: aliquot_auth::TlsArgs::insecure(),
             token_key: None,
             unchecked_writes: false,
+            body_timeout: Duration::from_secs(30),
+            max_buffered: 512 << 20,
+            connection_buffer: 128 << 20,
+            max_streams: 64,
             telemetry: Default::default(),
         }
     }

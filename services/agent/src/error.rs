@@ -34,6 +34,13 @@ pub enum AgentError {
     /// A genuine token whose allocation no longer owns the bytes.
     #[error("{0}")]
     Fenced(crate::fence::Fenced),
+    /// A request body that did not arrive in time (a slow or stalled
+    /// sender): its stream is reset and its buffers freed.
+    #[error(
+        "the request body did not arrive within {0:?} (--body-timeout); the stream was reset and \
+         nothing was written: send the write again"
+    )]
+    BodyTimeout(std::time::Duration),
     /// One write of a WriteBatch was refused (so the whole batch was).
     #[error("write {index} of the batch (none written): {source}")]
     InBatch {
@@ -71,6 +78,15 @@ impl From<AgentError> for Status {
             // The device itself failed: another copy or vdev may serve.
             AgentError::Io { .. } => Status::unavailable(msg),
             AgentError::ShuttingDown | AgentError::NotRegistered => Status::unavailable(msg),
+            AgentError::BodyTimeout(_) => Status::with_error_details(
+                Code::DeadlineExceeded,
+                msg,
+                ErrorDetails::with_error_info(
+                    "BODY_TIMEOUT",
+                    aliquot_auth::DOMAIN,
+                    HashMap::<String, String>::new(),
+                ),
+            ),
             AgentError::Fenced(f) => Status::with_error_details(
                 Code::PermissionDenied,
                 msg,

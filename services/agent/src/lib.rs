@@ -32,7 +32,6 @@ use aliquot_proto::v1::vdev_agent_server::VdevAgentServer;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tonic::transport::Server;
-use tonic::transport::server::TcpIncoming;
 
 pub use agent::Agent;
 pub use config::{BackendKind, Config};
@@ -144,10 +143,18 @@ pub async fn serve(
     // must not count as an attack (h2's default of 20 pending-accept resets
     // answers ENHANCE_YOUR_CALM and the writer's whole connection fails:
     // seen after a SIGSTOP under load).
-    let mut builder = Server::builder().http2_max_pending_accept_reset_streams(Some(4096));
+    // Every call (tonic's decoding of a body included) ends within this;
+    // the fast write path bounds its bodies by --body-timeout itself.
+    let builder = Server::builder()
+        .http2_max_pending_accept_reset_streams(Some(4096))
+        .max_concurrent_streams(Some(config.max_streams))
+        .timeout(config.body_timeout.saturating_mul(4));
+    let mut limits = config.tls.listen_limits();
+    limits.connection_buffer = config.connection_buffer as usize;
+    let mut tls = None;
     let roles = match config.tls.server_mode("agent")? {
         Some(files) => {
-            builder = builder.tls_config(files.server_config()?)?;
+            tls = Some(files.rustls_server_config()?);
             tracing::info!(ca = %files.ca.display(), cert = %files.cert.display(), "mutual TLS: callers need a pool certificate");
             aliquot_auth::RoleLayer::enforce()
         }
@@ -161,17 +168,23 @@ pub async fn serve(
             "no --token-key: writes are not checked against the allocator's write tokens"
         );
     }
+    let body_limits = fastwrite::BodyLimits {
+        total: aliquot_auth::listen::Budget::new(config.max_buffered as usize),
+        timeout: config.body_timeout,
+    };
     let fast_write = if config.no_fast_write {
         tracing::info!("--no-fast-write: unary Writes are decoded by tonic");
-        fastwrite::FastWriteLayer::disabled()
+        fastwrite::FastWriteLayer::disabled(body_limits)
     } else {
-        fastwrite::FastWriteLayer::new(agent.clone(), MAX_MESSAGE)
+        fastwrite::FastWriteLayer::new(agent.clone(), MAX_MESSAGE, body_limits)
     };
     let rpc = std::sync::Arc::new(telemetry::rpc_metrics::RpcMetrics::default());
     if let Some(a) = config.prometheus_listen {
-        let bound = telemetry::rpc_metrics::serve(a, rpc.clone())
-            .await
-            .map_err(|e| anyhow::anyhow!("cannot bind --prometheus-listen {a}: {e}"))?;
+        let bound = telemetry::rpc_metrics::serve(a, rpc.clone(), |l| {
+            aliquot_auth::listen::GuardedListener::new(l, limits.clone())
+        })
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot bind --prometheus-listen {a}: {e}"))?;
         let mut out = std::io::stdout().lock();
         writeln!(out, "LISTEN prometheus {bound}")?;
         out.flush()?;
@@ -192,9 +205,9 @@ pub async fn serve(
         .add_service(reflection)
         .add_service(reflection_v1alpha)
         .add_service(svc)
-        // Builder::tcp_nodelay applies only to listeners tonic binds itself.
+        // Connections capped and TLS finished by our listener (nodelay too).
         .serve_with_incoming_shutdown(
-            TcpIncoming::from(listener).with_nodelay(Some(true)),
+            aliquot_auth::listen::GuardedListener::new(listener, limits).incoming(tls),
             shutdown,
         );
     let served = tokio::select! {

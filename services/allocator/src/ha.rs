@@ -18,7 +18,6 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use futures_util::future::BoxFuture;
-use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::codegen::{Service, http};
@@ -29,7 +28,7 @@ use crate::leadership::Lease;
 use crate::pg_store::{Leader, PgStore};
 use crate::{Config, ConfigError, Running, ShutdownSignal};
 
-type Conn = Result<TcpStream, std::io::Error>;
+type Conn = Result<aliquot_auth::listen::Conn, std::io::Error>;
 
 /// Where the acceptor sends connections: the current role's server.
 type Route = Arc<Mutex<mpsc::Sender<Conn>>>;
@@ -70,7 +69,10 @@ pub async fn run(config: Config, url: String) -> anyhow::Result<()> {
     }
     let (tx, _) = mpsc::channel(1);
     let route: Route = Arc::new(Mutex::new(tx));
-    let acceptor = tokio::spawn(accept(listener, route.clone()));
+    let acceptor = tokio::spawn(accept(
+        crate::guarded_incoming(&config, listener)?,
+        route.clone(),
+    ));
     let r = serve_roles(&config, &store, addr, &route, lease, signals).await;
     acceptor.abort();
     store.close().await;
@@ -78,19 +80,11 @@ pub async fn run(config: Config, url: String) -> anyhow::Result<()> {
 }
 
 /// Accept for the process's life; hand each connection to the current role.
-async fn accept(listener: tokio::net::TcpListener, route: Route) {
-    loop {
-        match listener.accept().await {
-            Ok((s, _)) => {
-                let _ = s.set_nodelay(true);
-                let tx = route.lock().unwrap_or_else(|p| p.into_inner()).clone();
-                let _ = tx.send(Ok(s)).await;
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
+async fn accept(mut incoming: ReceiverStream<Conn>, route: Route) {
+    use tokio_stream::StreamExt;
+    while let Some(c) = incoming.next().await {
+        let tx = route.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let _ = tx.send(c).await;
     }
 }
 
@@ -266,12 +260,10 @@ struct Standby {
 impl Standby {
     fn serve(config: &Config, incoming: ReceiverStream<Conn>) -> anyhow::Result<Standby> {
         let (health_reporter, health_service) = tonic_health::server::health_reporter();
-        let mut builder = tonic::transport::Server::builder();
+        let builder = tonic::transport::Server::builder();
+        // TLS is finished by the acceptor (`crate::guarded_incoming`).
         let roles = match config.tls.server_mode("allocator")? {
-            Some(files) => {
-                builder = builder.tls_config(files.server_config()?)?;
-                aliquot_auth::RoleLayer::enforce()
-            }
+            Some(_) => aliquot_auth::RoleLayer::enforce(),
             None => aliquot_auth::RoleLayer::insecure(),
         };
         let (stop, mut stopped) = tokio::sync::watch::channel(false);

@@ -299,9 +299,27 @@ pub async fn start(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Runn
         .await
         .map_err(|e| anyhow::anyhow!("bind {}: {e}", config.listen))?;
     let addr = listener.local_addr()?;
-    // Without nodelay, Nagle and delayed ACKs add ~40 ms to small RPCs.
-    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    let incoming = guarded_incoming(&config, listener)?;
     start_serving(config, store, addr, incoming, None).await
+}
+
+/// Connections on `listener` under the connection caps, TLS finished (when
+/// on) by `aliquot_auth::listen`, nodelay set (without it, Nagle and delayed
+/// ACKs add ~40 ms to small RPCs).
+pub(crate) fn guarded_incoming(
+    config: &Config,
+    listener: tokio::net::TcpListener,
+) -> anyhow::Result<
+    tokio_stream::wrappers::ReceiverStream<std::io::Result<aliquot_auth::listen::Conn>>,
+> {
+    let tls = match config.tls.server_mode("allocator")? {
+        Some(files) => Some(files.rustls_server_config()?),
+        None => None,
+    };
+    Ok(
+        aliquot_auth::listen::GuardedListener::new(listener, config.tls.listen_limits())
+            .incoming(tls),
+    )
 }
 
 /// [`start`] on connections that arrive on `incoming` (bound at `addr`),
@@ -314,7 +332,9 @@ pub(crate) async fn start_serving<I>(
     lease: Option<Arc<leadership::Lease>>,
 ) -> anyhow::Result<Running>
 where
-    I: futures_util::Stream<Item = Result<tokio::net::TcpStream, std::io::Error>> + Send + 'static,
+    I: futures_util::Stream<Item = Result<aliquot_auth::listen::Conn, std::io::Error>>
+        + Send
+        + 'static,
 {
     let mut v = validate(&config)?;
     let mut owners = extent_owners::ExtentOwners::default();
@@ -503,11 +523,11 @@ where
         )),
     };
     let stop = shared.clone();
-    let mut builder = tonic::transport::Server::builder();
-    // Mutual TLS, or plaintext only when --insecure was given (logged).
+    let builder = tonic::transport::Server::builder();
+    // Mutual TLS (finished by the listener: `guarded_incoming`), or
+    // plaintext only when --insecure was given (logged).
     let roles = match config.tls.server_mode("allocator")? {
         Some(files) => {
-            builder = builder.tls_config(files.server_config()?)?;
             tracing::info!(ca = %files.ca.display(), cert = %files.cert.display(), "mutual TLS: callers need a pool certificate");
             aliquot_auth::RoleLayer::enforce()
         }
@@ -516,9 +536,11 @@ where
     let rpc = Arc::new(telemetry::rpc_metrics::RpcMetrics::default());
     let prometheus = match config.prometheus_listen {
         Some(a) => Some(
-            telemetry::rpc_metrics::serve(a, rpc.clone())
-                .await
-                .map_err(|e| anyhow::anyhow!("cannot bind --prometheus-listen {a}: {e}"))?,
+            telemetry::rpc_metrics::serve(a, rpc.clone(), |l| {
+                aliquot_auth::listen::GuardedListener::new(l, config.tls.listen_limits())
+            })
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot bind --prometheus-listen {a}: {e}"))?,
         ),
         None => None,
     };

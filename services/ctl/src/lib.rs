@@ -42,6 +42,9 @@ pub struct Cli {
     pub command: Cmd,
 }
 
+// Parsed once per process: the size of the largest variant (a service's
+// whole config) costs nothing worth a Box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum Cmd {
     /// Run one service in this process (what `up` starts as children).

@@ -16,6 +16,7 @@ pub mod pusher;
 pub mod service;
 pub mod store;
 
+use aliquot_auth::listen::GuardedListener;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -151,15 +152,19 @@ pub async fn start(config: &Config) -> anyhow::Result<Running> {
         .max_decoding_message_size(64 << 20);
     // Mutual TLS, or plaintext only when --insecure was given (logged).
     // Only the allocator role may record; pool members may read.
-    let mut builder = tonic::transport::Server::builder();
+    let builder = tonic::transport::Server::builder();
+    let mut tls = None;
     let roles = match config.tls.server_mode("metrics")? {
         Some(files) => {
-            builder = builder.tls_config(files.server_config()?)?;
+            // The handshake runs in our listener: bounded in time and number.
+            tls = Some(files.rustls_server_config()?);
             tracing::info!(ca = %files.ca.display(), cert = %files.cert.display(), "mutual TLS: callers need a pool certificate");
             aliquot_auth::RoleLayer::enforce()
         }
         None => aliquot_auth::RoleLayer::insecure(),
     };
+    let grpc_incoming = GuardedListener::new(grpc, config.tls.listen_limits()).incoming(tls);
+    let http = GuardedListener::new(http, config.tls.listen_limits());
     let grpc_task = tokio::spawn({
         let rx = stop_rx.clone();
         let rpc = rpc.clone();
@@ -172,10 +177,7 @@ pub async fn start(config: &Config) -> anyhow::Result<Running> {
                 .add_service(reflection)
                 .add_service(reflection_v1alpha)
                 .add_service(metrics)
-                .serve_with_incoming_shutdown(
-                    tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true)),
-                    stopped(rx),
-                )
+                .serve_with_incoming_shutdown(grpc_incoming, stopped(rx))
                 .await
                 .map_err(|e| anyhow::anyhow!("gRPC server: {e}"))
         }

@@ -14,6 +14,14 @@
 //! over the size limit, a malformed one, request trailers, a body error) is
 //! replayed to tonic frame by frame, so tonic gives its own answer.
 //! `--no-fast-write` turns the layer into a pass-through.
+//!
+//! Memory is bounded (issue 27, item 2): before a body is read past its
+//! gRPC length prefix, the whole message's bytes are reserved from the
+//! connection's budget (`aliquot_auth::listen::PeerInfo::budget`) and the
+//! agent's (`--max-buffered`), all or nothing, so that streams waiting for
+//! room hold none of it (their data waits in HTTP/2 flow control); the body
+//! must arrive within `--body-timeout`, or the stream is reset and what it
+//! held is freed. The reservation is held until the write is done.
 
 pub mod parse;
 
@@ -21,6 +29,7 @@ use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use aliquot_proto::v1::WriteReply;
 use http_body::{Body as HttpBody, Frame};
@@ -31,6 +40,9 @@ use tonic::codegen::{Bytes, Service, http};
 use tower::Layer;
 use tracing::Instrument;
 
+use aliquot_auth::listen::Budget;
+use tokio::sync::OwnedSemaphorePermit;
+
 use crate::agent::Agent;
 use crate::payload::Payload;
 
@@ -40,6 +52,15 @@ pub const WRITE_PATH: &str = "/aliquot.v1.VdevAgent/Write";
 /// gRPC's message prefix: a compression flag and a 4-byte length.
 const PREFIX: usize = 5;
 
+/// What bounds the bodies the layer buffers.
+#[derive(Clone, Debug)]
+pub struct BodyLimits {
+    /// Bytes of bodies buffered by the whole agent.
+    pub total: Budget,
+    /// From the request's start to its body's end.
+    pub timeout: Duration,
+}
+
 #[derive(Clone)]
 pub struct FastWriteLayer {
     /// None: pass everything through (`--no-fast-write`).
@@ -47,20 +68,23 @@ pub struct FastWriteLayer {
     /// The tonic service's `max_decoding_message_size`: larger messages go
     /// to tonic, which refuses them.
     max_message: usize,
+    limits: BodyLimits,
 }
 
 impl FastWriteLayer {
-    pub fn new(agent: Agent, max_message: usize) -> FastWriteLayer {
+    pub fn new(agent: Agent, max_message: usize, limits: BodyLimits) -> FastWriteLayer {
         FastWriteLayer {
             agent: Some(agent),
             max_message,
+            limits,
         }
     }
 
-    pub fn disabled() -> FastWriteLayer {
+    pub fn disabled(limits: BodyLimits) -> FastWriteLayer {
         FastWriteLayer {
             agent: None,
             max_message: 0,
+            limits,
         }
     }
 }
@@ -72,6 +96,7 @@ impl<S> Layer<S> for FastWriteLayer {
             inner,
             agent: self.agent.clone(),
             max_message: self.max_message,
+            limits: self.limits.clone(),
         }
     }
 }
@@ -81,6 +106,7 @@ pub struct FastWrite<S> {
     inner: S,
     agent: Option<Agent>,
     max_message: usize,
+    limits: BodyLimits,
 }
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
@@ -109,13 +135,33 @@ where
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let limit = self.max_message.saturating_add(PREFIX);
+        let budgets = Budgets {
+            connection: req
+                .extensions()
+                .get::<aliquot_auth::listen::PeerInfo>()
+                .map(|p| p.budget.clone()),
+            total: self.limits.total.clone(),
+        };
+        let timeout = self.limits.timeout;
         Box::pin(async move {
             let (parts, mut body) = req.into_parts();
-            let collected = collect(&mut body, limit).await;
+            let Ok(collected) =
+                tokio::time::timeout(timeout, collect(&mut body, limit, &budgets)).await
+            else {
+                // Dropping the body resets the stream: the sender stops and
+                // what was buffered is freed.
+                tracing::warn!(
+                    timeout_ms = timeout.as_millis() as u64,
+                    "write body too slow; stream reset"
+                );
+                return Ok(Status::from(crate::error::AgentError::BodyTimeout(timeout)).into_http());
+            };
             if collected.is_whole()
                 && let Some(w) = parse::parse(&collected.data)
             {
-                return Ok(write(agent, w).await);
+                let done = write(agent, w).await;
+                drop(collected.held);
+                return Ok(done);
             }
             let replay = collected.into_replay(body);
             inner
@@ -139,12 +185,33 @@ fn takes(req: &http::Request<Body>) -> bool {
         )
 }
 
+/// Where a body's bytes are reserved: its connection's budget (absent for
+/// a connection not accepted by `aliquot_auth::listen`) and the agent's.
+struct Budgets {
+    connection: Option<Budget>,
+    total: Budget,
+}
+
+impl Budgets {
+    /// `n` bytes from both, each all at once (waiting for room; the
+    /// caller's timeout bounds the wait).
+    async fn reserve(&self, n: usize) -> Vec<OwnedSemaphorePermit> {
+        let mut held = Vec::with_capacity(2);
+        for b in self.connection.iter().chain(std::iter::once(&self.total)) {
+            held.extend(b.reserve(n).await);
+        }
+        held
+    }
+}
+
 /// What was read of a request body.
 struct Collected {
     /// Data frames in order.
     data: Vec<Bytes>,
     /// Why reading stopped before the end, if it did.
     stop: Option<Stop>,
+    /// The bytes reserved for it, given back on drop.
+    held: Vec<OwnedSemaphorePermit>,
 }
 
 enum Stop {
@@ -186,10 +253,20 @@ impl Collected {
 
 /// Read `body` to its end, or until more than `limit` bytes, trailers or an
 /// error.
-async fn collect(body: &mut Body, limit: usize) -> Collected {
-    let mut data = Vec::new();
+async fn collect(body: &mut Body, limit: usize, budgets: &Budgets) -> Collected {
+    let mut data: Vec<Bytes> = Vec::new();
     let mut len = 0usize;
+    let mut held = Vec::new();
+    let mut reserved = false;
     loop {
+        if !reserved && len >= PREFIX {
+            // The message's length is known: reserve it (bounded by the
+            // limit: a larger one goes to tonic, which refuses it).
+            held = budgets
+                .reserve(message_len(&data).min(limit) + PREFIX)
+                .await;
+            reserved = true;
+        }
         let frame = std::future::poll_fn(|cx| Pin::new(&mut *body).poll_frame(cx)).await;
         let stop = match frame {
             None => None,
@@ -211,8 +288,22 @@ async fn collect(body: &mut Body, limit: usize) -> Collected {
                 },
             },
         };
-        return Collected { data, stop };
+        return Collected { data, stop, held };
     }
+}
+
+/// The gRPC message length from the first `PREFIX` bytes of `frames`.
+fn message_len(frames: &[Bytes]) -> usize {
+    let mut prefix = [0u8; PREFIX];
+    for (n, b) in frames
+        .iter()
+        .flat_map(|f| f.iter())
+        .take(PREFIX)
+        .enumerate()
+    {
+        prefix[n] = *b;
+    }
+    u32::from_be_bytes([prefix[1], prefix[2], prefix[3], prefix[4]]) as usize
 }
 
 /// The write itself, with the same span and reply as the tonic handler.
@@ -336,6 +427,7 @@ mod tests {
         let c = Collected {
             data: vec![Bytes::from_static(b"he"), Bytes::from_static(b"llo ")],
             stop: Some(Stop::TooLarge),
+            held: Vec::new(),
         };
         let (data, _, err) = drain(Body::new(c.into_replay(rest))).await;
         assert_eq!(data, b"hello tail");
@@ -347,6 +439,7 @@ mod tests {
         let c = Collected {
             data: vec![Bytes::from_static(b"abc")],
             stop: Some(Stop::Failed(Status::cancelled("reset"))),
+            held: Vec::new(),
         };
         let (data, _, err) = drain(Body::new(c.into_replay(Body::empty()))).await;
         assert_eq!(data, b"abc");
@@ -359,7 +452,11 @@ mod tests {
             Frame::data(Bytes::from(vec![7u8; 100])),
             Frame::trailers(http::HeaderMap::new()),
         ]));
-        let c = collect(&mut body, 10).await;
+        let budgets = Budgets {
+            connection: None,
+            total: Budget::new(1 << 20),
+        };
+        let c = collect(&mut body, 10, &budgets).await;
         assert!(matches!(c.stop, Some(Stop::TooLarge)));
         let (data, trailers, _) = drain(Body::new(c.into_replay(body))).await;
         assert_eq!(data.len(), 100);

@@ -1,0 +1,267 @@
+//! Issue 27, items 1 and 2, against real processes: a peer that opens
+//! connections and never finishes a TLS handshake holds at most its caps,
+//! for at most the handshake timeout, while other peers are served; and a
+//! client that sends write bodies slowly (all but the last KiB, then
+//! nothing) pins a bounded amount of agent memory, for at most the body
+//! timeout, after which its streams are reset.
+
+use std::io::Read;
+use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use aliquot_auth::{PoolCa, Role, TlsFiles};
+use aliquot_proto::v1 as pb;
+use integration_tests::{Proc, args, bin};
+use pb::allocator_client::AllocatorClient;
+use tonic::transport::{Channel, Endpoint};
+
+const MIB: usize = 1 << 20;
+
+fn tls_args(certs: &Path, role: Role, name: &str) -> Vec<String> {
+    let f = TlsFiles::in_dir(certs, role, name);
+    args![
+        "--tls-ca",
+        f.ca.display(),
+        "--tls-cert",
+        f.cert.display(),
+        "--tls-key",
+        f.key.display()
+    ]
+}
+
+/// A client channel to `url` whose connections come from `source`.
+fn channel_from(url: &str, certs: &Path, source: &str) -> Channel {
+    let f = TlsFiles::in_dir(certs, Role::Admin, "op");
+    Endpoint::from_shared(url.to_string())
+        .unwrap()
+        .tls_config(f.client_config(Role::Allocator).unwrap())
+        .unwrap()
+        .local_address(Some(source.parse().unwrap()))
+        .connect_timeout(Duration::from_secs(2))
+        .timeout(Duration::from_secs(5))
+        .connect_lazy()
+}
+
+/// Whether the server closed `s` (EOF or reset) within `wait`.
+fn closed_within(s: &mut TcpStream, wait: Duration) -> bool {
+    s.set_read_timeout(Some(wait)).unwrap();
+    let mut b = [0u8; 1];
+    !matches!(s.read(&mut b), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock
+        || e.kind() == std::io::ErrorKind::TimedOut)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_never_finishes_handshakes_holds_only_its_caps() {
+    aliquot_auth::listen::raise_fd_limit();
+    let dir = tempfile::tempdir().unwrap();
+    let certs = dir.path().join("certs");
+    let ca = PoolCa::init(&certs, "hardening").unwrap();
+    ca.issue(Role::Allocator, "allocator", &[]).unwrap();
+    ca.issue(Role::Admin, "op", &[]).unwrap();
+    let mut a = args![
+        "--listen",
+        "0.0.0.0:0",
+        "--pool",
+        "hardening",
+        "--data-dir",
+        dir.path().join("allocator").display(),
+        "--token-key",
+        certs.display(),
+        "--handshake-timeout",
+        "2s",
+        "--max-handshakes",
+        "32",
+        "--max-handshakes-per-peer",
+        "16",
+        "--max-connections-per-peer",
+        "64",
+    ];
+    a.extend(tls_args(&certs, Role::Allocator, "allocator"));
+    let alloc = Proc::start(
+        "allocator",
+        &bin("aliquot-allocator"),
+        &a,
+        &[],
+        &["grpc"],
+        dir.path(),
+    )
+    .expect("allocator");
+    let port = alloc.addr("grpc").port();
+    let target: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let url = format!("https://127.0.0.1:{port}");
+
+    // The attacker, from 127.0.0.1: 200 connections, not a byte sent.
+    let mut attack: Vec<TcpStream> = (0..200)
+        .map(|_| TcpStream::connect(target).expect("connect"))
+        .collect();
+    // What the caps turn away is closed at once: 200 - 64 over the
+    // per-peer cap, and 64 - 16 over the per-peer pending-handshake cap.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut held = Vec::new();
+    let mut closed_at_once = 0;
+    for mut s in attack.drain(..) {
+        if closed_within(&mut s, Duration::from_millis(20)) {
+            closed_at_once += 1;
+        } else {
+            held.push(s);
+        }
+    }
+    assert!(
+        held.len() <= 16,
+        "{} connections still held in handshake; the cap is 16",
+        held.len()
+    );
+    assert!(closed_at_once >= 184, "{closed_at_once} closed at once");
+
+    // Another peer is served while the attacker holds its maximum.
+    let started = Instant::now();
+    let mut other = AllocatorClient::new(channel_from(&url, &certs, "127.0.0.2"));
+    other
+        .get_pool(pb::GetPoolRequest::default())
+        .await
+        .expect("another peer is served during the attack");
+    let served_in = started.elapsed();
+
+    // The held ones are dropped at the handshake timeout (2 s).
+    let started = Instant::now();
+    for s in held.iter_mut() {
+        let left = Duration::from_secs(6).saturating_sub(started.elapsed());
+        assert!(
+            closed_within(s, left.max(Duration::from_millis(1))),
+            "a handshake outlived its timeout"
+        );
+    }
+    let dropped_after = started.elapsed();
+    // And the attacker's own address is served again once it lets go.
+    drop(held);
+    let mut same = AllocatorClient::new(channel_from(&url, &certs, "127.0.0.1"));
+    same.get_pool(pb::GetPoolRequest::default())
+        .await
+        .expect("127.0.0.1 served after the attack");
+    eprintln!(
+        "closed at once {closed_at_once}/200; another peer served in {served_in:?}; \
+         held handshakes dropped within {dropped_after:?} more"
+    );
+}
+
+/// The agent's resident set, in MiB.
+fn rss_mib(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    s.lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse::<u64>().ok())
+        .map_or(0, |kib| kib / 1024)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_write_bodies_pin_bounded_memory_and_are_reset() {
+    let dir = tempfile::tempdir().unwrap();
+    let g = args![
+        "--listen",
+        "127.0.0.1:0",
+        "--allocator",
+        "none",
+        "--insecure",
+        "--unchecked-writes",
+        "--path",
+        dir.path().join("d0.img").display(),
+        "--capacity",
+        "1GiB",
+        "--body-timeout",
+        "4s",
+        "--connection-buffer",
+        "32MiB",
+        "--max-buffered",
+        "64MiB",
+    ];
+    let agent = Proc::start(
+        "agent",
+        &bin("aliquot-agent"),
+        &g,
+        &[],
+        &["grpc"],
+        dir.path(),
+    )
+    .expect("agent");
+    let pid = agent.pid().expect("pid");
+    let before = rss_mib(pid);
+
+    // 48 unary Writes on one connection, each declaring 16 MiB and sending
+    // all but the last KiB.
+    let tcp = tokio::net::TcpStream::connect(agent.addr("grpc"))
+        .await
+        .unwrap();
+    let (client, conn) = h2::client::Builder::new()
+        .initial_window_size(16 << 20)
+        .handshake::<_, bytes_of::Bytes>(tcp)
+        .await
+        .expect("h2 handshake");
+    tokio::spawn(conn);
+    let mut client = client.ready().await.unwrap();
+    let mut responses = Vec::new();
+    let mut bodies = Vec::new();
+    let size = 16 * MIB;
+    for _ in 0..48 {
+        let req = tonic::codegen::http::Request::post(format!(
+            "http://{}/aliquot.v1.VdevAgent/Write",
+            agent.addr("grpc")
+        ))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .unwrap();
+        let (resp, mut body) = client.send_request(req, false).expect("open a stream");
+        let mut prefix = vec![0u8];
+        prefix.extend_from_slice(&((size + 16) as u32).to_be_bytes());
+        body.send_data(prefix.into(), false).unwrap();
+        body.send_data(vec![7u8; size - 1024].into(), false)
+            .unwrap();
+        responses.push(resp);
+        bodies.push(body);
+        client = client.ready().await.unwrap();
+    }
+    let mut peak = before;
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_millis(3500) {
+        peak = peak.max(rss_mib(pid));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Bound: 64 MiB of HTTP/2 connection window not yet read, 32 MiB read
+    // under the connection's budget, and the process's own (before).
+    assert!(
+        peak < before + 160,
+        "agent RSS {before} -> {peak} MiB under 48 stalled 16 MiB writes"
+    );
+
+    // After the body timeout, every stream is answered or reset.
+    let mut timed_out = 0;
+    let mut reset = 0;
+    for r in responses {
+        match tokio::time::timeout(Duration::from_secs(30), r).await {
+            Ok(Ok(resp)) => {
+                let status = resp
+                    .headers()
+                    .get("grpc-status")
+                    .map(|v| v.to_str().unwrap_or_default().to_string());
+                assert_eq!(status.as_deref(), Some("4"), "DEADLINE_EXCEEDED: {resp:?}");
+                timed_out += 1;
+            }
+            Ok(Err(_)) => reset += 1,
+            Err(_) => panic!("a stalled stream was neither answered nor reset in 30 s"),
+        }
+    }
+    drop(bodies);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let after = rss_mib(pid);
+    eprintln!(
+        "agent RSS before {before} MiB, peak {peak} MiB, after {after} MiB; \
+         {timed_out} answered DEADLINE_EXCEEDED, {reset} reset"
+    );
+}
+
+/// `h2`'s body type is `bytes::Bytes`; tonic re-exports the same crate.
+mod bytes_of {
+    pub use tonic::codegen::Bytes;
+}

@@ -14,6 +14,8 @@ use pb::vdev_agent_client::VdevAgentClient;
 use tonic::Code;
 use tonic::transport::Channel;
 
+use integration_tests::data_request as data;
+
 async fn tls_channel(url: &str, files: &TlsFiles, server: Role) -> Channel {
     Channel::from_shared(url.to_owned())
         .unwrap()
@@ -509,8 +511,41 @@ async fn identities_own_their_allocations_devices_and_metrics() {
     assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
     assert!(e.message().contains("needs role admin"), "{e:?}");
 
+    // An expired allocation of alice's: bob is told NOT_OWNER, not its
+    // state (issue 27, item 8); alice is told it expired.
+    let short = alice
+        .allocate(pb::AllocateRequest {
+            lease_ms: 200,
+            ..data(4096)
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let e = bob
+        .abort(pb::AbortRequest {
+            allocation_ids: vec![short.allocation_id],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(
+        (e.code(), reason(&e).as_str()),
+        (Code::PermissionDenied, "NOT_OWNER"),
+        "{e:?}"
+    );
+    // It had expired: its owner is told so.
+    let e = alice
+        .commit(pb::CommitRequest {
+            allocation_ids: vec![short.allocation_id],
+            generation: short.generation,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(reason(&e), "LEASE_EXPIRED", "{e:?}");
+
     // file0's certificate re-registering its own device: it cannot grow it
-    // (registered, capacity unchanged) nor move it while it is live.
+    // (refused, naming `vdev expand`) nor move it while it is live.
     let mut file0 = AgentRegistryClient::new(
         tls_channel(&alloc_url, &files(Role::Agent, "file0"), Role::Allocator).await,
     );
@@ -524,7 +559,17 @@ async fn identities_own_their_allocations_devices_and_metrics() {
         backend: "sim".into(),
         ..Default::default()
     };
-    file0.register(own(&vdev.endpoint, 8 << 30)).await.unwrap();
+    let e = file0
+        .register(own(&vdev.endpoint, 8 << 30))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert!(e.message().contains("vdev expand"), "{e:?}");
+    // What the agent registered (its device less the 1 MiB label) again.
+    file0
+        .register(own(&vdev.endpoint, (1 << 30) - (1 << 20)))
+        .await
+        .unwrap();
     let st = alice
         .get_pool(pb::GetPoolRequest {})
         .await
@@ -586,6 +631,30 @@ async fn identities_own_their_allocations_devices_and_metrics() {
         .unwrap_err();
     assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
     assert!(e.message().contains("needs role allocator"), "{e:?}");
+
+    // A refused first Register binds nothing: file1's certificate, refused
+    // for a bad ashift on device 0xb1, may then register device 0xb2.
+    {
+        let mut file1 = AgentRegistryClient::new(
+            tls_channel(&alloc_url, &files(Role::Agent, "file1"), Role::Allocator).await,
+        );
+        let new_device = |guid: u64, ashift: u32| pb::RegisterRequest {
+            endpoint: format!("https://127.0.0.1:9/{guid}"),
+            device_guid: guid,
+            name: format!("dev{guid}"),
+            capacity: 1 << 30,
+            ashift,
+            children: 1,
+            backend: "sim".into(),
+            ..Default::default()
+        };
+        let e = file1.register(new_device(0xb1, 99)).await.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+        file1
+            .register(new_device(0xb2, 12))
+            .await
+            .expect("a refused Register did not bind the certificate");
+    }
 
     // Bindings are in the store: after a restart, before file0's agent is
     // back, file1's certificate still cannot register file0's device.

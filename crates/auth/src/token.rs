@@ -8,10 +8,10 @@
 //! Ed25519 (ring, already in the tree for TLS) rather than a shared HMAC key:
 //! an agent that is taken over cannot mint tokens for other agents' devices.
 //!
-//! Wire format, 121 bytes, opaque to clients (they pass it through):
+//! Wire format, 117 bytes ([`TOKEN_LEN`]), opaque to clients (they pass it through):
 //! `version(1)=1 | pool_guid | generation | vdev(u32) | offset | size |
 //! allocation_id | expires_ms` (u64 big-endian unless marked) `| signature(64)`,
-//! the signature over a domain-separation prefix and the 57 bytes before it.
+//! the signature over a domain-separation prefix and the 53 bytes before it.
 
 use std::path::Path;
 

@@ -22,6 +22,12 @@ pub enum Error {
     InvalidArgument(String),
     #[error("{0}")]
     NotFound(String),
+    /// An allocation in a pool that has no vdev at all.
+    #[error(
+        "the pool has no vdevs yet: start an agent for each device (aliquot-agent --allocator \
+         URL ...) and allocate once it has registered"
+    )]
+    NoVdevs,
     /// A registration or report that conflicts with what the pool knows.
     #[error("{0}")]
     VdevConflict(String),
@@ -30,11 +36,7 @@ pub enum Error {
          allocate again and rewrite the block"
     )]
     LeaseExpired(u64),
-    #[error(
-        "the allocator restarted (generation {current}, you saw {seen}) before txg {txg} synced; \
-         the last txg synced in generation {seen} is {synced}: re-assert what you wrote after it \
-         with Claim (the claim window is open for {window_ms} ms)"
-    )]
+    #[error("{}", restarted_message(*.seen, *.current, *.txg, *.synced, *.window_ms))]
     AllocatorRestarted {
         seen: u64,
         current: u64,
@@ -187,7 +189,7 @@ impl Error {
             Error::NotOwnerAllocation { .. }
             | Error::NotOwnerDevice { .. }
             | Error::NotOwnerExtent { .. } => Code::PermissionDenied,
-            Error::ShuttingDown | Error::NotLeader { .. } => Code::Unavailable,
+            Error::ShuttingDown | Error::NotLeader { .. } | Error::NoVdevs => Code::Unavailable,
             Error::NoStandby | Error::ClaimGivenOut(_) => Code::FailedPrecondition,
             Error::PoolDegraded(_) | Error::RelocationConflict { .. } => Code::FailedPrecondition,
             Error::Store(_) => Code::Internal,
@@ -313,6 +315,7 @@ impl Error {
             ),
             Error::ShuttingDown => (ErrorReason::ShuttingDown, vec![]),
             Error::NoStandby => (ErrorReason::NoStandby, vec![]),
+            Error::NoVdevs => (ErrorReason::VdevsOffline, vec![("vdevs", "0".into())]),
             Error::ClaimGivenOut(e) => (
                 ErrorReason::ClaimConflict,
                 vec![("requested", e.to_string()), ("conflicting", e.to_string())],
@@ -379,12 +382,83 @@ fn leader_hint(leader: &str) -> String {
 impl From<Error> for Status {
     fn from(e: Error) -> Status {
         let (reason, meta) = e.reason();
-        let metadata: HashMap<String, String> =
-            meta.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+        let metadata: HashMap<String, String> = meta
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), clip(v, METADATA_MAX)))
+            .collect();
         Status::with_error_details(
             e.code(),
-            e.to_string(),
+            clip(e.to_string(), MESSAGE_MAX),
             ErrorDetails::with_error_info(reason.as_str_name(), DOMAIN, metadata),
         )
+    }
+}
+
+/// `AllocatorRestarted`'s message: a commit names no txg (0), so it says
+/// what happened to the allocation instead of "before txg 0 synced".
+fn restarted_message(seen: u64, current: u64, txg: Txg, synced: Txg, window_ms: u64) -> String {
+    if txg == 0 {
+        format!(
+            "the allocator restarted (generation {current}, you saw {seen}): allocations that \
+             were in flight in generation {seen} were lost with it; allocate again and rewrite \
+             the block (what you committed after txg {synced}, the last synced in generation \
+             {seen}, re-assert with Claim: the claim window is open for {window_ms} ms)"
+        )
+    } else {
+        format!(
+            "the allocator restarted (generation {current}, you saw {seen}) before txg {txg} \
+             synced; the last txg synced in generation {seen} is {synced}: re-assert what you \
+             wrote after it with Claim (the claim window is open for {window_ms} ms)"
+        )
+    }
+}
+
+/// Bytes of a message, and of one ErrorInfo value, sent back: errors echo
+/// input (a tunable's name, an endpoint), and an echo of a megabyte would
+/// overflow the response's metadata limit and hide the real error.
+const MESSAGE_MAX: usize = 2048;
+const METADATA_MAX: usize = 256;
+
+/// `s` cut to at most `max` bytes (at a character boundary), marked.
+fn clip(mut s: String, max: usize) -> String {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    let dropped = s.len() - end;
+    s.truncate(end);
+    s.push_str(&format!("… ({dropped} more bytes)"));
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_commit_after_a_restart_names_no_txg_0() {
+        let e = Error::AllocatorRestarted {
+            seen: 1,
+            current: 2,
+            txg: 0,
+            synced: 7,
+            window_ms: 900,
+        };
+        let m = e.to_string();
+        assert!(!m.contains("txg 0"), "{m}");
+        assert!(m.contains("allocate again"), "{m}");
+        assert!(m.contains("txg 7"), "{m}");
+    }
+
+    #[test]
+    fn echoed_input_is_clipped() {
+        let long = "é".repeat(5000);
+        let c = clip(long.clone(), MESSAGE_MAX);
+        assert!(c.len() < MESSAGE_MAX + 40, "{}", c.len());
+        assert!(c.ends_with("more bytes)"));
+        assert_eq!(clip("short".into(), 10), "short");
     }
 }

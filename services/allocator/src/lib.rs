@@ -604,7 +604,7 @@ async fn housekeeping(shared: Arc<Shared>) {
         }
         let now = Instant::now();
         let expired = shared.lock().expire_leases(now);
-        shared.owners.forget(&expired);
+        shared.owners.expire(&expired);
         if !expired.is_empty() {
             tracing::info!(
                 count = expired.len(),

@@ -8,6 +8,7 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use aliquot_auth::Identity;
 use metaslab::AllocationId;
@@ -18,11 +19,39 @@ use crate::state::Inner;
 #[derive(Debug, Default)]
 pub struct Owners {
     by_id: Mutex<HashMap<AllocationId, Identity>>,
+    /// Owners of allocations whose lease expired, for a while: a call on
+    /// such an id by anyone else is refused NOT_OWNER before its state
+    /// (LEASE_EXPIRED) is told.
+    expired: Mutex<HashMap<AllocationId, (Identity, Instant)>>,
 }
+
+/// How long, and how many, expired owners are kept (as `Inner::expired`).
+const EXPIRED_OWNERS_FOR: Duration = Duration::from_secs(600);
+const EXPIRED_OWNERS_MAX: usize = 1 << 20;
 
 impl Owners {
     fn map(&self) -> std::sync::MutexGuard<'_, HashMap<AllocationId, Identity>> {
         self.by_id.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn expired_map(&self) -> std::sync::MutexGuard<'_, HashMap<AllocationId, (Identity, Instant)>> {
+        self.expired.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// These allocations' leases expired: keep their owners for a while.
+    pub fn expire(&self, ids: &[AllocationId]) {
+        let now = Instant::now();
+        let mut m = self.map();
+        let mut x = self.expired_map();
+        if x.len() > EXPIRED_OWNERS_MAX {
+            x.clear();
+        }
+        x.retain(|_, (_, at)| now.duration_since(*at) < EXPIRED_OWNERS_FOR);
+        for id in ids {
+            if let Some(owner) = m.remove(id) {
+                x.insert(*id, (owner, now));
+            }
+        }
     }
 
     /// `caller` made allocation `id` (called before the reply names it).
@@ -33,7 +62,8 @@ impl Owners {
     }
 
     /// Refuse `action` on `ids` unless `caller` made each of them. Ids
-    /// that are not in flight (committed, expired, unknown) pass, so the
+    /// that are not in flight (committed, expired a while ago, unknown)
+    /// pass, so the
     /// caller gets the usual answer for them; an in-flight id with no
     /// owner recorded is refused (only a plaintext server makes those).
     pub fn check(
@@ -47,10 +77,11 @@ impl Owners {
             return Ok(());
         };
         let m = self.map();
+        let x = self.expired_map();
         for &id in ids {
-            let mine = match m.get(&id) {
-                Some(owner) => owner == caller,
-                None => !g.is_inflight(id),
+            let mine = match (m.get(&id), x.get(&id)) {
+                (Some(owner), _) | (None, Some((owner, _))) => owner == caller,
+                (None, None) => !g.is_inflight(id),
             };
             if !mine {
                 return Err(Error::NotOwnerAllocation {

@@ -32,11 +32,8 @@ pub struct RegistryService {
 /// the open txg, which is returned (the caller waits for it to sync).
 pub fn expand(g: &mut Inner, vdev: VdevId, capacity: u64) -> Result<Option<metaslab::Txg>> {
     let current = vdev_capacity(g, vdev).ok_or(metaslab::Error::UnknownVdev(vdev))?;
-    if capacity > metaslab::pool::MAX_VDEV_CAPACITY {
-        return Err(Error::InvalidArgument(format!(
-            "capacity {capacity} bytes is above the largest vdev ({} bytes)",
-            metaslab::pool::MAX_VDEV_CAPACITY
-        )));
+    if capacity >= metaslab::pool::MAX_VDEV_CAPACITY {
+        return Err(Error::InvalidArgument(capacity_limit(capacity)));
     }
     if capacity < current {
         return Err(Error::VdevConflict(format!(
@@ -75,12 +72,16 @@ fn record_of(g: &Inner, id: VdevId) -> Option<VdevRecord> {
 }
 
 fn vdev_capacity(g: &Inner, id: VdevId) -> Option<u64> {
+    vdev_spec(g, id).map(|s| s.capacity)
+}
+
+fn vdev_spec(g: &Inner, id: VdevId) -> Option<VdevSpec> {
     g.pool
         .stats()
         .vdevs
-        .iter()
+        .into_iter()
         .find(|v| v.id == id)
-        .map(|v| v.spec.capacity)
+        .map(|v| v.spec)
 }
 
 /// Is `endpoint` served by a live vdev other than `me`?
@@ -107,6 +108,17 @@ fn mark_alive(g: &mut Inner, id: VdevId, now: Instant, why: &str) {
     }
 }
 
+/// The refusal of a vdev too large: 2^17 metaslabs of at most 2^40 bytes
+/// each means a vdev of 2^57 bytes exactly would need a 2^41 metaslab, so
+/// the bound named is one that is itself accepted.
+fn capacity_limit(capacity: u64) -> String {
+    format!(
+        "capacity {capacity} bytes is too large: a vdev holds at most {} bytes (just under \
+         128 PiB: 2^17 metaslabs of 2^40 bytes)",
+        metaslab::pool::MAX_VDEV_CAPACITY - 1
+    )
+}
+
 /// Longest vdev name (the store and every table must hold it).
 pub const MAX_NAME_LEN: usize = 128;
 
@@ -117,12 +129,8 @@ fn validate_registration(r: &pb::RegisterRequest) -> Result<()> {
     if r.capacity == 0 {
         return bad("capacity must be above 0 bytes".into());
     }
-    if r.capacity > metaslab::pool::MAX_VDEV_CAPACITY {
-        return bad(format!(
-            "capacity {} bytes is above the largest vdev ({} bytes)",
-            r.capacity,
-            metaslab::pool::MAX_VDEV_CAPACITY
-        ));
+    if r.capacity >= metaslab::pool::MAX_VDEV_CAPACITY {
+        return bad(capacity_limit(r.capacity));
     }
     if !(9..=16).contains(&r.ashift) {
         return bad(format!("ashift {} is out of range (9 ..= 16)", r.ashift));
@@ -397,6 +405,30 @@ impl RegistryService {
                     r.device_guid, info.endpoint
                 )));
             }
+            // What the pool knows of the device wins over what a
+            // re-Register says; a difference is refused, not ignored.
+            if let Some(spec) = vdev_spec(&g, id) {
+                let role_now = if r.log {
+                    VdevRole::Log
+                } else {
+                    VdevRole::Normal
+                };
+                if role_now != spec.role {
+                    return Err(Error::VdevConflict(format!(
+                        "device {:#x} is vdev {id}, a {:?} vdev; it cannot register again as a \
+                         {role_now:?} vdev (a vdev's role is fixed when it joins the pool)",
+                        r.device_guid, spec.role
+                    )));
+                }
+                if r.capacity > spec.capacity && !may_grow {
+                    return Err(Error::VdevConflict(format!(
+                        "device {:#x} is vdev {id} of {} bytes; it registered again with {} \
+                         bytes, and an agent certificate cannot grow its vdev: an admin grows \
+                         it with `aliquotctl vdev expand {id} --capacity {}`",
+                        r.device_guid, spec.capacity, r.capacity, r.capacity
+                    )));
+                }
+            }
             let mut changed = false;
             if let Some(info) = g.vdevs.get_mut(&id) {
                 changed |= info.endpoint != endpoint || info.name != r.name;
@@ -404,18 +436,9 @@ impl RegistryService {
                 info.name = r.name.clone();
                 info.backend = r.backend.clone();
             }
-            if let Some(c) = vdev_capacity(&g, id).filter(|c| r.capacity > *c) {
-                if may_grow {
-                    g.pool.grow_vdev(id, r.capacity)?;
-                    changed = true;
-                } else {
-                    tracing::warn!(
-                        vdev = id,
-                        capacity = c,
-                        claimed = r.capacity,
-                        "an agent certificate cannot grow its vdev; an admin can (aliquotctl vdev expand)"
-                    );
-                }
+            if may_grow && vdev_capacity(&g, id).is_some_and(|c| r.capacity > c) {
+                g.pool.grow_vdev(id, r.capacity)?;
+                changed = true;
             }
             // A vdev whose agent has not yet reported in this generation
             // waits for that report (it follows the RegisterReply that
@@ -605,16 +628,24 @@ impl AgentRegistry for RegistryService {
         // The label first: a device of another pool, or one proving the store
         // lost txgs, is refused before anything (binding included) changes.
         self.check_label(req.get_ref())?;
-        self.bindings
-            .bind(
-                self.shared.store.as_ref(),
-                id.as_ref(),
-                req.get_ref().device_guid,
-            )
-            .await?;
-        Ok(Response::new(
-            self.register_inner(req.into_inner(), id.is_none()).await?,
-        ))
+        // The certificate's claim on the device is checked first and made
+        // durable only once the registration succeeded: a refused first
+        // Register binds nothing.
+        let claim = self
+            .bindings
+            .claim(id.as_ref(), req.get_ref().device_guid)?;
+        match self.register_inner(req.into_inner(), id.is_none()).await {
+            Ok(reply) => {
+                self.bindings
+                    .persist(self.shared.store.as_ref(), claim)
+                    .await?;
+                Ok(Response::new(reply))
+            }
+            Err(e) => {
+                self.bindings.release(claim);
+                Err(e.into())
+            }
+        }
     }
 
     type ReportStream = ReceiverStream<Result<pb::ReportAck, Status>>;

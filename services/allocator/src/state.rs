@@ -190,9 +190,17 @@ impl Inner {
             Err(e) => {
                 // The failed allocate released its reservation.
                 self.wake_admitted();
-                Err(e.into())
+                Err(self.no_vdevs_or(e))
             }
         }
+    }
+
+    /// A pool with no vdev at all is not "full": say what it lacks.
+    fn no_vdevs_or(&self, e: metaslab::Error) -> Error {
+        if matches!(e, metaslab::Error::NoSpace { .. }) && self.pool.stats().vdevs.is_empty() {
+            return Error::NoVdevs;
+        }
+        e.into()
     }
 
     pub fn endpoints(&self, a: &Allocation) -> Vec<String> {
@@ -765,7 +773,8 @@ impl Shared {
         let mut g = self.lock();
         // Checked under the lock: shutdown drops the waiters under it too.
         self.check_serving()?;
-        match g.pool.submit(req)? {
+        let submitted = g.pool.submit(req).map_err(|e| g.no_vdevs_or(e))?;
+        match submitted {
             Submitted::Ready(t) => {
                 let (a, deadline) = g.place(t, lease)?;
                 let eps = g.endpoints(&a);

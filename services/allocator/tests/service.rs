@@ -1040,3 +1040,66 @@ async fn a_drain_plans_every_extent_off_an_offline_vdev() {
         .into_inner();
     assert!(p.bytes <= p.limit_bytes && p.bytes < on_a, "{p:?}");
 }
+
+/// Issue 27, item 8: errors that say what is wrong.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_name_the_true_cause() {
+    let mut h = start(config()).await;
+    // No vdevs at all: not "the pool is full".
+    let e = h.allocate(4096).await.expect_err("no vdevs");
+    assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+    assert!(e.message().contains("no vdevs"), "{}", e.message());
+    assert_eq!(reason(&e), "VDEVS_OFFLINE");
+
+    // The largest capacity the refusal names is itself accepted.
+    let e = h
+        .registry
+        .register(register_req(1, 1 << 57))
+        .await
+        .expect_err("2^57 bytes");
+    assert_eq!(e.code(), Code::InvalidArgument);
+    let named: u64 = e
+        .message()
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .find(|&n: &u64| n != 1 << 57)
+        .expect("the message names the largest capacity");
+    assert_eq!(named, (1 << 57) - 1, "{}", e.message());
+    h.registry
+        .register(register_req(1, named))
+        .await
+        .expect("the named capacity registers");
+
+    // A megabyte of tunable name: the error is about the name, short.
+    let e = h
+        .alloc
+        .set_tunable(pb::SetTunableRequest {
+            name: "x".repeat(1 << 20),
+            value: "1".into(),
+        })
+        .await
+        .expect_err("no such tunable");
+    assert_eq!(e.code(), Code::NotFound, "{:?}", e.code());
+    assert!(e.message().len() < 4096, "{} bytes", e.message().len());
+}
+
+/// Issue 27, item 8: a re-Register that changes the vdev's role is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reregister_cannot_change_the_role() {
+    let mut h = start(config()).await;
+    h.add_vdev(1, GIB).await;
+    let e = h
+        .registry
+        .register(pb::RegisterRequest {
+            log: true,
+            ..register_req(1, GIB)
+        })
+        .await
+        .expect_err("a normal vdev registering again as a log");
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert!(e.message().contains("role"), "{}", e.message());
+    h.registry
+        .register(register_req(1, GIB))
+        .await
+        .expect("the same registration again");
+}

@@ -126,6 +126,46 @@ async fn pool_over_mutual_tls_with_write_tokens() {
         })
         .await
         .unwrap();
+    // The agent registered over mutual TLS with its own certificate, so it
+    // holds its vdev's MAC key: the token is a MAC (issue 28), and one
+    // widened, or made under another key, is refused as forged.
+    let token = &reply.tokens[0];
+    assert_eq!(
+        (token.len(), token[0]),
+        (
+            aliquot_auth::mac_token::MAC_TOKEN_LEN,
+            aliquot_auth::mac_token::MAC_WRITE_VERSION
+        ),
+        "a MAC token"
+    );
+    let mut widened = token.clone();
+    widened[36] ^= 0x80; // the size's low byte
+    let stranger = aliquot_auth::TokenSigner::generate()
+        .vdev_key(1, agent.info().guid, reply.generation)
+        .sign(&aliquot_auth::WriteGrant {
+            pool_guid: u64::from_be_bytes(token[1..9].try_into().unwrap()),
+            generation: reply.generation,
+            vdev: e.vdev,
+            offset: e.offset,
+            size: e.size,
+            allocation_id: reply.allocation_id,
+            expires_ms: u64::MAX / 2,
+        });
+    for (what, t) in [("widened", widened), ("another key's", stranger)] {
+        let err = writer
+            .write(pb::WriteRequest {
+                offset: e.offset,
+                data: vec![2; e.size as usize].into(),
+                token: t,
+            })
+            .await
+            .expect_err(what);
+        assert_eq!(
+            (err.code(), reason(&err).as_str()),
+            (Code::PermissionDenied, "WRITE_TOKEN_FORGED"),
+            "{what}: {err:?}"
+        );
+    }
     alloc
         .commit(pb::CommitRequest {
             allocation_ids: vec![reply.allocation_id],

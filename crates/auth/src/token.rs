@@ -30,7 +30,7 @@ const VERSION: u8 = 1;
 /// writes (HDFS block tokens' access modes).
 const READ_VERSION: u8 = 2;
 const READ_CONTEXT: &[u8] = b"aliquot read token v1\0";
-const BODY: usize = 1 + 8 + 8 + 4 + 8 + 8 + 8 + 8;
+pub(crate) const BODY: usize = 1 + 8 + 8 + 4 + 8 + 8 + 8 + 8;
 const SIG: usize = 64;
 pub const TOKEN_LEN: usize = BODY + SIG;
 const CONTEXT: &[u8] = b"aliquot write token v1\0";
@@ -52,7 +52,7 @@ impl WriteGrant {
         self.body_as(VERSION)
     }
 
-    fn body_as(&self, version: u8) -> [u8; BODY] {
+    pub(crate) fn body_as(&self, version: u8) -> [u8; BODY] {
         let mut b = [0u8; BODY];
         b[0] = version;
         b[1..9].copy_from_slice(&self.pool_guid.to_be_bytes());
@@ -66,8 +66,13 @@ impl WriteGrant {
     }
 
     fn parse_as(b: &[u8], version: u8) -> Option<WriteGrant> {
+        (b.len() == TOKEN_LEN).then(|| Self::parse_body(b, version))?
+    }
+
+    /// The grant in a token's first `BODY` bytes, if they are of `version`.
+    pub(crate) fn parse_body(b: &[u8], version: u8) -> Option<WriteGrant> {
         let u64_at = |i: usize| u64::from_be_bytes(b[i..i + 8].try_into().unwrap_or([0; 8]));
-        (b.len() == TOKEN_LEN && b[0] == version).then(|| WriteGrant {
+        (b.len() >= BODY && b[0] == version).then(|| WriteGrant {
             pool_guid: u64_at(1),
             generation: u64_at(9),
             vdev: u32::from_be_bytes([b[17], b[18], b[19], b[20]]),
@@ -139,9 +144,11 @@ impl TokenError {
     }
 }
 
-/// The allocator's half: the private key.
+/// The allocator's half: the private key, and the master key of the
+/// per-vdev MAC keys derived from it (`crate::mac_token`).
 pub struct TokenSigner {
     key: Ed25519KeyPair,
+    pub(crate) master: [u8; 32],
 }
 
 impl TokenSigner {
@@ -151,6 +158,7 @@ impl TokenSigner {
             .expect("the system RNG is available");
         TokenSigner {
             key: Ed25519KeyPair::from_pkcs8(pkcs8.as_ref()).expect("ring's own PKCS#8 parses"),
+            master: crate::mac_token::master_key(pkcs8.as_ref()),
         }
     }
 
@@ -167,7 +175,10 @@ impl TokenSigner {
         };
         let der = unhex(read(&path)?.trim()).ok_or_else(|| bad("not hex"))?;
         let key = Ed25519KeyPair::from_pkcs8(&der).map_err(|e| bad(&e.to_string()))?;
-        Ok(TokenSigner { key })
+        Ok(TokenSigner {
+            key,
+            master: crate::mac_token::master_key(&der),
+        })
     }
 
     pub fn verifier(&self) -> TokenVerifier {
@@ -262,46 +273,52 @@ impl TokenVerifier {
         UnparsedPublicKey::new(&ED25519, &self.public)
             .verify(&signed_message_in(context, &token[..BODY]), &token[BODY..])
             .map_err(|_| TokenError::Forged)?;
-        if grant.pool_guid != check.pool_guid {
-            return Err(TokenError::OtherPool {
-                token: grant.pool_guid,
-                agent: check.pool_guid,
-            });
-        }
-        if grant.vdev != check.vdev {
-            return Err(TokenError::OtherVdev {
-                token: grant.vdev,
-                agent: check.vdev,
-            });
-        }
-        if grant.generation < check.known_generation {
-            return Err(TokenError::OlderGeneration {
-                token: grant.generation,
-                known: check.known_generation,
-            });
-        }
-        if check.now_ms >= grant.expires_ms {
-            return Err(TokenError::Expired {
-                expires_ms: grant.expires_ms,
-                now_ms: check.now_ms,
-            });
-        }
-        let inside = check.offset >= grant.offset
-            && check
-                .offset
-                .checked_add(check.len)
-                .zip(grant.offset.checked_add(grant.size))
-                .is_some_and(|(end, token_end)| end <= token_end);
-        if !inside {
-            return Err(TokenError::OutOfRange {
-                offset: check.offset,
-                len: check.len,
-                token_offset: grant.offset,
-                token_size: grant.size,
-            });
-        }
-        Ok(grant)
+        check_grant(grant, check)
     }
+}
+
+/// A genuine token's grant against what the agent knows: pool, vdev,
+/// generation, expiry and range, in that order.
+pub(crate) fn check_grant(grant: WriteGrant, check: &WriteCheck) -> Result<WriteGrant, TokenError> {
+    if grant.pool_guid != check.pool_guid {
+        return Err(TokenError::OtherPool {
+            token: grant.pool_guid,
+            agent: check.pool_guid,
+        });
+    }
+    if grant.vdev != check.vdev {
+        return Err(TokenError::OtherVdev {
+            token: grant.vdev,
+            agent: check.vdev,
+        });
+    }
+    if grant.generation < check.known_generation {
+        return Err(TokenError::OlderGeneration {
+            token: grant.generation,
+            known: check.known_generation,
+        });
+    }
+    if check.now_ms >= grant.expires_ms {
+        return Err(TokenError::Expired {
+            expires_ms: grant.expires_ms,
+            now_ms: check.now_ms,
+        });
+    }
+    let inside = check.offset >= grant.offset
+        && check
+            .offset
+            .checked_add(check.len)
+            .zip(grant.offset.checked_add(grant.size))
+            .is_some_and(|(end, token_end)| end <= token_end);
+    if !inside {
+        return Err(TokenError::OutOfRange {
+            offset: check.offset,
+            len: check.len,
+            token_offset: grant.offset,
+            token_size: grant.size,
+        });
+    }
+    Ok(grant)
 }
 
 /// Write `token.key` (0600) and `token.pub` into a CA directory.

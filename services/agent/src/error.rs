@@ -41,6 +41,13 @@ pub enum AgentError {
          nothing was written: send the write again"
     )]
     BodyTimeout(std::time::Duration),
+    /// A MAC token of a generation whose key the allocator has not handed
+    /// this agent yet (it re-registers on a new generation).
+    #[error(
+        "the agent does not have the token key of allocator generation {generation} yet (it gets \
+         it when it registers with that generation); retry"
+    )]
+    TokenKeyUnknown { generation: u64 },
     /// One write of a WriteBatch was refused (so the whole batch was).
     #[error("write {index} of the batch (none written): {source}")]
     InBatch {
@@ -77,7 +84,9 @@ impl From<AgentError> for Status {
             }
             // The device itself failed: another copy or vdev may serve.
             AgentError::Io { .. } => Status::unavailable(msg),
-            AgentError::ShuttingDown | AgentError::NotRegistered => Status::unavailable(msg),
+            AgentError::ShuttingDown
+            | AgentError::NotRegistered
+            | AgentError::TokenKeyUnknown { .. } => Status::unavailable(msg),
             AgentError::BodyTimeout(_) => Status::with_error_details(
                 Code::DeadlineExceeded,
                 msg,

@@ -4,11 +4,16 @@
 //! covering the bytes written. The pool guid, vdev and generation come from
 //! the allocator (RegisterReply, ReportAck); until the agent has registered
 //! it cannot tell a good token from a stale one, so it refuses writes.
+//! Tokens come in two kinds: Ed25519-signed (checked with `token.pub`) and
+//! MACs under this vdev's key of the generation (`aliquot_auth::mac_token`),
+//! handed over by the allocator in the RegisterReply.
 
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use aliquot_auth::VdevKey;
+use aliquot_auth::mac_token::{MAC_READ_VERSION, MAC_WRITE_VERSION, token_version};
 use aliquot_auth::token::{TokenVerifier, WriteCheck};
 
 use crate::error::AgentError;
@@ -16,6 +21,8 @@ use crate::error::AgentError;
 #[derive(Debug)]
 pub struct WriteGate {
     verifier: Option<TokenVerifier>,
+    /// This vdev's MAC key for the newest generation it registered in.
+    mac: std::sync::RwLock<Option<VdevKey>>,
     pool_guid: AtomicU64,
     generation: AtomicU64,
     /// Tokens die once a newer allocation wrote their bytes.
@@ -26,6 +33,7 @@ impl WriteGate {
     pub fn new(verifier: Option<TokenVerifier>) -> WriteGate {
         WriteGate {
             verifier,
+            mac: Default::default(),
             pool_guid: AtomicU64::new(0),
             generation: AtomicU64::new(0),
             fence: Default::default(),
@@ -70,6 +78,60 @@ impl WriteGate {
         self.generation.load(Relaxed)
     }
 
+    /// The MAC key the allocator handed over at registration (issue 28):
+    /// kept when it is of the newest generation seen.
+    pub fn learn_key(&self, generation: u64, bytes: &[u8]) {
+        let Some(k) = VdevKey::from_bytes(generation, bytes) else {
+            return;
+        };
+        let mut mac = self.mac.write().unwrap_or_else(|p| p.into_inner());
+        if mac.as_ref().is_none_or(|m| m.generation() <= generation) {
+            *mac = Some(k);
+        }
+    }
+
+    /// Check a token of either kind: Ed25519 (versions 1 and 2, with
+    /// `--token-key`) or MAC (3 and 4, with the key from the registration).
+    fn verify(
+        &self,
+        verifier: &TokenVerifier,
+        token: &[u8],
+        check: &WriteCheck,
+        read: bool,
+    ) -> Result<aliquot_auth::WriteGrant, AgentError> {
+        let version = token_version(token);
+        if version != MAC_WRITE_VERSION && version != MAC_READ_VERSION {
+            return if read {
+                verifier.verify_read(token, check)
+            } else {
+                verifier.verify(token, check)
+            }
+            .map_err(AgentError::Token);
+        }
+        // The generation field says which key; unauthenticated until the
+        // MAC is checked, so it only picks the key or the refusal.
+        let generation = token
+            .get(9..17)
+            .and_then(|b| b.try_into().ok())
+            .map_or(0, u64::from_be_bytes);
+        let mac = self.mac.read().unwrap_or_else(|p| p.into_inner());
+        match mac.as_ref() {
+            Some(k) if k.generation() == generation => if read {
+                k.verify_read(token, check)
+            } else {
+                k.verify(token, check)
+            }
+            .map_err(AgentError::Token),
+            Some(k) if k.generation() > generation => Err(AgentError::Token(
+                aliquot_auth::TokenError::OlderGeneration {
+                    token: generation,
+                    known: k.generation(),
+                },
+            )),
+            _ => Err(AgentError::TokenKeyUnknown { generation }),
+        }
+    }
+
     /// Check a read of `len` bytes at `offset` of `vdev` against its read
     /// token (issue 25: reads need a capability as writes do).
     pub fn check_read(
@@ -89,20 +151,15 @@ impl WriteGate {
         let now_ms = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as u64);
-        verifier
-            .verify_read(
-                token,
-                &WriteCheck {
-                    pool_guid,
-                    vdev,
-                    known_generation: self.generation(),
-                    now_ms,
-                    offset,
-                    len,
-                },
-            )
-            .map(|_| ())
-            .map_err(AgentError::Token)
+        let check = WriteCheck {
+            pool_guid,
+            vdev,
+            known_generation: self.generation(),
+            now_ms,
+            offset,
+            len,
+        };
+        self.verify(verifier, token, &check, true).map(|_| ())
     }
 
     /// Check a write of `len` bytes at `offset` to `vdev` (None: not
@@ -124,24 +181,20 @@ impl WriteGate {
         let now_ms = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as u64);
-        verifier
-            .verify(
-                token,
-                &WriteCheck {
-                    pool_guid,
-                    vdev,
-                    known_generation: self.generation(),
-                    now_ms,
-                    offset,
-                    len,
-                },
-            )
+        let check = WriteCheck {
+            pool_guid,
+            vdev,
+            known_generation: self.generation(),
+            now_ms,
+            offset,
+            len,
+        };
+        self.verify(verifier, token, &check, false)
             // A genuine token of a newer generation proves the allocator
             // reached it: from now on refuse the older generation's tokens
             // even if the RegisterReply/ReportAck saying so is still on its
             // way (a late write of the old generation must not follow a
             // write of the new one onto the same extent).
-            .map_err(AgentError::Token)
             .and_then(|grant| {
                 self.fence
                     .admit(grant.allocation_id, offset, len, grant.expires_ms, now_ms)
@@ -149,5 +202,69 @@ impl WriteGate {
                 self.learn_generation(grant.generation);
                 Ok(())
             })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use aliquot_auth::{TokenError, TokenSigner, WriteGrant};
+
+    fn grant(generation: u64, allocation_id: u64) -> WriteGrant {
+        WriteGrant {
+            pool_guid: 7,
+            generation,
+            vdev: 1,
+            offset: 0,
+            size: 4096,
+            allocation_id,
+            expires_ms: u64::MAX / 2,
+        }
+    }
+
+    /// Keys rotate with the generation: after the agent learns generation
+    /// 2's key, a MAC token of generation 1 (replayed after a takeover) is
+    /// refused as older, one of generation 3 waits for its key (retry),
+    /// and Ed25519 tokens still verify with `token.pub`.
+    #[test]
+    fn mac_keys_rotate_with_the_generation() {
+        let signer = TokenSigner::generate();
+        let gate = WriteGate::new(Some(signer.verifier()));
+        gate.learn_pool(7, 1);
+        let k1 = signer.vdev_key(7, 0xd1, 1);
+        gate.learn_key(1, k1.bytes());
+        gate.check(&k1.sign(&grant(1, 1)), Some(1), 0, 4096)
+            .expect("generation 1's token under generation 1's key");
+
+        let k2 = signer.vdev_key(7, 0xd1, 2);
+        gate.learn_pool(7, 2);
+        gate.learn_key(2, k2.bytes());
+        // An older key handed over late does not replace the newer one.
+        gate.learn_key(1, k1.bytes());
+        let replayed = gate.check(&k1.sign(&grant(1, 2)), Some(1), 0, 4096);
+        assert!(
+            matches!(
+                replayed,
+                Err(AgentError::Token(TokenError::OlderGeneration {
+                    token: 1,
+                    known: 2
+                }))
+            ),
+            "{replayed:?}"
+        );
+        gate.check(&k2.sign(&grant(2, 3)), Some(1), 0, 4096)
+            .expect("generation 2's token");
+        let ahead = gate.check(
+            &signer.vdev_key(7, 0xd1, 3).sign(&grant(3, 4)),
+            Some(1),
+            0,
+            4096,
+        );
+        assert!(
+            matches!(ahead, Err(AgentError::TokenKeyUnknown { generation: 3 })),
+            "{ahead:?}"
+        );
+        gate.check(&signer.sign(&grant(2, 5)), Some(1), 0, 4096)
+            .expect("an Ed25519 token of generation 2");
     }
 }

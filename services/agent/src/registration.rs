@@ -183,6 +183,7 @@ async fn session(
     }
     agent.set_vdev(reply.vdev);
     agent.gate().learn_pool(reply.pool_guid, reply.generation);
+    agent.gate().learn_key(reply.generation, &reply.token_key);
     agent
         .gate()
         .learn_fence(reply.next_allocation_id, reply.max_lease_ms);

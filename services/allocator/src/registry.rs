@@ -253,6 +253,30 @@ impl RegistryService {
         Ok(reply)
     }
 
+    /// An agent certificate (so: over mutual TLS, bound to this device) gets
+    /// its vdev's MAC token key of this generation; from then on its tokens
+    /// are MACs under that key (issue 28). Nobody else gets a key.
+    fn hand_token_key(
+        &self,
+        id: Option<&aliquot_auth::Identity>,
+        device_guid: u64,
+        reply: &mut pb::RegisterReply,
+    ) {
+        let (Some(signer), Some(_)) = (
+            &self.shared.settings.token_signer,
+            id.filter(|i| i.role == aliquot_auth::Role::Agent),
+        ) else {
+            return;
+        };
+        let key = signer.vdev_key(self.shared.pool_guid, device_guid, reply.generation);
+        reply.token_key = key.bytes().to_vec();
+        self.shared
+            .mac_keys
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(reply.vdev, key);
+    }
+
     /// Compare what the device's label says of its pool with this pool and
     /// store (OpenZFS compares the labels' uberblocks at import,
     /// `spa.c:spa_load_impl@zfs-2.4.0`, and refuses a pool whose devices
@@ -378,6 +402,8 @@ impl RegistryService {
             generation: self.shared.fencing.generation,
             next_allocation_id,
             max_lease_ms: self.shared.settings.max_lease.as_millis() as u64,
+            // Filled by `hand_token_key` once the registration succeeded.
+            token_key: Vec::new(),
         };
         if let Some(&id) = g.by_guid.get(&r.device_guid) {
             if g.pool.is_removed(id) {
@@ -634,11 +660,13 @@ impl AgentRegistry for RegistryService {
         let claim = self
             .bindings
             .claim(id.as_ref(), req.get_ref().device_guid)?;
+        let device_guid = req.get_ref().device_guid;
         match self.register_inner(req.into_inner(), id.is_none()).await {
-            Ok(reply) => {
+            Ok(mut reply) => {
                 self.bindings
                     .persist(self.shared.store.as_ref(), claim)
                     .await?;
+                self.hand_token_key(id.as_ref(), device_guid, &mut reply);
                 Ok(Response::new(reply))
             }
             Err(e) => {

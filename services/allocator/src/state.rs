@@ -561,6 +561,10 @@ pub struct Shared {
     pub closed: watch::Sender<bool>,
     /// Who made each in-flight allocation (mutual TLS only).
     pub owners: crate::ownership::Owners,
+    /// Vdevs whose agent holds its MAC token key of this generation
+    /// (handed over in its RegisterReply): their tokens are MACs, the
+    /// others' Ed25519 signatures (issue 28).
+    pub mac_keys: std::sync::RwLock<HashMap<u32, aliquot_auth::VdevKey>>,
     /// Set when a device's label proved the store older than the pool:
     /// from then on nothing is served (see `refuse_rolled_back`).
     rolled_back: Mutex<Option<RolledBack>>,
@@ -629,6 +633,7 @@ impl Shared {
             stop: watch::Sender::new(false),
             closed: watch::Sender::new(false),
             owners: Default::default(),
+            mac_keys: Default::default(),
             rolled_back: Mutex::new(None),
             synced_state: Mutex::new((synced_txg, 0)),
             lease: std::sync::OnceLock::new(),

@@ -708,6 +708,24 @@ async fn aliquotctl_vdev_expand_grows_a_vdev_and_refuses_shrinking() {
     let dir = tempfile::tempdir().unwrap();
     let alloc = allocator(dir.path(), &[]);
     let vdev = register(&alloc, 31, 256 * MIB).await.vdev;
+    // Its agent says the device now holds 1 GiB (a report never grows the
+    // vdev; `vdev expand` may, up to that).
+    let report = pb::AgentReport {
+        vdev,
+        capacity: 1024 * MIB,
+        health: pb::VdevHealth::Healthy as i32,
+        ..Default::default()
+    };
+    registry(&alloc)
+        .await
+        .report(tokio_stream::iter([report]))
+        .await
+        .expect("report")
+        .into_inner()
+        .message()
+        .await
+        .expect("ack")
+        .expect("an ack");
     let ctl = |capacity: &str| {
         std::process::Command::new(bin("aliquotctl"))
             .env(integration_tests::INSECURE_ENV, "1")
@@ -732,6 +750,13 @@ async fn aliquotctl_vdev_expand_grows_a_vdev_and_refuses_shrinking() {
         .unwrap()
         .into_inner();
     assert_eq!(st.vdevs[0].capacity, 1024 * MIB);
+    let out = ctl("2GiB");
+    assert!(!out.status.success(), "growing past the device must fail");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("grow the device first"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let out = ctl("128MiB");
     assert!(!out.status.success(), "shrinking must fail");
     assert!(

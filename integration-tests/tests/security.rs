@@ -286,7 +286,20 @@ async fn start_allocator(
     aliquot_allocator::Running,
     std::sync::Arc<aliquot_allocator::SqliteStore>,
 ) {
+    start_allocator_with(dir, certs, metrics, |_| {}).await
+}
+
+async fn start_allocator_with(
+    dir: &std::path::Path,
+    certs: &std::path::Path,
+    metrics: Option<String>,
+    tweak: impl FnOnce(&mut aliquot_allocator::Config),
+) -> (
+    aliquot_allocator::Running,
+    std::sync::Arc<aliquot_allocator::SqliteStore>,
+) {
     let mut ac = aliquot_allocator::Config::with_listen("127.0.0.1:0".parse().unwrap());
+    tweak(&mut ac);
     ac.data_dir = dir.join("allocator");
     ac.token_key = Some(certs.to_owned());
     ac.metrics = metrics;
@@ -782,4 +795,105 @@ fn up_is_tls_by_default_and_status_works() {
         !o.status.success() && err.contains("aliquotctl up"),
         "{err}"
     );
+}
+
+/// Issue 27, item 7: a client holds at most --max-leased-per-client bytes
+/// in flight, and no allocation outlives --max-lease-lifetime by renewing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_are_bounded_per_client_and_in_lifetime() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = dir.path().join("certs");
+    let ca = PoolCa::init(&certs, "tank").unwrap();
+    for (role, name) in [
+        (Role::Allocator, "allocator"),
+        (Role::Agent, "d0"),
+        (Role::Client, "alice"),
+        (Role::Client, "bob"),
+    ] {
+        ca.issue(role, name, &[]).unwrap();
+    }
+    let files = |role, name| TlsFiles::in_dir(&certs, role, name);
+    let (allocator, store) = start_allocator_with(dir.path(), &certs, None, |c| {
+        c.max_leased_per_client = 8 << 20;
+        c.max_lease_lifetime = Duration::from_secs(2);
+    })
+    .await;
+    let url = format!("https://127.0.0.1:{}", allocator.addr.port());
+    AgentRegistryClient::new(tls_channel(&url, &files(Role::Agent, "d0"), Role::Allocator).await)
+        .register(pb::RegisterRequest {
+            endpoint: "https://127.0.0.1:9/d0".into(),
+            device_guid: 0xd0,
+            name: "d0".into(),
+            capacity: 1 << 30,
+            ashift: 12,
+            children: 1,
+            backend: "sim".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("register");
+    let mut alice = AllocatorClient::new(
+        tls_channel(&url, &files(Role::Client, "alice"), Role::Allocator).await,
+    );
+    let mut bob =
+        AllocatorClient::new(tls_channel(&url, &files(Role::Client, "bob"), Role::Allocator).await);
+    let started = std::time::Instant::now();
+    let a1 = alice.allocate(data(4 << 20)).await.unwrap().into_inner();
+    let a2 = alice.allocate(data(4 << 20)).await.unwrap().into_inner();
+    let e = alice.allocate(data(1 << 20)).await.unwrap_err();
+    assert_eq!(
+        (e.code(), reason(&e).as_str()),
+        (Code::ResourceExhausted, "LEASE_QUOTA"),
+        "{e:?}"
+    );
+    // The quota is per client: bob is not held back by alice.
+    bob.allocate(data(4 << 20)).await.expect("bob's own quota");
+    // What alice commits no longer counts.
+    alice
+        .commit(pb::CommitRequest {
+            allocation_ids: vec![a1.allocation_id],
+            generation: a1.generation,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    alice
+        .allocate(data(4 << 20))
+        .await
+        .expect("room again after a commit");
+
+    // Renewing a2 with a 60 s lease ends it at its 2 s lifetime, and once
+    // that has passed a renewal is refused.
+    let r = alice
+        .renew_lease(pb::RenewLeaseRequest {
+            allocation_ids: vec![a2.allocation_id],
+            lease_ms: 60_000,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let left = r.lease_deadline_ms.saturating_sub(now_ms);
+    assert!(
+        left <= 2_000,
+        "a renewal past the lifetime: {left} ms left after {:?}",
+        started.elapsed()
+    );
+    tokio::time::sleep(Duration::from_millis(2_100).saturating_sub(started.elapsed())).await;
+    let e = alice
+        .renew_lease(pb::RenewLeaseRequest {
+            allocation_ids: vec![a2.allocation_id],
+            lease_ms: 60_000,
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        ["LEASE_LIFETIME", "LEASE_EXPIRED"].contains(&reason(&e).as_str()),
+        "{e:?}"
+    );
+    allocator.shutdown().await.unwrap();
+    store.close().await;
 }

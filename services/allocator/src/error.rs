@@ -22,6 +22,24 @@ pub enum Error {
     InvalidArgument(String),
     #[error("{0}")]
     NotFound(String),
+    /// RenewLease past `--max-lease-lifetime`.
+    #[error(
+        "allocation {id} has been in flight for the longest an allocation may \
+         ({lifetime_ms} ms, --max-lease-lifetime): commit or abort it, and allocate again"
+    )]
+    LeaseLifetime { id: u64, lifetime_ms: u64 },
+    /// An Allocate past the caller's `--max-leased-per-client`.
+    #[error(
+        "{caller} holds {held} bytes allocated and not committed; this allocation of {asked} \
+         bytes would pass its quota of {quota} bytes (--max-leased-per-client): commit or abort \
+         some first"
+    )]
+    LeaseQuota {
+        caller: String,
+        held: u64,
+        asked: u64,
+        quota: u64,
+    },
     /// An allocation in a pool that has no vdev at all.
     #[error(
         "the pool has no vdevs yet: start an agent for each device (aliquot-agent --allocator \
@@ -185,6 +203,8 @@ impl Error {
                 Code::FailedPrecondition
             }
             Error::LeaseExpired(_) | Error::AllocatorRestarted { .. } => Code::Aborted,
+            Error::LeaseLifetime { .. } => Code::FailedPrecondition,
+            Error::LeaseQuota { .. } => Code::ResourceExhausted,
             Error::GenerationAhead { .. } => Code::FailedPrecondition,
             Error::NotOwnerAllocation { .. }
             | Error::NotOwnerDevice { .. }
@@ -316,6 +336,23 @@ impl Error {
             Error::ShuttingDown => (ErrorReason::ShuttingDown, vec![]),
             Error::NoStandby => (ErrorReason::NoStandby, vec![]),
             Error::NoVdevs => (ErrorReason::VdevsOffline, vec![("vdevs", "0".into())]),
+            Error::LeaseLifetime { id, lifetime_ms } => (
+                ErrorReason::LeaseLifetime,
+                vec![
+                    ("allocation_id", id.to_string()),
+                    ("lifetime_ms", lifetime_ms.to_string()),
+                ],
+            ),
+            Error::LeaseQuota {
+                held, asked, quota, ..
+            } => (
+                ErrorReason::LeaseQuota,
+                vec![
+                    ("held", held.to_string()),
+                    ("asked", asked.to_string()),
+                    ("quota", quota.to_string()),
+                ],
+            ),
             Error::ClaimGivenOut(e) => (
                 ErrorReason::ClaimConflict,
                 vec![("requested", e.to_string()), ("conflicting", e.to_string())],

@@ -126,6 +126,15 @@ pub struct Config {
     /// longer requests are refused.
     #[arg(long, env = "ALIQUOT_MAX_LEASE", default_value = "5min", value_parser = units::duration_arg)]
     pub max_lease: Duration,
+    /// The longest an allocation may stay in flight, however often its lease
+    /// is renewed: RenewLease past it is refused (commit or abort by then).
+    #[arg(long, env = "ALIQUOT_MAX_LEASE_LIFETIME", default_value = "10min", value_parser = units::duration_arg)]
+    pub max_lease_lifetime: Duration,
+    /// Bytes one client identity (certificate) may hold allocated and not yet
+    /// committed; an Allocate past it is refused RESOURCE_EXHAUSTED, reason
+    /// LEASE_QUOTA. 0: no limit. Needs mutual TLS (identities).
+    #[arg(long, env = "ALIQUOT_MAX_LEASED_PER_CLIENT", default_value = "0", value_parser = units::size_arg)]
+    pub max_leased_per_client: u64,
     /// After a restart, how long Claim is served before Allocate may place
     /// anything (clients re-assert what they wrote after the last synced txg,
     /// as ZFS claims its intent log at import). 0 disables it.
@@ -390,6 +399,8 @@ where
         txg_timeout_us: AtomicU64::new(v.txg_timeout.as_micros() as u64),
         txg_dirty_max: config.txg_dirty_max,
         max_lease: config.max_lease,
+        max_lease_lifetime: config.max_lease_lifetime,
+        max_leased_per_client: config.max_leased_per_client,
         token_signer: match &config.token_key {
             Some(p) => Some(
                 aliquot_auth::TokenSigner::load(p)
@@ -481,6 +492,8 @@ where
                     reported_health: metaslab::Health::Healthy,
                     stalled_reports: 0,
                     stalled: false,
+                    // Until its agent says otherwise: the vdev's own size.
+                    device_capacity: r.spec.capacity,
                 },
             );
             let _ = g.pool.set_health(r.id, metaslab::Health::Unavailable);

@@ -19,10 +19,19 @@ use crate::state::Inner;
 #[derive(Debug, Default)]
 pub struct Owners {
     by_id: Mutex<HashMap<AllocationId, Identity>>,
+    /// Bytes each identity holds in flight, and each allocation's share
+    /// (issue 27, item 7: `--max-leased-per-client`).
+    leased: Mutex<Leased>,
     /// Owners of allocations whose lease expired, for a while: a call on
     /// such an id by anyone else is refused NOT_OWNER before its state
     /// (LEASE_EXPIRED) is told.
     expired: Mutex<HashMap<AllocationId, (Identity, Instant)>>,
+}
+
+#[derive(Debug, Default)]
+struct Leased {
+    by_identity: HashMap<String, u64>,
+    by_id: HashMap<AllocationId, (String, u64)>,
 }
 
 /// How long, and how many, expired owners are kept (as `Inner::expired`).
@@ -40,6 +49,7 @@ impl Owners {
 
     /// These allocations' leases expired: keep their owners for a while.
     pub fn expire(&self, ids: &[AllocationId]) {
+        self.release(ids);
         let now = Instant::now();
         let mut m = self.map();
         let mut x = self.expired_map();
@@ -54,10 +64,58 @@ impl Owners {
         }
     }
 
-    /// `caller` made allocation `id` (called before the reply names it).
-    pub fn record(&self, caller: Option<&Identity>, id: AllocationId) {
+    /// `caller` made allocation `id` of `bytes` (called before the reply
+    /// names it).
+    pub fn record(&self, caller: Option<&Identity>, id: AllocationId, bytes: u64) {
         if let Some(c) = caller {
             self.map().insert(id, c.clone());
+            let mut l = self.leased.lock().unwrap_or_else(|p| p.into_inner());
+            *l.by_identity.entry(c.to_string()).or_default() += bytes;
+            l.by_id.insert(id, (c.to_string(), bytes));
+        }
+    }
+
+    /// Refuse an allocation of `asked` bytes that would take `caller` past
+    /// `quota` bytes in flight (0: no quota; no identity: not counted).
+    pub fn check_quota(&self, caller: Option<&Identity>, asked: u64, quota: u64) -> Result<()> {
+        let (Some(c), true) = (caller, quota > 0) else {
+            return Ok(());
+        };
+        let name = c.to_string();
+        let held = self
+            .leased
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .by_identity
+            .get(&name)
+            .copied()
+            .unwrap_or(0);
+        if held.saturating_add(asked) > quota {
+            return Err(Error::LeaseQuota {
+                caller: name,
+                held,
+                asked,
+                quota,
+            });
+        }
+        Ok(())
+    }
+
+    /// Give back the bytes of allocations no longer in flight.
+    fn release(&self, ids: &[AllocationId]) {
+        let mut l = self.leased.lock().unwrap_or_else(|p| p.into_inner());
+        for id in ids {
+            if let Some((name, bytes)) = l.by_id.remove(id) {
+                let left = l
+                    .by_identity
+                    .get(&name)
+                    .map_or(0, |b| b.saturating_sub(bytes));
+                if left == 0 {
+                    l.by_identity.remove(&name);
+                } else {
+                    l.by_identity.insert(name, left);
+                }
+            }
         }
     }
 
@@ -96,6 +154,7 @@ impl Owners {
 
     /// These allocations are no longer in flight.
     pub fn forget(&self, ids: &[AllocationId]) {
+        self.release(ids);
         let mut m = self.map();
         for id in ids {
             m.remove(id);

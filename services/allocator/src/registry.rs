@@ -43,6 +43,16 @@ pub fn expand(g: &mut Inner, vdev: VdevId, capacity: u64) -> Result<Option<metas
     if capacity == current {
         return Ok(None);
     }
+    // Confirmed with the vdev's agent (its last registration or report):
+    // space past the device's end would take allocations whose writes fail.
+    let device = g.vdevs.get(&vdev).map_or(0, |v| v.device_capacity);
+    if capacity > device {
+        return Err(Error::VdevConflict(format!(
+            "vdev {vdev}'s agent says its device holds {device} bytes; it cannot grow to \
+             {capacity}: grow the device first (restart its agent with a larger --capacity, or \
+             on a larger block device), then expand the vdev to at most what the agent reports"
+        )));
+    }
     g.pool.grow_vdev(vdev, capacity)?;
     if let Some(rec) = record_of(g, vdev) {
         g.pending_vdevs.push(rec);
@@ -431,6 +441,11 @@ impl RegistryService {
                     r.device_guid, info.endpoint
                 )));
             }
+            // The device's size as its agent says it, even when refused
+            // below: what `vdev expand` may then grow the vdev to.
+            if let Some(info) = g.vdevs.get_mut(&id) {
+                info.device_capacity = r.capacity;
+            }
             // What the pool knows of the device wins over what a
             // re-Register says; a difference is refused, not ignored.
             if let Some(spec) = vdev_spec(&g, id) {
@@ -524,6 +539,7 @@ impl RegistryService {
                 reported_health: Health::Healthy,
                 stalled_reports: 0,
                 stalled: false,
+                device_capacity: r.capacity,
             },
         );
         g.by_guid.insert(r.device_guid, id);
@@ -584,14 +600,12 @@ impl RegistryService {
                 tracing::info!(vdev = id, ?health, "vdev health changed");
             }
         }
-        // A report never grows a vdev: growth is a re-registration by the
-        // agent that owns the device (its label proves it).
-        if vdev_capacity(&g, id).is_some_and(|c| capacity > c) {
-            tracing::debug!(
-                vdev = id,
-                capacity,
-                "report of a larger capacity ignored; re-register to grow"
-            );
+        // A report never grows a vdev (growth is `vdev expand`, or a
+        // plaintext re-registration); it tells how large the device is.
+        if capacity > 0
+            && let Some(v) = g.vdevs.get_mut(&id)
+        {
+            v.device_capacity = capacity;
         }
         stall_check(&mut g, id);
         let (revoked_allocations, revoked_expires_ms) = g.take_revoked(id).into_iter().unzip();

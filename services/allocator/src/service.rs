@@ -32,6 +32,20 @@ pub struct AllocatorService {
     pub shared: Arc<Shared>,
 }
 
+/// [`parse_request`], then the caller's leased-bytes quota.
+fn admit_request(
+    shared: &Shared,
+    r: &pb::AllocateRequest,
+    caller: Option<&Identity>,
+) -> Result<(AllocRequest, Duration)> {
+    let parsed = parse_request(shared, r)?;
+    let asked = r.size.saturating_mul(u64::from(parsed.0.copies));
+    shared
+        .owners
+        .check_quota(caller, asked, shared.settings.max_leased_per_client)?;
+    Ok(parsed)
+}
+
 fn parse_request(shared: &Shared, r: &pb::AllocateRequest) -> Result<(AllocRequest, Duration)> {
     let kind = convert::alloc_kind(r.class)?;
     let copies = convert::copies(r.copies)?;
@@ -102,7 +116,8 @@ fn allocate_reply(
     waited: Duration,
     caller: Option<&Identity>,
 ) -> pb::AllocateReply {
-    shared.owners.record(caller, a.id);
+    let bytes = a.extents.iter().map(|e| e.size).sum();
+    shared.owners.record(caller, a.id, bytes);
     let expires_ms = convert::deadline_unix_ms(deadline);
     let tokens = sign_tokens(shared, a.id, &a.extents, expires_ms);
     pb::AllocateReply {
@@ -221,7 +236,11 @@ impl AllocatorService {
             self.shared
                 .owners
                 .check(&g, caller, &r.allocation_ids, "renew")?;
-            let deadline = g.renew(&r.allocation_ids, lease)?;
+            let deadline = g.renew(
+                &r.allocation_ids,
+                lease,
+                self.shared.settings.max_lease_lifetime,
+            )?;
             let mut renewed = Vec::new();
             for &id in &r.allocation_ids {
                 if g.is_inflight(id) {
@@ -342,7 +361,7 @@ async fn stream_op(
                 let caller = caller.cloned();
                 tokio::spawn(
                     async move {
-                        let res = match parse_request(&shared, &r) {
+                        let res = match admit_request(&shared, &r, caller.as_ref()) {
                             Ok((areq, lease)) => tokio::select! {
                                 biased;
                                 r = shared.allocate(areq, lease) => r,
@@ -370,7 +389,7 @@ async fn stream_op(
                 );
                 return;
             }
-            let begun = parse_request(&svc.shared, &r)
+            let begun = admit_request(&svc.shared, &r, caller)
                 .and_then(|(areq, lease)| Ok((svc.shared.begin_allocate(areq, lease)?, lease)));
             match begun {
                 Err(e) => err(e),
@@ -508,7 +527,7 @@ impl Allocator for AllocatorService {
         &self,
         req: Request<pb::AllocateRequest>,
     ) -> Result<Response<pb::AllocateReply>, Status> {
-        let (areq, lease) = parse_request(&self.shared, req.get_ref())?;
+        let (areq, lease) = admit_request(&self.shared, req.get_ref(), caller(&req))?;
         let (a, eps, deadline, waited) = self.shared.allocate(areq, lease).await?;
         record_allocation(&Span::current(), &a, waited);
         Ok(Response::new(allocate_reply(

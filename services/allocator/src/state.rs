@@ -51,6 +51,9 @@ pub struct VdevInfo {
     pub stalled_reports: u32,
     /// Made unavailable because its queue does not drain.
     pub stalled: bool,
+    /// The device's size as its agent last said it (registration or
+    /// report): ExpandVdev grows the vdev no further (issue 27, item 7).
+    pub device_capacity: u64,
 }
 
 pub struct Inner {
@@ -59,6 +62,9 @@ pub struct Inner {
     waiters: HashMap<Ticket, oneshot::Sender<()>>,
     /// In-flight allocations → lease deadline.
     inflight: HashMap<AllocationId, Instant>,
+    /// When each in-flight allocation was placed: renewals end at
+    /// `--max-lease-lifetime` after it.
+    born: HashMap<AllocationId, Instant>,
     leases: BinaryHeap<Reverse<(Instant, AllocationId)>>,
     pub vdevs: BTreeMap<VdevId, VdevInfo>,
     pub by_guid: HashMap<u64, VdevId>,
@@ -110,6 +116,7 @@ impl Inner {
             pool,
             waiters: HashMap::new(),
             inflight: HashMap::new(),
+            born: HashMap::new(),
             leases: BinaryHeap::new(),
             vdevs: BTreeMap::new(),
             by_guid: HashMap::new(),
@@ -181,6 +188,7 @@ impl Inner {
             Ok(a) => {
                 let deadline = Instant::now() + lease;
                 self.inflight.insert(a.id, deadline);
+                self.born.insert(a.id, Instant::now());
                 self.leases.push(Reverse((deadline, a.id)));
                 if let Some(r) = &reloc {
                     self.relocations.start(a.id, r, a.extents[0]);
@@ -271,6 +279,7 @@ impl Inner {
             }
             txg = txg.max(t);
             fresh = true;
+            self.born.remove(id);
             if let Some(d) = self.inflight.remove(id) {
                 self.revoke(*id, &extents, d);
             }
@@ -329,23 +338,46 @@ impl Inner {
     /// Extend the leases of in-flight allocations, all or nothing; returns
     /// the new deadline. Committed ids are left as they are (nothing to
     /// renew), expired ones fail.
-    pub fn renew(&mut self, ids: &[AllocationId], lease: Duration) -> Result<Instant> {
+    /// Renew the leases of `ids` by `lease`, but never past `lifetime`
+    /// after an allocation was placed (issue 27, item 7: renewals without
+    /// end let one client hold space for ever). Returns the earliest new
+    /// deadline (what the tokens carry).
+    pub fn renew(
+        &mut self,
+        ids: &[AllocationId],
+        lease: Duration,
+        lifetime: Duration,
+    ) -> Result<Instant> {
         if ids.is_empty() {
             return Err(Error::InvalidArgument("no allocation ids given".into()));
         }
+        let now = Instant::now();
         for id in ids {
             if !self.inflight.contains_key(id) && !self.committed.contains_key(id) {
                 return Err(self.not_inflight(*id));
             }
-        }
-        let deadline = Instant::now() + lease;
-        for id in ids {
-            if let Some(d) = self.inflight.get_mut(id) {
-                *d = deadline;
-                self.leases.push(Reverse((deadline, *id)));
+            if let Some(born) = self.born.get(id)
+                && now >= *born + lifetime
+            {
+                return Err(Error::LeaseLifetime {
+                    id: *id,
+                    lifetime_ms: lifetime.as_millis() as u64,
+                });
             }
         }
-        Ok(deadline)
+        let mut earliest = now + lease;
+        for id in ids {
+            let end = self
+                .born
+                .get(id)
+                .map_or(now + lease, |b| (*b + lifetime).min(now + lease));
+            if let Some(d) = self.inflight.get_mut(id) {
+                *d = end;
+                self.leases.push(Reverse((end, *id)));
+                earliest = earliest.min(end);
+            }
+        }
+        Ok(earliest)
     }
 
     /// Free committed extents; a retry of a Free whose txg has not synced
@@ -418,6 +450,7 @@ impl Inner {
         for id in ids {
             let extents = self.pool.extents_of(*id)?;
             self.pool.abort(*id)?;
+            self.born.remove(id);
             if let Some(d) = self.inflight.remove(id) {
                 self.revoke(*id, &extents, d);
             }
@@ -457,6 +490,7 @@ impl Inner {
             // Stale heap entries (committed or aborted since) are skipped.
             if self.inflight.get(&id) == Some(&deadline) {
                 self.inflight.remove(&id);
+                self.born.remove(&id);
                 self.relocations.forget(id);
                 if let Ok(extents) = self.pool.extents_of(id) {
                     self.revoke(id, &extents, deadline);
@@ -507,6 +541,10 @@ pub struct ServiceSettings {
     pub txg_dirty_max: u64,
     /// The longest lease an Allocate or RenewLease may ask for.
     pub max_lease: Duration,
+    /// The longest an allocation may stay in flight, renewals included.
+    pub max_lease_lifetime: Duration,
+    /// Bytes one client identity may hold in flight (0: no limit).
+    pub max_leased_per_client: u64,
     /// Signs a write token per extent of each allocation (None: no tokens).
     pub token_signer: Option<aliquot_auth::TokenSigner>,
 }

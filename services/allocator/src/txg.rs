@@ -173,6 +173,8 @@ mod tests {
             txg_timeout_us: AtomicU64::new(600_000_000),
             txg_dirty_max: u64::MAX,
             max_lease: Duration::from_secs(300),
+            max_lease_lifetime: Duration::from_secs(600),
+            max_leased_per_client: 0,
             token_signer: None,
         };
         let fencing = Fencing {

@@ -768,12 +768,23 @@ async fn expand_vdev_grows_durably_and_refuses_shrinking_and_oversize() {
     let mut h = start_with(config(), store.clone()).await;
     let v = h.add_vdev(21, 256 * MIB).await;
     let expand = |vdev, capacity| pb::ExpandVdevRequest { vdev, capacity };
-    let grown = h
-        .alloc
-        .expand_vdev(expand(v, GIB))
-        .await
-        .expect("expand")
-        .into_inner();
+    // Past the device its agent reported: refused (issue 27, item 7).
+    let e = h.alloc.expand_vdev(expand(v, GIB)).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert!(e.message().contains("grow the device first"), "{e:?}");
+    // The agent reports a 1 GiB device: the vdev may grow to it.
+    let _reports = reporter(&h.registry, v, GIB, Duration::from_millis(20));
+    let mut grown = None;
+    for _ in 0..250 {
+        match h.alloc.expand_vdev(expand(v, GIB)).await {
+            Ok(r) => {
+                grown = Some(r.into_inner());
+                break;
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+    let grown = grown.expect("expand once the agent reported the device's size");
     assert_eq!(grown.capacity, GIB);
     assert!(grown.metaslab_count as u64 * grown.metaslab_size <= GIB);
     assert!(

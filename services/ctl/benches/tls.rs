@@ -73,6 +73,8 @@ async fn start_pool(name: &'static str, certs: Option<&std::path::Path>, tokens:
         if let Some(d) = certs {
             gc.tls = TlsArgs::with_files(files(Role::Agent, &format!("sim{i}")).unwrap());
             gc.token_key = tokens.then(|| d.to_owned());
+            // mTLS without tokens must say so (issue 27, item 5).
+            gc.unchecked_writes = !tokens;
         }
         let agent = aliquot_agent::Agent::open(&gc).expect("open sim agent");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -387,23 +387,62 @@ fn compose_deployment_end_to_end() {
     let allocator = project.port("allocator", 7000);
     let metrics = project.port("metrics", 7100);
 
-    // The operator's certificate, out of the `certs` volume.
+    // Each container holds only its own key (issue 27, item 6): no ca.key
+    // anywhere, the token signing key in the allocator only.
+    for service in ["metrics", "allocator", "agent1", "agent2", "agent3", "hdd1"] {
+        let o = run(
+            {
+                let mut c = Command::new("docker");
+                c.args(["exec", &project.container(service), "sh", "-c"])
+                    .arg("for f in /etc/aliquot/certs/*; do echo \"${f##*/}\"; done");
+                c
+            },
+            Duration::from_secs(30),
+        );
+        assert!(o.status.success(), "list {service}'s certs: {}", text(&o));
+        let files = String::from_utf8_lossy(&o.stdout).to_string();
+        let has = |f: &str| files.lines().any(|l| l == f);
+        assert!(!has("ca.key"), "{service} holds ca.key: {files}");
+        assert_eq!(
+            has("token.key"),
+            service == "allocator",
+            "{service}'s token.key: {files}"
+        );
+        let keys = files.lines().filter(|l| l.ends_with(".key")).count();
+        assert_eq!(
+            keys,
+            1 + usize::from(service == "allocator"),
+            "{service} holds another's key: {files}"
+        );
+    }
+
+    // The operator's certificate, out of its export volume (the one-shot
+    // `certs` container, exited, still holds the mount).
     let tmp = tempfile::tempdir().expect("tempdir");
     let certs = tmp.path().join("certs");
+    let certs_container = {
+        let o = project.must(&["ps", "-aq", "certs"], Duration::from_secs(30));
+        String::from_utf8_lossy(&o.stdout).trim().to_string()
+    };
     let o = run(
         {
             let mut c = Command::new("docker");
             c.arg("cp")
-                .arg(format!(
-                    "{}:/etc/aliquot/certs",
-                    project.container("allocator")
-                ))
+                .arg(format!("{certs_container}:/export/operator"))
                 .arg(&certs);
             c
         },
         Duration::from_secs(30),
     );
     assert!(o.status.success(), "docker cp certs: {}", text(&o));
+    let copied: Vec<String> = std::fs::read_dir(&certs)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        !copied.iter().any(|f| f == "ca.key" || f == "token.key"),
+        "the operator's copy holds the CA's secrets: {copied:?}"
+    );
     // Plaintext to the published port is refused.
     let mut plain = Command::new(integration_tests::bin("aliquotctl"));
     plain.args(["status", "--insecure", "--allocator", &allocator]);

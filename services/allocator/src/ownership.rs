@@ -66,9 +66,14 @@ impl Owners {
 
     /// `caller` made allocation `id` of `bytes` (called before the reply
     /// names it).
-    pub fn record(&self, caller: Option<&Identity>, id: AllocationId, bytes: u64) {
+    /// `bytes` are counted only under a quota (`count`): the accounting
+    /// costs a lock and a map entry per allocation.
+    pub fn record(&self, caller: Option<&Identity>, id: AllocationId, bytes: u64, count: bool) {
         if let Some(c) = caller {
             self.map().insert(id, c.clone());
+            if !count {
+                return;
+            }
             let mut l = self.leased.lock().unwrap_or_else(|p| p.into_inner());
             *l.by_identity.entry(c.to_string()).or_default() += bytes;
             l.by_id.insert(id, (c.to_string(), bytes));
@@ -104,6 +109,9 @@ impl Owners {
     /// Give back the bytes of allocations no longer in flight.
     fn release(&self, ids: &[AllocationId]) {
         let mut l = self.leased.lock().unwrap_or_else(|p| p.into_inner());
+        if l.by_id.is_empty() {
+            return;
+        }
         for id in ids {
             if let Some((name, bytes)) = l.by_id.remove(id) {
                 let left = l

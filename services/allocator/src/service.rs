@@ -117,7 +117,12 @@ fn allocate_reply(
     caller: Option<&Identity>,
 ) -> pb::AllocateReply {
     let bytes = a.extents.iter().map(|e| e.size).sum();
-    shared.owners.record(caller, a.id, bytes);
+    shared.owners.record(
+        caller,
+        a.id,
+        bytes,
+        shared.settings.max_leased_per_client > 0,
+    );
     let expires_ms = convert::deadline_unix_ms(deadline);
     let tokens = sign_tokens(shared, a.id, &a.extents, expires_ms);
     pb::AllocateReply {

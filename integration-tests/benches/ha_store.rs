@@ -13,6 +13,11 @@
 //! 1000000) gapped 4 KiB extents: SQLite open + load + rebuild, against
 //! what a standby does once the lease expired (open, take the leadership,
 //! load, rebuild) — the takeover's cost beyond the lease.
+//! Part 3: Allocate+Commit through a whole allocator (in-process, real gRPC
+//! on loopback, 4 fake vdevs), on each store, interleaved: 8 unary clients
+//! for `ALIQUOT_BENCH_SECS` (3) each, commits acknowledged when the txg is
+//! in the open txg (`wait_synced` false) and when it is durable (true: each
+//! pair waits for a txg persist, so the store's commit latency shows).
 
 use std::time::{Duration, Instant};
 
@@ -130,6 +135,69 @@ async fn timed_pair(s: &dyn Store, n: u64) -> (Duration, Duration) {
     (alloc, t.elapsed())
 }
 
+/// Allocate+Commit pairs per second of 8 clients on `store` for `secs`.
+async fn pairs_per_sec(store: std::sync::Arc<dyn Store>, durable: bool, secs: u64) -> f64 {
+    use aliquot_proto::v1 as pb;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    let mut c = aliquot_allocator::Config::with_listen("127.0.0.1:0".parse().unwrap());
+    c.report_interval = Duration::from_secs(3600);
+    c.claim_window = Duration::ZERO;
+    let server = aliquot_allocator::start(c, store).await.expect("allocator");
+    let ch = tonic::transport::Channel::from_shared(server.url())
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut reg = pb::agent_registry_client::AgentRegistryClient::new(ch.clone());
+    for guid in 1..=4u64 {
+        reg.register(pb::RegisterRequest {
+            endpoint: format!("http://127.0.0.1:1/fake-{guid}"),
+            device_guid: guid,
+            name: format!("fake{guid}"),
+            capacity: 4 << 40,
+            ashift: 12,
+            children: 1,
+            backend: "sim".into(),
+            ..Default::default()
+        })
+        .await
+        .expect("register");
+    }
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let done = std::sync::Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let mut a = pb::allocator_client::AllocatorClient::new(ch.clone());
+        let (stop, done) = (stop.clone(), done.clone());
+        tasks.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                let r = a
+                    .allocate(integration_tests::data_request(BLOCK))
+                    .await
+                    .expect("allocate")
+                    .into_inner();
+                a.commit(pb::CommitRequest {
+                    allocation_ids: vec![r.allocation_id],
+                    wait_synced: durable,
+                    generation: r.generation,
+                })
+                .await
+                .expect("commit");
+                done.fetch_add(1, Ordering::Relaxed);
+            }
+        }));
+    }
+    let t = Instant::now();
+    tokio::time::sleep(Duration::from_secs(secs)).await;
+    stop.store(true, Ordering::Relaxed);
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let rate = done.load(Ordering::Relaxed) as f64 / t.elapsed().as_secs_f64();
+    server.shutdown().await.unwrap();
+    rate
+}
+
 fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -225,6 +293,40 @@ fn main() {
                 st.as_secs_f64(),
                 pt.as_secs_f64(),
                 pt.as_secs_f64() / st.as_secs_f64()
+            );
+        }
+
+        let secs: u64 = std::env::var("ALIQUOT_BENCH_SECS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(3);
+        println!(
+            "part 3: Allocate+Commit pairs/s, 8 unary clients, {secs} s per run, medians of {rounds}"
+        );
+        for durable in [false, true] {
+            let (mut sq, mut pgr) = (vec![], vec![]);
+            for r in 0..rounds {
+                let name = format!("p3-{durable}-{r}");
+                let s = SqliteStore::open(&dir.path().join(format!("{name}.db")), &name, None)
+                    .await
+                    .unwrap();
+                sq.push(pairs_per_sec(std::sync::Arc::new(s), durable, secs).await);
+                let p = PgStore::open(&url, &name, None, "bench").await.unwrap();
+                p.try_acquire(Duration::from_secs(600))
+                    .await
+                    .unwrap()
+                    .expect("leads");
+                pgr.push(pairs_per_sec(std::sync::Arc::new(p), durable, secs).await);
+            }
+            let med = |mut v: Vec<f64>| {
+                v.sort_by(f64::total_cmp);
+                v[v.len() / 2]
+            };
+            let (sq, pgr) = (med(sq), med(pgr));
+            println!(
+                "commit {:<20} | sqlite {sq:>9.0} pairs/s | postgres {pgr:>9.0} pairs/s | {:.2}x",
+                if durable { "wait_synced (durable)" } else { "into the open txg" },
+                pgr / sq
             );
         }
     });

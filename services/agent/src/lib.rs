@@ -172,6 +172,7 @@ pub async fn serve(
         total: aliquot_auth::listen::Budget::new(config.max_buffered as usize),
         timeout: config.body_timeout,
     };
+    tokio::spawn(give_back_idle_memory(body_limits.total.clone()));
     let fast_write = if config.no_fast_write {
         tracing::info!("--no-fast-write: unary Writes are decoded by tonic");
         fastwrite::FastWriteLayer::disabled(body_limits)
@@ -264,5 +265,28 @@ pub fn shutdown_signal() -> impl std::future::Future<Output = ()> {
             _ = term.recv() => {}
         }
         tracing::info!("shutdown signal received");
+    }
+}
+
+/// Memory returns when the streams end (issue 27, item 2): freed request
+/// bodies go back to glibc's arenas, which keep them; once the body budget
+/// has been in use and is idle again, hand the free pages back to the
+/// kernel (`malloc_trim`). Checked every second; a no-op while idle.
+async fn give_back_idle_memory(total: aliquot_auth::listen::Budget) {
+    let mut used = false;
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tick.tick().await;
+        let idle = total.bytes.available_permits() == total.size;
+        if !idle {
+            used = true;
+        } else if used {
+            used = false;
+            // SAFETY: malloc_trim only releases free memory of the allocator.
+            #[cfg(target_env = "gnu")]
+            unsafe {
+                libc::malloc_trim(0);
+            }
+        }
     }
 }

@@ -186,10 +186,18 @@ async fn slow_write_bodies_pin_bounded_memory_and_are_reset() {
     )
     .expect("agent");
     let pid = agent.pid().expect("pid");
-    let before = rss_mib(pid);
+    // The fast write path's Write, then WriteBatch (decoded by tonic, read
+    // under the same budgets first).
+    for method in ["Write", "WriteBatch"] {
+        stall_writes(&agent, pid, method).await;
+    }
+}
 
-    // 48 unary Writes on one connection, each declaring 16 MiB and sending
-    // all but the last KiB.
+/// 48 unary calls of `method` on one connection, each declaring 16 MiB and
+/// sending all but the last KiB: bounded memory, every stream answered at
+/// the body timeout, memory given back after.
+async fn stall_writes(agent: &Proc, pid: u32, method: &str) {
+    let before = rss_mib(pid);
     let tcp = tokio::net::TcpStream::connect(agent.addr("grpc"))
         .await
         .unwrap();
@@ -203,9 +211,10 @@ async fn slow_write_bodies_pin_bounded_memory_and_are_reset() {
     let mut responses = Vec::new();
     let mut bodies = Vec::new();
     let size = 16 * MIB;
+    let started = Instant::now();
     for _ in 0..48 {
         let req = tonic::codegen::http::Request::post(format!(
-            "http://{}/aliquot.v1.VdevAgent/Write",
+            "http://{}/aliquot.v1.VdevAgent/{method}",
             agent.addr("grpc")
         ))
         .header("content-type", "application/grpc")
@@ -223,7 +232,6 @@ async fn slow_write_bodies_pin_bounded_memory_and_are_reset() {
         client = client.ready().await.unwrap();
     }
     let mut peak = before;
-    let started = Instant::now();
     while started.elapsed() < Duration::from_millis(3500) {
         peak = peak.max(rss_mib(pid));
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -233,7 +241,7 @@ async fn slow_write_bodies_pin_bounded_memory_and_are_reset() {
     // process's own (before); unbounded, the same attack held 785 MiB.
     assert!(
         peak < before + 256,
-        "agent RSS {before} -> {peak} MiB under 48 stalled 16 MiB writes"
+        "{method}: agent RSS {before} -> {peak} MiB under 48 stalled 16 MiB calls"
     );
 
     // After the body timeout, every stream is answered or reset.
@@ -250,11 +258,11 @@ async fn slow_write_bodies_pin_bounded_memory_and_are_reset() {
                 timed_out += 1;
             }
             Ok(Err(_)) => reset += 1,
-            Err(_) => panic!("a stalled stream was neither answered nor reset in 30 s"),
+            Err(_) => panic!("{method}: a stalled stream was neither answered nor reset in 30 s"),
         }
     }
     eprintln!(
-        "all streams answered {:?} after the attack began",
+        "{method}: all streams answered {:?} after the attack began",
         started.elapsed()
     );
     drop(bodies);
@@ -263,10 +271,10 @@ async fn slow_write_bodies_pin_bounded_memory_and_are_reset() {
     let after = rss_mib(pid);
     assert!(
         after < peak,
-        "agent RSS {after} MiB after the streams ended, {peak} MiB at the peak"
+        "{method}: agent RSS {after} MiB after the streams ended, {peak} MiB at the peak"
     );
     eprintln!(
-        "agent RSS before {before} MiB, peak {peak} MiB, after {after} MiB; \
+        "{method}: agent RSS before {before} MiB, peak {peak} MiB, after {after} MiB; \
          {timed_out} answered DEADLINE_EXCEEDED, {reset} reset"
     );
 }

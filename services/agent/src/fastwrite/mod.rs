@@ -21,7 +21,10 @@
 //! agent's (`--max-buffered`), all or nothing, so that streams waiting for
 //! room hold none of it (their data waits in HTTP/2 flow control); the body
 //! must arrive within `--body-timeout`, or the stream is reset and what it
-//! held is freed. The reservation is held until the write is done.
+//! held is freed. The reservation is held until the write is done. Calls
+//! whose body tonic decodes itself (WriteBatch, a compressed Write, every
+//! Write with `--no-fast-write`) are read here the same way first, then
+//! replayed to tonic, so no body escapes the budgets.
 
 pub mod parse;
 
@@ -126,8 +129,12 @@ where
     }
 
     fn call(&mut self, req: http::Request<Body>) -> Self::Future {
+        // A Write the parser takes, or a body tonic will decode whole (a
+        // WriteBatch, a compressed Write, any Write with --no-fast-write):
+        // either way read under the budgets and the body timeout first.
         let agent = match &self.agent {
-            Some(a) if takes(&req) => a.clone(),
+            Some(a) if takes(&req) => Some(a.clone()),
+            _ if buffered(&req) => None,
             _ => return Box::pin(self.inner.call(req)),
         };
         // The ready service is used later, after the body is read: take it
@@ -156,17 +163,23 @@ where
                 );
                 return Ok(Status::from(crate::error::AgentError::BodyTimeout(timeout)).into_http());
             };
-            if collected.is_whole()
+            if let Some(agent) = agent
+                && collected.is_whole()
                 && let Some(w) = parse::parse(&collected.data)
             {
                 let done = write(agent, w).await;
                 drop(collected.held);
                 return Ok(done);
             }
+            // Held until tonic has decoded and served it.
+            let mut collected = collected;
+            let held = std::mem::take(&mut collected.held);
             let replay = collected.into_replay(body);
-            inner
+            let done = inner
                 .call(http::Request::from_parts(parts, Body::new(replay)))
-                .await
+                .await;
+            drop(held);
+            done
         })
     }
 }
@@ -202,6 +215,15 @@ impl Budgets {
         }
         held
     }
+}
+
+/// The agent's calls with large bodies that tonic decodes: read (and
+/// bounded) here before tonic buffers them.
+fn buffered(req: &http::Request<Body>) -> bool {
+    matches!(
+        req.uri().path(),
+        WRITE_PATH | "/aliquot.v1.VdevAgent/WriteBatch"
+    ) && req.method() == http::Method::POST
 }
 
 /// What was read of a request body.

@@ -9,7 +9,8 @@
 //!   Allocate+Commit pairs of 4 KiB (no data), pairs per second;
 //! * the `aliquotctl write` data path (`write::write`, the code behind the
 //!   command): 1 MiB blocks, 8 in flight, to two simulated agents (no
-//!   device time, so the network path is what is measured), freed after.
+//!   device time, so the network path is what is measured), read back
+//!   (`--verify`, with read tokens when the pool has tokens) and freed.
 //!
 //! Prints each run and the median ratio of each mode to plaintext.
 //! `cargo bench -p aliquotctl --bench tls`; `ALIQUOT_BENCH_ROUNDS` (default
@@ -189,17 +190,21 @@ async fn stream_run(p: &Pool, secs: u64) -> f64 {
     pairs.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64()
 }
 
-/// `aliquotctl write` bytes per second (durable: flush and sync included).
-async fn write_run(p: &Pool, total: u64) -> f64 {
+/// `aliquotctl write --verify` bytes per second (durable: flush and sync
+/// included), and the read-back's (with read tokens where the pool has
+/// them).
+async fn write_run(p: &Pool, total: u64) -> (f64, f64) {
     let mut w = WriteArgs::new(&p.url);
     w.conn.tls = ClientTlsArgs::from_tls(&p.tls);
     w.total = total;
     w.block_size = 1 << 20;
     w.concurrency = 8;
     w.free = true;
+    w.verify = true;
     w.no_progress = true;
     let r = write::write(&w).await.expect("write");
-    r.bytes_per_sec
+    assert!(r.verified_blocks > 0, "nothing was read back");
+    (r.bytes_per_sec, total as f64 / r.verify_secs.max(1e-9))
 }
 
 fn main() {
@@ -236,23 +241,26 @@ fn main() {
             ("mTLS+tokens", true, true),
         ];
         // Per mode, per round: the ratio to plaintext (stream, write).
-        let mut ratios = vec![(Vec::new(), Vec::new()); 3];
+        let mut ratios = vec![(Vec::new(), Vec::new(), Vec::new()); 3];
         for round in 0..rounds {
             let mut s = [0.0f64; 3];
             let mut w = [0.0f64; 3];
+            let mut v = [0.0f64; 3];
             for (i, k) in [0usize, 1, 2, 2, 1, 0].into_iter().enumerate() {
                 let (name, tls, tokens) = modes[k];
                 let p = start_pool(name, tls.then(|| dir.path()), tokens).await;
                 let pairs = stream_run(&p, secs).await;
-                let bps = write_run(&p, total).await;
+                let (bps, read_bps) = write_run(&p, total).await;
                 println!(
-                    "round {round} run {i} {:<12} AllocateStream {:>8.0} pairs/s   write {:>7.1} MiB/s",
+                    "round {round} run {i} {:<12} AllocateStream {:>8.0} pairs/s   write {:>7.1} MiB/s   verify {:>7.1} MiB/s",
                     p.name,
                     pairs,
-                    bps / (1 << 20) as f64
+                    bps / (1 << 20) as f64,
+                    read_bps / (1 << 20) as f64
                 );
                 s[k] += pairs;
                 w[k] += bps;
+                v[k] += read_bps;
                 for (stop, task) in p.agents {
                     let _ = stop.send(());
                     let _ = task.await;
@@ -262,16 +270,23 @@ fn main() {
             for k in 1..3 {
                 ratios[k].0.push(s[k] / s[0]);
                 ratios[k].1.push(w[k] / w[0]);
+                ratios[k].2.push(v[k] / v[0]);
             }
         }
         for (k, (name, _, _)) in modes.iter().enumerate().skip(1) {
-            let (s, w) = (median(ratios[k].0.clone()), median(ratios[k].1.clone()));
+            let (s, w, v) = (
+                median(ratios[k].0.clone()),
+                median(ratios[k].1.clone()),
+                median(ratios[k].2.clone()),
+            );
             println!(
-                "{name} / plaintext (median of rounds): AllocateStream {:.2} ({:+.0}%), write {:.2} ({:+.0}%)",
+                "{name} / plaintext (median of rounds): AllocateStream {:.2} ({:+.0}%), write {:.2} ({:+.0}%), verify {:.2} ({:+.0}%)",
                 s,
                 (s - 1.0) * 100.0,
                 w,
-                (w - 1.0) * 100.0
+                (w - 1.0) * 100.0,
+                v,
+                (v - 1.0) * 100.0
             );
         }
     });

@@ -20,6 +20,11 @@
 //! pool, B, whose processes get these variables, run interleaved with A;
 //! B/A ratios are printed).
 //!
+//! After the rounds, the fresh-space case (issue 28, item 3): per round a
+//! new pool with nothing laid out and no warm-up writes once into new space,
+//! beside dd and the TCP floor each writing a new file
+//! (`ALIQUOT_BENCH_FRESH_ROUNDS`, default the rounds' count).
+//!
 //! Each round also runs the floor of any design that moves the data over a
 //! local socket ([`floor_run`]): a process generating 1 MiB blocks of the
 //! same pattern as `aliquotctl write` and sending them over loopback TCP, or
@@ -166,6 +171,7 @@ fn stop_pool(mut p: Pool) {
 }
 
 /// CPU per MiB: client, agents (each), allocator; and MiB/s.
+#[derive(Clone)]
 struct WriteRun {
     mib_s: f64,
     client: f64,
@@ -222,6 +228,43 @@ fn write_run(p: &Pool, total: &str, mib: f64) -> WriteRun {
     }
 }
 
+/// The fresh-space case (issue 28, item 3): what a user's first GiB does.
+/// A new pool (no layout, no warm-up) writes once into new space, beside dd
+/// and the floor each writing a new file; every file is removed after.
+/// Returns the pool's run, dd's (MiB/s, CPU ms/MiB) and the TCP floor's.
+fn fresh_round(
+    dir: &Path,
+    round: usize,
+    total: &str,
+    mib: f64,
+) -> (WriteRun, (f64, f64), (f64, f64)) {
+    let name: &'static str = Box::leak(format!("fresh{round}").into_boxed_str());
+    let p = start_pool(name, dir, &[]);
+    let r = write_run(&p, total, mib);
+    stop_pool(p);
+    let _ = std::fs::remove_dir_all(dir.join(name));
+    let f = dir.join(format!("dd-fresh{round}.img"));
+    let c0 = children_cpu();
+    let t = Instant::now();
+    let st = Command::new("dd")
+        .arg("if=/dev/zero")
+        .arg(format!("of={}", f.display()))
+        .args(["bs=1M", &format!("count={}", mib as u64), "conv=fsync"])
+        .stderr(Stdio::null())
+        .status()
+        .expect("run dd");
+    assert!(st.success(), "dd into {}: {st}", f.display());
+    let d = (
+        mib / t.elapsed().as_secs_f64(),
+        ms_per_mib(children_cpu() - c0, mib),
+    );
+    let _ = std::fs::remove_file(&f);
+    let ff = dir.join(format!("floor-fresh{round}.img"));
+    let floor = floor_into(dir, &ff, mib, "tcp");
+    let _ = std::fs::remove_file(&ff);
+    (r, d, floor)
+}
+
 /// dd: MiB/s and CPU per MiB, overwriting `dir/dd.img` in place.
 fn dd_run(dir: &Path, mib: f64) -> (f64, f64) {
     let f = dir.join("dd.img");
@@ -250,6 +293,8 @@ fn floor_child(role: &str) {
     if role == "recv" {
         let f = std::fs::OpenOptions::new()
             .write(true)
+            .create(true)
+            .truncate(false)
             .open(std::env::var(FLOOR_FILE).unwrap())
             .unwrap();
         let mut s: Box<dyn std::io::Read> = match addr.strip_prefix("unix:") {
@@ -292,6 +337,12 @@ fn floor_run(dir: &Path, mib: f64, transport: &str) -> (f64, f64) {
     if !file.exists() {
         dd_zeros(&file, 0, mib as u64);
     }
+    floor_into(dir, &file, mib, transport)
+}
+
+/// The floor writing into `file` (laid out, or new and empty: the fresh
+/// case).
+fn floor_into(dir: &Path, file: &Path, mib: f64, transport: &str) -> (f64, f64) {
     let sock = dir.join("floor.sock");
     let _ = std::fs::remove_file(&sock);
     let addr = match transport {
@@ -303,7 +354,7 @@ fn floor_run(dir: &Path, mib: f64, transport: &str) -> (f64, f64) {
     let mut recv = Command::new(&me)
         .env(FLOOR_ROLE, "recv")
         .env(FLOOR_ADDR, &addr)
-        .env(FLOOR_FILE, &file)
+        .env(FLOOR_FILE, file)
         .env(FLOOR_MIB, (mib as u64).to_string())
         .stdout(Stdio::piped())
         .spawn()
@@ -474,6 +525,26 @@ fn main() {
             show("B", r, d.0);
         }
     }
+    // New space: a fresh pool per round, dd and the floor into new files.
+    let fresh_rounds = std::env::var("ALIQUOT_BENCH_FRESH_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(rounds);
+    let mut fresh = Vec::new();
+    for round in 0..fresh_rounds {
+        let (r, d, f) = fresh_round(dir.path(), round, &total, mib);
+        println!(
+            "fresh round {}: dd {:7.1} MiB/s, CPU {:.2} ms/MiB; floor over TCP {:.1} MiB/s, {:.2} ms/MiB",
+            round + 1,
+            d.0,
+            d.1,
+            f.0,
+            f.1
+        );
+        show("fresh", &r, d.0);
+        println!("  fresh: CPU {:.2}× the floor's", r.total() / f.1.max(1e-9));
+        fresh.push((r, d, f));
+    }
     println!("medians:");
     println!(
         "dd: {:.1} MiB/s, CPU {:.2} ms/MiB",
@@ -488,6 +559,18 @@ fn main() {
         );
     }
     let sa = summary("A", &ra, &dds);
+    if !fresh.is_empty() {
+        let runs: Vec<WriteRun> = fresh.iter().map(|(r, _, _)| r.clone()).collect();
+        let dd_fresh: Vec<(f64, f64)> = fresh.iter().map(|(_, d, _)| *d).collect();
+        let s = summary("fresh space", &runs, &dd_fresh);
+        let floor = median(fresh.iter().map(|(_, _, f)| f.1).collect());
+        println!(
+            "fresh space: dd {:.1} MiB/s; floor into a new file {:.2} ms/MiB; pool CPU {:.2}× the floor's",
+            median(dd_fresh.iter().map(|d| d.0).collect()),
+            floor,
+            s[1] / floor.max(1e-9)
+        );
+    }
     if b.is_some() {
         let sb = summary("B", &rb, &dds);
         let r = |i: usize| {

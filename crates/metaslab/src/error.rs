@@ -61,6 +61,12 @@ pub enum Error {
     Inconsistent(String),
     #[error("vdev {0} was removed from the pool")]
     VdevRemoved(VdevId),
+    /// Offline of the only normal vdev still taking allocations.
+    #[error(
+        "vdev {0} is the last normal vdev that takes allocations: taking it offline would leave \
+         nowhere to allocate; add or bring online another vdev first"
+    )]
+    LastAllocatingVdev(VdevId),
     /// `remove_vdev` of a vdev that still takes or holds space.
     #[error("vdev {vdev} cannot be removed: {why}")]
     VdevNotEmpty {

@@ -605,9 +605,44 @@ impl Pool {
         Ok(())
     }
 
+    /// Restore an offline state recorded before (a restart): no guard, the
+    /// pool is being rebuilt as it was, whatever rules held when it was
+    /// recorded.
+    pub fn restore_offline(&mut self, vdev: VdevId) -> Result<()> {
+        self.check_present(vdev)?;
+        if let Some(v) = self.vdevs.get_mut(vdev as usize)
+            && v.online
+        {
+            v.online = false;
+            self.update_membership(vdev);
+            self.dispatch();
+        }
+        Ok(())
+    }
+
     /// Administrative online/offline; offline vdevs are not allocatable.
+    /// The last normal vdev that still takes allocations cannot go offline:
+    /// nothing could then be allocated at all (OpenZFS refuses the same,
+    /// EINVAL: `vdev_removal.c:vdev_passivate@zfs-2.4.0`, which skips only
+    /// the vdev itself, non-concrete and dead vdevs, and other classes).
     pub fn set_online(&mut self, vdev: VdevId, online: bool) -> Result<()> {
         self.check_present(vdev)?;
+        if !online
+            && let Some(v) = self.vdevs.get(vdev as usize)
+            && v.online
+            && v.spec.role == VdevRole::Normal
+        {
+            let another = self.vdevs.iter().any(|o| {
+                o.id != vdev
+                    && !o.removed
+                    && o.spec.role == VdevRole::Normal
+                    && o.online
+                    && matches!(o.health, Health::Healthy | Health::Degraded)
+            });
+            if !another {
+                return Err(Error::LastAllocatingVdev(vdev));
+            }
+        }
         let v = self
             .vdevs
             .get_mut(vdev as usize)

@@ -193,13 +193,15 @@ fn a_block_that_fits_whole_is_placed_trying_hard() {
     place(&mut pool, req(AllocKind::Data, 4096, 1)).unwrap();
 }
 
-/// Issue 10 item 8: no vdev allocatable says so.
+/// Issue 10 item 8: no vdev allocatable says so. (The last normal vdev
+/// cannot be taken offline by an admin, `vdev_passivate`; an unreachable
+/// one is not allocatable either.)
 #[test]
 fn no_space_says_vdevs_offline() {
     let mut pool = Pool::new(Tunables::default());
     pool.add_vdev(spec(4 * GIB)).unwrap();
     pool.sync();
-    pool.set_online(0, false).unwrap();
+    pool.set_health(0, Health::Unavailable).unwrap();
     match place(&mut pool, req(AllocKind::Data, 128 << 10, 1)) {
         Err(Error::NoSpace {
             reason: NoSpaceReason::VdevsOffline,

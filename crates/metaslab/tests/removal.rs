@@ -169,3 +169,52 @@ fn a_move_avoids_its_source_and_over_full_vdevs_while_an_emptier_one_takes_it() 
     assert_eq!(pool.relocation_avoid(0, &[]).unwrap(), vec![0]);
     assert_eq!(pool.relocation_avoid(7, &[]), Err(Error::UnknownVdev(7)));
 }
+
+/// OpenZFS refuses to passivate the last normal vdev that still takes
+/// allocations (`vdev_removal.c:vdev_passivate@zfs-2.4.0`, EINVAL): it
+/// counts only other concrete, not dead vdevs of the normal class that are
+/// not noalloc. So a log vdev, an offline one and a faulted one do not
+/// count, and the guard applies to normal vdevs only.
+#[test]
+fn the_last_allocating_normal_vdev_cannot_go_offline() {
+    let mut pool = Pool::new(Tunables::default());
+    let a = pool.add_vdev(spec(4 * GIB)).unwrap();
+    let log = pool
+        .add_vdev(VdevSpec {
+            role: VdevRole::Log,
+            ..spec(GIB)
+        })
+        .unwrap();
+    pool.sync();
+    // One normal vdev and a log: the normal one is the last.
+    assert!(matches!(
+        pool.set_online(a, false),
+        Err(Error::LastAllocatingVdev(v)) if v == a
+    ));
+    // A log vdev may go offline (its class is not the normal one).
+    pool.set_online(log, false).unwrap();
+    pool.set_online(log, true).unwrap();
+
+    let b = pool.add_vdev(spec(4 * GIB)).unwrap();
+    let c = pool.add_vdev(spec(4 * GIB)).unwrap();
+    pool.sync();
+    // With others taking allocations, one goes offline...
+    pool.set_online(a, false).unwrap();
+    // ...a faulted one does not count (vdev_is_dead)...
+    pool.set_health(c, Health::Faulted).unwrap();
+    assert!(matches!(
+        pool.set_online(b, false),
+        Err(Error::LastAllocatingVdev(v)) if v == b
+    ));
+    // ...and once c is healthy again, b may go too; then c is the last.
+    pool.set_health(c, Health::Healthy).unwrap();
+    pool.set_online(b, false).unwrap();
+    assert!(matches!(
+        pool.set_online(c, false),
+        Err(Error::LastAllocatingVdev(v)) if v == c
+    ));
+    // Offline again of an offline vdev changes nothing and is no error.
+    pool.set_online(a, false).unwrap();
+    // Allocations still succeed: nothing was passivated by a refusal.
+    assert!(pool.submit(data(K128)).is_ok());
+}

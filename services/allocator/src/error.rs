@@ -195,7 +195,9 @@ impl Error {
                 M::NoSpace { .. } => Code::ResourceExhausted,
                 M::TxgWaitRequired { .. } => Code::Unavailable,
                 M::NotAdmitted(_) | M::Inconsistent(_) => Code::Internal,
-                M::VdevRemoved(_) | M::VdevNotEmpty { .. } => Code::FailedPrecondition,
+                M::VdevRemoved(_) | M::VdevNotEmpty { .. } | M::LastAllocatingVdev(_) => {
+                    Code::FailedPrecondition
+                }
             },
             Error::InvalidArgument(_) => Code::InvalidArgument,
             Error::NotFound(_) => Code::NotFound,
@@ -262,6 +264,10 @@ impl Error {
                 }
                 M::NotAdmitted(_) | M::Inconsistent(_) => (ErrorReason::Internal, vec![]),
                 M::VdevRemoved(v) => (ErrorReason::VdevRemoved, vec![("vdev", v.to_string())]),
+                M::LastAllocatingVdev(v) => (
+                    ErrorReason::LastAllocatingVdev,
+                    vec![("vdev", v.to_string())],
+                ),
                 M::VdevNotEmpty {
                     vdev,
                     alloc,

@@ -61,9 +61,9 @@ pub fn rebuild(tunables: Tunables, p: &Persisted) -> Result<Pool, String> {
     for (&id, &state) in &p.vdev_states {
         match state {
             AdminState::Online => {}
-            AdminState::Offline => pool.set_online(id, false).map_err(|e| e.to_string())?,
+            AdminState::Offline => pool.restore_offline(id).map_err(|e| e.to_string())?,
             AdminState::Removed => {
-                pool.set_online(id, false)
+                pool.restore_offline(id)
                     .and_then(|()| pool.remove_vdev(id))
                     .map_err(|e| format!("removed vdev {id}: {e}"))?;
             }

@@ -1103,3 +1103,39 @@ async fn a_reregister_cannot_change_the_role() {
         .await
         .expect("the same registration again");
 }
+
+/// Issue 29 item 3: the last normal vdev taking allocations cannot go
+/// offline (OpenZFS `vdev_passivate`), refused with its reason code.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_last_allocating_vdev_stays_online() {
+    let mut h = start(config()).await;
+    let a = h.add_vdev(1, GIB).await;
+    let e = h
+        .alloc
+        .set_vdev_state(pb::SetVdevStateRequest {
+            vdev: a,
+            online: false,
+        })
+        .await
+        .expect_err("offline of the only vdev");
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert_eq!(reason(&e), "LAST_ALLOCATING_VDEV", "{e:?}");
+    let b = h.add_vdev(2, GIB).await;
+    h.alloc
+        .set_vdev_state(pb::SetVdevStateRequest {
+            vdev: a,
+            online: false,
+        })
+        .await
+        .expect("offline with another vdev taking allocations");
+    let e = h
+        .alloc
+        .set_vdev_state(pb::SetVdevStateRequest {
+            vdev: b,
+            online: false,
+        })
+        .await
+        .expect_err("offline of the last one left");
+    assert_eq!(reason(&e), "LAST_ALLOCATING_VDEV", "{e:?}");
+    h.allocate(4096).await.expect("still allocating");
+}

@@ -258,9 +258,24 @@ impl Pool {
         self.busy(ClassKind::Normal) || self.busy_dirty(dirty, dirty_max, false)
     }
 
-    /// Slop space (spec §5.6), raw bytes.
+    /// The normal class's space that takes allocations: OpenZFS's
+    /// `spa_rdspace`, the class's space less that of its non-allocating
+    /// (offline) vdevs, allocated bytes included, so that what they hold can
+    /// be rewritten elsewhere (`spa_misc.c:spa_update_dspace@zfs-2.4.0`).
+    pub(crate) fn rdspace(&self) -> u64 {
+        let nonallocating: u64 = self
+            .vdevs
+            .iter()
+            .filter(|v| !v.removed && !v.online && v.main_class() == NORMAL)
+            .map(|v| v.mg.space)
+            .sum();
+        self.classes[NORMAL].space.saturating_sub(nonallocating)
+    }
+
+    /// Slop space (spec §5.6), raw bytes, on [`Self::rdspace`]
+    /// (`spa_misc.c:spa_get_slop_space@zfs-2.4.0`).
     pub(crate) fn slop(&self) -> u64 {
-        let rd = self.classes[NORMAL].space;
+        let rd = self.rdspace();
         let elog = self.classes[ELOG].space;
         let mut slop = (rd >> self.tun.spa_slop_shift).min(128 << 30);
         slop -= elog.min(slop / 2);

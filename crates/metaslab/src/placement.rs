@@ -52,8 +52,10 @@ impl Pool {
         }
         let (placed, tier) = match req.kind {
             AllocKind::Data => {
-                let c = &self.classes[NORMAL];
-                let free = c.space.saturating_sub(c.alloc);
+                // What may still be written: the allocating space less
+                // everything allocated (offline vdevs' bytes included, as
+                // OpenZFS's dsl available space counts them), less slop.
+                let free = self.rdspace().saturating_sub(self.classes[NORMAL].alloc);
                 let need = req.copies as u64 * req.size;
                 let placed = if free < self.slop().saturating_add(need) {
                     Err(NoSpaceReason::Full)

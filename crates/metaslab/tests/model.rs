@@ -486,7 +486,23 @@ impl Model {
                     _ => Health::Healthy,
                 };
                 self.pool.set_health(v, health).unwrap();
-                self.pool.set_online(v, self.rng.chance(80)).unwrap();
+                match self.pool.set_online(v, self.rng.chance(80)) {
+                    Ok(()) => {}
+                    // Only when no other normal vdev takes allocations
+                    // (`vdev_passivate`): the rule, checked from the stats.
+                    Err(Error::LastAllocatingVdev(x)) => {
+                        assert_eq!(x, v);
+                        let st = self.pool.stats();
+                        assert!(
+                            !st.vdevs.iter().any(|o| o.id != v
+                                && o.online
+                                && o.spec.role == VdevRole::Normal
+                                && matches!(o.health, Health::Healthy | Health::Degraded)),
+                            "offline of vdev {v} refused while another takes allocations"
+                        );
+                    }
+                    Err(e) => panic!("{e}"),
+                }
             }
             (0, _) => self.submit(),
             (1, _) => {

@@ -218,3 +218,49 @@ fn the_last_allocating_normal_vdev_cannot_go_offline() {
     // Allocations still succeed: nothing was passivated by a refusal.
     assert!(pool.submit(data(K128)).is_ok());
 }
+
+/// An offline (non-allocating) vdev's space leaves the space writes are
+/// admitted against and the slop base, allocated bytes included
+/// (`spa_misc.c:spa_update_dspace@zfs-2.4.0`, `spa_get_slop_space`): with
+/// one of two 1 GiB vdevs offline, writes stop when the other holds 1 GiB
+/// less slop (max(1 GiB >> 5, min(512 MiB, 128 MiB)) = 128 MiB), about
+/// 896 MiB, where counting the offline vdev let them fill it to 1 GiB.
+#[test]
+fn an_offline_vdevs_space_is_not_writable_space() {
+    let mut pool = Pool::new(Tunables::default());
+    let a = pool.add_vdev(spec(GIB)).unwrap();
+    let b = pool.add_vdev(spec(GIB)).unwrap();
+    pool.sync();
+    pool.set_online(b, false).unwrap();
+    let mib = 1u64 << 20;
+    let mut placed = 0u64;
+    loop {
+        let t = match pool.submit(data(mib)) {
+            Ok(Submitted::Ready(t)) => t,
+            Ok(Submitted::Queued(t)) => panic!("ticket {t} queued"),
+            Err(e) => panic!("{e}"),
+        };
+        match pool.allocate_avoiding(t, false, &[]) {
+            Ok(al) => {
+                assert!(al.extents.iter().all(|e| e.vdev == a));
+                pool.commit(al.id).unwrap();
+                placed += mib;
+                if placed.is_multiple_of(64 * mib) {
+                    pool.sync();
+                }
+            }
+            Err(Error::NoSpace {
+                reason: NoSpaceReason::Full,
+                ..
+            }) => break,
+            Err(e) => panic!("{e} after {placed} bytes"),
+        }
+    }
+    let st = pool.stats();
+    assert_eq!(st.slop, 128 * mib, "slop on the allocating space");
+    assert!(
+        (880 * mib..=896 * mib).contains(&placed),
+        "placed {} MiB on the only allocating vdev",
+        placed / mib
+    );
+}

@@ -55,7 +55,17 @@ impl Pool {
                 // What may still be written: the allocating space less
                 // everything allocated (offline vdevs' bytes included, as
                 // OpenZFS's dsl available space counts them), less slop.
-                let free = self.rdspace().saturating_sub(self.classes[NORMAL].alloc);
+                // A relocation (it avoids its source) moves bytes already
+                // counted, off a draining vdev: OpenZFS's removal copies
+                // are not held to the DSL's available space either
+                // (`vdev_removal.c:spa_vdev_copy_segment@zfs-2.4.0`), so it
+                // is checked against the whole class as before.
+                let space = if self.avoid.is_empty() {
+                    self.rdspace()
+                } else {
+                    self.classes[NORMAL].space
+                };
+                let free = space.saturating_sub(self.classes[NORMAL].alloc);
                 let need = req.copies as u64 * req.size;
                 let placed = if free < self.slop().saturating_add(need) {
                     Err(NoSpaceReason::Full)

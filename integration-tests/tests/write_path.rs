@@ -564,6 +564,7 @@ async fn bad_input_gets_a_precise_status_and_leaves_the_pool_unchanged() {
         k.set_vdev_state(pb::SetVdevStateRequest {
             vdev: 9,
             online: false,
+            drain: false,
         })
         .await
         .map(|_| ()),

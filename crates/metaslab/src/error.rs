@@ -67,6 +67,16 @@ pub enum Error {
          nowhere to allocate; add or bring online another vdev first"
     )]
     LastAllocatingVdev(VdevId),
+    /// A drain whose data the rest of the pool could not hold.
+    #[error(
+        "vdev {vdev} cannot start draining: the pool has {available} bytes available and the \
+         vdev's {need} bytes must fit in them (add space, or free data, first)"
+    )]
+    NoRoomToDrain {
+        vdev: VdevId,
+        need: u64,
+        available: u64,
+    },
     /// `remove_vdev` of a vdev that still takes or holds space.
     #[error("vdev {vdev} cannot be removed: {why}")]
     VdevNotEmpty {

@@ -6,8 +6,8 @@
 //! The id stays as a tombstone (ids index `Pool::vdevs` and the store), so
 //! no id is ever reused and a new vdev gets the next one.
 
-use crate::pool::{ELOG, Pool};
-use crate::{Error, Result, VdevId};
+use crate::pool::{ELOG, NORMAL, Pool};
+use crate::{Error, Result, VdevId, VdevRole};
 
 impl Pool {
     /// Whether `vdev` exists and has not been removed.
@@ -22,6 +22,35 @@ impl Pool {
     /// Whether `vdev` was removed (false for an unknown id).
     pub fn is_removed(&self, vdev: VdevId) -> bool {
         self.vdevs.get(vdev as usize).is_some_and(|v| v.removed)
+    }
+
+    /// May `vdev` start draining (its data to be moved elsewhere)? OpenZFS
+    /// asks, before it stops allocating on a device to remove it, that the
+    /// pool's available space hold the whole device
+    /// (`vdev_removal.c:spa_vdev_remove_top_check@zfs-2.4.0`: available
+    /// `>= vs_dspace`, checked only while the device still allocates); a
+    /// drain started without that room would stop half way with the pool
+    /// full. An offline vdev passes (its space already left the pool's
+    /// writable space, see `rdspace`); so does a log vdev (not moved).
+    pub fn check_drain_room(&self, vdev: VdevId) -> Result<()> {
+        self.check_present(vdev)?;
+        let v = &self.vdevs[vdev as usize];
+        if !v.online || v.spec.role != VdevRole::Normal {
+            return Ok(());
+        }
+        let available = self
+            .rdspace()
+            .saturating_sub(self.classes[NORMAL].alloc)
+            .saturating_sub(self.slop());
+        let need = v.vs_space();
+        if available < need {
+            return Err(Error::NoRoomToDrain {
+                vdev,
+                need,
+                available,
+            });
+        }
+        Ok(())
     }
 
     /// Forget an empty, offline vdev. Refused (nothing changed) while it is

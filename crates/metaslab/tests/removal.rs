@@ -264,3 +264,44 @@ fn an_offline_vdevs_space_is_not_writable_space() {
         placed / mib
     );
 }
+
+/// A drain needs the pool's available space to hold the whole vdev first
+/// (`vdev_removal.c:spa_vdev_remove_top_check@zfs-2.4.0`: ENOSPC when
+/// available < the device's `vs_dspace`, while it still allocates).
+#[test]
+fn a_drain_needs_room_for_the_whole_vdev() {
+    let mut pool = Pool::new(Tunables::default());
+    let a = pool.add_vdev(spec(GIB)).unwrap();
+    let b = pool.add_vdev(spec(GIB)).unwrap();
+    pool.sync();
+    // Empty: 2 GiB less 128 MiB slop available, room for either vdev.
+    pool.check_drain_room(a).unwrap();
+    // Fill to about half: the other vdev alone no longer holds a whole one.
+    let mut placed = 0u64;
+    while placed < 900 << 20 {
+        let t = match pool.submit(data(1 << 20)).unwrap() {
+            Submitted::Ready(t) => t,
+            Submitted::Queued(t) => panic!("ticket {t} queued"),
+        };
+        let al = pool.allocate_avoiding(t, false, &[]).unwrap();
+        pool.commit(al.id).unwrap();
+        placed += 1 << 20;
+        if placed.is_multiple_of(64 << 20) {
+            pool.sync();
+        }
+    }
+    match pool.check_drain_room(b) {
+        Err(Error::NoRoomToDrain {
+            vdev,
+            need,
+            available,
+        }) => {
+            assert_eq!(vdev, b);
+            assert!(available < need, "{available} < {need}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // Already offline (its space out of the writable space): no check.
+    pool.set_online(b, false).unwrap();
+    pool.check_drain_room(b).unwrap();
+}

@@ -195,9 +195,10 @@ impl Error {
                 M::NoSpace { .. } => Code::ResourceExhausted,
                 M::TxgWaitRequired { .. } => Code::Unavailable,
                 M::NotAdmitted(_) | M::Inconsistent(_) => Code::Internal,
-                M::VdevRemoved(_) | M::VdevNotEmpty { .. } | M::LastAllocatingVdev(_) => {
-                    Code::FailedPrecondition
-                }
+                M::VdevRemoved(_)
+                | M::VdevNotEmpty { .. }
+                | M::LastAllocatingVdev(_)
+                | M::NoRoomToDrain { .. } => Code::FailedPrecondition,
             },
             Error::InvalidArgument(_) => Code::InvalidArgument,
             Error::NotFound(_) => Code::NotFound,
@@ -267,6 +268,18 @@ impl Error {
                 M::LastAllocatingVdev(v) => (
                     ErrorReason::LastAllocatingVdev,
                     vec![("vdev", v.to_string())],
+                ),
+                M::NoRoomToDrain {
+                    vdev,
+                    need,
+                    available,
+                } => (
+                    ErrorReason::NoRoomToDrain,
+                    vec![
+                        ("vdev", vdev.to_string()),
+                        ("need", need.to_string()),
+                        ("available", available.to_string()),
+                    ],
                 ),
                 M::VdevNotEmpty {
                     vdev,

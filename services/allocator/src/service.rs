@@ -903,9 +903,16 @@ impl Allocator for AllocatorService {
         req: Request<pb::SetVdevStateRequest>,
     ) -> Result<Response<pb::VdevStatus>, Status> {
         self.shared.check_serving()?;
-        let pb::SetVdevStateRequest { vdev, online } = req.into_inner();
+        let pb::SetVdevStateRequest {
+            vdev,
+            online,
+            drain,
+        } = req.into_inner();
         let txg = {
             let mut g = self.shared.lock();
+            if drain && !online {
+                g.pool.check_drain_room(vdev).map_err(Error::from)?;
+            }
             g.pool.set_online(vdev, online).map_err(Error::from)?;
             g.wake_admitted();
             let kind = if online {

@@ -206,6 +206,7 @@ async fn a_relocation_avoids_the_blocks_other_copies_and_offline_vdevs() {
         .set_vdev_state(pb::SetVdevStateRequest {
             vdev: c,
             online: false,
+            drain: false,
         })
         .await
         .unwrap();
@@ -289,6 +290,7 @@ async fn drain_and_remove_survive_restarts() {
         .set_vdev_state(pb::SetVdevStateRequest {
             vdev: a,
             online: false,
+            drain: false,
         })
         .await
         .unwrap();
@@ -357,6 +359,7 @@ async fn drain_and_remove_survive_restarts() {
         .set_vdev_state(pb::SetVdevStateRequest {
             vdev: a,
             online: true,
+            drain: false,
         })
         .await
         .unwrap_err();

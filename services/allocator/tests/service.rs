@@ -658,6 +658,7 @@ async fn bad_input_gets_a_precise_status_and_changes_nothing() {
         .set_vdev_state(pb::SetVdevStateRequest {
             vdev: 55,
             online: false,
+            drain: false,
         })
         .await
         .map(|_| ());
@@ -968,6 +969,7 @@ async fn plan_rebalance_moves_toward_a_new_vdev_and_waits_for_a_whole_pool() {
         .set_vdev_state(pb::SetVdevStateRequest {
             vdev: new,
             online: false,
+            drain: false,
         })
         .await
         .unwrap();
@@ -1014,6 +1016,7 @@ async fn a_drain_plans_every_extent_off_an_offline_vdev() {
         .set_vdev_state(pb::SetVdevStateRequest {
             vdev: a,
             online: false,
+            drain: false,
         })
         .await
         .unwrap();
@@ -1115,6 +1118,7 @@ async fn the_last_allocating_vdev_stays_online() {
         .set_vdev_state(pb::SetVdevStateRequest {
             vdev: a,
             online: false,
+            drain: false,
         })
         .await
         .expect_err("offline of the only vdev");
@@ -1125,6 +1129,7 @@ async fn the_last_allocating_vdev_stays_online() {
         .set_vdev_state(pb::SetVdevStateRequest {
             vdev: a,
             online: false,
+            drain: false,
         })
         .await
         .expect("offline with another vdev taking allocations");
@@ -1133,9 +1138,42 @@ async fn the_last_allocating_vdev_stays_online() {
         .set_vdev_state(pb::SetVdevStateRequest {
             vdev: b,
             online: false,
+            drain: false,
         })
         .await
         .expect_err("offline of the last one left");
     assert_eq!(reason(&e), "LAST_ALLOCATING_VDEV", "{e:?}");
     h.allocate(4096).await.expect("still allocating");
+}
+
+/// Issue 29 item 3: `drain` asks for room for the whole vdev first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_without_room_is_refused() {
+    let mut h = start(config()).await;
+    let a = h.add_vdev(1, GIB).await;
+    h.add_vdev(2, GIB).await;
+    for _ in 0..57 {
+        let r = h.allocate(16 * MIB).await.expect("allocate");
+        h.commit(vec![r.allocation_id]).await.unwrap();
+    }
+    let e = h
+        .alloc
+        .set_vdev_state(pb::SetVdevStateRequest {
+            vdev: a,
+            online: false,
+            drain: true,
+        })
+        .await
+        .expect_err("no room for the drained vdev");
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert_eq!(reason(&e), "NO_ROOM_TO_DRAIN", "{e:?}");
+    // Plain offline (no drain) is not held to it, as OpenZFS's noalloc.
+    h.alloc
+        .set_vdev_state(pb::SetVdevStateRequest {
+            vdev: a,
+            online: false,
+            drain: false,
+        })
+        .await
+        .expect("offline");
 }

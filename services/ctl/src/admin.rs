@@ -208,6 +208,7 @@ pub async fn vdev(args: VdevArgs) -> anyhow::Result<()> {
             c.set_vdev_state(SetVdevStateRequest {
                 vdev,
                 online: false,
+                drain: true,
             })
             .await
             .map_err(|s| client::status_msg(&format!("vdev drain {label}"), &s))?;
@@ -268,7 +269,11 @@ pub async fn vdev(args: VdevArgs) -> anyhow::Result<()> {
     };
     let what = if online { "online" } else { "offline" };
     let v = c
-        .set_vdev_state(SetVdevStateRequest { vdev, online })
+        .set_vdev_state(SetVdevStateRequest {
+            vdev,
+            online,
+            drain: false,
+        })
         .await
         .map_err(|s| client::status_msg(&format!("vdev {what} {label}"), &s))?
         .into_inner();

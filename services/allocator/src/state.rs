@@ -203,10 +203,34 @@ impl Inner {
         }
     }
 
-    /// A pool with no vdev at all is not "full": say what it lacks.
+    /// A pool with no vdev at all is not "full": say what it lacks; a full
+    /// one says how much is free and how much of that is slop.
     fn no_vdevs_or(&self, e: metaslab::Error) -> Error {
-        if matches!(e, metaslab::Error::NoSpace { .. }) && self.pool.stats().vdevs.is_empty() {
-            return Error::NoVdevs;
+        if let metaslab::Error::NoSpace {
+            size,
+            copies,
+            reason,
+        } = e
+        {
+            let st = self.pool.stats();
+            if st.vdevs.is_empty() {
+                return Error::NoVdevs;
+            }
+            if reason == metaslab::NoSpaceReason::Full
+                && let Some(c) = st
+                    .classes
+                    .iter()
+                    .find(|c| c.kind == metaslab::ClassKind::Normal)
+            {
+                return Error::PoolFull {
+                    size,
+                    copies,
+                    space: c.space,
+                    alloc: c.alloc,
+                    slop: st.slop,
+                    deferred: c.deferred,
+                };
+            }
         }
         e.into()
     }

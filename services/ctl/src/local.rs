@@ -640,6 +640,25 @@ impl LocalPool {
 
     /// A line for each normal vdev without an embedded log metaslab, saying
     /// why (too few metaslabs) and what would give it one.
+    /// A `write --total` that fits this pool: the largest power of two
+    /// (at least 1 MiB, at most 1 GiB) no more than half of what data may
+    /// use (the normal class's free space less the slop reserve).
+    pub async fn suggested_total(&self) -> anyhow::Result<u64> {
+        let mut c = client::allocator(&self.tls, &self.allocator_url).await?;
+        let st = c
+            .get_pool(GetPoolRequest {})
+            .await
+            .map_err(|s| client::status_msg("get pool", &s))?
+            .into_inner();
+        let usable = st
+            .classes
+            .iter()
+            .find(|c| c.name == "normal")
+            .map_or(0, |c| c.space.saturating_sub(c.alloc))
+            .saturating_sub(st.slop_space);
+        Ok(fitting_total(usable))
+    }
+
     pub async fn embedded_log_notes(&self) -> anyhow::Result<Vec<String>> {
         let mut c = client::allocator(&self.tls, &self.allocator_url).await?;
         let st = c
@@ -918,7 +937,11 @@ pub async fn up(args: PoolArgs) -> anyhow::Result<()> {
             hint.push_str(&format!(" --certs-dir {}", certs.display()));
         }
     }
-    println!("try: aliquotctl status{hint}   aliquotctl write{hint} --total 1GiB --verify");
+    let total = pool.suggested_total().await.unwrap_or(64 << 20);
+    println!(
+        "try: aliquotctl status{hint}   aliquotctl write{hint} --total {}MiB --verify",
+        total >> 20
+    );
     println!("Ctrl-C stops the pool.");
     // Machine-readable, last, once everything is ready (tests wait for these).
     println!("LISTEN grpc {}", pool.allocator_addr);
@@ -1006,5 +1029,25 @@ mod tests {
         );
         assert!(parse_sim("hdd:4GiB").is_err());
         assert!(parse_sim("hdd:lots:1MiB/s").is_err());
+    }
+}
+
+/// The `--total` `up` suggests for `usable` bytes of data space: the
+/// largest power of two at most half of it, within 1 MiB ..= 1 GiB.
+pub fn fitting_total(usable: u64) -> u64 {
+    let half = (usable / 2).max(1 << 20);
+    (1u64 << (63 - half.leading_zeros())).min(1 << 30)
+}
+
+#[cfg(test)]
+mod total_tests {
+    #[test]
+    fn the_suggested_total_fits_the_pool() {
+        const MIB: u64 = 1 << 20;
+        // 512 MiB pool: slop 128 MiB, 384 MiB usable.
+        assert_eq!(super::fitting_total(384 * MIB), 128 * MIB);
+        // up's default 7 GiB pool.
+        assert_eq!(super::fitting_total(6 * 1024 * MIB), 1024 * MIB);
+        assert_eq!(super::fitting_total(0), MIB);
     }
 }

@@ -3,7 +3,8 @@
 //! suggests a `--total` that fits its pool; a write past the slop reserve
 //! fails with NO_SPACE naming the reserve and the usable bytes left, and
 //! says how much it wrote, that it stays allocated, and how to free it;
-//! `aliquotctl free` then gives the space back.
+//! `aliquotctl free` then gives the space back. `up --prometheus-listen`
+//! prints a `/metrics` per child, each serving its gRPC counters.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
@@ -30,7 +31,9 @@ fn a_full_pool_names_its_slop_and_a_failed_write_says_how_to_free_it() {
             "--agents",
             "256MiB,256MiB",
             "--zfs-txg-timeout",
-            "300ms"
+            "300ms",
+            "--prometheus-listen",
+            "127.0.0.1"
         ])
         .env_remove("ALIQUOT_ALLOCATOR")
         .stdin(Stdio::piped())
@@ -49,6 +52,14 @@ fn a_full_pool_names_its_slop_and_a_failed_write_says_how_to_free_it() {
         }
     };
     std::thread::spawn(move || lines.for_each(drop));
+    // --prometheus-listen: a /metrics per child, each printed.
+    let prom: Vec<String> = banner
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("prometheus "))
+        .map(|l| l.split_whitespace().last().unwrap_or_default().to_string())
+        .collect();
+    assert_eq!(prom.len(), 3, "allocator and two agents: {banner}");
+    assert!(banner.contains("prometheus allocator") && banner.contains("prometheus file1"));
     // 384 MiB usable: the largest power of two at most half of it.
     assert!(
         banner.contains("--total 128MiB --verify") && !banner.contains("1GiB"),
@@ -110,6 +121,17 @@ fn a_full_pool_names_its_slop_and_a_failed_write_says_how_to_free_it() {
             .map(|v| json_u64(&v["alloc"]).unwrap_or(0))
             .sum::<u64>()
     };
+    for url in &prom {
+        let o = Command::new("curl")
+            .args(["-sS", "--max-time", "10", url])
+            .output()
+            .expect("curl");
+        let body = String::from_utf8_lossy(&o.stdout);
+        assert!(
+            body.contains("aliquot_grpc_server_requests_total{"),
+            "{url}: {body}"
+        );
+    }
     let used = status(&conn);
     assert!(used >= 300 * MIB, "the write filled the pool: {used}");
 

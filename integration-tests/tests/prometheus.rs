@@ -20,7 +20,9 @@ use pb::vdev_agent_client::VdevAgentClient;
 const PARSE: &str = r#"
 import json, sys, urllib.request
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
-with urllib.request.urlopen(sys.argv[1], timeout=10) as r:
+# Prometheus's own Accept header: OpenMetrics preferred (else 0.0.4 text).
+req = urllib.request.Request(sys.argv[1], headers={"Accept": "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"})
+with urllib.request.urlopen(req, timeout=10) as r:
     ct = r.headers.get("Content-Type", "")
     assert ct.startswith("application/openmetrics-text"), ct
     text = r.read().decode()

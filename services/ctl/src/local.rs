@@ -75,6 +75,11 @@ pub struct PoolArgs {
         default_value = "127.0.0.1:7180"
     )]
     pub metrics_http_listen: SocketAddr,
+    /// Serve the allocator's and each agent's gRPC metrics as Prometheus
+    /// `/metrics` on this address (a port each: `up` prints them), e.g.
+    /// 127.0.0.1. The metrics service's pool gauges are on its charts port.
+    #[arg(long, env = "ALIQUOT_PROMETHEUS_LISTEN")]
+    pub prometheus_listen: Option<std::net::IpAddr>,
     /// Allocator tunable NAME=VALUE (repeatable), e.g. metaslab_perf_bias=0.
     #[arg(long, env = "ALIQUOT_TUNABLE", value_delimiter = ',')]
     pub tunable: Vec<String>,
@@ -175,6 +180,8 @@ pub struct LocalPool {
     pub metrics_url: Option<String>,
     pub metrics_http: Option<SocketAddr>,
     pub agents: Vec<AgentInfo>,
+    /// With --prometheus-listen: (child, its /metrics address).
+    pub prometheus: Vec<(String, SocketAddr)>,
     /// How clients reach this pool: the operator's certificate, or plaintext.
     pub tls: aliquot_auth::ClientTls,
     deaths: mpsc::UnboundedReceiver<(String, ExitStatus)>,
@@ -244,6 +251,7 @@ impl LocalPool {
             metrics_url: None,
             metrics_http: None,
             agents: Vec::new(),
+            prometheus: Vec::new(),
             tls,
             deaths,
             deaths_tx,
@@ -319,6 +327,21 @@ impl LocalPool {
             ]);
         }
         aargs.extend(self.security_flags(aliquot_auth::Role::Allocator, "allocator")?);
+        let prom: Vec<String> = args
+            .prometheus_listen
+            .map(|ip| {
+                vec![
+                    "--prometheus-listen".into(),
+                    SocketAddr::new(ip, 0).to_string(),
+                ]
+            })
+            .unwrap_or_default();
+        let kinds: &[&str] = if prom.is_empty() {
+            &["grpc"]
+        } else {
+            &["grpc", "prometheus"]
+        };
+        aargs.extend(prom.iter().cloned());
         if args.ha {
             // 0 (ephemeral, or the port is taken): a free one, picked
             // again if another process takes it before PostgreSQL binds.
@@ -338,8 +361,11 @@ impl LocalPool {
             self.postgres = Some((pg, url));
         }
         let a = self
-            .spawn("allocator", Role::Allocator, &aargs, &["grpc"])
+            .spawn("allocator", Role::Allocator, &aargs, kinds)
             .await?;
+        if let Some(p) = a.get(1) {
+            self.prometheus.push(("allocator".into(), *p));
+        }
         self.allocator_addr = a[0];
         self.allocator_url = format!("{}://{}", self.scheme(), a[0]);
         if args.ha {
@@ -355,8 +381,11 @@ impl LocalPool {
             // The standby: the same flags on another port.
             let bargs = pin(&aargs, SocketAddr::from(([127, 0, 0, 1], 0)));
             let b = self
-                .spawn("allocator-b", Role::Allocator, &bargs, &["grpc"])
+                .spawn("allocator-b", Role::Allocator, &bargs, kinds)
                 .await?;
+            if let Some(p) = b.get(1) {
+                self.prometheus.push(("allocator-b".into(), *p));
+            }
             self.ha_allocators
                 .push(("allocator-b".into(), pin(&bargs, b[0])));
             self.allocator_url = format!("{},{}://{}", self.allocator_url, self.scheme(), b[0]);
@@ -410,6 +439,7 @@ impl LocalPool {
                 cap.to_string(),
             ];
             fa.extend(extra);
+            fa.extend(prom.iter().cloned());
             fa.extend(self.security_flags(aliquot_auth::Role::Agent, &name)?);
             starts.push((name, kind, cap, path, fa));
         }
@@ -418,8 +448,11 @@ impl LocalPool {
         // order given (file0 is vdev 0). It costs a registration round trip
         // per agent at start.
         for (name, kind, cap, path, fa) in starts {
-            let (child, addrs) = self.spawn_child(&name, Role::Agent, &fa, &["grpc"]).await?;
+            let (child, addrs) = self.spawn_child(&name, Role::Agent, &fa, kinds).await?;
             self.children.push(child);
+            if let Some(p) = addrs.get(1) {
+                self.prometheus.push((name.clone(), *p));
+            }
             self.agents.push(AgentInfo {
                 name,
                 kind,
@@ -798,7 +831,13 @@ impl LocalPool {
             );
         }
         if let (Some(m), Some(h)) = (&self.metrics_url, self.metrics_http) {
-            let _ = writeln!(s, "  metrics    {m}   charts http://{h}/");
+            let _ = writeln!(
+                s,
+                "  metrics    {m}   charts http://{h}/   Prometheus http://{h}/metrics"
+            );
+        }
+        for (name, a) in &self.prometheus {
+            let _ = writeln!(s, "  prometheus {name:<11} http://{a}/metrics");
         }
         for a in &self.agents {
             let _ = writeln!(

@@ -34,13 +34,17 @@ pub fn router(store: Arc<Store>, rpc: Arc<RpcMetrics>) -> Router {
         .merge(metrics)
 }
 
-/// Prometheus/OpenMetrics scrape target.
-async fn prometheus(State((store, rpc)): State<(Arc<Store>, Arc<RpcMetrics>)>) -> Response {
-    (
-        [(header::CONTENT_TYPE, exposition::CONTENT_TYPE)],
-        exposition::render(store.latest(), &rpc),
-    )
-        .into_response()
+/// Prometheus scrape target: OpenMetrics when the scraper's `Accept`
+/// prefers it (Prometheus does), else the 0.0.4 text format (promtool,
+/// curl, older scrapers).
+async fn prometheus(
+    State((store, rpc)): State<(Arc<Store>, Arc<RpcMetrics>)>,
+    headers: axum::http::HeaderMap,
+) -> Response {
+    let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok());
+    let (ct, body) =
+        telemetry::rpc_metrics::negotiate(accept, exposition::render(store.latest(), &rpc));
+    ([(header::CONTENT_TYPE, ct)], body).into_response()
 }
 
 /// `since`/`until` as given on a URL or the command line: unix ms, `now`,

@@ -2,7 +2,7 @@
 //! 31 item 3): the metrics service, the allocator and the agents, scraped as
 //! promtool and curl do (no `Accept`: the 0.0.4 text format) after real
 //! writes, and in OpenMetrics when asked as Prometheus asks. No sample is a
-//! `u64::MAX` "no limit". `deploy/prometheus-rules.yml` passes `promtool
+//! `u64::MAX` "no limit". AllocateStream is counted per allocation. `deploy/prometheus-rules.yml` passes `promtool
 //! check rules` (and `promtool test rules` with its test file), and
 //! `deploy/prometheus.yml` `promtool check config`.
 //! promtool comes from the `prometheus` package (`.ci/run` installs it).
@@ -228,6 +228,27 @@ fn every_endpoint_passes_promtool_and_negotiates_openmetrics() {
         );
         assert!(om.ends_with("# EOF\n"), "{what}");
     }
+    // AllocateStream (write's default API) counted per allocation, with
+    // its latency, not once per stream.
+    let (_, body) = scrape(&endpoints[1].1, None);
+    let count = |op: &str| -> f64 {
+        let key = format!(
+            "aliquot_grpc_server_stream_messages_total{{method=\"/aliquot.v1.Allocator/AllocateStream\",op=\"{op}\",code=\"OK\"}} "
+        );
+        body.lines()
+            .find_map(|l| l.strip_prefix(key.as_str()))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0)
+    };
+    assert!(count("allocate") >= 16.0, "{body}");
+    assert!(count("commit") >= 1.0, "{body}");
+    assert!(
+        body.contains(&format!(
+            "aliquot_grpc_server_stream_message_duration_seconds_count{{method=\"/aliquot.v1.Allocator/AllocateStream\",op=\"allocate\"}} {}",
+            count("allocate")
+        )),
+        "{body}"
+    );
     let (_, body) = scrape(&pool, None);
     assert!(
         body.contains("# TYPE aliquot_pool_dropped_snapshots_total counter"),

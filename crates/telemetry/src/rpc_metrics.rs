@@ -134,19 +134,27 @@ const MAX_METHODS: usize = 64;
 pub struct RpcMetrics {
     requests: Family<Labels, Counter>,
     latency: Family<Labels, Histogram>,
+    /// Per message of a streaming call (AllocateStream: per allocation,
+    /// commit, abort), which the per-call figures above count once.
+    stream_messages: Family<Labels, Counter>,
+    stream_latency: Family<Labels, Histogram>,
     methods: Mutex<HashSet<String>>,
+}
+
+fn latency_histogram() -> Histogram {
+    // 100 µs .. ~105 s, x4 per bucket.
+    Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
+        1e-4, 4.0, 11,
+    ))
 }
 
 impl Default for RpcMetrics {
     fn default() -> Self {
         RpcMetrics {
             requests: Family::default(),
-            latency: Family::new_with_constructor(|| {
-                // 100 µs .. ~105 s, x4 per bucket.
-                Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
-                    1e-4, 4.0, 11,
-                ))
-            }),
+            latency: Family::new_with_constructor(latency_histogram),
+            stream_messages: Family::default(),
+            stream_latency: Family::new_with_constructor(latency_histogram),
             methods: Mutex::new(HashSet::new()),
         }
     }
@@ -165,6 +173,34 @@ impl RpcMetrics {
             "Time from request headers to response headers, by method",
             self.latency.clone(),
         );
+        reg.register(
+            "aliquot_grpc_server_stream_messages",
+            "Messages answered on streaming calls, by method, operation (allocate, commit, abort, \
+             renew) and status code",
+            self.stream_messages.clone(),
+        );
+        reg.register(
+            "aliquot_grpc_server_stream_message_duration_seconds",
+            "Time from a stream message's arrival to its answer, by method and operation \
+             (throttle waits included)",
+            self.stream_latency.clone(),
+        );
+    }
+
+    /// One message of streaming call `method` (a gRPC path) answered:
+    /// operation `op` (a fixed name), gRPC status code number `code`.
+    pub fn observe_stream(&self, method: &str, op: &'static str, code: i32, took: Duration) {
+        let method = self.method_label(method);
+        self.stream_messages
+            .get_or_create(&l(&[
+                ("method", &method),
+                ("op", op),
+                ("code", code_name(&code.to_string())),
+            ]))
+            .inc();
+        self.stream_latency
+            .get_or_create(&l(&[("method", &method), ("op", op)]))
+            .observe(took.as_secs_f64());
     }
 
     fn method_label(&self, path: &str) -> String {

@@ -526,8 +526,10 @@ where
         )));
     }
 
+    let rpc = Arc::new(telemetry::rpc_metrics::RpcMetrics::default());
     let alloc_svc = service::AllocatorService {
         shared: shared.clone(),
+        rpc: rpc.clone(),
     };
     let reg_svc = registry::RegistryService {
         shared: shared.clone(),
@@ -546,7 +548,6 @@ where
         }
         None => aliquot_auth::RoleLayer::insecure(),
     };
-    let rpc = Arc::new(telemetry::rpc_metrics::RpcMetrics::default());
     let prometheus = match config.prometheus_listen {
         Some(a) => Some(
             telemetry::rpc_metrics::serve(a, rpc.clone(), |l| {

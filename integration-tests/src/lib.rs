@@ -376,6 +376,7 @@ impl FilePool {
     /// The allocator (fast txgs and reports, no claim window), plus
     /// `extra` flags; no agents yet.
     pub fn start(dir: &Path, extra: &[String]) -> FilePool {
+        std::fs::create_dir_all(dir).expect("pool dir");
         let mut a = args![
             "--listen",
             "127.0.0.1:0",
@@ -494,4 +495,28 @@ impl FilePool {
             })
             .collect()
     }
+}
+
+/// Where the Python client (clients/python) is importable from:
+/// `ALIQUOT_PYTHONPATH` (.ci/run installs it there), or a fresh install
+/// into `target_tmp/python-client` (pass the test's `CARGO_TARGET_TMPDIR`).
+pub fn python_client_path(py: &str, target_tmp: &Path) -> String {
+    if let Ok(p) = std::env::var("ALIQUOT_PYTHONPATH") {
+        return p;
+    }
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("repo root");
+    let dir = target_tmp.join("python-client");
+    let st = Command::new(py)
+        .args(["-m", "pip", "install", "--quiet", "--upgrade", "--target"])
+        .arg(&dir)
+        .arg(format!(
+            "{}[reflection]",
+            repo.join("clients/python").display()
+        ))
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run {py} -m pip: {e}"));
+    assert!(st.success(), "pip install clients/python failed");
+    dir.display().to_string()
 }

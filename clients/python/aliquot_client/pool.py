@@ -11,6 +11,7 @@ re-asserted with Claim, the data being on the agents already.
 from __future__ import annotations
 
 import dataclasses
+import socket
 import time
 from typing import Dict, List, Optional, Sequence
 
@@ -68,14 +69,62 @@ def error_reason(err: grpc.RpcError) -> Optional[str]:
     return info.reason if info is not None else None
 
 
-class AliquotError(Exception):
-    """A call failed for good (after any retries), with the server's reason."""
+def _speaks_tls(target: str) -> bool:
+    """Whether the server at `target` (host:port) answers an HTTP/2 preface
+    with a TLS alert record, as a TLS server does."""
+    host, _, port = target.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=2) as s:
+            s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))
+            return s.recv(2) == b"\x15\x03"
+    except (OSError, ValueError):
+        return False
 
-    def __init__(self, what: str, err: grpc.RpcError):
+
+def _advice(err: grpc.RpcError, target: Optional[str], tls: Optional[bool]) -> str:
+    """One sentence on the likely cause of a connection failure and what
+    to pass instead; empty when the failure is not one of these."""
+    if err.code() != grpc.StatusCode.UNAVAILABLE:
+        return ""
+    details = err.details() or ""
+    if "TSI_DATA_CORRUPTED" in details or "CERTIFICATE_REQUIRED" in details:
+        return (
+            "the server refused the TLS handshake: it wants a client certificate issued by the "
+            "pool CA (tls=Tls.in_dir('aliquot-data/certs'), or `aliquotctl certs issue --role "
+            "client NAME`)"
+        )
+    if tls is False and target and _speaks_tls(target):
+        return (
+            f"{target} speaks TLS and this client plaintext (tls=None): give the pool's "
+            "certificates, tls=Tls.in_dir('aliquot-data/certs')"
+        )
+    if tls and ("WRONG_VERSION_NUMBER" in details or "Handshake failed" in details):
+        return (
+            "the server does not speak TLS (a pool started with --insecure): tls=None"
+        )
+    return ""
+
+
+class AliquotError(Exception):
+    """A call failed for good (after any retries), with the server's reason
+    and, for a connection that failed, `advice`: the likely cause and what
+    to pass instead (a TLS/plaintext mismatch, a missing certificate)."""
+
+    def __init__(
+        self,
+        what: str,
+        err: grpc.RpcError,
+        target: Optional[str] = None,
+        tls: Optional[bool] = None,
+    ):
         self.code = err.code()
         self.reason = error_reason(err)
         self.details = err.details()
-        super().__init__(f"{what}: {self.details} ({self.code.name}, reason {self.reason})")
+        self.advice = _advice(err, target, tls)
+        if self.advice:
+            super().__init__(f"{what}: {self.advice} ({self.code.name}: {self.details})")
+        else:
+            super().__init__(f"{what}: {self.details} ({self.code.name}, reason {self.reason})")
 
 
 class Txg(int):
@@ -226,6 +275,14 @@ class Pool:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _error(self, what: str, err: grpc.RpcError, target: Optional[str] = None) -> AliquotError:
+        return AliquotError(
+            what,
+            err,
+            target=target or self._allocators[self._leader][0],
+            tls=self.tls is not None,
+        )
+
     # ---- calls safe to repeat ------------------------------------------------
 
     def _repeat(self, what: str, call, *args, **kwargs):
@@ -244,7 +301,7 @@ class Pool:
                     time.sleep(min(0.1 * 2**attempt, 1.0))
                     attempt += 1
                     continue
-                raise AliquotError(what, e) from e
+                raise self._error(what, e) from e
 
     def sync_txg(self, txg: int = 0, generation: int = 0) -> int:
         """Wait until `txg` (0: the open one) has synced; the synced txg.
@@ -308,7 +365,7 @@ class Pool:
                     time.sleep(min(0.1 * 2**away, 1.0))
                     away += 1
                     continue
-                raise AliquotError("allocate", e) from e
+                raise self._error("allocate", e) from e
         raise AssertionError("unreachable")
 
     def write_block(

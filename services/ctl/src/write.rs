@@ -1433,7 +1433,13 @@ async fn one_block(
                         .await
                     }
                     None => {
-                        let mut c = agents.pattern_writer(ep).await.map_err(BlockError::Retry)?;
+                        let mut c = agents.pattern_writer(ep).await.map_err(|e| {
+                            if e.downcast_ref::<client::Unresolvable>().is_some() {
+                                BlockError::Fatal(e)
+                            } else {
+                                BlockError::Retry(e)
+                            }
+                        })?;
                         c.write(w).await.map(|_| ())
                     }
                 };

@@ -10,7 +10,7 @@
 //! the test installs it into the target dir itself, so `cargo test` alone
 //! works on a machine with Python 3 and pip.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use integration_tests::{INSECURE_ENV, Proc, args, bin, ctl, json_u64, ok_stdout};

@@ -998,6 +998,14 @@ pub async fn up(args: PoolArgs) -> anyhow::Result<()> {
             _ = int.recv() => break,
             Some((name, st)) = pool.next_exit() => {
                 let log = pool.log_of(&name).map(tail_note).unwrap_or_default();
+                if log.contains("this vdev was removed from the pool") {
+                    // `vdev remove`: the agent stops by design; the pool goes on.
+                    eprintln!(
+                        "aliquotctl: {name} stopped: its vdev was removed from the pool \
+                         (aliquotctl vdev remove); the other children keep running"
+                    );
+                    continue;
+                }
                 eprintln!("aliquotctl: {name} exited ({st}); {log}");
                 if pool.is_allocator(&name) {
                     match pool.restart_ha_allocator(&name).await {

@@ -720,6 +720,21 @@ pub async fn execute(conn: &AllocatorArgs, args: &ExecuteArgs) -> anyhow::Result
         if plan.moves.is_empty() {
             break if drain.is_empty() {
                 format!("no move lowers the score ({score:.4}) further")
+            } else if plan.limit_bytes > 0
+                && plan.limit_bytes
+                    < st.vdevs
+                        .iter()
+                        .filter(|v| drain.contains(&v.vdev))
+                        .map(|v| v.alloc)
+                        .sum::<u64>()
+            {
+                format!(
+                    "no plan: no block on the drained vdevs fits one plan's bound of {} \
+                     (--max-misplaced {} of the class's allocated bytes, or --budget); give a \
+                     larger --max-misplaced (up to 1) to go on",
+                    short(plan.limit_bytes),
+                    args.max_misplaced
+                )
             } else {
                 "the drained vdevs hold nothing more to move".into()
             };

@@ -59,14 +59,16 @@ pub async fn history(args: HistoryArgs) -> anyhow::Result<()> {
         .map(|s| crate::http::parse_time(s, now))
         .transpose()
         .map_err(anyhow::Error::msg)?;
-    let channel = args
-        .tls
-        .resolve()?
-        .endpoint(&args.endpoint, aliquot_auth::Role::Metrics)?
+    // The scheme follows the TLS mode (as the allocator's URL does for
+    // `status`): the default http://127.0.0.1:7100 reaches a TLS `up` too.
+    let tls = args.tls.resolve()?;
+    let url = tls.url(&args.endpoint);
+    let channel = tls
+        .endpoint(&url, aliquot_auth::Role::Metrics)?
         .connect_timeout(std::time::Duration::from_secs(3))
         .connect()
         .await
-        .map_err(|e| anyhow::anyhow!("cannot reach metrics at {}: {e}", args.endpoint))?;
+        .map_err(|e| anyhow::anyhow!("cannot reach metrics at {url}: {e}"))?;
     let mut client = MetricsClient::with_interceptor(channel, telemetry::TraceInjector);
     let reply = client
         .history(HistoryRequest {

@@ -102,6 +102,13 @@ fn history_verify_and_removal_follow_up() {
         std::thread::sleep(Duration::from_millis(300));
     };
     assert!(table.contains("file0"), "{table}");
+    // Events name their vdev (issue 31 item 10), not just its id.
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with("event ") && l.contains("file2 (2)")),
+        "{table}"
+    );
 
     // verify with up's own data dir.
     let o = ctl(&args!["verify", "--data-dir", data.display()]);

@@ -154,12 +154,15 @@ async fn cross_check(
     }
     for v in r.vdevs.iter().filter(|v| !v.removed) {
         let Some(live) = s.vdevs.iter().find(|x| x.vdev == v.id) else {
-            anyhow::bail!("{url} does not know vdev {} of the store", v.id);
+            anyhow::bail!(
+                "{url} does not know vdev {} of the store",
+                crate::names::vdev_label(v.id, &v.name)
+            );
         };
         if live.guid != v.guid || live.capacity < v.capacity {
             anyhow::bail!(
                 "{url}: vdev {} is guid {:#x} with {} bytes, the store has guid {:#x} with {}",
-                v.id,
+                crate::names::vdev_label(v.id, &v.name),
                 live.guid,
                 live.capacity,
                 v.guid,

@@ -151,7 +151,7 @@ pub fn format_table(pool: &str, reply: &HistoryReply) -> String {
         let q = s.points.iter().map(|p| p.queue_depth as f64).sum::<f64>() / n as f64;
         let _ = writeln!(
             out,
-            "{:>4}  {:<14} {:>6}  {:>6.2}%  {:>6.2}..{:>6.2}%  {:>19}  {:>11}  {:>10}  {:>6}us",
+            "{:>4}  {:<14} {:>6}  {:>6.2}%  {:>6.2}..{:>6.2}%  {:>19}  {:>11}  {:>10}  {:>8}",
             s.vdev,
             s.name,
             n,
@@ -165,7 +165,12 @@ pub fn format_table(pool: &str, reply: &HistoryReply) -> String {
             ),
             format!("{}/s", units::format_bytes_short(w as u64)),
             units::format_bytes_short(q as u64),
-            p.latency_p99_us,
+            // An idle vdev has no latency to show, not 0 µs.
+            if p.latency_p99_us == 0 {
+                "-".to_string()
+            } else {
+                format!("{}us", p.latency_p99_us)
+            },
         );
     }
     if used_now.len() >= 2 {
@@ -180,10 +185,10 @@ pub fn format_table(pool: &str, reply: &HistoryReply) -> String {
     for e in &reply.events {
         let _ = writeln!(
             out,
-            "event {} {} vdev {}{}",
+            "event {} {} {}{}",
             format_time(e.time_ms),
             e.kind,
-            e.vdev,
+            crate::charts::vdev_name(&reply, e.vdev),
             if e.detail.is_empty() {
                 String::new()
             } else {

@@ -20,6 +20,9 @@ use crate::exposition::{self, RpcMetrics};
 use crate::service::now_ms;
 use crate::store::Store;
 
+/// Above this spread "rebalanced in" no longer describes the pool.
+const REBALANCED_SPREAD: f64 = 0.10;
+
 /// Points per vdev a served chart asks for (about one per 2 pixels).
 const CHART_POINTS: u32 = 500;
 
@@ -205,6 +208,10 @@ async fn index(
             dur(s.since_last_vdev_add_ms),
             if s.last_vdev_add_ms.is_some() && s.rebalance_ms.is_none() {
                 "not yet".to_string()
+            } else if s.current_spread > REBALANCED_SPREAD {
+                // Balanced once, unbalanced now: a time beside a wide spread
+                // would read as the present.
+                format!("not now (once: {})", dur(s.rebalance_ms))
             } else {
                 dur(s.rebalance_ms)
             },

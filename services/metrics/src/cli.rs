@@ -188,7 +188,7 @@ pub fn format_table(pool: &str, reply: &HistoryReply) -> String {
             "event {} {} {}{}",
             format_time(e.time_ms),
             e.kind,
-            crate::charts::vdev_name(&reply, e.vdev),
+            crate::charts::vdev_name(reply, e.vdev),
             if e.detail.is_empty() {
                 String::new()
             } else {

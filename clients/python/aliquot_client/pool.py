@@ -11,6 +11,7 @@ re-asserted with Claim, the data being on the agents already.
 from __future__ import annotations
 
 import dataclasses
+import json
 import socket
 import time
 from typing import Dict, List, Optional, Sequence
@@ -175,6 +176,39 @@ class Block:
     txg: int
     generation: int
     synced: bool
+
+    def to_json(self) -> str:
+        """The block as JSON, to persist a reference (64-bit integers as
+        strings, as the proto3 JSON mapping and `aliquotctl` write them)."""
+        return json.dumps(
+            {
+                "length": self.length,
+                "extents": [
+                    {"vdev": e.vdev, "offset": str(e.offset), "size": str(e.size)}
+                    for e in self.extents
+                ],
+                "endpoints": list(self.endpoints),
+                "txg": str(self.txg),
+                "generation": str(self.generation),
+                "synced": self.synced,
+            }
+        )
+
+    @staticmethod
+    def from_json(text: str) -> "Block":
+        """A block from `to_json`'s text."""
+        d = json.loads(text)
+        return Block(
+            length=int(d["length"]),
+            extents=[
+                common_pb2.Extent(vdev=int(e["vdev"]), offset=int(e["offset"]), size=int(e["size"]))
+                for e in d["extents"]
+            ],
+            endpoints=[str(ep) for ep in d["endpoints"]],
+            txg=int(d["txg"]),
+            generation=int(d["generation"]),
+            synced=bool(d["synced"]),
+        )
 
 
 def _target(url: str) -> str:
@@ -442,6 +476,76 @@ class Pool:
                 synced=synced,
             )
         raise RuntimeError(f"write_block: gave up after {self.attempts} attempts: {last_error}")
+
+    def renew_lease(self, allocation_ids: Sequence[int], lease_ms: int = 0) -> allocator_pb2.RenewLeaseReply:
+        """Extend the lease of allocations still in flight (a long write):
+        `lease_ms` from now (0: the allocator's default, at most its
+        --max-lease). The reply carries the new deadline and, when the pool
+        signs writes, fresh write tokens (ids in order, extents in order)."""
+        return self._repeat(
+            "renew lease",
+            "RenewLease",
+            allocator_pb2.RenewLeaseRequest(allocation_ids=list(allocation_ids), lease_ms=lease_ms),
+        )
+
+    def write_blocks(
+        self, blocks: Sequence[bytes], copies: int = 1, durable: bool = True
+    ) -> List[Block]:
+        """Write many blocks with one Commit (one txg) and, with `durable`,
+        one sync: each is allocated and written to its agents, every agent
+        written is flushed once, then all are committed together. A failed
+        write aborts every allocation of the batch and raises (nothing of
+        it is committed); retry the batch."""
+        if not blocks:
+            return []
+        for d in blocks:
+            if not 0 < len(d) <= 16 << 20:
+                raise ValueError(f"a block is 1 B ..= 16 MiB, not {len(d)} bytes")
+        replies = []
+        try:
+            for d in blocks:
+                r = self._allocate(len(d), copies, False)
+                replies.append(r)
+                for ext, ep, tok in zip(r.extents, r.endpoints, r.tokens or [b""] * len(r.extents)):
+                    self.agent(ep).Write(
+                        agent_pb2.WriteRequest(offset=ext.offset, data=d + bytes(ext.size - len(d)), token=tok),
+                        timeout=self.timeout,
+                    )
+            for ep in sorted({ep for r in replies for ep in r.endpoints}):
+                self.agent(ep).Flush(agent_pb2.FlushRequest(), timeout=self.timeout)
+        except grpc.RpcError as e:
+            if replies:
+                try:
+                    self.allocator.Abort(
+                        allocator_pb2.AbortRequest(allocation_ids=[r.allocation_id for r in replies]),
+                        timeout=self.timeout,
+                    )
+                except grpc.RpcError:
+                    pass
+            raise AliquotError("write batch", e) from e
+        generations = {r.generation for r in replies}
+        if len(generations) != 1:
+            raise RuntimeError("the allocator restarted during the batch: write it again")
+        c = self._repeat(
+            "commit",
+            "Commit",
+            allocator_pb2.CommitRequest(
+                allocation_ids=[r.allocation_id for r in replies],
+                wait_synced=durable,
+                generation=replies[0].generation,
+            ),
+        )
+        return [
+            Block(
+                length=len(d),
+                extents=list(r.extents),
+                endpoints=list(r.endpoints),
+                txg=c.txg,
+                generation=c.generation,
+                synced=c.synced,
+            )
+            for d, r in zip(blocks, replies)
+        ]
 
     def read_block(self, block: Block, copy: Optional[int] = None) -> bytes:
         """Read a block back: copy `copy`, or the first copy that answers."""

@@ -2,7 +2,8 @@
 //! (issue 31 item 9), against a real pool: `write_blocks` commits many
 //! blocks in one txg with one sync and each reads back; a `Block` survives
 //! `to_json`/`from_json` and still reads; `renew_lease` extends an
-//! allocation in flight. It also measures durable `write_block` (one sync a
+//! allocation in flight; `AsyncPool` (grpc.aio) writes 8 blocks at once,
+//! each read back. It also measures durable `write_block` (one sync a
 //! block), `write_blocks` and `aliquotctl write` on the same pool (printed;
 //! the README quotes the figures).
 
@@ -38,6 +39,17 @@ out["write_block_per_s"] = n / (time.monotonic() - t)
 t = time.monotonic()
 pool.write_blocks([mib] * n)
 out["write_blocks_mib_per_s"] = n / (time.monotonic() - t)
+import asyncio
+from aliquot_client import AsyncPool
+async def main():
+    async with AsyncPool(sys.argv[1]) as ap:
+        datas = [bytes([7 + i]) * 100_000 for i in range(8)]
+        bs = await asyncio.gather(*(ap.write_block(d) for d in datas))
+        back = await asyncio.gather(*(ap.read_block(b) for b in bs))
+        out["aio_intact"] = back == datas and all(b.synced for b in bs)
+        # The sync client reads what the async one wrote.
+        out["aio_sync_reads"] = pool.read_block(bs[3]) == datas[3]
+asyncio.run(main())
 print(json.dumps(out))
 "#;
 
@@ -72,6 +84,8 @@ fn python_batch_json_and_renew() {
     assert_eq!(v["batch_intact"], true, "{v}");
     assert_eq!(v["json_equal"], true, "{v}");
     assert_eq!(v["json_reads"], true, "{v}");
+    assert_eq!(v["aio_intact"], true, "{v}");
+    assert_eq!(v["aio_sync_reads"], true, "{v}");
     let ahead = v["renewed_ahead_ms"].as_i64().unwrap();
     assert!((15_000..=21_000).contains(&ahead), "{v}");
 

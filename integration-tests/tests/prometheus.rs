@@ -439,13 +439,19 @@ async fn metrics_parse_and_agree_with_get_pool() {
         }
     }
     assert!(queried.len() >= 10, "{queried:?}");
-    // Served by the allocator once AllocateStream carries traffic (this
-    // test writes unary): tests/promtool.rs checks them after a streamed write.
-    let streamed = [
+    // Served by the allocator's own /metrics (AllocateStream's once it
+    // carries traffic; this test writes unary): tests/promtool.rs checks
+    // them after a streamed write and a free.
+    let allocator_only = [
         "aliquot_grpc_server_stream_messages_total",
         "aliquot_grpc_server_stream_message_duration_seconds_bucket",
+        "aliquot_vdev_alloc_bytes_total",
+        "aliquot_vdev_free_bytes_total",
     ];
-    for q in queried.iter().filter(|q| !streamed.contains(&q.as_str())) {
+    for q in queried
+        .iter()
+        .filter(|q| !allocator_only.contains(&q.as_str()))
+    {
         assert!(
             samples.iter().any(|s| &s.name == q || &s.family == q),
             "the dashboard queries {q}, which /metrics does not export"

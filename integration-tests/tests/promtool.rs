@@ -2,7 +2,8 @@
 //! 31 item 3): the metrics service, the allocator and the agents, scraped as
 //! promtool and curl do (no `Accept`: the 0.0.4 text format) after real
 //! writes, and in OpenMetrics when asked as Prometheus asks. No sample is a
-//! `u64::MAX` "no limit". AllocateStream is counted per allocation. `deploy/prometheus-rules.yml` passes `promtool
+//! `u64::MAX` "no limit". AllocateStream is counted per allocation; the
+//! allocator's per-vdev space counters add up to what was written and freed. `deploy/prometheus-rules.yml` passes `promtool
 //! check rules` (and `promtool test rules` with its test file), and
 //! `deploy/prometheus.yml` `promtool check config`.
 //! promtool comes from the `prometheus` package (`.ci/run` installs it).
@@ -178,6 +179,19 @@ fn every_endpoint_passes_promtool_and_negotiates_openmetrics() {
         );
         std::thread::sleep(Duration::from_millis(300));
     }
+    // And blocks given back: 4 MiB written and freed (--free).
+    ok_stdout(
+        &ctl(&args![
+            "write",
+            "--allocator",
+            alloc.url("grpc"),
+            "--total",
+            "4MiB",
+            "--free",
+            "--no-progress"
+        ]),
+        "write --free",
+    );
     let pool = format!("http://{}/metrics", met.addr("http"));
     // The metrics service has a snapshot with both vdevs.
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -247,6 +261,23 @@ fn every_endpoint_passes_promtool_and_negotiates_openmetrics() {
             "aliquot_grpc_server_stream_message_duration_seconds_count{{method=\"/aliquot.v1.Allocator/AllocateStream\",op=\"allocate\"}} {}",
             count("allocate")
         )),
+        "{body}"
+    );
+    // Per-vdev space counters: 20 MiB committed in 20 extents, 4 MiB freed
+    // in 4, summed over the vdevs (the allocator's own /metrics).
+    let sum = |name: &str| -> f64 {
+        body.lines()
+            .filter(|l| l.starts_with(&format!("{name}{{")))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    const MIB: f64 = (1u64 << 20) as f64;
+    assert_eq!(sum("aliquot_vdev_alloc_bytes_total"), 20.0 * MIB, "{body}");
+    assert_eq!(sum("aliquot_vdev_allocs_total"), 20.0, "{body}");
+    assert_eq!(sum("aliquot_vdev_free_bytes_total"), 4.0 * MIB, "{body}");
+    assert_eq!(sum("aliquot_vdev_frees_total"), 4.0, "{body}");
+    assert!(
+        body.contains("aliquot_vdev_alloc_bytes_total{vdev=\"0\",name=\"file0\"}"),
         "{body}"
     );
     let (_, body) = scrape(&pool, None);

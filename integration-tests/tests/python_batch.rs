@@ -60,8 +60,7 @@ fn python_batch_json_and_renew() {
     p.add_agent("512MiB");
     p.add_agent("512MiB");
     let py = std::env::var("ALIQUOT_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
-    let path =
-        integration_tests::python_client_path(&py, Path::new(env!("CARGO_TARGET_TMPDIR")));
+    let path = integration_tests::python_client_path(&py, Path::new(env!("CARGO_TARGET_TMPDIR")));
     let o = Command::new(&py)
         .args(["-c", PY, &p.url])
         .env("PYTHONPATH", &path)
@@ -73,8 +72,7 @@ fn python_batch_json_and_renew() {
         String::from_utf8_lossy(&o.stdout),
         String::from_utf8_lossy(&o.stderr)
     );
-    let v: serde_json::Value =
-        serde_json::from_slice(&o.stdout).expect("the script's JSON line");
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).expect("the script's JSON line");
     assert_eq!(
         v["batch_txgs"].as_array().map(|a| a.len()),
         Some(1),

@@ -138,7 +138,22 @@ pub struct RpcMetrics {
     /// commit, abort), which the per-call figures above count once.
     stream_messages: Family<Labels, Counter>,
     stream_latency: Family<Labels, Histogram>,
+    /// The allocator's per-vdev space counters (see [`RpcMetrics::vdev_space`]).
+    vdev_space: VdevSpace,
     methods: Mutex<HashSet<String>>,
+}
+
+/// Per-vdev counters of space given out and given back, as node_exporter's
+/// `zfs_*` counters are (so `rate()` works): bytes and extents committed
+/// (each copy of a block is an extent) and freed. Only the allocator fills
+/// them; an endpoint that never does exports none.
+#[derive(Default)]
+struct VdevSpace {
+    used: std::sync::atomic::AtomicBool,
+    alloc_bytes: Family<Labels, Counter>,
+    allocs: Family<Labels, Counter>,
+    free_bytes: Family<Labels, Counter>,
+    frees: Family<Labels, Counter>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -155,6 +170,7 @@ impl Default for RpcMetrics {
             latency: Family::new_with_constructor(latency_histogram),
             stream_messages: Family::default(),
             stream_latency: Family::new_with_constructor(latency_histogram),
+            vdev_space: VdevSpace::default(),
             methods: Mutex::new(HashSet::new()),
         }
     }
@@ -185,6 +201,47 @@ impl RpcMetrics {
              (throttle waits included)",
             self.stream_latency.clone(),
         );
+        let v = &self.vdev_space;
+        if v.used.load(std::sync::atomic::Ordering::Relaxed) {
+            reg.register(
+                "aliquot_vdev_alloc_bytes",
+                "Bytes of extents committed on the vdev since the allocator started",
+                v.alloc_bytes.clone(),
+            );
+            reg.register(
+                "aliquot_vdev_allocs",
+                "Extents committed on the vdev (one per copy of a block) since the allocator \
+                 started",
+                v.allocs.clone(),
+            );
+            reg.register(
+                "aliquot_vdev_free_bytes",
+                "Bytes of extents freed on the vdev (Free, and a move's source) since the \
+                 allocator started",
+                v.free_bytes.clone(),
+            );
+            reg.register(
+                "aliquot_vdev_frees",
+                "Extents freed on the vdev since the allocator started",
+                v.frees.clone(),
+            );
+        }
+    }
+
+    /// Extents of `bytes` in all committed (`freed` false) or freed on vdev
+    /// `vdev` (named `name`), `count` of them.
+    pub fn vdev_space(&self, vdev: u32, name: &str, bytes: u64, count: u64, freed: bool) {
+        let v = &self.vdev_space;
+        v.used.store(true, std::sync::atomic::Ordering::Relaxed);
+        let id = vdev.to_string();
+        let labels = l(&[("vdev", &id), ("name", name)]);
+        let (b, n) = if freed {
+            (&v.free_bytes, &v.frees)
+        } else {
+            (&v.alloc_bytes, &v.allocs)
+        };
+        b.get_or_create(&labels).inc_by(bytes);
+        n.get_or_create(&labels).inc_by(count);
     }
 
     /// One message of streaming call `method` (a gRPC path) answered:

@@ -527,6 +527,8 @@ where
     }
 
     let rpc = Arc::new(telemetry::rpc_metrics::RpcMetrics::default());
+    // Per-vdev space counters on the allocator's /metrics.
+    shared.lock().rpc = Some(rpc.clone());
     let alloc_svc = service::AllocatorService {
         shared: shared.clone(),
         rpc: rpc.clone(),

@@ -377,7 +377,16 @@ impl Ops {
     async fn allocate(&self, req: AllocateRequest) -> Result<AllocateReply, tonic::Status> {
         match self {
             Ops::Unary(c) => Ok(c.clone().allocate(req).await?.into_inner()),
-            Ops::Stream(s) => match s.call(Op::Allocate(req)).await? {
+            // A span of the block's own trace for its stream message: the
+            // stream itself is the command's (one per 8 workers).
+            Ops::Stream(s) => match s
+                .call(Op::Allocate(req))
+                .instrument(tracing::info_span!(
+                    "aliquotctl.stream.allocate",
+                    otel.kind = "client"
+                ))
+                .await?
+            {
                 StreamResult::Allocate(a) => Ok(a),
                 _ => Err(tonic::Status::internal(
                     "allocate stream: reply of the wrong kind",
@@ -394,7 +403,14 @@ impl Ops {
         };
         match self {
             Ops::Unary(c) => Ok(c.clone().commit(req).await?.into_inner()),
-            Ops::Stream(s) => match s.call(Op::Commit(req)).await? {
+            Ops::Stream(s) => match s
+                .call(Op::Commit(req))
+                .instrument(tracing::info_span!(
+                    "aliquotctl.stream.commit",
+                    otel.kind = "client"
+                ))
+                .await?
+            {
                 StreamResult::Commit(r) => Ok(r),
                 _ => Err(tonic::Status::internal(
                     "allocate stream: reply of the wrong kind",

@@ -520,3 +520,16 @@ pub fn python_client_path(py: &str, target_tmp: &Path) -> String {
     assert!(st.success(), "pip install clients/python failed");
     dir.display().to_string()
 }
+
+/// A child process (e.g. `aliquotctl up`) sent SIGTERM and reaped when
+/// dropped, so a failing test does not leave a pool running.
+pub struct TermOnDrop(pub Child);
+
+impl Drop for TermOnDrop {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.0.id().to_string()])
+            .status();
+        let _ = self.0.wait();
+    }
+}

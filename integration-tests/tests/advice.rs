@@ -50,7 +50,8 @@ fn stderr_of(o: &std::process::Output) -> String {
 fn tls_mismatches_name_the_flag() {
     let tmp = tempfile::tempdir().unwrap();
     let data = tmp.path().join("tls");
-    let (mut up, addr) = tls_up(&data);
+    let (up, addr) = tls_up(&data);
+    let _up = integration_tests::TermOnDrop(up);
 
     // Plaintext client, TLS pool.
     let o = ctl(&args![
@@ -109,10 +110,6 @@ fn tls_mismatches_name_the_flag() {
         out.contains("it wants a client certificate issued by the pool CA"),
         "{out}"
     );
-    let _ = Command::new("kill")
-        .args(["-TERM", &up.id().to_string()])
-        .status();
-    let _ = up.wait();
 }
 
 /// argv: allocator host:port, the pool CA. Prints each error's advice.

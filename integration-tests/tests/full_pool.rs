@@ -42,6 +42,7 @@ fn a_full_pool_names_its_slop_and_a_failed_write_says_how_to_free_it() {
         .spawn()
         .expect("aliquotctl up");
     let mut lines = BufReader::new(up.stdout.take().unwrap()).lines();
+    let _up = integration_tests::TermOnDrop(up);
     let mut banner = String::new();
     let url = loop {
         let l = lines.next().expect("up ended before LISTEN").unwrap();
@@ -144,9 +145,4 @@ fn a_full_pool_names_its_slop_and_a_failed_write_says_how_to_free_it() {
         assert!(Instant::now() < deadline, "space not given back");
         std::thread::sleep(Duration::from_millis(200));
     }
-    // SIGTERM: `up` stops its children in order.
-    let _ = Command::new("kill")
-        .args(["-TERM", &up.id().to_string()])
-        .status();
-    let _ = up.wait();
 }

@@ -48,6 +48,7 @@ fn history_verify_and_removal_follow_up() {
         });
     }
     let mut lines = BufReader::new(up.stdout.take().unwrap()).lines();
+    let _up = integration_tests::TermOnDrop(up);
     let mut banner = String::new();
     let addr = loop {
         let l = lines.next().expect("up ended before LISTEN").unwrap();
@@ -161,8 +162,4 @@ fn history_verify_and_removal_follow_up() {
         st.contains("health ONLINE") && !st.contains("file2"),
         "{st}"
     );
-    let _ = Command::new("kill")
-        .args(["-TERM", &up.id().to_string()])
-        .status();
-    let _ = up.wait();
 }

@@ -359,3 +359,177 @@ pub fn leader_and_standby(allocators: &str) -> (String, String) {
         std::thread::sleep(Duration::from_millis(300));
     }
 }
+
+/// A plaintext pool of real processes for tests: an allocator and file
+/// agents in `dir`, with `dir/aliquot-data` as the pool's data dir (where
+/// `aliquotctl write` records its manifests: the `ctl` helpers pass
+/// `--certs-dir dir/aliquot-data/certs` with `--insecure`, as a user in
+/// the directory of an `up --insecure` pool would have them by default).
+pub struct FilePool {
+    pub dir: PathBuf,
+    pub alloc: Proc,
+    pub agents: Vec<Proc>,
+    pub url: String,
+}
+
+impl FilePool {
+    /// The allocator (fast txgs and reports, no claim window), plus
+    /// `extra` flags; no agents yet.
+    pub fn start(dir: &Path, extra: &[String]) -> FilePool {
+        std::fs::create_dir_all(dir).expect("pool dir");
+        let mut a = args![
+            "--listen",
+            "127.0.0.1:0",
+            "--data-dir",
+            dir.join("allocator").display(),
+            "--zfs-txg-timeout",
+            "200ms",
+            "--report-interval",
+            "200ms",
+            "--claim-window",
+            "0s",
+        ];
+        a.extend(extra.iter().cloned());
+        let mut alloc = Proc::start(
+            "allocator",
+            &bin("aliquot-allocator"),
+            &a,
+            &[],
+            &["grpc"],
+            dir,
+        )
+        .expect("start allocator");
+        let addr = alloc.addr("grpc");
+        alloc.set_arg("--listen", &addr.to_string());
+        let url = alloc.url("grpc");
+        std::fs::create_dir_all(dir.join("aliquot-data")).expect("data dir");
+        FilePool {
+            dir: dir.to_path_buf(),
+            alloc,
+            agents: Vec::new(),
+            url,
+        }
+    }
+
+    /// A file agent `file<N>` of `capacity` (e.g. "128MiB"); waits until
+    /// the pool lists it.
+    pub fn add_agent(&mut self, capacity: &str) {
+        let name = format!("file{}", self.agents.len());
+        let a = Proc::start(
+            &name,
+            &bin("aliquot-agent"),
+            &args![
+                "--listen",
+                "127.0.0.1:0",
+                "--allocator",
+                self.url,
+                "--name",
+                name,
+                "--backend",
+                "file",
+                "--path",
+                self.dir.join(format!("{name}.img")).display(),
+                "--capacity",
+                capacity,
+            ],
+            &[],
+            &["grpc"],
+            &self.dir,
+        )
+        .expect("start agent");
+        self.agents.push(a);
+        let n = self.agents.len();
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while self.status()["vdevs"].as_array().map_or(0, |v| v.len()) != n {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{n} vdevs did not register"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// The pool's data dir.
+    pub fn data_dir(&self) -> PathBuf {
+        self.dir.join("aliquot-data")
+    }
+
+    /// Where `write` records its manifests by default.
+    pub fn manifest_dir(&self) -> PathBuf {
+        self.data_dir().join("manifests")
+    }
+
+    /// `aliquotctl ARGS` against this pool, to completion.
+    pub fn run(&self, a: &[String]) -> Output {
+        let mut a = a.to_vec();
+        a.extend(args![
+            "--allocator",
+            self.url,
+            "--insecure",
+            "--certs-dir",
+            self.data_dir().join("certs").display()
+        ]);
+        ctl(&a)
+    }
+
+    /// `aliquotctl ARGS`, which must succeed: its stdout.
+    pub fn ok(&self, a: &[String]) -> String {
+        ok_stdout(&self.run(a), &a.join(" "))
+    }
+
+    pub fn status(&self) -> serde_json::Value {
+        serde_json::from_str(&self.ok(&args!["status", "--json"])).expect("status json")
+    }
+
+    /// Allocated bytes per vdev name.
+    pub fn alloc_by_name(&self) -> HashMap<String, u64> {
+        self.status()["vdevs"]
+            .as_array()
+            .expect("vdevs")
+            .iter()
+            .map(|v| {
+                (
+                    v["name"].as_str().unwrap_or_default().to_string(),
+                    json_u64(&v["alloc"]).unwrap_or(0),
+                )
+            })
+            .collect()
+    }
+}
+
+/// Where the Python client (clients/python) is importable from:
+/// `ALIQUOT_PYTHONPATH` (.ci/run installs it there), or a fresh install
+/// into `target_tmp/python-client` (pass the test's `CARGO_TARGET_TMPDIR`).
+pub fn python_client_path(py: &str, target_tmp: &Path) -> String {
+    if let Ok(p) = std::env::var("ALIQUOT_PYTHONPATH") {
+        return p;
+    }
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("repo root");
+    let dir = target_tmp.join("python-client");
+    let st = Command::new(py)
+        .args(["-m", "pip", "install", "--quiet", "--upgrade", "--target"])
+        .arg(&dir)
+        .arg(format!(
+            "{}[reflection]",
+            repo.join("clients/python").display()
+        ))
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run {py} -m pip: {e}"));
+    assert!(st.success(), "pip install clients/python failed");
+    dir.display().to_string()
+}
+
+/// A child process (e.g. `aliquotctl up`) sent SIGTERM and reaped when
+/// dropped, so a failing test does not leave a pool running.
+pub struct TermOnDrop(pub Child);
+
+impl Drop for TermOnDrop {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.0.id().to_string()])
+            .status();
+        let _ = self.0.wait();
+    }
+}

@@ -10,7 +10,7 @@
 //! the test installs it into the target dir itself, so `cargo test` alone
 //! works on a machine with Python 3 and pip.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use integration_tests::{INSECURE_ENV, Proc, args, bin, ctl, json_u64, ok_stdout};
@@ -55,25 +55,9 @@ print(json.dumps({"placed": placed, "services": services,
                   "freed_vdevs": [e.vdev for e in blocks[0].extents]}))
 "#;
 
-/// Where the package is importable from: `ALIQUOT_PYTHONPATH` (.ci/run), or
-/// a fresh install into the target dir.
+/// Where the package is importable from (see the shared helper).
 fn python_path(py: &str) -> String {
-    if let Ok(p) = std::env::var("ALIQUOT_PYTHONPATH") {
-        return p;
-    }
-    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("python-client");
-    let st = Command::new(py)
-        .args(["-m", "pip", "install", "--quiet", "--upgrade", "--target"])
-        .arg(&dir)
-        .arg(format!(
-            "{}[reflection]",
-            repo.join("clients/python").display()
-        ))
-        .status()
-        .unwrap_or_else(|e| panic!("cannot run {py} -m pip: {e}"));
-    assert!(st.success(), "pip install clients/python failed");
-    dir.display().to_string()
+    integration_tests::python_client_path(py, Path::new(env!("CARGO_TARGET_TMPDIR")))
 }
 
 #[test]

@@ -592,6 +592,19 @@ async fn allocate_stream_carries_the_trace_context() {
         .map(|s| s.trace_id.as_str())
         .collect();
     assert_eq!(block_traces.len(), 3, "a trace per block");
+    // Each block's trace holds its own Allocate and Commit stream messages
+    // (issue 31 item 5), under its aliquotctl.block root.
+    for t in &block_traces {
+        for op in ["aliquotctl.stream.allocate", "aliquotctl.stream.commit"] {
+            assert!(
+                spans
+                    .iter()
+                    .any(|s| s.service == CTL && s.name == op && s.trace_id == *t),
+                "block trace {t} has no {op}:\n{}",
+                describe(&spans)
+            );
+        }
+    }
     let writes = spans
         .iter()
         .filter(|s| {

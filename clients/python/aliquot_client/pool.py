@@ -11,6 +11,8 @@ re-asserted with Claim, the data being on the agents already.
 from __future__ import annotations
 
 import dataclasses
+import json
+import socket
 import time
 from typing import Dict, List, Optional, Sequence
 
@@ -68,14 +70,62 @@ def error_reason(err: grpc.RpcError) -> Optional[str]:
     return info.reason if info is not None else None
 
 
-class AliquotError(Exception):
-    """A call failed for good (after any retries), with the server's reason."""
+def _speaks_tls(target: str) -> bool:
+    """Whether the server at `target` (host:port) answers an HTTP/2 preface
+    with a TLS alert record, as a TLS server does."""
+    host, _, port = target.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=2) as s:
+            s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))
+            return s.recv(2) == b"\x15\x03"
+    except (OSError, ValueError):
+        return False
 
-    def __init__(self, what: str, err: grpc.RpcError):
+
+def _advice(err: grpc.RpcError, target: Optional[str], tls: Optional[bool]) -> str:
+    """One sentence on the likely cause of a connection failure and what
+    to pass instead; empty when the failure is not one of these."""
+    if err.code() != grpc.StatusCode.UNAVAILABLE:
+        return ""
+    details = err.details() or ""
+    if "TSI_DATA_CORRUPTED" in details or "CERTIFICATE_REQUIRED" in details:
+        return (
+            "the server refused the TLS handshake: it wants a client certificate issued by the "
+            "pool CA (tls=Tls.in_dir('aliquot-data/certs'), or `aliquotctl certs issue --role "
+            "client NAME`)"
+        )
+    if tls is False and target and _speaks_tls(target):
+        return (
+            f"{target} speaks TLS and this client plaintext (tls=None): give the pool's "
+            "certificates, tls=Tls.in_dir('aliquot-data/certs')"
+        )
+    if tls and ("WRONG_VERSION_NUMBER" in details or "Handshake failed" in details):
+        return (
+            "the server does not speak TLS (a pool started with --insecure): tls=None"
+        )
+    return ""
+
+
+class AliquotError(Exception):
+    """A call failed for good (after any retries), with the server's reason
+    and, for a connection that failed, `advice`: the likely cause and what
+    to pass instead (a TLS/plaintext mismatch, a missing certificate)."""
+
+    def __init__(
+        self,
+        what: str,
+        err: grpc.RpcError,
+        target: Optional[str] = None,
+        tls: Optional[bool] = None,
+    ):
         self.code = err.code()
         self.reason = error_reason(err)
         self.details = err.details()
-        super().__init__(f"{what}: {self.details} ({self.code.name}, reason {self.reason})")
+        self.advice = _advice(err, target, tls)
+        if self.advice:
+            super().__init__(f"{what}: {self.advice} ({self.code.name}: {self.details})")
+        else:
+            super().__init__(f"{what}: {self.details} ({self.code.name}, reason {self.reason})")
 
 
 class Txg(int):
@@ -126,6 +176,39 @@ class Block:
     txg: int
     generation: int
     synced: bool
+
+    def to_json(self) -> str:
+        """The block as JSON, to persist a reference (64-bit integers as
+        strings, as the proto3 JSON mapping and `aliquotctl` write them)."""
+        return json.dumps(
+            {
+                "length": self.length,
+                "extents": [
+                    {"vdev": e.vdev, "offset": str(e.offset), "size": str(e.size)}
+                    for e in self.extents
+                ],
+                "endpoints": list(self.endpoints),
+                "txg": str(self.txg),
+                "generation": str(self.generation),
+                "synced": self.synced,
+            }
+        )
+
+    @staticmethod
+    def from_json(text: str) -> "Block":
+        """A block from `to_json`'s text."""
+        d = json.loads(text)
+        return Block(
+            length=int(d["length"]),
+            extents=[
+                common_pb2.Extent(vdev=int(e["vdev"]), offset=int(e["offset"]), size=int(e["size"]))
+                for e in d["extents"]
+            ],
+            endpoints=[str(ep) for ep in d["endpoints"]],
+            txg=int(d["txg"]),
+            generation=int(d["generation"]),
+            synced=bool(d["synced"]),
+        )
 
 
 def _target(url: str) -> str:
@@ -226,6 +309,14 @@ class Pool:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _error(self, what: str, err: grpc.RpcError, target: Optional[str] = None) -> AliquotError:
+        return AliquotError(
+            what,
+            err,
+            target=target or self._allocators[self._leader][0],
+            tls=self.tls is not None,
+        )
+
     # ---- calls safe to repeat ------------------------------------------------
 
     def _repeat(self, what: str, call, *args, **kwargs):
@@ -244,7 +335,7 @@ class Pool:
                     time.sleep(min(0.1 * 2**attempt, 1.0))
                     attempt += 1
                     continue
-                raise AliquotError(what, e) from e
+                raise self._error(what, e) from e
 
     def sync_txg(self, txg: int = 0, generation: int = 0) -> int:
         """Wait until `txg` (0: the open one) has synced; the synced txg.
@@ -308,7 +399,7 @@ class Pool:
                     time.sleep(min(0.1 * 2**away, 1.0))
                     away += 1
                     continue
-                raise AliquotError("allocate", e) from e
+                raise self._error("allocate", e) from e
         raise AssertionError("unreachable")
 
     def write_block(
@@ -385,6 +476,76 @@ class Pool:
                 synced=synced,
             )
         raise RuntimeError(f"write_block: gave up after {self.attempts} attempts: {last_error}")
+
+    def renew_lease(self, allocation_ids: Sequence[int], lease_ms: int = 0) -> allocator_pb2.RenewLeaseReply:
+        """Extend the lease of allocations still in flight (a long write):
+        `lease_ms` from now (0: the allocator's default, at most its
+        --max-lease). The reply carries the new deadline and, when the pool
+        signs writes, fresh write tokens (ids in order, extents in order)."""
+        return self._repeat(
+            "renew lease",
+            "RenewLease",
+            allocator_pb2.RenewLeaseRequest(allocation_ids=list(allocation_ids), lease_ms=lease_ms),
+        )
+
+    def write_blocks(
+        self, blocks: Sequence[bytes], copies: int = 1, durable: bool = True
+    ) -> List[Block]:
+        """Write many blocks with one Commit (one txg) and, with `durable`,
+        one sync: each is allocated and written to its agents, every agent
+        written is flushed once, then all are committed together. A failed
+        write aborts every allocation of the batch and raises (nothing of
+        it is committed); retry the batch."""
+        if not blocks:
+            return []
+        for d in blocks:
+            if not 0 < len(d) <= 16 << 20:
+                raise ValueError(f"a block is 1 B ..= 16 MiB, not {len(d)} bytes")
+        replies = []
+        try:
+            for d in blocks:
+                r = self._allocate(len(d), copies, False)
+                replies.append(r)
+                for ext, ep, tok in zip(r.extents, r.endpoints, r.tokens or [b""] * len(r.extents)):
+                    self.agent(ep).Write(
+                        agent_pb2.WriteRequest(offset=ext.offset, data=d + bytes(ext.size - len(d)), token=tok),
+                        timeout=self.timeout,
+                    )
+            for ep in sorted({ep for r in replies for ep in r.endpoints}):
+                self.agent(ep).Flush(agent_pb2.FlushRequest(), timeout=self.timeout)
+        except grpc.RpcError as e:
+            if replies:
+                try:
+                    self.allocator.Abort(
+                        allocator_pb2.AbortRequest(allocation_ids=[r.allocation_id for r in replies]),
+                        timeout=self.timeout,
+                    )
+                except grpc.RpcError:
+                    pass
+            raise AliquotError("write batch", e) from e
+        generations = {r.generation for r in replies}
+        if len(generations) != 1:
+            raise RuntimeError("the allocator restarted during the batch: write it again")
+        c = self._repeat(
+            "commit",
+            "Commit",
+            allocator_pb2.CommitRequest(
+                allocation_ids=[r.allocation_id for r in replies],
+                wait_synced=durable,
+                generation=replies[0].generation,
+            ),
+        )
+        return [
+            Block(
+                length=len(d),
+                extents=list(r.extents),
+                endpoints=list(r.endpoints),
+                txg=c.txg,
+                generation=c.generation,
+                synced=c.synced,
+            )
+            for d, r in zip(blocks, replies)
+        ]
 
     def read_block(self, block: Block, copy: Optional[int] = None) -> bytes:
         """Read a block back: copy `copy`, or the first copy that answers."""

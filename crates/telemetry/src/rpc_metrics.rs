@@ -19,6 +19,102 @@ use tonic::codegen::http;
 
 /// Content type of OpenMetrics text.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+/// Content type of the Prometheus text format 0.0.4 (what promtool, older
+/// scrapers and `curl` get).
+pub const TEXT_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// Whether a scrape's `Accept` header prefers OpenMetrics to the 0.0.4
+/// text format (Prometheus sends `application/openmetrics-text;...,
+/// text/plain;version=0.0.4;q=0.5,...`): by the highest q of each; no
+/// header, `*/*`, or a tie that does not name OpenMetrics first gets text.
+pub fn wants_openmetrics(accept: Option<&str>) -> bool {
+    let Some(accept) = accept else { return false };
+    let (mut om, mut text) = (0.0f32, 0.0f32);
+    for range in accept.split(',') {
+        let mut parts = range.split(';').map(str::trim);
+        let media = parts.next().unwrap_or("").to_ascii_lowercase();
+        let q = parts
+            .filter_map(|p| p.strip_prefix("q="))
+            .find_map(|q| q.parse::<f32>().ok())
+            .unwrap_or(1.0);
+        match media.as_str() {
+            "application/openmetrics-text" => om = om.max(q),
+            "text/plain" => text = text.max(q),
+            _ => {}
+        }
+    }
+    om > 0.0 && om >= text
+}
+
+/// prometheus-client's OpenMetrics text as the 0.0.4 text format: a
+/// counter's HELP and TYPE name its `_total` sample (OpenMetrics names the
+/// family without it, which promtool rejects), `_created` samples, UNIT
+/// lines, exemplars and `# EOF` go, `unknown` is `untyped`, and HELP keeps
+/// only the escapes 0.0.4 has (`\\` and `\n`).
+pub fn to_text_004(om: &str) -> String {
+    let mut out = String::with_capacity(om.len());
+    let mut counters: HashSet<&str> = HashSet::new();
+    for line in om.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ")
+            && let Some((name, kind)) = rest.split_once(' ')
+            && kind == "counter"
+        {
+            counters.insert(name);
+        }
+    }
+    let total = |name: &str| {
+        if counters.contains(name) && !name.ends_with("_total") {
+            format!("{name}_total")
+        } else {
+            name.to_string()
+        }
+    };
+    for line in om.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            let (name, help) = rest.split_once(' ').unwrap_or((rest, ""));
+            out.push_str(&format!(
+                "# HELP {} {}\n",
+                total(name),
+                help.replace("\\\"", "\"")
+            ));
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').unwrap_or((rest, "untyped"));
+            let kind = match kind {
+                "counter" | "gauge" | "histogram" | "summary" => kind,
+                _ => "untyped",
+            };
+            out.push_str(&format!("# TYPE {} {kind}\n", total(name)));
+            continue;
+        }
+        if line.starts_with('#') {
+            continue;
+        }
+        let name_end = line.find(['{', ' ']).unwrap_or(line.len());
+        if line[..name_end].ends_with("_created") {
+            continue;
+        }
+        // An exemplar follows " # " after the value.
+        let sample = line.split(" # ").next().unwrap_or(line);
+        out.push_str(sample);
+        out.push('\n');
+    }
+    out
+}
+
+/// The scrape body and content type for this `Accept` header, from the
+/// OpenMetrics text `om`.
+pub fn negotiate(accept: Option<&str>, om: String) -> (&'static str, String) {
+    if wants_openmetrics(accept) {
+        (CONTENT_TYPE, om)
+    } else {
+        (TEXT_CONTENT_TYPE, to_text_004(&om))
+    }
+}
 
 type Labels = Vec<(String, String)>;
 type BoxFuture<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send>>;
@@ -38,19 +134,43 @@ const MAX_METHODS: usize = 64;
 pub struct RpcMetrics {
     requests: Family<Labels, Counter>,
     latency: Family<Labels, Histogram>,
+    /// Per message of a streaming call (AllocateStream: per allocation,
+    /// commit, abort), which the per-call figures above count once.
+    stream_messages: Family<Labels, Counter>,
+    stream_latency: Family<Labels, Histogram>,
+    /// The allocator's per-vdev space counters (see [`RpcMetrics::vdev_space`]).
+    vdev_space: VdevSpace,
     methods: Mutex<HashSet<String>>,
+}
+
+/// Per-vdev counters of space given out and given back, as node_exporter's
+/// `zfs_*` counters are (so `rate()` works): bytes and extents committed
+/// (each copy of a block is an extent) and freed. Only the allocator fills
+/// them; an endpoint that never does exports none.
+#[derive(Default)]
+struct VdevSpace {
+    used: std::sync::atomic::AtomicBool,
+    alloc_bytes: Family<Labels, Counter>,
+    allocs: Family<Labels, Counter>,
+    free_bytes: Family<Labels, Counter>,
+    frees: Family<Labels, Counter>,
+}
+
+fn latency_histogram() -> Histogram {
+    // 100 µs .. ~105 s, x4 per bucket.
+    Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
+        1e-4, 4.0, 11,
+    ))
 }
 
 impl Default for RpcMetrics {
     fn default() -> Self {
         RpcMetrics {
             requests: Family::default(),
-            latency: Family::new_with_constructor(|| {
-                // 100 µs .. ~105 s, x4 per bucket.
-                Histogram::new(prometheus_client::metrics::histogram::exponential_buckets(
-                    1e-4, 4.0, 11,
-                ))
-            }),
+            latency: Family::new_with_constructor(latency_histogram),
+            stream_messages: Family::default(),
+            stream_latency: Family::new_with_constructor(latency_histogram),
+            vdev_space: VdevSpace::default(),
             methods: Mutex::new(HashSet::new()),
         }
     }
@@ -69,6 +189,75 @@ impl RpcMetrics {
             "Time from request headers to response headers, by method",
             self.latency.clone(),
         );
+        reg.register(
+            "aliquot_grpc_server_stream_messages",
+            "Messages answered on streaming calls, by method, operation (allocate, commit, abort, \
+             renew) and status code",
+            self.stream_messages.clone(),
+        );
+        reg.register(
+            "aliquot_grpc_server_stream_message_duration_seconds",
+            "Time from a stream message's arrival to its answer, by method and operation \
+             (throttle waits included)",
+            self.stream_latency.clone(),
+        );
+        let v = &self.vdev_space;
+        if v.used.load(std::sync::atomic::Ordering::Relaxed) {
+            reg.register(
+                "aliquot_vdev_alloc_bytes",
+                "Bytes of extents committed on the vdev since the allocator started",
+                v.alloc_bytes.clone(),
+            );
+            reg.register(
+                "aliquot_vdev_allocs",
+                "Extents committed on the vdev (one per copy of a block) since the allocator \
+                 started",
+                v.allocs.clone(),
+            );
+            reg.register(
+                "aliquot_vdev_free_bytes",
+                "Bytes of extents freed on the vdev (Free, and a move's source) since the \
+                 allocator started",
+                v.free_bytes.clone(),
+            );
+            reg.register(
+                "aliquot_vdev_frees",
+                "Extents freed on the vdev since the allocator started",
+                v.frees.clone(),
+            );
+        }
+    }
+
+    /// Extents of `bytes` in all committed (`freed` false) or freed on vdev
+    /// `vdev` (named `name`), `count` of them.
+    pub fn vdev_space(&self, vdev: u32, name: &str, bytes: u64, count: u64, freed: bool) {
+        let v = &self.vdev_space;
+        v.used.store(true, std::sync::atomic::Ordering::Relaxed);
+        let id = vdev.to_string();
+        let labels = l(&[("vdev", &id), ("name", name)]);
+        let (b, n) = if freed {
+            (&v.free_bytes, &v.frees)
+        } else {
+            (&v.alloc_bytes, &v.allocs)
+        };
+        b.get_or_create(&labels).inc_by(bytes);
+        n.get_or_create(&labels).inc_by(count);
+    }
+
+    /// One message of streaming call `method` (a gRPC path) answered:
+    /// operation `op` (a fixed name), gRPC status code number `code`.
+    pub fn observe_stream(&self, method: &str, op: &'static str, code: i32, took: Duration) {
+        let method = self.method_label(method);
+        self.stream_messages
+            .get_or_create(&l(&[
+                ("method", &method),
+                ("op", op),
+                ("code", code_name(&code.to_string())),
+            ]))
+            .inc();
+        self.stream_latency
+            .get_or_create(&l(&[("method", &method), ("op", op)]))
+            .observe(took.as_secs_f64());
     }
 
     fn method_label(&self, path: &str) -> String {
@@ -217,9 +406,15 @@ where
     let listener = guard(listener);
     let app = axum::Router::new().route(
         "/metrics",
-        get(move || {
+        get(move |headers: http::HeaderMap| {
             let rpc = rpc.clone();
-            async move { ([(http::header::CONTENT_TYPE, CONTENT_TYPE)], rpc.render()) }
+            async move {
+                let accept = headers
+                    .get(http::header::ACCEPT)
+                    .and_then(|v| v.to_str().ok());
+                let (ct, body) = negotiate(accept, rpc.render());
+                ([(http::header::CONTENT_TYPE, ct)], body)
+            }
         }),
     );
     tokio::spawn(async move {
@@ -262,5 +457,27 @@ mod tests {
         let t = m.render();
         assert!(t.contains("aliquot_grpc_server_requests_total{method=\"/aliquot.v1.Allocator/Allocate\",code=\"UNAVAILABLE\"} 1"), "{t}");
         assert!(t.ends_with("# EOF\n"), "{t}");
+        let p = to_text_004(&t);
+        assert!(
+            p.contains("# HELP aliquot_grpc_server_requests_total gRPC calls")
+                && p.contains("# TYPE aliquot_grpc_server_requests_total counter")
+                && p.contains("# TYPE aliquot_grpc_server_duration_seconds histogram")
+                && !p.contains("# EOF"),
+            "{p}"
+        );
+    }
+
+    #[test]
+    fn accept_negotiation() {
+        // What Prometheus 2.x sends.
+        let prom = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;\
+                    version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
+        assert!(wants_openmetrics(Some(prom)));
+        assert!(!wants_openmetrics(Some("text/plain;version=0.0.4")));
+        assert!(!wants_openmetrics(Some("*/*")));
+        assert!(!wants_openmetrics(None));
+        assert!(!wants_openmetrics(Some(
+            "application/openmetrics-text;q=0.2,text/plain;q=0.9"
+        )));
     }
 }

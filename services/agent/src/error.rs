@@ -24,6 +24,13 @@ pub enum AgentError {
     },
     #[error("the agent is shutting down")]
     ShuttingDown,
+    /// The allocator removed this vdev (`aliquotctl vdev remove`): the agent
+    /// stopped, as there is nothing left for it to serve.
+    #[error(
+        "this vdev was removed from the pool (aliquotctl vdev remove); the agent stopped: \
+         its device can join a pool again only with a new file or a wiped label"
+    )]
+    Removed,
     /// Writes need the pool and generation the allocator gives at registration.
     #[error(
         "the agent has not registered with the allocator yet: writes wait for its pool and generation; retry"
@@ -85,6 +92,7 @@ impl From<AgentError> for Status {
             // The device itself failed: another copy or vdev may serve.
             AgentError::Io { .. } => Status::unavailable(msg),
             AgentError::ShuttingDown
+            | AgentError::Removed
             | AgentError::NotRegistered
             | AgentError::TokenKeyUnknown { .. } => Status::unavailable(msg),
             AgentError::BodyTimeout(_) => Status::with_error_details(

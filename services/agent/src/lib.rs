@@ -107,6 +107,8 @@ pub async fn serve(
             }
         }));
     }
+    // Notified when the allocator says this vdev was removed: stop serving.
+    let removed = std::sync::Arc::new(tokio::sync::Notify::new());
     if config.registers() {
         tasks.push(tokio::spawn(registration::run(
             agent.clone(),
@@ -114,6 +116,7 @@ pub async fn serve(
             endpoint,
             config.tls.files(),
             stop_rx.clone(),
+            removed.clone(),
         )));
     } else {
         tracing::info!("--allocator none: not registering");
@@ -133,9 +136,18 @@ pub async fn serve(
     // Graceful stop, bounded: an idle client that never closes its
     // connection must not keep the agent (and its device) alive.
     let (signalled_tx, signalled_rx) = tokio::sync::oneshot::channel::<()>();
-    let shutdown = async move {
-        shutdown.await;
-        let _ = signalled_tx.send(());
+    let was_removed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let shutdown = {
+        let (removed, was_removed) = (removed.clone(), was_removed.clone());
+        async move {
+            tokio::select! {
+                _ = shutdown => {}
+                _ = removed.notified() => {
+                    was_removed.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+            let _ = signalled_tx.send(());
+        }
     };
     // Mutual TLS, or plaintext only when --insecure was given (logged).
     // Writers give up on a stalled agent stream by stream (their deadline
@@ -232,6 +244,9 @@ pub async fn serve(
     agent.shutdown().await;
     served?;
     flushed?;
+    if was_removed.load(std::sync::atomic::Ordering::Relaxed) {
+        return Err(AgentError::Removed.into());
+    }
     tracing::info!("vdev agent stopped");
     Ok(())
 }

@@ -26,12 +26,26 @@ const DEFAULT_INTERVAL: Duration = Duration::from_secs(1);
 struct Ended {
     why: String,
     leader: Option<String>,
+    /// The allocator removed this vdev (`aliquotctl vdev remove`): there
+    /// is nothing left to register for.
+    removed: bool,
 }
 
 impl From<String> for Ended {
     fn from(why: String) -> Ended {
-        Ended { why, leader: None }
+        Ended {
+            why,
+            leader: None,
+            removed: false,
+        }
     }
+}
+
+/// Whether a refusal says the vdev was removed from the pool.
+fn is_removed(s: &tonic::Status) -> bool {
+    use tonic_types::StatusExt;
+    s.get_details_error_info()
+        .is_some_and(|i| i.reason == "VDEV_REMOVED")
 }
 
 impl From<&str> for Ended {
@@ -50,13 +64,15 @@ fn leader_of(s: &tonic::Status) -> Option<String> {
         .filter(|l| !l.is_empty())
 }
 
-/// Register and report until `stop` turns true.
+/// Register and report until `stop` turns true, or until the allocator
+/// says the vdev was removed: then `removed` is notified (the agent stops).
 pub async fn run(
     agent: Agent,
     allocators: Vec<String>,
     endpoint: String,
     tls: Option<aliquot_auth::TlsFiles>,
     mut stop: watch::Receiver<bool>,
+    removed: std::sync::Arc<tokio::sync::Notify>,
 ) {
     let mut backoff = BACKOFF_START;
     let mut failures: u32 = 0;
@@ -68,7 +84,16 @@ pub async fn run(
             r = session(&agent, &allocator, allocators.len() > 1, &endpoint, tls.as_ref(), &mut registered) => r,
             _ = stop.wait_for(|s| *s) => return,
         };
-        let Err(Ended { why: e, leader }) = result;
+        let Err(Ended {
+            why: e,
+            leader,
+            removed: gone,
+        }) = result;
+        if gone {
+            tracing::error!(allocator = %allocator, error = %e, "this vdev was removed from the pool (aliquotctl vdev remove): stopping the agent");
+            removed.notify_one();
+            return;
+        }
         // Next: the leader a standby named, else the next allocator given.
         if let Some(l) = leader.filter(|l| *l != allocator) {
             tracing::info!(from = %allocator, to = %l, "following NOT_LEADER to the leader");
@@ -168,6 +193,7 @@ async fn session(
             Ended {
                 why: e,
                 leader: leader_of(&s),
+                removed: is_removed(&s),
             }
         })?
         .into_inner();
@@ -248,6 +274,7 @@ async fn session(
                     return Err(Ended {
                         why: format!("report stream: {}: {}", s.code(), s.message()),
                         leader: leader_of(&s),
+                        removed: is_removed(&s),
                     })
                 }
             },

@@ -40,6 +40,18 @@ pub enum Error {
         asked: u64,
         quota: u64,
     },
+    /// The normal class has no room for the request above its slop
+    /// reserve: a pool can be "full" well below 100 % (spec §5.6, OpenZFS's
+    /// spa_get_slop_space, which keeps at least 128 MiB or half the pool).
+    #[error("{}", full_message(*.size, *.copies, *.space, *.alloc, *.slop, *.deferred))]
+    PoolFull {
+        size: u64,
+        copies: u8,
+        space: u64,
+        alloc: u64,
+        slop: u64,
+        deferred: u64,
+    },
     /// An allocation in a pool that has no vdev at all.
     #[error(
         "the pool has no vdevs yet: start an agent for each device (aliquot-agent --allocator \
@@ -169,6 +181,38 @@ fn fmt_extents(v: &[metaslab::Extent]) -> String {
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// NO_SPACE for data: what is free, how much of it is the slop reserve,
+/// and what helps.
+fn full_message(size: u64, copies: u8, space: u64, alloc: u64, slop: u64, deferred: u64) -> String {
+    let b = units::format_bytes;
+    let free = space.saturating_sub(alloc);
+    let usable = free.saturating_sub(slop);
+    let mut m = format!(
+        "no space for {} x{copies}: the pool is full for data: {} free of {} ({:.0} % used), \
+         but {} of the free space is the slop reserve (1/2^spa_slop_shift of the pool, at least \
+         min(128 MiB, half the pool), kept back as OpenZFS's spa_get_slop_space does), so {} is \
+         usable",
+        b(size),
+        b(free),
+        b(space),
+        if space == 0 {
+            100.0
+        } else {
+            alloc as f64 * 100.0 / space as f64
+        },
+        b(slop),
+        b(usable)
+    );
+    if deferred > 0 {
+        m.push_str(&format!(
+            "; {} freed in the last txgs becomes usable once 2 more txgs sync",
+            b(deferred)
+        ));
+    }
+    m.push_str("; free blocks (`aliquotctl free`) or add a vdev");
+    m
+}
+
 impl Error {
     pub fn code(&self) -> Code {
         use metaslab::Error as M;
@@ -213,6 +257,7 @@ impl Error {
             | Error::NotOwnerDevice { .. }
             | Error::NotOwnerExtent { .. } => Code::PermissionDenied,
             Error::ShuttingDown | Error::NotLeader { .. } | Error::NoVdevs => Code::Unavailable,
+            Error::PoolFull { .. } => Code::ResourceExhausted,
             Error::NoStandby | Error::ClaimGivenOut(_) => Code::FailedPrecondition,
             Error::PoolDegraded(_) | Error::RelocationConflict { .. } => Code::FailedPrecondition,
             Error::Store(_) => Code::Internal,
@@ -355,6 +400,23 @@ impl Error {
             Error::ShuttingDown => (ErrorReason::ShuttingDown, vec![]),
             Error::NoStandby => (ErrorReason::NoStandby, vec![]),
             Error::NoVdevs => (ErrorReason::VdevsOffline, vec![("vdevs", "0".into())]),
+            Error::PoolFull {
+                space, alloc, slop, ..
+            } => (
+                ErrorReason::NoSpace,
+                vec![
+                    ("space", space.to_string()),
+                    ("alloc", alloc.to_string()),
+                    ("slop", slop.to_string()),
+                    (
+                        "usable",
+                        space
+                            .saturating_sub(*alloc)
+                            .saturating_sub(*slop)
+                            .to_string(),
+                    ),
+                ],
+            ),
             Error::LeaseLifetime { id, lifetime_ms } => (
                 ErrorReason::LeaseLifetime,
                 vec![

@@ -526,8 +526,12 @@ where
         )));
     }
 
+    let rpc = Arc::new(telemetry::rpc_metrics::RpcMetrics::default());
+    // Per-vdev space counters on the allocator's /metrics.
+    shared.lock().rpc = Some(rpc.clone());
     let alloc_svc = service::AllocatorService {
         shared: shared.clone(),
+        rpc: rpc.clone(),
     };
     let reg_svc = registry::RegistryService {
         shared: shared.clone(),
@@ -546,7 +550,6 @@ where
         }
         None => aliquot_auth::RoleLayer::insecure(),
     };
-    let rpc = Arc::new(telemetry::rpc_metrics::RpcMetrics::default());
     let prometheus = match config.prometheus_listen {
         Some(a) => Some(
             telemetry::rpc_metrics::serve(a, rpc.clone(), |l| {

@@ -30,6 +30,8 @@ pub const ZFS_TXG_TIMEOUT: &str = "zfs_txg_timeout";
 #[derive(Clone)]
 pub struct AllocatorService {
     pub shared: Arc<Shared>,
+    /// The server's gRPC metrics: AllocateStream counts each message.
+    pub rpc: Arc<telemetry::rpc_metrics::RpcMetrics>,
 }
 
 /// [`parse_request`], then the caller's leased-bytes quota.
@@ -557,6 +559,11 @@ impl Allocator for AllocatorService {
         let mut inbound = req.into_inner();
         let (tx, rx) = mpsc::channel(1024);
         let svc = self.clone();
+        // Per-message metrics: each request's arrival, until its reply.
+        let arrived: Arc<
+            std::sync::Mutex<std::collections::HashMap<u64, (Instant, &'static str)>>,
+        > = Default::default();
+        let seen = arrived.clone();
         tokio::spawn(
             async move {
                 loop {
@@ -566,7 +573,20 @@ impl Allocator for AllocatorService {
                         _ = svc.shared.stopping() => break,
                     };
                     match next {
-                        Some(Ok(r)) => stream_op(&svc, r, &tx, who.as_ref()).await,
+                        Some(Ok(r)) => {
+                            use pb::stream_request::Op;
+                            let op = match &r.op {
+                                Some(Op::Allocate(_)) => "allocate",
+                                Some(Op::Commit(_)) => "commit",
+                                Some(Op::Abort(_)) => "abort",
+                                Some(Op::Renew(_)) => "renew",
+                                None => "none",
+                            };
+                            seen.lock()
+                                .unwrap_or_else(|p| p.into_inner())
+                                .insert(r.request_id, (Instant::now(), op));
+                            stream_op(&svc, r, &tx, who.as_ref()).await
+                        }
                         Some(Err(status)) => {
                             tracing::debug!(%status, "allocate stream ended by the client");
                             break;
@@ -577,7 +597,28 @@ impl Allocator for AllocatorService {
             }
             .in_current_span(),
         );
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        let rpc = self.rpc.clone();
+        let replies = ReceiverStream::new(rx).map(move |item| {
+            if let Ok(rep) = &item
+                && let Some((at, op)) = arrived
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .remove(&rep.request_id)
+            {
+                let code = match &rep.result {
+                    Some(pb::stream_reply::Result::Error(e)) => e.code,
+                    _ => 0,
+                };
+                rpc.observe_stream(
+                    "/aliquot.v1.Allocator/AllocateStream",
+                    op,
+                    code,
+                    at.elapsed(),
+                );
+            }
+            item
+        });
+        Ok(Response::new(Box::pin(replies)))
     }
 
     #[tracing::instrument(skip_all, fields(ids = req.get_ref().allocation_ids.len(), wait_synced = req.get_ref().wait_synced, txg))]

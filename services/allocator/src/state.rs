@@ -78,6 +78,9 @@ pub struct Inner {
     reloc_tickets: HashMap<Ticket, RelocateIntent>,
     /// Events since the last metrics snapshot.
     pub events: Vec<pb::PoolEvent>,
+    /// The server's metrics, for the per-vdev space counters (none in
+    /// tests that build the state alone).
+    pub rpc: Option<std::sync::Arc<telemetry::rpc_metrics::RpcMetrics>>,
     /// Committed ids → their txg, kept until that txg synced plus
     /// `COMMIT_MEMORY_TXGS`, so a repeated Commit gets the first answer.
     committed: HashMap<AllocationId, Txg>,
@@ -123,6 +126,7 @@ impl Inner {
             pending_vdevs: Vec::new(),
             pending_vdev_states: Vec::new(),
             relocations: Relocations::default(),
+            rpc: None,
             reloc_tickets: HashMap::new(),
             events: Vec::new(),
             committed: HashMap::new(),
@@ -203,10 +207,34 @@ impl Inner {
         }
     }
 
-    /// A pool with no vdev at all is not "full": say what it lacks.
+    /// A pool with no vdev at all is not "full": say what it lacks; a full
+    /// one says how much is free and how much of that is slop.
     fn no_vdevs_or(&self, e: metaslab::Error) -> Error {
-        if matches!(e, metaslab::Error::NoSpace { .. }) && self.pool.stats().vdevs.is_empty() {
-            return Error::NoVdevs;
+        if let metaslab::Error::NoSpace {
+            size,
+            copies,
+            reason,
+        } = e
+        {
+            let st = self.pool.stats();
+            if st.vdevs.is_empty() {
+                return Error::NoVdevs;
+            }
+            if reason == metaslab::NoSpaceReason::Full
+                && let Some(c) = st
+                    .classes
+                    .iter()
+                    .find(|c| c.kind == metaslab::ClassKind::Normal)
+            {
+                return Error::PoolFull {
+                    size,
+                    copies,
+                    space: c.space,
+                    alloc: c.alloc,
+                    slop: st.slop,
+                    deferred: c.deferred,
+                };
+            }
         }
         e.into()
     }
@@ -232,6 +260,21 @@ impl Inner {
 
     /// Commit, recording `owner` (the committing identity) as the owner of
     /// the extents; a relocation's new extent keeps its source's owner.
+    /// Per-vdev counters of `extents` committed or freed.
+    fn count_space(&self, extents: &[Extent], freed: bool) {
+        let Some(rpc) = &self.rpc else { return };
+        let mut per: BTreeMap<VdevId, (u64, u64)> = BTreeMap::new();
+        for e in extents {
+            let x = per.entry(e.vdev).or_default();
+            x.0 += e.size;
+            x.1 += 1;
+        }
+        for (v, (bytes, n)) in per {
+            let name = self.vdevs.get(&v).map_or("", |i| i.name.as_str());
+            rpc.vdev_space(v, name, bytes, n, freed);
+        }
+    }
+
     pub fn commit_as(&mut self, ids: &[AllocationId], owner: Option<&str>) -> Result<Txg> {
         if ids.is_empty() {
             return Err(Error::InvalidArgument("no allocation ids given".into()));
@@ -260,6 +303,7 @@ impl Inner {
         if !sources.is_empty() {
             let extents: Vec<Extent> = sources.iter().map(|(_, e)| *e).collect();
             let t = self.pool.free(&extents)?;
+            self.count_space(&extents, true);
             for e in extents {
                 self.recent_frees.insert(e, t);
             }
@@ -272,6 +316,7 @@ impl Inner {
             }
             let extents = self.pool.extents_of(*id)?;
             let t = self.pool.commit(*id)?;
+            self.count_space(&extents, false);
             match (moved.get(id), owner) {
                 (Some(from), _) => self.extent_owners.moved(from, &extents),
                 (None, Some(o)) => self.extent_owners.committed(o, &extents),
@@ -393,6 +438,7 @@ impl Inner {
         }
         match self.pool.free(extents) {
             Ok(txg) => {
+                self.count_space(extents, true);
                 self.extent_owners.freed(extents);
                 for e in extents {
                     self.recent_frees.insert(*e, txg);

@@ -232,8 +232,8 @@ pub async fn vdev(args: VdevArgs) -> anyhow::Result<()> {
             );
             print!("{}", crate::balancer::render_plan(&pool, &p, 5));
             println!(
-                "(each plan moves at most --max-misplaced of the pool; `balancer execute --manifest \
-                 FILE --drain {name}` carries the plans out, `vdev remove {name}` ends the drain \
+                "(each plan moves at most --max-misplaced of the pool; `balancer execute --drain \
+                 {name}` carries the plans out for the blocks of the manifests `write` recorded, `vdev remove {name}` ends the drain \
                  once it is empty; `vdev online {name}` stops draining)"
             );
             return Ok(());

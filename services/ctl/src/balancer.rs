@@ -31,8 +31,8 @@ pub enum BalancerCmd {
         #[arg(long, env = "ALIQUOT_JSON")]
         json: bool,
     },
-    /// Carry out rebalance plans for the blocks of a manifest (`write
-    /// --manifest`): each move copies a block to its new extent and commits
+    /// Carry out rebalance plans for the blocks of the manifests (those
+    /// `write` records in aliquot-data/manifests, or --manifest): each move copies a block to its new extent and commits
     /// it (the old extent is freed in the same txg), at most --rate, plan
     /// after plan until the score reaches --target-score. Interrupted (even
     /// by kill -9), run it again: it settles what was in flight first.
@@ -44,8 +44,9 @@ pub enum BalancerCmd {
         #[arg(long, env = "ALIQUOT_JSON")]
         json: bool,
     },
-    /// Read every block of a manifest back and compare it with what was
-    /// written; --exclusive also checks that no space leaked.
+    /// Read every block of the manifests back and compare it with what was
+    /// written; --exclusive also checks that they account for every
+    /// allocated byte.
     Verify(crate::mover::VerifyManifestArgs),
     /// A bounded rebalance plan from the allocator: which committed extents
     /// to move off over-full vdevs, to which vdev, and the score after.
@@ -82,6 +83,16 @@ pub async fn run(args: BalancerArgs) -> anyhow::Result<()> {
             } else {
                 print!("{}", crate::mover::render_execute(&r));
             }
+            if !r.left.is_empty() {
+                anyhow::bail!(
+                    "the drain did not empty {}",
+                    r.left
+                        .iter()
+                        .map(|l| vdev_label(l.vdev, &l.name))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+            }
             return Ok(());
         }
         BalancerCmd::Verify(v) => {
@@ -90,7 +101,8 @@ pub async fn run(args: BalancerArgs) -> anyhow::Result<()> {
                 println!("{}", serde_json::to_string_pretty(&r)?);
             } else {
                 println!(
-                    "{} blocks, {} copies, {} of data: all intact{}{}",
+                    "{} manifests, {} blocks, {} copies, {} of data: all intact{}{}",
+                    r.manifests,
                     r.blocks,
                     r.copies,
                     short(r.bytes),

@@ -101,7 +101,23 @@ fn endpoint(tls: &ClientTls, url: &str, server: Role) -> anyhow::Result<Endpoint
 /// (fails fast with an operator-readable message).
 pub async fn channel(tls: &ClientTls, url: &str, server: Role) -> anyhow::Result<Channel> {
     let url = tls.url(url);
+    if !tls.is_tls() && speaks_tls(&url).await {
+        anyhow::bail!(
+            "{url} speaks TLS and this client plaintext (--insecure): drop --insecure and give \
+             the pool's certificates (--certs-dir, as `aliquotctl up` printed, or \
+             --ca/--cert/--key)"
+        );
+    }
     endpoint(tls, &url, server)?.connect().await.map_err(|e| {
+        let chain = error_chain(&e);
+        // rustls reading a plaintext HTTP/2 answer where a TLS record
+        // should be: the server is plaintext.
+        if tls.is_tls() && chain.contains("InvalidContentType") {
+            return anyhow::anyhow!(
+                "cannot reach {url}: it speaks plaintext, not TLS (a pool started with \
+                 --insecure): add --insecure"
+            );
+        }
         let hint = if tls.is_tls() {
             "is the pool up, and with TLS? a pool started with --insecure needs --insecure here"
         } else {
@@ -109,6 +125,48 @@ pub async fn channel(tls: &ClientTls, url: &str, server: Role) -> anyhow::Result
         };
         anyhow::anyhow!("cannot reach {url}: {} ({hint})", error_chain(&e))
     })
+}
+
+/// Whether the server at `url` answers an HTTP/2 preface with a TLS record
+/// (a TLS server's alert, content type 0x15): a plaintext client would
+/// otherwise see "h2 protocol error" or "operation was canceled" on its
+/// first call, depending on timing. Anything else (an h2 SETTINGS frame, no
+/// answer, a refused connection) is left to the real connection.
+async fn speaks_tls(url: &str) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let hostport = url
+        .split_once("://")
+        .map_or(url, |(_, r)| r)
+        .trim_end_matches('/');
+    let t = Duration::from_secs(2);
+    let Ok(Ok(mut s)) = tokio::time::timeout(t, tokio::net::TcpStream::connect(hostport)).await
+    else {
+        return false;
+    };
+    // The client preface and an empty SETTINGS frame.
+    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    hello.extend_from_slice(&[0, 0, 0, 4, 0, 0, 0, 0, 0]);
+    if s.write_all(&hello).await.is_err() {
+        return false;
+    }
+    let mut first = [0u8; 2];
+    matches!(
+        tokio::time::timeout(t, s.read_exact(&mut first)).await,
+        Ok(Ok(_)) if first == [0x15, 0x03]
+    )
+}
+
+/// An agent whose advertised host does not resolve here: retrying cannot
+/// help (a compose stack's agents advertise names only its network knows).
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "agent {url} advertises host {host:?}, which does not resolve here: from outside its \
+     network (e.g. a compose stack from the host) give --agent-host 127.0.0.1 to reach the \
+     agents' published ports"
+)]
+pub struct Unresolvable {
+    pub url: String,
+    pub host: String,
 }
 
 /// tonic's transport error says "transport error"; the cause (refused,
@@ -190,7 +248,23 @@ impl Agents {
             Some(h) => with_host(url, h),
             None => url.to_string(),
         };
-        let c = channel(&self.tls, &target, Role::Agent).await?;
+        let c = match channel(&self.tls, &target, Role::Agent).await {
+            Ok(c) => c,
+            Err(e) if self.host.is_none() && e.to_string().contains("dns error") => {
+                let host = url
+                    .split_once("://")
+                    .map_or(url, |(_, r)| r)
+                    .rsplit_once(':')
+                    .map_or(url, |(h, _)| h)
+                    .to_string();
+                return Err(Unresolvable {
+                    url: url.to_string(),
+                    host,
+                }
+                .into());
+            }
+            Err(e) => return Err(e),
+        };
         let mut map = self.inner.write().expect("agents lock");
         Ok(map.entry(url.to_string()).or_insert(c).clone())
     }
@@ -317,6 +391,15 @@ impl Decoder for ReplyDecoder {
 pub fn status_msg(what: &str, s: &tonic::Status) -> anyhow::Error {
     // A plaintext client speaking to a TLS server (or the reverse) sees the
     // connection drop mid-call, with nothing in the message to say why.
+    // A plaintext client's HTTP/2 preface sent to a TLS server: the server
+    // answers with a TLS alert, which h2 reads as a protocol error.
+    if s.message().contains("h2 protocol error") {
+        return anyhow::anyhow!(
+            "{what}: the server speaks TLS and this client plaintext (--insecure): drop \
+             --insecure and give the pool's certificates (--certs-dir, as `aliquotctl up` \
+             printed, or --ca/--cert/--key)"
+        );
+    }
     let broken = matches!(s.code(), tonic::Code::Cancelled | tonic::Code::Unknown)
         && (s.message().contains("canceled") || s.message().contains("transport error"));
     let hint = if broken {

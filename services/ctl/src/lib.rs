@@ -10,6 +10,7 @@ pub mod balancer;
 pub mod certs;
 pub mod client;
 pub mod demo;
+pub mod free;
 pub mod health;
 pub mod history;
 pub mod leader;
@@ -60,6 +61,9 @@ pub enum Cmd {
     Tunables(admin::TunablesArgs),
     /// A vdev by name or id: offline (not allocatable), online, drain, remove, expand.
     Vdev(admin::VdevArgs),
+    /// Free every block the manifests list (default: every run `write`
+    /// recorded in aliquot-data/manifests) and remove them.
+    Free(free::FreeArgs),
     /// Balance history from the metrics service (table or SVG).
     History(history::Args),
     /// Start a local pool, fill half of it, show status and the balance chart, stop.
@@ -119,6 +123,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Allocator(a) => allocators::run(a).await,
         Cmd::Certs(a) => certs::run(a),
         Cmd::Balancer(a) => balancer::run(a).await,
+        Cmd::Free(a) => free::run(a).await,
     }
 }
 

@@ -75,6 +75,11 @@ pub struct PoolArgs {
         default_value = "127.0.0.1:7180"
     )]
     pub metrics_http_listen: SocketAddr,
+    /// Serve the allocator's and each agent's gRPC metrics as Prometheus
+    /// `/metrics` on this address (a port each: `up` prints them), e.g.
+    /// 127.0.0.1. The metrics service's pool gauges are on its charts port.
+    #[arg(long, env = "ALIQUOT_PROMETHEUS_LISTEN")]
+    pub prometheus_listen: Option<std::net::IpAddr>,
     /// Allocator tunable NAME=VALUE (repeatable), e.g. metaslab_perf_bias=0.
     #[arg(long, env = "ALIQUOT_TUNABLE", value_delimiter = ',')]
     pub tunable: Vec<String>,
@@ -175,6 +180,8 @@ pub struct LocalPool {
     pub metrics_url: Option<String>,
     pub metrics_http: Option<SocketAddr>,
     pub agents: Vec<AgentInfo>,
+    /// With --prometheus-listen: (child, its /metrics address).
+    pub prometheus: Vec<(String, SocketAddr)>,
     /// How clients reach this pool: the operator's certificate, or plaintext.
     pub tls: aliquot_auth::ClientTls,
     deaths: mpsc::UnboundedReceiver<(String, ExitStatus)>,
@@ -244,6 +251,7 @@ impl LocalPool {
             metrics_url: None,
             metrics_http: None,
             agents: Vec::new(),
+            prometheus: Vec::new(),
             tls,
             deaths,
             deaths_tx,
@@ -319,6 +327,21 @@ impl LocalPool {
             ]);
         }
         aargs.extend(self.security_flags(aliquot_auth::Role::Allocator, "allocator")?);
+        let prom: Vec<String> = args
+            .prometheus_listen
+            .map(|ip| {
+                vec![
+                    "--prometheus-listen".into(),
+                    SocketAddr::new(ip, 0).to_string(),
+                ]
+            })
+            .unwrap_or_default();
+        let kinds: &[&str] = if prom.is_empty() {
+            &["grpc"]
+        } else {
+            &["grpc", "prometheus"]
+        };
+        aargs.extend(prom.iter().cloned());
         if args.ha {
             // 0 (ephemeral, or the port is taken): a free one, picked
             // again if another process takes it before PostgreSQL binds.
@@ -338,8 +361,11 @@ impl LocalPool {
             self.postgres = Some((pg, url));
         }
         let a = self
-            .spawn("allocator", Role::Allocator, &aargs, &["grpc"])
+            .spawn("allocator", Role::Allocator, &aargs, kinds)
             .await?;
+        if let Some(p) = a.get(1) {
+            self.prometheus.push(("allocator".into(), *p));
+        }
         self.allocator_addr = a[0];
         self.allocator_url = format!("{}://{}", self.scheme(), a[0]);
         if args.ha {
@@ -355,8 +381,11 @@ impl LocalPool {
             // The standby: the same flags on another port.
             let bargs = pin(&aargs, SocketAddr::from(([127, 0, 0, 1], 0)));
             let b = self
-                .spawn("allocator-b", Role::Allocator, &bargs, &["grpc"])
+                .spawn("allocator-b", Role::Allocator, &bargs, kinds)
                 .await?;
+            if let Some(p) = b.get(1) {
+                self.prometheus.push(("allocator-b".into(), *p));
+            }
             self.ha_allocators
                 .push(("allocator-b".into(), pin(&bargs, b[0])));
             self.allocator_url = format!("{},{}://{}", self.allocator_url, self.scheme(), b[0]);
@@ -410,6 +439,7 @@ impl LocalPool {
                 cap.to_string(),
             ];
             fa.extend(extra);
+            fa.extend(prom.iter().cloned());
             fa.extend(self.security_flags(aliquot_auth::Role::Agent, &name)?);
             starts.push((name, kind, cap, path, fa));
         }
@@ -418,8 +448,11 @@ impl LocalPool {
         // order given (file0 is vdev 0). It costs a registration round trip
         // per agent at start.
         for (name, kind, cap, path, fa) in starts {
-            let (child, addrs) = self.spawn_child(&name, Role::Agent, &fa, &["grpc"]).await?;
+            let (child, addrs) = self.spawn_child(&name, Role::Agent, &fa, kinds).await?;
             self.children.push(child);
+            if let Some(p) = addrs.get(1) {
+                self.prometheus.push((name.clone(), *p));
+            }
             self.agents.push(AgentInfo {
                 name,
                 kind,
@@ -640,6 +673,25 @@ impl LocalPool {
 
     /// A line for each normal vdev without an embedded log metaslab, saying
     /// why (too few metaslabs) and what would give it one.
+    /// A `write --total` that fits this pool: the largest power of two
+    /// (at least 1 MiB, at most 1 GiB) no more than half of what data may
+    /// use (the normal class's free space less the slop reserve).
+    pub async fn suggested_total(&self) -> anyhow::Result<u64> {
+        let mut c = client::allocator(&self.tls, &self.allocator_url).await?;
+        let st = c
+            .get_pool(GetPoolRequest {})
+            .await
+            .map_err(|s| client::status_msg("get pool", &s))?
+            .into_inner();
+        let usable = st
+            .classes
+            .iter()
+            .find(|c| c.name == "normal")
+            .map_or(0, |c| c.space.saturating_sub(c.alloc))
+            .saturating_sub(st.slop_space);
+        Ok(fitting_total(usable))
+    }
+
     pub async fn embedded_log_notes(&self) -> anyhow::Result<Vec<String>> {
         let mut c = client::allocator(&self.tls, &self.allocator_url).await?;
         let st = c
@@ -779,7 +831,13 @@ impl LocalPool {
             );
         }
         if let (Some(m), Some(h)) = (&self.metrics_url, self.metrics_http) {
-            let _ = writeln!(s, "  metrics    {m}   charts http://{h}/");
+            let _ = writeln!(
+                s,
+                "  metrics    {m}   charts http://{h}/   Prometheus http://{h}/metrics"
+            );
+        }
+        for (name, a) in &self.prometheus {
+            let _ = writeln!(s, "  prometheus {name:<11} http://{a}/metrics");
         }
         for a in &self.agents {
             let _ = writeln!(
@@ -918,7 +976,11 @@ pub async fn up(args: PoolArgs) -> anyhow::Result<()> {
             hint.push_str(&format!(" --certs-dir {}", certs.display()));
         }
     }
-    println!("try: aliquotctl status{hint}   aliquotctl write{hint} --total 1GiB --verify");
+    let total = pool.suggested_total().await.unwrap_or(64 << 20);
+    println!(
+        "try: aliquotctl status{hint}   aliquotctl write{hint} --total {}MiB --verify",
+        total >> 20
+    );
     println!("Ctrl-C stops the pool.");
     // Machine-readable, last, once everything is ready (tests wait for these).
     println!("LISTEN grpc {}", pool.allocator_addr);
@@ -936,6 +998,14 @@ pub async fn up(args: PoolArgs) -> anyhow::Result<()> {
             _ = int.recv() => break,
             Some((name, st)) = pool.next_exit() => {
                 let log = pool.log_of(&name).map(tail_note).unwrap_or_default();
+                if log.contains("this vdev was removed from the pool") {
+                    // `vdev remove`: the agent stops by design; the pool goes on.
+                    eprintln!(
+                        "aliquotctl: {name} stopped: its vdev was removed from the pool \
+                         (aliquotctl vdev remove); the other children keep running"
+                    );
+                    continue;
+                }
                 eprintln!("aliquotctl: {name} exited ({st}); {log}");
                 if pool.is_allocator(&name) {
                     match pool.restart_ha_allocator(&name).await {
@@ -1006,5 +1076,25 @@ mod tests {
         );
         assert!(parse_sim("hdd:4GiB").is_err());
         assert!(parse_sim("hdd:lots:1MiB/s").is_err());
+    }
+}
+
+/// The `--total` `up` suggests for `usable` bytes of data space: the
+/// largest power of two at most half of it, within 1 MiB ..= 1 GiB.
+pub fn fitting_total(usable: u64) -> u64 {
+    let half = (usable / 2).max(1 << 20);
+    (1u64 << (63 - half.leading_zeros())).min(1 << 30)
+}
+
+#[cfg(test)]
+mod total_tests {
+    #[test]
+    fn the_suggested_total_fits_the_pool() {
+        const MIB: u64 = 1 << 20;
+        // 512 MiB pool: slop 128 MiB, 384 MiB usable.
+        assert_eq!(super::fitting_total(384 * MIB), 128 * MIB);
+        // up's default 7 GiB pool.
+        assert_eq!(super::fitting_total(6 * 1024 * MIB), 1024 * MIB);
+        assert_eq!(super::fitting_total(0), MIB);
     }
 }

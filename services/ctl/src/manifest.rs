@@ -389,6 +389,100 @@ impl Manifest {
     }
 }
 
+/// Where `write` records its manifests by default: `manifests/` beside the
+/// certificates `up` made (`aliquot-data/manifests` for the default
+/// `--certs-dir aliquot-data/certs`), so every command finds them without a
+/// flag.
+pub fn default_dir(certs_dir: &Path) -> PathBuf {
+    certs_dir
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
+        .join("manifests")
+}
+
+/// The manifest files `paths` name: a file is itself, a directory is every
+/// `*.jsonl` file in it (sorted; hidden and `.freeing` files are not
+/// manifests). A missing directory holds none.
+pub fn expand(paths: &[PathBuf]) -> Result<Vec<PathBuf>, ManifestError> {
+    let mut out = Vec::new();
+    for p in paths {
+        if p.is_dir() {
+            let io = |err| ManifestError::Io {
+                path: p.display().to_string(),
+                err,
+            };
+            let mut files: Vec<PathBuf> = std::fs::read_dir(p)
+                .map_err(io)?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|f| {
+                    f.is_file()
+                        && f.extension().is_some_and(|x| x == "jsonl")
+                        && !f
+                            .file_name()
+                            .is_some_and(|n| n.to_string_lossy().starts_with('.'))
+                })
+                .collect();
+            files.sort();
+            out.extend(files);
+        } else if p.exists() {
+            out.push(p.clone());
+        } else {
+            return Err(ManifestError::Io {
+                path: p.display().to_string(),
+                err: std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or directory"),
+            });
+        }
+    }
+    out.dedup();
+    Ok(out)
+}
+
+/// Every manifest `paths` name (see [`expand`]), loaded. A file given by
+/// name must be of pool `pool_guid`; in a directory, manifests of another
+/// pool (an earlier `up` whose data dir was reused) are skipped, and said so
+/// on stderr.
+pub fn load_all(paths: &[PathBuf], pool_guid: u64) -> anyhow::Result<Vec<Manifest>> {
+    let mut out = Vec::new();
+    let mut skipped = Vec::new();
+    for p in paths {
+        let in_dir = p.is_dir();
+        for f in expand(std::slice::from_ref(p))? {
+            let m = Manifest::load(&f)?;
+            if m.header.pool_guid != pool_guid {
+                if in_dir {
+                    skipped.push(f.display().to_string());
+                    continue;
+                }
+                anyhow::bail!(
+                    "manifest {} is of pool {:#x}, but the allocator serves pool {:#x}",
+                    f.display(),
+                    m.header.pool_guid,
+                    pool_guid
+                );
+            }
+            out.push(m);
+        }
+    }
+    if !skipped.is_empty() {
+        eprintln!(
+            "skipped {} manifests of another pool: {}",
+            skipped.len(),
+            skipped.join(", ")
+        );
+    }
+    Ok(out)
+}
+
+/// How `paths` read in a message: the one path, or the list.
+pub fn describe(paths: &[PathBuf]) -> String {
+    paths
+        .iter()
+        .map(|p| p.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// Replace `path` with `body` atomically and durably.
 fn replace_file(path: &Path, body: &[u8]) -> Result<(), ManifestError> {
     let io = |err| ManifestError::Io {

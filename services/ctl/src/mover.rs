@@ -30,11 +30,32 @@ use crate::client::{self, Agents, Allocator, AllocatorArgs};
 use crate::manifest::{Ext, Manifest, Pending, Record};
 use crate::write::reason;
 
+/// Which manifests a command works on (execute, verify, free, drain).
+#[derive(Clone, Debug, Default, clap::Args)]
+pub struct ManifestArgs {
+    /// Manifests: files, or directories meaning every `*.jsonl` in them;
+    /// repeatable or comma-separated. Default: the directory `write`
+    /// records its runs in (`manifests/` beside --certs-dir, so
+    /// `aliquot-data/manifests`).
+    #[arg(long = "manifest", env = "ALIQUOT_MANIFEST", value_delimiter = ',')]
+    pub manifest: Vec<PathBuf>,
+}
+
+impl ManifestArgs {
+    /// The paths given, or the default manifest directory.
+    pub fn paths(&self, conn: &AllocatorArgs) -> Vec<PathBuf> {
+        if self.manifest.is_empty() {
+            vec![crate::manifest::default_dir(&conn.tls.certs_dir)]
+        } else {
+            self.manifest.clone()
+        }
+    }
+}
+
 #[derive(Clone, Debug, clap::Args)]
 pub struct ExecuteArgs {
-    /// The manifest of the blocks to move (`aliquotctl write --manifest`).
-    #[arg(long, env = "ALIQUOT_MANIFEST")]
-    pub manifest: PathBuf,
+    #[command(flatten)]
+    pub manifests: ManifestArgs,
     /// Fraction of the class's allocated bytes one plan may move.
     #[arg(long, env = "ALIQUOT_BALANCER_MAX_MISPLACED", default_value_t = 0.05)]
     pub max_misplaced: f64,
@@ -77,12 +98,12 @@ pub struct ExecuteArgs {
 
 #[derive(Clone, Debug, clap::Args)]
 pub struct VerifyManifestArgs {
-    /// The manifest whose blocks to read back.
-    #[arg(long, env = "ALIQUOT_MANIFEST")]
-    pub manifest: PathBuf,
-    /// The manifest's blocks are everything in the pool: after letting the
-    /// frees settle, each vdev must hold exactly the bytes of its copies (a
-    /// difference is leaked or lost space, and fails).
+    #[command(flatten)]
+    pub manifests: ManifestArgs,
+    /// The manifests' blocks are everything in the pool: after letting the
+    /// frees settle, each vdev must hold exactly the bytes of their copies;
+    /// bytes no manifest covers are named (held by another manifest of the
+    /// data dir, or by none: written without one, or leaked), and fail.
     #[arg(long, env = "ALIQUOT_VERIFY_EXCLUSIVE")]
     pub exclusive: bool,
     /// Reads in flight at once.
@@ -123,6 +144,10 @@ pub struct ExecuteReport {
     pub score_end: f64,
     pub secs: f64,
     pub stopped: String,
+    /// Drained vdevs that still hold bytes (the command then fails).
+    pub left: Vec<DrainLeft>,
+    /// The manifests read (as given).
+    pub manifests_read: String,
 }
 
 /// Test-only crash points (`ALIQUOT_FAILPOINT=mover-after-pending:N` or
@@ -166,8 +191,9 @@ struct Mover {
     failpoint: Failpoint,
     alloc: Allocator,
     agents: Agents,
-    manifest: Mutex<Manifest>,
-    nonce: u64,
+    /// Every manifest whose blocks may move; a block is (manifest index,
+    /// block number).
+    manifests: Mutex<Vec<Manifest>>,
     timeout: Duration,
     rate: Option<f64>,
     start: Instant,
@@ -184,7 +210,7 @@ enum Outcome {
 
 enum Prep {
     /// Written to its new extent (not yet flushed), on this endpoint.
-    Ready(Pending, String),
+    Ready(usize, Pending, String),
     Skipped(String),
 }
 
@@ -203,16 +229,14 @@ fn endpoints(st: &PoolStatus) -> BTreeMap<u32, String> {
 }
 
 impl Mover {
-    fn journal_all(&self, recs: Vec<Record>) -> anyhow::Result<()> {
-        self.manifest
-            .lock()
-            .expect("manifest lock")
+    fn journal_all(&self, mi: usize, recs: Vec<Record>) -> anyhow::Result<()> {
+        self.manifests.lock().expect("manifest lock")[mi]
             .append_all(recs)
             .map_err(Into::into)
     }
 
-    fn journal(&self, rec: Record) -> anyhow::Result<()> {
-        self.journal_all(vec![rec])
+    fn journal(&self, mi: usize, rec: Record) -> anyhow::Result<()> {
+        self.journal_all(mi, vec![rec])
     }
 
     /// Wait until `bytes` more fit the rate.
@@ -225,7 +249,7 @@ impl Mover {
 
     /// Settle a relocation whose Commit may or may not have taken effect.
     /// Returns whether the block now lives at `p.to`.
-    async fn settle(&self, p: &Pending) -> anyhow::Result<bool> {
+    async fn settle(&self, mi: usize, p: &Pending) -> anyhow::Result<bool> {
         for _ in 0..3 {
             let st = self
                 .alloc
@@ -251,9 +275,12 @@ impl Mover {
                             p.to
                         );
                     }
-                    self.journal(Record::Moved {
-                        allocation: p.allocation,
-                    })?;
+                    self.journal(
+                        mi,
+                        Record::Moved {
+                            allocation: p.allocation,
+                        },
+                    )?;
                     return Ok(true);
                 }
                 RelocationState::RelocationCommitted => {
@@ -270,9 +297,12 @@ impl Mover {
                         Err(s) if reason(&s) == Some(ErrorReason::AllocatorRestarted) => {
                             // Its txg was lost with the restart: so were the
                             // new extent and the free of the old one.
-                            self.journal(Record::Dropped {
-                                allocation: p.allocation,
-                            })?;
+                            self.journal(
+                                mi,
+                                Record::Dropped {
+                                    allocation: p.allocation,
+                                },
+                            )?;
                             return Ok(false);
                         }
                         Err(s) => return Err(client::status_msg("sync a relocation's txg", &s)),
@@ -289,9 +319,12 @@ impl Mover {
                         .await
                     {
                         Ok(_) => {
-                            self.journal(Record::Dropped {
-                                allocation: p.allocation,
-                            })?;
+                            self.journal(
+                                mi,
+                                Record::Dropped {
+                                    allocation: p.allocation,
+                                },
+                            )?;
                             return Ok(false);
                         }
                         // Committed or expired meanwhile: ask again.
@@ -299,9 +332,12 @@ impl Mover {
                     }
                 }
                 RelocationState::RelocationNotCommitted | RelocationState::Unspecified => {
-                    self.journal(Record::Dropped {
-                        allocation: p.allocation,
-                    })?;
+                    self.journal(
+                        mi,
+                        Record::Dropped {
+                            allocation: p.allocation,
+                        },
+                    )?;
                     return Ok(false);
                 }
             }
@@ -320,12 +356,11 @@ impl Mover {
         &self,
         eps: &BTreeMap<u32, String>,
         plan_id: u64,
-        block: u64,
-        copy: usize,
-        from: Ext,
+        (mi, block, copy, from): (usize, u64, usize, Ext),
     ) -> anyhow::Result<Prep> {
-        let (len, avoid) = {
-            let m = self.manifest.lock().expect("manifest lock");
+        let (len, avoid, nonce) = {
+            let ms = self.manifests.lock().expect("manifest lock");
+            let m = &ms[mi];
             let copies = &m.blocks[&block];
             if copies.get(copy).map(|c| c.at) != Some(from) {
                 return Ok(Prep::Skipped("moved since the plan".into()));
@@ -336,7 +371,7 @@ impl Mover {
                 .filter(|(i, _)| *i != copy)
                 .map(|(_, c)| c.at.vdev)
                 .collect();
-            (copies[copy].len, avoid)
+            (copies[copy].len, avoid, m.header.nonce)
         };
         self.pace(from.size).await;
         let r = match self
@@ -368,11 +403,12 @@ impl Mover {
         else {
             anyhow::bail!("relocate block {block}: no extent or endpoint in the reply");
         };
-        if let Err(e) = self.copy(eps, block, from, len, &r).await {
+        if let Err(e) = self.copy(eps, (block, nonce), from, len, &r).await {
             self.abort(&[r.allocation_id]).await;
             return Err(e);
         }
         Ok(Prep::Ready(
+            mi,
             Pending {
                 block,
                 copy,
@@ -403,12 +439,12 @@ impl Mover {
     /// journal every move `pending` (one fsync), Commit them together
     /// (wait_synced: one txg for the batch), journal them `moved`. A Commit
     /// that fails is settled move by move with BalancerStatus.
-    async fn finish(&self, ready: Vec<(Pending, String)>) -> anyhow::Result<Vec<Outcome>> {
+    async fn finish(&self, ready: Vec<(usize, Pending, String)>) -> anyhow::Result<Vec<Outcome>> {
         if ready.is_empty() {
             return Ok(Vec::new());
         }
-        let ids: Vec<u64> = ready.iter().map(|(p, _)| p.allocation).collect();
-        let mut eps: Vec<&String> = ready.iter().map(|(_, ep)| ep).collect();
+        let ids: Vec<u64> = ready.iter().map(|(_, p, _)| p.allocation).collect();
+        let mut eps: Vec<&String> = ready.iter().map(|(_, _, ep)| ep).collect();
         eps.sort();
         eps.dedup();
         let t = self.timeout;
@@ -426,8 +462,13 @@ impl Mover {
                 return Err(e);
             }
         }
-        let records = ready.iter().map(|(p, _)| p.record()).collect();
-        self.journal_all(records)?;
+        let mut records: BTreeMap<usize, Vec<Record>> = BTreeMap::new();
+        for (mi, p, _) in &ready {
+            records.entry(*mi).or_default().push(p.record());
+        }
+        for (mi, recs) in records {
+            self.journal_all(mi, recs)?;
+        }
         for _ in &ready {
             Failpoint::hit(
                 self.failpoint.after_pending,
@@ -436,9 +477,9 @@ impl Mover {
             );
         }
         // One Commit per allocator generation (a restart mid-batch splits it).
-        let mut by_gen: BTreeMap<u64, Vec<&Pending>> = BTreeMap::new();
-        for (p, _) in &ready {
-            by_gen.entry(p.generation).or_default().push(p);
+        let mut by_gen: BTreeMap<u64, Vec<(usize, &Pending)>> = BTreeMap::new();
+        for (mi, p, _) in &ready {
+            by_gen.entry(p.generation).or_default().push((*mi, p));
         }
         let mut out = Vec::with_capacity(ready.len());
         for (generation, group) in by_gen {
@@ -446,7 +487,7 @@ impl Mover {
                 .alloc
                 .clone()
                 .commit(CommitRequest {
-                    allocation_ids: group.iter().map(|p| p.allocation).collect(),
+                    allocation_ids: group.iter().map(|(_, p)| p.allocation).collect(),
                     wait_synced: true,
                     generation,
                 })
@@ -458,21 +499,22 @@ impl Mover {
                         &self.failpoint.commits,
                         "commit",
                     );
-                    self.journal_all(
-                        group
-                            .iter()
-                            .map(|p| Record::Moved {
-                                allocation: p.allocation,
-                            })
-                            .collect(),
-                    )?;
-                    out.extend(group.iter().map(|p| Outcome::Moved(p.from.size)));
+                    let mut moved: BTreeMap<usize, Vec<Record>> = BTreeMap::new();
+                    for (mi, p) in &group {
+                        moved.entry(*mi).or_default().push(Record::Moved {
+                            allocation: p.allocation,
+                        });
+                    }
+                    for (mi, recs) in moved {
+                        self.journal_all(mi, recs)?;
+                    }
+                    out.extend(group.iter().map(|(_, p)| Outcome::Moved(p.from.size)));
                 }
                 // Expired, restarted, or an answer lost: the allocator
                 // knows each one's fate (all or none committed).
                 Err(_) => {
-                    for p in group {
-                        out.push(if self.settle(p).await? {
+                    for (mi, p) in group {
+                        out.push(if self.settle(mi, p).await? {
                             Outcome::Moved(p.from.size)
                         } else {
                             Outcome::Skipped(format!(
@@ -491,7 +533,7 @@ impl Mover {
     async fn copy(
         &self,
         eps: &BTreeMap<u32, String>,
-        block: u64,
+        (block, nonce): (u64, u64),
         from: Ext,
         len: u64,
         r: &aliquot_proto::v1::AllocateReply,
@@ -528,7 +570,7 @@ impl Mover {
         .data;
         let n = (len as usize).min(data.len());
         if data.len() as u64 != from.size
-            || crate::pattern::first_mismatch(&data[..n], self.nonce, block).is_some()
+            || crate::pattern::first_mismatch(&data[..n], nonce, block).is_some()
         {
             // Never spread a bad copy: the operator must look at it.
             anyhow::bail!(
@@ -575,14 +617,13 @@ async fn pool(alloc: &Allocator) -> anyhow::Result<PoolStatus> {
 /// `balancer execute`.
 pub async fn execute(conn: &AllocatorArgs, args: &ExecuteArgs) -> anyhow::Result<ExecuteReport> {
     let alloc = conn.connect().await?;
-    let mut manifest = Manifest::load(&args.manifest)?;
     let st = pool(&alloc).await?;
-    if manifest.header.pool_guid != st.guid {
+    let paths = args.manifests.paths(conn);
+    let mut manifests = crate::manifest::load_all(&paths, st.guid)?;
+    if manifests.is_empty() {
         anyhow::bail!(
-            "manifest {} is of pool {:#x}, but the allocator serves pool {:#x}",
-            args.manifest.display(),
-            manifest.header.pool_guid,
-            st.guid
+            "no manifest in {}: `aliquotctl write` records one per run there (or give --manifest)",
+            crate::manifest::describe(&paths)
         );
     }
     let drain = args
@@ -591,9 +632,11 @@ pub async fn execute(conn: &AllocatorArgs, args: &ExecuteArgs) -> anyhow::Result
         .map(|d| crate::names::resolve_vdev(&st, d).map(|(id, _)| id))
         .collect::<Result<Vec<_>, _>>()
         .map_err(anyhow::Error::msg)?;
-    let nonce = manifest.header.nonce;
-    let pending: Vec<Pending> = manifest.pending.values().cloned().collect();
-    manifest.compact()?;
+    let mut pending: Vec<(usize, Pending)> = Vec::new();
+    for (mi, m) in manifests.iter_mut().enumerate() {
+        pending.extend(m.pending.values().cloned().map(|p| (mi, p)));
+        m.compact()?;
+    }
     let stop = Arc::new(AtomicBool::new(false));
     {
         let stop = stop.clone();
@@ -622,8 +665,7 @@ pub async fn execute(conn: &AllocatorArgs, args: &ExecuteArgs) -> anyhow::Result
         failpoint: Failpoint::from_env(),
         alloc: alloc.clone(),
         agents: conn.agents()?,
-        manifest: Mutex::new(manifest),
-        nonce,
+        manifests: Mutex::new(manifests),
         timeout: args.timeout,
         rate: args.rate,
         start: Instant::now(),
@@ -635,8 +677,8 @@ pub async fn execute(conn: &AllocatorArgs, args: &ExecuteArgs) -> anyhow::Result
         score_start: pool_score(&st),
         ..Default::default()
     };
-    for p in &pending {
-        if mover.settle(p).await? {
+    for (mi, p) in &pending {
+        if mover.settle(*mi, p).await? {
             report.resumed_moved += 1;
         } else {
             report.resumed_dropped += 1;
@@ -678,17 +720,32 @@ pub async fn execute(conn: &AllocatorArgs, args: &ExecuteArgs) -> anyhow::Result
         if plan.moves.is_empty() {
             break if drain.is_empty() {
                 format!("no move lowers the score ({score:.4}) further")
+            } else if plan.limit_bytes > 0
+                && plan.limit_bytes
+                    < st.vdevs
+                        .iter()
+                        .filter(|v| drain.contains(&v.vdev))
+                        .map(|v| v.alloc)
+                        .sum::<u64>()
+            {
+                format!(
+                    "no plan: no block on the drained vdevs fits one plan's bound of {} \
+                     (--max-misplaced {} of the class's allocated bytes, or --budget); give a \
+                     larger --max-misplaced (up to 1) to go on",
+                    short(plan.limit_bytes),
+                    args.max_misplaced
+                )
             } else {
                 "the drained vdevs hold nothing more to move".into()
             };
         }
-        let index = mover.manifest.lock().expect("manifest lock").index();
+        let index = index_all(&mover.manifests.lock().expect("manifest lock"));
         let mut mine = Vec::new();
         let mut foreign = 0u64;
         for m in &plan.moves {
             let Some(e) = m.extent else { continue };
             match index.get(&Ext::from(&e)) {
-                Some(&(b, c)) => mine.push((b, c, Ext::from(&e))),
+                Some(&(mi, b, c)) => mine.push((mi, b, c, Ext::from(&e))),
                 None => foreign += 1,
             }
         }
@@ -703,12 +760,12 @@ pub async fn execute(conn: &AllocatorArgs, args: &ExecuteArgs) -> anyhow::Result
         };
         if mine.is_empty() {
             report.plans.push(pr);
-            break "the plan moves only extents this manifest does not own".into();
+            break "the plan moves only extents no manifest given holds".into();
         }
         let t = Instant::now();
         let n = report.plans.len() + 1;
         bar.set_prefix(format!("plan {n}"));
-        bar.set_length(mine.iter().map(|(_, _, e)| e.size).sum());
+        bar.set_length(mine.iter().map(|(_, _, _, e)| e.size).sum());
         bar.set_position(0);
         let eps = Arc::new(endpoints(&st));
         let mut results: Vec<anyhow::Result<Outcome>> = Vec::new();
@@ -722,9 +779,9 @@ pub async fn execute(conn: &AllocatorArgs, args: &ExecuteArgs) -> anyhow::Result
                 continue;
             }
             let prepared: Vec<anyhow::Result<Prep>> = futures_util::stream::iter(batch.to_vec())
-                .map(|(b, c, e)| {
+                .map(|mv| {
                     let (mover, eps) = (mover.clone(), eps.clone());
-                    async move { mover.prepare(&eps, plan.plan_id, b, c, e).await }
+                    async move { mover.prepare(&eps, plan.plan_id, mv).await }
                 })
                 .buffer_unordered(args.concurrency as usize)
                 .collect()
@@ -732,7 +789,7 @@ pub async fn execute(conn: &AllocatorArgs, args: &ExecuteArgs) -> anyhow::Result
             let mut ready = Vec::new();
             for p in prepared {
                 match p {
-                    Ok(Prep::Ready(p, ep)) => ready.push((p, ep)),
+                    Ok(Prep::Ready(mi, p, ep)) => ready.push((mi, p, ep)),
                     Ok(Prep::Skipped(why)) => results.push(Ok(Outcome::Skipped(why))),
                     Err(e) => results.push(Err(e)),
                 }
@@ -794,7 +851,7 @@ pub async fn execute(conn: &AllocatorArgs, args: &ExecuteArgs) -> anyhow::Result
         if let Some(e) = first_err {
             return Err(e.context(format!(
                 "plan {n} stopped; what moved is recorded in {} (run execute again to go on)",
-                args.manifest.display()
+                crate::manifest::describe(&paths)
             )));
         }
         if moved_none {
@@ -803,12 +860,87 @@ pub async fn execute(conn: &AllocatorArgs, args: &ExecuteArgs) -> anyhow::Result
     };
     report.secs = t0.elapsed().as_secs_f64();
     report.score_end = pool_score(&pool(&alloc).await?);
-    mover.manifest.lock().expect("manifest lock").compact()?;
+    let held: BTreeMap<u32, u64> = {
+        let mut ms = mover.manifests.lock().expect("manifest lock");
+        let mut held = BTreeMap::new();
+        for m in ms.iter_mut() {
+            m.compact()?;
+            for c in m.blocks.values().flatten() {
+                *held.entry(c.at.vdev).or_default() += c.at.size;
+            }
+        }
+        held
+    };
+    if !drain.is_empty() && report.stopped != "interrupted" {
+        report.left = drain_left(&alloc, &drain, &held).await?;
+    }
+    report.manifests_read = crate::manifest::describe(&paths);
     Ok(report)
 }
 
+/// Extent → (manifest, block, copy) over every manifest.
+fn index_all(ms: &[Manifest]) -> std::collections::HashMap<Ext, (usize, u64, usize)> {
+    let mut out = std::collections::HashMap::new();
+    for (mi, m) in ms.iter().enumerate() {
+        for (e, (b, c)) in m.index() {
+            out.insert(e, (mi, b, c));
+        }
+    }
+    out
+}
+
+/// Let deferred frees become free (TXG_DEFER_SIZE + 1 syncs), so a vdev's
+/// allocated bytes are what is referenced.
+async fn settle_frees(alloc: &Allocator) -> anyhow::Result<()> {
+    for _ in 0..3 {
+        alloc
+            .clone()
+            .sync_txg(SyncTxgRequest::default())
+            .await
+            .map_err(|s| client::status_msg("sync txg", &s))?;
+    }
+    Ok(())
+}
+
+/// What a drained vdev still holds after the mover ran.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct DrainLeft {
+    pub vdev: u32,
+    pub name: String,
+    /// Bytes allocated on it (frees settled).
+    pub alloc: u64,
+    /// Of those, bytes of copies the manifests list (moves that were
+    /// skipped: run execute again).
+    pub in_manifests: u64,
+}
+
+async fn drain_left(
+    alloc: &Allocator,
+    drain: &[u32],
+    held: &BTreeMap<u32, u64>,
+) -> anyhow::Result<Vec<DrainLeft>> {
+    settle_frees(alloc).await?;
+    let st = pool(alloc).await?;
+    let mut out = Vec::new();
+    for &d in drain {
+        let Some(v) = st.vdevs.iter().find(|v| v.vdev == d) else {
+            continue;
+        };
+        let in_manifests = held.get(&d).copied().unwrap_or(0);
+        if v.alloc > 0 {
+            out.push(DrainLeft {
+                vdev: d,
+                name: v.name.clone(),
+                alloc: v.alloc,
+                in_manifests,
+            });
+        }
+    }
+    Ok(out)
+}
+
 pub fn render_execute(r: &ExecuteReport) -> String {
-    format!(
+    let mut out = format!(
         "moved {} blocks ({}) in {:.1} s over {} plans; score {:.4} → {:.4}\nstopped: {}\n",
         r.moved,
         short(r.moved_bytes),
@@ -817,66 +949,111 @@ pub fn render_execute(r: &ExecuteReport) -> String {
         r.score_start,
         r.score_end,
         r.stopped
-    )
+    );
+    for l in &r.left {
+        out.push_str(&format!("{}\n", drain_left_message(l, &r.manifests_read)));
+    }
+    out
+}
+
+/// Why a drained vdev is not empty, and what would empty it.
+pub fn drain_left_message(l: &DrainLeft, manifests: &str) -> String {
+    let label = crate::names::vdev_label(l.vdev, &l.name);
+    let unlisted = l.alloc.saturating_sub(l.in_manifests);
+    let mut s = format!(
+        "vdev {label} still holds {} ({} bytes)",
+        short(l.alloc),
+        l.alloc
+    );
+    if l.in_manifests > 0 {
+        s.push_str(&format!(
+            "; {} of it is listed in the manifests but was not moved this time (busy or no \
+             room): run `balancer execute --drain {}` again",
+            short(l.in_manifests),
+            l.name
+        ));
+    }
+    if unlisted > 0 {
+        s.push_str(&format!(
+            "; {} ({unlisted} bytes) is in no manifest of {manifests}: blocks written without one \
+             (`write --no-manifest`, another client, or a manifest kept elsewhere). Only whoever \
+             holds their references can move them (give their manifest with --manifest, or \
+             Relocate them from your client) or free them (`aliquotctl free --manifest FILE`); \
+             `vdev remove {}` needs the vdev empty",
+            short(unlisted),
+            l.name
+        ));
+    }
+    s
 }
 
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct VerifyManifestReport {
+    pub manifests: u64,
     pub blocks: u64,
     pub copies: u64,
     pub bytes: u64,
     /// Relocations recorded as pending (run execute to settle them).
     pub pending: u64,
-    /// Per vdev: (bytes the manifest's copies take, bytes the vdev holds).
+    /// Per vdev: (bytes the manifests' copies take, bytes the vdev holds).
     pub vdevs: BTreeMap<u32, (u64, u64)>,
 }
 
-/// `balancer verify --manifest`: every copy of every block read back and
-/// compared; with --exclusive, every vdev holds exactly its copies' bytes.
+/// `balancer verify`: every copy of every block of the manifests read back
+/// and compared; with --exclusive, every vdev holds exactly their copies'
+/// bytes, and what it holds beyond them is told apart: bytes another
+/// manifest of the data dir lists (not given here) from bytes no manifest
+/// lists (written without one, or leaked), and bytes a manifest lists that
+/// the vdev does not hold (lost).
 pub async fn verify(
     conn: &AllocatorArgs,
     args: &VerifyManifestArgs,
 ) -> anyhow::Result<VerifyManifestReport> {
     let alloc = conn.connect().await?;
-    let m = Manifest::load(&args.manifest)?;
     let mut st = pool(&alloc).await?;
-    if m.header.pool_guid != st.guid {
+    let paths = args.manifests.paths(conn);
+    let ms = crate::manifest::load_all(&paths, st.guid)?;
+    if ms.is_empty() {
         anyhow::bail!(
-            "manifest {} is of pool {:#x}, not {:#x}",
-            args.manifest.display(),
-            m.header.pool_guid,
-            st.guid
+            "no manifest in {}: `aliquotctl write` records one per run there (or give --manifest)",
+            crate::manifest::describe(&paths)
         );
     }
     let eps = Arc::new(endpoints(&st));
     let agents = conn.agents()?;
-    let nonce = m.header.nonce;
     let tokens = Arc::new(
         client::read_tokens(
             &alloc,
-            m.blocks
-                .values()
-                .flat_map(|cs| cs.iter().map(|c| aliquot_proto::v1::Extent::from(c.at))),
+            ms.iter().flat_map(|m| {
+                m.blocks
+                    .values()
+                    .flat_map(|cs| cs.iter().map(|c| aliquot_proto::v1::Extent::from(c.at)))
+            }),
         )
         .await?,
     );
-    let work: Vec<(u64, crate::manifest::Copy)> = m
-        .blocks
+    let work: Vec<(u64, u64, crate::manifest::Copy)> = ms
         .iter()
-        .flat_map(|(&b, cs)| cs.iter().map(move |c| (b, *c)))
+        .flat_map(|m| {
+            let nonce = m.header.nonce;
+            m.blocks
+                .iter()
+                .flat_map(move |(&b, cs)| cs.iter().map(move |c| (nonce, b, *c)))
+        })
         .collect();
     let mut report = VerifyManifestReport {
-        blocks: m.blocks.len() as u64,
+        manifests: ms.len() as u64,
+        blocks: ms.iter().map(|m| m.blocks.len() as u64).sum(),
         copies: work.len() as u64,
-        pending: m.pending.len() as u64,
+        pending: ms.iter().map(|m| m.pending.len() as u64).sum(),
         ..Default::default()
     };
-    for (_, c) in &work {
+    for (_, _, c) in &work {
         report.bytes += c.len;
         report.vdevs.entry(c.at.vdev).or_default().0 += c.at.size;
     }
     let results: Vec<anyhow::Result<()>> = futures_util::stream::iter(work)
-        .map(|(b, c)| {
+        .map(|(nonce, b, c)| {
             let (agents, eps, tokens) = (agents.clone(), eps.clone(), tokens.clone());
             async move {
                 let ep = eps.get(&c.at.vdev).ok_or_else(|| {
@@ -927,28 +1104,81 @@ pub async fn verify(
         );
     }
     if args.exclusive {
-        // Let every deferred free become free (TXG_DEFER_SIZE + 1 syncs).
-        for _ in 0..3 {
-            alloc
-                .clone()
-                .sync_txg(SyncTxgRequest::default())
-                .await
-                .map_err(|s| client::status_msg("sync txg", &s))?;
-        }
+        settle_frees(&alloc).await?;
         st = pool(&alloc).await?;
         for v in &st.vdevs {
-            if v.class == "normal" {
-                report.vdevs.entry(v.vdev).or_default().1 = v.alloc;
+            report.vdevs.entry(v.vdev).or_default().1 = v.alloc;
+        }
+        // Bytes other manifests of the default directory list, per vdev:
+        // covered, just not by the manifests given.
+        let given = crate::manifest::expand(&paths)?;
+        let dir = [crate::manifest::default_dir(&conn.tls.certs_dir)];
+        let mut elsewhere: BTreeMap<u32, u64> = BTreeMap::new();
+        let mut other_files = 0;
+        for f in crate::manifest::expand(&dir).unwrap_or_default() {
+            if given.contains(&f) {
+                continue;
+            }
+            if let Ok(m) = Manifest::load(&f)
+                && m.header.pool_guid == st.guid
+            {
+                other_files += 1;
+                for c in m.blocks.values().flatten() {
+                    *elsewhere.entry(c.at.vdev).or_default() += c.at.size;
+                }
             }
         }
-        let off: Vec<String> = report
-            .vdevs
-            .iter()
-            .filter(|(_, (want, got))| want != got)
-            .map(|(v, (want, got))| format!("vdev {v} holds {got} bytes, its copies take {want}"))
-            .collect();
+        let name = |id: u32| {
+            let n = st
+                .vdevs
+                .iter()
+                .find(|v| v.vdev == id)
+                .map_or("", |v| v.name.as_str());
+            crate::names::vdev_label(id, n)
+        };
+        let mut off = Vec::new();
+        for (&v, &(want, got)) in &report.vdevs {
+            if got < want {
+                off.push(format!(
+                    "vdev {} holds {} bytes but the manifests' copies on it take {want}: {} LOST \
+                     (listed, not allocated)",
+                    name(v),
+                    got,
+                    want - got
+                ));
+            } else if got > want {
+                let extra = got - want;
+                let other = elsewhere.get(&v).copied().unwrap_or(0).min(extra);
+                let none = extra - other;
+                let mut parts = Vec::new();
+                if other > 0 {
+                    parts.push(format!(
+                        "{other} bytes listed by {other_files} other manifest(s) in {} (give \
+                         --manifest {} to cover them)",
+                        dir[0].display(),
+                        dir[0].display()
+                    ));
+                }
+                if none > 0 {
+                    parts.push(format!(
+                        "{none} bytes ({}) in no manifest: written without one or by another \
+                         client, else leaked",
+                        short(none)
+                    ));
+                }
+                off.push(format!(
+                    "vdev {} holds {got} bytes, {extra} more than these manifests cover: {}",
+                    name(v),
+                    parts.join("; ")
+                ));
+            }
+        }
         if !off.is_empty() {
-            anyhow::bail!("space does not add up (leaked or lost): {}", off.join("; "));
+            anyhow::bail!(
+                "not exclusive: the pool holds bytes these manifests ({}) do not account for: {}",
+                crate::manifest::describe(&paths),
+                off.join("; ")
+            );
         }
     }
     Ok(report)

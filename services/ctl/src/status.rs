@@ -92,7 +92,12 @@ pub async fn run(args: StatusArgs) -> anyhow::Result<()> {
             msg = stream.message() => match msg.map_err(|s| client::status_msg("watch pool", &s))? {
                 Some(st) => {
                     // `--watch | head`: the reader left, so stop quietly.
-                    if !print_status(&st, args.json, !args.json && !args.scripted, style)? {
+                    // Clear the screen only on a terminal: a file or pipe
+                    // gets one table after another.
+                    let clear = !args.json
+                        && !args.scripted
+                        && std::io::IsTerminal::is_terminal(&std::io::stdout());
+                    if !print_status(&st, args.json, clear, style)? {
                         return Ok(());
                     }
                 }
@@ -383,6 +388,28 @@ pub fn render_table_with(st: &PoolStatus, style: Style) -> String {
                 Some(ms) => format!("ms {ms}"),
                 None => dash(),
             };
+            // The embedded log class's groups are whole vdevs (their fill
+            // balances it, as in OpenZFS): its row shows the metaslab set
+            // aside, whose own allocated bytes GetPool does not break down
+            // per vdev (the class line has their sum).
+            if c.name == "embedded_log" {
+                rows.push([
+                    format!("    {}", vdev_label(st, g.vdev)),
+                    short(v.map_or(0, |v| v.metaslab_size)),
+                    dash(),
+                    dash(),
+                    dash(),
+                    dash(),
+                    dash(),
+                    health_name(g.health, online).to_uppercase(),
+                    short(g.queue_depth),
+                    dash(),
+                    dash(),
+                    emblog,
+                    if g.allocatable { "yes" } else { "no" }.to_string(),
+                ]);
+                continue;
+            }
             rows.push([
                 format!("    {}", vdev_label(st, g.vdev)),
                 short(g.capacity),
@@ -563,8 +590,21 @@ pub struct PoolJson {
     pub alloc: u64,
     #[serde(serialize_with = "as_string")]
     pub free: u64,
+    /// ONLINE, DEGRADED or SUSPENDED, as the table's `health` line.
+    pub health: String,
+    /// The vdevs that are not healthy ("file1 (1) offline").
+    pub health_reasons: Vec<String>,
     pub classes: Vec<ClassJson>,
     pub vdevs: Vec<VdevJson>,
+}
+
+/// A class's balance line (`MIN/MAX VAR  STDDEV  SPREAD`), ratios.
+#[derive(Debug, Serialize)]
+pub struct BalanceJson {
+    pub min_var: f64,
+    pub max_var: f64,
+    pub stddev: f64,
+    pub spread: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -590,6 +630,9 @@ pub struct ClassJson {
     pub fragmentation: i32,
     /// 0 = every vdev equally full, < 1 (see `aliquotctl balancer eval`).
     pub balance_score: f64,
+    /// Absent for a class with no space (and for embedded_log, whose
+    /// groups are normal's vdevs).
+    pub balance: Option<BalanceJson>,
     pub groups: Vec<GroupJson>,
 }
 
@@ -604,6 +647,8 @@ pub struct GroupJson {
     #[serde(serialize_with = "as_string")]
     pub free: u64,
     pub free_fraction: f64,
+    /// Its used fraction over its class's (the table's VAR).
+    pub var: Option<f64>,
     pub children: u32,
     pub parity: u32,
     #[serde(serialize_with = "as_string")]
@@ -659,7 +704,10 @@ impl From<&PoolStatus> for PoolJson {
     fn from(st: &PoolStatus) -> Self {
         let size: u64 = st.vdevs.iter().map(|v| v.capacity).sum();
         let alloc: u64 = st.vdevs.iter().map(|v| v.alloc).sum();
+        let (health, reasons) = pool_health(st);
         PoolJson {
+            health: health.to_string(),
+            health_reasons: reasons,
             name: st.name.clone(),
             guid: st.guid,
             open_txg: st.open_txg,
@@ -693,11 +741,20 @@ fn class_json(st: &PoolStatus, c: &ClassStatus) -> ClassJson {
         throttle_enabled: c.throttle_enabled,
         fragmentation: c.fragmentation,
         balance_score: c.balance_score,
-        groups: c.groups.iter().map(|g| group_json(st, g)).collect(),
+        balance: (c.space > 0 && c.name != "embedded_log")
+            .then(|| balance(c))
+            .flatten()
+            .map(|b| BalanceJson {
+                min_var: b.min_var,
+                max_var: b.max_var,
+                stddev: b.stddev,
+                spread: b.spread,
+            }),
+        groups: c.groups.iter().map(|g| group_json(st, c, g)).collect(),
     }
 }
 
-fn group_json(st: &PoolStatus, g: &GroupStatus) -> GroupJson {
+fn group_json(st: &PoolStatus, c: &ClassStatus, g: &GroupStatus) -> GroupJson {
     let v = vdev_of(st, g.vdev);
     GroupJson {
         vdev: g.vdev,
@@ -706,6 +763,7 @@ fn group_json(st: &PoolStatus, g: &GroupStatus) -> GroupJson {
         alloc: g.alloc,
         free: g.capacity.saturating_sub(g.alloc),
         free_fraction: g.free_fraction,
+        var: var(c, g),
         children: g.children,
         parity: g.parity,
         aliquot: g.aliquot,

@@ -16,7 +16,8 @@ use crate::client;
 
 #[derive(Clone, Debug, clap::Args)]
 pub struct VerifyArgs {
-    /// The allocator's --data-dir (the store is <data-dir>/pool.db).
+    /// The allocator's --data-dir (the store is <data-dir>/pool.db), or
+    /// `up`'s --data-dir (its allocator's store is <data-dir>/allocator/pool.db).
     #[arg(
         long,
         env = "ALIQUOT_DATA_DIR",
@@ -54,11 +55,23 @@ pub struct VerifyArgs {
     pub tls: aliquot_auth::ClientTlsArgs,
 }
 
+/// The store under `data_dir`: the allocator's data dir, or `up`'s (whose
+/// allocator keeps its store in `<data-dir>/allocator`), whichever holds one.
+fn store_path(data_dir: &std::path::Path) -> PathBuf {
+    let direct = data_dir.join(sqlite_store::DB_FILE);
+    let under_up = data_dir.join("allocator").join(sqlite_store::DB_FILE);
+    if !direct.exists() && under_up.exists() {
+        under_up
+    } else {
+        direct
+    }
+}
+
 pub async fn run(args: VerifyArgs) -> anyhow::Result<()> {
     let path = args
         .db
         .clone()
-        .unwrap_or_else(|| args.data_dir.join(sqlite_store::DB_FILE));
+        .unwrap_or_else(|| store_path(&args.data_dir));
     if let Some(vdev) = args.repair_vdev {
         let dir = path.parent().unwrap_or(std::path::Path::new("."));
         let _lock = aliquot_allocator::lock::DataDirLock::acquire(dir)?;
@@ -141,12 +154,15 @@ async fn cross_check(
     }
     for v in r.vdevs.iter().filter(|v| !v.removed) {
         let Some(live) = s.vdevs.iter().find(|x| x.vdev == v.id) else {
-            anyhow::bail!("{url} does not know vdev {} of the store", v.id);
+            anyhow::bail!(
+                "{url} does not know vdev {} of the store",
+                crate::names::vdev_label(v.id, &v.name)
+            );
         };
         if live.guid != v.guid || live.capacity < v.capacity {
             anyhow::bail!(
                 "{url}: vdev {} is guid {:#x} with {} bytes, the store has guid {:#x} with {}",
-                v.id,
+                crate::names::vdev_label(v.id, &v.name),
                 live.guid,
                 live.capacity,
                 v.guid,

@@ -117,13 +117,40 @@ pub struct WriteArgs {
     #[arg(long, env = "ALIQUOT_NO_PROGRESS")]
     pub no_progress: bool,
     /// Record what was written (block → the extents of its copies) in this
-    /// file, once it is durable: `balancer execute --manifest` moves those
-    /// blocks and `balancer verify --manifest` reads them back.
+    /// file, once it is durable. Default: a new file per run in
+    /// `manifests/` beside --certs-dir (aliquot-data/manifests), where
+    /// `balancer execute`, `balancer verify`, `vdev drain` and `free` find
+    /// it; not with --free (nothing stays) or --no-sync (not durable), nor
+    /// when that data dir does not exist (no `up` pool here).
     #[arg(long, env = "ALIQUOT_WRITE_MANIFEST", conflicts_with_all = ["free", "no_sync"])]
     pub manifest: Option<std::path::PathBuf>,
+    /// Record no manifest by default (--manifest still records one): the
+    /// blocks stay allocated and aliquotctl cannot move or free them.
+    #[arg(long, env = "ALIQUOT_WRITE_NO_MANIFEST")]
+    pub no_manifest: bool,
 }
 
 impl WriteArgs {
+    /// The manifest this run records: --manifest, else a new file in the
+    /// default directory (unless --no-manifest, --free or --no-sync).
+    pub fn manifest_path(&self) -> Option<std::path::PathBuf> {
+        if let Some(m) = &self.manifest {
+            return Some(m.clone());
+        }
+        if self.no_manifest || self.free || self.no_sync {
+            return None;
+        }
+        let dir = crate::manifest::default_dir(&self.conn.tls.certs_dir);
+        // The pool's data dir (`up`'s), where the certificates are.
+        if !dir.parent().is_some_and(|d| d.is_dir()) {
+            return None;
+        }
+        let secs = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        Some(dir.join(format!("write-{secs}-{:08x}.jsonl", rand::random::<u32>())))
+    }
+
     /// The defaults, aimed at `allocator` (for `demo` and tests).
     pub fn new(allocator: &str) -> WriteArgs {
         use clap::Parser;
@@ -193,6 +220,9 @@ pub struct WriteReport {
     pub verified_blocks: u64,
     pub verify_secs: f64,
     pub freed_blocks: u64,
+    /// The manifest that lists this run's blocks (None: --no-manifest,
+    /// --free or --no-sync).
+    pub manifest: Option<String>,
     /// Blocks written again (agent timeout, expired lease, allocator restart).
     pub retries: u64,
     /// The allocator's generation at the end.
@@ -347,7 +377,16 @@ impl Ops {
     async fn allocate(&self, req: AllocateRequest) -> Result<AllocateReply, tonic::Status> {
         match self {
             Ops::Unary(c) => Ok(c.clone().allocate(req).await?.into_inner()),
-            Ops::Stream(s) => match s.call(Op::Allocate(req)).await? {
+            // A span of the block's own trace for its stream message: the
+            // stream itself is the command's (one per 8 workers).
+            Ops::Stream(s) => match s
+                .call(Op::Allocate(req))
+                .instrument(tracing::info_span!(
+                    "aliquotctl.stream.allocate",
+                    otel.kind = "client"
+                ))
+                .await?
+            {
                 StreamResult::Allocate(a) => Ok(a),
                 _ => Err(tonic::Status::internal(
                     "allocate stream: reply of the wrong kind",
@@ -364,7 +403,14 @@ impl Ops {
         };
         match self {
             Ops::Unary(c) => Ok(c.clone().commit(req).await?.into_inner()),
-            Ops::Stream(s) => match s.call(Op::Commit(req)).await? {
+            Ops::Stream(s) => match s
+                .call(Op::Commit(req))
+                .instrument(tracing::info_span!(
+                    "aliquotctl.stream.commit",
+                    otel.kind = "client"
+                ))
+                .await?
+            {
                 StreamResult::Commit(r) => Ok(r),
                 _ => Err(tonic::Status::internal(
                     "allocate stream: reply of the wrong kind",
@@ -752,6 +798,20 @@ impl Shared {
 
 /// Run the workload and return its figures (no printing but the bar).
 pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
+    let mut resolved = args.clone();
+    resolved.manifest = args.manifest_path();
+    let args = &resolved;
+    if let Some(dir) = args.manifest.as_ref().and_then(|m| m.parent())
+        && !dir.as_os_str().is_empty()
+    {
+        std::fs::create_dir_all(dir).map_err(|e| {
+            anyhow::anyhow!(
+                "cannot make the manifest directory {}: {e} (--manifest FILE elsewhere, or \
+                 --no-manifest)",
+                dir.display()
+            )
+        })?;
+    }
     if args.block_size == 0 || args.block_size > 16 << 20 {
         anyhow::bail!(
             "--block-size {} is out of range: 1 B ..= 16 MiB",
@@ -1023,6 +1083,7 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
         verified_blocks,
         verify_secs,
         freed_blocks,
+        manifest: args.manifest.as_ref().map(|m| m.display().to_string()),
         retries,
         generation: shared.generation.load(Ordering::Relaxed),
         max_stall_us: shared.max_stall_us.load(Ordering::Relaxed),
@@ -1077,9 +1138,21 @@ async fn salvage(
     let mut recorded = String::new();
     if let Some(path) = &args.manifest {
         match write_manifest(alloc, sh, &placed, path).await {
-            Ok(()) => recorded = format!("; all {n} are listed in the manifest {}", path.display()),
+            Ok(()) => {
+                recorded = format!(
+                    "; all {n} are listed in the manifest {} (`aliquotctl free --manifest {}` \
+                     frees them)",
+                    path.display(),
+                    path.display()
+                )
+            }
             Err(e) => recorded = format!("; the manifest could not be written: {e:#}"),
         }
+    }
+    if args.manifest.is_none() && !args.free {
+        recorded = "; no manifest lists them (--no-manifest, --no-sync, or no pool data dir \
+                    here), so aliquotctl cannot move or free them"
+            .into();
     }
     let state = if durable {
         "durable".to_string()
@@ -1376,7 +1449,13 @@ async fn one_block(
                         .await
                     }
                     None => {
-                        let mut c = agents.pattern_writer(ep).await.map_err(BlockError::Retry)?;
+                        let mut c = agents.pattern_writer(ep).await.map_err(|e| {
+                            if e.downcast_ref::<client::Unresolvable>().is_some() {
+                                BlockError::Fatal(e)
+                            } else {
+                                BlockError::Retry(e)
+                            }
+                        })?;
                         c.write(w).await.map(|_| ())
                     }
                 };
@@ -1667,6 +1746,20 @@ pub fn render(r: &WriteReport) -> String {
     }
     if r.freed_blocks > 0 {
         let _ = writeln!(s, "freed: {} blocks", r.freed_blocks);
+    }
+    if r.manifest.is_none() && r.freed_blocks == 0 {
+        let _ = writeln!(
+            s,
+            "manifest: none (--no-manifest, --no-sync, or no pool data dir here): nothing \
+             aliquotctl runs can move or free these blocks; --manifest FILE records them"
+        );
+    }
+    if let Some(m) = &r.manifest {
+        let _ = writeln!(
+            s,
+            "manifest: {m} (`balancer execute`, `vdev drain` and `free` move or free these \
+             blocks; `free --manifest {m}` releases them)"
+        );
     }
     s
 }

@@ -111,7 +111,11 @@ impl ChartKind {
             .map(|e| Marker {
                 time_ms: e.time_ms,
                 kind: e.kind.clone(),
-                label: format!("{} {}", e.kind.trim_start_matches("vdev_"), e.vdev),
+                label: format!(
+                    "{} {}",
+                    e.kind.trim_start_matches("vdev_"),
+                    vdev_name(reply, e.vdev)
+                ),
             })
             .collect();
         Chart {
@@ -165,6 +169,18 @@ fn civil(ms: i64) -> (i64, u32, u32, u32, u32, u32) {
 }
 
 /// A UTC timestamp: `2026-12-02 10:04:05`.
+/// `file2 (2)` for vdev 2 of the reply's series, or `vdev 2` when unnamed.
+pub fn vdev_name(reply: &HistoryReply, vdev: u32) -> String {
+    match reply
+        .series
+        .iter()
+        .find(|s| s.vdev == vdev && !s.name.is_empty())
+    {
+        Some(s) => format!("{} ({vdev})", s.name),
+        None => format!("vdev {vdev}"),
+    }
+}
+
 pub fn format_time(ms: i64) -> String {
     let (y, mo, d, h, mi, s) = civil(ms);
     format!("{y:04}-{mo:02}-{d:02} {h:02}:{mi:02}:{s:02}")
@@ -186,6 +202,33 @@ fn format_y(unit: YUnit, y: f64) -> String {
         YUnit::Bytes => units::format_bytes_short(y.max(0.0) as u64),
         YUnit::BytesPerSec => format!("{}/s", units::format_bytes_short(y.max(0.0) as u64)),
     }
+}
+
+/// The y axis's top and its ticks: sizes at multiples of a power of two
+/// (16M, 32M, 48M: binary units at binary positions, not 95.4M), fractions
+/// at 1, 2 or 5 × a power of ten; 3 to 6 steps, the top rounded up to one.
+/// Returns (step, steps to the top).
+fn y_ticks(unit: YUnit, top: f64) -> (f64, usize) {
+    let step = match unit {
+        YUnit::Fraction => {
+            let raw = top / 5.0;
+            let p = 10f64.powf(raw.log10().floor());
+            [1.0, 2.0, 5.0, 10.0]
+                .iter()
+                .map(|m| m * p)
+                .find(|s| top / s <= 6.0)
+                .unwrap_or(10.0 * p)
+        }
+        YUnit::Bytes | YUnit::BytesPerSec => {
+            let raw = (top / 5.0).max(1.0);
+            let mut s = 2f64.powf(raw.log2().floor());
+            while top / s > 6.0 {
+                s *= 2.0;
+            }
+            s
+        }
+    };
+    (step, (top / step).ceil().max(1.0) as usize)
 }
 
 fn marker_color(kind: &str) -> RGBColor {
@@ -226,7 +269,10 @@ fn draw<'a>(chart: &Chart, buf: &'a mut String) -> Result<(), Box<dyn std::error
         YUnit::Fraction => 0.01,
         _ => 1.0,
     };
-    let y1 = (ymax * 1.1).max(floor);
+    // The axis counts ticks (0..=n, plotters labels each integer); a value
+    // is drawn at value / step and labelled step × tick.
+    let (step, n) = y_ticks(chart.unit, (ymax * 1.1).max(floor));
+    let y1 = n as f64;
 
     let root = SVGBackend::with_string(buf, (chart.width, chart.height)).into_drawing_area();
     root.fill(&WHITE)?;
@@ -239,12 +285,12 @@ fn draw<'a>(chart: &Chart, buf: &'a mut String) -> Result<(), Box<dyn std::error
     let span = x1 - x0;
     let unit = chart.unit;
     let xf = move |x: &i64| tick(*x, span);
-    let yf = move |y: &f64| format_y(unit, *y);
+    let yf = move |y: &f64| format_y(unit, *y * step);
     cc.configure_mesh()
         .x_desc("time (UTC)")
         .y_desc(chart.y_desc.as_str())
         .x_labels(7)
-        .y_labels(6)
+        .y_labels(n + 1)
         .x_label_formatter(&xf)
         .y_label_formatter(&yf)
         .light_line_style(RGBColor(235, 235, 235))
@@ -271,7 +317,10 @@ fn draw<'a>(chart: &Chart, buf: &'a mut String) -> Result<(), Box<dyn std::error
     for (i, s) in chart.series.iter().enumerate() {
         let color = Palette99::pick(i).to_rgba();
         cc.draw_series(LineSeries::new(
-            s.points.iter().copied().filter(|p| p.1.is_finite()),
+            s.points
+                .iter()
+                .filter(|p| p.1.is_finite())
+                .map(|&(x, y)| (x, y / step)),
             color.stroke_width(2),
         ))?
         .label(s.label.as_str())
@@ -298,6 +347,35 @@ fn draw<'a>(chart: &Chart, buf: &'a mut String) -> Result<(), Box<dyn std::error
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn byte_ticks_are_binary() {
+        let mib = (1u64 << 20) as f64;
+        let (step, n) = y_ticks(YUnit::BytesPerSec, 95.4 * mib);
+        assert_eq!((step, n), (16.0 * mib, 6));
+        assert_eq!(format_y(YUnit::BytesPerSec, 2.0 * step), "32.0M/s");
+        let (step, n) = y_ticks(YUnit::Fraction, 0.47);
+        assert!((step - 0.1).abs() < 1e-9 && n == 5, "{step} {n}");
+        // Drawn: the ticks are the labels.
+        let chart = Chart {
+            title: "t".into(),
+            y_desc: "write".into(),
+            unit: YUnit::BytesPerSec,
+            series: vec![Series {
+                label: "file0 (0)".into(),
+                points: vec![(0, 10.0 * mib), (60_000, 86.7 * mib)],
+            }],
+            markers: vec![],
+            x_range: None,
+            width: 600,
+            height: 300,
+        };
+        let svg = render_svg(&chart).unwrap();
+        for t in ["16.0M/s", "48.0M/s", "96.0M/s"] {
+            assert!(svg.contains(t), "{t} missing");
+        }
+        assert!(!svg.contains("95.4M/s"));
+    }
 
     #[test]
     fn civil_dates() {

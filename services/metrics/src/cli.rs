@@ -59,14 +59,16 @@ pub async fn history(args: HistoryArgs) -> anyhow::Result<()> {
         .map(|s| crate::http::parse_time(s, now))
         .transpose()
         .map_err(anyhow::Error::msg)?;
-    let channel = args
-        .tls
-        .resolve()?
-        .endpoint(&args.endpoint, aliquot_auth::Role::Metrics)?
+    // The scheme follows the TLS mode (as the allocator's URL does for
+    // `status`): the default http://127.0.0.1:7100 reaches a TLS `up` too.
+    let tls = args.tls.resolve()?;
+    let url = tls.url(&args.endpoint);
+    let channel = tls
+        .endpoint(&url, aliquot_auth::Role::Metrics)?
         .connect_timeout(std::time::Duration::from_secs(3))
         .connect()
         .await
-        .map_err(|e| anyhow::anyhow!("cannot reach metrics at {}: {e}", args.endpoint))?;
+        .map_err(|e| anyhow::anyhow!("cannot reach metrics at {url}: {e}"))?;
     let mut client = MetricsClient::with_interceptor(channel, telemetry::TraceInjector);
     let reply = client
         .history(HistoryRequest {
@@ -149,7 +151,7 @@ pub fn format_table(pool: &str, reply: &HistoryReply) -> String {
         let q = s.points.iter().map(|p| p.queue_depth as f64).sum::<f64>() / n as f64;
         let _ = writeln!(
             out,
-            "{:>4}  {:<14} {:>6}  {:>6.2}%  {:>6.2}..{:>6.2}%  {:>19}  {:>11}  {:>10}  {:>6}us",
+            "{:>4}  {:<14} {:>6}  {:>6.2}%  {:>6.2}..{:>6.2}%  {:>19}  {:>11}  {:>10}  {:>8}",
             s.vdev,
             s.name,
             n,
@@ -163,7 +165,12 @@ pub fn format_table(pool: &str, reply: &HistoryReply) -> String {
             ),
             format!("{}/s", units::format_bytes_short(w as u64)),
             units::format_bytes_short(q as u64),
-            p.latency_p99_us,
+            // An idle vdev has no latency to show, not 0 µs.
+            if p.latency_p99_us == 0 {
+                "-".to_string()
+            } else {
+                format!("{}us", p.latency_p99_us)
+            },
         );
     }
     if used_now.len() >= 2 {
@@ -178,10 +185,10 @@ pub fn format_table(pool: &str, reply: &HistoryReply) -> String {
     for e in &reply.events {
         let _ = writeln!(
             out,
-            "event {} {} vdev {}{}",
+            "event {} {} {}{}",
             format_time(e.time_ms),
             e.kind,
-            e.vdev,
+            crate::charts::vdev_name(reply, e.vdev),
             if e.detail.is_empty() {
                 String::new()
             } else {

@@ -16,6 +16,7 @@ use std::sync::atomic::AtomicU64;
 
 use aliquot_proto::v1::{PoolSnapshot, VdevHealth};
 use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
@@ -24,6 +25,7 @@ pub use telemetry::rpc_metrics::{CONTENT_TYPE, RpcMetrics, RpcMetricsLayer};
 
 type Labels = Vec<(String, String)>;
 type FGauge = Family<Labels, Gauge<f64, AtomicU64>>;
+type FCounter = Family<Labels, Counter<f64, AtomicU64>>;
 
 /// The newest snapshot seen for each pool (filled by `Store::ingest`).
 #[derive(Default)]
@@ -223,10 +225,13 @@ fn register_pools(reg: &mut Registry, pools: &[PoolSnapshot]) {
         "aliquot_pool_snapshot_timestamp_seconds",
         "Unix time of the latest snapshot",
     );
-    let dropped = gauge(
-        reg,
+    // A counter (the allocator's running count): `rate()` and `increase()`
+    // apply; `_total` is added by the encoder.
+    let dropped = FCounter::default();
+    reg.register(
         "aliquot_pool_dropped_snapshots",
-        "Snapshots the allocator had to drop (cumulative)",
+        "Snapshots the allocator had to drop since it started",
+        dropped.clone(),
     );
     let ph = gauge(
         reg,
@@ -236,7 +241,7 @@ fn register_pools(reg: &mut Registry, pools: &[PoolSnapshot]) {
     let climit = gauge(
         reg,
         "aliquot_class_limit_bytes",
-        "Class allocation limit (throttle)",
+        "Class allocation limit (throttle); absent for a class with no limit",
     );
     let cres = gauge(
         reg,
@@ -280,7 +285,8 @@ fn register_pools(reg: &mut Registry, pools: &[PoolSnapshot]) {
         txg.get_or_create(&pl).set(s.txg as f64);
         synced.get_or_create(&pl).set(s.synced_txg as f64);
         ts.get_or_create(&pl).set(s.time_ms as f64 / 1000.0);
-        dropped.get_or_create(&pl).set(s.dropped_snapshots as f64);
+        let d = dropped.get_or_create(&pl);
+        d.inc_by(s.dropped_snapshots as f64);
         let health = pool_health(s);
         for st in POOL_STATES {
             let v = if st == health { 1.0 } else { 0.0 };
@@ -325,7 +331,11 @@ fn register_pools(reg: &mut Registry, pools: &[PoolSnapshot]) {
         }
         for c in &s.classes {
             let cl = l(&[("pool", pool), ("class", &c.name)]);
-            climit.get_or_create(&cl).set(c.alloc_max as f64);
+            // u64::MAX is "no limit" (a class the throttle does not bound):
+            // no sample, rather than 1.8e19 on a dashboard.
+            if c.alloc_max != u64::MAX {
+                climit.get_or_create(&cl).set(c.alloc_max as f64);
+            }
             cres.get_or_create(&cl).set(c.reserved as f64);
             cbusy.get_or_create(&cl).set(if c.busy { 1.0 } else { 0.0 });
             cwait.get_or_create(&cl).set(f64::from(c.waiting));

@@ -20,6 +20,9 @@ use crate::exposition::{self, RpcMetrics};
 use crate::service::now_ms;
 use crate::store::Store;
 
+/// Above this spread "rebalanced in" no longer describes the pool.
+const REBALANCED_SPREAD: f64 = 0.10;
+
 /// Points per vdev a served chart asks for (about one per 2 pixels).
 const CHART_POINTS: u32 = 500;
 
@@ -34,13 +37,17 @@ pub fn router(store: Arc<Store>, rpc: Arc<RpcMetrics>) -> Router {
         .merge(metrics)
 }
 
-/// Prometheus/OpenMetrics scrape target.
-async fn prometheus(State((store, rpc)): State<(Arc<Store>, Arc<RpcMetrics>)>) -> Response {
-    (
-        [(header::CONTENT_TYPE, exposition::CONTENT_TYPE)],
-        exposition::render(store.latest(), &rpc),
-    )
-        .into_response()
+/// Prometheus scrape target: OpenMetrics when the scraper's `Accept`
+/// prefers it (Prometheus does), else the 0.0.4 text format (promtool,
+/// curl, older scrapers).
+async fn prometheus(
+    State((store, rpc)): State<(Arc<Store>, Arc<RpcMetrics>)>,
+    headers: axum::http::HeaderMap,
+) -> Response {
+    let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok());
+    let (ct, body) =
+        telemetry::rpc_metrics::negotiate(accept, exposition::render(store.latest(), &rpc));
+    ([(header::CONTENT_TYPE, ct)], body).into_response()
 }
 
 /// `since`/`until` as given on a URL or the command line: unix ms, `now`,
@@ -201,6 +208,10 @@ async fn index(
             dur(s.since_last_vdev_add_ms),
             if s.last_vdev_add_ms.is_some() && s.rebalance_ms.is_none() {
                 "not yet".to_string()
+            } else if s.current_spread > REBALANCED_SPREAD {
+                // Balanced once, unbalanced now: a time beside a wide spread
+                // would read as the present.
+                format!("not now (once: {})", dur(s.rebalance_ms))
             } else {
                 dur(s.rebalance_ms)
             },

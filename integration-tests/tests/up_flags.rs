@@ -1,0 +1,165 @@
+//! What `aliquotctl up` sets up, the other commands find (issue 31 item 7),
+//! with real processes: `history` reaches the running pool's metrics service
+//! over TLS given its address as printed (any scheme), `verify --data-dir`
+//! takes `up`'s data dir, and after `vdev remove` the removed vdev's agent
+//! stops and `up` says so while the rest of the pool runs on.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use integration_tests::{args, bin, ctl, ok_stdout};
+
+#[test]
+fn history_verify_and_removal_follow_up() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    let mut up = Command::new(bin("aliquotctl"))
+        .args(args![
+            "up",
+            "--data-dir",
+            data.display(),
+            "--ephemeral",
+            "--agents",
+            "256MiB,256MiB,256MiB",
+            "--snapshot-interval",
+            "200ms",
+            "--zfs-txg-timeout",
+            "300ms"
+        ])
+        .env_remove("ALIQUOT_ALLOCATOR")
+        .env_remove("ALIQUOT_INSECURE")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("aliquotctl up");
+    let errs = Arc::new(Mutex::new(String::new()));
+    {
+        let errs = errs.clone();
+        let stderr = up.stderr.take().unwrap();
+        std::thread::spawn(move || {
+            for l in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let mut e = errs.lock().unwrap();
+                e.push_str(&l);
+                e.push('\n');
+            }
+        });
+    }
+    let mut lines = BufReader::new(up.stdout.take().unwrap()).lines();
+    let _up = integration_tests::TermOnDrop(up);
+    let mut banner = String::new();
+    let addr = loop {
+        let l = lines.next().expect("up ended before LISTEN").unwrap();
+        banner.push_str(&l);
+        banner.push('\n');
+        if let Some(a) = l.strip_prefix("LISTEN grpc ") {
+            break a.to_string();
+        }
+    };
+    std::thread::spawn(move || lines.for_each(drop));
+    // "  metrics    https://127.0.0.1:PORT   charts ...": given as http://,
+    // as a user copying the address might.
+    let metrics = banner
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("metrics"))
+        .and_then(|l| l.split_whitespace().next())
+        .expect("metrics line")
+        .replace("https://", "http://");
+    let certs = data.join("certs");
+    let conn = |a: &mut Vec<String>| {
+        a.extend(args![
+            "--allocator",
+            format!("https://{addr}"),
+            "--certs-dir",
+            certs.display()
+        ]);
+    };
+
+    let mut w = args!["write", "--total", "64MiB", "--no-progress"];
+    conn(&mut w);
+    ok_stdout(&ctl(&w), "write");
+
+    // history: the snapshots of this pool, over TLS.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let table = loop {
+        let o = ctl(&args![
+            "history",
+            "--metrics",
+            metrics,
+            "--certs-dir",
+            certs.display()
+        ]);
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        if o.status.success() && out.contains("file2") {
+            break out;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "history: {out}{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    };
+    assert!(table.contains("file0"), "{table}");
+    // Events name their vdev (issue 31 item 10), not just its id.
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with("event ") && l.contains("file2 (2)")),
+        "{table}"
+    );
+
+    // verify with up's own data dir.
+    let o = ctl(&args!["verify", "--data-dir", data.display()]);
+    ok_stdout(&o, "verify --data-dir <up's data dir>");
+
+    // Remove file2 (drained first: offline, its blocks moved by the mover
+    // from the manifest the write recorded), then its agent stops.
+    let mut a = args!["vdev", "drain", "file2"];
+    conn(&mut a);
+    ok_stdout(&ctl(&a), "vdev drain");
+    let mut a = args!["balancer", "execute", "--drain", "file2"];
+    conn(&mut a);
+    ok_stdout(&ctl(&a), "balancer execute --drain");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let mut a = args!["vdev", "remove", "file2"];
+        conn(&mut a);
+        let o = ctl(&a);
+        if o.status.success() {
+            break;
+        }
+        // Deferred frees: empty once two more txgs synced.
+        assert!(
+            Instant::now() < deadline,
+            "{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !errs
+        .lock()
+        .unwrap()
+        .contains("file2 stopped: its vdev was removed from the pool")
+    {
+        assert!(
+            Instant::now() < deadline,
+            "up did not report file2 stopping: {}",
+            errs.lock().unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let log = std::fs::read_to_string(data.join("logs/file2.log")).unwrap();
+    assert!(log.contains("removed from the pool"), "{log}");
+    // The rest of the pool serves on.
+    let mut a = args!["status"];
+    conn(&mut a);
+    let st = ok_stdout(&ctl(&a), "status after remove");
+    assert!(
+        st.contains("health ONLINE") && !st.contains("file2"),
+        "{st}"
+    );
+}

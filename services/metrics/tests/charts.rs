@@ -82,8 +82,8 @@ async fn charts_have_one_series_per_vdev() {
             );
         }
         assert!(
-            text.contains("add 2") && text.contains("offline 1"),
-            "event markers"
+            text.contains("add disk2 (2)") && text.contains("offline disk1 (1)"),
+            "event markers name their vdev: {text}"
         );
         assert!(text.contains("time (UTC)"));
         let unit = match kind {

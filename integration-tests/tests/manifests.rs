@@ -40,8 +40,10 @@ fn wait_alloc(p: &FilePool, want: &[(&str, u64)]) {
 fn writes_are_listed_by_default_and_drain_verify_free_use_every_manifest() {
     let dir = tempfile::tempdir().unwrap();
     let mut p = FilePool::start(dir.path(), &args!["--lease", "2s"]);
+    // Large enough that the rest of the pool holds a whole drained vdev
+    // (a drain needs room for all of it first: spa_vdev_remove_top_check).
     for _ in 0..3 {
-        p.add_agent("128MiB");
+        p.add_agent("512MiB");
     }
     let w = |extra: &[&str]| {
         let mut a = args![

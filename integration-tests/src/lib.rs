@@ -226,6 +226,20 @@ macro_rules! args {
     ($($a:expr),* $(,)?) => { ::std::vec::Vec::<String>::from([$($a.to_string()),*]) };
 }
 
+/// `--tls-ca/--tls-cert/--tls-key` of the certificate `certs issue` wrote
+/// for `role` `name` in the CA directory `certs`.
+pub fn tls_args(certs: &Path, role: aliquot_auth::Role, name: &str) -> Vec<String> {
+    let f = aliquot_auth::TlsFiles::in_dir(certs, role, name);
+    args![
+        "--tls-ca",
+        f.ca.display(),
+        "--tls-cert",
+        f.cert.display(),
+        "--tls-key",
+        f.key.display()
+    ]
+}
+
 /// The variable that is `--insecure` for every service and client.
 pub const INSECURE_ENV: &str = "ALIQUOT_INSECURE";
 

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use aliquot_auth::{PoolCa, Role, TlsFiles};
 use aliquot_proto::v1 as pb;
-use integration_tests::{Proc, args, bin, data_request as data};
+use integration_tests::{Proc, args, bin, data_request as data, tls_args};
 use pb::allocator_client::AllocatorClient;
 use pb::vdev_agent_client::VdevAgentClient;
 use tonic::Code;
@@ -23,18 +23,6 @@ fn reason(s: &tonic::Status) -> String {
     s.get_details_error_info()
         .map(|i| i.reason)
         .unwrap_or_default()
-}
-
-fn tls_args(certs: &Path, role: Role, name: &str) -> Vec<String> {
-    let f = TlsFiles::in_dir(certs, role, name);
-    args![
-        "--tls-ca",
-        f.ca.display(),
-        "--tls-cert",
-        f.cert.display(),
-        "--tls-key",
-        f.key.display()
-    ]
 }
 
 fn channel(url: &str, certs: &Path, role: Role, name: &str, server: Role) -> Channel {

@@ -12,23 +12,11 @@ use std::time::{Duration, Instant};
 
 use aliquot_auth::{PoolCa, Role, TlsFiles};
 use aliquot_proto::v1 as pb;
-use integration_tests::{Proc, args, bin};
+use integration_tests::{Proc, args, bin, tls_args};
 use pb::allocator_client::AllocatorClient;
 use tonic::transport::{Channel, Endpoint};
 
 const MIB: usize = 1 << 20;
-
-fn tls_args(certs: &Path, role: Role, name: &str) -> Vec<String> {
-    let f = TlsFiles::in_dir(certs, role, name);
-    args![
-        "--tls-ca",
-        f.ca.display(),
-        "--tls-cert",
-        f.cert.display(),
-        "--tls-key",
-        f.key.display()
-    ]
-}
 
 /// A client channel to `url` whose connections come from `source`.
 fn channel_from(url: &str, certs: &Path, source: &str) -> Channel {

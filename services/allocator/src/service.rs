@@ -62,17 +62,6 @@ fn parse_request(shared: &Shared, r: &pb::AllocateRequest) -> Result<(AllocReque
     ))
 }
 
-/// Write tokens for allocation `id`'s `extents`, valid until `expires_ms`
-/// (none when the allocator has no signing key).
-fn sign_tokens(
-    shared: &Shared,
-    id: u64,
-    extents: &[metaslab::Extent],
-    expires_ms: u64,
-) -> Vec<Vec<u8>> {
-    mint_tokens(shared, id, extents, expires_ms, false)
-}
-
 /// Tokens for `extents`: a MAC under the vdev's key where its agent holds
 /// one (about a microsecond), an Ed25519 signature otherwise (~20 µs).
 fn mint_tokens(
@@ -126,7 +115,7 @@ fn allocate_reply(
         shared.settings.max_leased_per_client > 0,
     );
     let expires_ms = convert::deadline_unix_ms(deadline);
-    let tokens = sign_tokens(shared, a.id, &a.extents, expires_ms);
+    let tokens = mint_tokens(shared, a.id, &a.extents, expires_ms, false);
     pb::AllocateReply {
         tokens,
         allocation_id: a.id,
@@ -259,7 +248,7 @@ impl AllocatorService {
         let expires_ms = convert::deadline_unix_ms(deadline);
         let tokens = renewed
             .iter()
-            .flat_map(|(id, extents)| sign_tokens(&self.shared, *id, extents, expires_ms))
+            .flat_map(|(id, extents)| mint_tokens(&self.shared, *id, extents, expires_ms, false))
             .collect();
         Ok(pb::RenewLeaseReply {
             lease_deadline_ms: expires_ms,

@@ -11,6 +11,8 @@
 /// A private PostgreSQL server per test (the `local-postgres` crate).
 pub use local_postgres as postgres;
 
+pub mod compose;
+
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;

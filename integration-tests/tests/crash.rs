@@ -16,6 +16,17 @@
 //! aborting it (the late write may still land on it when the agent wakes),
 //! and nothing else may be placed on it meanwhile.
 //!
+//! With `secure` (issue 25), the pool runs as `up` deploys it: mutual TLS,
+//! write and read tokens, extents owned by the client that committed them.
+//! Between the writer's steps three more actors attack: a second client
+//! (`mallory`) tries to free, read and claim the writer's durable blocks
+//! (refused: NOT_OWNER, CLAIM_CONFLICT); an admin moves durable blocks to
+//! other vdevs as the balancer's mover does (Relocate, write, Commit; a
+//! crash in the middle leaves exactly one of the two copies allocated);
+//! and old write tokens are replayed: of freed blocks, of blocks moved
+//! away, and of the writer's own committed blocks. A replay is refused, or
+//! lands on space nobody holds: never on a block the writer holds.
+//!
 //! The seed is printed; `ALIQUOT_CRASH_SEED=<n>` replays a run's choices.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -24,16 +35,64 @@ use std::time::{Duration, Instant};
 
 use aliquot_allocator::recovery;
 use aliquot_allocator::sqlite_store;
+use aliquot_auth::{PoolCa, Role, TlsFiles};
 use aliquot_proto::v1 as pb;
-use integration_tests::{Proc, args, bin, data_request as data_req, lazy_channel as lazy, signal};
+use integration_tests::{
+    Proc, args, bin, data_request as data_req, lazy_channel as lazy, signal, tls_args,
+};
 use pb::allocator_client::AllocatorClient;
 use pb::vdev_agent_client::VdevAgentClient;
 use tonic::Code;
 use tonic::transport::Channel;
+use tonic_types::StatusExt;
 
 const AGENTS: usize = 3;
 /// The writer's deadline on each agent write (`aliquotctl write --timeout`).
 const WRITE_DEADLINE: Duration = Duration::from_secs(1);
+/// After an agent or allocator comes back, how long before tokens are
+/// replayed: revocations reach agents in their next report (200 ms here),
+/// and a replay inside that interval is the fence's documented gap.
+const SETTLE: Duration = Duration::from_millis(800);
+
+/// A channel to `url`: plaintext, or mutual TLS as `name` (`role`) when the
+/// run has certificates.
+fn channel(certs: Option<&Path>, url: &str, role: Role, name: &str, server: Role) -> Channel {
+    let Some(dir) = certs else {
+        return lazy(url);
+    };
+    let f = TlsFiles::in_dir(dir, role, name);
+    Channel::from_shared(url.to_string())
+        .expect("a URL")
+        .tls_config(f.client_config(server).expect("client TLS"))
+        .expect("TLS config")
+        .connect_timeout(Duration::from_secs(2))
+        .timeout(Duration::from_secs(5))
+        .tcp_nodelay(true)
+        .connect_lazy()
+}
+
+/// A process's gRPC URL, https when the run is secure.
+fn url_of(secure: bool, p: &Proc) -> String {
+    if secure {
+        format!("https://127.0.0.1:{}", p.addr("grpc").port())
+    } else {
+        p.url("grpc")
+    }
+}
+
+/// The port of an endpoint URL.
+fn port_of(url: &str) -> u16 {
+    url.rsplit(':')
+        .next()
+        .and_then(|p| p.trim_end_matches('/').parse().ok())
+        .unwrap_or(0)
+}
+
+fn reason(s: &tonic::Status) -> String {
+    s.get_details_error_info()
+        .map(|i| i.reason)
+        .unwrap_or_default()
+}
 
 /// xorshift64*: deterministic choices from a printed seed.
 struct Rng(u64);
@@ -88,7 +147,31 @@ struct Block {
     extents: Vec<pb::Extent>,
     /// Pattern id of each extent.
     ids: Vec<u64>,
+    /// The write token each extent was written with (empty: no tokens).
+    tokens: Vec<Vec<u8>>,
     st: St,
+    /// When its commit was acknowledged.
+    committed_at: Option<Instant>,
+    /// A move of one of its copies under way (secure runs).
+    moving: Option<Moving>,
+}
+
+/// An admin's Relocate of copy `copy` of a durable block to `to`: until
+/// its Commit is known to be synced, either copy may be the allocated one
+/// after a crash (never both, never neither).
+#[derive(Clone, Debug)]
+struct Moving {
+    copy: usize,
+    to: pb::Extent,
+    token: Vec<u8>,
+}
+
+/// A write token whose extent the writer no longer holds through it (the
+/// block was freed, or moved away): replaying it must hurt nobody.
+#[derive(Clone, Debug)]
+struct Stale {
+    extent: pb::Extent,
+    token: Vec<u8>,
 }
 
 #[derive(Default)]
@@ -110,6 +193,13 @@ struct Model {
     /// Inflight blocks whose agent write timed out: left to their lease.
     abandoned: HashSet<u64>,
     write_timeouts: u64,
+    // Secure runs.
+    stale: Vec<Stale>,
+    foreign_refused: BTreeMap<String, u64>,
+    replays_refused: BTreeMap<String, u64>,
+    replays_on_free_space: u64,
+    moves: u64,
+    moves_resolved_by_crash: u64,
 }
 
 impl Model {
@@ -117,6 +207,19 @@ impl Model {
         let key = self.next_id;
         self.next_id += 1;
         for e in &b.extents {
+            self.check_free(e);
+        }
+        for e in &b.extents {
+            self.index
+                .insert((e.vdev, e.offset), (e.offset + e.size, key));
+        }
+        self.blocks.insert(key, b);
+        key
+    }
+
+    /// Panics if the writer already holds any byte of `e`.
+    fn check_free(&self, e: &pb::Extent) {
+        {
             let end = e.offset + e.size;
             // The extent at or before our offset, and any starting inside.
             if let Some((&(v, off), &(pend, other))) =
@@ -138,18 +241,56 @@ impl Model {
                 );
             }
         }
-        for e in &b.extents {
-            self.index
-                .insert((e.vdev, e.offset), (e.offset + e.size, key));
+    }
+
+    /// The blocks holding any byte of `e`.
+    fn holders(&self, e: &pb::Extent) -> Vec<u64> {
+        let mut out = Vec::new();
+        if let Some((&(v, _), &(end, key))) = self.index.range(..=(e.vdev, e.offset)).next_back()
+            && v == e.vdev
+            && end > e.offset
+        {
+            out.push(key);
         }
-        self.blocks.insert(key, b);
-        key
+        for (_, &(_, key)) in self
+            .index
+            .range((e.vdev, e.offset + 1)..(e.vdev, e.offset + e.size))
+        {
+            out.push(key);
+        }
+        out
+    }
+
+    /// A move of copy `copy` of block `key` is over: `to` became the copy
+    /// (`moved`) or was never allocated.
+    fn finish_move(&mut self, key: u64, moved: bool) {
+        let Some(b) = self.blocks.get_mut(&key) else {
+            return;
+        };
+        let Some(mv) = b.moving.take() else {
+            return;
+        };
+        if moved {
+            let old = std::mem::replace(&mut b.extents[mv.copy], mv.to);
+            let old_token = std::mem::replace(&mut b.tokens[mv.copy], mv.token);
+            self.index.remove(&(old.vdev, old.offset));
+            self.stale.push(Stale {
+                extent: old,
+                token: old_token,
+            });
+            self.moves += 1;
+        } else {
+            self.index.remove(&(mv.to.vdev, mv.to.offset));
+        }
     }
 
     fn remove(&mut self, key: u64) {
         if let Some(b) = self.blocks.remove(&key) {
             for e in &b.extents {
                 self.index.remove(&(e.vdev, e.offset));
+            }
+            if let Some(mv) = b.moving {
+                self.index.remove(&(mv.to.vdev, mv.to.offset));
             }
         }
     }
@@ -196,11 +337,35 @@ struct Cluster {
     /// kill to the standby serving with every awake vdev reported in.
     killed_at: Option<Instant>,
     takeovers: Vec<Duration>,
+    /// Secure runs: the CA directory, and the other actors.
+    certs: Option<PathBuf>,
+    admin: Option<AllocatorClient<Channel>>,
+    mallory: Option<AllocatorClient<Channel>>,
+    /// The vdev whose agent is stopped or dead for a while (no attacks
+    /// meanwhile), and when agents will have heard every revocation.
+    away: Option<u32>,
+    settled_at: Instant,
 }
 
 impl Cluster {
-    /// With `ha`, two allocators on a private PostgreSQL server.
-    async fn start_with(dir: &Path, ha: bool) -> Cluster {
+    /// With `ha`, two allocators on a private PostgreSQL server; with
+    /// `secure`, mutual TLS and tokens.
+    async fn start_with(dir: &Path, ha: bool, secure: bool) -> Cluster {
+        let certs = secure.then(|| {
+            let d = dir.join("certs");
+            let ca = PoolCa::init(&d, "crash").expect("CA");
+            ca.issue(Role::Allocator, "allocator", &[]).unwrap();
+            for i in 0..AGENTS {
+                ca.issue(Role::Agent, &format!("v{i}"), &[]).unwrap();
+            }
+            ca.issue(Role::Client, "writer", &[]).unwrap();
+            ca.issue(Role::Client, "mallory", &[]).unwrap();
+            ca.issue(Role::Admin, "op", &[]).unwrap();
+            d
+        });
+        let writer = |url: &str, server: Role| {
+            channel(certs.as_deref(), url, Role::Client, "writer", server)
+        };
         let mut alloc_args = args![
             "--listen",
             "127.0.0.1:0",
@@ -219,6 +384,10 @@ impl Cluster {
             "--claim-window",
             "300ms",
         ];
+        if let Some(d) = &certs {
+            alloc_args.extend(tls_args(d, Role::Allocator, "allocator"));
+            alloc_args.extend(args!["--token-key", d.display()]);
+        }
         let pg = ha.then(integration_tests::postgres::Postgres::start);
         if let Some(pg) = &pg {
             alloc_args.extend(args!["--store", pg.url(), "--leader-lease", "1s"]);
@@ -250,15 +419,15 @@ impl Cluster {
         // Restarts come back on the same port, where the agents look.
         let addr = alloc.addr("grpc");
         alloc.set_arg("--listen", &addr.to_string());
-        let mut alloc_url = alloc.url("grpc");
+        let mut alloc_url = url_of(secure, &alloc);
         let allocators = match &standby {
-            Some(b) => format!("{alloc_url},{}", b.url("grpc")),
+            Some(b) => format!("{alloc_url},{}", url_of(secure, b)),
             None => alloc_url.clone(),
         };
         let mut agents = Vec::new();
         for i in 0..AGENTS {
             let name = format!("v{i}");
-            let agent_args = args![
+            let mut agent_args = args![
                 "--listen",
                 "127.0.0.1:0",
                 "--allocator",
@@ -272,6 +441,10 @@ impl Cluster {
                 "--capacity",
                 "256MiB",
             ];
+            if let Some(d) = &certs {
+                agent_args.extend(tls_args(d, Role::Agent, &name));
+                agent_args.extend(args!["--token-key", d.display()]);
+            }
             let mut a = Proc::start(
                 &name,
                 &bin("aliquot-agent"),
@@ -289,21 +462,21 @@ impl Cluster {
         if let Some(b) = standby.as_mut() {
             let deadline = Instant::now() + Duration::from_secs(20);
             loop {
-                let mut ca = AllocatorClient::new(lazy(&alloc_url));
+                let mut ca = AllocatorClient::new(writer(&alloc_url, Role::Allocator));
                 if ca.get_pool(pb::GetPoolRequest {}).await.is_ok() {
                     break;
                 }
-                let mut cb = AllocatorClient::new(lazy(&b.url("grpc")));
+                let mut cb = AllocatorClient::new(writer(&url_of(secure, b), Role::Allocator));
                 if cb.get_pool(pb::GetPoolRequest {}).await.is_ok() {
                     std::mem::swap(&mut alloc, b);
-                    alloc_url = alloc.url("grpc");
+                    alloc_url = url_of(secure, &alloc);
                     break;
                 }
                 assert!(Instant::now() < deadline, "no allocator leads");
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }
-        let client = AllocatorClient::new(lazy(&alloc_url));
+        let client = AllocatorClient::new(writer(&alloc_url, Role::Allocator));
         let mut c = Cluster {
             dir: dir.to_path_buf(),
             alloc,
@@ -318,7 +491,13 @@ impl Cluster {
             standby,
             killed_at: None,
             takeovers: Vec::new(),
+            certs,
+            admin: None,
+            mallory: None,
+            away: None,
+            settled_at: Instant::now(),
         };
+        c.connect_actors();
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             let s = c.pool().await;
@@ -337,6 +516,28 @@ impl Cluster {
         c
     }
 
+    fn secure(&self) -> bool {
+        self.certs.is_some()
+    }
+
+    /// The writer's, the admin's and mallory's allocator clients, to the
+    /// allocator that leads now.
+    fn connect_actors(&mut self) {
+        let certs = self.certs.as_deref();
+        let ch = |role, name| channel(certs, &self.alloc_url, role, name, Role::Allocator);
+        self.client = AllocatorClient::new(ch(Role::Client, "writer"));
+        if self.certs.is_some() {
+            self.admin = Some(AllocatorClient::new(ch(Role::Admin, "op")));
+            self.mallory = Some(AllocatorClient::new(ch(Role::Client, "mallory")));
+        }
+    }
+
+    /// Something came back: let revocations and generations reach the
+    /// agents before tokens are replayed.
+    fn unsettle(&mut self) {
+        self.settled_at = Instant::now() + SETTLE;
+    }
+
     fn db(&self) -> PathBuf {
         self.dir.join("allocator").join(sqlite_store::DB_FILE)
     }
@@ -352,15 +553,23 @@ impl Cluster {
     fn agent(&mut self, endpoint: &str) -> VdevAgentClient<Channel> {
         self.agent_clients
             .entry(endpoint.to_string())
-            .or_insert_with(|| VdevAgentClient::new(lazy(endpoint)))
+            .or_insert_with(|| {
+                VdevAgentClient::new(channel(
+                    self.certs.as_deref(),
+                    endpoint,
+                    Role::Client,
+                    "writer",
+                    Role::Agent,
+                ))
+            })
             .clone()
     }
 
     fn agent_of_vdev(&self, vdev: u32) -> usize {
-        let ep = &self.endpoints[&vdev];
+        let port = port_of(&self.endpoints[&vdev]);
         self.agents
             .iter()
-            .position(|a| &a.url("grpc") == ep)
+            .position(|a| a.addr("grpc").port() == port)
             .expect("agent of vdev")
     }
 
@@ -372,6 +581,7 @@ impl Cluster {
     async fn restart_allocator(&mut self) {
         self.restart_allocator_on_any_store().await;
         self.wait_vdevs_reported().await;
+        self.unsettle();
         if let (true, Some(t)) = (self.standby.is_some(), self.killed_at.take()) {
             self.takeovers.push(t.elapsed());
         }
@@ -384,9 +594,15 @@ impl Cluster {
             // The killed leader's standby takes over within the lease; the
             // killed one comes back as the standby.
             let deadline = Instant::now() + Duration::from_secs(20);
-            let url = b.url("grpc");
+            let url = url_of(self.certs.is_some(), b);
             loop {
-                let mut cb = AllocatorClient::new(lazy(&url));
+                let mut cb = AllocatorClient::new(channel(
+                    self.certs.as_deref(),
+                    &url,
+                    Role::Client,
+                    "writer",
+                    Role::Allocator,
+                ));
                 if cb.get_pool(pb::GetPoolRequest {}).await.is_ok() {
                     break;
                 }
@@ -399,7 +615,7 @@ impl Cluster {
         } else {
             self.alloc.restart().expect("restart allocator");
         }
-        self.client = AllocatorClient::new(lazy(&self.alloc_url));
+        self.connect_actors();
         // Same pool, same vdevs, same ids.
         let s = self.pool().await;
         let guids: Vec<(u32, u64)> = s.vdevs.iter().map(|v| (v.vdev, v.guid)).collect();
@@ -436,7 +652,22 @@ impl Cluster {
 type StepResult = Result<(), String>;
 
 async fn step(c: &mut Cluster, m: &mut Model, rng: &mut Rng) -> StepResult {
-    let durable = m.keys(|s| s == St::Durable);
+    if c.secure() && c.away.is_none() && c.asleep.is_none() {
+        if rng.chance(4) {
+            return foreign_attempt(c, m, rng).await;
+        }
+        if rng.chance(6) {
+            return replay(c, m, rng).await;
+        }
+        if rng.chance(3) {
+            return relocate(c, m, rng).await;
+        }
+    }
+    let durable: Vec<u64> = m
+        .keys(|s| s == St::Durable)
+        .into_iter()
+        .filter(|k| m.blocks[k].moving.is_none())
+        .collect();
     if durable.len() > 120 && rng.chance(30) {
         // Free a durable block and wait for the free to be durable.
         let key = durable[rng.below(durable.len() as u64) as usize];
@@ -458,6 +689,16 @@ async fn step(c: &mut Cluster, m: &mut Model, rng: &mut Rng) -> StepResult {
             .map_err(|e| format!("sync: {e}"))?
             .into_inner()
             .synced_txg;
+        if let Some(b) = m.blocks.get(&key)
+            && c.secure()
+        {
+            for (e, t) in b.extents.iter().zip(&b.tokens) {
+                m.stale.push(Stale {
+                    extent: *e,
+                    token: t.clone(),
+                });
+            }
+        }
         m.remove(key);
         m.synced(s);
         m.frees += 1;
@@ -505,7 +746,12 @@ async fn step(c: &mut Cluster, m: &mut Model, rng: &mut Rng) -> StepResult {
         alloc_id: a.allocation_id,
         extents: a.extents.clone(),
         ids: ids.clone(),
+        tokens: (0..a.extents.len())
+            .map(|i| a.tokens.get(i).cloned().unwrap_or_default())
+            .collect(),
         st: St::Inflight,
+        committed_at: None,
+        moving: None,
     });
     for (i, e) in a.extents.iter().enumerate() {
         let mut agent = c.agent(&a.endpoints[i]);
@@ -514,7 +760,7 @@ async fn step(c: &mut Cluster, m: &mut Model, rng: &mut Rng) -> StepResult {
             agent.write(pb::WriteRequest {
                 offset: e.offset,
                 data: pattern(ids[i], e.size as usize).into(),
-                ..Default::default()
+                token: a.tokens.get(i).cloned().unwrap_or_default(),
             }),
         )
         .await;
@@ -579,6 +825,7 @@ async fn step(c: &mut Cluster, m: &mut Model, rng: &mut Rng) -> StepResult {
         m.dup_commits += 1;
     }
     let b = m.blocks.get_mut(&key).unwrap();
+    b.committed_at = Some(Instant::now());
     if r.synced {
         b.st = St::Durable;
         m.durable_acks += 1;
@@ -586,6 +833,222 @@ async fn step(c: &mut Cluster, m: &mut Model, rng: &mut Rng) -> StepResult {
     } else {
         b.st = St::Committed(r.txg);
     }
+    Ok(())
+}
+
+/// A durable block that is not being moved, at random.
+fn some_durable(m: &Model, rng: &mut Rng) -> Option<u64> {
+    let keys: Vec<u64> = m
+        .keys(|s| s == St::Durable)
+        .into_iter()
+        .filter(|k| m.blocks[k].moving.is_none())
+        .collect();
+    (!keys.is_empty()).then(|| keys[rng.below(keys.len() as u64) as usize])
+}
+
+/// Mallory, another client, goes after one of the writer's durable blocks:
+/// Free, ReadTokens and Claim are all refused (issue 25, items 3 and 4).
+async fn foreign_attempt(c: &mut Cluster, m: &mut Model, rng: &mut Rng) -> StepResult {
+    let Some(key) = some_durable(m, rng) else {
+        return Ok(());
+    };
+    let extents = m.blocks[&key].extents.clone();
+    let mallory = c.mallory.as_mut().expect("secure run");
+    let mut note = |what: &str, r: Result<(), tonic::Status>, want: &[(Code, &str)]| match r {
+        Ok(()) => Err(format!(
+            "another client's {what} of the writer's durable block {key} ({extents:?}) was accepted"
+        )),
+        Err(e) if want.iter().any(|(c, r)| e.code() == *c && reason(&e) == *r) => {
+            *m.foreign_refused
+                .entry(format!("{what} {}", reason(&e)))
+                .or_default() += 1;
+            Ok(())
+        }
+        Err(e) => Err(format!(
+            "{what} by another client: unexpected refusal {e:?}"
+        )),
+    };
+    let r = mallory
+        .free(pb::FreeRequest {
+            extents: extents.clone(),
+        })
+        .await
+        .map(|_| ());
+    note("free", r, &[(Code::PermissionDenied, "NOT_OWNER")])?;
+    let r = mallory
+        .read_tokens(pb::ReadTokensRequest {
+            extents: extents.clone(),
+        })
+        .await
+        .map(|_| ());
+    note("read", r, &[(Code::PermissionDenied, "NOT_OWNER")])?;
+    let r = mallory
+        .claim(pb::ClaimRequest {
+            extents: extents.clone(),
+        })
+        .await
+        .map(|_| ());
+    note(
+        "claim",
+        r,
+        &[
+            (Code::FailedPrecondition, "CLAIM_CONFLICT"),
+            (Code::PermissionDenied, "NOT_OWNER"),
+        ],
+    )
+}
+
+/// Replay an old write token with garbage: a freed or moved-away block's
+/// (it may land only where nobody holds anything), or the writer's own
+/// committed block's (revoked: refused).
+async fn replay(c: &mut Cluster, m: &mut Model, rng: &mut Rng) -> StepResult {
+    // Own blocks only once every agent has had a report since coming back.
+    let own = Instant::now() >= c.settled_at && rng.chance(40);
+    let (extent, token, own_key) = if own {
+        let old: Vec<u64> = m
+            .keys(|s| s == St::Durable)
+            .into_iter()
+            .filter(|k| {
+                m.blocks[k]
+                    .committed_at
+                    .is_some_and(|t| t + SETTLE < Instant::now())
+            })
+            .collect();
+        if old.is_empty() {
+            return Ok(());
+        }
+        let key = old[rng.below(old.len() as u64) as usize];
+        let b = &m.blocks[&key];
+        let i = rng.below(b.extents.len() as u64) as usize;
+        (b.extents[i], b.tokens[i].clone(), Some(key))
+    } else {
+        if m.stale.is_empty() {
+            return Ok(());
+        }
+        let s = m.stale[rng.below(m.stale.len() as u64) as usize].clone();
+        (s.extent, s.token, None)
+    };
+    let Some(ep) = c.endpoints.get(&extent.vdev).cloned() else {
+        return Ok(());
+    };
+    let r = tokio::time::timeout(
+        WRITE_DEADLINE,
+        c.agent(&ep).write(pb::WriteRequest {
+            offset: extent.offset,
+            data: vec![0xee; extent.size as usize].into(),
+            token,
+        }),
+    )
+    .await
+    .map_err(|_| format!("replay to {ep} timed out (no agent is away)"))?;
+    match r {
+        Err(e) if e.code() == Code::PermissionDenied => {
+            *m.replays_refused.entry(reason(&e)).or_default() += 1;
+            Ok(())
+        }
+        Err(e) => Err(format!(
+            "replay of a token to {ep}: unexpected refusal {e:?}"
+        )),
+        Ok(_) => {
+            if let Some(key) = own_key {
+                return Err(format!(
+                    "a replayed token of committed block {key} overwrote it ({extent:?}): \
+                     its revocation did not reach the agent"
+                ));
+            }
+            let hurt: Vec<u64> = m
+                .holders(&extent)
+                .into_iter()
+                .filter(|k| !m.abandoned.contains(k))
+                .collect();
+            if !hurt.is_empty() {
+                return Err(format!(
+                    "a replayed stale token wrote {extent:?} over blocks {hurt:?} the writer holds"
+                ));
+            }
+            m.replays_on_free_space += 1;
+            Ok(())
+        }
+    }
+}
+
+/// The mover (an admin): Relocate a durable block's copy, write it there,
+/// Commit (which frees the old copy in the same txg) and wait for the sync.
+/// A crash anywhere in between leaves exactly one copy allocated.
+async fn relocate(c: &mut Cluster, m: &mut Model, rng: &mut Rng) -> StepResult {
+    let Some(key) = some_durable(m, rng) else {
+        return Ok(());
+    };
+    let b = m.blocks[&key].clone();
+    let copy = rng.below(b.extents.len() as u64) as usize;
+    let avoid: Vec<u32> = b
+        .extents
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != copy)
+        .map(|(_, e)| e.vdev)
+        .collect();
+    let admin = c.admin.as_mut().expect("secure run");
+    let r = match admin
+        .relocate(pb::RelocateRequest {
+            extent: Some(b.extents[copy]),
+            avoid_vdevs: avoid,
+            lease_ms: 0,
+            plan_id: 0,
+        })
+        .await
+    {
+        Ok(r) => r.into_inner(),
+        Err(e) if matches!(e.code(), Code::ResourceExhausted | Code::FailedPrecondition) => {
+            return Ok(());
+        }
+        Err(e) => return Err(format!("relocate: {e}")),
+    };
+    let to = r.extents[0];
+    m.check_free(&to);
+    m.index
+        .insert((to.vdev, to.offset), (to.offset + to.size, key));
+    let token = r.tokens.first().cloned().unwrap_or_default();
+    m.blocks.get_mut(&key).unwrap().moving = Some(Moving {
+        copy,
+        to,
+        token: token.clone(),
+    });
+    let w = tokio::time::timeout(
+        WRITE_DEADLINE,
+        c.agent(&r.endpoints[0]).write(pb::WriteRequest {
+            offset: to.offset,
+            data: pattern(b.ids[copy], to.size as usize).into(),
+            token,
+        }),
+    )
+    .await;
+    if !matches!(w, Ok(Ok(_))) {
+        // Left to its lease (a late write may still land on it); the block
+        // keeps its old copy until a crash resolves the move.
+        return Ok(());
+    }
+    let admin = c.admin.as_mut().expect("secure run");
+    let done = admin
+        .commit(pb::CommitRequest {
+            allocation_ids: vec![r.allocation_id],
+            wait_synced: true,
+            generation: r.generation,
+        })
+        .await
+        .map_err(|e| format!("commit of a relocation: {e}"))?
+        .into_inner();
+    let synced = admin
+        .sync_txg(pb::SyncTxgRequest {
+            txg: done.txg,
+            generation: r.generation,
+        })
+        .await
+        .map_err(|e| format!("sync of a relocation: {e}"))?
+        .into_inner()
+        .synced_txg;
+    m.synced(synced);
+    m.finish_move(key, true);
     Ok(())
 }
 
@@ -643,11 +1106,28 @@ async fn check_store(c: &mut Cluster, m: &mut Model) {
             .is_some();
         before || inside
     };
+    let mut moves = Vec::new();
     for key in m.keys(|_| true) {
         let b = m.blocks[&key].clone();
         match b.st {
             St::Durable => {
-                for e in &b.extents {
+                let moving = b.moving.as_ref().map(|mv| mv.copy);
+                if let Some(mv) = &b.moving {
+                    let has = |e: &pb::Extent| exact.contains(&(e.vdev, e.offset, e.size));
+                    let (old, new) = (has(&b.extents[mv.copy]), has(&mv.to));
+                    assert!(
+                        old != new,
+                        "a move of block {key}'s copy {:?} to {:?} left {} copies allocated",
+                        b.extents[mv.copy],
+                        mv.to,
+                        if old { "both" } else { "no" }
+                    );
+                    moves.push((key, new));
+                }
+                for (i, e) in b.extents.iter().enumerate() {
+                    if moving == Some(i) {
+                        continue;
+                    }
                     assert!(
                         exact.contains(&(e.vdev, e.offset, e.size)),
                         "extent {}:{:#x}+{:#x} was acknowledged as synced but is not in the store (synced txg {})",
@@ -685,6 +1165,10 @@ async fn check_store(c: &mut Cluster, m: &mut Model) {
                 }
             }
         }
+    }
+    for (key, moved) in moves {
+        m.finish_move(key, moved);
+        m.moves_resolved_by_crash += 1;
     }
     // The operator's tool on the stopped pool says the same.
     let mut verify = std::process::Command::new(bin("aliquotctl"));
@@ -753,30 +1237,46 @@ async fn check_patterns(c: &mut Cluster, m: &mut Model, only: Option<u32>) {
         .filter(|b| b.st == St::Durable)
         .cloned()
         .collect();
-    for b in blocks {
-        for (i, e) in b.extents.iter().enumerate() {
-            if only.is_some_and(|v| v != e.vdev) {
-                continue;
-            }
+    let wanted: Vec<(u64, pb::Extent)> = blocks
+        .iter()
+        .flat_map(|b| b.ids.iter().copied().zip(b.extents.iter().copied()))
+        .filter(|(_, e)| only.is_none_or(|v| v == e.vdev))
+        .collect();
+    // Reads need the owner's read tokens when the pool signs tokens.
+    let mut tokens: Vec<Vec<u8>> = Vec::new();
+    if c.secure() {
+        for chunk in wanted.chunks(4096) {
+            let r = c
+                .client
+                .read_tokens(pb::ReadTokensRequest {
+                    extents: chunk.iter().map(|(_, e)| *e).collect(),
+                })
+                .await
+                .unwrap_or_else(|e| panic!("read tokens of the writer's own blocks: {e}"))
+                .into_inner();
+            tokens.extend(r.tokens);
+        }
+    }
+    for (k, (id, e)) in wanted.iter().enumerate() {
+        {
             let ep = c.endpoints[&e.vdev].clone();
             let data = c
                 .agent(&ep)
                 .read(pb::ReadRequest {
                     offset: e.offset,
                     size: e.size,
-                    token: Default::default(),
+                    token: tokens.get(k).cloned().unwrap_or_default(),
                 })
                 .await
                 .unwrap_or_else(|err| panic!("read {e:?} from {ep}: {err}"))
                 .into_inner()
                 .data;
             assert!(
-                data == pattern(b.ids[i], e.size as usize),
-                "extent {}:{:#x}+{:#x} (pattern {}) lost its data",
+                data == pattern(*id, e.size as usize),
+                "extent {}:{:#x}+{:#x} (pattern {id}) lost its data",
                 e.vdev,
                 e.offset,
                 e.size,
-                b.ids[i]
             );
             n += 1;
         }
@@ -830,49 +1330,42 @@ fn copy_store(from: &Path, to: &Path) {
 
 /// The vdev an agent serves.
 fn vdev_of(c: &Cluster, agent: usize) -> u32 {
+    let port = c.agents[agent].addr("grpc").port();
     c.endpoints
         .iter()
-        .find(|(_, ep)| **ep == c.agents[agent].url("grpc"))
+        .find(|(_, ep)| port_of(ep) == port)
         .map(|(v, _)| *v)
         .unwrap()
 }
 
-async fn crash_run(allocator_kills: usize, agent_kills: usize, both_kills: usize, hangs: usize) {
-    crash_run_with(allocator_kills, agent_kills, both_kills, hangs, 0, 0).await
-}
-
-async fn crash_run_with(
+/// What a run injects, and how the pool is deployed.
+#[derive(Clone, Copy, Default)]
+struct Faults {
     allocator_kills: usize,
     agent_kills: usize,
     both_kills: usize,
+    /// SIGSTOP an agent past the writer's deadline, then SIGCONT.
     hangs: usize,
     hangs_across_restarts: usize,
     rollbacks: usize,
-) {
-    crash_run_on(
-        false,
+    /// Two allocators on PostgreSQL: every allocator kill is a takeover
+    /// (rollbacks, which copy an SQLite file, need `ha` false).
+    ha: bool,
+    /// Mutual TLS, tokens and owners; the other actors attack (module docs).
+    secure: bool,
+}
+
+async fn crash_run(f: Faults) {
+    let Faults {
         allocator_kills,
         agent_kills,
         both_kills,
         hangs,
         hangs_across_restarts,
         rollbacks,
-    )
-    .await
-}
-
-/// With `ha`, every allocator kill is a takeover by the standby on the
-/// shared PostgreSQL store (rollbacks, which copy an SQLite file, need
-/// `ha` false).
-async fn crash_run_on(
-    ha: bool,
-    allocator_kills: usize,
-    agent_kills: usize,
-    both_kills: usize,
-    hangs: usize,
-    hangs_across_restarts: usize,
-    rollbacks: usize,
-) {
+        ha,
+        secure,
+    } = f;
     assert!(!(ha && rollbacks > 0), "rollbacks copy the SQLite store");
     let seed = std::env::var("ALIQUOT_CRASH_SEED")
         .ok()
@@ -887,7 +1380,7 @@ async fn crash_run_on(
     eprintln!("crash test seed {seed} (ALIQUOT_CRASH_SEED={seed} replays it)");
     let mut rng = Rng(seed);
     let tmp = tempfile::tempdir().unwrap();
-    let mut c = Cluster::start_with(tmp.path(), ha).await;
+    let mut c = Cluster::start_with(tmp.path(), ha, secure).await;
     let mut m = Model::default();
     let mut plan: Vec<Kill> = std::iter::repeat_n(Kill::Allocator, allocator_kills)
         .chain(std::iter::repeat_n(Kill::Agent, agent_kills))
@@ -922,6 +1415,7 @@ async fn crash_run_on(
                 check_store(&mut c, &mut m).await;
                 if matches!(kill, Kill::Both) {
                     c.agents[victim].restart().expect("restart agent");
+                    c.unsettle();
                 }
                 c.restart_allocator().await;
                 resolve(&mut c, &mut m).await;
@@ -930,17 +1424,15 @@ async fn crash_run_on(
             Kill::Agent => {
                 write_until(&mut c, &mut m, &mut rng, Instant::now() + run_for).await;
                 let victim = rng.below(AGENTS as u64) as usize;
+                let vdev = vdev_of(&c, victim);
                 c.agents[victim].kill9();
+                c.away = Some(vdev);
                 // Writes to it fail and are aborted; the rest goes on.
                 let down = Duration::from_millis(100 + rng.below(300));
                 write_until(&mut c, &mut m, &mut rng, Instant::now() + down).await;
                 c.agents[victim].restart().expect("restart agent");
-                let vdev = c
-                    .endpoints
-                    .iter()
-                    .find(|(_, ep)| **ep == c.agents[victim].url("grpc"))
-                    .map(|(v, _)| *v)
-                    .unwrap();
+                c.away = None;
+                c.unsettle();
                 check_patterns(&mut c, &mut m, Some(vdev)).await;
                 abort_inflight(&mut c, &mut m).await;
                 assert_eq!(c.agent_of_vdev(vdev), victim);
@@ -948,18 +1440,16 @@ async fn crash_run_on(
             Kill::Hang => {
                 write_until(&mut c, &mut m, &mut rng, Instant::now() + run_for).await;
                 let victim = rng.below(AGENTS as u64) as usize;
+                let vdev = vdev_of(&c, victim);
                 signal(&c.agents[victim], "-STOP");
+                c.away = Some(vdev);
                 // Writes to it time out and are left to their lease; the
                 // rest goes on (the allocator stays alive: errors are bugs).
                 let hung = WRITE_DEADLINE * 2 + Duration::from_millis(rng.below(1000));
                 write_until(&mut c, &mut m, &mut rng, Instant::now() + hung).await;
                 signal(&c.agents[victim], "-CONT");
-                let vdev = c
-                    .endpoints
-                    .iter()
-                    .find(|(_, ep)| **ep == c.agents[victim].url("grpc"))
-                    .map(|(v, _)| *v)
-                    .unwrap();
+                c.away = None;
+                c.unsettle();
                 // Its durable blocks are intact after the late writes landed.
                 check_patterns(&mut c, &mut m, Some(vdev)).await;
             }
@@ -999,6 +1489,7 @@ async fn crash_run_on(
                 }
                 signal(&c.agents[victim], "-CONT");
                 c.asleep = None;
+                c.unsettle();
                 tokio::time::sleep(Duration::from_millis(600)).await;
                 check_patterns(&mut c, &mut m, None).await;
             }
@@ -1094,37 +1585,110 @@ async fn crash_run_on(
             t[t.len() - 1]
         );
     }
+    if secure {
+        eprintln!(
+            "crash test (secure): another client's attempts refused {:?}; replayed tokens refused {:?}, \
+             {} landed on space nobody held; {} moves committed ({} resolved by a crash)",
+            m.foreign_refused,
+            m.replays_refused,
+            m.replays_on_free_space,
+            m.moves,
+            m.moves_resolved_by_crash
+        );
+        assert!(
+            !m.foreign_refused.is_empty() && !m.replays_refused.is_empty() && m.moves > 0,
+            "the attacks ran"
+        );
+    }
     assert_eq!(rollbacks_refused, rollbacks as u64);
     assert!(m.durable_acks > 0 && m.verified_extents > 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill9_allocator_and_agents_loses_nothing_durable() {
-    crash_run(20, 4, 4, 3).await;
+    crash_run(Faults {
+        allocator_kills: 20,
+        agent_kills: 4,
+        both_kills: 4,
+        hangs: 3,
+        ..Faults::default()
+    })
+    .await;
 }
 
 /// Issue 25's faults: agents asleep across allocator restarts, and
 /// restarts on an older copy of the store.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agents_asleep_across_restarts_and_rolled_back_stores_lose_nothing() {
-    crash_run_with(4, 0, 0, 0, 3, 2).await;
+    crash_run(Faults {
+        allocator_kills: 4,
+        hangs_across_restarts: 3,
+        rollbacks: 2,
+        ..Faults::default()
+    })
+    .await;
+}
+
+/// Issue 25 over mutual TLS: another client frees, reads and claims, the
+/// mover relocates, old tokens are replayed, among kills and hangs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn owners_tokens_and_moves_under_faults_lose_nothing() {
+    crash_run(Faults {
+        allocator_kills: 6,
+        agent_kills: 2,
+        both_kills: 2,
+        hangs: 2,
+        hangs_across_restarts: 1,
+        rollbacks: 1,
+        secure: true,
+        ..Faults::default()
+    })
+    .await;
 }
 
 /// Issue 26: the same faults with two allocators on PostgreSQL; each
 /// allocator kill is a takeover by the standby.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn takeovers_on_postgres_lose_nothing_durable() {
-    crash_run_on(true, 8, 2, 2, 1, 2, 0).await;
+    crash_run(Faults {
+        allocator_kills: 8,
+        agent_kills: 2,
+        both_kills: 2,
+        hangs: 1,
+        hangs_across_restarts: 2,
+        ha: true,
+        ..Faults::default()
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "long: many takeovers on PostgreSQL"]
 async fn takeovers_on_postgres_many_times() {
-    crash_run_on(true, 60, 10, 10, 5, 10, 0).await;
+    crash_run(Faults {
+        allocator_kills: 60,
+        agent_kills: 10,
+        both_kills: 10,
+        hangs: 5,
+        hangs_across_restarts: 10,
+        ha: true,
+        ..Faults::default()
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "long: 200 kills, a few minutes"]
+#[ignore = "long: 235 faults over mutual TLS, several minutes"]
 async fn kill9_many_times() {
-    crash_run_with(150, 25, 25, 10, 15, 10).await;
+    crash_run(Faults {
+        allocator_kills: 150,
+        agent_kills: 25,
+        both_kills: 25,
+        hangs: 10,
+        hangs_across_restarts: 15,
+        rollbacks: 10,
+        secure: true,
+        ..Faults::default()
+    })
+    .await;
 }

@@ -594,8 +594,24 @@ pub struct PoolJson {
     pub health: String,
     /// The vdevs that are not healthy ("file1 (1) offline").
     pub health_reasons: Vec<String>,
+    /// Who serves the pool: the store, and with PostgreSQL the leader, its
+    /// lease and the standbys it has seen (as the table's `leader` line).
+    pub leadership: LeadershipJson,
     pub classes: Vec<ClassJson>,
     pub vdevs: Vec<VdevJson>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct LeadershipJson {
+    /// "sqlite" (one allocator) or "postgres" (shared; a leader and standbys).
+    pub store: String,
+    /// The leader's advertised URL (empty with SQLite).
+    pub leader: String,
+    pub standbys: Vec<String>,
+    #[serde(serialize_with = "as_string")]
+    pub lease_ms: u64,
+    #[serde(serialize_with = "as_string")]
+    pub lease_left_ms: u64,
 }
 
 /// A class's balance line (`MIN/MAX VAR  STDDEV  SPREAD`), ratios.
@@ -708,6 +724,20 @@ impl From<&PoolStatus> for PoolJson {
         PoolJson {
             health: health.to_string(),
             health_reasons: reasons,
+            leadership: {
+                let l = st.leadership.clone().unwrap_or_default();
+                LeadershipJson {
+                    store: if l.store.is_empty() {
+                        "sqlite".into()
+                    } else {
+                        l.store
+                    },
+                    leader: l.leader,
+                    standbys: l.standbys,
+                    lease_ms: l.lease_ms,
+                    lease_left_ms: l.lease_left_ms,
+                }
+            },
             name: st.name.clone(),
             guid: st.guid,
             open_txg: st.open_txg,
@@ -948,6 +978,7 @@ mod tests {
     #[test]
     fn json_keys_and_sums() {
         let v = serde_json::to_value(PoolJson::from(&sample())).unwrap();
+        assert_eq!(v["leadership"]["store"], "sqlite");
         let c = &v["classes"][0];
         for k in [
             "name",

@@ -925,7 +925,15 @@ async fn replay(c: &mut Cluster, m: &mut Model, rng: &mut Rng) -> StepResult {
         if m.stale.is_empty() {
             return Ok(());
         }
-        let s = m.stale[rng.below(m.stale.len() as u64) as usize].clone();
+        // Half the time one of the newest: most likely of this generation,
+        // so the agent's fence (not the generation) has to refuse it.
+        let n = m.stale.len() as u64;
+        let i = if rng.chance(50) {
+            n - 1 - rng.below(n.min(16))
+        } else {
+            rng.below(n)
+        };
+        let s = m.stale[i as usize].clone();
         (s.extent, s.token, None)
     };
     let Some(ep) = c.endpoints.get(&extent.vdev).cloned() else {

@@ -7,31 +7,57 @@
 //! (`--insecure`) servers have no identities and record nothing.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use aliquot_auth::Identity;
+use aliquot_auth::{Identity, Role};
 use metaslab::AllocationId;
 
 use crate::error::{Error, Result};
 use crate::state::Inner;
 
+/// The verified caller of a request: its certificate identity and its
+/// name ("role/name") made once, per request or per AllocateStream, so the
+/// per-allocation bookkeeping clones a pointer, not a string.
+#[derive(Clone, Debug)]
+pub struct Caller {
+    pub identity: Identity,
+    pub name: Arc<str>,
+}
+
+impl Caller {
+    pub fn of(identity: &Identity) -> Caller {
+        Caller {
+            identity: identity.clone(),
+            name: identity.to_string().into(),
+        }
+    }
+
+    pub fn is_admin(&self) -> bool {
+        self.identity.role == Role::Admin
+    }
+
+    fn same(&self, name: &Arc<str>) -> bool {
+        Arc::ptr_eq(&self.name, name) || *self.name == **name
+    }
+}
+
 #[derive(Debug, Default)]
 pub struct Owners {
-    by_id: Mutex<HashMap<AllocationId, Identity>>,
+    by_id: Mutex<HashMap<AllocationId, Arc<str>>>,
     /// Bytes each identity holds in flight, and each allocation's share
     /// (issue 27, item 7: `--max-leased-per-client`).
     leased: Mutex<Leased>,
     /// Owners of allocations whose lease expired, for a while: a call on
     /// such an id by anyone else is refused NOT_OWNER before its state
     /// (LEASE_EXPIRED) is told.
-    expired: Mutex<HashMap<AllocationId, (Identity, Instant)>>,
+    expired: Mutex<HashMap<AllocationId, (Arc<str>, Instant)>>,
 }
 
 #[derive(Debug, Default)]
 struct Leased {
-    by_identity: HashMap<String, u64>,
-    by_id: HashMap<AllocationId, (String, u64)>,
+    by_identity: HashMap<Arc<str>, u64>,
+    by_id: HashMap<AllocationId, (Arc<str>, u64)>,
 }
 
 /// How long, and how many, expired owners are kept (as `Inner::expired`).
@@ -39,11 +65,11 @@ const EXPIRED_OWNERS_FOR: Duration = Duration::from_secs(600);
 const EXPIRED_OWNERS_MAX: usize = 1 << 20;
 
 impl Owners {
-    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<AllocationId, Identity>> {
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<AllocationId, Arc<str>>> {
         self.by_id.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn expired_map(&self) -> std::sync::MutexGuard<'_, HashMap<AllocationId, (Identity, Instant)>> {
+    fn expired_map(&self) -> std::sync::MutexGuard<'_, HashMap<AllocationId, (Arc<str>, Instant)>> {
         self.expired.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -68,36 +94,35 @@ impl Owners {
     /// names it).
     /// `bytes` are counted only under a quota (`count`): the accounting
     /// costs a lock and a map entry per allocation.
-    pub fn record(&self, caller: Option<&Identity>, id: AllocationId, bytes: u64, count: bool) {
+    pub fn record(&self, caller: Option<&Caller>, id: AllocationId, bytes: u64, count: bool) {
         if let Some(c) = caller {
-            self.map().insert(id, c.clone());
+            self.map().insert(id, c.name.clone());
             if !count {
                 return;
             }
             let mut l = self.leased.lock().unwrap_or_else(|p| p.into_inner());
-            *l.by_identity.entry(c.to_string()).or_default() += bytes;
-            l.by_id.insert(id, (c.to_string(), bytes));
+            *l.by_identity.entry(c.name.clone()).or_default() += bytes;
+            l.by_id.insert(id, (c.name.clone(), bytes));
         }
     }
 
     /// Refuse an allocation of `asked` bytes that would take `caller` past
     /// `quota` bytes in flight (0: no quota; no identity: not counted).
-    pub fn check_quota(&self, caller: Option<&Identity>, asked: u64, quota: u64) -> Result<()> {
+    pub fn check_quota(&self, caller: Option<&Caller>, asked: u64, quota: u64) -> Result<()> {
         let (Some(c), true) = (caller, quota > 0) else {
             return Ok(());
         };
-        let name = c.to_string();
         let held = self
             .leased
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .by_identity
-            .get(&name)
+            .get(&c.name)
             .copied()
             .unwrap_or(0);
         if held.saturating_add(asked) > quota {
             return Err(Error::LeaseQuota {
-                caller: name,
+                caller: c.name.to_string(),
                 held,
                 asked,
                 quota,
@@ -135,7 +160,7 @@ impl Owners {
     pub fn check(
         &self,
         g: &Inner,
-        caller: Option<&Identity>,
+        caller: Option<&Caller>,
         ids: &[AllocationId],
         action: &'static str,
     ) -> Result<()> {
@@ -146,13 +171,13 @@ impl Owners {
         let x = self.expired_map();
         for &id in ids {
             let mine = match (m.get(&id), x.get(&id)) {
-                (Some(owner), _) | (None, Some((owner, _))) => owner == caller,
+                (Some(owner), _) | (None, Some((owner, _))) => caller.same(owner),
                 (None, None) => !g.is_inflight(id),
             };
             if !mine {
                 return Err(Error::NotOwnerAllocation {
                     id,
-                    caller: caller.to_string(),
+                    caller: caller.name.to_string(),
                     action,
                 });
             }

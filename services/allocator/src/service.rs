@@ -19,6 +19,7 @@ use tracing::{Instrument, Span};
 
 use crate::convert;
 use crate::error::{Error, Result};
+use crate::ownership::Caller;
 use crate::state::{Begun, Shared};
 use crate::store::AdminState;
 
@@ -38,7 +39,7 @@ pub struct AllocatorService {
 fn admit_request(
     shared: &Shared,
     r: &pb::AllocateRequest,
-    caller: Option<&Identity>,
+    caller: Option<&Caller>,
 ) -> Result<(AllocRequest, Duration)> {
     let parsed = parse_request(shared, r)?;
     let asked = r.size.saturating_mul(u64::from(parsed.0.copies));
@@ -105,7 +106,7 @@ fn allocate_reply(
     endpoints: Vec<String>,
     deadline: Instant,
     waited: Duration,
-    caller: Option<&Identity>,
+    caller: Option<&Caller>,
 ) -> pb::AllocateReply {
     let bytes = a.extents.iter().map(|e| e.size).sum();
     shared.owners.record(
@@ -131,28 +132,28 @@ fn allocate_reply(
 
 /// The verified identity of the caller (mutual TLS; None in plaintext),
 /// put in the request by the role layer.
-fn caller<T>(req: &Request<T>) -> Option<&Identity> {
-    req.extensions().get::<Identity>()
+fn caller<T>(req: &Request<T>) -> Option<Caller> {
+    req.extensions().get::<Identity>().map(Caller::of)
 }
 
 /// Only the identity that committed an extent (or an admin) may free or
 /// move it. Without mutual TLS there is no caller and nothing is checked.
 fn check_extent_owner(
     g: &crate::state::Inner,
-    caller: Option<&Identity>,
+    caller: Option<&Caller>,
     extents: &[metaslab::Extent],
     action: &'static str,
 ) -> Result<()> {
     let Some(c) = caller else { return Ok(()) };
-    if c.role == aliquot_auth::Role::Admin {
+    if c.is_admin() {
         return Ok(());
     }
-    match g.extent_owners.foreign(&c.to_string(), extents) {
+    match g.extent_owners.foreign(&c.name, extents) {
         None => Ok(()),
         Some((extent, owner)) => Err(Error::NotOwnerExtent {
             extent,
             owner,
-            caller: c.to_string(),
+            caller: c.name.to_string(),
             action,
         }),
     }
@@ -198,7 +199,7 @@ impl AllocatorService {
     async fn commit_inner(
         &self,
         r: pb::CommitRequest,
-        caller: Option<&Identity>,
+        caller: Option<&Caller>,
     ) -> Result<pb::CommitReply> {
         self.shared.check_serving()?;
         // Ids of another generation name nothing here (they were lost with
@@ -223,7 +224,7 @@ impl AllocatorService {
     fn renew_inner(
         &self,
         r: &pb::RenewLeaseRequest,
-        caller: Option<&Identity>,
+        caller: Option<&Caller>,
     ) -> Result<pb::RenewLeaseReply> {
         self.shared.check_serving()?;
         let lease = self.shared.lease(r.lease_ms)?;
@@ -257,11 +258,7 @@ impl AllocatorService {
         })
     }
 
-    fn abort_inner(
-        &self,
-        r: &pb::AbortRequest,
-        caller: Option<&Identity>,
-    ) -> Result<pb::AbortReply> {
+    fn abort_inner(&self, r: &pb::AbortRequest, caller: Option<&Caller>) -> Result<pb::AbortReply> {
         self.shared.check_serving()?;
         {
             let mut g = self.shared.lock();
@@ -295,12 +292,11 @@ impl AllocatorService {
 
 /// Commit under the pool lock after the ownership check; the ids leave the
 /// owner table once committed.
-fn commit_locked(shared: &Shared, ids: &[u64], caller: Option<&Identity>) -> Result<metaslab::Txg> {
+fn commit_locked(shared: &Shared, ids: &[u64], caller: Option<&Caller>) -> Result<metaslab::Txg> {
     let txg = {
         let mut g = shared.lock();
         shared.owners.check(&g, caller, ids, "commit")?;
-        let owner = caller.map(|c| c.to_string());
-        let txg = g.commit_as(ids, owner.as_deref())?;
+        let txg = g.commit_as(ids, caller.map(|c| &*c.name))?;
         shared.kick_if_dirty(&g);
         txg
     };
@@ -315,7 +311,7 @@ async fn stream_op(
     svc: &AllocatorService,
     req: pb::StreamRequest,
     out: &mpsc::Sender<Result<pb::StreamReply, Status>>,
-    caller: Option<&Identity>,
+    caller: Option<&Caller>,
 ) {
     let id = req.request_id;
     let reply = move |result| pb::StreamReply {
@@ -523,7 +519,7 @@ impl Allocator for AllocatorService {
         &self,
         req: Request<pb::AllocateRequest>,
     ) -> Result<Response<pb::AllocateReply>, Status> {
-        let (areq, lease) = admit_request(&self.shared, req.get_ref(), caller(&req))?;
+        let (areq, lease) = admit_request(&self.shared, req.get_ref(), caller(&req).as_ref())?;
         let (a, eps, deadline, waited) = self.shared.allocate(areq, lease).await?;
         record_allocation(&Span::current(), &a, waited);
         Ok(Response::new(allocate_reply(
@@ -532,7 +528,7 @@ impl Allocator for AllocatorService {
             eps,
             deadline,
             waited,
-            caller(&req),
+            caller(&req).as_ref(),
         )))
     }
 
@@ -544,7 +540,7 @@ impl Allocator for AllocatorService {
         req: Request<Streaming<pb::StreamRequest>>,
     ) -> Result<Response<Self::AllocateStreamStream>, Status> {
         // One identity for the whole stream (its TLS connection's).
-        let who = caller(&req).cloned();
+        let who = caller(&req);
         let mut inbound = req.into_inner();
         let (tx, rx) = mpsc::channel(1024);
         let svc = self.clone();
@@ -615,7 +611,7 @@ impl Allocator for AllocatorService {
         &self,
         req: Request<pb::CommitRequest>,
     ) -> Result<Response<pb::CommitReply>, Status> {
-        let who = caller(&req).cloned();
+        let who = caller(&req);
         let reply = self.commit_inner(req.into_inner(), who.as_ref()).await?;
         Span::current().record("txg", reply.txg);
         Ok(Response::new(reply))
@@ -627,7 +623,7 @@ impl Allocator for AllocatorService {
         req: Request<pb::AbortRequest>,
     ) -> Result<Response<pb::AbortReply>, Status> {
         Ok(Response::new(
-            self.abort_inner(req.get_ref(), caller(&req))?,
+            self.abort_inner(req.get_ref(), caller(&req).as_ref())?,
         ))
     }
 
@@ -637,7 +633,7 @@ impl Allocator for AllocatorService {
         req: Request<pb::RenewLeaseRequest>,
     ) -> Result<Response<pb::RenewLeaseReply>, Status> {
         Ok(Response::new(
-            self.renew_inner(req.get_ref(), caller(&req))?,
+            self.renew_inner(req.get_ref(), caller(&req).as_ref())?,
         ))
     }
 
@@ -648,7 +644,7 @@ impl Allocator for AllocatorService {
         crate::claim::check_free_exact(&self.shared, &extents).await?;
         let txg = {
             let mut g = self.shared.lock();
-            check_extent_owner(&g, caller(&req), &extents, "free")?;
+            check_extent_owner(&g, caller(&req).as_ref(), &extents, "free")?;
             let txg = g.free(&extents)?;
             self.shared.kick_if_dirty(&g);
             txg
@@ -669,7 +665,7 @@ impl Allocator for AllocatorService {
         let extents = convert::extents_from_pb(&req.get_ref().extents)?;
         // Exactly committed extents (the rule Free follows), of the caller.
         crate::claim::check_free_exact(&self.shared, &extents).await?;
-        check_extent_owner(&self.shared.lock(), caller(&req), &extents, "read")?;
+        check_extent_owner(&self.shared.lock(), caller(&req).as_ref(), &extents, "read")?;
         let deadline = Instant::now() + self.shared.settings.max_lease;
         let expires_ms = convert::deadline_unix_ms(deadline);
         // Reads are of committed extents, not of an allocation in flight.
@@ -691,7 +687,7 @@ impl Allocator for AllocatorService {
         // Free space is claimed; space allocated as exactly that extent is
         // already theirs; anything else fails naming what it overlaps.
         crate::claim::check_exact(&self.shared, &extents).await?;
-        let claimant = caller(&req).map(|c| c.to_string());
+        let claimant = caller(&req).map(|c| c.name.to_string());
         let txg = {
             let mut g = self.shared.lock();
             // Exactly an extent another identity owns: the claimant's block
@@ -982,7 +978,7 @@ impl Allocator for AllocatorService {
     ) -> Result<Response<pb::AllocateReply>, Status> {
         if let Some(from) = req.get_ref().extent.as_ref() {
             let from = convert::extent_from_pb(from)?;
-            check_extent_owner(&self.shared.lock(), caller(&req), &[from], "move")?;
+            check_extent_owner(&self.shared.lock(), caller(&req).as_ref(), &[from], "move")?;
         }
         let (a, eps, deadline, waited) =
             crate::balancer::relocate(&self.shared, req.get_ref()).await?;
@@ -993,7 +989,7 @@ impl Allocator for AllocatorService {
             eps,
             deadline,
             waited,
-            caller(&req),
+            caller(&req).as_ref(),
         )))
     }
 

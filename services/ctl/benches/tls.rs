@@ -5,8 +5,9 @@
 //! interleaved (A B C C B A per round, so drift and other load on the
 //! machine fall on all alike):
 //!
-//! * AllocateStream: 8 clients on one connection, each pipelining 32
-//!   Allocate+Commit pairs of 4 KiB (no data), pairs per second;
+//! * AllocateStream: 1, 8 and 64 clients (`ALIQUOT_BENCH_CLIENTS`, a
+//!   comma list) on one connection, each pipelining 32 Allocate+Commit
+//!   pairs of 4 KiB (no data), pairs per second;
 //! * the `aliquotctl write` data path (`write::write`, the code behind the
 //!   command): 1 MiB blocks, 8 in flight, to two simulated agents (no
 //!   device time, so the network path is what is measured), read back
@@ -15,7 +16,9 @@
 //! Prints each run and the median ratio of each mode to plaintext.
 //! `cargo bench -p aliquotctl --bench tls`; `ALIQUOT_BENCH_ROUNDS` (default
 //! 3), `ALIQUOT_BENCH_SECS` per AllocateStream run (default 2),
-//! `ALIQUOT_BENCH_WRITE` bytes per write run (default 256MiB).
+//! `ALIQUOT_BENCH_WRITE` bytes per write run (default 256MiB; 0 skips the
+//! write runs, e.g. to profile AllocateStream alone); `ALIQUOT_BENCH_MODE`
+//! (plaintext, mTLS or mTLS+tokens) runs that mode only, for a profile.
 
 use aliquot_agent::measure::median;
 use std::sync::Arc;
@@ -29,7 +32,6 @@ use pb::stream_request::Op;
 use tokio::sync::mpsc;
 
 const DEPTH: usize = 32;
-const CLIENTS: usize = 8;
 
 fn env_u64(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -120,7 +122,7 @@ async fn start_pool(name: &'static str, certs: Option<&std::path::Path>, tokens:
 }
 
 /// Allocate+Commit pairs per second over AllocateStream.
-async fn stream_run(p: &Pool, secs: u64) -> f64 {
+async fn stream_run(p: &Pool, clients: usize, secs: u64) -> f64 {
     let ch = aliquotctl::client::channel(&p.tls, &p.url, Role::Allocator)
         .await
         .unwrap();
@@ -128,7 +130,7 @@ async fn stream_run(p: &Pool, secs: u64) -> f64 {
     let pairs = Arc::new(AtomicU64::new(0));
     let start = Instant::now();
     let mut tasks = Vec::new();
-    for _ in 0..CLIENTS {
+    for _ in 0..clients {
         let mut c = pb::allocator_client::AllocatorClient::new(ch.clone());
         let (stop, pairs) = (stop.clone(), pairs.clone());
         tasks.push(tokio::spawn(async move {
@@ -217,6 +219,12 @@ fn main() {
         let rounds = env_u64("ALIQUOT_BENCH_ROUNDS", 3) as usize;
         let secs = env_u64("ALIQUOT_BENCH_SECS", 2);
         let total = env_u64("ALIQUOT_BENCH_WRITE", 256 << 20);
+        let clients: Vec<usize> = std::env::var("ALIQUOT_BENCH_CLIENTS")
+            .unwrap_or_else(|_| "1,8,64".into())
+            .split(',')
+            .filter_map(|c| c.trim().parse().ok())
+            .filter(|&c| c > 0)
+            .collect();
         let dir = tempfile::tempdir().unwrap();
         let ca = PoolCa::init(dir.path(), "bench").unwrap();
         for (role, n) in [
@@ -229,8 +237,8 @@ fn main() {
         }
         println!(
             "TLS cost bench: {rounds} rounds of 6 runs (plaintext, mTLS, mTLS+tokens, then \
-             back), each on a fresh pool, {} cores; AllocateStream {CLIENTS} clients x {DEPTH} \
-             pipelined 4 KiB pairs for {secs} s; write {} in 1 MiB blocks, 8 in flight, 2 sim agents",
+             back), each on a fresh pool, {} cores; AllocateStream {clients:?} clients x {DEPTH} \
+             pipelined 4 KiB pairs for {secs} s each; write {} in 1 MiB blocks, 8 in flight, 2 sim agents",
             std::thread::available_parallelism().map_or(0, |n| n.get()),
             units::format_bytes(total)
         );
@@ -240,27 +248,38 @@ fn main() {
             ("mTLS", true, false),
             ("mTLS+tokens", true, true),
         ];
-        // Per mode, per round: the ratio to plaintext (stream, write).
-        let mut ratios = vec![(Vec::new(), Vec::new(), Vec::new()); 3];
+        // Per mode, per round: the ratio to plaintext (stream per client
+        // count, write, verify).
+        let n = clients.len();
+        let mut ratios = vec![(vec![Vec::new(); n], Vec::new(), Vec::new()); 3];
         for round in 0..rounds {
-            let mut s = [0.0f64; 3];
+            let mut s = vec![[0.0f64; 3]; n];
             let mut w = [0.0f64; 3];
             let mut v = [0.0f64; 3];
+            let only = std::env::var("ALIQUOT_BENCH_MODE").ok();
             for (i, k) in [0usize, 1, 2, 2, 1, 0].into_iter().enumerate() {
                 let (name, tls, tokens) = modes[k];
+                if only.as_deref().is_some_and(|m| m != name) {
+                    continue;
+                }
                 let p = start_pool(name, tls.then(|| dir.path()), tokens).await;
-                let pairs = stream_run(&p, secs).await;
-                let (bps, read_bps) = write_run(&p, total).await;
-                println!(
-                    "round {round} run {i} {:<12} AllocateStream {:>8.0} pairs/s   write {:>7.1} MiB/s   verify {:>7.1} MiB/s",
-                    p.name,
-                    pairs,
-                    bps / (1 << 20) as f64,
-                    read_bps / (1 << 20) as f64
-                );
-                s[k] += pairs;
-                w[k] += bps;
-                v[k] += read_bps;
+                let mut line = format!("round {round} run {i} {:<12}", p.name);
+                for (j, &c) in clients.iter().enumerate() {
+                    let pairs = stream_run(&p, c, secs).await;
+                    line.push_str(&format!("  stream x{c} {pairs:>7.0}/s"));
+                    s[j][k] += pairs;
+                }
+                if total > 0 {
+                    let (bps, read_bps) = write_run(&p, total).await;
+                    line.push_str(&format!(
+                        "   write {:>7.1} MiB/s   verify {:>7.1} MiB/s",
+                        bps / (1 << 20) as f64,
+                        read_bps / (1 << 20) as f64
+                    ));
+                    w[k] += bps;
+                    v[k] += read_bps;
+                }
+                println!("{line}");
                 for (stop, task) in p.agents {
                     let _ = stop.send(());
                     let _ = task.await;
@@ -268,26 +287,30 @@ fn main() {
                 p.allocator.shutdown().await.unwrap();
             }
             for k in 1..3 {
-                ratios[k].0.push(s[k] / s[0]);
-                ratios[k].1.push(w[k] / w[0]);
-                ratios[k].2.push(v[k] / v[0]);
+                for (r, sj) in ratios[k].0.iter_mut().zip(&s) {
+                    r.push(sj[k] / sj[0]);
+                }
+                if total > 0 {
+                    ratios[k].1.push(w[k] / w[0]);
+                    ratios[k].2.push(v[k] / v[0]);
+                }
             }
         }
         for (k, (name, _, _)) in modes.iter().enumerate().skip(1) {
-            let (s, w, v) = (
-                median(ratios[k].0.clone()),
-                median(ratios[k].1.clone()),
-                median(ratios[k].2.clone()),
-            );
-            println!(
-                "{name} / plaintext (median of rounds): AllocateStream {:.2} ({:+.0}%), write {:.2} ({:+.0}%), verify {:.2} ({:+.0}%)",
-                s,
-                (s - 1.0) * 100.0,
-                w,
-                (w - 1.0) * 100.0,
-                v,
-                (v - 1.0) * 100.0
-            );
+            let mut line = format!("{name} / plaintext (median of rounds):");
+            for (j, c) in clients.iter().enumerate() {
+                let r = median(ratios[k].0[j].clone());
+                line.push_str(&format!(" AllocateStream x{c} {r:.2} ({:+.0}%),", (r - 1.0) * 100.0));
+            }
+            if total > 0 {
+                let (w, v) = (median(ratios[k].1.clone()), median(ratios[k].2.clone()));
+                line.push_str(&format!(
+                    " write {w:.2} ({:+.0}%), verify {v:.2} ({:+.0}%)",
+                    (w - 1.0) * 100.0,
+                    (v - 1.0) * 100.0
+                ));
+            }
+            println!("{line}");
         }
     });
 }

@@ -626,12 +626,27 @@ impl Store for MemStore {
 
     fn allocated_overlapping(&self, e: Extent) -> BoxFuture<'_, Result<Vec<Extent>, StoreError>> {
         let g = self.state.lock().unwrap();
+        // Extents are ordered by (vdev, offset) and never overlap: the one
+        // starting at or before `e`, then those starting inside it.
         let out = g.as_ref().map_or_else(Vec::new, |st| {
-            st.allocated
-                .iter()
-                .filter(|a| {
-                    a.vdev == e.vdev && a.offset < e.offset + e.size && e.offset < a.offset + a.size
-                })
+            let at = |offset, size| Extent {
+                vdev: e.vdev,
+                offset,
+                size,
+            };
+            let end = e.offset.saturating_add(e.size);
+            if end <= e.offset {
+                return Vec::new();
+            }
+            let before = st.allocated.range(..=at(e.offset, u64::MAX)).next_back();
+            let inside = st
+                .allocated
+                .range(at(e.offset, u64::MAX)..at(end, 0))
+                .filter(|a| a.offset > e.offset);
+            before
+                .into_iter()
+                .chain(inside)
+                .filter(|a| a.vdev == e.vdev && a.offset < end && e.offset < a.offset + a.size)
                 .copied()
                 .collect()
         });

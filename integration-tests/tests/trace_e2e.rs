@@ -614,6 +614,36 @@ async fn allocate_stream_carries_the_trace_context() {
         })
         .count();
     assert_eq!(writes, 3, "every block's Write in its block's trace");
+    // The allocator's span for each message joins the block's trace too
+    // (the message carries its block's trace context), under the ctl's
+    // span for that message; the command's trace keeps only the stream.
+    let ids_all = by_id(&spans);
+    for op in ["stream.allocate", "stream.commit"] {
+        let server: Vec<&SpanRecord> = spans
+            .iter()
+            .filter(|s| s.service == ALLOCATOR && s.name == op)
+            .collect();
+        assert_eq!(server.len(), 3, "one {op} per block:\n{}", describe(&spans));
+        for s in &server {
+            assert!(
+                block_traces.contains(s.trace_id.as_str()),
+                "the allocator's {op} is not in a block's trace:\n{}",
+                describe(&spans)
+            );
+            let parent = ids_all
+                .get(s.parent_span_id.as_str())
+                .expect("its parent was exported");
+            assert_eq!(parent.service, CTL);
+            assert_eq!(parent.name, format!("aliquotctl.{op}"));
+        }
+    }
+    assert!(
+        !trace
+            .iter()
+            .any(|s| s.service == ALLOCATOR && s.name.starts_with("stream.")),
+        "per-message spans left in the command's trace:\n{}",
+        describe(&trace)
+    );
 
     for a in &mut pool.agents {
         a.kill();

@@ -248,6 +248,27 @@ pub fn client_span(method: &str) -> tracing::Span {
     )
 }
 
+/// The current span's trace context as W3C `traceparent`/`tracestate`
+/// entries, for a message that carries its own: an AllocateStream message
+/// belongs to its block's trace, not to the stream's (empty when no span
+/// is being exported).
+pub fn context_map() -> std::collections::HashMap<String, String> {
+    let cx = tracing::Span::current().context();
+    let mut m = std::collections::HashMap::new();
+    global::get_text_map_propagator(|p| p.inject_context(&cx, &mut m));
+    m
+}
+
+/// Make `span` a child of the trace context in `map` (from
+/// [`context_map`]); an empty map leaves it under the current span.
+pub fn adopt(span: &tracing::Span, map: &std::collections::HashMap<String, String>) {
+    if map.is_empty() {
+        return;
+    }
+    let parent = global::get_text_map_propagator(|p| p.extract(map));
+    let _ = span.set_parent(parent);
+}
+
 /// Client side: `FooClient::with_interceptor(channel, TraceInjector)`.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct TraceInjector;

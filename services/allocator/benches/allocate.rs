@@ -91,6 +91,7 @@ async fn stream_client(
     let send_alloc = |id: u64| pb::StreamRequest {
         request_id: id,
         op: Some(Op::Allocate(alloc_req(size))),
+        ..Default::default()
     };
     for _ in 0..DEPTH {
         started.insert(next_id, Instant::now());
@@ -115,6 +116,7 @@ async fn stream_client(
                         wait_synced: false,
                         generation: a.generation,
                     })),
+                    ..Default::default()
                 })
                 .await
                 .unwrap();

@@ -326,6 +326,9 @@ async fn stream_op(
         })
     };
     use pb::stream_request::Op;
+    // The block's own trace, when the client sent its context (issue 31
+    // item 5): its messages' spans join it, not the stream's trace.
+    let req_trace = req.trace_context;
     let result = match req.op {
         None => err(Error::InvalidArgument(format!(
             "stream request {id} has no operation"
@@ -344,6 +347,7 @@ async fn stream_op(
                 vdevs = tracing::field::Empty,
                 tier = tracing::field::Empty,
             );
+            telemetry::adopt(&span, &req_trace);
             let _e = span.enter();
             if !svc.shared.claim_window_remaining().is_zero() {
                 // After a restart: wait out the claim window off the stream.
@@ -450,6 +454,7 @@ async fn stream_op(
                 ids = r.allocation_ids.len(),
                 wait_synced = true
             );
+            telemetry::adopt(&span, &req_trace);
             tokio::spawn(
                 async move {
                     let result = match svc.commit_inner(r, caller.as_ref()).await {
@@ -469,6 +474,7 @@ async fn stream_op(
                 ids = r.allocation_ids.len(),
                 txg = tracing::field::Empty
             );
+            telemetry::adopt(&span, &req_trace);
             let _e = span.enter();
             let res = svc.shared.check_serving().and_then(|_| {
                 svc.shared.check_generation(r.generation, 0)?;

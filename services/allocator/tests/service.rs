@@ -409,6 +409,7 @@ async fn stream_replies_come_back_out_of_order_by_id() {
     tx.send(pb::StreamRequest {
         request_id: 1,
         op: Some(Op::Allocate(data(MIB))),
+        ..Default::default()
     })
     .await
     .unwrap();
@@ -420,6 +421,7 @@ async fn stream_replies_come_back_out_of_order_by_id() {
             copies: 1,
             lease_ms: 0,
         })),
+        ..Default::default()
     })
     .await
     .unwrap();
@@ -438,6 +440,7 @@ async fn stream_replies_come_back_out_of_order_by_id() {
             wait_synced: false,
             generation: log.generation,
         })),
+        ..Default::default()
     })
     .await
     .unwrap();
@@ -445,6 +448,7 @@ async fn stream_replies_come_back_out_of_order_by_id() {
     tx.send(pb::StreamRequest {
         request_id: 4,
         op: Some(Op::Allocate(data(0))),
+        ..Default::default()
     })
     .await
     .unwrap();
@@ -479,6 +483,7 @@ async fn stream_replies_come_back_out_of_order_by_id() {
             wait_synced: true,
             generation: a1.generation,
         })),
+        ..Default::default()
     })
     .await
     .unwrap();

@@ -28,6 +28,7 @@ async fn allocate_replies_carry_verifiable_tokens() {
     tx.send(pb::StreamRequest {
         request_id: 1,
         op: Some(pb::stream_request::Op::Allocate(req)),
+        ..Default::default()
     })
     .await
     .unwrap();

@@ -148,6 +148,7 @@ async fn stream_run(p: &Pool, clients: usize, secs: u64) -> f64 {
                     copies: 1,
                     lease_ms: 0,
                 })),
+                ..Default::default()
             };
             let mut next = 0u64;
             let mut in_flight = 0;
@@ -167,6 +168,7 @@ async fn stream_run(p: &Pool, clients: usize, secs: u64) -> f64 {
                                 generation: a.generation,
                                 ..Default::default()
                             })),
+                            ..Default::default()
                         })
                         .await
                         .unwrap(),

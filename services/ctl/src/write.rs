@@ -356,6 +356,9 @@ impl StreamOps {
             .send(StreamRequest {
                 request_id: id,
                 op: Some(op),
+                // The caller's span is this message's block's: the
+                // allocator's span for it joins the block's trace.
+                trace_context: telemetry::context_map(),
             })
             .await
             .map_err(|_| tonic::Status::unavailable("allocate stream closed"))?;

@@ -1,7 +1,9 @@
 //! A metaslab class (spec §1.2): the ring of groups with the allocator's
 //! rotor and visit counter, the unified throttle's budget (`alloc_max`,
 //! `reserved`, `alloc_io_size`), the legacy throttle's slots, and the FIFO
-//! of waiting tickets. One allocator per class.
+//! of waiting tickets. Each of the class's allocators (`spa_alloc_count`)
+//! has its own rotor position, visit counter, reservation and queue (a
+//! "lane"); the active one is swapped in for each placement.
 
 use std::collections::VecDeque;
 

@@ -1,8 +1,10 @@
 //! OpenZFS's space-allocation policy, pure: no async, no I/O, no clock, no
 //! randomness of its own. Time, device facts and "is the pool busy" come in as
 //! arguments, so the allocator service and the simulator run the very same
-//! code. See `../../../shared/design/allocation-spec.md` (the spec) for the
-//! algorithms; module docs cite its sections.
+//! code. `DESIGN.md` beside this crate describes the policy as implemented,
+//! the OpenZFS function each rule comes from, and where Aliquot differs.
+//! Module docs also cite sections (§) of the project's allocation spec,
+//! which lives outside this repository; DESIGN.md stands without it.
 //!
 //! The life of a data allocation:
 //! `submit` (admission by the throttle; may queue) → `take_admitted` tells the
@@ -11,9 +13,6 @@
 //! bytes and queue depth → `sync` closes the txg and returns what changed.
 //! `free` is deferred for `TXG_DEFER_SIZE` syncs.
 #![forbid(unsafe_code)]
-
-// API CONTRACT (written by the lead before the implementation; the crate's
-// implementer keeps these public names and signatures, adding to them freely).
 
 use std::fmt;
 
@@ -117,7 +116,8 @@ pub struct AllocRequest {
     pub kind: AllocKind,
     /// Bytes (psize), 1 ..= SPA_MAXBLOCKSIZE.
     pub size: u64,
-    /// 1 ..= 3, each copy on a different vdev.
+    /// 1 ..= 3: copies go to distinct vdevs while the ring has enough;
+    /// otherwise a vdev takes a second copy in another of its metaslabs.
     pub copies: u8,
 }
 

@@ -3,8 +3,9 @@
 //! and the open txg. This file holds the state and the vdevs' lifecycle
 //! (add, restore, grow, health, online; embedded log metaslabs, §5.2–5.3);
 //! the rest of `impl Pool` is one concern per module: `admission` (§3.7–3.8,
-//! §4.4, busy), `placement` (DVA placement over the ring §2.11, rotation
-//! §3.5/§4.2, queue depth §3.6/§4.3, class balance §3.3, slop §5.6), `space`
+//! §4.4, busy, rdspace and slop §5.6), `placement` (DVA placement over the
+//! ring §2.11, rotation §3.5/§4.2, queue depth §3.6/§4.3, class balance
+//! §3.3), `space`
 //! (commit, abort, expire, free, claim), `txg_sync` (§6.2, unload/preload
 //! §2.10) and `removal` (vdev removal).
 

@@ -293,15 +293,18 @@ impl Group {
     }
 
     /// `find_valid_metaslab` (spec §2.6). `holding` are the metaslabs of
-    /// this vdev that already hold a DVA of the block: a ditto copy must land
-    /// in another one (`metaslab_is_unique`). Aliquot requires that in every
-    /// pass, also for already-active candidates, so two copies of a block
-    /// never share a metaslab (the spec's HEAD quirk is not reproduced).
+    /// this vdev that already hold a DVA of the block: a ditto copy lands in
+    /// another one (`metaslab_is_unique`) unless it is the first copy on the
+    /// vdev, the candidate is already active (OpenZFS is then "desperate
+    /// enough" to use another allocator's metaslab and does not look at
+    /// distances), or the pass is trying hard
+    /// (`metaslab.c:find_valid_metaslab@zfs-2.4.0`).
     fn find_valid(
         &self,
         ms: &[Metaslab],
         search: Option<Key>,
         asize: u64,
+        activation: Activation,
         holding: &[u32],
         ctx: &AllocCtx<'_>,
     ) -> Option<Key> {
@@ -316,7 +319,15 @@ impl Group {
                 return None;
             }
             let m = &ms[k.2 as usize];
-            if m.new || !m.should_allocate(asize) || holding.contains(&m.id) {
+            if m.new || !m.should_allocate(asize) {
+                continue;
+            }
+            let was_active = m.role != Role::Inactive;
+            if activation != Activation::Primary
+                && !was_active
+                && !ctx.try_hard
+                && holding.contains(&m.id)
+            {
                 continue;
             }
             return Some(*k);
@@ -351,12 +362,14 @@ impl Group {
         let mut budget = self.tree.len() + 2;
         while budget > 0 {
             budget -= 1;
+            // The allocator's active metaslab for this copy is used as it
+            // is, without the uniqueness check (`metaslab_group_alloc`).
             let id = match self.slot(activation, si) {
-                Some(p) if !tried_slot && !holding.contains(&p) => {
+                Some(p) if !tried_slot => {
                     tried_slot = true;
                     p
                 }
-                _ => match self.find_valid(ms, search, asize, holding, ctx) {
+                _ => match self.find_valid(ms, search, asize, activation, holding, ctx) {
                     Some(k) => {
                         search = Some(k);
                         k.2

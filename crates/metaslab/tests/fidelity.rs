@@ -63,6 +63,47 @@ fn copies_share_a_vdev_but_never_a_metaslab() {
     pool.verify().unwrap();
 }
 
+/// Issue 29 item 5: a ditto copy needs a metaslab of its own only while an
+/// inactive one can take it. On a one-vdev pool whose only free space is in
+/// the metaslab the first copy went to (the allocator's active primary),
+/// OpenZFS places the second copy there too: `find_valid_metaslab` skips
+/// `metaslab_is_unique` for an already-active candidate
+/// (`metaslab.c:find_valid_metaslab@zfs-2.4.0`, "desperate enough to steal
+/// another allocator's metaslab, so we still don't care about
+/// distances"). The crate used to refuse it as FRAGMENTED with 200 MiB free
+/// in one piece.
+#[test]
+fn a_ditto_copy_shares_the_active_metaslab_when_nothing_else_fits() {
+    let mut pool = Pool::new(Tunables::default());
+    pool.add_vdev(spec(4 * GIB)).unwrap();
+    pool.sync();
+    let shift = pool.stats().vdevs[0].metaslab_shift;
+    let count = (4 * GIB) >> shift;
+    assert!(count >= 4, "{count} metaslabs");
+    // Fill metaslab after metaslab with 1 MiB blocks, leaving 200 MiB free,
+    // all of it in the last one (more than the 128 MiB slop + 2 MiB).
+    let mut last = None;
+    for _ in 0..(4096 - 200) {
+        let a = place(&mut pool, req(AllocKind::Data, MIB, 1)).unwrap();
+        last = Some(metaslab_of(&pool, &a.extents[0]));
+        pool.commit(a.id).unwrap();
+    }
+    pool.sync();
+    assert_eq!(last, Some(count - 1), "the metaslabs filled in turn");
+    let a = place(&mut pool, req(AllocKind::Data, MIB, 2))
+        .expect("OpenZFS places both copies in the active metaslab");
+    assert_eq!((a.extents[0].vdev, a.extents[1].vdev), (0, 0));
+    assert_eq!(
+        metaslab_of(&pool, &a.extents[0]),
+        metaslab_of(&pool, &a.extents[1]),
+        "{:?}",
+        a.extents
+    );
+    assert_eq!(Some(metaslab_of(&pool, &a.extents[0])), last);
+    pool.commit(a.id).unwrap();
+    pool.verify().unwrap();
+}
+
 /// Item 1: with two vdevs, the second copy still goes to the other vdev
 /// while it can; with that vdev offline it shares vdev 0.
 #[test]

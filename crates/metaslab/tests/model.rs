@@ -200,11 +200,15 @@ impl Model {
                 !overlaps_deferred(&self.deferred, e),
                 "{e} reuses deferred space"
             );
-            // Copies may share a vdev (OpenZFS), never a metaslab.
-            let ms = |x: &Extent| (x.vdev, x.offset >> v.metaslab_shift);
+            // Copies may share a vdev, and even a metaslab once no inactive
+            // one can take the copy (`metaslab.c:find_valid_metaslab@zfs-2.4.0`
+            // skips the uniqueness check for an active candidate), but never
+            // a byte.
             assert!(
-                a.extents[..i].iter().all(|o| ms(o) != ms(e)),
-                "copies {:?} share a metaslab",
+                a.extents[..i].iter().all(|o| o.vdev != e.vdev
+                    || o.offset + o.size <= e.offset
+                    || e.offset + e.size <= o.offset),
+                "copies {:?} overlap",
                 a.extents
             );
             let in_elog = v

@@ -36,7 +36,6 @@ impl Rng {
 struct VdevModel {
     end: u64,
     ashift: u8,
-    metaslab_shift: u8,
     role: VdevRole,
     /// Embedded log metaslab range.
     elog: Option<(u64, u64)>,
@@ -130,7 +129,6 @@ impl Model {
                 VdevModel {
                     end: v.metaslab_count as u64 * ms,
                     ashift: v.spec.ashift,
-                    metaslab_shift: v.metaslab_shift,
                     role: v.spec.role,
                     elog: v.embedded_log_metaslab.map(|i| (i as u64 * ms, ms)),
                 }

@@ -1001,8 +1001,7 @@ async fn relocate(c: &mut Cluster, m: &mut Model, rng: &mut Rng) -> StepResult {
         .relocate(pb::RelocateRequest {
             extent: Some(b.extents[copy]),
             avoid_vdevs: avoid,
-            lease_ms: 0,
-            plan_id: 0,
+            ..Default::default()
         })
         .await
     {

@@ -14,6 +14,14 @@ pub enum Error {
     TooLarge(u64),
     #[error("copies must be 1, 2 or 3, not {0}")]
     BadCopies(u8),
+    #[error(
+        "a block of {psize} bytes does not fit extent {extent}: its allocation holds at most {most}"
+    )]
+    PsizeTooLarge {
+        psize: u64,
+        extent: Extent,
+        most: u64,
+    },
     #[error("extent {0} is not aligned to its vdev's ashift")]
     Misaligned(Extent),
     #[error("extent {0} lies outside its vdev")]

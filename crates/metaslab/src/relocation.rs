@@ -10,9 +10,31 @@ use std::cmp::Ordering;
 
 use crate::balance::{VdevFill, cmp_to_class};
 use crate::pool::{NORMAL, Pool};
-use crate::{Error, Result, VdevId, VdevRole};
+use crate::{Error, Extent, Result, VdevId, VdevRole};
 
 impl Pool {
+    /// The logical size (psize) a move of `from` must place: `psize` when
+    /// the caller knows it (the block's length in its manifest), else the
+    /// largest block `from`'s allocation can hold on its vdev
+    /// ([`crate::vdev::asize_to_psize`]). Never the old asize itself: on
+    /// RAIDZ that includes parity and padding, and a block moved with it
+    /// would grow at every move (issue 29, item 1). OpenZFS never meets
+    /// this: it refuses device removal with parity vdevs
+    /// (`vdev_removal.c:spa_vdev_remove_top_check@zfs-2.4.0`).
+    pub fn relocation_psize(&self, from: &Extent, psize: u64) -> Result<u64> {
+        self.check_present(from.vdev)?;
+        let spec = &self.vdevs[from.vdev as usize].spec;
+        let most = crate::vdev::asize_to_psize(spec, from.size);
+        if psize > most || most == 0 {
+            return Err(Error::PsizeTooLarge {
+                psize,
+                extent: *from,
+                most,
+            });
+        }
+        Ok(if psize == 0 { most } else { psize })
+    }
+
     /// The vdevs a move of a copy on `source` must avoid, sorted; `others`
     /// are the vdevs of the block's other copies. Fails for an unknown or
     /// removed source and for a log vdev (the balancer moves normal data).

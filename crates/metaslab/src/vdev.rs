@@ -57,9 +57,72 @@ pub fn psize_to_asize(spec: &VdevSpec, psize: u64) -> u64 {
     (s.div_ceil(p + 1) * (p + 1)) << a
 }
 
+/// The largest psize whose allocation on this vdev is `asize` bytes: the
+/// reverse of [`psize_to_asize`] (OpenZFS's
+/// `vdev_raidz.c:vdev_raidz_asize_to_psize@zfs-2.4.0` on RAIDZ; a plain
+/// vdev only rounds to its sectors). A relocation that knows only the old
+/// extent sizes its new copy from this, not from the old asize, so a block
+/// moved off a RAIDZ vdev does not carry its parity along.
+pub fn asize_to_psize(spec: &VdevSpec, asize: u64) -> u64 {
+    let a = spec.ashift as u32;
+    let p = spec.parity as u64;
+    let cols = spec.children as u64;
+    let sectors = asize >> a;
+    if p == 0 || cols <= p + 1 {
+        return sectors << a;
+    }
+    // Rows that hold data; a partial row made of padding only (the round
+    // up to a multiple of parity + 1) holds none.
+    let rows = sectors / cols;
+    let used = if sectors - rows * cols <= p {
+        rows * cols
+    } else {
+        sectors
+    };
+    (used - p * used.div_ceil(cols)) << a
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `asize_to_psize` reverses `psize_to_asize` as OpenZFS's
+    /// `vdev_raidz_asize_to_psize@zfs-2.4.0` does: the largest psize with
+    /// that asize, so sizing again from it gives the same asize.
+    #[test]
+    fn asize_to_psize_is_the_largest_block_of_that_allocation() {
+        for (children, parity, ashift) in [
+            (1, 0, 9),
+            (1, 0, 12),
+            (5, 1, 12),
+            (3, 1, 9),
+            (6, 2, 12),
+            (4, 1, 12),
+        ] {
+            let s = spec(children, parity, ashift);
+            for psize in (1..=64u64)
+                .map(|k| k * 2048)
+                .chain([128 << 10, 1 << 20, 16 << 20])
+            {
+                let asize = psize_to_asize(&s, psize);
+                let most = asize_to_psize(&s, asize);
+                assert!(
+                    most >= psize,
+                    "{children}/{parity}@{ashift}: {psize} -> {asize} -> {most}"
+                );
+                assert_eq!(
+                    psize_to_asize(&s, most),
+                    asize,
+                    "{children}/{parity}@{ashift}: {psize}"
+                );
+            }
+        }
+        // The case: 128K on a 5-wide RAIDZ1 at ashift 12 is 160K
+        // allocated, and back to 128K, not 160K.
+        let rz = spec(5, 1, 12);
+        assert_eq!(psize_to_asize(&rz, 128 << 10), 160 << 10);
+        assert_eq!(asize_to_psize(&rz, 160 << 10), 128 << 10);
+    }
     use crate::VdevRole;
 
     const GIB: u64 = 1 << 30;

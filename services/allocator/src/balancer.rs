@@ -36,16 +36,17 @@ pub async fn relocate(
         .pool
         .relocation_avoid(from.vdev, &req.avoid_vdevs)?;
     crate::claim::check_relocatable(shared, &from).await?;
+    // The block's logical size, not the old asize: sized again for the
+    // new vdev, a block moved between RAIDZ and plain vdevs keeps its size.
+    let psize = shared.lock().pool.relocation_psize(&from, req.psize)?;
     let intent = RelocateIntent {
         from,
         plan_id: req.plan_id,
         avoid,
     };
-    // The block's bytes are the old extent's: the new one holds them whole
-    // (its vdev may round up to a larger ashift).
     let areq = AllocRequest {
         kind: AllocKind::Data,
-        size: from.size,
+        size: psize,
         copies: 1,
     };
     shared.relocate(areq, lease, intent).await

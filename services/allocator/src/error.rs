@@ -221,6 +221,7 @@ impl Error {
                 M::ZeroSize
                 | M::TooLarge(_)
                 | M::BadCopies(_)
+                | M::PsizeTooLarge { .. }
                 | M::Misaligned(_)
                 | M::OutOfRange(_)
                 | M::BadTunableValue { .. }
@@ -273,6 +274,7 @@ impl Error {
                 M::ZeroSize
                 | M::TooLarge(_)
                 | M::BadCopies(_)
+                | M::PsizeTooLarge { .. }
                 | M::Misaligned(_)
                 | M::OutOfRange(_)
                 | M::BadTunableValue { .. }

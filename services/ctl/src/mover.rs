@@ -382,6 +382,8 @@ impl Mover {
                 avoid_vdevs: avoid,
                 lease_ms: 0,
                 plan_id,
+                // Sized for the block, not for the old extent (parity).
+                psize: len,
             })
             .await
         {
@@ -589,7 +591,10 @@ impl Mover {
             t,
             d.write(WriteRequest {
                 offset: to.offset,
-                data,
+                // The new extent is sized for the block on its own vdev: off
+                // a RAIDZ vdev it is smaller than the old (parity), and the
+                // block's bytes are the first `len` of what was read.
+                data: data.slice(..(to.size as usize).min(data.len())),
                 token: r.tokens.first().cloned().unwrap_or_default(),
             }),
         )

@@ -569,6 +569,23 @@ impl Pool {
                 alloc += g.alloc;
             }
         }
+        // Offline vdevs left the ring (OpenZFS passivates their groups, so
+        // they are not in `mc_groups`), but their metaslabs still count in
+        // the class's space until `metaslab_fini`
+        // (`metaslab.c:metaslab_group_passivate` and
+        // `metaslab_class_balance@zfs-2.4.0`): every group's share of the
+        // class is then smaller, as OpenZFS computes it.
+        for vd in &self.vdevs {
+            if vd.removed || vd.online || c.in_ring(vd.id) {
+                continue;
+            }
+            if let Some(g) = vd.group(ci)
+                && vd.vs_space() > 0
+            {
+                space += g.space;
+                alloc += g.alloc;
+            }
+        }
         let mc = unified::ClassInput {
             groups: c.groups,
             space,

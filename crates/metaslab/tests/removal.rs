@@ -305,3 +305,42 @@ fn a_drain_needs_room_for_the_whole_vdev() {
     pool.set_online(b, false).unwrap();
     pool.check_drain_room(b).unwrap();
 }
+
+/// Issue 29 item 2, second half: an offline vdev leaves the rotor and
+/// `mc_groups`, but its space stays in the class's `mc_space` until
+/// `metaslab_fini` (`metaslab.c:metaslab_group_passivate`,
+/// `metaslab_group_alloc_update` and `metaslab_class_balance@zfs-2.4.0`).
+/// With one of three equal empty vdevs offline, each remaining group's
+/// capacity ratio is its space over the average of the whole class's space
+/// per initialized group: 2/3 of an average group, so its aliquot is 2/3
+/// of what it was (the crate gave 1.5× OpenZFS's, the full aliquot), and
+/// `mc_alloc_max` is 4 × the two aliquots.
+#[test]
+fn an_offline_vdevs_space_stays_in_the_class_balance() {
+    let mut pool = pool3();
+    let aliquot_of = |p: &Pool, v: VdevId| {
+        let n = p
+            .stats()
+            .classes
+            .into_iter()
+            .find(|c| c.kind == ClassKind::Normal)
+            .expect("normal class");
+        let g = n.groups.iter().find(|g| g.vdev == v).map(|g| g.aliquot);
+        (g, n.alloc_max)
+    };
+    let (all3, _) = aliquot_of(&pool, 0);
+    let all3 = all3.expect("vdev 0 in the ring");
+    pool.set_online(2, false).unwrap();
+    let (two, alloc_max) = aliquot_of(&pool, 0);
+    let two = two.expect("vdev 0 in the ring");
+    let want = all3 as f64 * 2.0 / 3.0;
+    assert!(
+        (two as f64 - want).abs() / want < 0.01,
+        "aliquot {two} with a third of the class offline, want ~{want:.0} (all online: {all3})"
+    );
+    let (other, _) = aliquot_of(&pool, 1);
+    assert_eq!(alloc_max, 4 * (two + other.expect("vdev 1")));
+    // Back online, as before.
+    pool.set_online(2, true).unwrap();
+    assert_eq!(aliquot_of(&pool, 0).0, Some(all3));
+}

@@ -48,7 +48,7 @@ impl Pool {
         if policy == ThrottlePolicy::Unified && req.size > c.alloc_io_size {
             // A larger block raises the estimate and rebalances now (§3.4).
             c.alloc_io_size = req.size;
-            self.balance(NORMAL, false);
+            self.metaslab_class_balance(NORMAL, false);
         }
         let c = &mut self.classes[NORMAL];
         let lane = c.lane(allocator);
@@ -274,7 +274,7 @@ impl Pool {
 
     /// Slop space (spec §5.6), raw bytes, on [`Self::rdspace`]
     /// (`spa_misc.c:spa_get_slop_space@zfs-2.4.0`).
-    pub(crate) fn slop(&self) -> u64 {
+    pub(crate) fn spa_get_slop_space(&self) -> u64 {
         let rd = self.rdspace();
         let elog = self.classes[ELOG].space;
         let mut slop = (rd >> self.tun.spa_slop_shift).min(128 << 30);

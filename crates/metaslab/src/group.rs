@@ -47,7 +47,7 @@ impl Activation {
     }
 }
 
-/// What one `group_alloc` did.
+/// What one `metaslab_group_alloc` did.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct GroupAllocOutcome {
     pub offset: Option<(u32, u64)>,
@@ -55,7 +55,7 @@ pub struct GroupAllocOutcome {
     pub loads: u32,
 }
 
-/// Facts `group_alloc` needs from its vdev and the pool.
+/// Facts `metaslab_group_alloc` needs from its vdev and the pool.
 pub struct AllocCtx<'a> {
     pub t: &'a Tunables,
     pub txg: Txg,
@@ -287,7 +287,7 @@ impl Group {
     /// Recompute `ms`'s weight and re-key it (keeping its role).
     pub fn reweigh(&mut self, ms: &mut Metaslab, rotational: bool, ms_count: u64, t: &Tunables) {
         self.tree.remove(&key(ms));
-        ms.compute_weight(rotational, ms_count, t);
+        ms.metaslab_weight(rotational, ms_count, t);
         self.tree.insert(key(ms));
         self.note_changed(ms);
     }
@@ -299,7 +299,7 @@ impl Group {
     /// enough" to use another allocator's metaslab and does not look at
     /// distances), or the pass is trying hard
     /// (`metaslab.c:find_valid_metaslab@zfs-2.4.0`).
-    fn find_valid(
+    fn find_valid_metaslab(
         &self,
         ms: &[Metaslab],
         search: Option<Key>,
@@ -369,7 +369,7 @@ impl Group {
                     tried_slot = true;
                     p
                 }
-                _ => match self.find_valid(ms, search, asize, activation, holding, ctx) {
+                _ => match self.find_valid_metaslab(ms, search, asize, activation, holding, ctx) {
                     Some(k) => {
                         search = Some(k);
                         k.2
@@ -401,7 +401,7 @@ impl Group {
             }
             let owned = activation != Activation::Claim && self.slot(activation, si) == Some(id);
             if m.should_allocate(asize)
-                && let Some(off) = m.df_alloc(asize, ctx.t)
+                && let Some(off) = m.metaslab_df_alloc(asize, ctx.t)
             {
                 self.note_changed(m);
                 if owned {
@@ -439,11 +439,11 @@ impl Group {
         if m.allocatable.max_size() > free / 16 * 15 {
             return;
         }
-        let w = m.segment_weight_from_tree();
+        let w = m.metaslab_segment_weight();
         let act = weight_index(m.activation_weight);
         if act >= weight_index(w) + ctx.t.zfs_metaslab_switch_threshold as u32 {
             self.set_weight(m, w);
-            m.compute_fragmentation();
+            m.metaslab_set_fragmentation();
             self.note_changed(m);
             self.passivate(m);
         }

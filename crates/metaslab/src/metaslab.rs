@@ -170,7 +170,7 @@ impl Metaslab {
     /// plus the frees of the txg and both defer slots (`metaslab_sync`), so
     /// deferred frees count as free space here. A metaslab that was never
     /// allocated from has no space map and reads 0.
-    pub fn compute_fragmentation(&mut self) {
+    pub fn metaslab_set_fragmentation(&mut self) {
         if !self.has_space_map {
             self.fragmentation = 0;
             return;
@@ -195,7 +195,7 @@ impl Metaslab {
     }
 
     /// Segment weight from the in-core tree (spec §2.3, loaded case).
-    pub fn segment_weight_from_tree(&self) -> u64 {
+    pub fn metaslab_segment_weight(&self) -> u64 {
         let max_idx = SPACE_MAP_HISTOGRAM_SIZE + self.ashift as u32 - 1;
         let hist = self.allocatable.histogram();
         let mut segments: u64 = 0;
@@ -212,8 +212,8 @@ impl Metaslab {
     }
 
     /// Recompute `weight` (without activation bits) per the tunables.
-    pub fn compute_weight(&mut self, rotational: bool, ms_count: u64, t: &Tunables) {
-        self.compute_fragmentation();
+    pub fn metaslab_weight(&mut self, rotational: bool, ms_count: u64, t: &Tunables) {
+        self.metaslab_set_fragmentation();
         let free = self.allocatable.space();
         self.weight = if free == 0 {
             0
@@ -227,15 +227,15 @@ impl Metaslab {
                     segment_weight(1 << (idx - max_idx), max_idx)
                 }
             } else {
-                self.segment_weight_from_tree()
+                self.metaslab_segment_weight()
             }
         } else {
-            self.space_weight(rotational, ms_count, t)
+            self.metaslab_space_weight(rotational, ms_count, t)
         };
     }
 
     /// Space-based weight (spec §2.2).
-    fn space_weight(&self, rotational: bool, ms_count: u64, t: &Tunables) -> u64 {
+    fn metaslab_space_weight(&self, rotational: bool, ms_count: u64, t: &Tunables) -> u64 {
         let mut w = self.allocatable.space();
         if t.metaslab_fragmentation_factor_enabled {
             w = ((w as u128) * (101 - self.fragmentation.min(100)) as u128 / 100) as u64;
@@ -258,7 +258,7 @@ impl Metaslab {
 
     /// The dynamic-fit allocator (spec §2.8) with `size == max_size`.
     /// Removes the range from `allocatable` and returns its offset.
-    pub fn df_alloc(&mut self, size: u64, t: &Tunables) -> Option<u64> {
+    pub fn metaslab_df_alloc(&mut self, size: u64, t: &Tunables) -> Option<u64> {
         let align = size & size.wrapping_neg();
         let slot = (highbit(align) - 1) as usize;
         let free = self.allocatable.space();
@@ -266,7 +266,7 @@ impl Metaslab {
         let largest = self.allocatable.max_size();
         let mut offset = None;
         if largest >= t.metaslab_df_alloc_threshold && free_pct >= t.metaslab_df_free_pct {
-            offset = self.block_picker(slot, size, t.metaslab_df_max_search);
+            offset = self.metaslab_block_picker(slot, size, t.metaslab_df_max_search);
         }
         if offset.is_none() {
             let rs = if t.metaslab_df_use_largest_segment {
@@ -287,8 +287,8 @@ impl Metaslab {
         Some(off)
     }
 
-    /// Cursor first fit (`block_picker`, spec §2.8).
-    fn block_picker(&mut self, slot: usize, size: u64, max_search: u64) -> Option<u64> {
+    /// Cursor first fit (`metaslab_block_picker`, spec §2.8).
+    fn metaslab_block_picker(&mut self, slot: usize, size: u64, max_search: u64) -> Option<u64> {
         if self.lbas[slot] == 0 {
             self.lbas[slot] = self.start;
         }
@@ -325,10 +325,10 @@ mod tests {
     #[test]
     fn fragmentation_table() {
         let mut ms = Metaslab::new(0, 24, 9, false);
-        ms.compute_fragmentation();
+        ms.metaslab_set_fragmentation();
         assert_eq!(ms.fragmentation, 0); // no space map yet
         ms.has_space_map = true;
-        ms.compute_fragmentation();
+        ms.metaslab_set_fragmentation();
         assert_eq!(ms.fragmentation, 17); // one 16 MiB segment
         // Carve the metaslab into 4 KiB free segments separated by 4 KiB.
         let mut ms = Metaslab::new(0, 24, 12, false);
@@ -337,7 +337,7 @@ mod tests {
         for i in 0..100u64 {
             ms.allocatable.add(i * 8192, 4096).unwrap();
         }
-        ms.compute_fragmentation();
+        ms.metaslab_set_fragmentation();
         assert_eq!(ms.fragmentation, 93);
         // Mixed: 1 × 128 KiB (64 %) and 1 × 4 KiB (93 %), byte weighted.
         let mut ms = Metaslab::new(0, 24, 12, false);
@@ -345,7 +345,7 @@ mod tests {
         assert!(ms.allocatable.remove(0, 1 << 24));
         ms.allocatable.add(0, 128 << 10).unwrap();
         ms.allocatable.add(1 << 20, 4096).unwrap();
-        ms.compute_fragmentation();
+        ms.metaslab_set_fragmentation();
         assert_eq!(
             ms.fragmentation,
             (131072 * 64 + 4096 * 93) / (131072 + 4096)
@@ -356,14 +356,14 @@ mod tests {
     fn segment_weights() {
         let t = Tunables::default();
         let mut ms = Metaslab::new(0, 29, 12, false);
-        ms.compute_weight(false, 1, &t);
+        ms.metaslab_weight(false, 1, &t);
         assert_eq!(ms.weight, segment_weight(1, 29));
         assert!(ms.allocatable.remove(0, 1 << 28));
-        ms.compute_weight(false, 1, &t);
+        ms.metaslab_weight(false, 1, &t);
         assert_eq!(ms.weight, segment_weight(1, 28));
         // Full metaslab: 0.
         assert!(ms.allocatable.remove(1 << 28, 1 << 28));
-        ms.compute_weight(false, 1, &t);
+        ms.metaslab_weight(false, 1, &t);
         assert_eq!(ms.weight, 0);
         // A segment weight of a higher bucket outranks more segments below.
         assert!(segment_weight(1, 20) > segment_weight(1000, 19));
@@ -377,7 +377,7 @@ mod tests {
             ..Default::default()
         };
         let mut ms = Metaslab::new(0, 24, 12, false);
-        ms.compute_weight(true, 4, &t);
+        ms.metaslab_weight(true, 4, &t);
         // Free 16 MiB, no space map (frag 0) → × 101/100, LBA × 2 at id 0.
         let w = (16u64 << 20) * 101 / 100 * 2;
         assert_eq!(ms.weight, w | WEIGHT_TYPE);
@@ -387,16 +387,16 @@ mod tests {
     fn df_first_fit_then_best_fit() {
         let t = Tunables::default();
         let mut ms = Metaslab::new(0, 24, 12, false);
-        assert_eq!(ms.df_alloc(4096, &t), Some(0));
-        assert_eq!(ms.df_alloc(4096, &t), Some(4096));
-        assert_eq!(ms.df_alloc(8192, &t), Some(8192));
+        assert_eq!(ms.metaslab_df_alloc(4096, &t), Some(0));
+        assert_eq!(ms.metaslab_df_alloc(4096, &t), Some(4096));
+        assert_eq!(ms.metaslab_df_alloc(8192, &t), Some(8192));
         // Fragment: only small segments → best fit picks smallest that fits.
         let mut ms = Metaslab::new(0, 24, 12, false);
         assert!(ms.allocatable.remove(0, 1 << 24));
         ms.allocatable.add(0, 8192).unwrap();
         ms.allocatable.add(65536, 4096).unwrap();
-        assert_eq!(ms.df_alloc(4096, &t), Some(65536));
-        assert_eq!(ms.df_alloc(8192, &t), Some(0));
-        assert_eq!(ms.df_alloc(4096, &t), None);
+        assert_eq!(ms.metaslab_df_alloc(4096, &t), Some(65536));
+        assert_eq!(ms.metaslab_df_alloc(8192, &t), Some(0));
+        assert_eq!(ms.metaslab_df_alloc(4096, &t), None);
     }
 }

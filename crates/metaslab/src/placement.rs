@@ -67,7 +67,7 @@ impl Pool {
                 };
                 let free = space.saturating_sub(self.classes[NORMAL].alloc);
                 let need = req.copies as u64 * req.size;
-                let placed = if free < self.slop().saturating_add(need) {
+                let placed = if free < self.spa_get_slop_space().saturating_add(need) {
                     Err(NoSpaceReason::Full)
                 } else {
                     self.place(NORMAL, req.size, req.copies, busy, false)
@@ -164,7 +164,7 @@ impl Pool {
     ) -> Option<Placed> {
         let mut placed = Placed::default();
         for d in 0..copies as usize {
-            match self.place_one(ci, psize, d, &placed, busy, zil) {
+            match self.metaslab_alloc_dva(ci, psize, d, &placed, busy, zil) {
                 Some((e, loads)) => {
                     placed.extents[d] = e;
                     placed.n += 1;
@@ -197,7 +197,7 @@ impl Pool {
         self.classes[ci].ring.iter().any(|&v| {
             let vd = &self.vdevs[v as usize];
             let asize = psize_to_asize(&vd.spec, psize);
-            vd.allocatable()
+            vd.vdev_allocatable()
                 && !self.avoid.contains(&v)
                 && vd.group(ci).is_some_and(|g| {
                     g.members().any(|m| {
@@ -223,7 +223,7 @@ impl Pool {
         for &ci in cis {
             for &v in &self.classes[ci].ring {
                 let vd = &self.vdevs[v as usize];
-                if !vd.allocatable() || self.avoid.contains(&v) {
+                if !vd.vdev_allocatable() || self.avoid.contains(&v) {
                     continue;
                 }
                 any = true;
@@ -259,7 +259,7 @@ impl Pool {
         }
     }
 
-    pub(crate) fn place_one(
+    pub(crate) fn metaslab_alloc_dva(
         &mut self,
         ci: usize,
         psize: u64,
@@ -299,16 +299,16 @@ impl Pool {
                 // A vdev holding a copy already is not skipped: the copy goes
                 // to another of its metaslabs (spec §2.5, §2.6).
                 let v = self.classes[ci].ring[(start + k) % n];
-                if !self.eligible(ci, v, d, try_hard, zil) {
-                    self.rotate(ci, v, psize, 0, false, busy, zil);
+                if !self.metaslab_group_allocatable(ci, v, d, try_hard, zil) {
+                    self.metaslab_class_rotate(ci, v, psize, 0, false, busy, zil);
                     continue;
                 }
-                match self.group_alloc(ci, v, psize, placed, try_hard) {
+                match self.metaslab_group_alloc(ci, v, psize, placed, try_hard) {
                     Some((e, loads)) => {
-                        self.rotate(ci, v, psize, e.size, true, busy, zil);
+                        self.metaslab_class_rotate(ci, v, psize, e.size, true, busy, zil);
                         return Some((e, loads));
                     }
-                    None => self.rotate(ci, v, psize, 0, false, busy, zil),
+                    None => self.metaslab_class_rotate(ci, v, psize, 0, false, busy, zil),
                 }
             }
         }
@@ -316,7 +316,7 @@ impl Pool {
     }
 
     /// Group eligibility at allocation time (spec §2.7; legacy §4.5).
-    pub(crate) fn eligible(
+    pub(crate) fn metaslab_group_allocatable(
         &self,
         ci: usize,
         v: VdevId,
@@ -325,7 +325,7 @@ impl Pool {
         zil: bool,
     ) -> bool {
         let vd = &self.vdevs[v as usize];
-        if !vd.allocatable() || self.avoid.contains(&v) {
+        if !vd.vdev_allocatable() || self.avoid.contains(&v) {
             return false;
         }
         let Some(g) = vd.group(ci) else { return false };
@@ -339,13 +339,19 @@ impl Pool {
         }
         let c = &self.classes[ci];
         if self.tun.throttle_policy == ThrottlePolicy::Legacy && ci == NORMAL {
-            return self.legacy_eligible(c, g, d, zil);
+            return self.legacy_group_allocatable(c, g, d, zil);
         }
         !(g.no_free_space || (!g.allocatable && c.alloc_groups > 0))
     }
 
     /// LEGACY `metaslab_group_allocatable` (spec §4.5).
-    pub(crate) fn legacy_eligible(&self, c: &Class, g: &Group, d: usize, zil: bool) -> bool {
+    pub(crate) fn legacy_group_allocatable(
+        &self,
+        c: &Class,
+        g: &Group,
+        d: usize,
+        zil: bool,
+    ) -> bool {
         if c.groups <= 1 {
             return true;
         }
@@ -385,7 +391,7 @@ impl Pool {
     }
 
     /// `metaslab_group_alloc` on vdev `v`'s group of class `ci`.
-    pub(crate) fn group_alloc(
+    pub(crate) fn metaslab_group_alloc(
         &mut self,
         ci: usize,
         v: VdevId,
@@ -453,7 +459,7 @@ impl Pool {
 
     /// The rotor rules: unified (§3.5), legacy (§4.2) or off (strict quota).
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn rotate(
+    pub(crate) fn metaslab_class_rotate(
         &mut self,
         ci: usize,
         v: VdevId,
@@ -540,7 +546,7 @@ impl Pool {
 
     /// `metaslab_class_balance` (spec §3.3) over the ring; onsync also moves
     /// `alloc_io_size` and refreshes the throttle flag.
-    pub(crate) fn balance(&mut self, ci: usize, onsync: bool) {
+    pub(crate) fn metaslab_class_balance(&mut self, ci: usize, onsync: bool) {
         let t = &self.tun;
         let c = &mut self.classes[ci];
         if onsync || (!c.throttle_initialized && c.groups > 0) {

@@ -95,7 +95,7 @@ pub(crate) struct Vdev {
 
 impl Vdev {
     /// Faulted, unavailable and offline vdevs are never allocatable.
-    pub fn allocatable(&self) -> bool {
+    pub fn vdev_allocatable(&self) -> bool {
         self.online && matches!(self.health, Health::Healthy | Health::Degraded)
     }
 
@@ -388,7 +388,7 @@ impl Pool {
         }
         for ci in 0..3 {
             pool.recount(ci);
-            pool.balance(ci, false);
+            pool.metaslab_class_balance(ci, false);
         }
         Ok(pool)
     }
@@ -490,7 +490,7 @@ impl Pool {
         let main = v.main_class();
         for i in from..v.ms.len() {
             let ms = &mut v.ms[i];
-            ms.compute_weight(v.spec.rotational, count, &self.tun);
+            ms.metaslab_weight(v.spec.rotational, count, &self.tun);
             let ci = if ms.embedded_log { ELOG } else { main };
             let g = if ci == ELOG {
                 v.log_mg.as_mut().expect("normal vdev has a log group")
@@ -540,7 +540,7 @@ impl Pool {
                 c.remove(id);
             }
             self.recount(ci);
-            self.balance(ci, false);
+            self.metaslab_class_balance(ci, false);
         }
     }
 
@@ -586,7 +586,7 @@ impl Pool {
         self.vdevs[vdev as usize] = v;
         for ci in 0..3 {
             self.recount(ci);
-            self.balance(ci, false);
+            self.metaslab_class_balance(ci, false);
         }
         self.dispatch();
         Ok(())
@@ -671,7 +671,7 @@ impl Pool {
         }
         for ci in 0..3 {
             self.recount(ci);
-            self.balance(ci, false);
+            self.metaslab_class_balance(ci, false);
         }
         self.dispatch();
         Ok(())

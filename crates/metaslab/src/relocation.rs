@@ -61,7 +61,7 @@ impl Pool {
                 Some((
                     v.id,
                     fill,
-                    c.in_ring(v.id) && g.allocatable && v.allocatable(),
+                    c.in_ring(v.id) && g.allocatable && v.vdev_allocatable(),
                 ))
             })
             .collect();

@@ -41,7 +41,7 @@ impl Pool {
         let available = self
             .rdspace()
             .saturating_sub(self.classes[NORMAL].alloc)
-            .saturating_sub(self.slop());
+            .saturating_sub(self.spa_get_slop_space());
         let need = v.vs_space();
         if available < need {
             return Err(Error::NoRoomToDrain {
@@ -108,7 +108,7 @@ impl Pool {
         // Not in any ring (it was offline); recount and rebalance the rest.
         for ci in 0..3 {
             self.recount(ci);
-            self.balance(ci, false);
+            self.metaslab_class_balance(ci, false);
         }
         Ok(())
     }

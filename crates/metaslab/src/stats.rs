@@ -133,7 +133,7 @@ fn class_stats(pool: &Pool, ci: usize) -> ClassStats {
             } else {
                 vs_space.saturating_sub(vs_alloc) as f64 / vs_space as f64
             },
-            allocatable: in_ring && g.allocatable && v.allocatable(),
+            allocatable: in_ring && g.allocatable && v.vdev_allocatable(),
             embedded_log_metaslab: v.elog,
         });
     }
@@ -166,7 +166,7 @@ pub(crate) fn pool_stats(pool: &Pool) -> PoolStats {
     PoolStats {
         open_txg: pool.open_txg,
         policy: pool.tun.throttle_policy,
-        slop: pool.slop(),
+        slop: pool.spa_get_slop_space(),
         classes: [NORMAL, LOG, ELOG]
             .into_iter()
             .map(|ci| class_stats(pool, ci))

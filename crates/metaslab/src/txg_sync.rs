@@ -26,7 +26,7 @@ impl Pool {
         let changes = std::mem::take(&mut self.txg.changes);
         self.txg.bytes = 0;
         let normal = &self.classes[NORMAL];
-        let nodefer = normal.space.saturating_sub(normal.alloc) <= self.slop();
+        let nodefer = normal.space.saturating_sub(normal.alloc) <= self.spa_get_slop_space();
         let dirty = std::mem::take(&mut self.txg.dirty);
         let mut undeferred = 0;
         let mut touched: Vec<VdevId> = Vec::new();
@@ -78,7 +78,7 @@ impl Pool {
             self.legacy_reset();
         }
         // Log classes are never balanced onsync (spec §9.20).
-        self.balance(NORMAL, true);
+        self.metaslab_class_balance(NORMAL, true);
         self.dispatch();
         TxgSync {
             txg,

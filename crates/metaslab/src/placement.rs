@@ -32,14 +32,15 @@ impl Pool {
         busy: bool,
         avoid: &[VdevId],
     ) -> Result<Allocation> {
-        self.avoid.clear();
-        self.avoid.extend_from_slice(avoid);
-        let r = self.allocate_inner(ticket, busy);
-        self.avoid.clear();
-        r
+        self.allocate_inner(ticket, busy, avoid)
     }
 
-    pub(crate) fn allocate_inner(&mut self, ticket: Ticket, busy: bool) -> Result<Allocation> {
+    pub(crate) fn allocate_inner(
+        &mut self,
+        ticket: Ticket,
+        busy: bool,
+        avoid: &[VdevId],
+    ) -> Result<Allocation> {
         match self.tickets.get(&ticket) {
             None => return Err(Error::UnknownTicket(ticket)),
             Some(st) if st.queued => return Err(Error::NotAdmitted(ticket)),
@@ -60,7 +61,7 @@ impl Pool {
                 // are not held to the DSL's available space either
                 // (`vdev_removal.c:spa_vdev_copy_segment@zfs-2.4.0`), so it
                 // is checked against the whole class as before.
-                let space = if self.avoid.is_empty() {
+                let space = if avoid.is_empty() {
                     self.rdspace()
                 } else {
                     self.classes[NORMAL].space
@@ -70,8 +71,8 @@ impl Pool {
                 let placed = if free < self.spa_get_slop_space().saturating_add(need) {
                     Err(NoSpaceReason::Full)
                 } else {
-                    self.place(NORMAL, req.size, req.copies, busy, false)
-                        .ok_or_else(|| self.no_space_reason(&[NORMAL]))
+                    self.place(NORMAL, req.size, req.copies, busy, false, avoid)
+                        .ok_or_else(|| self.no_space_reason(&[NORMAL], avoid))
                 };
                 match placed {
                     Ok(p) => (p, None),
@@ -95,7 +96,7 @@ impl Pool {
                     if self.classes[ci].ring.is_empty() {
                         continue;
                     }
-                    if let Some(p) = self.place(ci, req.size, req.copies, busy, true) {
+                    if let Some(p) = self.place(ci, req.size, req.copies, busy, true, avoid) {
                         out = Some((p, Some(tier)));
                         break;
                     }
@@ -113,7 +114,7 @@ impl Pool {
                         return Err(Error::NoSpace {
                             size: req.size,
                             copies: req.copies,
-                            reason: self.no_space_reason(&[LOG, ELOG, NORMAL]),
+                            reason: self.no_space_reason(&[LOG, ELOG, NORMAL], avoid),
                         });
                     }
                 }
@@ -161,10 +162,11 @@ impl Pool {
         copies: u8,
         busy: bool,
         zil: bool,
+        avoid: &[VdevId],
     ) -> Option<Placed> {
         let mut placed = Placed::default();
         for d in 0..copies as usize {
-            match self.metaslab_alloc_dva(ci, psize, d, &placed, busy, zil) {
+            match self.metaslab_alloc_dva(ci, psize, d, &placed, busy, zil, avoid) {
                 Some((e, loads)) => {
                     placed.extents[d] = e;
                     placed.n += 1;
@@ -193,12 +195,12 @@ impl Pool {
 
     /// Whether some allocatable vdev of class `ci` has a free segment that
     /// holds `psize` in one piece (only asked after a failed first pass).
-    pub(crate) fn fits_whole(&self, ci: usize, psize: u64) -> bool {
+    pub(crate) fn fits_whole(&self, ci: usize, psize: u64, avoid: &[VdevId]) -> bool {
         self.classes[ci].ring.iter().any(|&v| {
             let vd = &self.vdevs[v as usize];
             let asize = psize_to_asize(&vd.spec, psize);
             vd.vdev_allocatable()
-                && !self.avoid.contains(&v)
+                && !avoid.contains(&v)
                 && vd.group(ci).is_some_and(|g| {
                     g.members().any(|m| {
                         !vd.ms[m as usize].new && vd.ms[m as usize].allocatable.max_size() >= asize
@@ -217,13 +219,13 @@ impl Pool {
     /// Why an allocation failed in classes `cis` (it was not
     /// the slop check): no allocatable vdev, or no free segment large
     /// enough (including where OpenZFS would gang), or simply full.
-    pub(crate) fn no_space_reason(&self, cis: &[usize]) -> NoSpaceReason {
+    pub(crate) fn no_space_reason(&self, cis: &[usize], avoid: &[VdevId]) -> NoSpaceReason {
         let mut any = false;
         let mut largest_free = 0u64;
         for &ci in cis {
             for &v in &self.classes[ci].ring {
                 let vd = &self.vdevs[v as usize];
-                if !vd.vdev_allocatable() || self.avoid.contains(&v) {
+                if !vd.vdev_allocatable() || avoid.contains(&v) {
                     continue;
                 }
                 any = true;
@@ -259,6 +261,9 @@ impl Pool {
         }
     }
 
+    /// `metaslab_alloc_dva` (spec §2.11): copy `d` of a block over the ring
+    /// of class `ci`, never on a vdev of `avoid`.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn metaslab_alloc_dva(
         &mut self,
         ci: usize,
@@ -267,6 +272,7 @@ impl Pool {
         placed: &Placed,
         busy: bool,
         zil: bool,
+        avoid: &[VdevId],
     ) -> Option<(Extent, u32)> {
         let n = self.classes[ci].ring.len();
         if n == 0 {
@@ -284,7 +290,7 @@ impl Pool {
                 && !(zil
                     || self.tun.zfs_metaslab_try_hard_before_gang
                     || psize <= self.spa_min_alloc()
-                    || self.fits_whole(ci, psize))
+                    || self.fits_whole(ci, psize, avoid))
             {
                 break;
             }
@@ -299,7 +305,7 @@ impl Pool {
                 // A vdev holding a copy already is not skipped: the copy goes
                 // to another of its metaslabs (spec §2.5, §2.6).
                 let v = self.classes[ci].ring[(start + k) % n];
-                if !self.metaslab_group_allocatable(ci, v, d, try_hard, zil) {
+                if !self.metaslab_group_allocatable(ci, v, d, try_hard, zil, avoid) {
                     self.metaslab_class_rotate(ci, v, psize, 0, false, busy, zil);
                     continue;
                 }
@@ -323,9 +329,10 @@ impl Pool {
         d: usize,
         try_hard: bool,
         zil: bool,
+        avoid: &[VdevId],
     ) -> bool {
         let vd = &self.vdevs[v as usize];
-        if !vd.vdev_allocatable() || self.avoid.contains(&v) {
+        if !vd.vdev_allocatable() || avoid.contains(&v) {
             return false;
         }
         let Some(g) = vd.group(ci) else { return false };

@@ -208,9 +208,6 @@ pub struct Pool {
     pub(crate) txg: TxgLog,
     /// Loaded metaslabs by last selection: (selected txg, vdev, metaslab).
     pub(crate) lru: BTreeSet<(Txg, VdevId, u32)>,
-    /// Vdevs the allocation being placed must not use (a relocation's
-    /// source and its block's other copies); empty otherwise.
-    pub(crate) avoid: Vec<VdevId>,
     /// The caller's clock at the last sync, ms (never read here).
     pub(crate) now_ms: u64,
     /// `spa_alloc_count`, and the allocator the next request uses.
@@ -275,7 +272,6 @@ impl Pool {
             now_ms: 0,
             alloc_count: 1,
             next_allocator: 0,
-            avoid: Vec::new(),
         }
     }
 

@@ -317,3 +317,50 @@ pub fn free_ports_below_ephemeral(n: usize) -> Vec<std::net::TcpListener> {
     }
     out
 }
+
+/// A tag suffix unique to this test process and moment, for images and
+/// compose projects.
+pub fn run_id() -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    format!("{}-{nanos:x}", std::process::id())
+}
+
+/// The Aliquot image, built offline (`deploy/build-images.sh`) from the
+/// binaries this test run already built, as `tag`; removed when dropped.
+pub fn build_image(tag: String) -> ImageGuard {
+    crate::bin("aliquotctl");
+    let image = ImageGuard(tag);
+    let mut build = Command::new(repo_root().join("deploy/build-images.sh"));
+    build.args([
+        "--bin-dir",
+        &crate::bin_dir().display().to_string(),
+        "--tag",
+        &image.0,
+    ]);
+    let o = run(build, Duration::from_secs(180));
+    assert!(o.status.success(), "build-images.sh failed: {}", text(&o));
+    image
+}
+
+/// The operator's certificate, copied out of its export volume (the
+/// one-shot `certs` container, exited, still holds the mount) into `dest`.
+pub fn operator_certs(project: &Project, dest: &Path) {
+    let certs_container = {
+        let o = project.must(&["ps", "-aq", "certs"], Duration::from_secs(30));
+        String::from_utf8_lossy(&o.stdout).trim().to_string()
+    };
+    let o = run(
+        {
+            let mut c = Command::new("docker");
+            c.arg("cp")
+                .arg(format!("{certs_container}:/export/operator"))
+                .arg(dest);
+            c
+        },
+        Duration::from_secs(30),
+    );
+    assert!(o.status.success(), "docker cp certs: {}", text(&o));
+}

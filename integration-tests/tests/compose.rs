@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 use aliquot_proto::v1::SummaryRequest;
 use aliquot_proto::v1::metrics_client::MetricsClient;
 use integration_tests::compose::{
-    ImageGuard, Project, by_vdev, docker_available, free_ports_below_ephemeral, groups,
-    normal_alloc, repo_root, run, status, text, wait_for,
+    Project, build_image, by_vdev, docker_available, free_ports_below_ephemeral, groups,
+    normal_alloc, operator_certs, repo_root, run, run_id, status, text, wait_for,
 };
 use integration_tests::json_u64;
 
@@ -41,23 +41,8 @@ fn compose_deployment_end_to_end() {
     let root = repo_root();
 
     // 1. The image, from the binaries this test run already builds.
-    integration_tests::bin("aliquotctl");
-    let bin_dir = integration_tests::bin_dir();
-    let mut build = Command::new(root.join("deploy/build-images.sh"));
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or(0);
-    let run_id = format!("{}-{nanos:x}", std::process::id());
-    let image = ImageGuard(format!("aliquot:compose-test-{run_id}"));
-    build.args([
-        "--bin-dir",
-        &bin_dir.display().to_string(),
-        "--tag",
-        &image.0,
-    ]);
-    let o = run(build, Duration::from_secs(180));
-    assert!(o.status.success(), "build-images.sh failed: {}", text(&o));
+    let run_id = run_id();
+    let image = build_image(format!("aliquot:compose-test-{run_id}"));
     let mut env: Vec<(String, String)> = vec![
         ("ALIQUOT_IMAGE".into(), image.0.clone()),
         ("OTEL_BSP_SCHEDULE_DELAY".into(), "300".into()),
@@ -143,21 +128,7 @@ fn compose_deployment_end_to_end() {
     // `certs` container, exited, still holds the mount).
     let tmp = tempfile::tempdir().expect("tempdir");
     let certs = tmp.path().join("certs");
-    let certs_container = {
-        let o = project.must(&["ps", "-aq", "certs"], Duration::from_secs(30));
-        String::from_utf8_lossy(&o.stdout).trim().to_string()
-    };
-    let o = run(
-        {
-            let mut c = Command::new("docker");
-            c.arg("cp")
-                .arg(format!("{certs_container}:/export/operator"))
-                .arg(&certs);
-            c
-        },
-        Duration::from_secs(30),
-    );
-    assert!(o.status.success(), "docker cp certs: {}", text(&o));
+    operator_certs(&project, &certs);
     let copied: Vec<String> = std::fs::read_dir(&certs)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())

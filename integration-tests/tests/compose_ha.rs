@@ -16,8 +16,8 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use integration_tests::compose::{
-    ImageGuard, Project, docker_available, free_ports_below_ephemeral, groups, normal_alloc,
-    repo_root, run, status, text, wait_for,
+    ImageGuard, Project, build_image, docker_available, free_ports_below_ephemeral, groups,
+    normal_alloc, operator_certs, repo_root, run, run_id, status, text, wait_for,
 };
 
 /// The lease the test gives the allocators (the deployment's default is 5s).
@@ -53,22 +53,8 @@ fn compose_ha_standby_takes_over_a_killed_leader() {
     let root = repo_root();
 
     // 1. Both images, offline, from what this machine has.
-    integration_tests::bin("aliquotctl");
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or(0);
-    let run_id = format!("{}-{nanos:x}", std::process::id());
-    let image = ImageGuard(format!("aliquot:compose-ha-{run_id}"));
-    let mut build = Command::new(root.join("deploy/build-images.sh"));
-    build.args([
-        "--bin-dir",
-        &integration_tests::bin_dir().display().to_string(),
-        "--tag",
-        &image.0,
-    ]);
-    let o = run(build, Duration::from_secs(180));
-    assert!(o.status.success(), "build-images.sh failed: {}", text(&o));
+    let run_id = run_id();
+    let image = build_image(format!("aliquot:compose-ha-{run_id}"));
     let pg_image = ImageGuard(format!("aliquot/postgres:compose-ha-{run_id}"));
     let mut build = Command::new(root.join("deploy/build-postgres-image.sh"));
     build.args(["--tag", &pg_image.0]);
@@ -137,21 +123,7 @@ fn compose_ha_standby_takes_over_a_killed_leader() {
 
     let tmp = tempfile::tempdir().expect("tempdir");
     let certs = tmp.path().join("certs");
-    let certs_container = {
-        let o = project.must(&["ps", "-aq", "certs"], Duration::from_secs(30));
-        String::from_utf8_lossy(&o.stdout).trim().to_string()
-    };
-    let o = run(
-        {
-            let mut c = Command::new("docker");
-            c.arg("cp")
-                .arg(format!("{certs_container}:/export/operator"))
-                .arg(&certs);
-            c
-        },
-        Duration::from_secs(30),
-    );
-    assert!(o.status.success(), "docker cp certs: {}", text(&o));
+    operator_certs(&project, &certs);
 
     // The first allocator leads, on PostgreSQL, and sees the second.
     let st = wait_for("4 vdevs and a standby", Duration::from_secs(60), || {

@@ -10,8 +10,10 @@
 //!   pairs of 4 KiB (no data), pairs per second;
 //! * the `aliquotctl write` data path (`write::write`, the code behind the
 //!   command): 1 MiB blocks, 8 in flight, to two simulated agents (no
-//!   device time, so the network path is what is measured), read back
-//!   (`--verify`, with read tokens when the pool has tokens) and freed.
+//!   device time, so the network path is what is measured), freed; its
+//!   throughput and this process's CPU per MiB (client, allocator and
+//!   agents together); then the same write read back (`--verify`, with
+//!   read tokens when the pool has tokens) for the read-back rate.
 //!
 //! Prints each run and the median ratio of each mode to plaintext.
 //! `cargo bench -p aliquotctl --bench tls`; `ALIQUOT_BENCH_ROUNDS` (default
@@ -194,21 +196,40 @@ async fn stream_run(p: &Pool, clients: usize, secs: u64) -> f64 {
     pairs.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64()
 }
 
-/// `aliquotctl write --verify` bytes per second (durable: flush and sync
-/// included), and the read-back's (with read tokens where the pool has
-/// them).
-async fn write_run(p: &Pool, total: u64) -> (f64, f64) {
+/// This process's CPU time (user + system): client, allocator and agents
+/// all run here.
+fn cpu_now() -> Duration {
+    // SAFETY: getrusage only writes the struct we pass.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// `aliquotctl write` bytes per second (durable: flush and sync included)
+/// and the CPU it took per MiB (everything in this process: client,
+/// allocator, agents), then a second write with `--verify` for the
+/// read-back's rate (with read tokens where the pool has them).
+async fn write_run(p: &Pool, total: u64) -> (f64, f64, f64) {
     let mut w = WriteArgs::new(&p.url);
     w.conn.tls = ClientTlsArgs::from_tls(&p.tls);
     w.total = total;
     w.block_size = 1 << 20;
     w.concurrency = 8;
     w.free = true;
-    w.verify = true;
     w.no_progress = true;
+    let before = cpu_now();
     let r = write::write(&w).await.expect("write");
-    assert!(r.verified_blocks > 0, "nothing was read back");
-    (r.bytes_per_sec, total as f64 / r.verify_secs.max(1e-9))
+    let cpu_ms_per_mib =
+        (cpu_now() - before).as_secs_f64() * 1e3 / (total as f64 / (1 << 20) as f64);
+    w.verify = true;
+    let v = write::write(&w).await.expect("write --verify");
+    assert!(v.verified_blocks > 0, "nothing was read back");
+    (
+        r.bytes_per_sec,
+        total as f64 / v.verify_secs.max(1e-9),
+        cpu_ms_per_mib,
+    )
 }
 
 fn main() {
@@ -254,10 +275,12 @@ fn main() {
         // count, write, verify).
         let n = clients.len();
         let mut ratios = vec![(vec![Vec::new(); n], Vec::new(), Vec::new()); 3];
+        let mut cpu_ratios = vec![Vec::new(); 3];
         for round in 0..rounds {
             let mut s = vec![[0.0f64; 3]; n];
             let mut w = [0.0f64; 3];
             let mut v = [0.0f64; 3];
+            let mut cpu = [0.0f64; 3];
             let only = std::env::var("ALIQUOT_BENCH_MODE").ok();
             for (i, k) in [0usize, 1, 2, 2, 1, 0].into_iter().enumerate() {
                 let (name, tls, tokens) = modes[k];
@@ -272,14 +295,15 @@ fn main() {
                     s[j][k] += pairs;
                 }
                 if total > 0 {
-                    let (bps, read_bps) = write_run(&p, total).await;
+                    let (bps, read_bps, ms) = write_run(&p, total).await;
                     line.push_str(&format!(
-                        "   write {:>7.1} MiB/s   verify {:>7.1} MiB/s",
+                        "   write {:>7.1} MiB/s {ms:.2} CPU-ms/MiB   verify {:>7.1} MiB/s",
                         bps / (1 << 20) as f64,
                         read_bps / (1 << 20) as f64
                     ));
                     w[k] += bps;
                     v[k] += read_bps;
+                    cpu[k] += ms;
                 }
                 println!("{line}");
                 for (stop, task) in p.agents {
@@ -295,6 +319,7 @@ fn main() {
                 if total > 0 {
                     ratios[k].1.push(w[k] / w[0]);
                     ratios[k].2.push(v[k] / v[0]);
+                    cpu_ratios[k].push(cpu[k] / cpu[0]);
                 }
             }
         }
@@ -306,8 +331,9 @@ fn main() {
             }
             if total > 0 {
                 let (w, v) = (median(ratios[k].1.clone()), median(ratios[k].2.clone()));
+                let c = median(cpu_ratios[k].clone());
                 line.push_str(&format!(
-                    " write {w:.2} ({:+.0}%), verify {v:.2} ({:+.0}%)",
+                    " write {w:.2} ({:+.0}%) at {c:.2}x the CPU per MiB, verify {v:.2} ({:+.0}%)",
                     (w - 1.0) * 100.0,
                     (v - 1.0) * 100.0
                 ));

@@ -307,6 +307,10 @@ impl Manifest {
                 let p = self.pending.remove(&allocation).expect("checked");
                 let c = &mut self.blocks.get_mut(&p.block).expect("checked when pending")[p.copy];
                 c.at = p.to;
+                // The new copy holds what the mover wrote: the first
+                // `to.size` bytes of the old one. Off a RAIDZ vdev it is
+                // smaller than the old extent (no parity to carry).
+                c.len = c.len.min(p.to.size);
             }
             Record::Dropped { allocation } => {
                 self.pending.remove(&allocation);
@@ -567,6 +571,49 @@ mod tests {
         assert_eq!(m.blocks[&2][0].at, ext(0, 8192), "pending: not moved yet");
         assert_eq!(m.pending.keys().copied().collect::<Vec<_>>(), vec![12]);
         assert_eq!(m.index().get(&ext(1, 0)), Some(&(0, 0)));
+    }
+
+    /// A move to a smaller extent (off a RAIDZ vdev: the new copy is sized
+    /// for the block, not for the old extent's parity) keeps only what the
+    /// new copy holds as the block's length; a move to a larger one keeps
+    /// the old length (the rest of the new extent holds no pattern).
+    #[test]
+    fn a_move_keeps_the_length_the_new_copy_holds() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = sample(dir.path());
+        let mut m = Manifest::load(&path).unwrap();
+        let small = Ext {
+            vdev: 1,
+            offset: 0,
+            size: 2048,
+        };
+        m.append(Record::Pending {
+            block: 0,
+            copy: 0,
+            from: ext(0, 0),
+            to: small,
+            allocation: 20,
+            generation: 1,
+        })
+        .unwrap();
+        m.append(Record::Moved { allocation: 20 }).unwrap();
+        let big = Ext {
+            vdev: 2,
+            offset: 0,
+            size: 8192,
+        };
+        m.append(Record::Pending {
+            block: 0,
+            copy: 0,
+            from: small,
+            to: big,
+            allocation: 21,
+            generation: 1,
+        })
+        .unwrap();
+        m.append(Record::Moved { allocation: 21 }).unwrap();
+        let m = Manifest::load(&path).unwrap();
+        assert_eq!(m.blocks[&0][0], Copy { at: big, len: 2048 });
     }
 
     #[test]

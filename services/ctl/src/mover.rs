@@ -382,8 +382,11 @@ impl Mover {
                 avoid_vdevs: avoid,
                 lease_ms: 0,
                 plan_id,
-                // Sized for the block, not for the old extent (parity).
-                psize: len,
+                // 0: the allocator sizes the new copy for the most the old
+                // extent holds as a block on its vdev (its parity left
+                // behind). A manifest's length is the extent's size, which
+                // on RAIDZ includes parity: not a block size to send.
+                psize: 0,
             })
             .await
         {

@@ -11,6 +11,8 @@
 //! i.e. what the allocator does before it serves. "live" is the RSS once the
 //! loaded rows are dropped and only the pool remains; the target is
 //! peak ≤ 1.5× live and restart ≤ 5 s.
+//! `ALIQUOT_BENCH_OWNERS=alternating` adds the worst case of extent owners
+//! (issue 25): every extent the other of two clients' than its neighbours.
 //! Then the child frees `ALIQUOT_BENCH_FREES` (default 10^6) of the extents
 //! and times `Pool::sync` and `SqliteStore::persist` of that txg (target ≤ 1 s),
 //! then a second txg of as many frees spread over the remaining extents.
@@ -23,7 +25,7 @@ use std::time::Instant;
 
 use aliquot_allocator::SqliteStore;
 use aliquot_allocator::store::{Store, TxgRecord, VdevRecord};
-use aliquot_allocator::{recovery, spacemap};
+use aliquot_allocator::{owner_map, recovery, spacemap};
 use metaslab::{Extent, Pool, Tunables, VdevRole, VdevSpec};
 
 const GIB: u64 = 1 << 30;
@@ -125,12 +127,14 @@ async fn build(path: &Path, n: u64, layout: &str) {
                 .await
                 .unwrap();
         }
-        for k in 0..n {
-            sqlx::query("INSERT INTO owner_runs (vdev, start, stop, owner) VALUES (?, ?, ?, ?)")
+        let runs: Vec<(u64, u64, u32)> = (0..n)
+            .map(|k| (k * st, k * st + BLOCK, 1 + (k % 2) as u32))
+            .collect();
+        for (window, data) in owner_map::rows(&runs) {
+            sqlx::query("INSERT INTO owner_maps (vdev, start, data) VALUES (?, ?, ?)")
                 .bind(id as i64)
-                .bind((k * st) as i64)
-                .bind((k * st + BLOCK) as i64)
-                .bind(1 + (k % 2) as i64)
+                .bind(window as i64)
+                .bind(data)
                 .execute(&mut *tx)
                 .await
                 .unwrap();
@@ -156,7 +160,7 @@ async fn child(path: &Path, layout: &str) {
     let mut pool = recovery::rebuild(Tunables::default(), &p).expect("consistent");
     let mut p = p;
     let owner_runs = p.owner_runs.len();
-    let owners = aliquot_allocator::extent_owners::ExtentOwners::restore(
+    let mut owners = aliquot_allocator::extent_owners::ExtentOwners::restore(
         std::mem::take(&mut p.owner_identities),
         std::mem::take(&mut p.owner_runs),
     );
@@ -209,6 +213,10 @@ async fn child(path: &Path, layout: &str) {
         })
         .collect();
     pool.free(&ext).unwrap();
+    let t = Instant::now();
+    owners.freed(&ext);
+    let owner_changes = owners.take_changes();
+    let owner_time = t.elapsed();
     drop(ext);
     let t = Instant::now();
     let sync = pool.sync();
@@ -216,11 +224,18 @@ async fn child(path: &Path, layout: &str) {
     let rec = TxgRecord {
         sync,
         vdevs: Vec::new(),
+        owners: owner_changes,
         ..Default::default()
     };
     let t = Instant::now();
     store.persist(&rec).await.unwrap();
     let persist = t.elapsed();
+    if owner_runs > 0 {
+        println!(
+            "{layout:>6} owners of {frees} frees: {:.3} s in memory (persisted with the txg below)",
+            owner_time.as_secs_f64()
+        );
+    }
     println!(
         "{layout:>6} txg of {frees} frees | Pool::sync {:>7.3} s, persist {:>7.3} s, total {:>7.3} s",
         pool_sync.as_secs_f64(),
@@ -242,13 +257,16 @@ async fn child(path: &Path, layout: &str) {
         .collect();
     let n = ext.len();
     pool.free(&ext).unwrap();
+    owners.freed(&ext);
     drop(ext);
     let t = Instant::now();
     let sync = pool.sync();
+    let owner_changes = owners.take_changes();
     let pool_sync = t.elapsed();
     let rec = TxgRecord {
         sync,
         vdevs: Vec::new(),
+        owners: owner_changes,
         ..Default::default()
     };
     let t = Instant::now();

@@ -8,12 +8,15 @@
 //! Kept compactly as runs: consecutive extents of one owner on one vdev are
 //! one `[start, end)` run (one client's stream of blocks is a few runs, not
 //! one entry per block), and identities are numbered once. Each txg persists
-//! only the windows it changed: every run that lies in a window is rewritten
-//! (a window always covers whole runs, so none crosses its edges).
+//! only the windows it changed, widened to whole owner-map rows
+//! (`crate::owner_map`: a row holds the runs whose start lies in its
+//! window), so every row a change touches is rewritten whole.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use metaslab::Extent;
+
+use crate::owner_map;
 
 /// An identity's number in the store (1-based; 0 is never used).
 pub type OwnerIdx = u32;
@@ -68,14 +71,25 @@ impl ExtentOwners {
             o.names[i - 1] = name.clone();
             o.by_name.insert(name, idx);
         }
-        for (vdev, start, end, owner) in runs {
-            o.runs.insert((vdev, start), (end, owner));
-        }
+        // Sorted input (the stores read in order): built in one pass.
+        o.runs = runs
+            .into_iter()
+            .map(|(vdev, start, end, owner)| ((vdev, start), (end, owner)))
+            .collect();
         o
     }
 
     pub fn runs(&self) -> usize {
         self.runs.len()
+    }
+
+    /// Every run, `(vdev, start, end, owner)` in order: what a store that
+    /// persisted every change holds.
+    pub fn all_runs(&self) -> Vec<(u32, u64, u64, OwnerIdx)> {
+        self.runs
+            .iter()
+            .map(|(&(v, s), &(e, o))| (v, s, e, o))
+            .collect()
     }
 
     fn index(&mut self, name: &str) -> OwnerIdx {
@@ -265,9 +279,12 @@ impl ExtentOwners {
     /// What changed since the last call, for the txg being synced.
     pub fn take_changes(&mut self) -> OwnerChanges {
         let dirty = std::mem::take(&mut self.dirty);
-        // Overlapping or touching windows of one vdev become one.
+        // Widened to whole owner-map rows; overlapping or touching windows
+        // of one vdev become one.
         let mut windows: Vec<(u32, u64, u64)> = Vec::new();
         for ((v, s), e) in dirty {
+            let s = owner_map::window_of(s);
+            let e = owner_map::window_of(e - 1).saturating_add(owner_map::WINDOW);
             match windows.last_mut() {
                 Some(l) if l.0 == v && s <= l.2 => l.2 = l.2.max(e),
                 _ => windows.push((v, s, e)),
@@ -380,7 +397,15 @@ mod tests {
         o.freed(&[ext(0, 10, 10)]);
         assert_eq!(o.runs(), 3);
         let c = o.take_changes();
-        assert_eq!(c.windows[0].runs, vec![(0, 10, 1), (20, 30, 1)]);
+        // The whole owner-map row is rewritten, bob's run in it too.
+        assert_eq!(
+            (c.windows[0].start, c.windows[0].end),
+            (0, owner_map::WINDOW)
+        );
+        assert_eq!(
+            c.windows[0].runs,
+            vec![(0, 10, 1), (20, 30, 1), (30, 100, 2)]
+        );
         // A relocation keeps the owner.
         o.moved(&ext(0, 20, 10), &[ext(1, 0, 10)]);
         assert_eq!(

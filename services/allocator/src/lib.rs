@@ -16,6 +16,7 @@ pub mod ha;
 pub mod leadership;
 pub mod lock;
 pub mod metrics_push;
+pub mod owner_map;
 pub mod ownership;
 pub mod pg_store;
 pub mod rebalance;

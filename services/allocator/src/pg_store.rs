@@ -24,6 +24,7 @@ use metaslab::{Extent, SpaceChangeKind, Txg, VdevRole};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
 use sqlx::{Postgres, Row};
 
+use crate::owner_map;
 use crate::spacemap::{self, Chunk};
 use crate::store::{
     Persisted, RelocationRecord, Store, StoreError, TxgRecord, VdevChanges, VdevRow,
@@ -157,6 +158,10 @@ impl PgStore {
             .run(&db)
             .await
             .map_err(|e| refuse(format!("cannot migrate it: {e}")))?;
+        let moved = convert_owner_runs(&db).await.map_err(refuse)?;
+        if moved > 0 {
+            tracing::info!(store = %shown, runs = moved, "owner rows moved into owner maps");
+        }
         let row: Option<(i64, i64)> = sqlx::query_as("SELECT id, guid FROM pools WHERE name = $1")
             .bind(pool_name)
             .fetch_optional(&db)
@@ -528,38 +533,9 @@ impl PgStore {
                 .map_err(db)?;
         }
         for w in &rec.owners.windows {
-            sqlx::query(
-                "DELETE FROM owner_runs WHERE pool = $1 AND vdev = $2 AND start >= $3 AND start < $4",
-            )
-            .bind(pool)
-            .bind(w.vdev as i64)
-            .bind(i(w.start))
-            .bind(i(w.end))
-            .execute(&mut *tx)
-            .await
-            .map_err(db)?;
-            if w.runs.is_empty() {
-                continue;
-            }
-            // One statement per window: UNNEST of the runs' columns.
-            let (mut s, mut e, mut o) = (Vec::new(), Vec::new(), Vec::new());
-            for &(a, b, c) in &w.runs {
-                s.push(i(a));
-                e.push(i(b));
-                o.push(c as i64);
-            }
-            sqlx::query(
-                "INSERT INTO owner_runs (pool, vdev, start, stop, owner)
-                 SELECT $1, $2, * FROM UNNEST($3::BIGINT[], $4::BIGINT[], $5::BIGINT[])",
-            )
-            .bind(pool)
-            .bind(w.vdev as i64)
-            .bind(&s)
-            .bind(&e)
-            .bind(&o)
-            .execute(&mut *tx)
-            .await
-            .map_err(db)?;
+            write_owner_maps(&mut tx, pool, w.vdev, w.start, w.end, &w.runs)
+                .await
+                .map_err(db)?;
         }
         sqlx::query("UPDATE pools SET synced_txg = $1, state_digest = $2 WHERE id = $3")
             .bind(i(txg))
@@ -759,16 +735,7 @@ async fn load_state(conn: &mut sqlx::PgConnection, pool: i64) -> Result<Option<P
     .into_iter()
     .map(|(i, n)| (i as u32, n))
     .collect();
-    let owner_runs: Vec<(u32, u64, u64, u32)> = sqlx::query_as::<_, (i64, i64, i64, i64)>(
-        "SELECT vdev, start, stop, owner FROM owner_runs WHERE pool = $1 ORDER BY vdev, start",
-    )
-    .bind(pool)
-    .fetch_all(&mut *conn)
-    .await
-    .map_err(db)?
-    .into_iter()
-    .map(|(v, s, e, o)| (v as u32, u(s), u(e), o as u32))
-    .collect();
+    let owner_runs = read_owner_runs(&mut *conn, pool).await?;
     Ok(Some(Persisted {
         pool_guid: u(guid),
         synced_txg: u(synced_txg),
@@ -780,6 +747,117 @@ async fn load_state(conn: &mut sqlx::PgConnection, pool: i64) -> Result<Option<P
         owner_runs,
         state_digest: u(state_digest),
     }))
+}
+
+/// Every owner run of `pool`, in order: the owner maps' rows decoded,
+/// plus any rows of the older one-row-per-run table.
+async fn read_owner_runs(
+    conn: &mut sqlx::PgConnection,
+    pool: i64,
+) -> Result<Vec<(u32, u64, u64, u32)>, String> {
+    let db = |e: sqlx::Error| e.to_string();
+    let legacy = sqlx::query_as::<_, (i64, i64, i64, i64)>(
+        "SELECT vdev, start, stop, owner FROM owner_runs WHERE pool = $1 ORDER BY vdev, start",
+    )
+    .bind(pool)
+    .fetch_all(&mut *conn)
+    .await
+    .map_err(db)?
+    .into_iter()
+    .map(|(v, s, e, o)| (v as u32, u(s), u(e), o as u32))
+    .collect();
+    let rows = sqlx::query_as::<_, (i64, i64, Vec<u8>)>(
+        "SELECT vdev, start, data FROM owner_maps WHERE pool = $1 ORDER BY vdev, start",
+    )
+    .bind(pool)
+    .fetch_all(&mut *conn)
+    .await
+    .map_err(db)?
+    .into_iter()
+    .map(|(v, s, d)| (v as u32, u(s), d))
+    .collect();
+    owner_map::load_runs(rows, legacy)
+}
+
+/// Replace the owner-map rows of `vdev` in `[start, end)` (whole windows)
+/// by `runs`: one DELETE, one INSERT of every row (UNNEST of the columns).
+async fn write_owner_maps(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    pool: i64,
+    vdev: u32,
+    start: u64,
+    end: u64,
+    runs: &[(u64, u64, u32)],
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "DELETE FROM owner_maps WHERE pool = $1 AND vdev = $2 AND start >= $3 AND start < $4",
+    )
+    .bind(pool)
+    .bind(vdev as i64)
+    .bind(i(start))
+    .bind(i(end.min(i64::MAX as u64)))
+    .execute(&mut **tx)
+    .await?;
+    let (windows, data): (Vec<i64>, Vec<Vec<u8>>) = owner_map::rows(runs)
+        .into_iter()
+        .map(|(w, d)| (i(w), d))
+        .unzip();
+    if windows.is_empty() {
+        return Ok(());
+    }
+    sqlx::query(
+        "INSERT INTO owner_maps (pool, vdev, start, data)
+         SELECT $1, $2, * FROM UNNEST($3::BIGINT[], $4::BYTEA[])",
+    )
+    .bind(pool)
+    .bind(vdev as i64)
+    .bind(&windows)
+    .bind(&data)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// Move rows of the one-row-per-run owner table (an older binary's) into
+/// owner maps, every pool's, in one transaction. Overlapping runs refuse the
+/// store as inconsistent, with nothing written.
+async fn convert_owner_runs(db: &PgPool) -> Result<u64, String> {
+    let dbe = |e: sqlx::Error| e.to_string();
+    let mut tx = db.begin().await.map_err(dbe)?;
+    let pools: Vec<(i64, i64)> =
+        sqlx::query_as("SELECT pool, count(*) FROM owner_runs GROUP BY pool ORDER BY pool")
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(dbe)?;
+    let mut moved = 0;
+    for (pool, n) in pools {
+        let all = read_owner_runs(&mut tx, pool)
+            .await
+            .map_err(|e| format!("it is inconsistent: {e}"))?;
+        for q in [
+            "DELETE FROM owner_maps WHERE pool = $1",
+            "DELETE FROM owner_runs WHERE pool = $1",
+        ] {
+            sqlx::query(q)
+                .bind(pool)
+                .execute(&mut *tx)
+                .await
+                .map_err(dbe)?;
+        }
+        let mut i = 0;
+        while i < all.len() {
+            let vdev = all[i].0;
+            let j = i + all[i..].partition_point(|r| r.0 == vdev);
+            let runs: Vec<(u64, u64, u32)> = all[i..j].iter().map(|r| (r.1, r.2, r.3)).collect();
+            write_owner_maps(&mut tx, pool, vdev, 0, u64::MAX, &runs)
+                .await
+                .map_err(dbe)?;
+            i = j;
+        }
+        moved += n as u64;
+    }
+    tx.commit().await.map_err(dbe)?;
+    Ok(moved)
 }
 
 /// Read pool `pool_name` without changing anything (`aliquotctl verify

@@ -25,6 +25,7 @@ use sqlx::sqlite::{
 };
 use sqlx::{Connection, Row, Sqlite, SqliteExecutor};
 
+use crate::owner_map;
 use crate::spacemap::{self, Chunk, Extents};
 use crate::store::{
     Persisted, RelocationRecord, Store, StoreError, TxgRecord, VdevChanges, VdevRow,
@@ -49,6 +50,7 @@ const OUR_TABLES: &[&str] = &[
     "spacemaps",
     "owners",
     "owner_runs",
+    "owner_maps",
 ];
 
 /// Why a store was not opened. Every refusal leaves the file untouched.
@@ -276,12 +278,13 @@ async fn load_state(conn: &mut SqliteConnection) -> Result<Option<Persisted>, St
         .fetch_one(&mut *conn)
         .await
         .unwrap_or(0);
-    let has_owners: bool = sqlx::query_scalar(
-        "SELECT count(*) > 0 FROM sqlite_master WHERE type = 'table' AND name = 'owner_runs'",
-    )
-    .fetch_one(&mut *conn)
-    .await
-    .map_err(db)?;
+    let has = |table: &'static str| {
+        sqlx::query_scalar::<_, bool>(
+            "SELECT count(*) > 0 FROM sqlite_master WHERE type = 'table' AND name = ?",
+        )
+        .bind(table)
+    };
+    let has_owners: bool = has("owner_runs").fetch_one(&mut *conn).await.map_err(db)?;
     if !has_owners {
         return Ok(Some(Persisted {
             pool_guid: id.guid,
@@ -302,15 +305,10 @@ async fn load_state(conn: &mut SqliteConnection) -> Result<Option<Persisted>, St
             .into_iter()
             .map(|(i, n)| (i as u32, n))
             .collect();
-    let owner_runs: Vec<(u32, u64, u64, u32)> = sqlx::query_as::<_, (i64, i64, i64, i64)>(
-        "SELECT vdev, start, stop, owner FROM owner_runs ORDER BY vdev, start",
-    )
-    .fetch_all(&mut *conn)
-    .await
-    .map_err(|e| e.to_string())?
-    .into_iter()
-    .map(|(v, s, e, o)| (v as u32, u(s), u(e), o as u32))
-    .collect();
+    // A store from before owner maps (read by `verify` unmigrated) has
+    // only the row-per-run table.
+    let has_maps: bool = has("owner_maps").fetch_one(&mut *conn).await.map_err(db)?;
+    let owner_runs = read_owner_runs(&mut *conn, has_maps).await?;
     Ok(Some(Persisted {
         pool_guid: id.guid,
         synced_txg: id.synced_txg,
@@ -504,6 +502,15 @@ impl SqliteStore {
         if moved > 0 {
             tracing::info!(path = %p, extents = moved, "extent rows moved into space maps");
         }
+        let moved = convert_owner_runs(&db)
+            .await
+            .map_err(|reason| OpenError::Refused {
+                path: p.clone(),
+                reason,
+            })?;
+        if moved > 0 {
+            tracing::info!(path = %p, runs = moved, "owner rows moved into owner maps");
+        }
         tracing::info!(path = %p, "store opened");
         Ok(SqliteStore {
             path: path.to_path_buf(),
@@ -635,25 +642,7 @@ impl SqliteStore {
                 .map_err(db)?;
         }
         for w in &rec.owners.windows {
-            sqlx::query("DELETE FROM owner_runs WHERE vdev = ? AND start >= ? AND start < ?")
-                .bind(w.vdev as i64)
-                .bind(i(w.start))
-                .bind(i(w.end))
-                .execute(&mut *tx)
-                .await
-                .map_err(db)?;
-            for &(s, e, o) in &w.runs {
-                sqlx::query(
-                    "INSERT INTO owner_runs (vdev, start, stop, owner) VALUES (?, ?, ?, ?)",
-                )
-                .bind(w.vdev as i64)
-                .bind(i(s))
-                .bind(i(e))
-                .bind(o as i64)
-                .execute(&mut *tx)
-                .await
-                .map_err(db)?;
-            }
+            write_owner_maps(&mut tx, w.vdev, w.start, w.end, &w.runs).await?;
         }
         sqlx::query("UPDATE pool SET synced_txg = ?, state_digest = ? WHERE id = 1")
             .bind(i(txg))
@@ -815,6 +804,102 @@ async fn convert_legacy_rows(db: &SqlitePool) -> Result<u64, String> {
         .map_err(dbe)?;
     tx.commit().await.map_err(dbe)?;
     Ok(rows.len() as u64)
+}
+
+/// Every owner run, in order: the owner maps' rows decoded, plus any rows
+/// of the older one-row-per-run table.
+async fn read_owner_runs(
+    conn: &mut sqlx::SqliteConnection,
+    has_maps: bool,
+) -> Result<Vec<(u32, u64, u64, u32)>, String> {
+    let legacy = sqlx::query_as::<_, (i64, i64, i64, i64)>(
+        "SELECT vdev, start, stop, owner FROM owner_runs ORDER BY vdev, start",
+    )
+    .fetch_all(&mut *conn)
+    .await
+    .map_err(|e| e.to_string())?
+    .into_iter()
+    .map(|(v, s, e, o)| (v as u32, u(s), u(e), o as u32))
+    .collect();
+    let rows = if has_maps {
+        sqlx::query_as::<_, (i64, i64, Vec<u8>)>(
+            "SELECT vdev, start, data FROM owner_maps ORDER BY vdev, start",
+        )
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(|e| e.to_string())?
+        .into_iter()
+        .map(|(v, s, d)| (v as u32, u(s), d))
+        .collect()
+    } else {
+        Vec::new()
+    };
+    owner_map::load_runs(rows, legacy)
+}
+
+/// Replace the owner-map rows of `vdev` in `[start, end)` (whole windows)
+/// by `runs`.
+async fn write_owner_maps(
+    tx: &mut sqlx::Transaction<'_, sqlx::Sqlite>,
+    vdev: u32,
+    start: u64,
+    end: u64,
+    runs: &[(u64, u64, u32)],
+) -> Result<(), String> {
+    let db = |e: sqlx::Error| e.to_string();
+    sqlx::query("DELETE FROM owner_maps WHERE vdev = ? AND start >= ? AND start < ?")
+        .bind(vdev as i64)
+        .bind(i(start))
+        .bind(i(end.min(i64::MAX as u64)))
+        .execute(&mut **tx)
+        .await
+        .map_err(db)?;
+    for (window, data) in owner_map::rows(runs) {
+        sqlx::query("INSERT INTO owner_maps (vdev, start, data) VALUES (?, ?, ?)")
+            .bind(vdev as i64)
+            .bind(i(window))
+            .bind(data)
+            .execute(&mut **tx)
+            .await
+            .map_err(db)?;
+    }
+    Ok(())
+}
+
+/// Move rows of the one-row-per-run owner table (an older binary's) into
+/// owner maps, in one transaction. Overlapping runs refuse the store as
+/// inconsistent, with nothing written.
+async fn convert_owner_runs(db: &SqlitePool) -> Result<u64, String> {
+    let dbe = |e: sqlx::Error| e.to_string();
+    let mut tx = db.begin().await.map_err(dbe)?;
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM owner_runs")
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(dbe)?;
+    if n == 0 {
+        return Ok(0);
+    }
+    let all = read_owner_runs(&mut tx, true)
+        .await
+        .map_err(|e| format!("it is inconsistent: {e}"))?;
+    sqlx::query("DELETE FROM owner_maps")
+        .execute(&mut *tx)
+        .await
+        .map_err(dbe)?;
+    sqlx::query("DELETE FROM owner_runs")
+        .execute(&mut *tx)
+        .await
+        .map_err(dbe)?;
+    let mut i = 0;
+    while i < all.len() {
+        let vdev = all[i].0;
+        let j = i + all[i..].partition_point(|r| r.0 == vdev);
+        let runs: Vec<(u64, u64, u32)> = all[i..j].iter().map(|r| (r.1, r.2, r.3)).collect();
+        write_owner_maps(&mut tx, vdev, 0, u64::MAX, &runs).await?;
+        i = j;
+    }
+    tx.commit().await.map_err(dbe)?;
+    Ok(n as u64)
 }
 
 impl Store for SqliteStore {

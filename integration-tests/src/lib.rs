@@ -331,6 +331,7 @@ pub fn data_request(size: u64) -> aliquot_proto::v1::AllocateRequest {
         size,
         copies: 1,
         lease_ms: 0,
+        max_size: 0,
     }
 }
 

@@ -727,6 +727,7 @@ async fn step(c: &mut Cluster, m: &mut Model, rng: &mut Rng) -> StepResult {
         size: 4096 * (1 + rng.below(16)),
         copies: if rng.chance(30) { 2 } else { 1 },
         lease_ms: 0,
+        max_size: 0,
     };
     let a = match c.client.allocate(req).await {
         Ok(r) => r.into_inner(),

@@ -107,6 +107,7 @@ fn writer(
                         size: payload.len() as u64,
                         copies: 1,
                         lease_ms: 0,
+                        max_size: 0,
                     })
                     .await
                     .ok()?

@@ -232,6 +232,7 @@ async fn metrics_parse_and_agree_with_get_pool() {
                 size: 1 << 20,
                 copies: 1,
                 lease_ms: 0,
+                max_size: 0,
             })
             .await
             .unwrap()

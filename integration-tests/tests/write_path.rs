@@ -117,6 +117,7 @@ fn data(size: u64, copies: u32) -> pb::AllocateRequest {
         size,
         copies,
         lease_ms: 0,
+        max_size: 0,
     }
 }
 

@@ -34,6 +34,7 @@ fn cycle(pool: &mut Pool, size: u64, n: &mut u64) {
         kind: AllocKind::Data,
         size,
         copies: 1,
+        max_size: None,
     };
     let t = match pool.submit(req).unwrap() {
         Submitted::Ready(t) => t,
@@ -64,6 +65,7 @@ fn fragmented() -> Pool {
             kind: AllocKind::Data,
             size,
             copies: 1,
+            max_size: None,
         };
         let Ok(Submitted::Ready(t)) = pool.submit(req) else {
             break;

@@ -48,6 +48,7 @@ fn main() {
                 kind: AllocKind::Data,
                 size: 128 << 10,
                 copies: 1,
+                max_size: None,
             };
             let Submitted::Ready(t) = pool.submit(req).unwrap() else {
                 unreachable!("one allocation in flight")

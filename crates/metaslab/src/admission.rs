@@ -24,6 +24,14 @@ impl Pool {
         if !(1..=3).contains(&req.copies) {
             return Err(Error::BadCopies(req.copies));
         }
+        if let Some(max_size) = req.max_size
+            && (req.kind != AllocKind::Log || max_size < req.size || max_size > SPA_MAXBLOCKSIZE)
+        {
+            return Err(Error::BadSizeRange {
+                size: req.size,
+                max_size,
+            });
+        }
         let ticket = self.next_ticket;
         self.next_ticket += 1;
         let allocator = self.next_allocator % self.alloc_count;

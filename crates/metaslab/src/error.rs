@@ -15,6 +15,10 @@ pub enum Error {
     #[error("copies must be 1, 2 or 3, not {0}")]
     BadCopies(u8),
     #[error(
+        "a size range ({size} to {max_size} bytes) is for intent-log blocks only, with max_size at least size and at most 16 MiB"
+    )]
+    BadSizeRange { size: u64, max_size: u64 },
+    #[error(
         "a block of {psize} bytes does not fit extent {extent}: its allocation holds at most {most}"
     )]
     PsizeTooLarge {

@@ -50,7 +50,9 @@ impl Activation {
 /// What one `metaslab_group_alloc` did.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct GroupAllocOutcome {
-    pub offset: Option<(u32, u64)>,
+    /// Metaslab, offset and size given (the size is `asize` but for a
+    /// ranged log block).
+    pub offset: Option<(u32, u64, u64)>,
     /// Metaslabs activated while not loaded.
     pub loads: u32,
 }
@@ -339,11 +341,14 @@ impl Group {
     /// active in the slot of `activation`, else the best valid one; on
     /// failure reweigh and move on. `holding`: metaslabs of this vdev that
     /// hold other DVAs of the block. `selected` is told of (re)selections:
-    /// `(id, old selected txg, was loaded)`.
+    /// `(id, old selected txg, was loaded)`. A metaslab is chosen for
+    /// `asize`; it gives up to `max_asize` where one free segment holds it.
+    #[allow(clippy::too_many_arguments)]
     pub fn alloc(
         &mut self,
         ms: &mut [Metaslab],
         asize: u64,
+        max_asize: u64,
         activation: Activation,
         holding: &[u32],
         ctx: &AllocCtx<'_>,
@@ -401,13 +406,13 @@ impl Group {
             }
             let owned = activation != Activation::Claim && self.slot(activation, si) == Some(id);
             if m.should_allocate(asize)
-                && let Some(off) = m.metaslab_df_alloc(asize, ctx.t)
+                && let Some((off, got)) = m.metaslab_df_alloc(asize, max_asize, ctx.t)
             {
                 self.note_changed(m);
                 if owned {
                     self.may_passivate(ms, id, ctx);
                 }
-                out.offset = Some((id, off));
+                out.offset = Some((id, off, got));
                 return out;
             }
             // Failed: reweigh, and passivate if ours.

@@ -119,6 +119,12 @@ pub struct AllocRequest {
     /// 1 ..= 3: copies go to distinct vdevs while the ring has enough;
     /// otherwise a vdev takes a second copy in another of its metaslabs.
     pub copies: u8,
+    /// Intent-log blocks only: the largest size the caller can use. The
+    /// allocation is then any size in `[size, max_size]` that one free
+    /// segment holds, so a log block that fits smaller stays in its class
+    /// (`zio_alloc_zil` → `metaslab_alloc_range@zfs-2.4.0`); the extents
+    /// say what was given. `None`: exactly `size`.
+    pub max_size: Option<u64>,
 }
 
 /// What `submit` decided.

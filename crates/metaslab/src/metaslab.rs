@@ -256,39 +256,64 @@ impl Metaslab {
         !self.new && self.allocatable.max_size() >= asize
     }
 
-    /// The dynamic-fit allocator (spec §2.8) with `size == max_size`.
-    /// Removes the range from `allocatable` and returns its offset.
-    pub fn metaslab_df_alloc(&mut self, size: u64, t: &Tunables) -> Option<u64> {
-        let align = size & size.wrapping_neg();
-        let slot = (highbit(align) - 1) as usize;
+    /// The dynamic-fit allocator (spec §2.8) for any size in
+    /// `[size, max_size]` (`metaslab_df_alloc@zfs-2.4.0`; equal for every
+    /// block but a ranged log block). Removes the range from `allocatable`
+    /// and returns its offset and size.
+    pub fn metaslab_df_alloc(
+        &mut self,
+        size: u64,
+        max_size: u64,
+        t: &Tunables,
+    ) -> Option<(u64, u64)> {
+        let slot_of = |x: u64| (highbit(x & x.wrapping_neg()) - 1) as usize;
+        // The cursor of the largest size's alignment first, so blocks of
+        // one size keep to one area of the metaslab.
+        let mut slot = slot_of(max_size);
         let free = self.allocatable.space();
         let free_pct = free * 100 / self.size;
         let largest = self.allocatable.max_size();
-        let mut offset = None;
+        let mut found = None;
         if largest >= t.metaslab_df_alloc_threshold && free_pct >= t.metaslab_df_free_pct {
-            offset = self.metaslab_block_picker(slot, size, t.metaslab_df_max_search);
+            found = self.metaslab_block_picker(slot, size, max_size, t.metaslab_df_max_search);
+            if max_size != size && found.is_none() {
+                slot = slot_of(size);
+                found = self.metaslab_block_picker(slot, size, max_size, t.metaslab_df_max_search);
+            }
+        } else {
+            slot = slot_of(size);
         }
-        if offset.is_none() {
+        if found.is_none() {
             let rs = if t.metaslab_df_use_largest_segment {
                 self.allocatable.largest()
-            } else {
+            } else if max_size == size {
                 self.allocatable.smallest_fit(size)
+            } else {
+                self.allocatable.range_fit(size, max_size)
             };
             if let Some((s, e)) = rs
                 && e - s >= size
             {
-                offset = Some(s);
-                self.lbas[slot] = s + size;
+                let got = (e - s).min(max_size);
+                found = Some((s, got));
+                self.lbas[slot] = s + got;
             }
         }
-        let off = offset?;
-        let removed = self.allocatable.remove(off, size);
+        let (off, got) = found?;
+        let removed = self.allocatable.remove(off, got);
         debug_assert!(removed);
-        Some(off)
+        Some((off, got))
     }
 
-    /// Cursor first fit (`metaslab_block_picker`, spec §2.8).
-    fn metaslab_block_picker(&mut self, slot: usize, size: u64, max_search: u64) -> Option<u64> {
+    /// Cursor first fit (`metaslab_block_picker`, spec §2.8): the first
+    /// segment from the cursor that holds `size`, taking up to `max_size`.
+    fn metaslab_block_picker(
+        &mut self,
+        slot: usize,
+        size: u64,
+        max_size: u64,
+        max_search: u64,
+    ) -> Option<(u64, u64)> {
         if self.lbas[slot] == 0 {
             self.lbas[slot] = self.start;
         }
@@ -303,8 +328,9 @@ impl Metaslab {
                 break;
             }
             if s + size <= e {
-                self.lbas[slot] = s + size;
-                return Some(s);
+                let got = (e - s).min(max_size);
+                self.lbas[slot] = s + got;
+                return Some((s, got));
             }
         }
         self.lbas[slot] = 0;
@@ -387,16 +413,60 @@ mod tests {
     fn df_first_fit_then_best_fit() {
         let t = Tunables::default();
         let mut ms = Metaslab::new(0, 24, 12, false);
-        assert_eq!(ms.metaslab_df_alloc(4096, &t), Some(0));
-        assert_eq!(ms.metaslab_df_alloc(4096, &t), Some(4096));
-        assert_eq!(ms.metaslab_df_alloc(8192, &t), Some(8192));
+        assert_eq!(ms.metaslab_df_alloc(4096, 4096, &t).map(|f| f.0), Some(0));
+        assert_eq!(
+            ms.metaslab_df_alloc(4096, 4096, &t).map(|f| f.0),
+            Some(4096)
+        );
+        assert_eq!(
+            ms.metaslab_df_alloc(8192, 8192, &t).map(|f| f.0),
+            Some(8192)
+        );
         // Fragment: only small segments → best fit picks smallest that fits.
         let mut ms = Metaslab::new(0, 24, 12, false);
         assert!(ms.allocatable.remove(0, 1 << 24));
         ms.allocatable.add(0, 8192).unwrap();
         ms.allocatable.add(65536, 4096).unwrap();
-        assert_eq!(ms.metaslab_df_alloc(4096, &t), Some(65536));
-        assert_eq!(ms.metaslab_df_alloc(8192, &t), Some(0));
-        assert_eq!(ms.metaslab_df_alloc(4096, &t), None);
+        assert_eq!(
+            ms.metaslab_df_alloc(4096, 4096, &t).map(|f| f.0),
+            Some(65536)
+        );
+        assert_eq!(ms.metaslab_df_alloc(8192, 8192, &t).map(|f| f.0), Some(0));
+        assert_eq!(ms.metaslab_df_alloc(4096, 4096, &t).map(|f| f.0), None);
+    }
+
+    /// A size range (`metaslab_df_alloc@zfs-2.4.0`): first fit takes
+    /// `min(segment, max)` from the first segment holding the smallest size;
+    /// best fit (the metaslab low on space) the largest segment below max
+    /// that holds the smallest, else the smallest segment of at least max.
+    #[test]
+    fn df_size_range_takes_what_a_segment_holds() {
+        let t = Tunables::default();
+        let k = 1024;
+        let mut ms = Metaslab::new(0, 24, 12, false);
+        // Fresh: the whole of max.
+        assert_eq!(ms.metaslab_df_alloc(8 * k, 128 * k, &t), Some((0, 128 * k)));
+        // Low on space (best fit): segments of 16K, 48K and 256K.
+        let mut ms = Metaslab::new(0, 24, 12, false);
+        assert!(ms.allocatable.remove(0, 1 << 24));
+        ms.allocatable.add(0, 16 * k).unwrap();
+        ms.allocatable.add(1 << 20, 48 * k).unwrap();
+        ms.allocatable.add(2 << 20, 256 * k).unwrap();
+        assert_eq!(
+            ms.metaslab_df_alloc(32 * k, 128 * k, &t),
+            Some((1 << 20, 48 * k)),
+            "the largest below max that holds min"
+        );
+        assert_eq!(
+            ms.metaslab_df_alloc(32 * k, 128 * k, &t),
+            Some((2 << 20, 128 * k)),
+            "else the smallest of at least max, cut to max"
+        );
+        assert_eq!(
+            ms.metaslab_df_alloc(32 * k, 128 * k, &t),
+            Some(((2 << 20) + 128 * k, 128 * k))
+        );
+        assert_eq!(ms.metaslab_df_alloc(32 * k, 128 * k, &t), None);
+        assert_eq!(ms.metaslab_df_alloc(4 * k, 128 * k, &t), Some((0, 16 * k)));
     }
 }

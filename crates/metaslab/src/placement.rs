@@ -6,7 +6,7 @@
 use crate::class::Class;
 use crate::group::{Activation, AllocCtx, Group};
 use crate::throttle::{legacy, unified};
-use crate::vdev::psize_to_asize;
+use crate::vdev::{asize_to_psize, psize_to_asize};
 use crate::{
     AllocKind, Allocation, Error, Extent, Health, LogTier, NoSpaceReason, Result, SPA_MINBLOCKSIZE,
     TXG_DEFER_SIZE, ThrottlePolicy, Ticket, Txg, VdevId,
@@ -71,7 +71,7 @@ impl Pool {
                 let placed = if free < self.spa_get_slop_space().saturating_add(need) {
                     Err(NoSpaceReason::Full)
                 } else {
-                    self.place(NORMAL, req.size, req.copies, busy, false, avoid)
+                    self.place(NORMAL, req.size, req.size, req.copies, busy, false, avoid)
                         .ok_or_else(|| self.no_space_reason(&[NORMAL], avoid))
                 };
                 match placed {
@@ -96,7 +96,8 @@ impl Pool {
                     if self.classes[ci].ring.is_empty() {
                         continue;
                     }
-                    if let Some(p) = self.place(ci, req.size, req.copies, busy, true, avoid) {
+                    let max = req.max_size.unwrap_or(req.size);
+                    if let Some(p) = self.place(ci, req.size, max, req.copies, busy, true, avoid) {
                         out = Some((p, Some(tier)));
                         break;
                     }
@@ -154,20 +155,27 @@ impl Pool {
     }
 
     /// Place `copies` DVAs of `psize` in class `ci` (spec §2.11); on failure
-    /// undo what was placed.
+    /// undo what was placed. With `max_psize` above `psize` (a ranged log
+    /// block) each copy may be larger, up to the smallest copy placed so
+    /// far (`metaslab_alloc_range@zfs-2.4.0`), so all hold the block given.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn place(
         &mut self,
         ci: usize,
         psize: u64,
+        max_psize: u64,
         copies: u8,
         busy: bool,
         zil: bool,
         avoid: &[VdevId],
     ) -> Option<Placed> {
         let mut placed = Placed::default();
+        let mut max_psize = max_psize.max(psize);
         for d in 0..copies as usize {
-            match self.metaslab_alloc_dva(ci, psize, d, &placed, busy, zil, avoid) {
+            match self.metaslab_alloc_dva(ci, psize, max_psize, d, &placed, busy, zil, avoid) {
                 Some((e, loads)) => {
+                    let vd = &self.vdevs[e.vdev as usize];
+                    max_psize = max_psize.min(asize_to_psize(&vd.spec, e.size).max(psize));
                     placed.extents[d] = e;
                     placed.n += 1;
                     placed.loads += loads;
@@ -268,6 +276,7 @@ impl Pool {
         &mut self,
         ci: usize,
         psize: u64,
+        max_psize: u64,
         d: usize,
         placed: &Placed,
         busy: bool,
@@ -309,7 +318,7 @@ impl Pool {
                     self.metaslab_class_rotate(ci, v, psize, 0, false, busy, zil);
                     continue;
                 }
-                match self.metaslab_group_alloc(ci, v, psize, placed, try_hard) {
+                match self.metaslab_group_alloc(ci, v, psize, max_psize, placed, try_hard) {
                     Some((e, loads)) => {
                         self.metaslab_class_rotate(ci, v, psize, e.size, true, busy, zil);
                         return Some((e, loads));
@@ -397,12 +406,16 @@ impl Pool {
         true
     }
 
-    /// `metaslab_group_alloc` on vdev `v`'s group of class `ci`.
+    /// `metaslab_group_alloc` on vdev `v`'s group of class `ci`: `psize`
+    /// decides the metaslab, which gives up to `max_psize` (a ranged log
+    /// block; 0 or `psize` otherwise) where one free segment holds it.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn metaslab_group_alloc(
         &mut self,
         ci: usize,
         v: VdevId,
         psize: u64,
+        max_psize: u64,
         placed: &Placed,
         try_hard: bool,
     ) -> Option<(Extent, u32)> {
@@ -442,23 +455,25 @@ impl Pool {
         };
         let (holding, n) = placed.holding(v, vd.shift);
         let activation = Activation::for_copies_on_vdev(n);
+        let max_asize = psize_to_asize(&vd.spec, max_psize.max(psize));
         let out = g.alloc(
             &mut vd.ms,
             asize,
+            max_asize,
             activation,
             &holding[..n],
             &ctx,
             &mut selected,
         );
-        let (m, off) = out.offset?;
-        g.alloc += asize;
-        classes[ci].alloc += asize;
+        let (m, off, got) = out.offset?;
+        g.alloc += got;
+        classes[ci].alloc += got;
         txg.mark_dirty(v, &mut vd.ms[m as usize]);
         Some((
             Extent {
                 vdev: v,
                 offset: off,
-                size: asize,
+                size: got,
             },
             out.loads,
         ))

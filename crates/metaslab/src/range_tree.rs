@@ -289,6 +289,18 @@ impl RangeTree {
             .map(|&(sz, s)| (s, s + sz))
     }
 
+    /// For a size range (`metaslab_block_find` over the size tree,
+    /// zfs-2.4.0): the largest segment smaller than `max` when it holds
+    /// `min`, else the smallest of at least `max` (indexed trees only).
+    pub fn range_fit(&self, min: u64, max: u64) -> Option<(u64, u64)> {
+        if let Some(&(sz, s)) = self.by_size.range(..(max, 0)).next_back()
+            && sz >= min
+        {
+            return Some((s, s + sz));
+        }
+        self.smallest_fit(max)
+    }
+
     /// The largest segment (indexed trees only).
     pub fn largest(&self) -> Option<(u64, u64)> {
         self.by_size.iter().next_back().map(|&(sz, s)| (s, s + sz))

@@ -22,6 +22,7 @@ fn data(size: u64, copies: u8) -> AllocRequest {
         kind: AllocKind::Data,
         size,
         copies,
+        max_size: None,
     }
 }
 
@@ -175,6 +176,7 @@ fn log_allocations_fall_back() {
         kind: AllocKind::Log,
         size: 4096,
         copies: 1,
+        max_size: None,
     };
     let Submitted::Ready(t) = pool.submit(log).unwrap() else {
         panic!()

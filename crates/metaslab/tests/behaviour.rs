@@ -26,6 +26,7 @@ fn data(size: u64) -> AllocRequest {
         kind: AllocKind::Data,
         size,
         copies: 1,
+        max_size: None,
     }
 }
 
@@ -34,6 +35,7 @@ fn log(size: u64) -> AllocRequest {
         kind: AllocKind::Log,
         size,
         copies: 1,
+        max_size: None,
     }
 }
 

@@ -27,7 +27,12 @@ fn raidz1(capacity: u64) -> VdevSpec {
 }
 
 fn req(kind: AllocKind, size: u64, copies: u8) -> AllocRequest {
-    AllocRequest { kind, size, copies }
+    AllocRequest {
+        kind,
+        size,
+        copies,
+        max_size: None,
+    }
 }
 
 fn place(pool: &mut Pool, r: AllocRequest) -> Result<Allocation> {
@@ -592,4 +597,80 @@ fn legacy_slots_ramp_up_per_allocator() {
     };
     assert_eq!(admitted(&mut pool, 1), def, "allocator 1 keeps the default");
     assert_eq!(admitted(&mut pool, 0), def + 10, "allocator 0 ramped up");
+}
+
+fn log_range(size: u64, max_size: u64) -> AllocRequest {
+    AllocRequest {
+        kind: AllocKind::Log,
+        size,
+        copies: 1,
+        max_size: Some(max_size),
+    }
+}
+
+/// Issue 29 item 6: an intent-log block may be any size in `[min, max]`
+/// (OpenZFS 2.4: `zio_alloc_zil` tries each class with
+/// `metaslab_alloc_range`; `metaslab_df_alloc` takes `MIN(segment, max)`
+/// from the first segment holding `min`, and the size tree gives the
+/// largest segment below `max` that holds `min`,
+/// `metaslab.c:metaslab_block_find@zfs-2.4.0`). A log block that fits
+/// smaller stays in the embedded log metaslab where the fixed size falls
+/// through to the normal class.
+#[test]
+fn a_log_block_with_a_size_range_stays_in_the_embedded_log_metaslab() {
+    const K: u64 = 1024;
+    let mut pool = Pool::new(Tunables::default());
+    pool.add_vdev(spec(64 * GIB)).unwrap();
+    pool.sync();
+    // Fill the embedded log metaslab with 128K log blocks.
+    let mut elog = Vec::new();
+    loop {
+        let a = place(&mut pool, req(AllocKind::Log, 128 * K, 1)).unwrap();
+        if a.tier != Some(LogTier::EmbeddedLog) {
+            pool.abort(a.id).unwrap();
+            break;
+        }
+        pool.commit(a.id).unwrap();
+        elog.push(a.extents[0]);
+    }
+    assert!(elog.len() > 100, "{} blocks", elog.len());
+    // Free one, let the frees become allocatable, and take half of it back:
+    // a single 64K hole is all the embedded log metaslab has.
+    pool.free(&[elog[10]]).unwrap();
+    for _ in 0..4 {
+        pool.sync();
+    }
+    let half = place(&mut pool, req(AllocKind::Log, 64 * K, 1)).unwrap();
+    assert_eq!(half.tier, Some(LogTier::EmbeddedLog));
+    pool.commit(half.id).unwrap();
+
+    // A fixed 128K block does not fit: the normal class takes it.
+    let fixed = place(&mut pool, req(AllocKind::Log, 128 * K, 1)).unwrap();
+    assert_eq!(fixed.tier, Some(LogTier::Normal));
+    pool.abort(fixed.id).unwrap();
+    // 32K..128K: the 64K hole, in the embedded log metaslab.
+    let ranged = place(&mut pool, log_range(32 * K, 128 * K)).unwrap();
+    assert_eq!(ranged.tier, Some(LogTier::EmbeddedLog));
+    assert_eq!(ranged.extents[0].size, 64 * K, "{:?}", ranged.extents);
+    pool.commit(ranged.id).unwrap();
+    // Now full: the normal class, where a free segment holds all of max.
+    let next = place(&mut pool, log_range(32 * K, 128 * K)).unwrap();
+    assert_eq!(next.tier, Some(LogTier::Normal));
+    assert_eq!(next.extents[0].size, 128 * K);
+    pool.commit(next.id).unwrap();
+    pool.verify().unwrap();
+
+    // A range is for log blocks only, and max must not be below size.
+    let data_range = AllocRequest {
+        kind: AllocKind::Data,
+        ..log_range(4 * K, 8 * K)
+    };
+    assert!(matches!(
+        pool.submit(data_range),
+        Err(Error::BadSizeRange { .. })
+    ));
+    assert!(matches!(
+        pool.submit(log_range(8 * K, 4 * K)),
+        Err(Error::BadSizeRange { .. })
+    ));
 }

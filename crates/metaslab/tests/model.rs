@@ -275,7 +275,12 @@ impl Model {
             _ => 1 + r.below(8 << 20),
         };
         let copies = 1 + r.below(3) as u8;
-        let req = AllocRequest { kind, size, copies };
+        let req = AllocRequest {
+            kind,
+            size,
+            copies,
+            max_size: None,
+        };
         let lane = (self.submitted % self.pool.allocator_count() as u64) as usize;
         self.submitted += 1;
         match self.pool.submit(req).unwrap() {
@@ -515,6 +520,7 @@ impl Model {
                         kind: AllocKind::Data,
                         size: 1,
                         copies: 1,
+                        max_size: None,
                     };
                     self.allocate_admitted(t, req);
                 }
@@ -543,6 +549,7 @@ impl Model {
                     kind: AllocKind::Data,
                     size: 1,
                     copies: a.extents.len() as u8,
+                    max_size: None,
                 };
                 self.check_placement(&req, &a);
                 for e in &a.extents {

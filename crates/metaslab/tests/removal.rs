@@ -24,6 +24,7 @@ fn data(size: u64) -> AllocRequest {
         kind: AllocKind::Data,
         size,
         copies: 1,
+        max_size: None,
     }
 }
 

@@ -41,6 +41,7 @@ fn alloc_req(size: u64) -> pb::AllocateRequest {
         size,
         copies: 1,
         lease_ms: 0,
+        max_size: 0,
     }
 }
 

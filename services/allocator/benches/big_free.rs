@@ -33,6 +33,7 @@ async fn pairs(mut c: AllocatorClient<Channel>, stop: Arc<AtomicBool>) -> Histog
                 size: BLOCK,
                 copies: 1,
                 lease_ms: 0,
+                max_size: 0,
             })
             .await
             .expect("allocate")

@@ -37,6 +37,7 @@ fn req() -> AllocRequest {
         kind: AllocKind::Data,
         size: 4096,
         copies: 1,
+        max_size: None,
     }
 }
 

@@ -48,6 +48,7 @@ pub async fn relocate(
         kind: AllocKind::Data,
         size: psize,
         copies: 1,
+        max_size: None,
     };
     shared.relocate(areq, lease, intent).await
 }

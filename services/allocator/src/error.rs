@@ -222,6 +222,7 @@ impl Error {
                 | M::TooLarge(_)
                 | M::BadCopies(_)
                 | M::PsizeTooLarge { .. }
+                | M::BadSizeRange { .. }
                 | M::Misaligned(_)
                 | M::OutOfRange(_)
                 | M::BadTunableValue { .. }
@@ -275,6 +276,7 @@ impl Error {
                 | M::TooLarge(_)
                 | M::BadCopies(_)
                 | M::PsizeTooLarge { .. }
+                | M::BadSizeRange { .. }
                 | M::Misaligned(_)
                 | M::OutOfRange(_)
                 | M::BadTunableValue { .. }

@@ -58,6 +58,7 @@ fn parse_request(shared: &Shared, r: &pb::AllocateRequest) -> Result<(AllocReque
             kind,
             size: r.size,
             copies,
+            max_size: (r.max_size != 0).then_some(r.max_size),
         },
         lease,
     ))

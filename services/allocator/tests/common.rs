@@ -170,6 +170,7 @@ pub fn data(size: u64) -> pb::AllocateRequest {
         size,
         copies: 1,
         lease_ms: 0,
+        max_size: 0,
     }
 }
 

@@ -647,6 +647,7 @@ async fn a_free_is_not_reusable_before_its_txg_is_durable() {
         size: 4096,
         copies: 1,
         lease_ms: 0,
+        max_size: 0,
     };
     assert!(h.alloc.allocate(log).await.is_err(), "the pool is full");
     let freed = pb::Extent {

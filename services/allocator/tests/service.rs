@@ -61,6 +61,7 @@ async fn throttled_requests_wait_fifo_without_blocking_others() {
             size: 4096,
             copies: 1,
             lease_ms: 0,
+            max_size: 0,
         }),
     )
     .await
@@ -420,6 +421,7 @@ async fn stream_replies_come_back_out_of_order_by_id() {
             size: 4096,
             copies: 1,
             lease_ms: 0,
+            max_size: 0,
         })),
         ..Default::default()
     })
@@ -552,6 +554,25 @@ async fn bad_input_gets_a_precise_status_and_changes_nothing() {
     );
     expect(
         alloc(pb::AllocateRequest {
+            max_size: 8192,
+            ..data(4096)
+        })
+        .await,
+        Code::InvalidArgument,
+        "intent-log blocks only",
+    );
+    expect(
+        alloc(pb::AllocateRequest {
+            class: pb::AllocationClass::Log as i32,
+            max_size: 4096,
+            ..data(8192)
+        })
+        .await,
+        Code::InvalidArgument,
+        "max_size at least size",
+    );
+    expect(
+        alloc(pb::AllocateRequest {
             copies: 4,
             ..data(4096)
         })
@@ -681,6 +702,25 @@ async fn bad_input_gets_a_precise_status_and_changes_nothing() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_block_may_ask_for_a_size_range() {
+    let mut h = start(config()).await;
+    h.add_vdev(1, GIB).await;
+    let r = h
+        .alloc
+        .allocate(pb::AllocateRequest {
+            class: pb::AllocationClass::Log as i32,
+            max_size: 128 * 1024,
+            ..data(4096)
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    // A fresh metaslab holds all of max_size in one segment.
+    assert_eq!(r.extents.len(), 1);
+    assert_eq!(r.extents[0].size, 128 * 1024, "{r:?}");
+}
+
+#[tokio::test]
 async fn frees_are_reusable_only_after_two_synced_txgs() {
     let mut h = start(config()).await;
     h.add_vdev(1, GIB).await;

@@ -149,6 +149,7 @@ async fn stream_run(p: &Pool, clients: usize, secs: u64) -> f64 {
                     size: 4096,
                     copies: 1,
                     lease_ms: 0,
+                    max_size: 0,
                 })),
                 ..Default::default()
             };

@@ -1390,6 +1390,7 @@ async fn one_block(
             size: a.block_size,
             copies: a.copies,
             lease_ms,
+            max_size: 0,
         })
         .await
         .map_err(|s| {

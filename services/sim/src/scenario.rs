@@ -319,6 +319,8 @@ struct RawLog {
     max_block: Option<Size>,
     #[serde(default)]
     max_inflight: Option<u32>,
+    #[serde(default)]
+    size_range: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -521,6 +523,11 @@ pub struct LogLoad {
     pub max_block: u64,
     /// Log block writes in flight at once.
     pub max_inflight: u32,
+    /// Ask for each log block as a size range (OpenZFS 2.4's
+    /// `zio_alloc_zil` → `metaslab_alloc_range`): at least what its records
+    /// need, at most the planned block. Off: exactly the planned block, the
+    /// ZIL the seed measured.
+    pub size_range: bool,
 }
 
 /// OpenZFS's `redundant_metadata` property.
@@ -1186,6 +1193,7 @@ fn log_model(l: RawLog) -> Result<LogLoad, ScenarioError> {
         metaslab_load_cost: l.metaslab_load_cost.map(|d| d.0).unwrap_or(100_000_000),
         max_block,
         max_inflight,
+        size_range: l.size_range.unwrap_or(false),
     })
 }
 

@@ -34,6 +34,7 @@ pub(super) struct LogState {
     pub(super) load_cost: u64,
     pub(super) max_block: u64,
     pub(super) max_inflight: u32,
+    pub(super) size_range: bool,
     pub(super) dirty_max: u64,
     pub(super) pending: VecDeque<Op>,
     pub(super) inflight: u32,
@@ -111,10 +112,23 @@ impl<P: SimPool> Sim<'_, P> {
             let fit = ((block.saturating_sub(LOG_BLOCK_HEADER)) / rec).max(1) as usize;
             let take = fit.min(l.pending.len());
             let ops: Vec<Op> = l.pending.drain(..take).collect();
-            let req = AllocRequest {
-                kind: AllocKind::Log,
-                size: block,
-                copies: 1,
+            // With a range: at least what these records need, in whole
+            // ZIL_MIN_BLKSZ (4K) units, at most the planned block.
+            let need = (take as u64 * rec + LOG_BLOCK_HEADER).next_multiple_of(4 << 10);
+            let req = if l.size_range && need < block {
+                AllocRequest {
+                    kind: AllocKind::Log,
+                    size: need,
+                    copies: 1,
+                    max_size: Some(block),
+                }
+            } else {
+                AllocRequest {
+                    kind: AllocKind::Log,
+                    size: block,
+                    copies: 1,
+                    max_size: None,
+                }
             };
             let t = match self.pool.submit(req).context("log submit")? {
                 Submitted::Ready(t) => t,
@@ -130,7 +144,13 @@ impl<P: SimPool> Sim<'_, P> {
                     let l = self.log.as_mut().unwrap();
                     l.inflight += 1;
                     l.result.blocks += 1;
-                    l.result.block_bytes += block;
+                    // A ranged block is what was given (asize: plain
+                    // vdevs in every log scenario); else the planned one.
+                    l.result.block_bytes += if l.size_range {
+                        a.extents[0].size
+                    } else {
+                        block
+                    };
                     let k = match a.tier {
                         Some(LogTier::Log) => 0,
                         Some(LogTier::EmbeddedLog) => 1,

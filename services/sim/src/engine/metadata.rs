@@ -116,6 +116,7 @@ impl<P: SimPool> Sim<'_, P> {
             kind: AllocKind::Data,
             size: m.size,
             copies: m.copies,
+            max_size: None,
         };
         match self.pool.submit(r).context("metadata submit")? {
             Submitted::Ready(t) => self.allocate_meta(t, m),

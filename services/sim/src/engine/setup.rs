@@ -110,6 +110,7 @@ impl<P: SimPool> Sim<'_, P> {
                 load_cost: l.metaslab_load_cost,
                 max_block: l.max_block,
                 max_inflight: l.max_inflight,
+                size_range: l.size_range,
                 dirty_max: sc.load.as_ref().map(|l| l.dirty_max).unwrap_or(4 << 30),
                 pending: VecDeque::new(),
                 inflight: 0,

@@ -93,6 +93,7 @@ impl<P: SimPool> Sim<'_, P> {
             kind: AllocKind::Data,
             size: req.size,
             copies: self.sc.copies,
+            max_size: None,
         };
         match self.pool.submit(r).context("submit")? {
             Submitted::Ready(t) => self.allocate_data(t, req),

@@ -332,6 +332,7 @@ pub fn data_request(size: u64) -> aliquot_proto::v1::AllocateRequest {
         copies: 1,
         lease_ms: 0,
         max_size: 0,
+        affinity_key: None,
     }
 }
 

@@ -728,6 +728,7 @@ async fn step(c: &mut Cluster, m: &mut Model, rng: &mut Rng) -> StepResult {
         copies: if rng.chance(30) { 2 } else { 1 },
         lease_ms: 0,
         max_size: 0,
+        affinity_key: None,
     };
     let a = match c.client.allocate(req).await {
         Ok(r) => r.into_inner(),

@@ -616,6 +616,7 @@ async fn log_blocks_on_a_full_pool_end_in_resource_exhausted() {
         copies: 1,
         lease_ms: 0,
         max_size: 0,
+        affinity_key: None,
     };
     let mut n = 0;
     let e = loop {

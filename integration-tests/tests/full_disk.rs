@@ -169,6 +169,7 @@ async fn a_full_agent_disk_takes_no_allocations_and_the_write_goes_elsewhere() {
                 copies: 1,
                 lease_ms: 0,
                 max_size: 0,
+                affinity_key: None,
             })
             .await
             .expect("allocate")

@@ -108,6 +108,7 @@ fn writer(
                         copies: 1,
                         lease_ms: 0,
                         max_size: 0,
+                        affinity_key: None,
                     })
                     .await
                     .ok()?

@@ -233,6 +233,7 @@ async fn metrics_parse_and_agree_with_get_pool() {
                 copies: 1,
                 lease_ms: 0,
                 max_size: 0,
+                affinity_key: None,
             })
             .await
             .unwrap()

@@ -118,6 +118,7 @@ fn data(size: u64, copies: u32) -> pb::AllocateRequest {
         copies,
         lease_ms: 0,
         max_size: 0,
+        affinity_key: None,
     }
 }
 

@@ -35,6 +35,7 @@ fn cycle(pool: &mut Pool, size: u64, n: &mut u64) {
         size,
         copies: 1,
         max_size: None,
+        affinity: None,
     };
     let t = match pool.submit(req).unwrap() {
         Submitted::Ready(t) => t,
@@ -66,6 +67,7 @@ fn fragmented() -> Pool {
             size,
             copies: 1,
             max_size: None,
+            affinity: None,
         };
         let Ok(Submitted::Ready(t)) = pool.submit(req) else {
             break;

@@ -49,6 +49,7 @@ fn main() {
                 size: 128 << 10,
                 copies: 1,
                 max_size: None,
+                affinity: None,
             };
             let Submitted::Ready(t) = pool.submit(req).unwrap() else {
                 unreachable!("one allocation in flight")

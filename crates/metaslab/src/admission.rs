@@ -34,8 +34,14 @@ impl Pool {
         }
         let ticket = self.next_ticket;
         self.next_ticket += 1;
-        let allocator = self.next_allocator % self.alloc_count;
-        self.next_allocator = self.next_allocator.wrapping_add(1);
+        let allocator = match req.affinity {
+            Some(key) => self.allocator_for(key),
+            None => {
+                let k = self.next_allocator % self.alloc_count;
+                self.next_allocator = self.next_allocator.wrapping_add(1);
+                k
+            }
+        };
         let mut st = TicketState {
             req,
             allocator,
@@ -246,11 +252,16 @@ impl Pool {
         self.alloc_count
     }
 
-    /// The next request will be placed by allocator `k % spa_alloc_count`
-    /// (a caller that knows which object a block belongs to keeps its
-    /// blocks on one allocator, as OpenZFS does).
-    pub fn prefer_allocator(&mut self, k: usize) {
-        self.next_allocator = k;
+    /// The allocator a request with affinity `key` goes to: a fixed hash
+    /// of the key (the splitmix64 finalizer: stable across processes and
+    /// releases, so a client's key keeps its allocator after a restart)
+    /// modulo `spa_alloc_count`.
+    pub fn allocator_for(&self, key: u64) -> usize {
+        let mut z = key.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        (z % self.alloc_count.max(1) as u64) as usize
     }
 
     pub fn allocator_count(&self) -> usize {

@@ -3,7 +3,7 @@
 //! `reserved`, `alloc_io_size`), the legacy throttle's slots, and the FIFO
 //! of waiting tickets. Each of the class's allocators (`spa_alloc_count`)
 //! has its own rotor position, visit counter, reservation and queue (a
-//! "lane"); the active one is swapped in for each placement.
+//! "lane"); every call that turns a rotor names its allocator.
 
 use std::collections::VecDeque;
 
@@ -18,15 +18,10 @@ pub struct Class {
     pub ring: Vec<VdevId>,
     /// Ring position by vdev id.
     pos: Vec<Option<usize>>,
-    /// Index into `ring` (`mca_rotor`) of the allocator in use (`cur`).
-    pub rotor: usize,
-    /// Bytes given to the rotor group during this visit (`mca_aliquot`),
-    /// of the allocator in use.
-    pub visit_bytes: u64,
-    /// Every allocator's (rotor, visit bytes) (`mc_allocator[]`); the one
-    /// in use is worked on in `rotor`/`visit_bytes` and parked back here.
+    /// Every allocator's rotor (`mc_allocator[]`): an index into `ring`
+    /// (`mca_rotor`) and the bytes given to that group during this visit
+    /// (`mca_aliquot`).
     rotors: Vec<(usize, u64)>,
-    cur: usize,
     /// Initialized ring groups (`mc_groups`).
     pub groups: u64,
     /// Allocatable ring groups (`mc_alloc_groups`).
@@ -69,10 +64,7 @@ impl Class {
             is_log: kind != ClassKind::Normal,
             ring: Vec::new(),
             pos: Vec::new(),
-            rotor: 0,
-            visit_bytes: 0,
             rotors: vec![(0, 0)],
-            cur: 0,
             groups: 0,
             alloc_groups: 0,
             space: 0,
@@ -117,11 +109,8 @@ impl Class {
     /// `spa_alloc_count` allocators, each with its own rotor and visit
     /// counter (they start where the class's rotor is).
     pub fn set_allocators(&mut self, n: usize) {
-        self.park();
-        let here = self.rotors[self.cur];
+        let here = self.rotors[0];
         self.rotors.resize(n.max(1), here);
-        self.cur = self.cur.min(self.rotors.len() - 1);
-        self.unpark();
         // Budgets and queues never shrink below what is outstanding: a
         // ticket's allocator index stays valid (`lane` clamps it anyway).
         let lanes = n.max(1).max(self.reserved_by.len());
@@ -146,35 +135,30 @@ impl Class {
         self.rotors.len()
     }
 
-    /// The allocator in use (its rotor is the class's now).
-    pub fn current_allocator(&self) -> usize {
-        self.cur
+    /// Allocator `k`'s rotor, as an index into `ring` (`k` past the
+    /// count: allocator 0's).
+    pub fn rotor(&self, k: usize) -> usize {
+        self.rotors.get(k).unwrap_or(&self.rotors[0]).0
     }
 
-    /// Work with allocator `k`'s rotor from now on.
-    pub fn use_allocator(&mut self, k: usize) {
-        if k != self.cur && k < self.rotors.len() {
-            self.park();
-            self.cur = k;
-            self.unpark();
-        }
+    /// Bytes allocator `k` gave its rotor group during this visit.
+    pub fn visit_bytes(&self, k: usize) -> u64 {
+        self.rotors.get(k).unwrap_or(&self.rotors[0]).1
     }
 
-    fn park(&mut self) {
-        self.rotors[self.cur] = (self.rotor, self.visit_bytes);
+    pub fn add_visit_bytes(&mut self, k: usize, bytes: u64) {
+        let k = k.min(self.rotors.len() - 1);
+        self.rotors[k].1 += bytes;
     }
 
-    fn unpark(&mut self) {
-        (self.rotor, self.visit_bytes) = self.rotors[self.cur];
-    }
-
-    /// Activate: insert right after allocator 0's rotor and make it every
-    /// allocator's rotor (spec §1.3, `metaslab_group_activate`).
+    /// Activate (`metaslab_group_activate@zfs-2.4.0`): insert right after
+    /// allocator 0's rotor; allocator 0's rotor moves to the new group,
+    /// allocator 1's to the one after it, and so on, so that allocators
+    /// start spread over the ring rather than all on the new group.
     pub fn insert(&mut self, v: VdevId) {
         if self.in_ring(v) {
             return;
         }
-        self.park();
         let at = if self.ring.is_empty() {
             self.ring.push(v);
             0
@@ -183,17 +167,16 @@ impl Class {
             self.ring.insert(at, v);
             at
         };
-        for r in &mut self.rotors {
-            *r = (at, 0);
+        let len = self.ring.len();
+        for (k, r) in self.rotors.iter_mut().enumerate() {
+            *r = ((at + k) % len, 0);
         }
-        self.unpark();
         self.reindex();
     }
 
     /// Passivate: unlink; a rotor pointing at it moves to its successor.
     pub fn remove(&mut self, v: VdevId) {
         let Some(i) = self.position(v) else { return };
-        self.park();
         self.ring.remove(i);
         let len = self.ring.len();
         for (rotor, visit) in &mut self.rotors {
@@ -208,19 +191,20 @@ impl Class {
             }
             *rotor %= len;
         }
-        self.unpark();
         self.reindex();
     }
 
-    pub fn rotor_vdev(&self) -> Option<VdevId> {
-        self.ring.get(self.rotor).copied()
+    /// The group allocator `k`'s rotor is at.
+    pub fn rotor_vdev(&self, k: usize) -> Option<VdevId> {
+        self.ring.get(self.rotor(k)).copied()
     }
 
-    /// Move the rotor to the successor of `v` and reset the visit.
-    pub fn rotate_after(&mut self, v: VdevId) {
+    /// Move allocator `k`'s rotor to the successor of `v` and reset its
+    /// visit.
+    pub fn rotate_after(&mut self, k: usize, v: VdevId) {
         if let Some(i) = self.position(v) {
-            self.rotor = (i + 1) % self.ring.len();
-            self.visit_bytes = 0;
+            let k = k.min(self.rotors.len() - 1);
+            self.rotors[k] = ((i + 1) % self.ring.len(), 0);
         }
     }
 }

@@ -91,8 +91,12 @@ pub struct Group {
     // Unified throttle (spec §3.3, §3.6).
     pub aliquot: u64,
     pub queue_target: u64,
-    /// Bytes placed by throttled allocations, not yet committed.
+    /// Bytes placed by throttled allocations, not yet committed: all
+    /// allocators' (for the stats), and each allocator's
+    /// (`mga_queue_depth@zfs-2.4.0`, what its rotor compares with the
+    /// queue target).
     pub queue_depth: u64,
+    queue_depth_by: Vec<u64>,
     // Legacy throttle (spec §4).
     /// Per allocator (requests in flight, `cur_max`): LEGACY counts queue
     /// depth and ramps it up per group per allocator (`mga_alloc_queue_depth`,
@@ -130,6 +134,7 @@ impl Group {
             aliquot: 0,
             queue_target: 0,
             queue_depth: 0,
+            queue_depth_by: Vec::new(),
             legacy_lanes: Vec::new(),
             legacy_max: 0,
             legacy_aliquot: 0,
@@ -201,6 +206,26 @@ impl Group {
             self.legacy_lanes.resize(k + 1, (0, cur_max));
         }
         &mut self.legacy_lanes[k]
+    }
+
+    /// Allocator `k`'s bytes in flight on this group.
+    pub fn queue_depth_of(&self, k: usize) -> u64 {
+        self.queue_depth_by.get(k).copied().unwrap_or(0)
+    }
+
+    pub fn add_queue_depth(&mut self, k: usize, bytes: u64) {
+        if self.queue_depth_by.len() <= k {
+            self.queue_depth_by.resize(k + 1, 0);
+        }
+        self.queue_depth_by[k] += bytes;
+        self.queue_depth += bytes;
+    }
+
+    pub fn sub_queue_depth(&mut self, k: usize, bytes: u64) {
+        if let Some(d) = self.queue_depth_by.get_mut(k) {
+            *d = d.saturating_sub(bytes);
+        }
+        self.queue_depth = self.queue_depth.saturating_sub(bytes);
     }
 
     /// The per-txg reset (spec §4.3): `n` allocators, each at `cur_max`.

@@ -125,6 +125,13 @@ pub struct AllocRequest {
     /// (`zio_alloc_zil` → `metaslab_alloc_range@zfs-2.4.0`); the extents
     /// say what was given. `None`: exactly `size`.
     pub max_size: Option<u64>,
+    /// Which allocator places it (`spa_alloc_count` of them): the one this
+    /// key hashes to, so a stream of blocks that gives one key keeps one
+    /// allocator, its rotor and its active metaslabs (OpenZFS hashes the
+    /// objset, object, level and 2^20-block region of a data block,
+    /// `spa.c:spa_select_allocator@zfs-2.4.0`, and the dataset of a log
+    /// block, `zio_alloc_zil`). `None`: the allocators in turn.
+    pub affinity: Option<u64>,
 }
 
 /// What `submit` decided.

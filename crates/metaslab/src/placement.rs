@@ -48,9 +48,7 @@ impl Pool {
         }
         let st = self.tickets.remove(&ticket).expect("checked");
         let req = st.req;
-        for c in &mut self.classes {
-            c.use_allocator(st.allocator);
-        }
+        let k = st.allocator;
         let (placed, tier) = match req.kind {
             AllocKind::Data => {
                 // What may still be written: the allocating space less
@@ -71,8 +69,10 @@ impl Pool {
                 let placed = if free < self.spa_get_slop_space().saturating_add(need) {
                     Err(NoSpaceReason::Full)
                 } else {
-                    self.place(NORMAL, req.size, req.size, req.copies, busy, false, avoid)
-                        .ok_or_else(|| self.no_space_reason(&[NORMAL], avoid))
+                    self.place(
+                        NORMAL, k, req.size, req.size, req.copies, busy, false, avoid,
+                    )
+                    .ok_or_else(|| self.no_space_reason(&[NORMAL], avoid))
                 };
                 match placed {
                     Ok(p) => (p, None),
@@ -97,7 +97,8 @@ impl Pool {
                         continue;
                     }
                     let max = req.max_size.unwrap_or(req.size);
-                    if let Some(p) = self.place(ci, req.size, max, req.copies, busy, true, avoid) {
+                    if let Some(p) = self.place(ci, k, req.size, max, req.copies, busy, true, avoid)
+                    {
                         out = Some((p, Some(tier)));
                         break;
                     }
@@ -128,7 +129,7 @@ impl Pool {
         for e in &placed.extents[..placed.n] {
             let v = &mut self.vdevs[e.vdev as usize];
             match st.res {
-                Reservation::Bytes(_) => v.mg.queue_depth += req.size,
+                Reservation::Bytes(_) => v.mg.add_queue_depth(k, req.size),
                 Reservation::Slots(..) => v.mg.legacy_lane_mut(st.allocator).0 += 1,
                 Reservation::None => {}
             }
@@ -162,6 +163,7 @@ impl Pool {
     pub(crate) fn place(
         &mut self,
         ci: usize,
+        k: usize,
         psize: u64,
         max_psize: u64,
         copies: u8,
@@ -172,7 +174,7 @@ impl Pool {
         let mut placed = Placed::default();
         let mut max_psize = max_psize.max(psize);
         for d in 0..copies as usize {
-            match self.metaslab_alloc_dva(ci, psize, max_psize, d, &placed, busy, zil, avoid) {
+            match self.metaslab_alloc_dva(ci, k, psize, max_psize, d, &placed, busy, zil, avoid) {
                 Some((e, loads)) => {
                     let vd = &self.vdevs[e.vdev as usize];
                     max_psize = max_psize.min(asize_to_psize(&vd.spec, e.size).max(psize));
@@ -270,11 +272,12 @@ impl Pool {
     }
 
     /// `metaslab_alloc_dva` (spec §2.11): copy `d` of a block over the ring
-    /// of class `ci`, never on a vdev of `avoid`.
+    /// of class `ci` from allocator `k`'s rotor, never on a vdev of `avoid`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn metaslab_alloc_dva(
         &mut self,
         ci: usize,
+        k: usize,
         psize: u64,
         max_psize: u64,
         d: usize,
@@ -305,35 +308,38 @@ impl Pool {
             }
             let c = &self.classes[ci];
             let start = if d == 0 {
-                c.rotor % n
+                c.rotor(k) % n
             } else {
                 let prev = placed.extents[d - 1].vdev;
-                c.position(prev).map_or(c.rotor % n, |p| (p + 1) % n)
+                c.position(prev).map_or(c.rotor(k) % n, |p| (p + 1) % n)
             };
-            for k in 0..n {
+            for i in 0..n {
                 // A vdev holding a copy already is not skipped: the copy goes
                 // to another of its metaslabs (spec §2.5, §2.6).
-                let v = self.classes[ci].ring[(start + k) % n];
-                if !self.metaslab_group_allocatable(ci, v, d, try_hard, zil, avoid) {
-                    self.metaslab_class_rotate(ci, v, psize, 0, false, busy, zil);
+                let v = self.classes[ci].ring[(start + i) % n];
+                if !self.metaslab_group_allocatable(ci, k, v, d, try_hard, zil, avoid) {
+                    self.metaslab_class_rotate(ci, k, v, psize, 0, false, busy, zil);
                     continue;
                 }
-                match self.metaslab_group_alloc(ci, v, psize, max_psize, placed, try_hard) {
+                match self.metaslab_group_alloc(ci, k, v, psize, max_psize, placed, try_hard) {
                     Some((e, loads)) => {
-                        self.metaslab_class_rotate(ci, v, psize, e.size, true, busy, zil);
+                        self.metaslab_class_rotate(ci, k, v, psize, e.size, true, busy, zil);
                         return Some((e, loads));
                     }
-                    None => self.metaslab_class_rotate(ci, v, psize, 0, false, busy, zil),
+                    None => self.metaslab_class_rotate(ci, k, v, psize, 0, false, busy, zil),
                 }
             }
         }
         None
     }
 
-    /// Group eligibility at allocation time (spec §2.7; legacy §4.5).
+    /// Group eligibility at allocation time for allocator `k` (spec §2.7;
+    /// legacy §4.5).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn metaslab_group_allocatable(
         &self,
         ci: usize,
+        k: usize,
         v: VdevId,
         d: usize,
         try_hard: bool,
@@ -355,7 +361,7 @@ impl Pool {
         }
         let c = &self.classes[ci];
         if self.tun.throttle_policy == ThrottlePolicy::Legacy && ci == NORMAL {
-            return self.legacy_group_allocatable(c, g, d, zil);
+            return self.legacy_group_allocatable(c, k, g, d, zil);
         }
         !(g.no_free_space || (!g.allocatable && c.alloc_groups > 0))
     }
@@ -364,6 +370,7 @@ impl Pool {
     pub(crate) fn legacy_group_allocatable(
         &self,
         c: &Class,
+        k: usize,
         g: &Group,
         d: usize,
         zil: bool,
@@ -384,7 +391,6 @@ impl Pool {
             return true;
         }
         // Per allocator (spec §4.5: `depth[allocator]`, `cur_max[allocator]`).
-        let k = c.current_allocator();
         let (depth, cur_max) = g.legacy_lane(k);
         if depth < legacy::qmax(cur_max, d) || c.alloc_groups == 1 {
             return true;
@@ -393,7 +399,7 @@ impl Pool {
         let Some(pos) = c.position(g.vdev) else {
             return true;
         };
-        let rotor = c.rotor % n;
+        let rotor = c.rotor(k) % n;
         let mut i = (pos + 1) % n;
         while i != rotor && i != pos {
             let h = &self.vdevs[c.ring[i] as usize].mg;
@@ -413,6 +419,7 @@ impl Pool {
     pub(crate) fn metaslab_group_alloc(
         &mut self,
         ci: usize,
+        k: usize,
         v: VdevId,
         psize: u64,
         max_psize: u64,
@@ -439,7 +446,7 @@ impl Pool {
             rotational: vd.spec.rotational,
             ms_count: vd.ms.len() as u64,
             min_alloc: 1 << vd.spec.ashift,
-            allocator: classes[ci].current_allocator(),
+            allocator: k,
             allocators: classes[ci].allocators(),
         };
         let g = if ci == ELOG {
@@ -484,6 +491,7 @@ impl Pool {
     pub(crate) fn metaslab_class_rotate(
         &mut self,
         ci: usize,
+        k: usize,
         v: VdevId,
         psize: u64,
         asize: u64,
@@ -498,7 +506,7 @@ impl Pool {
         }
         if policy == ThrottlePolicy::Legacy {
             if !success {
-                c.rotate_after(v);
+                c.rotate_after(k, v);
                 return;
             }
             let vd = &mut self.vdevs[v as usize];
@@ -507,23 +515,23 @@ impl Pool {
             let mc_free = c.space.saturating_sub(c.alloc);
             let alloc_groups = c.alloc_groups;
             let Some(g) = vd.group_mut(ci) else { return };
-            if c.visit_bytes == 0 && bias_enabled {
+            if c.visit_bytes(k) == 0 && bias_enabled {
                 g.legacy_bias =
                     legacy::space_bias(vs_free, mc_free, alloc_groups, g.legacy_aliquot);
             } else if !bias_enabled {
                 g.legacy_bias = 0;
             }
-            c.visit_bytes += asize;
-            if legacy::should_rotate(zil, c.visit_bytes, g.legacy_aliquot, g.legacy_bias) {
-                c.rotate_after(v);
+            c.add_visit_bytes(k, asize);
+            if legacy::should_rotate(zil, c.visit_bytes(k), g.legacy_aliquot, g.legacy_bias) {
+                c.rotate_after(k, v);
             }
             return;
         }
-        if c.groups < 2 || c.rotor_vdev() != Some(v) {
+        if c.groups < 2 || c.rotor_vdev(k) != Some(v) {
             return;
         }
         if success {
-            c.visit_bytes += psize;
+            c.add_visit_bytes(k, psize);
         }
         let Some(g) = self.vdevs[v as usize].group(ci) else {
             return;
@@ -537,15 +545,16 @@ impl Pool {
             success,
             is_log: c.is_log,
             psize,
-            visit_bytes: c.visit_bytes,
+            visit_bytes: c.visit_bytes(k),
             aliquot: g.aliquot,
             queue_target: g.queue_target,
-            queue_depth: g.queue_depth,
+            // Per allocator (`mga_queue_depth`).
+            queue_depth: g.queue_depth_of(k),
             perf_bias,
             busy,
         });
         if rotate {
-            c.rotate_after(v);
+            c.rotate_after(k, v);
         }
     }
 

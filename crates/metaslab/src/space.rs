@@ -14,9 +14,7 @@ impl Pool {
             let v = &mut self.vdevs[e.vdev as usize];
             v.inflight.remove(&e.offset);
             match a.res {
-                Reservation::Bytes(_) => {
-                    v.mg.queue_depth = v.mg.queue_depth.saturating_sub(a.psize)
-                }
+                Reservation::Bytes(_) => v.mg.sub_queue_depth(a.allocator, a.psize),
                 Reservation::Slots(..) => {
                     let l = v.mg.legacy_lane_mut(a.allocator);
                     l.0 = l.0.saturating_sub(1);

@@ -199,6 +199,8 @@ pub(crate) fn verify(pool: &Pool) -> Result<()> {
     let mut class_space = [0u64; 3];
     let mut class_alloc = [0u64; 3];
     let mut depth = vec![0u64; pool.vdevs.len()];
+    // (vdev, allocator) -> bytes.
+    let mut depth_by: std::collections::BTreeMap<(VdevId, usize), u64> = Default::default();
     let mut requests = vec![0u64; pool.vdevs.len()];
     let mut reserved = 0u64;
     let mut slots = 0u64;
@@ -214,7 +216,10 @@ pub(crate) fn verify(pool: &Pool) -> Result<()> {
                 return broken(format!("in-flight extent {e} overlaps free space"));
             }
             match a.res {
-                Reservation::Bytes(_) => depth[e.vdev as usize] += a.psize,
+                Reservation::Bytes(_) => {
+                    depth[e.vdev as usize] += a.psize;
+                    *depth_by.entry((e.vdev, a.allocator)).or_default() += a.psize;
+                }
                 Reservation::Slots(..) => requests[e.vdev as usize] += 1,
                 Reservation::None => {}
             }
@@ -313,6 +318,16 @@ pub(crate) fn verify(pool: &Pool) -> Result<()> {
                 "vdev {}: queue depth {} but in-flight allocations hold {}",
                 v.id, v.mg.queue_depth, depth[v.id as usize]
             ));
+        }
+        for k in 0..pool.alloc_count.max(1) {
+            let held = depth_by.get(&(v.id, k)).copied().unwrap_or(0);
+            if v.mg.queue_depth_of(k) != held {
+                return broken(format!(
+                    "vdev {}: allocator {k}'s queue depth {} but its allocations hold {held}",
+                    v.id,
+                    v.mg.queue_depth_of(k)
+                ));
+            }
         }
         if v.mg.legacy_requests() != requests[v.id as usize] {
             return broken(format!("vdev {}: legacy queue depth drifted", v.id));

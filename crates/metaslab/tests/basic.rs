@@ -23,6 +23,7 @@ fn data(size: u64, copies: u8) -> AllocRequest {
         size,
         copies,
         max_size: None,
+        affinity: None,
     }
 }
 
@@ -177,6 +178,7 @@ fn log_allocations_fall_back() {
         size: 4096,
         copies: 1,
         max_size: None,
+        affinity: None,
     };
     let Submitted::Ready(t) = pool.submit(log).unwrap() else {
         panic!()

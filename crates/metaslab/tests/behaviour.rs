@@ -27,6 +27,7 @@ fn data(size: u64) -> AllocRequest {
         size,
         copies: 1,
         max_size: None,
+        affinity: None,
     }
 }
 
@@ -36,6 +37,7 @@ fn log(size: u64) -> AllocRequest {
         size,
         copies: 1,
         max_size: None,
+        affinity: None,
     }
 }
 

@@ -32,6 +32,7 @@ fn req(kind: AllocKind, size: u64, copies: u8) -> AllocRequest {
         size,
         copies,
         max_size: None,
+        affinity: None,
     }
 }
 
@@ -428,38 +429,118 @@ fn busy_switches_at_the_dirty_threshold() {
     );
 }
 
+/// A key whose requests allocator `k` places.
+fn key_for(pool: &Pool, k: usize) -> u64 {
+    (0..).find(|&key| pool.allocator_for(key) == k).unwrap()
+}
+
+/// A data block of allocator `k` (by its affinity key), placed `busy`.
+fn place_by(pool: &mut Pool, k: usize, size: u64, busy: bool) -> Allocation {
+    let r = AllocRequest {
+        affinity: Some(key_for(pool, k)),
+        ..req(AllocKind::Data, size, 1)
+    };
+    match pool.submit(r).unwrap() {
+        Submitted::Ready(t) => pool.allocate(t, busy).unwrap(),
+        Submitted::Queued(t) => panic!("ticket {t} queued"),
+    }
+}
+
 /// Item 9: `spa_alloc_count = max(1, min(spa_num_allocators, cpus /
 /// spa_cpus_per_allocator))`; each allocator keeps its own rotor and
-/// aliquot counter.
+/// aliquot counter. Issue 29 item 4: a group being activated becomes
+/// allocator 0's rotor and the next allocators' rotors follow it round the
+/// ring (`metaslab.c:metaslab_group_activate@zfs-2.4.0`: `mca_rotor = mg;
+/// mg = mg->mg_next` per allocator), so allocators start on different
+/// groups, not all on the newest.
 #[test]
-fn allocators_have_their_own_rotors() {
+fn allocators_start_staggered_and_keep_their_own_rotors() {
     let mut pool = Pool::new(Tunables::default());
     assert_eq!(pool.set_cpus(2), 1, "2 CPUs: one allocator");
-    assert_eq!(pool.set_cpus(8), 2);
     assert_eq!(pool.set_cpus(64), 4, "at most spa_num_allocators");
+    assert_eq!(pool.set_cpus(8), 2);
     pool.add_vdev(spec(16 * GIB)).unwrap();
     pool.add_vdev(spec(16 * GIB)).unwrap();
     pool.sync();
-    assert_eq!(pool.set_cpus(8), 2);
-    // Allocator 0 fills its visit of the first vdev (aliquot 2 MiB per
-    // data child over 2 groups, at least 4 × io size) and moves on.
     let first = |pool: &mut Pool, k: usize| {
-        pool.prefer_allocator(k);
-        let a = place(pool, req(AllocKind::Data, 128 << 10, 1)).unwrap();
+        let a = place_by(pool, k, 128 << 10, false);
         pool.commit(a.id).unwrap();
         a.extents[0].vdev
     };
-    let start = first(&mut pool, 0);
+    // Vdev 1 was activated after allocator 0's rotor (vdev 0): allocator 0
+    // starts on it, allocator 1 on the group after it, vdev 0.
+    assert_eq!(first(&mut pool, 0), 1);
+    assert_eq!(first(&mut pool, 1), 0);
+    // Allocator 0 fills its visit (aliquot 2 MiB per data child over 2
+    // groups, at least 4 × io size) and moves on ...
     let mut moved = false;
     for _ in 0..64 {
-        if first(&mut pool, 0) != start {
+        if first(&mut pool, 0) != 1 {
             moved = true;
             break;
         }
     }
     assert!(moved, "allocator 0's rotor moved on");
-    // Allocator 1 has not placed anything: its rotor is where it began.
-    assert_eq!(first(&mut pool, 1), start, "allocator 1 has its own rotor");
+    // ... allocator 1's rotor stays where its own visit left it.
+    assert_eq!(first(&mut pool, 1), 0, "allocator 1 has its own rotor");
+    pool.verify().unwrap();
+}
+
+/// Issue 29 item 4: queue depth is kept per allocator
+/// (`mga_queue_depth@zfs-2.4.0`, what `metaslab_class_rotate` compares with
+/// the group's queue target). Another allocator's bytes in flight on a
+/// group do not turn this allocator's rotor: on a busy pool allocator 1
+/// keeps its group for as many blocks whether or not allocator 0 has filled
+/// that group's queue.
+#[test]
+fn another_allocators_queue_does_not_turn_this_rotor() {
+    let run = |others_first: bool| {
+        let mut pool = Pool::new(Tunables::default());
+        pool.set_cpus(8);
+        pool.add_vdev(spec(16 * GIB)).unwrap();
+        pool.add_vdev(spec(16 * GIB)).unwrap();
+        pool.sync();
+        if others_first {
+            // Allocator 0 (starting on vdev 1) goes on to vdev 0 and fills
+            // its queue there, nothing committed.
+            let mut on_zero = 0;
+            for _ in 0..400 {
+                let a = place_by(&mut pool, 0, 128 << 10, true);
+                if a.extents[0].vdev == 0 {
+                    on_zero += 1;
+                } else if on_zero > 0 {
+                    break;
+                }
+            }
+            assert!(on_zero > 8, "allocator 0 placed {on_zero} on vdev 0");
+            let st = pool.stats();
+            let depth = st.classes[0]
+                .groups
+                .iter()
+                .find(|g| g.vdev == 0)
+                .unwrap()
+                .queue_depth;
+            assert!(depth >= (on_zero - 1) * (128 << 10), "{depth}");
+        }
+        // Allocator 1 starts on vdev 0: how many blocks before it moves on.
+        let mut n = 0;
+        while place_by(&mut pool, 1, 128 << 10, true).extents[0].vdev == 0 {
+            n += 1;
+            assert!(n < 10_000);
+        }
+        pool.verify().unwrap();
+        n
+    };
+    let alone = run(false);
+    let beside = run(true);
+    assert!(
+        alone > 16,
+        "{alone} blocks: past the aliquot, up to the queue target"
+    );
+    assert_eq!(
+        alone, beside,
+        "allocator 0's queue on vdev 0 is not allocator 1's"
+    );
 }
 
 /// Spec §9 item 3: `mc_alloc_max` bounds each allocator's reservations
@@ -525,8 +606,7 @@ fn fronts(policy: ThrottlePolicy, capacity: u64, shift: Option<u8>) -> (u32, Vec
     let count = pool.stats().vdevs[0].metaslab_count;
     let mut by = [Vec::new(), Vec::new()];
     for i in 0..40 {
-        pool.prefer_allocator(i % 2);
-        let a = place(&mut pool, req(AllocKind::Data, 128 << 10, 1)).unwrap();
+        let a = place_by(&mut pool, i % 2, 128 << 10, false);
         by[i % 2].push(metaslab_of(&pool, &a.extents[0]));
         pool.commit(a.id).unwrap();
     }
@@ -581,15 +661,18 @@ fn legacy_slots_ramp_up_per_allocator() {
     let def = Tunables::default().zfs_vdev_def_queue_depth;
     // Allocator 0 completes 10 writes: its limit becomes def + 10.
     for _ in 0..10 {
-        pool.prefer_allocator(0);
-        let a = place(&mut pool, req(AllocKind::Data, 128 << 10, 1)).unwrap();
+        let a = place_by(&mut pool, 0, 128 << 10, false);
         pool.commit(a.id).unwrap();
     }
     let admitted = |pool: &mut Pool, k: usize| {
         let mut n = 0;
+        let key = key_for(pool, k);
         loop {
-            pool.prefer_allocator(k);
-            match pool.submit(req(AllocKind::Data, 128 << 10, 1)).unwrap() {
+            let r = AllocRequest {
+                affinity: Some(key),
+                ..req(AllocKind::Data, 128 << 10, 1)
+            };
+            match pool.submit(r).unwrap() {
                 Submitted::Ready(_) => n += 1,
                 Submitted::Queued(_) => return n,
             }
@@ -605,6 +688,7 @@ fn log_range(size: u64, max_size: u64) -> AllocRequest {
         size,
         copies: 1,
         max_size: Some(max_size),
+        affinity: None,
     }
 }
 

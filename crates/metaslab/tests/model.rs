@@ -275,14 +275,24 @@ impl Model {
             _ => 1 + r.below(8 << 20),
         };
         let copies = 1 + r.below(3) as u8;
+        // Half the requests name an allocator by an affinity key; the rest
+        // take the allocators in turn.
+        let affinity = (r.below(2) == 0).then(|| r.below(8));
         let req = AllocRequest {
             kind,
             size,
             copies,
             max_size: None,
+            affinity,
         };
-        let lane = (self.submitted % self.pool.allocator_count() as u64) as usize;
-        self.submitted += 1;
+        let lane = match affinity {
+            Some(key) => self.pool.allocator_for(key),
+            None => {
+                let k = (self.submitted % self.pool.allocator_count() as u64) as usize;
+                self.submitted += 1;
+                k
+            }
+        };
         match self.pool.submit(req).unwrap() {
             Submitted::Ready(t) => self.allocate(t, req),
             Submitted::Queued(t) => {
@@ -521,6 +531,7 @@ impl Model {
                         size: 1,
                         copies: 1,
                         max_size: None,
+                        affinity: None,
                     };
                     self.allocate_admitted(t, req);
                 }
@@ -550,6 +561,7 @@ impl Model {
                     size: 1,
                     copies: a.extents.len() as u8,
                     max_size: None,
+                    affinity: None,
                 };
                 self.check_placement(&req, &a);
                 for e in &a.extents {

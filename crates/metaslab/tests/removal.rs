@@ -25,6 +25,7 @@ fn data(size: u64) -> AllocRequest {
         size,
         copies: 1,
         max_size: None,
+        affinity: None,
     }
 }
 

@@ -42,6 +42,7 @@ fn alloc_req(size: u64) -> pb::AllocateRequest {
         copies: 1,
         lease_ms: 0,
         max_size: 0,
+        affinity_key: None,
     }
 }
 

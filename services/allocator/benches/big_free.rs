@@ -34,6 +34,7 @@ async fn pairs(mut c: AllocatorClient<Channel>, stop: Arc<AtomicBool>) -> Histog
                 copies: 1,
                 lease_ms: 0,
                 max_size: 0,
+                affinity_key: None,
             })
             .await
             .expect("allocate")

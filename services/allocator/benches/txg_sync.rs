@@ -38,6 +38,7 @@ fn req() -> AllocRequest {
         size: 4096,
         copies: 1,
         max_size: None,
+        affinity: None,
     }
 }
 

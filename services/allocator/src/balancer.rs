@@ -49,6 +49,7 @@ pub async fn relocate(
         size: psize,
         copies: 1,
         max_size: None,
+        affinity: None,
     };
     shared.relocate(areq, lease, intent).await
 }

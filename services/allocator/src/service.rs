@@ -59,6 +59,7 @@ fn parse_request(shared: &Shared, r: &pb::AllocateRequest) -> Result<(AllocReque
             size: r.size,
             copies,
             max_size: (r.max_size != 0).then_some(r.max_size),
+            affinity: r.affinity_key,
         },
         lease,
     ))

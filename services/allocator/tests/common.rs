@@ -171,6 +171,7 @@ pub fn data(size: u64) -> pb::AllocateRequest {
         copies: 1,
         lease_ms: 0,
         max_size: 0,
+        affinity_key: None,
     }
 }
 

@@ -648,6 +648,7 @@ async fn a_free_is_not_reusable_before_its_txg_is_durable() {
         copies: 1,
         lease_ms: 0,
         max_size: 0,
+        affinity_key: None,
     };
     assert!(h.alloc.allocate(log).await.is_err(), "the pool is full");
     let freed = pb::Extent {

@@ -62,6 +62,7 @@ async fn throttled_requests_wait_fifo_without_blocking_others() {
             copies: 1,
             lease_ms: 0,
             max_size: 0,
+            affinity_key: None,
         }),
     )
     .await
@@ -422,6 +423,7 @@ async fn stream_replies_come_back_out_of_order_by_id() {
             copies: 1,
             lease_ms: 0,
             max_size: 0,
+            affinity_key: None,
         })),
         ..Default::default()
     })
@@ -718,6 +720,53 @@ async fn a_log_block_may_ask_for_a_size_range() {
     // A fresh metaslab holds all of max_size in one segment.
     assert_eq!(r.extents.len(), 1);
     assert_eq!(r.extents[0].size, 128 * 1024, "{r:?}");
+}
+
+/// Issue 29 item 4 over gRPC: with two allocators (one per CPU here), a
+/// request's `affinity_key` picks the allocator its hash names, and a newly
+/// activated vdev is the first allocator's rotor while the second starts on
+/// the next (`metaslab_group_activate@zfs-2.4.0`): keys of the two
+/// allocators start on different vdevs, and each keeps its vdev.
+#[tokio::test]
+async fn an_affinity_key_keeps_its_allocator() {
+    let mut c = config();
+    c.tunables = vec!["spa_cpus_per_allocator=1".into()];
+    let mut h = start(c).await;
+    h.add_vdev(1, GIB).await;
+    h.add_vdev(2, GIB).await;
+    h.sync().await;
+    // The allocator of a key, as the pool computes it for 2 allocators.
+    let mut model = metaslab::Pool::new(metaslab::Tunables::default());
+    if model.set_cpus(8) != 2 || std::thread::available_parallelism().map_or(1, |n| n.get()) < 2 {
+        eprintln!("one allocator on this machine: nothing to tell apart");
+        return;
+    }
+    let key = |k: usize| (0u64..).find(|&key| model.allocator_for(key) == k).unwrap();
+    let mut first = Vec::new();
+    for k in [0, 1] {
+        let mut vdevs = Vec::new();
+        for _ in 0..4 {
+            let r = h
+                .alloc
+                .allocate(pb::AllocateRequest {
+                    affinity_key: Some(key(k)),
+                    ..data(64 * 1024)
+                })
+                .await
+                .unwrap()
+                .into_inner();
+            vdevs.push(r.extents[0].vdev);
+        }
+        assert!(
+            vdevs.iter().all(|&v| v == vdevs[0]),
+            "allocator {k}: {vdevs:?}"
+        );
+        first.push(vdevs[0]);
+    }
+    assert_ne!(
+        first[0], first[1],
+        "the two allocators start on different vdevs"
+    );
 }
 
 #[tokio::test]

@@ -150,6 +150,7 @@ async fn stream_run(p: &Pool, clients: usize, secs: u64) -> f64 {
                     copies: 1,
                     lease_ms: 0,
                     max_size: 0,
+                    affinity_key: None,
                 })),
                 ..Default::default()
             };

@@ -1391,6 +1391,9 @@ async fn one_block(
             copies: a.copies,
             lease_ms,
             max_size: 0,
+            // This run is one object: its blocks keep one allocator per
+            // 2^20-block region, as OpenZFS's spa_select_allocator does.
+            affinity_key: Some(sh.nonce ^ (block >> 20)),
         })
         .await
         .map_err(|s| {

@@ -37,9 +37,6 @@ pub trait SimPool {
     fn set_tunable(&mut self, name: &str, value: &str) -> Result<()>;
     fn open_txg(&self) -> Txg;
     fn submit(&mut self, req: AllocRequest) -> Result<Submitted>;
-    /// The next request is placed by allocator `k % spa_alloc_count` (a
-    /// stream's blocks stay on one allocator, as an object's do).
-    fn prefer_allocator(&mut self, k: usize);
     fn take_admitted(&mut self) -> Vec<Ticket>;
     fn busy(&self, class: ClassKind) -> bool;
     /// OpenZFS's busy rule from the caller's dirty data (`Pool::busy_dirty`).
@@ -65,9 +62,6 @@ impl SimPool for Pool {
     }
     fn submit(&mut self, req: AllocRequest) -> Result<Submitted> {
         Pool::submit(self, req)
-    }
-    fn prefer_allocator(&mut self, k: usize) {
-        Pool::prefer_allocator(self, k)
     }
     fn take_admitted(&mut self) -> Vec<Ticket> {
         Pool::take_admitted(self)

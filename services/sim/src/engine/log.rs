@@ -115,20 +115,14 @@ impl<P: SimPool> Sim<'_, P> {
             // With a range: at least what these records need, in whole
             // ZIL_MIN_BLKSZ (4K) units, at most the planned block.
             let need = (take as u64 * rec + LOG_BLOCK_HEADER).next_multiple_of(4 << 10);
-            let req = if l.size_range && need < block {
-                AllocRequest {
-                    kind: AllocKind::Log,
-                    size: need,
-                    copies: 1,
-                    max_size: Some(block),
-                }
-            } else {
-                AllocRequest {
-                    kind: AllocKind::Log,
-                    size: block,
-                    copies: 1,
-                    max_size: None,
-                }
+            // One dataset: one allocator for every log block, as
+            // `zio_alloc_zil` hashes the dataset.
+            let req = AllocRequest {
+                kind: AllocKind::Log,
+                size: if l.size_range { need.min(block) } else { block },
+                copies: 1,
+                max_size: (l.size_range && need < block).then_some(block),
+                affinity: Some(LOG_STREAM as u64),
             };
             let t = match self.pool.submit(req).context("log submit")? {
                 Submitted::Ready(t) => t,

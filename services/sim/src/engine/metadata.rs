@@ -117,6 +117,7 @@ impl<P: SimPool> Sim<'_, P> {
             size: m.size,
             copies: m.copies,
             max_size: None,
+            affinity: None,
         };
         match self.pool.submit(r).context("metadata submit")? {
             Submitted::Ready(t) => self.allocate_meta(t, m),

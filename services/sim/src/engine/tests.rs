@@ -44,7 +44,6 @@ impl SimPool for Fake {
     fn open_txg(&self) -> Txg {
         self.txg
     }
-    fn prefer_allocator(&mut self, _: usize) {}
     fn submit(&mut self, req: AllocRequest) -> PResult<Submitted> {
         self.ticket += 1;
         self.pending.insert(self.ticket, req);

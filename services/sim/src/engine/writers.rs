@@ -88,12 +88,13 @@ impl<P: SimPool> Sim<'_, P> {
 
     /// Hand a written block to the pool: submit, and allocate once admitted.
     pub(super) fn issue_data(&mut self, req: Req) -> anyhow::Result<()> {
-        self.pool.prefer_allocator(req.stream as usize);
+        // A stream's blocks keep one allocator, as an object's do.
         let r = AllocRequest {
             kind: AllocKind::Data,
             size: req.size,
             copies: self.sc.copies,
             max_size: None,
+            affinity: Some(req.stream as u64),
         };
         match self.pool.submit(r).context("submit")? {
             Submitted::Ready(t) => self.allocate_data(t, req),

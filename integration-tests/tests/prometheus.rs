@@ -313,9 +313,9 @@ async fn metrics_parse_and_agree_with_get_pool() {
         pool_used
     ));
     // The balance score: the same function of the same figures.
-    let want_score = metaslab::balance::score(
+    let want_score = metaslab::balance_score::score(
         &gs.iter()
-            .map(|g| metaslab::balance::VdevFill {
+            .map(|g| metaslab::balance_score::VdevFill {
                 capacity: g.capacity,
                 alloc: g.alloc,
             })

@@ -195,15 +195,15 @@ pub struct TunableInfo {
 }
 
 mod admission;
-pub mod balance;
+pub mod balance_score;
 pub mod class;
 pub mod error;
 pub mod group;
 mod metaslab;
+pub mod move_plan;
 mod placement;
 pub mod pool;
 pub mod range_tree;
-pub mod rebalance;
 mod relocation;
 mod removal;
 mod space;

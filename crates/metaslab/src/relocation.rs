@@ -8,7 +8,7 @@
 
 use std::cmp::Ordering;
 
-use crate::balance::{VdevFill, cmp_to_class};
+use crate::balance_score::{VdevFill, cmp_to_class};
 use crate::pool::{NORMAL, Pool};
 use crate::{Error, Extent, Result, VdevId, VdevRole};
 

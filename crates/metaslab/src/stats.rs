@@ -46,19 +46,19 @@ pub struct ClassStats {
 
 impl ClassStats {
     /// Each group's capacity and allocation, in `groups` order.
-    pub fn fills(&self) -> Vec<crate::balance::VdevFill> {
+    pub fn fills(&self) -> Vec<crate::balance_score::VdevFill> {
         self.groups
             .iter()
-            .map(|g| crate::balance::VdevFill {
+            .map(|g| crate::balance_score::VdevFill {
                 capacity: g.capacity,
                 alloc: g.alloc,
             })
             .collect()
     }
 
-    /// The class's balance score (`crate::balance::score`).
+    /// The class's balance score (`crate::balance_score::score`).
     pub fn balance_score(&self) -> f64 {
-        crate::balance::score(&self.fills())
+        crate::balance_score::score(&self.fills())
     }
 }
 

@@ -1,11 +1,11 @@
 //! PlanRebalance: the allocator's side of the balancer. It knows the fill
 //! of every vdev and (in its store) every durable extent, so it plans; the
 //! client, which owns the references to the data, moves it. The plan itself
-//! is `metaslab::rebalance::plan` (pure); here: refuse while the pool is not
+//! is `metaslab::move_plan::plan` (pure); here: refuse while the pool is not
 //! whole, gather candidates, convert.
 
-use metaslab::balance::VdevFill;
-use metaslab::rebalance::{PlanLimits, PlanVdev, plan};
+use metaslab::balance_score::VdevFill;
+use metaslab::move_plan::{PlanLimits, PlanVdev, plan};
 use metaslab::{ClassKind, Extent, Health};
 
 use crate::error::{Error, Result};
@@ -85,7 +85,7 @@ pub async fn plan_rebalance(
     let fills: Vec<VdevFill> = vdevs.iter().map(|v| v.fill).collect();
     let mut candidates = Vec::new();
     for v in &vdevs {
-        let over = metaslab::balance::cmp_to_class(&v.fill, &fills).is_gt();
+        let over = metaslab::balance_score::cmp_to_class(&v.fill, &fills).is_gt();
         if over || v.drain {
             candidates.extend(
                 shared

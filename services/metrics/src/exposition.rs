@@ -271,17 +271,17 @@ fn register_pools(reg: &mut Registry, pools: &[PoolSnapshot]) {
         pused.get_or_create(&pl).set(b.used);
         spread.get_or_create(&pl).set(b.spread);
         sd.get_or_create(&pl).set(b.stddev);
-        let fills: Vec<metaslab::balance::VdevFill> = s
+        let fills: Vec<metaslab::balance_score::VdevFill> = s
             .vdevs
             .iter()
-            .map(|v| metaslab::balance::VdevFill {
+            .map(|v| metaslab::balance_score::VdevFill {
                 capacity: v.capacity,
                 alloc: v.allocated,
             })
             .collect();
         score
             .get_or_create(&pl)
-            .set(metaslab::balance::score(&fills));
+            .set(metaslab::balance_score::score(&fills));
         txg.get_or_create(&pl).set(s.txg as f64);
         synced.get_or_create(&pl).set(s.synced_txg as f64);
         ts.get_or_create(&pl).set(s.time_ms as f64 / 1000.0);

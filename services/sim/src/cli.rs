@@ -315,7 +315,7 @@ pub fn execute(cli: Cli) -> Result<(), CliError> {
                     alloc: size(a)?,
                 });
             }
-            let limits = metaslab::rebalance::PlanLimits {
+            let limits = metaslab::move_plan::PlanLimits {
                 max_misplaced,
                 byte_budget: budget,
             };

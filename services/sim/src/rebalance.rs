@@ -1,6 +1,6 @@
 //! `aliquot-sim rebalance`: what-if for the balancer. Given the vdevs'
 //! capacity and allocated bytes (e.g. two full vdevs and a new empty one),
-//! run the very planner the allocator runs (`metaslab::rebalance::plan`)
+//! run the very planner the allocator runs (`metaslab::move_plan::plan`)
 //! plan after plan, applying each plan's moves, until the balance score is
 //! at or below a target or a plan moves nothing; report per plan and in
 //! total the bytes moved, the score, and the time at a bytes/s budget.
@@ -10,8 +10,8 @@
 //! finely a plan can meet its bound. Mover overheads (RPCs, flushes) are not
 //! modelled: the time is bytes / rate, a lower bound for `balancer execute`.
 
-use metaslab::balance::VdevFill;
-use metaslab::rebalance::{PlanLimits, PlanVdev, plan};
+use metaslab::balance_score::VdevFill;
+use metaslab::move_plan::{PlanLimits, PlanVdev, plan};
 use metaslab::{Extent, VdevId};
 
 /// More candidate extents than this makes each plan slow (the planner
@@ -128,7 +128,7 @@ pub fn simulate(
             .filter(|p| !p.drain)
             .map(|p| p.fill)
             .collect();
-        metaslab::balance::score(&f)
+        metaslab::balance_score::score(&f)
     };
     // Drained: less than one block left (a remainder is not a candidate).
     let drained = |alloc: &[u64]| drain.iter().all(|&d| alloc[d] < block);

@@ -1,5 +1,5 @@
-//! Rebalance plans: which committed extents to move off over-full vdevs,
-//! and to which vdev, so that the balance score ([`crate::balance`]) falls
+//! Move plans (what `PlanRebalance` answers): which committed extents to move off over-full vdevs,
+//! and to which vdev, so that the balance score ([`crate::balance_score`]) falls
 //! the most for the bytes moved. Pure: the caller passes the vdevs' fill and
 //! the candidate extents (the allocator reads them from its store); the
 //! client moves the data (the allocator does not own the references).
@@ -18,7 +18,7 @@
 //! first, to the emptiest vdev that may receive it, within the same bounds;
 //! the score is then the one of the vdevs that stay.
 
-use crate::balance::{VdevFill, score};
+use crate::balance_score::{VdevFill, score};
 use crate::{Extent, VdevId};
 
 /// One vdev as the planner sees it.

@@ -72,7 +72,7 @@ impl Pool {
                     self.place(
                         NORMAL, k, req.size, req.size, req.copies, busy, false, avoid,
                     )
-                    .ok_or_else(|| self.no_space_reason(&[NORMAL], avoid))
+                    .ok_or_else(|| self.no_space_reason(&[NORMAL], req.size, req.copies, avoid))
                 };
                 match placed {
                     Ok(p) => (p, None),
@@ -116,7 +116,12 @@ impl Pool {
                         return Err(Error::NoSpace {
                             size: req.size,
                             copies: req.copies,
-                            reason: self.no_space_reason(&[LOG, ELOG, NORMAL], avoid),
+                            reason: self.no_space_reason(
+                                &[LOG, ELOG, NORMAL],
+                                req.size,
+                                req.copies,
+                                avoid,
+                            ),
                         });
                     }
                 }
@@ -226,12 +231,22 @@ impl Pool {
             .any(|v| v.ms.iter().any(|m| m.deferred() > 0))
     }
 
-    /// Why an allocation failed in classes `cis` (it was not
-    /// the slop check): no allocatable vdev, or no free segment large
-    /// enough (including where OpenZFS would gang), or simply full.
-    pub(crate) fn no_space_reason(&self, cis: &[usize], avoid: &[VdevId]) -> NoSpaceReason {
+    /// Why `copies` copies of `psize` failed in classes `cis` (it was not
+    /// the slop check): no allocatable vdev; or FULL, when the free space of
+    /// the vdevs that could take them (metaslabs a sync has made ready) does
+    /// not hold the copies however cut; else FRAGMENTED, with the largest
+    /// free segment: the bytes are there, in pieces too small (OpenZFS would
+    /// gang the block; smaller blocks fit).
+    pub(crate) fn no_space_reason(
+        &self,
+        cis: &[usize],
+        psize: u64,
+        copies: u8,
+        avoid: &[VdevId],
+    ) -> NoSpaceReason {
         let mut any = false;
         let mut largest_free = 0u64;
+        let mut free = 0u64;
         for &ci in cis {
             for &v in &self.classes[ci].ring {
                 let vd = &self.vdevs[v as usize];
@@ -241,18 +256,21 @@ impl Pool {
                 any = true;
                 if let Some(g) = vd.group(ci) {
                     for m in g.members() {
-                        largest_free = largest_free.max(vd.ms[m as usize].allocatable.max_size());
+                        let ms = &vd.ms[m as usize];
+                        if ms.new {
+                            continue;
+                        }
+                        largest_free = largest_free.max(ms.allocatable.max_size());
+                        free += ms.allocatable.space();
                     }
                 }
             }
         }
         if !any {
             NoSpaceReason::VdevsOffline
-        } else if largest_free == 0 {
+        } else if largest_free == 0 || free < psize.saturating_mul(copies as u64) {
             NoSpaceReason::Full
         } else {
-            // Space is free but the request did not fit: smaller blocks
-            // (gang members, in OpenZFS) would.
             NoSpaceReason::Fragmented { largest_free }
         }
     }

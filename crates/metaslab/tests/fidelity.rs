@@ -758,3 +758,45 @@ fn a_log_block_with_a_size_range_stays_in_the_embedded_log_metaslab() {
         Err(Error::BadSizeRange { .. })
     ));
 }
+
+/// Issue 29 item 5: a refusal's reason is the true one. FRAGMENTED means
+/// the free bytes would hold the block cut in pieces (OpenZFS would gang
+/// it); when they would not, however cut, the pool is FULL, not fragmented.
+#[test]
+fn a_refusal_says_full_when_the_free_bytes_cannot_hold_the_block() {
+    const K: u64 = 1024;
+    let mut pool = Pool::new(Tunables::default());
+    pool.add_vdev(spec(GIB)).unwrap();
+    pool.sync();
+    let mut blocks = Vec::new();
+    while let Ok(a) = place(&mut pool, req(AllocKind::Log, 64 * K, 1)) {
+        pool.commit(a.id).unwrap();
+        blocks.push(a.extents[0]);
+    }
+    // Two 64K holes far apart.
+    pool.free(&[blocks[10], blocks[100]]).unwrap();
+    for _ in 0..4 {
+        pool.sync();
+    }
+    let reason = |pool: &mut Pool, size: u64, copies: u8| match place(
+        pool,
+        req(AllocKind::Log, size, copies),
+    ) {
+        Err(Error::NoSpace { reason, .. }) => reason,
+        other => panic!("{other:?}"),
+    };
+    // 128K free in two pieces: a 128K block would fit cut in two.
+    assert_eq!(
+        reason(&mut pool, 128 * K, 1),
+        NoSpaceReason::Fragmented {
+            largest_free: 64 * K
+        }
+    );
+    // Two copies of 96K need 192K: more than is free.
+    assert_eq!(reason(&mut pool, 96 * K, 2), NoSpaceReason::Full);
+    let a = place(&mut pool, req(AllocKind::Log, 64 * K, 1)).unwrap();
+    pool.commit(a.id).unwrap();
+    // 64K left: a 128K block does not fit however cut.
+    assert_eq!(reason(&mut pool, 128 * K, 1), NoSpaceReason::Full);
+    pool.verify().unwrap();
+}

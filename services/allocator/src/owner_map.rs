@@ -130,6 +130,21 @@ pub fn load_runs(
     Ok(all)
 }
 
+/// One vdev's owner runs, `(start, end, owner)` in order.
+pub type VdevRuns = (u32, Vec<(u64, u64, OwnerIdx)>);
+
+/// `(vdev, start, end, owner)` runs in order, grouped per vdev.
+pub fn by_vdev(all: &[(u32, u64, u64, OwnerIdx)]) -> Vec<VdevRuns> {
+    let mut out: Vec<VdevRuns> = Vec::new();
+    for &(v, s, e, o) in all {
+        match out.last_mut() {
+            Some((lv, runs)) if *lv == v => runs.push((s, e, o)),
+            _ => out.push((v, vec![(s, e, o)])),
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -844,15 +844,10 @@ async fn convert_owner_runs(db: &PgPool) -> Result<u64, String> {
                 .await
                 .map_err(dbe)?;
         }
-        let mut i = 0;
-        while i < all.len() {
-            let vdev = all[i].0;
-            let j = i + all[i..].partition_point(|r| r.0 == vdev);
-            let runs: Vec<(u64, u64, u32)> = all[i..j].iter().map(|r| (r.1, r.2, r.3)).collect();
+        for (vdev, runs) in owner_map::by_vdev(&all) {
             write_owner_maps(&mut tx, pool, vdev, 0, u64::MAX, &runs)
                 .await
                 .map_err(dbe)?;
-            i = j;
         }
         moved += n as u64;
     }

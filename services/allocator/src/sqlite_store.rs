@@ -493,21 +493,15 @@ impl SqliteStore {
             .run(&db)
             .await
             .map_err(|e| io(format!("cannot migrate it: {e}")))?;
-        let moved = convert_legacy_rows(&db)
-            .await
-            .map_err(|reason| OpenError::Refused {
-                path: p.clone(),
-                reason,
-            })?;
+        let refused = |reason| OpenError::Refused {
+            path: p.clone(),
+            reason,
+        };
+        let moved = convert_legacy_rows(&db).await.map_err(refused)?;
         if moved > 0 {
             tracing::info!(path = %p, extents = moved, "extent rows moved into space maps");
         }
-        let moved = convert_owner_runs(&db)
-            .await
-            .map_err(|reason| OpenError::Refused {
-                path: p.clone(),
-                reason,
-            })?;
+        let moved = convert_owner_runs(&db).await.map_err(refused)?;
         if moved > 0 {
             tracing::info!(path = %p, runs = moved, "owner rows moved into owner maps");
         }
@@ -890,13 +884,8 @@ async fn convert_owner_runs(db: &SqlitePool) -> Result<u64, String> {
         .execute(&mut *tx)
         .await
         .map_err(dbe)?;
-    let mut i = 0;
-    while i < all.len() {
-        let vdev = all[i].0;
-        let j = i + all[i..].partition_point(|r| r.0 == vdev);
-        let runs: Vec<(u64, u64, u32)> = all[i..j].iter().map(|r| (r.1, r.2, r.3)).collect();
+    for (vdev, runs) in owner_map::by_vdev(&all) {
         write_owner_maps(&mut tx, vdev, 0, u64::MAX, &runs).await?;
-        i = j;
     }
     tx.commit().await.map_err(dbe)?;
     Ok(n as u64)

@@ -43,7 +43,12 @@ impl Pool {
             }
         };
         let mut st = TicketState {
-            req,
+            req: TicketReq {
+                kind: req.kind,
+                copies: req.copies,
+                size: req.size,
+                max_size: req.max_size.unwrap_or(req.size),
+            },
             allocator,
             queued: false,
             res: Reservation::None,

@@ -96,8 +96,8 @@ impl Pool {
                     if self.classes[ci].ring.is_empty() {
                         continue;
                     }
-                    let max = req.max_size.unwrap_or(req.size);
-                    if let Some(p) = self.place(ci, k, req.size, max, req.copies, busy, true, avoid)
+                    if let Some(p) =
+                        self.place(ci, k, req.size, req.max_size, req.copies, busy, true, avoid)
                     {
                         out = Some((p, Some(tier)));
                         break;
@@ -181,8 +181,10 @@ impl Pool {
         for d in 0..copies as usize {
             match self.metaslab_alloc_dva(ci, k, psize, max_psize, d, &placed, busy, zil, avoid) {
                 Some((e, loads)) => {
-                    let vd = &self.vdevs[e.vdev as usize];
-                    max_psize = max_psize.min(asize_to_psize(&vd.spec, e.size).max(psize));
+                    if max_psize > psize {
+                        let vd = &self.vdevs[e.vdev as usize];
+                        max_psize = max_psize.min(asize_to_psize(&vd.spec, e.size).max(psize));
+                    }
                     placed.extents[d] = e;
                     placed.n += 1;
                     placed.loads += loads;
@@ -480,7 +482,11 @@ impl Pool {
         };
         let (holding, n) = placed.holding(v, vd.shift);
         let activation = Activation::for_copies_on_vdev(n);
-        let max_asize = psize_to_asize(&vd.spec, max_psize.max(psize));
+        let max_asize = if max_psize > psize {
+            psize_to_asize(&vd.spec, max_psize)
+        } else {
+            asize
+        };
         let out = g.alloc(
             &mut vd.ms,
             asize,

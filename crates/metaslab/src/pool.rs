@@ -17,8 +17,8 @@ use crate::metaslab::Metaslab;
 use crate::txg::TxgLog;
 use crate::vdev::{data_children, metaslab_count, metaslab_shift};
 use crate::{
-    AllocRequest, AllocationId, ClassKind, Error, Extent, Health, Result, TXG_INITIAL,
-    ThrottlePolicy, Ticket, Tunables, Txg, VdevId, VdevRole, VdevSpec,
+    AllocKind, AllocationId, ClassKind, Error, Extent, Health, Result, TXG_INITIAL, ThrottlePolicy,
+    Ticket, Tunables, Txg, VdevId, VdevRole, VdevSpec,
 };
 
 pub(crate) const NORMAL: usize = 0;
@@ -51,11 +51,23 @@ pub(crate) enum Reservation {
 
 #[derive(Clone, Debug)]
 pub(crate) struct TicketState {
-    pub req: AllocRequest,
+    pub req: TicketReq,
     /// Which of the class's allocators places it.
     pub allocator: usize,
     pub queued: bool,
     pub res: Reservation,
+}
+
+/// What a ticket keeps of its request: tickets live in a hash map on the
+/// allocation path, so this stays small (measured: the whole `AllocRequest`
+/// with its two options made the allocation path ~5 % slower).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct TicketReq {
+    pub kind: AllocKind,
+    pub copies: u8,
+    pub size: u64,
+    /// `size` unless the request gave a range.
+    pub max_size: u64,
 }
 
 #[derive(Clone, Debug)]

@@ -198,3 +198,70 @@ fn t5c_rewrites_hold_what_openzfs_holds() {
         );
     }
 }
+
+/// Issue 30 item 4: test 6 on real OpenZFS, RAIDZ1 of memory-speed file
+/// leaves (`t6-raidz/`): the pool is CPU-bound, and the two throttles'
+/// throughput is within a few percent of each other (2.4/2.3 medians 1.11,
+/// 0.98, 1.04 at 16K, 128K, 1M). The simulator, bound by its `[cpu]` model,
+/// should hold each ratio within ±10 % of the measured one.
+fn t6_raidz_ratio(bs: &str) -> (f64, f64) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios/calibration/t6-raidz");
+    let sc = Scenario::from_file(&dir.join("t6-A.toml")).unwrap();
+    let runs = sc.runs();
+    let mibps = |label: &str| {
+        let spec = runs.iter().find(|r| r.label == label).unwrap();
+        let r = run_one(&sc, spec, &mut |_| {}).unwrap();
+        assert_eq!(r.stop_reason, "done", "{label}");
+        r.bytes_committed as f64 / (r.end_time as f64 / 1e9)
+    };
+    // The median of the three runs of each version in the logs.
+    let measured = |version: &str| {
+        let mut v: Vec<f64> = (1..=3)
+            .map(|i| {
+                let name = format!("t6-A-{bs}-{version}-{i}.log");
+                let log = std::fs::read_to_string(dir.join(name)).unwrap();
+                let line = log
+                    .lines()
+                    .find(|l| l.starts_with("# throughput fill:"))
+                    .unwrap();
+                line.rsplit("MiBps=")
+                    .next()
+                    .unwrap()
+                    .trim()
+                    .parse::<f64>()
+                    .unwrap()
+            })
+            .collect();
+        v.sort_by(f64::total_cmp);
+        v[1]
+    };
+    let real = measured("2.4") / measured("2.3");
+    let sim = mibps(&format!("unified-{bs}")) / mibps(&format!("legacy-{bs}"));
+    eprintln!("t6-A {bs}: 2.4/2.3 {real:.3}, unified/legacy {sim:.3}");
+    (sim, real)
+}
+
+#[test]
+fn t6_raidz_cpu_bound_ratio_matches_openzfs_at_128k_and_1m() {
+    for bs in ["128K", "1M"] {
+        let (sim, real) = t6_raidz_ratio(bs);
+        assert!(
+            (sim / real - 1.0).abs() <= 0.10,
+            "{bs}: {sim:.3} against {real:.3}"
+        );
+    }
+}
+
+/// Known gap: at 16K real 2.4 is 11 % faster than 2.3 with no disks at all
+/// (a software effect the simulator's `[cpu]` model, the same cost for both
+/// throttles, does not have): the simulator gives 1.000 against 1.114,
+/// 10.2 % off. Fails while the gap is there; passes once it is modelled.
+#[test]
+#[ignore = "known gap (issue 30 item 4): 16K CPU-bound gain of 2.4 not modelled, 10.2 % off"]
+fn t6_raidz_cpu_bound_ratio_matches_openzfs_at_16k() {
+    let (sim, real) = t6_raidz_ratio("16K");
+    assert!(
+        (sim / real - 1.0).abs() <= 0.10,
+        "16K: {sim:.3} against {real:.3}"
+    );
+}

@@ -105,3 +105,69 @@ fn python_batch_json_and_renew() {
         ctl_mib_s
     );
 }
+
+/// `AsyncPool` across an allocator restart (issue 31, item 9): a block
+/// whose data is on the agents when the allocator is killed with -9 and
+/// restarted is claimed in the new generation (its Commit answers
+/// ALLOCATOR_RESTARTED), made durable, and reads back.
+const PY_AIO_RESTART: &str = r#"
+import asyncio, sys
+from aliquot_client import AsyncPool
+from aliquot.v1 import agent_pb2, allocator_pb2
+
+async def main():
+    async with AsyncPool(sys.argv[1], allocator_wait=60) as ap:
+        data = b"\x42" * 65536
+        r = await ap.allocator.Allocate(allocator_pb2.AllocateRequest(
+            size=len(data), copies=1, **{"class": allocator_pb2.ALLOCATION_CLASS_DATA}))
+        for ext, ep, tok in zip(r.extents, r.endpoints, r.tokens or [b""] * len(r.extents)):
+            await ap.agent(ep).Write(agent_pb2.WriteRequest(
+                offset=ext.offset, data=data + bytes(ext.size - len(data)), token=tok))
+            await ap.agent(ep).Flush(agent_pb2.FlushRequest())
+        print("written", flush=True)
+        sys.stdin.readline()
+        b = await ap._commit_or_claim(r, len(data), True)
+        assert b.synced and b.generation > r.generation, (b, r.generation)
+        assert await ap.read_block(b) == data
+        st = await ap.get_pool()
+        print("claimed in generation %d of %d" % (b.generation, st.generation), flush=True)
+
+asyncio.run(main())
+"#;
+
+#[test]
+fn async_pool_claims_its_block_after_an_allocator_restart() {
+    use std::io::{BufRead, BufReader, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let mut p = FilePool::start(dir.path(), &[]);
+    p.add_agent("256MiB");
+    let py = std::env::var("ALIQUOT_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
+    let path = integration_tests::python_client_path(&py, Path::new(env!("CARGO_TARGET_TMPDIR")));
+    let mut child = Command::new(&py)
+        .args(["-c", PY_AIO_RESTART, &p.url])
+        .env("PYTHONPATH", &path)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("python");
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "written", "the script did not write its block");
+    // The allocator dies before the Commit and comes back in a new
+    // generation that never heard of the allocation.
+    p.alloc
+        .restart()
+        .expect("kill -9 and restart the allocator");
+    child.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut out, &mut rest).unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert!(
+        o.status.success(),
+        "{line}{rest}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert!(rest.contains("claimed in generation"), "{rest}");
+}

@@ -3,7 +3,11 @@ code that runs an event loop. Many blocks can be in flight at once from one
 task group (`asyncio.gather`). It retries what `Pool` retries on the
 allocator (UNAVAILABLE / DEADLINE_EXCEEDED on Commit and SyncTxg, within
 `allocator_wait`); a failed data write aborts its allocation and raises
-`AliquotError` (write the block again), without `Pool`'s claim-after-restart.
+`AliquotError` (write the block again). As `Pool`, a block whose data is
+written when the allocator restarts is claimed in the new generation
+instead of committed (its Commit answers ALLOCATOR_RESTARTED); a claim
+refused with CLAIM_CONFLICT (its space was given out) raises: write the
+block again.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import grpc
 
 from aliquot.v1 import agent_pb2, agent_pb2_grpc, allocator_pb2, allocator_pb2_grpc
 
-from .pool import _OPTIONS, _TRANSIENT, AliquotError, Block, Tls, _target
+from .pool import _OPTIONS, _TRANSIENT, AliquotError, Block, ErrorReason, Tls, _target
 
 
 class AsyncPool:
@@ -114,20 +118,43 @@ class AsyncPool:
             except grpc.aio.AioRpcError:
                 pass
             raise self._error("write", e) from e
-        c = await self._repeat(
-            "commit",
-            "Commit",
-            allocator_pb2.CommitRequest(
-                allocation_ids=[r.allocation_id], wait_synced=durable, generation=r.generation
-            ),
-        )
+        return await self._commit_or_claim(r, len(data), durable)
+
+    async def _commit_or_claim(
+        self, r: allocator_pb2.AllocateReply, length: int, durable: bool
+    ) -> Block:
+        """Commit `r`, whose data is written and flushed. After an allocator
+        restart the new generation does not know the allocation
+        (ALLOCATOR_RESTARTED): claim its extents instead, and with `durable`
+        wait until the claim's txg has synced."""
+        try:
+            c = await self._repeat(
+                "commit",
+                "Commit",
+                allocator_pb2.CommitRequest(
+                    allocation_ids=[r.allocation_id], wait_synced=durable, generation=r.generation
+                ),
+            )
+            txg, generation, synced = c.txg, c.generation, c.synced
+        except AliquotError as e:
+            if e.reason != ErrorReason.ALLOCATOR_RESTARTED:
+                raise
+            cl = await self._repeat("claim", "Claim", allocator_pb2.ClaimRequest(extents=r.extents))
+            txg, generation, synced = cl.txg, cl.generation, False
+            if durable:
+                await self._repeat(
+                    "sync txg",
+                    "SyncTxg",
+                    allocator_pb2.SyncTxgRequest(txg=txg, generation=generation),
+                )
+                synced = True
         return Block(
-            length=len(data),
+            length=length,
             extents=list(r.extents),
             endpoints=list(r.endpoints),
-            txg=c.txg,
-            generation=c.generation,
-            synced=c.synced,
+            txg=txg,
+            generation=generation,
+            synced=synced,
         )
 
     async def read_block(self, block: Block, copy: int = 0) -> bytes:

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use integration_tests::{Proc, args, bin, ctl, ok_stdout};
+use integration_tests::{FilePool, args, bin, ctl, ok_stdout};
 
 const MIB: u64 = 1 << 20;
 /// Score above which the pool counts as unbalanced after the add.
@@ -21,78 +21,27 @@ const BAD_SCORE: f64 = 0.15;
 /// What `execute` must bring the score under.
 const GOOD_SCORE: f64 = 0.05;
 
-struct Pool {
-    dir: PathBuf,
-    alloc: Proc,
-    agents: Vec<Proc>,
-    url: String,
+/// The shared test pool (`integration_tests::FilePool`) with the balancer's
+/// checks; a killed mover's unjournaled relocation is released soon
+/// (`--lease 2s`).
+struct Pool(FilePool);
+
+impl std::ops::Deref for Pool {
+    type Target = FilePool;
+    fn deref(&self) -> &FilePool {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Pool {
+    fn deref_mut(&mut self) -> &mut FilePool {
+        &mut self.0
+    }
 }
 
 impl Pool {
     fn start(dir: &Path) -> Pool {
-        let mut alloc = Proc::start(
-            "allocator",
-            &bin("aliquot-allocator"),
-            &args![
-                "--listen",
-                "127.0.0.1:0",
-                "--data-dir",
-                dir.join("allocator").display(),
-                "--zfs-txg-timeout",
-                "200ms",
-                "--report-interval",
-                "200ms",
-                // A killed mover's unjournaled relocation is released soon.
-                "--lease",
-                "2s",
-                "--claim-window",
-                "0s",
-            ],
-            &[],
-            &["grpc"],
-            dir,
-        )
-        .expect("start allocator");
-        let addr = alloc.addr("grpc");
-        alloc.set_arg("--listen", &addr.to_string());
-        let url = alloc.url("grpc");
-        Pool {
-            dir: dir.to_path_buf(),
-            alloc,
-            agents: Vec::new(),
-            url,
-        }
-    }
-
-    fn add_agent(&mut self, capacity: &str) {
-        let name = format!("file{}", self.agents.len());
-        let a = Proc::start(
-            &name,
-            &bin("aliquot-agent"),
-            &args![
-                "--listen",
-                "127.0.0.1:0",
-                "--allocator",
-                self.url,
-                "--name",
-                name,
-                "--backend",
-                "file",
-                "--path",
-                self.dir.join(format!("{name}.img")).display(),
-                "--capacity",
-                capacity,
-            ],
-            &[],
-            &["grpc"],
-            &self.dir,
-        )
-        .expect("start agent");
-        self.agents.push(a);
-        let n = self.agents.len();
-        self.wait(&format!("{n} vdevs registered"), |s| {
-            s["vdevs"].as_array().map_or(0, |v| v.len()) == n
-        });
+        Pool(FilePool::start(dir, &args!["--lease", "2s"]))
     }
 
     fn status(&self) -> serde_json::Value {

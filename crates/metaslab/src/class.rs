@@ -107,10 +107,18 @@ impl Class {
     }
 
     /// `spa_alloc_count` allocators, each with its own rotor and visit
-    /// counter (they start where the class's rotor is).
+    /// counter.
     pub fn set_allocators(&mut self, n: usize) {
-        let here = self.rotors[0];
-        self.rotors.resize(n.max(1), here);
+        // New allocators start spread round the ring after allocator 0's
+        // rotor, where `metaslab_group_activate` would have put them had
+        // they existed when the groups were activated (OpenZFS fixes the
+        // count at import, before any group is activated).
+        let (at, _) = self.rotors[0];
+        let len = self.ring.len().max(1);
+        let have = self.rotors.len();
+        self.rotors
+            .extend((have..n.max(1)).map(|k| ((at + k) % len, 0)));
+        self.rotors.truncate(n.max(1));
         // Budgets and queues never shrink below what is outstanding: a
         // ticket's allocator index stays valid (`lane` clamps it anyway).
         let lanes = n.max(1).max(self.reserved_by.len());

@@ -486,6 +486,22 @@ fn allocators_start_staggered_and_keep_their_own_rotors() {
     pool.verify().unwrap();
 }
 
+/// Allocators created after the groups were activated (an allocator
+/// restored from its store learns the CPU count after its vdevs) start
+/// spread round the ring as if they had been there at activation.
+#[test]
+fn allocators_added_after_the_vdevs_start_spread() {
+    let mut pool = Pool::new(Tunables::default());
+    pool.add_vdev(spec(16 * GIB)).unwrap();
+    pool.add_vdev(spec(16 * GIB)).unwrap();
+    pool.sync();
+    assert_eq!(pool.set_cpus(8), 2);
+    let a = place_by(&mut pool, 0, 128 << 10, false);
+    let b = place_by(&mut pool, 1, 128 << 10, false);
+    assert_ne!(a.extents[0].vdev, b.extents[0].vdev);
+    pool.verify().unwrap();
+}
+
 /// Issue 29 item 4: queue depth is kept per allocator
 /// (`mga_queue_depth@zfs-2.4.0`, what `metaslab_class_rotate` compares with
 /// the group's queue target). Another allocator's bytes in flight on a

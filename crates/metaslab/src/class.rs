@@ -143,19 +143,24 @@ impl Class {
         self.rotors.len()
     }
 
-    /// Allocator `k`'s rotor, as an index into `ring` (`k` past the
-    /// count: allocator 0's).
+    /// Allocator `k`'s entry in `rotors`: a ticket placed before the
+    /// count shrank (`set_cpus`) uses the last allocator's, as `lane` does.
+    fn at(&self, k: usize) -> usize {
+        k.min(self.rotors.len() - 1)
+    }
+
+    /// Allocator `k`'s rotor, as an index into `ring`.
     pub fn rotor(&self, k: usize) -> usize {
-        self.rotors.get(k).unwrap_or(&self.rotors[0]).0
+        self.rotors[self.at(k)].0
     }
 
     /// Bytes allocator `k` gave its rotor group during this visit.
     pub fn visit_bytes(&self, k: usize) -> u64 {
-        self.rotors.get(k).unwrap_or(&self.rotors[0]).1
+        self.rotors[self.at(k)].1
     }
 
     pub fn add_visit_bytes(&mut self, k: usize, bytes: u64) {
-        let k = k.min(self.rotors.len() - 1);
+        let k = self.at(k);
         self.rotors[k].1 += bytes;
     }
 
@@ -211,7 +216,7 @@ impl Class {
     /// visit.
     pub fn rotate_after(&mut self, k: usize, v: VdevId) {
         if let Some(i) = self.position(v) {
-            let k = k.min(self.rotors.len() - 1);
+            let k = self.at(k);
             self.rotors[k] = ((i + 1) % self.ring.len(), 0);
         }
     }

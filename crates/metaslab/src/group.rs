@@ -91,11 +91,9 @@ pub struct Group {
     // Unified throttle (spec §3.3, §3.6).
     pub aliquot: u64,
     pub queue_target: u64,
-    /// Bytes placed by throttled allocations, not yet committed: all
-    /// allocators' (for the stats), and each allocator's
-    /// (`mga_queue_depth@zfs-2.4.0`, what its rotor compares with the
-    /// queue target).
-    pub queue_depth: u64,
+    /// Bytes placed by throttled allocations, not yet committed, per
+    /// allocator (`mga_queue_depth@zfs-2.4.0`, what its rotor compares with
+    /// the queue target).
     queue_depth_by: Vec<u64>,
     // Legacy throttle (spec §4).
     /// Per allocator (requests in flight, `cur_max`): LEGACY counts queue
@@ -133,7 +131,6 @@ impl Group {
             ready: 0,
             aliquot: 0,
             queue_target: 0,
-            queue_depth: 0,
             queue_depth_by: Vec::new(),
             legacy_lanes: Vec::new(),
             legacy_max: 0,
@@ -208,6 +205,11 @@ impl Group {
         &mut self.legacy_lanes[k]
     }
 
+    /// Every allocator's bytes in flight on this group (the stats).
+    pub fn queue_depth(&self) -> u64 {
+        self.queue_depth_by.iter().sum()
+    }
+
     /// Allocator `k`'s bytes in flight on this group.
     pub fn queue_depth_of(&self, k: usize) -> u64 {
         self.queue_depth_by.get(k).copied().unwrap_or(0)
@@ -218,14 +220,12 @@ impl Group {
             self.queue_depth_by.resize(k + 1, 0);
         }
         self.queue_depth_by[k] += bytes;
-        self.queue_depth += bytes;
     }
 
     pub fn sub_queue_depth(&mut self, k: usize, bytes: u64) {
         if let Some(d) = self.queue_depth_by.get_mut(k) {
             *d = d.saturating_sub(bytes);
         }
-        self.queue_depth = self.queue_depth.saturating_sub(bytes);
     }
 
     /// The per-txg reset (spec §4.3): `n` allocators, each at `cur_max`.

@@ -154,6 +154,10 @@ pub struct Allocation {
     pub tier: Option<LogTier>,
     /// Metaslabs this allocation had to load (a cost the simulator models).
     pub metaslab_loads: u32,
+    /// Bytes of the block every copy holds: the request's size, or for a
+    /// ranged log block what was given (an extent's size is its vdev's
+    /// asize, parity included on RAIDZ).
+    pub psize: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -157,6 +157,7 @@ impl Pool {
             txg: self.open_txg,
             tier,
             metaslab_loads: placed.loads,
+            psize: placed.psize,
         })
     }
 
@@ -197,6 +198,7 @@ impl Pool {
                 }
             }
         }
+        placed.psize = max_psize;
         Some(placed)
     }
 

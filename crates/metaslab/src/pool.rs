@@ -232,6 +232,8 @@ pub(crate) struct Placed {
     pub(crate) extents: [Extent; 3],
     pub(crate) n: usize,
     pub(crate) loads: u32,
+    /// Bytes of the block every copy holds (see `Allocation::psize`).
+    pub(crate) psize: u64,
 }
 
 pub(crate) const NO_EXTENT: Extent = Extent {
@@ -246,6 +248,7 @@ impl Default for Placed {
             extents: [NO_EXTENT; 3],
             n: 0,
             loads: 0,
+            psize: 0,
         }
     }
 }

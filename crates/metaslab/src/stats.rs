@@ -124,7 +124,7 @@ fn class_stats(pool: &Pool, ci: usize) -> ClassStats {
             parity: v.spec.parity,
             aliquot: if in_ring { aliquot } else { 0 },
             queue_target: if in_ring { queue_target } else { 0 },
-            queue_depth: g.queue_depth,
+            queue_depth: g.queue_depth(),
             fragmentation: g.fragmentation.map(|f| f as u32),
             health: v.health,
             online: v.online,
@@ -313,10 +313,12 @@ pub(crate) fn verify(pool: &Pool) -> Result<()> {
         class_space[ci] += g_space;
         class_alloc[ELOG] += l_alloc;
         class_space[ELOG] += l_space;
-        if v.mg.queue_depth != depth[v.id as usize] {
+        if v.mg.queue_depth() != depth[v.id as usize] {
             return broken(format!(
                 "vdev {}: queue depth {} but in-flight allocations hold {}",
-                v.id, v.mg.queue_depth, depth[v.id as usize]
+                v.id,
+                v.mg.queue_depth(),
+                depth[v.id as usize]
             ));
         }
         for k in 0..pool.alloc_count.max(1) {

@@ -37,8 +37,13 @@ fn req(kind: AllocKind, size: u64, copies: u8) -> AllocRequest {
 }
 
 fn place(pool: &mut Pool, r: AllocRequest) -> Result<Allocation> {
+    place_busy(pool, r, false)
+}
+
+/// Submit and place at once (`busy` as the caller would pass it).
+fn place_busy(pool: &mut Pool, r: AllocRequest, busy: bool) -> Result<Allocation> {
     match pool.submit(r)? {
-        Submitted::Ready(t) => pool.allocate(t, false),
+        Submitted::Ready(t) => pool.allocate(t, busy),
         Submitted::Queued(t) => panic!("ticket {t} queued"),
     }
 }
@@ -440,10 +445,7 @@ fn place_by(pool: &mut Pool, k: usize, size: u64, busy: bool) -> Allocation {
         affinity: Some(key_for(pool, k)),
         ..req(AllocKind::Data, size, 1)
     };
-    match pool.submit(r).unwrap() {
-        Submitted::Ready(t) => pool.allocate(t, busy).unwrap(),
-        Submitted::Queued(t) => panic!("ticket {t} queued"),
-    }
+    place_busy(pool, r, busy).unwrap()
 }
 
 /// Item 9: `spa_alloc_count = max(1, min(spa_num_allocators, cpus /
@@ -752,11 +754,13 @@ fn a_log_block_with_a_size_range_stays_in_the_embedded_log_metaslab() {
     let ranged = place(&mut pool, log_range(32 * K, 128 * K)).unwrap();
     assert_eq!(ranged.tier, Some(LogTier::EmbeddedLog));
     assert_eq!(ranged.extents[0].size, 64 * K, "{:?}", ranged.extents);
+    assert_eq!(ranged.psize, 64 * K, "the block holds what was given");
     pool.commit(ranged.id).unwrap();
     // Now full: the normal class, where a free segment holds all of max.
     let next = place(&mut pool, log_range(32 * K, 128 * K)).unwrap();
     assert_eq!(next.tier, Some(LogTier::Normal));
     assert_eq!(next.extents[0].size, 128 * K);
+    assert_eq!(next.psize, 128 * K);
     pool.commit(next.id).unwrap();
     pool.verify().unwrap();
 

@@ -129,6 +129,7 @@ fn allocate_reply(
         endpoints,
         generation: shared.fencing.generation,
         lease_deadline_ms: expires_ms,
+        psize: a.psize,
     }
 }
 

@@ -720,6 +720,7 @@ async fn a_log_block_may_ask_for_a_size_range() {
     // A fresh metaslab holds all of max_size in one segment.
     assert_eq!(r.extents.len(), 1);
     assert_eq!(r.extents[0].size, 128 * 1024, "{r:?}");
+    assert_eq!(r.psize, 128 * 1024, "the reply says what the block holds");
 }
 
 /// Issue 29 item 4 over gRPC: with two allocators (one per CPU here), a

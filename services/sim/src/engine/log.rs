@@ -138,13 +138,7 @@ impl<P: SimPool> Sim<'_, P> {
                     let l = self.log.as_mut().unwrap();
                     l.inflight += 1;
                     l.result.blocks += 1;
-                    // A ranged block is what was given (asize: plain
-                    // vdevs in every log scenario); else the planned one.
-                    l.result.block_bytes += if l.size_range {
-                        a.extents[0].size
-                    } else {
-                        block
-                    };
+                    l.result.block_bytes += a.psize;
                     let k = match a.tier {
                         Some(LogTier::Log) => 0,
                         Some(LogTier::EmbeddedLog) => 1,

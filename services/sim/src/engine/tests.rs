@@ -102,6 +102,7 @@ impl SimPool for Fake {
             extents,
             txg: self.txg,
             tier: (req.kind == AllocKind::Log).then_some(LogTier::Normal),
+            psize: req.size,
             metaslab_loads: if req.kind == AllocKind::Log {
                 self.log_loads
             } else {

@@ -288,11 +288,19 @@ impl Pool {
     /// be rewritten elsewhere (`spa_misc.c:spa_update_dspace@zfs-2.4.0`).
     pub(crate) fn rdspace(&self) -> u64 {
         let nonallocating: u64 = self
-            .vdevs
+            .offline_normal
             .iter()
-            .filter(|v| !v.removed && !v.online && v.main_class() == NORMAL)
-            .map(|v| v.mg.space)
+            .map(|&v| self.vdevs[v as usize].mg.space)
             .sum();
+        debug_assert_eq!(
+            nonallocating,
+            self.vdevs
+                .iter()
+                .filter(|v| !v.removed && !v.online && v.main_class() == NORMAL)
+                .map(|v| v.mg.space)
+                .sum::<u64>(),
+            "offline_normal is stale"
+        );
         self.classes[NORMAL].space.saturating_sub(nonallocating)
     }
 

@@ -105,6 +105,7 @@ impl Pool {
         tomb.online = false;
         tomb.elog = None;
         self.vdevs[vdev as usize] = tomb;
+        self.refresh_offline_normal();
         // Not in any ring (it was offline); recount and rebalance the rest.
         for ci in 0..3 {
             self.recount(ci);

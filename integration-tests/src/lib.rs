@@ -392,21 +392,22 @@ pub struct FilePool {
 
 impl FilePool {
     /// The allocator (fast txgs and reports, no claim window), plus
-    /// `extra` flags; no agents yet.
+    /// `extra` flags, which replace a default of the same flag; no agents
+    /// yet.
     pub fn start(dir: &Path, extra: &[String]) -> FilePool {
         std::fs::create_dir_all(dir).expect("pool dir");
-        let mut a = args![
-            "--listen",
-            "127.0.0.1:0",
-            "--data-dir",
-            dir.join("allocator").display(),
-            "--zfs-txg-timeout",
-            "200ms",
-            "--report-interval",
-            "200ms",
-            "--claim-window",
-            "0s",
-        ];
+        let mut a = args!["--listen", "127.0.0.1:0"];
+        let data_dir = dir.join("allocator").display().to_string();
+        for (flag, value) in [
+            ("--data-dir", data_dir.as_str()),
+            ("--zfs-txg-timeout", "200ms"),
+            ("--report-interval", "200ms"),
+            ("--claim-window", "0s"),
+        ] {
+            if !extra.iter().any(|e| e == flag) {
+                a.extend(args![flag, value]);
+            }
+        }
         a.extend(extra.iter().cloned());
         let mut alloc = Proc::start(
             "allocator",
@@ -432,29 +433,32 @@ impl FilePool {
     /// A file agent `file<N>` of `capacity` (e.g. "128MiB"); waits until
     /// the pool lists it.
     pub fn add_agent(&mut self, capacity: &str) {
+        self.add_agent_with(capacity, &[]);
+    }
+
+    /// `add_agent` with `extra` agent flags. The agent keeps its port
+    /// across `restart`, so the allocator finds it where it registered.
+    pub fn add_agent_with(&mut self, capacity: &str, extra: &[String]) {
         let name = format!("file{}", self.agents.len());
-        let a = Proc::start(
-            &name,
-            &bin("aliquot-agent"),
-            &args![
-                "--listen",
-                "127.0.0.1:0",
-                "--allocator",
-                self.url,
-                "--name",
-                name,
-                "--backend",
-                "file",
-                "--path",
-                self.dir.join(format!("{name}.img")).display(),
-                "--capacity",
-                capacity,
-            ],
-            &[],
-            &["grpc"],
-            &self.dir,
-        )
-        .expect("start agent");
+        let mut a = args![
+            "--listen",
+            "127.0.0.1:0",
+            "--allocator",
+            self.url,
+            "--name",
+            name,
+            "--backend",
+            "file",
+            "--path",
+            self.dir.join(format!("{name}.img")).display(),
+            "--capacity",
+            capacity,
+        ];
+        a.extend(extra.iter().cloned());
+        let mut a = Proc::start(&name, &bin("aliquot-agent"), &a, &[], &["grpc"], &self.dir)
+            .expect("start agent");
+        let addr = a.addr("grpc");
+        a.set_arg("--listen", &addr.to_string());
         self.agents.push(a);
         let n = self.agents.len();
         let deadline = std::time::Instant::now() + Duration::from_secs(30);

@@ -11,62 +11,16 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use aliquotctl::manifest::Manifest;
-use integration_tests::{INSECURE_ENV, Proc, args, bin};
+use integration_tests::{FilePool, INSECURE_ENV, args, bin};
 
-fn pool(dir: &Path) -> (Proc, Vec<Proc>) {
-    let mut alloc = Proc::start(
-        "allocator",
-        &bin("aliquot-allocator"),
-        &args![
-            "--listen",
-            "127.0.0.1:0",
-            "--pool",
-            "faults",
-            "--data-dir",
-            dir.join("allocator").display(),
-            "--report-interval",
-            "200ms",
-            "--zfs-txg-timeout",
-            "200ms",
-            "--claim-window",
-            "1s",
-        ],
-        &[],
-        &["grpc"],
-        dir,
-    )
-    .expect("allocator");
-    let addr = alloc.addr("grpc");
-    alloc.set_arg("--listen", &addr.to_string());
-    let url = alloc.url("grpc");
-    let agents = (0..3)
-        .map(|i| {
-            let mut a = Proc::start(
-                &format!("agent{i}"),
-                &bin("aliquot-agent"),
-                &args![
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--allocator",
-                    url,
-                    "--name",
-                    format!("d{i}"),
-                    "--path",
-                    dir.join(format!("d{i}.img")).display(),
-                    "--capacity",
-                    "512MiB",
-                ],
-                &[],
-                &["grpc"],
-                dir,
-            )
-            .expect("agent");
-            let a_addr = a.addr("grpc");
-            a.set_arg("--listen", &a_addr.to_string());
-            a
-        })
-        .collect();
-    (alloc, agents)
+/// The pool of these tests: three 512 MiB file agents, and a claim window
+/// for the blocks a killed writer leaves.
+fn pool(dir: &Path) -> FilePool {
+    let mut p = FilePool::start(dir, &args!["--pool", "faults", "--claim-window", "1s"]);
+    for _ in 0..3 {
+        p.add_agent("512MiB");
+    }
+    p
 }
 
 fn writer(url: &str, manifest: &Path, total: &str, extra: &[String]) -> std::process::Child {
@@ -122,19 +76,19 @@ fn wait(child: std::process::Child, limit: Duration) -> std::process::Output {
 #[test]
 fn a_write_survives_kill9_of_the_allocator_and_of_an_agent() {
     let dir = tempfile::tempdir().unwrap();
-    let (mut alloc, mut agents) = pool(dir.path());
-    let url = alloc.url("grpc");
+    let mut p = pool(dir.path());
+    let url = p.url.clone();
     let manifest = dir.path().join("run.manifest");
     let w = writer(&url, &manifest, "192MiB", &[]);
 
     std::thread::sleep(Duration::from_millis(1200));
-    alloc.kill9();
+    p.alloc.kill9();
     std::thread::sleep(Duration::from_millis(700));
-    alloc.restart().expect("allocator back");
+    p.alloc.restart().expect("allocator back");
     std::thread::sleep(Duration::from_millis(1000));
-    agents[1].kill9();
+    p.agents[1].kill9();
     std::thread::sleep(Duration::from_millis(500));
-    agents[1].restart().expect("agent back");
+    p.agents[1].restart().expect("agent back");
 
     let out = wait(w, Duration::from_secs(120));
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -147,7 +101,7 @@ fn a_write_survives_kill9_of_the_allocator_and_of_an_agent() {
     // committed in the killed generation's unsynced txg was claimed in the
     // new one's claim window (before this check existed, the writer only
     // claimed when its final sync saw the old generation, and lost them).
-    alloc.kill();
+    p.alloc.kill();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -179,14 +133,14 @@ fn a_write_survives_kill9_of_the_allocator_and_of_an_agent() {
 #[test]
 fn a_failed_run_records_what_it_made_durable() {
     let dir = tempfile::tempdir().unwrap();
-    let (mut alloc, _agents) = pool(dir.path());
-    let url = alloc.url("grpc");
+    let mut p = pool(dir.path());
+    let url = p.url.clone();
     let manifest = dir.path().join("failed.manifest");
     // The allocator goes away for good: the writer waits --allocator-wait,
     // then stops, flushing and recording what it placed before.
     let w = writer(&url, &manifest, "512MiB", &args!["--allocator-wait", "2s"]);
     std::thread::sleep(Duration::from_millis(1500));
-    alloc.kill9();
+    p.alloc.kill9();
     let out = wait(w, Duration::from_secs(60));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "the run cannot finish: {stderr}");
@@ -199,9 +153,9 @@ fn a_failed_run_records_what_it_made_durable() {
 #[test]
 fn an_interrupted_run_records_what_it_wrote() {
     let dir = tempfile::tempdir().unwrap();
-    let (alloc, _agents) = pool(dir.path());
+    let p = pool(dir.path());
     let manifest = dir.path().join("stopped.manifest");
-    let w = writer(&alloc.url("grpc"), &manifest, "512MiB", &[]);
+    let w = writer(&p.url, &manifest, "512MiB", &[]);
     std::thread::sleep(Duration::from_millis(1500));
     let ok = Command::new("kill")
         .args(["-TERM", &w.id().to_string()])

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use aliquot_agent::uberblock::Uberblocks;
 use aliquot_proto::v1 as pb;
-use integration_tests::{Proc, args, bin, data_request as data};
+use integration_tests::{FilePool, args, data_request as data};
 use pb::allocator_client::AllocatorClient;
 use pb::vdev_agent_client::VdevAgentClient;
 use tonic::Code;
@@ -35,85 +35,46 @@ fn lazy(url: &str) -> Channel {
         .connect_lazy()
 }
 
-struct Pool {
-    dir: PathBuf,
-    alloc: Proc,
-    agents: Vec<Proc>,
+/// The shared test pool (`integration_tests::FilePool`) with this test's
+/// clients and paths.
+struct Pool(FilePool);
+
+impl std::ops::Deref for Pool {
+    type Target = FilePool;
+    fn deref(&self) -> &FilePool {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Pool {
+    fn deref_mut(&mut self) -> &mut FilePool {
+        &mut self.0
+    }
 }
 
 impl Pool {
-    fn data_dir(&self) -> PathBuf {
+    /// The allocator's data dir: its store.
+    fn store_dir(&self) -> PathBuf {
         self.dir.join("allocator")
     }
     fn img(&self, i: usize) -> PathBuf {
-        self.dir.join(format!("d{i}.img"))
+        self.dir.join(format!("file{i}.img"))
     }
     fn client(&self) -> AllocatorClient<Channel> {
-        AllocatorClient::new(lazy(&self.alloc.url("grpc")))
+        AllocatorClient::new(lazy(&self.url))
     }
     fn agent(&self, endpoint: &str) -> VdevAgentClient<Channel> {
         VdevAgentClient::new(lazy(endpoint))
     }
 }
 
+/// Pool `name` with `agents` file agents of 128 MiB.
 fn start(dir: &Path, name: &str, agents: usize) -> Pool {
-    let mut alloc = Proc::start(
-        "allocator",
-        &bin("aliquot-allocator"),
-        &args![
-            "--listen",
-            "127.0.0.1:0",
-            "--pool",
-            name,
-            "--data-dir",
-            dir.join("allocator").display(),
-            "--report-interval",
-            "100ms",
-            "--zfs-txg-timeout",
-            "200ms",
-            "--claim-window",
-            "0s",
-        ],
-        &[],
-        &["grpc"],
-        dir,
-    )
-    .expect("start allocator");
-    let addr = alloc.addr("grpc");
-    alloc.set_arg("--listen", &addr.to_string());
-    let url = alloc.url("grpc");
-    let agents = (0..agents)
-        .map(|i| {
-            let mut a = Proc::start(
-                &format!("agent{i}"),
-                &bin("aliquot-agent"),
-                &args![
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--allocator",
-                    url,
-                    "--name",
-                    format!("d{i}"),
-                    "--path",
-                    dir.join(format!("d{i}.img")).display(),
-                    "--capacity",
-                    "128MiB",
-                ],
-                &[],
-                &["grpc"],
-                dir,
-            )
-            .expect("start agent");
-            let addr = a.addr("grpc");
-            a.set_arg("--listen", &addr.to_string());
-            a
-        })
-        .collect();
-    Pool {
-        dir: dir.to_path_buf(),
-        alloc,
-        agents,
+    let mut p = FilePool::start(dir, &args!["--pool", name, "--report-interval", "100ms"]);
+    for _ in 0..agents {
+        p.add_agent("128MiB");
     }
+    Pool(p)
 }
 
 /// Allocate until the pool serves (agents registered and reported).
@@ -252,11 +213,11 @@ async fn an_older_store_is_refused_until_an_operator_rewinds() {
     // A crash, and the WAL deleted: every txg was checkpointed into the
     // file, so nothing is lost.
     p.alloc.kill9();
-    let wal = p.data_dir().join("pool.db-wal");
+    let wal = p.store_dir().join("pool.db-wal");
     let _ = std::fs::remove_file(&wal);
     // Keep this copy of the store: the "backup" restored below.
     let backup = dir.path().join("backup");
-    copy_dir(&p.data_dir(), &backup);
+    copy_dir(&p.store_dir(), &backup);
     p.alloc.restart().expect("restart without the WAL");
     assert_eq!(synced_txg(&p).await, t1, "a deleted WAL lost nothing");
 
@@ -268,8 +229,8 @@ async fn an_older_store_is_refused_until_an_operator_rewinds() {
 
     // Restore the older store: refused as soon as an agent registers.
     p.alloc.kill9();
-    std::fs::remove_dir_all(p.data_dir()).unwrap();
-    copy_dir(&backup, &p.data_dir());
+    std::fs::remove_dir_all(p.store_dir()).unwrap();
+    copy_dir(&backup, &p.store_dir());
     p.alloc.restart().expect("restart on the old store");
     let e = refused(&p).await;
     assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
@@ -319,7 +280,7 @@ async fn a_lost_store_or_another_pool_does_not_take_over_labelled_devices() {
     // The whole data dir is lost: the allocator starts a new, empty pool;
     // the agent's device carries the old pool's label and is refused.
     p.alloc.kill9();
-    std::fs::remove_dir_all(p.data_dir()).unwrap();
+    std::fs::remove_dir_all(p.store_dir()).unwrap();
     p.alloc.restart().expect("restart on an empty data dir");
     let mut c = p.client();
     tokio::time::sleep(Duration::from_secs(2)).await;

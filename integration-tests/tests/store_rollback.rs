@@ -35,25 +35,17 @@ fn lazy(url: &str) -> Channel {
         .connect_lazy()
 }
 
-/// The shared test pool (`integration_tests::FilePool`) with this test's
-/// clients and paths.
-struct Pool(FilePool);
-
-impl std::ops::Deref for Pool {
-    type Target = FilePool;
-    fn deref(&self) -> &FilePool {
-        &self.0
-    }
-}
-
-impl std::ops::DerefMut for Pool {
-    fn deref_mut(&mut self) -> &mut FilePool {
-        &mut self.0
-    }
-}
-
-impl Pool {
+/// This test's clients and paths on the shared test pool
+/// (`integration_tests::FilePool`).
+trait Pool {
     /// The allocator's data dir: its store.
+    fn store_dir(&self) -> PathBuf;
+    fn img(&self, i: usize) -> PathBuf;
+    fn client(&self) -> AllocatorClient<Channel>;
+    fn agent(&self, endpoint: &str) -> VdevAgentClient<Channel>;
+}
+
+impl Pool for FilePool {
     fn store_dir(&self) -> PathBuf {
         self.dir.join("allocator")
     }
@@ -69,12 +61,12 @@ impl Pool {
 }
 
 /// Pool `name` with `agents` file agents of 128 MiB.
-fn start(dir: &Path, name: &str, agents: usize) -> Pool {
+fn start(dir: &Path, name: &str, agents: usize) -> FilePool {
     let mut p = FilePool::start(dir, &args!["--pool", name, "--report-interval", "100ms"]);
     for _ in 0..agents {
         p.add_agent("128MiB");
     }
-    Pool(p)
+    p
 }
 
 /// Allocate until the pool serves (agents registered and reported).
@@ -98,7 +90,7 @@ fn pattern(seed: u64) -> Vec<u8> {
 }
 
 /// Write `n` durable 1 MiB blocks; the extents and their contents.
-async fn write_blocks(p: &Pool, n: u64, seed: u64) -> Vec<(pb::Extent, String, Vec<u8>)> {
+async fn write_blocks(p: &FilePool, n: u64, seed: u64) -> Vec<(pb::Extent, String, Vec<u8>)> {
     let mut c = p.client();
     let mut out = Vec::new();
     for k in 0..n {
@@ -128,7 +120,7 @@ async fn write_blocks(p: &Pool, n: u64, seed: u64) -> Vec<(pb::Extent, String, V
     out
 }
 
-async fn synced_txg(p: &Pool) -> u64 {
+async fn synced_txg(p: &FilePool) -> u64 {
     p.client()
         .get_pool(pb::GetPoolRequest {})
         .await
@@ -146,7 +138,7 @@ fn label_txg(img: &Path) -> u64 {
 }
 
 /// Wait until every agent's label recorded at least `txg`.
-async fn labels_reach(p: &Pool, txg: u64) {
+async fn labels_reach(p: &FilePool, txg: u64) {
     let deadline = Instant::now() + Duration::from_secs(10);
     for i in 0..p.agents.len() {
         while label_txg(&p.img(i)) < txg {
@@ -168,7 +160,7 @@ fn copy_dir(from: &Path, to: &Path) {
 }
 
 /// The refusal a client sees once an agent proved the store old.
-async fn refused(p: &Pool) -> tonic::Status {
+async fn refused(p: &FilePool) -> tonic::Status {
     let mut c = p.client();
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
@@ -185,7 +177,7 @@ async fn refused(p: &Pool) -> tonic::Status {
     }
 }
 
-async fn check_blocks(p: &Pool, blocks: &[(pb::Extent, String, Vec<u8>)]) {
+async fn check_blocks(p: &FilePool, blocks: &[(pb::Extent, String, Vec<u8>)]) {
     for (e, ep, bytes) in blocks {
         let back = p
             .agent(ep)

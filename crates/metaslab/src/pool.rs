@@ -214,6 +214,9 @@ pub(crate) fn pieces(shift: u8, e: &Extent) -> impl Iterator<Item = (u32, u64, u
 }
 
 /// The pool: vdevs, their metaslab groups, the classes and the throttle.
+/// `Clone` gives an independent copy (a bench or a what-if starts from one
+/// built state).
+#[derive(Clone)]
 pub struct Pool {
     pub(crate) tun: Tunables,
     pub(crate) vdevs: Vec<Vdev>,

@@ -519,6 +519,12 @@ impl FilePool {
     }
 }
 
+/// The Python interpreter the tests run: `ALIQUOT_TEST_PYTHON`, else
+/// `python3`.
+pub fn python() -> String {
+    std::env::var("ALIQUOT_TEST_PYTHON").unwrap_or_else(|_| "python3".into())
+}
+
 /// Where the Python client (clients/python) is importable from:
 /// `ALIQUOT_PYTHONPATH` (.ci/run installs it there), or a fresh install
 /// into `target_tmp/python-client` (pass the test's `CARGO_TARGET_TMPDIR`).

@@ -86,7 +86,7 @@ fn tls_mismatches_name_the_flag() {
     );
     // The Python client: plaintext against TLS, and TLS without a client
     // certificate (a channel of the caller's own, as an integrator makes).
-    let py = std::env::var("ALIQUOT_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
+    let py = integration_tests::python();
     let path = integration_tests::python_client_path(&py, Path::new(env!("CARGO_TARGET_TMPDIR")));
     let o = Command::new(&py)
         .args([

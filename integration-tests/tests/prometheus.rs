@@ -79,7 +79,7 @@ fn python_path(py: &str) -> Option<String> {
 }
 
 fn scrape(url: &str) -> Vec<Sample> {
-    let py = std::env::var("ALIQUOT_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
+    let py = integration_tests::python();
     let mut cmd = Command::new(&py);
     if let Some(p) = python_path(&py) {
         cmd.env("PYTHONPATH", p);

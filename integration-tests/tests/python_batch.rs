@@ -59,7 +59,7 @@ fn python_batch_json_and_renew() {
     let mut p = FilePool::start(dir.path(), &[]);
     p.add_agent("512MiB");
     p.add_agent("512MiB");
-    let py = std::env::var("ALIQUOT_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
+    let py = integration_tests::python();
     let path = integration_tests::python_client_path(&py, Path::new(env!("CARGO_TARGET_TMPDIR")));
     let o = Command::new(&py)
         .args(["-c", PY, &p.url])
@@ -141,7 +141,7 @@ fn async_pool_claims_its_block_after_an_allocator_restart() {
     let dir = tempfile::tempdir().unwrap();
     let mut p = FilePool::start(dir.path(), &[]);
     p.add_agent("256MiB");
-    let py = std::env::var("ALIQUOT_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
+    let py = integration_tests::python();
     let path = integration_tests::python_client_path(&py, Path::new(env!("CARGO_TARGET_TMPDIR")));
     let mut child = Command::new(&py)
         .args(["-c", PY_AIO_RESTART, &p.url])

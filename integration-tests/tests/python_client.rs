@@ -62,7 +62,7 @@ fn python_path(py: &str) -> String {
 
 #[test]
 fn python_client_writes_reads_and_discovers_over_tls() {
-    let py = std::env::var("ALIQUOT_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
+    let py = integration_tests::python();
     let pypath = python_path(&py);
     let tmp = tempfile::tempdir().unwrap();
     let data = tmp.path().join("data");
@@ -217,7 +217,7 @@ print("takeover followed: %d blocks before, %d after (%.1f s), all read back" % 
 
 #[test]
 fn python_client_follows_a_takeover() {
-    let py = std::env::var("ALIQUOT_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
+    let py = integration_tests::python();
     let pypath = python_path(&py);
     let tmp = tempfile::tempdir().unwrap();
     let data = tmp.path().join("data");

@@ -395,15 +395,29 @@ impl FilePool {
     /// `extra` flags, which replace a default of the same flag; no agents
     /// yet.
     pub fn start(dir: &Path, extra: &[String]) -> FilePool {
+        Self::start_allocator(
+            dir,
+            &[
+                ("--zfs-txg-timeout", "200ms"),
+                ("--report-interval", "200ms"),
+                ("--claim-window", "0s"),
+            ],
+            extra,
+        )
+    }
+
+    /// The allocator with its own default timings (txg, reports, claim
+    /// window), for tests whose assertions are about those defaults; plus
+    /// `extra` flags.
+    pub fn start_with_default_timings(dir: &Path, extra: &[String]) -> FilePool {
+        Self::start_allocator(dir, &[], extra)
+    }
+
+    fn start_allocator(dir: &Path, defaults: &[(&str, &str)], extra: &[String]) -> FilePool {
         std::fs::create_dir_all(dir).expect("pool dir");
         let mut a = args!["--listen", "127.0.0.1:0"];
         let data_dir = dir.join("allocator").display().to_string();
-        for (flag, value) in [
-            ("--data-dir", data_dir.as_str()),
-            ("--zfs-txg-timeout", "200ms"),
-            ("--report-interval", "200ms"),
-            ("--claim-window", "0s"),
-        ] {
+        for &(flag, value) in [("--data-dir", data_dir.as_str())].iter().chain(defaults) {
             if !extra.iter().any(|e| e == flag) {
                 a.extend(args![flag, value]);
             }
@@ -440,22 +454,45 @@ impl FilePool {
     /// across `restart`, so the allocator finds it where it registered.
     pub fn add_agent_with(&mut self, capacity: &str, extra: &[String]) {
         let name = format!("file{}", self.agents.len());
+        let path = self.dir.join(format!("{name}.img"));
+        self.add_file_agent(&name, &path, capacity, extra);
+    }
+
+    /// A file agent named `name` on the file `path` (which may be on a
+    /// file system of its own), with `extra` agent flags.
+    pub fn add_file_agent(&mut self, name: &str, path: &Path, capacity: &str, extra: &[String]) {
+        let mut a = args![
+            "--backend",
+            "file",
+            "--path",
+            path.display(),
+            "--capacity",
+            capacity,
+        ];
+        a.extend(extra.iter().cloned());
+        self.spawn_agent(name, a);
+    }
+
+    /// A simulated device named `name` (`--guid` fixed, so a restart is
+    /// the same vdev), with `extra` agent flags (`--capacity`,
+    /// `--sim-throughput`...); waits until the pool lists it.
+    pub fn add_sim_agent(&mut self, name: &str, guid: u64, extra: &[String]) {
+        let mut a = args!["--backend", "sim", "--guid", guid];
+        a.extend(extra.iter().cloned());
+        self.spawn_agent(name, a);
+    }
+
+    fn spawn_agent(&mut self, name: &str, backend: Vec<String>) {
         let mut a = args![
             "--listen",
             "127.0.0.1:0",
             "--allocator",
             self.url,
             "--name",
-            name,
-            "--backend",
-            "file",
-            "--path",
-            self.dir.join(format!("{name}.img")).display(),
-            "--capacity",
-            capacity,
+            name
         ];
-        a.extend(extra.iter().cloned());
-        let mut a = Proc::start(&name, &bin("aliquot-agent"), &a, &[], &["grpc"], &self.dir)
+        a.extend(backend);
+        let mut a = Proc::start(name, &bin("aliquot-agent"), &a, &[], &["grpc"], &self.dir)
             .expect("start agent");
         let addr = a.addr("grpc");
         a.set_arg("--listen", &addr.to_string());

@@ -13,7 +13,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use aliquot_proto::v1 as pb;
-use integration_tests::{Proc, args, bin, ctl, ok_stdout};
+use integration_tests::{FilePool, args, ctl, ok_stdout};
 use pb::allocator_client::AllocatorClient;
 
 /// A tmpfs mounted for the test's life.
@@ -70,67 +70,17 @@ async fn health_of(c: &mut AllocatorClient<tonic::transport::Channel>, name: &st
 async fn a_full_agent_disk_takes_no_allocations_and_the_write_goes_elsewhere() {
     let dir = tempfile::tempdir().unwrap();
     let small = Tmpfs::mount(&dir.path().join("small"), "40M");
-    let mut procs = Vec::new();
-    let alloc = Proc::start(
-        "allocator",
-        &bin("aliquot-allocator"),
-        &args![
-            "--listen",
-            "127.0.0.1:0",
-            "--data-dir",
-            dir.path().join("allocator").display(),
-            "--report-interval",
-            "200ms"
-        ],
-        &[],
-        &["grpc"],
-        dir.path(),
-    )
-    .expect("allocator");
-    let url = alloc.url("grpc");
-    for (name, path) in [
-        ("full", small.0.join("full.img")),
-        ("roomy", dir.path().join("roomy.img")),
-    ] {
-        let p = Proc::start(
-            name,
-            &bin("aliquot-agent"),
-            &args![
-                "--listen",
-                "127.0.0.1:0",
-                "--allocator",
-                url,
-                "--name",
-                name,
-                "--backend",
-                "file",
-                "--path",
-                path.display(),
-                "--capacity",
-                "256MiB"
-            ],
-            &[],
-            &["grpc"],
-            dir.path(),
-        )
-        .expect("agent");
-        procs.push(p);
-    }
+    let mut pool =
+        FilePool::start_with_default_timings(dir.path(), &args!["--report-interval", "200ms"]);
+    let roomy = dir.path().join("roomy.img");
+    pool.add_file_agent("full", &small.0.join("full.img"), "256MiB", &[]);
+    pool.add_file_agent("roomy", &roomy, "256MiB", &[]);
+    let url = pool.url.clone();
     let mut c = AllocatorClient::new(
         tonic::transport::Channel::from_shared(url.clone())
             .unwrap()
             .connect_lazy(),
     );
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while c
-        .get_pool(pb::GetPoolRequest {})
-        .await
-        .map_or(0, |s| s.into_inner().vdevs.len())
-        < 2
-    {
-        assert!(Instant::now() < deadline, "agents did not register");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 
     let out = ctl(&args![
         "write",
@@ -152,8 +102,8 @@ async fn a_full_agent_disk_takes_no_allocations_and_the_write_goes_elsewhere() {
     if h != pb::VdevHealth::Unavailable as i32 {
         eprintln!(
             "agent log:\n{}\nallocator log:\n{}",
-            procs[0].log_tail(),
-            alloc.log_tail()
+            pool.agents[0].log_tail(),
+            pool.alloc.log_tail()
         );
     }
     assert_eq!(
@@ -175,7 +125,7 @@ async fn a_full_agent_disk_takes_no_allocations_and_the_write_goes_elsewhere() {
             .expect("allocate")
             .into_inner();
         assert!(
-            a.endpoints.iter().all(|e| *e == procs[1].url("grpc")),
+            a.endpoints.iter().all(|e| *e == pool.agents[1].url("grpc")),
             "placed on the full vdev: {:?}",
             a.extents
         );
@@ -193,5 +143,5 @@ async fn a_full_agent_disk_takes_no_allocations_and_the_write_goes_elsewhere() {
         assert!(Instant::now() < deadline, "the vdev never came back");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    drop(procs);
+    drop(pool);
 }

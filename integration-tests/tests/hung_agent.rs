@@ -6,52 +6,15 @@
 //! block completing must stay near the client's `--timeout`, not the 10 s
 //! the agent was stopped.
 
-use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use aliquot_proto::v1 as pb;
-use integration_tests::{Proc, args, bin, signal};
+use integration_tests::{FilePool, args, bin, signal};
 use pb::allocator_client::AllocatorClient;
 
 const STOP: Duration = Duration::from_secs(10);
 const TIMEOUT: Duration = Duration::from_secs(2);
-
-fn allocator(dir: &Path) -> Proc {
-    let a = args![
-        "--listen",
-        "127.0.0.1:0",
-        "--data-dir",
-        dir.join("allocator").display(),
-    ];
-    Proc::start(
-        "allocator",
-        &bin("aliquot-allocator"),
-        &a,
-        &[],
-        &["grpc"],
-        dir,
-    )
-    .expect("start allocator")
-}
-
-fn file_agent(dir: &Path, name: &str, alloc: &Proc) -> Proc {
-    let a = args![
-        "--listen",
-        "127.0.0.1:0",
-        "--allocator",
-        alloc.url("grpc"),
-        "--name",
-        name,
-        "--backend",
-        "file",
-        "--path",
-        dir.join(format!("{name}.img")).display(),
-        "--capacity",
-        "1GiB",
-    ];
-    Proc::start(name, &bin("aliquot-agent"), &a, &[], &["grpc"], dir).expect("start agent")
-}
 
 async fn wait_allocatable(url: String, n: usize) {
     let mut c = AllocatorClient::connect(url).await.expect("connect");
@@ -81,11 +44,13 @@ async fn wait_allocatable(url: String, n: usize) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigstopped_agent_stalls_writes_at_most_the_deadline() {
     let dir = tempfile::tempdir().unwrap();
-    let alloc = allocator(dir.path());
-    let agents: Vec<Proc> = (0..3)
-        .map(|i| file_agent(dir.path(), &format!("hung{i}"), &alloc))
-        .collect();
-    wait_allocatable(alloc.url("grpc"), 3).await;
+    // The allocator's own txg, report and claim timings: the stall bound
+    // is asserted under the defaults a user runs.
+    let mut pool = FilePool::start_with_default_timings(dir.path(), &[]);
+    for _ in 0..3 {
+        pool.add_agent("1GiB");
+    }
+    wait_allocatable(pool.url.clone(), 3).await;
 
     // Paced so the run lasts well beyond the stop (~20 s): the stall shows
     // as a gap in completions, not as lost throughput.
@@ -95,7 +60,7 @@ async fn sigstopped_agent_stalls_writes_at_most_the_deadline() {
         .args(args![
             "write",
             "--allocator",
-            alloc.url("grpc"),
+            pool.url,
             "--total",
             "640MiB",
             "--block-size",
@@ -116,7 +81,7 @@ async fn sigstopped_agent_stalls_writes_at_most_the_deadline() {
         .expect("start aliquotctl write");
 
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let hung = &agents[1];
+    let hung = &pool.agents[1];
     signal(hung, "-STOP");
     let stopped = Instant::now();
     tokio::time::sleep(STOP).await;

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use aliquot_proto::v1 as pb;
-use integration_tests::{Proc, args, bin};
+use integration_tests::{FilePool, Proc, args, bin};
 use pb::allocator_client::AllocatorClient;
 use pb::metrics_client::MetricsClient;
 use pb::vdev_agent_client::VdevAgentClient;
@@ -41,24 +41,6 @@ fn metrics(dir: &Path) -> Proc {
         dir,
     )
     .expect("start metrics")
-}
-
-fn sim_agent(dir: &Path, name: &str, alloc: &Proc, guid: u64) -> Proc {
-    let a = args![
-        "--listen",
-        "127.0.0.1:0",
-        "--allocator",
-        alloc.url("grpc"),
-        "--name",
-        name,
-        "--backend",
-        "sim",
-        "--guid",
-        guid,
-        "--capacity",
-        "4GiB",
-    ];
-    Proc::start(name, &bin("aliquot-agent"), &a, &[], &["grpc"], dir).expect("start agent")
 }
 
 async fn allocatable(c: &mut AllocatorClient<Channel>, n: usize) -> pb::PoolStatus {
@@ -178,29 +160,14 @@ async fn samples_for_every_vdev_and_a_metrics_outage_costs_nothing() {
     let mut met = metrics(dir.path());
     // Pin the port so a restart comes back where the allocator pushes.
     met.set_arg("--listen", &met.addr("grpc").to_string());
-    let alloc_args = args![
-        "--listen",
-        "127.0.0.1:0",
-        "--data-dir",
-        dir.path().join("allocator").display(),
-        "--metrics",
-        met.url("grpc"),
-        "--snapshot-interval",
-        "200ms",
-    ];
-    let alloc = Proc::start(
-        "allocator",
-        &bin("aliquot-allocator"),
-        &alloc_args,
-        &[],
-        &["grpc"],
+    let mut pool = FilePool::start_with_default_timings(
         dir.path(),
-    )
-    .expect("start allocator");
-    let _a = sim_agent(dir.path(), "sim0", &alloc, 31);
-    let _b = sim_agent(dir.path(), "sim1", &alloc, 32);
-    let _c = sim_agent(dir.path(), "sim2", &alloc, 33);
-    let mut c = AllocatorClient::connect(alloc.url("grpc")).await.unwrap();
+        &args!["--metrics", met.url("grpc"), "--snapshot-interval", "200ms"],
+    );
+    for (name, guid) in [("sim0", 31), ("sim1", 32), ("sim2", 33)] {
+        pool.add_sim_agent(name, guid, &args!["--capacity", "4GiB"]);
+    }
+    let mut c = AllocatorClient::connect(pool.url.clone()).await.unwrap();
     let status = allocatable(&mut c, 3).await;
     let pool = status.name.clone();
     let vdevs: Vec<u32> = status.vdevs.iter().map(|v| v.vdev).collect();

@@ -9,7 +9,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use aliquot_proto::v1 as pb;
-use integration_tests::{Proc, args, bin};
+use integration_tests::{FilePool, args};
 use pb::allocator_client::AllocatorClient;
 use pb::vdev_agent_client::VdevAgentClient;
 use tonic::Code;
@@ -17,70 +17,25 @@ use tonic::transport::Channel;
 
 const MIB: u64 = 1 << 20;
 
-fn allocator(dir: &Path, extra: &[&str]) -> Proc {
-    let mut a = args![
-        "--listen",
-        "127.0.0.1:0",
-        "--data-dir",
-        dir.join("allocator").display(),
-        // Only the tests close txgs, so deferral can be counted.
-        "--zfs-txg-timeout",
-        "600s",
-    ];
+/// The allocator with its default timings, except that only the tests
+/// close txgs, so deferral can be counted.
+fn test_pool(dir: &Path, extra: &[&str]) -> FilePool {
+    let mut a = args!["--zfs-txg-timeout", "600s"];
     a.extend(extra.iter().map(|s| s.to_string()));
-    Proc::start(
-        "allocator",
-        &bin("aliquot-allocator"),
-        &a,
-        &[],
-        &["grpc"],
-        dir,
-    )
-    .expect("start allocator")
+    FilePool::start_with_default_timings(dir, &a)
 }
 
-fn file_agent(dir: &Path, name: &str, alloc: &Proc, capacity: &str) -> Proc {
-    let a = args![
-        "--listen",
-        "127.0.0.1:0",
-        "--allocator",
-        alloc.url("grpc"),
-        "--name",
-        name,
-        "--backend",
-        "file",
-        "--path",
-        dir.join(format!("{name}.img")).display(),
-        "--capacity",
-        capacity,
-    ];
-    Proc::start(name, &bin("aliquot-agent"), &a, &[], &["grpc"], dir).expect("start agent")
+fn strs(a: &[&str]) -> Vec<String> {
+    a.iter().map(|s| s.to_string()).collect()
 }
 
-fn sim_agent(dir: &Path, name: &str, alloc: &Proc, guid: u64, extra: &[&str]) -> Proc {
-    let mut a = args![
-        "--listen",
-        "127.0.0.1:0",
-        "--allocator",
-        alloc.url("grpc"),
-        "--name",
-        name,
-        "--backend",
-        "sim",
-        "--guid",
-        guid,
-    ];
-    a.extend(extra.iter().map(|s| s.to_string()));
-    Proc::start(name, &bin("aliquot-agent"), &a, &[], &["grpc"], dir).expect("start agent")
-}
-
-async fn client(p: &Proc) -> AllocatorClient<Channel> {
-    AllocatorClient::connect(p.url("grpc"))
+async fn client(p: &FilePool) -> AllocatorClient<Channel> {
+    AllocatorClient::connect(p.url.clone())
         .await
         .expect("connect allocator")
 }
 
-async fn pool(c: &mut AllocatorClient<Channel>) -> pb::PoolStatus {
+async fn pool_status(c: &mut AllocatorClient<Channel>) -> pb::PoolStatus {
     c.get_pool(pb::GetPoolRequest {})
         .await
         .unwrap()
@@ -98,7 +53,7 @@ fn normal(s: &pb::PoolStatus) -> &pb::ClassStatus {
 async fn wait_vdevs(c: &mut AllocatorClient<Channel>, n: usize) -> pb::PoolStatus {
     let start = Instant::now();
     loop {
-        let s = pool(c).await;
+        let s = pool_status(c).await;
         let ready = normal(&s).groups.iter().filter(|g| g.allocatable).count();
         if ready >= n {
             return s;
@@ -154,10 +109,10 @@ fn pattern(seed: u64, len: usize) -> Vec<u8> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn allocate_write_read_commit_then_frees_wait_two_txgs() {
     let dir = tempfile::tempdir().unwrap();
-    let alloc = allocator(dir.path(), &[]);
-    let _a = file_agent(dir.path(), "disk0", &alloc, "1GiB");
-    let _b = file_agent(dir.path(), "disk1", &alloc, "1GiB");
-    let mut c = client(&alloc).await;
+    let mut pool = test_pool(dir.path(), &[]);
+    pool.add_agent("1GiB");
+    pool.add_agent("1GiB");
+    let mut c = client(&pool).await;
     wait_vdevs(&mut c, 2).await;
     let mut agents = Agents::default();
 
@@ -218,7 +173,7 @@ async fn allocate_write_read_commit_then_frees_wait_two_txgs() {
             assert_eq!(&r.data[..payload.len()], &payload[..], "data at {e:?}");
         }
     }
-    let s = pool(&mut c).await;
+    let s = pool_status(&mut c).await;
     assert_eq!(normal(&s).reserved, 0, "commits released the throttle");
     let alloc_before_free = normal(&s).alloc;
 
@@ -242,18 +197,18 @@ async fn allocate_write_read_commit_then_frees_wait_two_txgs() {
     };
     c.sync_txg(sync(f.txg)).await.unwrap();
     assert_eq!(
-        normal(&pool(&mut c).await).alloc,
+        normal(&pool_status(&mut c).await).alloc,
         alloc_before_free,
         "deferred after 1 sync"
     );
     c.sync_txg(sync(0)).await.unwrap();
     assert_eq!(
-        normal(&pool(&mut c).await).alloc,
+        normal(&pool_status(&mut c).await).alloc,
         alloc_before_free,
         "deferred after 2 syncs"
     );
     c.sync_txg(sync(0)).await.unwrap();
-    let after = normal(&pool(&mut c).await).alloc;
+    let after = normal(&pool_status(&mut c).await).alloc;
     assert_eq!(
         after,
         alloc_before_free - freed,
@@ -321,7 +276,7 @@ async fn load(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_faster_vdev_takes_more_while_busy_unless_perf_bias_is_0() {
     let dir = tempfile::tempdir().unwrap();
-    let alloc = allocator(dir.path(), &[]);
+    let mut pool = test_pool(dir.path(), &[]);
     let sim = |bw| {
         [
             "--capacity",
@@ -332,9 +287,9 @@ async fn the_faster_vdev_takes_more_while_busy_unless_perf_bias_is_0() {
             "200us",
         ]
     };
-    let _slow = sim_agent(dir.path(), "slow", &alloc, 11, &sim("20MiB/s"));
-    let _fast = sim_agent(dir.path(), "fast", &alloc, 12, &sim("60MiB/s"));
-    let mut c = client(&alloc).await;
+    pool.add_sim_agent("slow", 11, &strs(&sim("20MiB/s")));
+    pool.add_sim_agent("fast", 12, &strs(&sim("60MiB/s")));
+    let mut c = client(&pool).await;
     let s = wait_vdevs(&mut c, 2).await;
     let id = |name: &str| s.vdevs.iter().find(|v| v.name == name).unwrap().vdev;
     let (slow, fast) = (id("slow"), id("fast"));
@@ -373,20 +328,19 @@ async fn the_faster_vdev_takes_more_while_busy_unless_perf_bias_is_0() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_agent_is_unavailable_within_3s_and_rejoins() {
     let dir = tempfile::tempdir().unwrap();
-    let alloc = allocator(dir.path(), &[]);
-    let _a = sim_agent(dir.path(), "a", &alloc, 21, &["--capacity", "4GiB"]);
-    let _b = sim_agent(dir.path(), "b", &alloc, 22, &["--capacity", "4GiB"]);
-    let mut victim = sim_agent(dir.path(), "c", &alloc, 23, &["--capacity", "4GiB"]);
-    let mut c = client(&alloc).await;
+    let mut pool = test_pool(dir.path(), &[]);
+    for (name, guid) in [("a", 21), ("b", 22), ("c", 23)] {
+        pool.add_sim_agent(name, guid, &args!["--capacity", "4GiB"]);
+    }
+    let mut c = client(&pool).await;
     let s = wait_vdevs(&mut c, 3).await;
     let v = s.vdevs.iter().find(|x| x.name == "c").unwrap().vdev;
     let health = |s: &pb::PoolStatus| s.vdevs.iter().find(|x| x.vdev == v).unwrap().health;
 
-    let port = victim.addr("grpc").port();
-    victim.kill9();
+    pool.agents[2].kill9();
     let killed = Instant::now();
     loop {
-        if health(&pool(&mut c).await) == pb::VdevHealth::Unavailable as i32 {
+        if health(&pool_status(&mut c).await) == pb::VdevHealth::Unavailable as i32 {
             break;
         }
         assert!(
@@ -416,11 +370,10 @@ async fn a_killed_agent_is_unavailable_within_3s_and_rejoins() {
     }
 
     // Restarted on the same port with the same device guid: same vdev, back.
-    victim.set_arg("--listen", &format!("127.0.0.1:{port}"));
-    victim.restart().expect("restart agent");
+    pool.agents[2].restart().expect("restart agent");
     let start = Instant::now();
     loop {
-        let s = pool(&mut c).await;
+        let s = pool_status(&mut c).await;
         if health(&s) == pb::VdevHealth::Healthy as i32 {
             assert_eq!(s.vdevs.len(), 3, "rejoined as the same vdev");
             break;
@@ -449,17 +402,17 @@ async fn a_killed_agent_is_unavailable_within_3s_and_rejoins() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_uncommitted_allocation_expires_at_its_lease() {
     let dir = tempfile::tempdir().unwrap();
-    let alloc = allocator(dir.path(), &["--lease", "700ms"]);
-    let _a = sim_agent(dir.path(), "a", &alloc, 31, &["--capacity", "2GiB"]);
-    let mut c = client(&alloc).await;
+    let mut pool = test_pool(dir.path(), &["--lease", "700ms"]);
+    pool.add_sim_agent("a", 31, &args!["--capacity", "2GiB"]);
+    let mut c = client(&pool).await;
     let s0 = wait_vdevs(&mut c, 1).await;
     let base = normal(&s0).alloc;
     let a = c.allocate(data(MIB, 1)).await.unwrap().into_inner();
-    let s1 = pool(&mut c).await;
+    let s1 = pool_status(&mut c).await;
     assert_eq!(normal(&s1).reserved, MIB);
     assert!(normal(&s1).alloc > base);
     tokio::time::sleep(Duration::from_millis(1200)).await;
-    let s2 = pool(&mut c).await;
+    let s2 = pool_status(&mut c).await;
     assert_eq!(normal(&s2).reserved, 0, "throttle bytes returned");
     let e = c
         .commit(pb::CommitRequest {
@@ -475,7 +428,11 @@ async fn an_uncommitted_allocation_expires_at_its_lease() {
     for _ in 0..4 {
         c.sync_txg(pb::SyncTxgRequest::default()).await.unwrap();
     }
-    assert_eq!(normal(&pool(&mut c).await).alloc, base, "space returned");
+    assert_eq!(
+        normal(&pool_status(&mut c).await).alloc,
+        base,
+        "space returned"
+    );
 }
 
 type Shape = (u64, Vec<pb::ClassStatus>, Vec<(u32, u64, i32, bool)>);
@@ -494,9 +451,9 @@ fn shape(s: &pb::PoolStatus) -> Shape {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_gets_a_precise_status_and_leaves_the_pool_unchanged() {
     let dir = tempfile::tempdir().unwrap();
-    let alloc = allocator(dir.path(), &[]);
-    let _a = file_agent(dir.path(), "disk0", &alloc, "1GiB");
-    let mut c = client(&alloc).await;
+    let mut pool = test_pool(dir.path(), &[]);
+    pool.add_agent("1GiB");
+    let mut c = client(&pool).await;
     wait_vdevs(&mut c, 1).await;
     let a = c.allocate(data(8192, 1)).await.unwrap().into_inner();
     c.commit(pb::CommitRequest {
@@ -514,7 +471,7 @@ async fn bad_input_gets_a_precise_status_and_leaves_the_pool_unchanged() {
     })
     .await
     .unwrap();
-    let before = pool(&mut c).await;
+    let before = pool_status(&mut c).await;
     let cap = before.vdevs[0].capacity;
 
     let check = |r: Result<(), tonic::Status>, code: Code, needle: &str| {
@@ -614,7 +571,7 @@ async fn bad_input_gets_a_precise_status_and_leaves_the_pool_unchanged() {
     let e = w.expect_err("write past the end");
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
 
-    let after = pool(&mut c).await;
+    let after = pool_status(&mut c).await;
     assert_eq!(
         shape(&before),
         shape(&after),

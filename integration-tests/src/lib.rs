@@ -378,6 +378,38 @@ pub fn leader_and_standby(allocators: &str) -> (String, String) {
     }
 }
 
+/// The listeners a service started with `args` announces: gRPC, and
+/// Prometheus where `--prometheus-listen` asks for it.
+fn listen_kinds(args: &[String]) -> Vec<&'static str> {
+    let mut k = vec!["grpc"];
+    if args.iter().any(|a| a == "--prometheus-listen") {
+        k.push("prometheus");
+    }
+    k
+}
+
+/// A metrics service in `dir` (its SQLite file `dir/metrics.db`), with its
+/// gRPC and HTTP listeners on ephemeral ports.
+pub fn metrics_service(dir: &Path) -> Proc {
+    let a = args![
+        "--listen",
+        "127.0.0.1:0",
+        "--http-listen",
+        "127.0.0.1:0",
+        "--db",
+        dir.join("metrics.db").display(),
+    ];
+    Proc::start(
+        "metrics",
+        &bin("aliquot-metrics"),
+        &a,
+        &[],
+        &["grpc", "http"],
+        dir,
+    )
+    .expect("start metrics")
+}
+
 /// A plaintext pool of real processes for tests: an allocator and file
 /// agents in `dir`, with `dir/aliquot-data` as the pool's data dir (where
 /// `aliquotctl write` records its manifests: the `ctl` helpers pass
@@ -428,7 +460,7 @@ impl FilePool {
             &bin("aliquot-allocator"),
             &a,
             &[],
-            &["grpc"],
+            &listen_kinds(&a),
             dir,
         )
         .expect("start allocator");
@@ -492,7 +524,8 @@ impl FilePool {
             name
         ];
         a.extend(backend);
-        let mut a = Proc::start(name, &bin("aliquot-agent"), &a, &[], &["grpc"], &self.dir)
+        let kinds = listen_kinds(&a);
+        let mut a = Proc::start(name, &bin("aliquot-agent"), &a, &[], &kinds, &self.dir)
             .expect("start agent");
         let addr = a.addr("grpc");
         a.set_arg("--listen", &addr.to_string());

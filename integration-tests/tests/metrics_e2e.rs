@@ -5,12 +5,11 @@
 //! backlog arrives.
 
 use std::collections::HashMap;
-use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use aliquot_proto::v1 as pb;
-use integration_tests::{FilePool, Proc, args, bin};
+use integration_tests::{FilePool, args, metrics_service};
 use pb::allocator_client::AllocatorClient;
 use pb::metrics_client::MetricsClient;
 use pb::vdev_agent_client::VdevAgentClient;
@@ -21,26 +20,6 @@ fn now_ms() -> i64 {
         .duration_since(UNIX_EPOCH)
         .unwrap()
         .as_millis() as i64
-}
-
-fn metrics(dir: &Path) -> Proc {
-    let a = args![
-        "--listen",
-        "127.0.0.1:0",
-        "--http-listen",
-        "127.0.0.1:0",
-        "--db",
-        dir.join("metrics.db").display(),
-    ];
-    Proc::start(
-        "metrics",
-        &bin("aliquot-metrics"),
-        &a,
-        &[],
-        &["grpc", "http"],
-        dir,
-    )
-    .expect("start metrics")
 }
 
 async fn allocatable(c: &mut AllocatorClient<Channel>, n: usize) -> pb::PoolStatus {
@@ -157,7 +136,7 @@ async fn history(url: &str, pool: &str) -> Option<pb::HistoryReply> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn samples_for_every_vdev_and_a_metrics_outage_costs_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let mut met = metrics(dir.path());
+    let mut met = metrics_service(dir.path());
     // Pin the port so a restart comes back where the allocator pushes.
     met.set_arg("--listen", &met.addr("grpc").to_string());
     let mut pool = FilePool::start_with_default_timings(

@@ -12,7 +12,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use aliquot_proto::v1 as pb;
-use integration_tests::{Proc, args, bin};
+use integration_tests::{FilePool, Proc, args, metrics_service};
 use pb::allocator_client::AllocatorClient;
 use pb::vdev_agent_client::VdevAgentClient;
 
@@ -119,30 +119,10 @@ fn get<'a>(s: &'a [Sample], name: &str, labels: &[(&str, &str)]) -> Option<&'a S
 }
 
 fn start(dir: &Path) -> (Proc, Proc, Vec<Proc>) {
-    let met = Proc::start(
-        "metrics",
-        &bin("aliquot-metrics"),
-        &args![
-            "--listen",
-            "127.0.0.1:0",
-            "--http-listen",
-            "127.0.0.1:0",
-            "--db",
-            dir.join("metrics.db").display(),
-        ],
-        &[],
-        &["grpc", "http"],
+    let met = metrics_service(dir);
+    let mut pool = FilePool::start_with_default_timings(
         dir,
-    )
-    .expect("start metrics");
-    let alloc = Proc::start(
-        "allocator",
-        &bin("aliquot-allocator"),
         &args![
-            "--listen",
-            "127.0.0.1:0",
-            "--data-dir",
-            dir.join("allocator").display(),
             "--metrics",
             met.url("grpc"),
             "--snapshot-interval",
@@ -150,40 +130,15 @@ fn start(dir: &Path) -> (Proc, Proc, Vec<Proc>) {
             "--prometheus-listen",
             "127.0.0.1:0",
         ],
-        &[],
-        &["grpc", "prometheus"],
-        dir,
-    )
-    .expect("start allocator");
-    let agents = (0..3u64)
-        .map(|i| {
-            let name = format!("sim{i}");
-            Proc::start(
-                &name,
-                &bin("aliquot-agent"),
-                &args![
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--allocator",
-                    alloc.url("grpc"),
-                    "--name",
-                    name,
-                    "--backend",
-                    "sim",
-                    "--guid",
-                    41 + i,
-                    "--capacity",
-                    "4GiB",
-                    "--prometheus-listen",
-                    "127.0.0.1:0",
-                ],
-                &[],
-                &["grpc", "prometheus"],
-                dir,
-            )
-            .expect("start agent")
-        })
-        .collect();
+    );
+    for i in 0..3u64 {
+        pool.add_sim_agent(
+            &format!("sim{i}"),
+            41 + i,
+            &args!["--capacity", "4GiB", "--prometheus-listen", "127.0.0.1:0"],
+        );
+    }
+    let FilePool { alloc, agents, .. } = pool;
     (met, alloc, agents)
 }
 

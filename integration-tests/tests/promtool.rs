@@ -12,7 +12,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use integration_tests::{Proc, args, bin, ctl, ok_stdout};
+use integration_tests::{FilePool, Proc, args, ctl, metrics_service, ok_stdout};
 
 /// What Prometheus 2.x sends.
 const PROMETHEUS_ACCEPT: &str = "application/openmetrics-text;version=1.0.0,application/\
@@ -82,30 +82,10 @@ fn check_metrics(body: &str) -> (bool, String) {
 }
 
 fn start(dir: &Path) -> (Proc, Proc, Vec<Proc>) {
-    let met = Proc::start(
-        "metrics",
-        &bin("aliquot-metrics"),
-        &args![
-            "--listen",
-            "127.0.0.1:0",
-            "--http-listen",
-            "127.0.0.1:0",
-            "--db",
-            dir.join("metrics.db").display(),
-        ],
-        &[],
-        &["grpc", "http"],
+    let met = metrics_service(dir);
+    let mut pool = FilePool::start_with_default_timings(
         dir,
-    )
-    .expect("start metrics");
-    let alloc = Proc::start(
-        "allocator",
-        &bin("aliquot-allocator"),
         &args![
-            "--listen",
-            "127.0.0.1:0",
-            "--data-dir",
-            dir.join("allocator").display(),
             "--metrics",
             met.url("grpc"),
             "--snapshot-interval",
@@ -115,40 +95,11 @@ fn start(dir: &Path) -> (Proc, Proc, Vec<Proc>) {
             "--prometheus-listen",
             "127.0.0.1:0",
         ],
-        &[],
-        &["grpc", "prometheus"],
-        dir,
-    )
-    .expect("start allocator");
-    let agents = (0..2)
-        .map(|i| {
-            let name = format!("file{i}");
-            Proc::start(
-                &name,
-                &bin("aliquot-agent"),
-                &args![
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--allocator",
-                    alloc.url("grpc"),
-                    "--name",
-                    name,
-                    "--backend",
-                    "file",
-                    "--path",
-                    dir.join(format!("{name}.img")).display(),
-                    "--capacity",
-                    "256MiB",
-                    "--prometheus-listen",
-                    "127.0.0.1:0",
-                ],
-                &[],
-                &["grpc", "prometheus"],
-                dir,
-            )
-            .expect("start agent")
-        })
-        .collect();
+    );
+    for _ in 0..2 {
+        pool.add_agent_with("256MiB", &args!["--prometheus-listen", "127.0.0.1:0"]);
+    }
+    let FilePool { alloc, agents, .. } = pool;
     (met, alloc, agents)
 }
 

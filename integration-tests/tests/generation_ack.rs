@@ -4,11 +4,10 @@
 //! may be placed on its vdev before the agent has reported in it; and once
 //! it has, a write with a token of the old generation is refused.
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use aliquot_proto::v1 as pb;
-use integration_tests::{Proc, args, bin, data_request as data, signal};
+use integration_tests::{FilePool, args, data_request as data, signal};
 use pb::allocator_client::AllocatorClient;
 use pb::vdev_agent_client::VdevAgentClient;
 use tonic::Code;
@@ -23,68 +22,38 @@ async fn channel(url: &str) -> Channel {
         .connect_lazy()
 }
 
-fn start_allocator(dir: &Path, certs: &Path) -> Proc {
-    let a = args![
-        "--listen",
-        "127.0.0.1:0",
-        "--pool",
-        "genack",
-        "--data-dir",
-        dir.join("allocator").display(),
-        "--token-key",
-        certs.display(),
-        "--report-interval",
-        "200ms",
-        // No claim window: the first Allocate after the restart is served at
-        // once, the case in which a stale agent could be written through.
-        "--claim-window",
-        "0s",
-    ];
-    let mut p = Proc::start(
-        "allocator",
-        &bin("aliquot-allocator"),
-        &a,
-        &[],
-        &["grpc"],
-        dir,
-    )
-    .expect("start allocator");
-    let addr = p.addr("grpc");
-    p.set_arg("--listen", &addr.to_string());
-    p
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_agent_takes_nothing_until_it_knows_the_new_generation() {
     let dir = tempfile::tempdir().unwrap();
     let certs = dir.path().join("certs");
     aliquot_auth::PoolCa::init(&certs, "genack").unwrap();
-    let mut alloc = start_allocator(dir.path(), &certs);
-    let alloc_url = alloc.url("grpc");
-    let agent = Proc::start(
-        "agent",
-        &bin("aliquot-agent"),
+    let mut pool = FilePool::start_with_default_timings(
+        dir.path(),
         &args![
-            "--listen",
-            "127.0.0.1:0",
-            "--allocator",
-            alloc_url,
-            "--name",
-            "d0",
-            "--backend",
-            "file",
-            "--path",
-            dir.path().join("d0.img").display(),
-            "--capacity",
-            "256MiB",
+            "--pool",
+            "genack",
             "--token-key",
             certs.display(),
+            "--report-interval",
+            "200ms",
+            // No claim window: the first Allocate after the restart is
+            // served at once, the case in which a stale agent could be
+            // written through.
+            "--claim-window",
+            "0s",
         ],
-        &[],
-        &["grpc"],
-        dir.path(),
-    )
-    .expect("start agent");
+    );
+    let alloc_url = pool.url.clone();
+    pool.add_file_agent(
+        "d0",
+        &dir.path().join("d0.img"),
+        "256MiB",
+        &args!["--token-key", certs.display()],
+    );
+    let FilePool {
+        mut alloc, agents, ..
+    } = pool;
+    let agent = &agents[0];
     let mut agent_c = VdevAgentClient::new(channel(&agent.url("grpc")).await);
     let mut c = AllocatorClient::new(channel(&alloc_url).await);
 

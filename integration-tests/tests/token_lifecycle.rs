@@ -8,7 +8,7 @@
 use std::time::{Duration, Instant};
 
 use aliquot_proto::v1 as pb;
-use integration_tests::{Proc, args, bin, data_request as data};
+use integration_tests::{FilePool, args, data_request as data};
 use pb::allocator_client::AllocatorClient;
 use pb::vdev_agent_client::VdevAgentClient;
 use tonic::Code;
@@ -71,16 +71,11 @@ async fn a_token_dies_when_its_space_is_given_to_someone_else() {
     let dir = tempfile::tempdir().unwrap();
     let certs = dir.path().join("certs");
     aliquot_auth::PoolCa::init(&certs, "tokens").unwrap();
-    let mut alloc = Proc::start(
-        "allocator",
-        &bin("aliquot-allocator"),
+    let mut pool = FilePool::start_with_default_timings(
+        dir.path(),
         &args![
-            "--listen",
-            "127.0.0.1:0",
             "--pool",
             "tokens",
-            "--data-dir",
-            dir.path().join("allocator").display(),
             "--token-key",
             certs.display(),
             "--report-interval",
@@ -88,38 +83,15 @@ async fn a_token_dies_when_its_space_is_given_to_someone_else() {
             "--zfs-txg-timeout",
             "100ms",
         ],
-        &[],
-        &["grpc"],
-        dir.path(),
-    )
-    .expect("allocator");
-    let addr = alloc.addr("grpc");
-    alloc.set_arg("--listen", &addr.to_string());
-    let url = alloc.url("grpc");
-    let mut agent = Proc::start(
-        "agent",
-        &bin("aliquot-agent"),
-        &args![
-            "--listen",
-            "127.0.0.1:0",
-            "--allocator",
-            url,
-            "--name",
-            "d0",
-            "--path",
-            dir.path().join("d0.img").display(),
-            "--capacity",
-            "64MiB",
-            "--token-key",
-            certs.display(),
-        ],
-        &[],
-        &["grpc"],
-        dir.path(),
-    )
-    .expect("agent");
-    let agent_addr = agent.addr("grpc");
-    agent.set_arg("--listen", &agent_addr.to_string());
+    );
+    let url = pool.url.clone();
+    pool.add_file_agent(
+        "d0",
+        &dir.path().join("d0.img"),
+        "64MiB",
+        &args!["--token-key", certs.display()],
+    );
+    let agent = &mut pool.agents[0];
     let mut c = AllocatorClient::new(lazy(&url));
     let mut ag = VdevAgentClient::new(lazy(&agent.url("grpc")));
 

@@ -72,7 +72,7 @@ async fn a_stopped_agent_takes_nothing_until_it_knows_the_new_generation() {
     assert!(!a.tokens.is_empty(), "the allocator signs tokens");
 
     // The agent sleeps through a crash and restart of the allocator.
-    signal(&agent, "-STOP");
+    signal(agent, "-STOP");
     alloc.kill9();
     alloc.restart().expect("restart allocator");
     let mut c = AllocatorClient::new(channel(&alloc_url).await);
@@ -103,7 +103,7 @@ async fn a_stopped_agent_takes_nothing_until_it_knows_the_new_generation() {
     }
 
     // The agent wakes, registers again, reports: now it is allocatable.
-    signal(&agent, "-CONT");
+    signal(agent, "-CONT");
     let deadline = Instant::now() + Duration::from_secs(20);
     let b = loop {
         match c.allocate(data(MIB)).await {

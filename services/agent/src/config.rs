@@ -85,15 +85,27 @@ pub struct Config {
     /// copy into it, no writeback later); Flush still fdatasyncs, so the
     /// durability contract is the same. Needs a filesystem or block device
     /// that supports it. The default for block devices (with --ashift 12 or
-    /// more; --buffered turns it off); regular files stay buffered unless
-    /// asked, since small writes then wait for the disk one by one.
+    /// more; --buffered turns it off); regular files take it for large
+    /// writes only (--direct-min-size), since small writes would then wait
+    /// for the disk one by one.
     #[arg(long, env = "ALIQUOT_DIRECT", value_parser = clap::builder::BoolishValueParser::new(), conflicts_with = "buffered")]
     pub direct: bool,
 
-    /// Data I/O through the page cache even on a block device (where
-    /// O_DIRECT is the default).
+    /// All data I/O through the page cache: even on a block device (where
+    /// O_DIRECT is the default), and for large writes to a file.
     #[arg(long, env = "ALIQUOT_BUFFERED", value_parser = clap::builder::BoolishValueParser::new())]
     pub buffered: bool,
+
+    /// Where data I/O is not all direct (a regular file, by default),
+    /// writes of at least this size (4 KiB-aligned) go through O_DIRECT and
+    /// smaller ones through the page cache: large writes skip the copy into
+    /// the page cache and the writeback after it, small ones do not wait for
+    /// the disk one by one. Reads and Flush (fdatasync) are unchanged. Falls
+    /// back to buffered if the filesystem refuses O_DIRECT. [default:
+    /// 256KiB; --buffered turns it off]
+    #[arg(long, env = "ALIQUOT_DIRECT_MIN_SIZE", value_parser = units::size_arg,
+          conflicts_with_all = ["direct", "buffered"])]
+    pub direct_min_size: Option<u64>,
 
     /// Serve unary Writes through tonic's decoder instead of the fast path
     /// (which writes the payload from the received HTTP/2 frames without
@@ -207,6 +219,7 @@ impl Config {
             capacity: None,
             direct: false,
             buffered: false,
+            direct_min_size: None,
             no_fast_write: false,
             ashift: 12,
             rotational: false,
@@ -287,8 +300,11 @@ impl Config {
                 if self.path.is_some() {
                     return bad("--path applies to --backend file only".into());
                 }
-                if self.direct || self.buffered {
-                    return bad("--direct and --buffered apply to --backend file only".into());
+                if self.direct || self.buffered || self.direct_min_size.is_some() {
+                    return bad(
+                        "--direct, --buffered and --direct-min-size apply to --backend file only"
+                            .into(),
+                    );
                 }
                 let Some(cap) = self.capacity else {
                     return bad("--backend sim needs --capacity SIZE".into());

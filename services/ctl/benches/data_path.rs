@@ -18,7 +18,9 @@
 //! goes, default /work if it exists, else the system temp dir),
 //! ALIQUOT_BENCH_TOTAL (1GiB), ALIQUOT_BENCH_VS="ENV=VAL ..." (a second
 //! pool, B, whose processes get these variables, run interleaved with A;
-//! B/A ratios are printed).
+//! B/A ratios are printed), ALIQUOT_BENCH_SECURE=1 (B is the secure
+//! default instead: `up` with mutual TLS and write tokens, `write` with the
+//! pool's certificates; with ALIQUOT_BENCH_VS, B gets both).
 //!
 //! After the rounds, the fresh-space case (issue 28, item 3): per round a
 //! new pool with nothing laid out and no warm-up writes once into new space,
@@ -60,14 +62,19 @@ struct Pool {
     name: &'static str,
     up: Child,
     url: String,
+    /// The secure default (mutual TLS and tokens): `write` is given
+    /// `--certs-dir` here instead of `--insecure`.
+    certs: Option<PathBuf>,
     allocator: u32,
     agents: Vec<u32>,
 }
 
-fn start_pool(name: &'static str, dir: &Path, env: &[(String, String)]) -> Pool {
+fn start_pool(name: &'static str, dir: &Path, env: &[(String, String)], secure: bool) -> Pool {
     let data = dir.join(name);
     let mut up = Command::new(bin())
-        .args(["up", "--insecure", "--ephemeral", "--no-metrics"])
+        .arg("up")
+        .args((!secure).then_some("--insecure"))
+        .args(["--ephemeral", "--no-metrics"])
         .args(["--agents", "4GiB,4GiB,4GiB"])
         .arg("--data-dir")
         .arg(&data)
@@ -87,7 +94,7 @@ fn start_pool(name: &'static str, dir: &Path, env: &[(String, String)]) -> Pool 
             .and_then(Result::ok)
             .unwrap_or_else(|| panic!("pool {name}: up exited; logs in {}", data.display()));
         if let Some(a) = line.trim().strip_prefix("LISTEN grpc ") {
-            break format!("http://{a}");
+            break format!("{}://{a}", if secure { "https" } else { "http" });
         }
     };
     // Keep draining so `up` never blocks on its stdout.
@@ -118,6 +125,7 @@ fn start_pool(name: &'static str, dir: &Path, env: &[(String, String)]) -> Pool 
         name,
         up,
         url,
+        certs: secure.then(|| data.join("certs")),
         allocator,
         agents,
     }
@@ -194,8 +202,13 @@ fn write_run(p: &Pool, total: &str, mib: f64) -> WriteRun {
     let l0 = cpu(p.allocator);
     let c0 = children_cpu();
     let t = Instant::now();
-    let st = Command::new(bin())
-        .args(["write", "--insecure", "--allocator", &p.url])
+    let mut cmd = Command::new(bin());
+    cmd.args(["write", "--allocator", &p.url]);
+    match &p.certs {
+        Some(c) => cmd.arg("--certs-dir").arg(c),
+        None => cmd.arg("--insecure"),
+    };
+    let st = cmd
         .args([
             "--total",
             total,
@@ -229,20 +242,27 @@ fn write_run(p: &Pool, total: &str, mib: f64) -> WriteRun {
 }
 
 /// The fresh-space case (issue 28, item 3): what a user's first GiB does.
-/// A new pool (no layout, no warm-up) writes once into new space, beside dd
-/// and the floor each writing a new file; every file is removed after.
-/// Returns the pool's run, dd's (MiB/s, CPU ms/MiB) and the TCP floor's.
-fn fresh_round(
+/// A new pool (no layout, no warm-up) writes once into new space; the pool
+/// and its files are removed after.
+fn fresh_pool_run(
     dir: &Path,
-    round: usize,
+    name: String,
+    env: &[(String, String)],
+    secure: bool,
     total: &str,
     mib: f64,
-) -> (WriteRun, (f64, f64), (f64, f64)) {
-    let name: &'static str = Box::leak(format!("fresh{round}").into_boxed_str());
-    let p = start_pool(name, dir, &[]);
+) -> WriteRun {
+    let name: &'static str = Box::leak(name.into_boxed_str());
+    let p = start_pool(name, dir, env, secure);
     let r = write_run(&p, total, mib);
     stop_pool(p);
     let _ = std::fs::remove_dir_all(dir.join(name));
+    r
+}
+
+/// dd and the TCP floor, each writing a new file (removed after), beside
+/// the fresh pools: dd's (MiB/s, CPU ms/MiB) and the floor's.
+fn fresh_dd_and_floor(dir: &Path, round: usize, mib: f64) -> ((f64, f64), (f64, f64)) {
     let f = dir.join(format!("dd-fresh{round}.img"));
     let c0 = children_cpu();
     let t = Instant::now();
@@ -262,7 +282,7 @@ fn fresh_round(
     let ff = dir.join(format!("floor-fresh{round}.img"));
     let floor = floor_into(dir, &ff, mib, "tcp");
     let _ = std::fs::remove_file(&ff);
-    (r, d, floor)
+    (d, floor)
 }
 
 /// dd: MiB/s and CPU per MiB, overwriting `dir/dd.img` in place.
@@ -426,6 +446,28 @@ fn summary(label: &str, runs: &[WriteRun], dds: &[(f64, f64)]) -> [f64; 5] {
     s
 }
 
+/// B's figures over A's: the median of per-round ratios, and of medians.
+fn ratios(label: &str, ra: &[WriteRun], rb: &[WriteRun], sa: [f64; 5], sb: [f64; 5]) {
+    let r = |i: usize| {
+        median(
+            ra.iter()
+                .zip(rb)
+                .map(|(x, y)| figures(y)[i] / figures(x)[i])
+                .collect(),
+        )
+    };
+    println!(
+        "{label} (median of per-round ratios): throughput {:.2}, CPU total {:.2}, client {:.2}, agents {:.2}, allocator {:.2}  (of medians: {:.2} / {:.2})",
+        r(0),
+        r(1),
+        r(2),
+        r(3),
+        r(4),
+        sb[0] / sa[0],
+        sb[1] / sa[1]
+    );
+}
+
 fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
@@ -445,6 +487,8 @@ fn main() {
         .filter_map(|kv| kv.split_once('='))
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
+    let secure = std::env::var("ALIQUOT_BENCH_SECURE").is_ok_and(|v| v == "1");
+    let has_b = secure || !vs.is_empty();
     let base: PathBuf = std::env::var_os("ALIQUOT_BENCH_DIR")
         .map(PathBuf::from)
         .or_else(|| Path::new("/work").is_dir().then(|| "/work".into()))
@@ -457,18 +501,19 @@ fn main() {
         "data path: aliquotctl write --total {total} --block-size 1MiB --concurrency 32 --free, 3 file agents of 4 GiB in {}; dd bs=1M count={} conv=notrunc,fsync; {rounds} rounds{}",
         dir.path().display(),
         mib as u64,
-        if vs.is_empty() {
-            String::new()
-        } else {
-            format!("; B = A with {vs:?}")
+        match (secure, vs.is_empty()) {
+            (false, true) => String::new(),
+            (false, false) => format!("; B = A with {vs:?}"),
+            (true, true) => "; A plaintext, B the secure default (mTLS + tokens)".into(),
+            (true, false) => format!("; B = the secure default with {vs:?}"),
         }
     );
     let warmup = std::env::var("ALIQUOT_BENCH_WARMUP")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(1usize);
-    let a = start_pool("A", dir.path(), &[]);
-    let b = (!vs.is_empty()).then(|| start_pool("B", dir.path(), &vs));
+    let a = start_pool("A", dir.path(), &[], false);
+    let b = has_b.then(|| start_pool("B", dir.path(), &vs, secure));
     lay_out(&a);
     if let Some(b) = &b {
         lay_out(b);
@@ -530,9 +575,40 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(rounds);
+    // (A's run, B's run if any, dd's, the floor's) per round.
     let mut fresh = Vec::new();
     for round in 0..fresh_rounds {
-        let (r, d, f) = fresh_round(dir.path(), round, &total, mib);
+        // A then B, then B then A: drift falls on both alike.
+        let run_a = || {
+            fresh_pool_run(
+                dir.path(),
+                format!("fresh-a{round}"),
+                &[],
+                false,
+                &total,
+                mib,
+            )
+        };
+        let run_b = || {
+            has_b.then(|| {
+                fresh_pool_run(
+                    dir.path(),
+                    format!("fresh-b{round}"),
+                    &vs,
+                    secure,
+                    &total,
+                    mib,
+                )
+            })
+        };
+        let (r, rb) = if round % 2 == 0 {
+            let r = run_a();
+            (r, run_b())
+        } else {
+            let rb = run_b();
+            (run_a(), rb)
+        };
+        let (d, f) = fresh_dd_and_floor(dir.path(), round, mib);
         println!(
             "fresh round {}: dd {:7.1} MiB/s, CPU {:.2} ms/MiB; floor over TCP {:.1} MiB/s, {:.2} ms/MiB",
             round + 1,
@@ -541,9 +617,19 @@ fn main() {
             f.0,
             f.1
         );
-        show("fresh", &r, d.0);
-        println!("  fresh: CPU {:.2}× the floor's", r.total() / f.1.max(1e-9));
-        fresh.push((r, d, f));
+        show("fresh A", &r, d.0);
+        println!(
+            "  fresh A: CPU {:.2}× the floor's",
+            r.total() / f.1.max(1e-9)
+        );
+        if let Some(rb) = &rb {
+            show("fresh B", rb, d.0);
+            println!(
+                "  fresh B: CPU {:.2}× the floor's",
+                rb.total() / f.1.max(1e-9)
+            );
+        }
+        fresh.push((r, rb, d, f));
     }
     println!("medians:");
     println!(
@@ -558,39 +644,31 @@ fn main() {
             median(floors.iter().map(|f| f[i].1).collect())
         );
     }
+    let floor_tcp = median(floors.iter().map(|f| f[0].1).collect());
     let sa = summary("A", &ra, &dds);
-    if !fresh.is_empty() {
-        let runs: Vec<WriteRun> = fresh.iter().map(|(r, _, _)| r.clone()).collect();
-        let dd_fresh: Vec<(f64, f64)> = fresh.iter().map(|(_, d, _)| *d).collect();
-        let s = summary("fresh space", &runs, &dd_fresh);
-        let floor = median(fresh.iter().map(|(_, _, f)| f.1).collect());
-        println!(
-            "fresh space: dd {:.1} MiB/s; floor into a new file {:.2} ms/MiB; pool CPU {:.2}× the floor's",
-            median(dd_fresh.iter().map(|d| d.0).collect()),
-            floor,
-            s[1] / floor.max(1e-9)
-        );
-    }
+    println!("A: CPU {:.2}× the TCP floor's", sa[1] / floor_tcp.max(1e-9));
     if b.is_some() {
         let sb = summary("B", &rb, &dds);
-        let r = |i: usize| {
-            median(
-                ra.iter()
-                    .zip(&rb)
-                    .map(|(x, y)| figures(y)[i] / figures(x)[i])
-                    .collect(),
-            )
-        };
+        println!("B: CPU {:.2}× the TCP floor's", sb[1] / floor_tcp.max(1e-9));
+        ratios("B/A", &ra, &rb, sa, sb);
+    }
+    if !fresh.is_empty() {
+        let dd_fresh: Vec<(f64, f64)> = fresh.iter().map(|(_, _, d, _)| *d).collect();
+        let floor = median(fresh.iter().map(|(_, _, _, f)| f.1).collect());
         println!(
-            "B/A (median of per-round ratios): throughput {:.2}, CPU total {:.2}, client {:.2}, agents {:.2}, allocator {:.2}  (of medians: {:.2} / {:.2})",
-            r(0),
-            r(1),
-            r(2),
-            r(3),
-            r(4),
-            sb[0] / sa[0],
-            sb[1] / sa[1]
+            "fresh space: dd {:.1} MiB/s; floor into a new file {:.2} ms/MiB",
+            median(dd_fresh.iter().map(|d| d.0).collect()),
+            floor,
         );
+        let runs: Vec<WriteRun> = fresh.iter().map(|(r, ..)| r.clone()).collect();
+        let fa = summary("fresh A", &runs, &dd_fresh);
+        println!("fresh A: CPU {:.2}× the floor's", fa[1] / floor.max(1e-9));
+        if has_b {
+            let runs_b: Vec<WriteRun> = fresh.iter().filter_map(|(_, r, ..)| r.clone()).collect();
+            let fb = summary("fresh B", &runs_b, &dd_fresh);
+            println!("fresh B: CPU {:.2}× the floor's", fb[1] / floor.max(1e-9));
+            ratios("fresh B/A", &runs, &runs_b, fa, fb);
+        }
     }
     stop_pool(a);
     if let Some(b) = b {

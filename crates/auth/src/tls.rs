@@ -19,6 +19,20 @@ use crate::ca::{CA_CERT, PoolCa, read};
 use crate::error::AuthError;
 use crate::role::Role;
 
+/// The provider with TLS 1.3's AES-128-GCM first (the others keep their
+/// order). Every byte of the data path is sealed and opened once per hop;
+/// AES-128 runs 10 rounds to AES-256's 14 (`openssl speed` here: 4.7 against
+/// 4.1 GB/s at 16 KiB records), and it is the suite TLS 1.3 requires every
+/// implementation to support (RFC 8446, 9.1).
+fn aes128_first(
+    mut p: tokio_rustls::rustls::crypto::CryptoProvider,
+) -> tokio_rustls::rustls::crypto::CryptoProvider {
+    use tokio_rustls::rustls::CipherSuite;
+    p.cipher_suites
+        .sort_by_key(|s| s.suite() != CipherSuite::TLS13_AES_128_GCM_SHA256);
+    p
+}
+
 /// The three PEM files a service or user presents.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TlsFiles {
@@ -61,7 +75,9 @@ impl TlsFiles {
     /// (our certificate, a client certificate from the pool CA, ALPN h2).
     pub fn rustls_server_config(&self) -> Result<Arc<ServerConfig>, AuthError> {
         let bad = |what: &str, e: &dyn std::fmt::Display| AuthError::Tls(format!("{what}: {e}"));
-        let provider = Arc::new(tokio_rustls::rustls::crypto::ring::default_provider());
+        let provider = Arc::new(aes128_first(
+            tokio_rustls::rustls::crypto::ring::default_provider(),
+        ));
         let mut roots = RootCertStore::empty();
         for c in CertificateDer::pem_slice_iter(read(&self.ca)?.as_bytes()) {
             let c = c.map_err(|e| bad(&format!("{}", self.ca.display()), &e))?;
@@ -85,6 +101,9 @@ impl TlsFiles {
             .with_single_cert(certs, key)
             .map_err(|e| bad(&format!("{}", self.cert.display()), &e))?;
         config.alpn_protocols = vec![b"h2".to_vec()];
+        // Our order, not the client's: rustls clients (tonic's) list
+        // AES-256-GCM first.
+        config.ignore_client_order = true;
         Ok(Arc::new(config))
     }
 
@@ -94,5 +113,81 @@ impl TlsFiles {
             .ca_certificate(self.ca()?)
             .identity(self.identity()?)
             .domain_name(server_role.server_name()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio_rustls::rustls::{CipherSuite, ClientConfig, ClientConnection, ServerConnection};
+
+    /// A rustls client with the default order (AES-256-GCM first), as
+    /// tonic's, gets AES-128-GCM from our servers.
+    #[test]
+    fn servers_choose_aes_128_gcm() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = PoolCa::init(dir.path(), "tank").unwrap();
+        ca.issue(Role::Agent, "a0", &[]).unwrap();
+        ca.issue(Role::Client, "c0", &[]).unwrap();
+        let server = TlsFiles::in_dir(dir.path(), Role::Agent, "a0")
+            .rustls_server_config()
+            .unwrap();
+        let client = TlsFiles::in_dir(dir.path(), Role::Client, "c0");
+        let provider = tokio_rustls::rustls::crypto::ring::default_provider();
+        assert_eq!(
+            provider.cipher_suites[0].suite(),
+            CipherSuite::TLS13_AES_256_GCM_SHA384,
+            "the client prefers AES-256"
+        );
+        let mut roots = RootCertStore::empty();
+        for c in CertificateDer::pem_slice_iter(read(&client.ca).unwrap().as_bytes()) {
+            roots.add(c.unwrap()).unwrap();
+        }
+        let certs = CertificateDer::pem_slice_iter(read(&client.cert).unwrap().as_bytes())
+            .collect::<Result<Vec<_>, _>>()
+            .unwrap();
+        let key = PrivateKeyDer::from_pem_slice(read(&client.key).unwrap().as_bytes()).unwrap();
+        let cc = ClientConfig::builder_with_provider(Arc::new(provider))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_client_auth_cert(certs, key)
+            .unwrap();
+        let name = Role::Agent.server_name().try_into().unwrap();
+        let mut c = ClientConnection::new(Arc::new(cc), name).unwrap();
+        let mut s = ServerConnection::new(server).unwrap();
+        // The handshake in memory: each side's records to the other.
+        for _ in 0..10 {
+            let mut buf = Vec::new();
+            while c.wants_write() {
+                c.write_tls(&mut buf).unwrap();
+            }
+            let mut rd = &buf[..];
+            while !rd.is_empty() {
+                s.read_tls(&mut rd).unwrap();
+            }
+            s.process_new_packets().unwrap();
+            let mut buf = Vec::new();
+            while s.wants_write() {
+                s.write_tls(&mut buf).unwrap();
+            }
+            let mut rd = &buf[..];
+            while !rd.is_empty() {
+                c.read_tls(&mut rd).unwrap();
+            }
+            c.process_new_packets().unwrap();
+            if !c.is_handshaking() && !s.is_handshaking() {
+                break;
+            }
+        }
+        assert!(!s.is_handshaking(), "handshake did not finish");
+        assert_eq!(
+            s.negotiated_cipher_suite().unwrap().suite(),
+            CipherSuite::TLS13_AES_128_GCM_SHA256
+        );
+        assert_eq!(
+            c.negotiated_cipher_suite().unwrap().suite(),
+            CipherSuite::TLS13_AES_128_GCM_SHA256
+        );
     }
 }

@@ -20,7 +20,9 @@
 //! pool, B, whose processes get these variables, run interleaved with A;
 //! B/A ratios are printed), ALIQUOT_BENCH_SECURE=1 (B is the secure
 //! default instead: `up` with mutual TLS and write tokens, `write` with the
-//! pool's certificates; with ALIQUOT_BENCH_VS, B gets both).
+//! pool's certificates; with ALIQUOT_BENCH_VS, B gets both; `all`: A and B
+//! both secure), ALIQUOT_BENCH_B_BIN=PATH (B runs another build's
+//! `aliquotctl`, e.g. one saved before a change).
 //!
 //! After the rounds, the fresh-space case (issue 28, item 3): per round a
 //! new pool with nothing laid out and no warm-up writes once into new space,
@@ -58,8 +60,19 @@ fn children_cpu() -> Duration {
     tv(ru.ru_utime) + tv(ru.ru_stime)
 }
 
+/// How a pool is run: which `aliquotctl`, with what environment, secure or
+/// plaintext.
+#[derive(Clone)]
+struct Side {
+    bin: PathBuf,
+    env: Vec<(String, String)>,
+    secure: bool,
+}
+
 struct Pool {
     name: &'static str,
+    /// The `aliquotctl` that runs this pool and writes to it.
+    bin: PathBuf,
     up: Child,
     url: String,
     /// The secure default (mutual TLS and tokens): `write` is given
@@ -69,9 +82,10 @@ struct Pool {
     agents: Vec<u32>,
 }
 
-fn start_pool(name: &'static str, dir: &Path, env: &[(String, String)], secure: bool) -> Pool {
+fn start_pool(name: &'static str, dir: &Path, side: &Side) -> Pool {
+    let (env, secure) = (&side.env, side.secure);
     let data = dir.join(name);
-    let mut up = Command::new(bin())
+    let mut up = Command::new(&side.bin)
         .arg("up")
         .args((!secure).then_some("--insecure"))
         .args(["--ephemeral", "--no-metrics"])
@@ -123,6 +137,7 @@ fn start_pool(name: &'static str, dir: &Path, env: &[(String, String)], secure: 
     );
     Pool {
         name,
+        bin: side.bin.clone(),
         up,
         url,
         certs: secure.then(|| data.join("certs")),
@@ -202,7 +217,7 @@ fn write_run(p: &Pool, total: &str, mib: f64) -> WriteRun {
     let l0 = cpu(p.allocator);
     let c0 = children_cpu();
     let t = Instant::now();
-    let mut cmd = Command::new(bin());
+    let mut cmd = Command::new(&p.bin);
     cmd.args(["write", "--allocator", &p.url]);
     match &p.certs {
         Some(c) => cmd.arg("--certs-dir").arg(c),
@@ -244,16 +259,9 @@ fn write_run(p: &Pool, total: &str, mib: f64) -> WriteRun {
 /// The fresh-space case (issue 28, item 3): what a user's first GiB does.
 /// A new pool (no layout, no warm-up) writes once into new space; the pool
 /// and its files are removed after.
-fn fresh_pool_run(
-    dir: &Path,
-    name: String,
-    env: &[(String, String)],
-    secure: bool,
-    total: &str,
-    mib: f64,
-) -> WriteRun {
+fn fresh_pool_run(dir: &Path, name: String, side: &Side, total: &str, mib: f64) -> WriteRun {
     let name: &'static str = Box::leak(name.into_boxed_str());
-    let p = start_pool(name, dir, env, secure);
+    let p = start_pool(name, dir, side);
     let r = write_run(&p, total, mib);
     stop_pool(p);
     let _ = std::fs::remove_dir_all(dir.join(name));
@@ -487,8 +495,19 @@ fn main() {
         .filter_map(|kv| kv.split_once('='))
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
-    let secure = std::env::var("ALIQUOT_BENCH_SECURE").is_ok_and(|v| v == "1");
-    let has_b = secure || !vs.is_empty();
+    let secure = std::env::var("ALIQUOT_BENCH_SECURE").unwrap_or_default();
+    let b_bin = std::env::var_os("ALIQUOT_BENCH_B_BIN").map(PathBuf::from);
+    let side_a = Side {
+        bin: bin().into(),
+        env: Vec::new(),
+        secure: secure == "all",
+    };
+    let side_b = Side {
+        bin: b_bin.clone().unwrap_or_else(|| bin().into()),
+        env: vs.clone(),
+        secure: secure == "1" || secure == "all",
+    };
+    let has_b = side_b.secure != side_a.secure || !vs.is_empty() || b_bin.is_some();
     let base: PathBuf = std::env::var_os("ALIQUOT_BENCH_DIR")
         .map(PathBuf::from)
         .or_else(|| Path::new("/work").is_dir().then(|| "/work".into()))
@@ -501,19 +520,38 @@ fn main() {
         "data path: aliquotctl write --total {total} --block-size 1MiB --concurrency 32 --free, 3 file agents of 4 GiB in {}; dd bs=1M count={} conv=notrunc,fsync; {rounds} rounds{}",
         dir.path().display(),
         mib as u64,
-        match (secure, vs.is_empty()) {
-            (false, true) => String::new(),
-            (false, false) => format!("; B = A with {vs:?}"),
-            (true, true) => "; A plaintext, B the secure default (mTLS + tokens)".into(),
-            (true, false) => format!("; B = the secure default with {vs:?}"),
+        if has_b {
+            let how = |s: &Side| {
+                if s.secure {
+                    "the secure default (mTLS + tokens)"
+                } else {
+                    "plaintext"
+                }
+            };
+            format!(
+                "; A {}, B {}{}{}",
+                how(&side_a),
+                how(&side_b),
+                if vs.is_empty() {
+                    String::new()
+                } else {
+                    format!(" with {vs:?}")
+                },
+                b_bin
+                    .as_ref()
+                    .map(|b| format!(", run by {}", b.display()))
+                    .unwrap_or_default()
+            )
+        } else {
+            String::new()
         }
     );
     let warmup = std::env::var("ALIQUOT_BENCH_WARMUP")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(1usize);
-    let a = start_pool("A", dir.path(), &[], false);
-    let b = has_b.then(|| start_pool("B", dir.path(), &vs, secure));
+    let a = start_pool("A", dir.path(), &side_a);
+    let b = has_b.then(|| start_pool("B", dir.path(), &side_b));
     lay_out(&a);
     if let Some(b) = &b {
         lay_out(b);
@@ -579,26 +617,10 @@ fn main() {
     let mut fresh = Vec::new();
     for round in 0..fresh_rounds {
         // A then B, then B then A: drift falls on both alike.
-        let run_a = || {
-            fresh_pool_run(
-                dir.path(),
-                format!("fresh-a{round}"),
-                &[],
-                false,
-                &total,
-                mib,
-            )
-        };
+        let run_a = || fresh_pool_run(dir.path(), format!("fresh-a{round}"), &side_a, &total, mib);
         let run_b = || {
             has_b.then(|| {
-                fresh_pool_run(
-                    dir.path(),
-                    format!("fresh-b{round}"),
-                    &vs,
-                    secure,
-                    &total,
-                    mib,
-                )
+                fresh_pool_run(dir.path(), format!("fresh-b{round}"), &side_b, &total, mib)
             })
         };
         let (r, rb) = if round % 2 == 0 {

@@ -8,7 +8,8 @@
 //! default two), ALIQUOT_BENCH_PCT (the agent's zio_taskq_batch_pct),
 //! ALIQUOT_BENCH_MALLOC=default (skip the binary's malloc tuning),
 //! ALIQUOT_BENCH_ROUNDS (3), ALIQUOT_BENCH_CONNS (client connections, 1),
-//! ALIQUOT_BENCH_DIRECT=1 (the file backend's O_DIRECT mode).
+//! ALIQUOT_BENCH_DIRECT=1 (all I/O O_DIRECT, `--direct`), =0 (all
+//! buffered, `--buffered`); unset: the default, large writes direct.
 
 use aliquot_agent::measure::median;
 use std::fs::OpenOptions;
@@ -91,8 +92,12 @@ async fn agent(
         cfg.zio_taskq_batch_pct = p as u32;
     }
     cfg.path = Some(path.to_path_buf());
-    // ALIQUOT_BENCH_DIRECT=1: the agent's O_DIRECT mode (`--direct`).
-    cfg.direct = std::env::var("ALIQUOT_BENCH_DIRECT").is_ok_and(|v| v == "1");
+    // ALIQUOT_BENCH_DIRECT=1: all direct (`--direct`); 0: all buffered.
+    match std::env::var("ALIQUOT_BENCH_DIRECT").as_deref() {
+        Ok("1") => cfg.direct = true,
+        Ok("0") => cfg.buffered = true,
+        _ => {}
+    }
     cfg.capacity = Some(total + 2 * MIB);
     let agent = Agent::open(&cfg).expect("open agent");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

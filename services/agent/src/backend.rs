@@ -70,7 +70,10 @@ pub fn open(cfg: &Config) -> Result<Opened, AgentError> {
                 match open_direct(path) {
                     Ok(d) => (Some(d), min.max(DIRECT_ALIGN as u64)),
                     Err(e) => {
-                        tracing::warn!("--direct-min-size: all writes buffered: {e}");
+                        tracing::warn!(
+                            "large writes stay in the page cache too (--buffered says so and \
+                             silences this): {e}"
+                        );
                         (None, u64::MAX)
                     }
                 }

@@ -119,7 +119,22 @@ impl TlsFiles {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tokio_rustls::rustls::{CipherSuite, ClientConfig, ClientConnection, ServerConnection};
+    use tokio_rustls::rustls::{
+        CipherSuite, ClientConfig, ClientConnection, Connection, ServerConnection,
+    };
+
+    /// Everything `from` has to send, read and processed by `to`.
+    fn pump(from: &mut Connection, to: &mut Connection) {
+        let mut buf = Vec::new();
+        while from.wants_write() {
+            from.write_tls(&mut buf).unwrap();
+        }
+        let mut rd = &buf[..];
+        while !rd.is_empty() {
+            to.read_tls(&mut rd).unwrap();
+        }
+        to.process_new_packets().unwrap();
+    }
 
     /// A rustls client with the default order (AES-256-GCM first), as
     /// tonic's, gets AES-128-GCM from our servers.
@@ -154,28 +169,12 @@ mod tests {
             .with_client_auth_cert(certs, key)
             .unwrap();
         let name = Role::Agent.server_name().try_into().unwrap();
-        let mut c = ClientConnection::new(Arc::new(cc), name).unwrap();
-        let mut s = ServerConnection::new(server).unwrap();
+        let mut c = Connection::Client(ClientConnection::new(Arc::new(cc), name).unwrap());
+        let mut s = Connection::Server(ServerConnection::new(server).unwrap());
         // The handshake in memory: each side's records to the other.
         for _ in 0..10 {
-            let mut buf = Vec::new();
-            while c.wants_write() {
-                c.write_tls(&mut buf).unwrap();
-            }
-            let mut rd = &buf[..];
-            while !rd.is_empty() {
-                s.read_tls(&mut rd).unwrap();
-            }
-            s.process_new_packets().unwrap();
-            let mut buf = Vec::new();
-            while s.wants_write() {
-                s.write_tls(&mut buf).unwrap();
-            }
-            let mut rd = &buf[..];
-            while !rd.is_empty() {
-                c.read_tls(&mut rd).unwrap();
-            }
-            c.process_new_packets().unwrap();
+            pump(&mut c, &mut s);
+            pump(&mut s, &mut c);
             if !c.is_handshaking() && !s.is_handshaking() {
                 break;
             }

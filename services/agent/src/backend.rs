@@ -712,18 +712,23 @@ mod tests {
         assert_eq!(direct_min_size(&cfg), None, "--buffered: all buffered");
     }
 
+    /// A new, empty file open for reading and writing.
+    fn new_file(path: &Path) -> File {
+        OpenOptions::new()
+            .create(true)
+            .truncate(true)
+            .read(true)
+            .write(true)
+            .open(path)
+            .unwrap()
+    }
+
     #[test]
     fn writeback_starts_once_per_chunk_of_small_writes() {
         use std::sync::atomic::Ordering::Relaxed;
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("f");
-        let file = OpenOptions::new()
-            .create(true)
-            .truncate(true)
-            .read(true)
-            .write(true)
-            .open(&path)
-            .unwrap();
+        let file = new_file(&path);
         let dev = FileDevice {
             file,
             direct: None,
@@ -766,13 +771,7 @@ mod tests {
         use std::sync::atomic::Ordering::Relaxed;
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("f");
-        let file = OpenOptions::new()
-            .create(true)
-            .truncate(true)
-            .read(true)
-            .write(true)
-            .open(&path)
-            .unwrap();
+        let file = new_file(&path);
         file.set_len(LABEL_SIZE + (16 << 20)).unwrap();
         let Ok(direct) = open_direct(&path) else {
             eprintln!("this filesystem refuses O_DIRECT: nothing to test");

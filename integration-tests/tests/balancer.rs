@@ -341,7 +341,11 @@ fn a_mover_killed_mid_plan_resumes_without_losing_or_leaking_a_block() {
         .unwrap();
     assert!(!out.status.success(), "the failpoint aborts the mover");
     let open = unresolved(&p.manifest());
-    assert!(open >= 1, "the journal holds the batch's pending moves");
+    assert!(
+        open >= 1,
+        "the journal holds the batch's pending moves; the mover said: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let r = report(
         &p.execute_child(&args!["--max-plans", "1", "--no-progress"], None)
             .wait_with_output()
@@ -358,7 +362,11 @@ fn a_mover_killed_mid_plan_resumes_without_losing_or_leaking_a_block() {
         .unwrap();
     assert!(!out.status.success());
     let open = unresolved(&p.manifest());
-    assert!(open >= 1);
+    assert!(
+        open >= 1,
+        "no move left open; the mover said: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let r = report(
         &p.execute_child(&args!["--max-plans", "1", "--no-progress"], None)
             .wait_with_output()

@@ -70,10 +70,7 @@ pub fn open(cfg: &Config) -> Result<Opened, AgentError> {
                 match open_direct(path) {
                     Ok(d) => (Some(d), min.max(DIRECT_ALIGN as u64)),
                     Err(e) => {
-                        tracing::warn!(
-                            "large writes stay in the page cache too (--buffered says so and \
-                             silences this): {e}"
-                        );
+                        tracing::warn!("--direct-min-size: large writes stay buffered too: {e}");
                         (None, u64::MAX)
                     }
                 }
@@ -143,19 +140,15 @@ fn wants_direct(cfg: &Config, block_device: bool) -> bool {
     cfg.direct || (default && !cfg.buffered)
 }
 
-/// Large writes go direct (and small ones buffered) from this size when
-/// `--direct-min-size` is not given. Measured with the `data_path` bench
-/// (1 MiB writes, 3 file agents, interleaved with buffered agents): agents'
-/// CPU per MiB 0.81x on laid-out files and 0.44x on new space, throughput
-/// 0.95-0.99x and 1.5x. 4 KiB random writes stay buffered: O_DIRECT costs
-/// them 2x the agent CPU (the `rand_write` bench).
-pub const DEFAULT_DIRECT_MIN_SIZE: u64 = 256 << 10;
-
-/// The size from which writes go direct where not all I/O does: the flag,
-/// else the default unless `--buffered`.
+/// The size from which writes go direct where not all I/O does
+/// (`--direct-min-size`; off unless given). Measured with the `data_path`
+/// bench at 256 KiB (1 MiB writes, 3 file agents, interleaved with buffered
+/// agents): agents' CPU per MiB 0.81x on laid-out files and 0.44x on new
+/// space, throughput 0.95-0.99x and 1.5x. Not the default yet: one CI run
+/// with it on failed a mover test in a way not yet explained (stop 38's
+/// note). 4 KiB writes stay buffered either way.
 fn direct_min_size(cfg: &Config) -> Option<u64> {
-    cfg.direct_min_size
-        .or((!cfg.buffered).then_some(DEFAULT_DIRECT_MIN_SIZE))
+    cfg.direct_min_size.filter(|_| !cfg.buffered)
 }
 
 /// A random non-zero guid (std's `RandomState` is seeded from the OS).
@@ -702,14 +695,11 @@ mod tests {
         );
         cfg.direct = true;
         assert!(wants_direct(&cfg, false), "--direct on a file");
-        // Where not all I/O is direct, large writes are, unless --buffered.
+        // Large writes go direct only when asked.
         let mut cfg = Config::new(BackendKind::File);
-        assert_eq!(direct_min_size(&cfg), Some(DEFAULT_DIRECT_MIN_SIZE));
+        assert_eq!(direct_min_size(&cfg), None, "files stay buffered");
         cfg.direct_min_size = Some(1 << 20);
         assert_eq!(direct_min_size(&cfg), Some(1 << 20));
-        let mut cfg = Config::new(BackendKind::File);
-        cfg.buffered = true;
-        assert_eq!(direct_min_size(&cfg), None, "--buffered: all buffered");
     }
 
     /// A new, empty file open for reading and writing.

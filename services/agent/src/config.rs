@@ -85,24 +85,23 @@ pub struct Config {
     /// copy into it, no writeback later); Flush still fdatasyncs, so the
     /// durability contract is the same. Needs a filesystem or block device
     /// that supports it. The default for block devices (with --ashift 12 or
-    /// more; --buffered turns it off); regular files take it for large
-    /// writes only (--direct-min-size), since small writes would then wait
-    /// for the disk one by one.
+    /// more; --buffered turns it off); regular files stay buffered unless
+    /// asked (or --direct-min-size for large writes only), since small
+    /// writes would then wait for the disk one by one.
     #[arg(long, env = "ALIQUOT_DIRECT", value_parser = clap::builder::BoolishValueParser::new(), conflicts_with = "buffered")]
     pub direct: bool,
 
-    /// All data I/O through the page cache: even on a block device (where
-    /// O_DIRECT is the default), and for large writes to a file.
+    /// Data I/O through the page cache even on a block device (where
+    /// O_DIRECT is the default).
     #[arg(long, env = "ALIQUOT_BUFFERED", value_parser = clap::builder::BoolishValueParser::new())]
     pub buffered: bool,
 
-    /// Where data I/O is not all direct (a regular file, by default),
-    /// writes of at least this size (4 KiB-aligned) go through O_DIRECT and
-    /// smaller ones through the page cache: large writes skip the copy into
-    /// the page cache and the writeback after it, small ones do not wait for
-    /// the disk one by one. Reads and Flush (fdatasync) are unchanged. Falls
-    /// back to buffered if the filesystem refuses O_DIRECT. [default:
-    /// 256KiB; --buffered turns it off]
+    /// On a buffered file, writes of at least this size (4 KiB-aligned, e.g.
+    /// 256KiB) go through O_DIRECT and smaller ones through the page cache:
+    /// large writes skip the copy into the page cache and the writeback
+    /// after it, small ones do not wait for the disk one by one. Reads and
+    /// Flush (fdatasync) are unchanged. Falls back to buffered if the
+    /// filesystem refuses O_DIRECT. Off unless given.
     #[arg(long, env = "ALIQUOT_DIRECT_MIN_SIZE", value_parser = units::size_arg,
           conflicts_with_all = ["direct", "buffered"])]
     pub direct_min_size: Option<u64>,

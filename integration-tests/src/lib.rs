@@ -420,6 +420,10 @@ pub struct FilePool {
     pub alloc: Proc,
     pub agents: Vec<Proc>,
     pub url: String,
+    /// The pool CA's directory when the pool checks write tokens
+    /// (`start_with_write_tokens`): every agent is given it as
+    /// `--token-key`.
+    pub token_key: Option<PathBuf>,
 }
 
 impl FilePool {
@@ -443,6 +447,20 @@ impl FilePool {
     /// `extra` flags.
     pub fn start_with_default_timings(dir: &Path, extra: &[String]) -> FilePool {
         Self::start_allocator(dir, &[], extra)
+    }
+
+    /// A plaintext pool named `pool` whose allocator signs write tokens and
+    /// whose agents check them: a pool CA in `dir/certs` (its key signs,
+    /// its directory is every agent's `--token-key`), the allocator's
+    /// default timings, plus `extra` flags.
+    pub fn start_with_write_tokens(dir: &Path, pool: &str, extra: &[String]) -> FilePool {
+        let certs = dir.join("certs");
+        aliquot_auth::PoolCa::init(&certs, pool).expect("pool CA");
+        let mut a = args!["--pool", pool, "--token-key", certs.display()];
+        a.extend(extra.iter().cloned());
+        let mut p = Self::start_allocator(dir, &[], &a);
+        p.token_key = Some(certs);
+        p
     }
 
     fn start_allocator(dir: &Path, defaults: &[(&str, &str)], extra: &[String]) -> FilePool {
@@ -473,6 +491,7 @@ impl FilePool {
             alloc,
             agents: Vec::new(),
             url,
+            token_key: None,
         }
     }
 
@@ -524,6 +543,11 @@ impl FilePool {
             name
         ];
         a.extend(backend);
+        if let Some(k) = &self.token_key
+            && !a.iter().any(|f| f == "--token-key")
+        {
+            a.extend(args!["--token-key", k.display()]);
+        }
         let kinds = listen_kinds(&a);
         let mut a = Proc::start(name, &bin("aliquot-agent"), &a, &[], &kinds, &self.dir)
             .expect("start agent");

@@ -25,15 +25,10 @@ async fn channel(url: &str) -> Channel {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_agent_takes_nothing_until_it_knows_the_new_generation() {
     let dir = tempfile::tempdir().unwrap();
-    let certs = dir.path().join("certs");
-    aliquot_auth::PoolCa::init(&certs, "genack").unwrap();
-    let mut pool = FilePool::start_with_default_timings(
+    let mut pool = FilePool::start_with_write_tokens(
         dir.path(),
+        "genack",
         &args![
-            "--pool",
-            "genack",
-            "--token-key",
-            certs.display(),
             "--report-interval",
             "200ms",
             // No claim window: the first Allocate after the restart is
@@ -44,12 +39,7 @@ async fn a_stopped_agent_takes_nothing_until_it_knows_the_new_generation() {
         ],
     );
     let alloc_url = pool.url.clone();
-    pool.add_file_agent(
-        "d0",
-        &dir.path().join("d0.img"),
-        "256MiB",
-        &args!["--token-key", certs.display()],
-    );
+    pool.add_file_agent("d0", &dir.path().join("d0.img"), "256MiB", &[]);
     let FilePool {
         mut alloc, agents, ..
     } = pool;

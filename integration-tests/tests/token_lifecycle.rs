@@ -69,28 +69,13 @@ async fn sync(c: &mut AllocatorClient<Channel>, generation: u64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_token_dies_when_its_space_is_given_to_someone_else() {
     let dir = tempfile::tempdir().unwrap();
-    let certs = dir.path().join("certs");
-    aliquot_auth::PoolCa::init(&certs, "tokens").unwrap();
-    let mut pool = FilePool::start_with_default_timings(
+    let mut pool = FilePool::start_with_write_tokens(
         dir.path(),
-        &args![
-            "--pool",
-            "tokens",
-            "--token-key",
-            certs.display(),
-            "--report-interval",
-            "100ms",
-            "--zfs-txg-timeout",
-            "100ms",
-        ],
+        "tokens",
+        &args!["--report-interval", "100ms", "--zfs-txg-timeout", "100ms",],
     );
     let url = pool.url.clone();
-    pool.add_file_agent(
-        "d0",
-        &dir.path().join("d0.img"),
-        "64MiB",
-        &args!["--token-key", certs.display()],
-    );
+    pool.add_file_agent("d0", &dir.path().join("d0.img"), "64MiB", &[]);
     let agent = &mut pool.agents[0];
     let mut c = AllocatorClient::new(lazy(&url));
     let mut ag = VdevAgentClient::new(lazy(&agent.url("grpc")));

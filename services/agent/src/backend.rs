@@ -63,19 +63,22 @@ pub fn open(cfg: &Config) -> Result<Opened, AgentError> {
                 label,
                 block_device,
             } = open_file(path, cfg)?;
-            let (direct, direct_min) = if wants_direct(cfg, block_device) {
-                (Some(open_direct(path)?), 0)
-            } else if let Some(min) = direct_min_size(cfg) {
+            let direct = if wants_direct(cfg, block_device) {
+                DirectIo::All(open_direct(path)?)
+            } else if let Some(min) = cfg.direct_min_size {
                 // Large writes only: the file stays usable without it.
                 match open_direct(path) {
-                    Ok(d) => (Some(d), min.max(DIRECT_ALIGN as u64)),
+                    Ok(file) => DirectIo::LargeWrites {
+                        file,
+                        min: min.max(DIRECT_ALIGN as u64),
+                    },
                     Err(e) => {
                         tracing::warn!("--direct-min-size: large writes stay buffered too: {e}");
-                        (None, u64::MAX)
+                        DirectIo::Off
                     }
                 }
             } else {
-                (None, u64::MAX)
+                DirectIo::Off
             };
             let name = cfg.name.clone().unwrap_or_else(|| label.name.clone());
             let uberblocks = file
@@ -101,7 +104,6 @@ pub fn open(cfg: &Config) -> Result<Opened, AgentError> {
                 device: Box::new(FileDevice {
                     file,
                     direct,
-                    direct_min,
                     writeback: Writeback::default(),
                 }),
             })
@@ -138,17 +140,6 @@ pub fn open(cfg: &Config) -> Result<Opened, AgentError> {
 fn wants_direct(cfg: &Config, block_device: bool) -> bool {
     let default = cfg!(target_os = "linux") && block_device && cfg.ashift >= 12;
     cfg.direct || (default && !cfg.buffered)
-}
-
-/// The size from which writes go direct where not all I/O does
-/// (`--direct-min-size`; off unless given). Measured with the `data_path`
-/// bench at 256 KiB (1 MiB writes, 3 file agents, interleaved with buffered
-/// agents): agents' CPU per MiB 0.81x on laid-out files and 0.44x on new
-/// space, throughput 0.95-0.99x and 1.5x. Not the default yet: one CI run
-/// with it on failed a mover test in a way not yet explained (stop 38's
-/// note). 4 KiB writes stay buffered either way.
-fn direct_min_size(cfg: &Config) -> Option<u64> {
-    cfg.direct_min_size.filter(|_| !cfg.buffered)
 }
 
 /// A random non-zero guid (std's `RandomState` is seeded from the OS).
@@ -315,15 +306,29 @@ fn default_name(path: &Path) -> String {
 struct FileDevice {
     /// Holds the lock; all I/O when not direct.
     file: File,
-    /// The same file opened with O_DIRECT (`--direct`, or
-    /// `--direct-min-size`): data I/O at least `direct_min` long goes here.
-    direct: Option<File>,
-    /// 0: all data I/O is direct (reads too); `u64::MAX`: none is; between:
-    /// writes that long and aligned are, reads and smaller writes use the
-    /// page cache (Linux keeps the two coherent: a direct write writes back
-    /// and drops the cached pages of its range).
-    direct_min: u64,
+    /// Which data I/O bypasses the page cache.
+    direct: DirectIo,
     writeback: Writeback,
+}
+
+/// The same file opened a second time with O_DIRECT, and what goes
+/// through it.
+enum DirectIo {
+    /// Nothing: all data I/O through the page cache (files by default).
+    Off,
+    /// All data I/O, reads and Flush too (`--direct`; block devices by
+    /// default).
+    All(File),
+    /// Writes at least `min` long and 4 KiB-aligned (`--direct-min-size`);
+    /// reads and smaller writes use the page cache. Linux keeps the two
+    /// coherent: a direct write writes back and drops the cached pages of
+    /// its range. Measured with the `data_path` bench at 256 KiB (1 MiB
+    /// writes, 3 file agents, interleaved with buffered agents): agents'
+    /// CPU per MiB 0.81x on laid-out files and 0.44x on new space,
+    /// throughput 0.95-0.99x and 1.5x. Not the default yet: one CI run with
+    /// it on failed a mover test in a way not yet explained (stop 38's
+    /// note). 4 KiB writes stay buffered either way.
+    LargeWrites { file: File, min: u64 },
 }
 
 /// Writeback is started once per `WRITEBACK_CHUNK` written, not per device
@@ -603,10 +608,15 @@ impl FileDevice {
     /// through it: always when all I/O is direct (alignment is then checked
     /// by `direct_write`), else when it is long enough and aligned.
     fn direct_for(&self, at: u64, len: u64) -> Option<&File> {
-        let d = self.direct.as_ref()?;
-        let aligned =
-            at.is_multiple_of(DIRECT_ALIGN as u64) && len.is_multiple_of(DIRECT_ALIGN as u64);
-        (self.direct_min == 0 || (len >= self.direct_min && aligned)).then_some(d)
+        match &self.direct {
+            DirectIo::Off => None,
+            DirectIo::All(d) => Some(d),
+            DirectIo::LargeWrites { file, min } => {
+                let aligned = at.is_multiple_of(DIRECT_ALIGN as u64)
+                    && len.is_multiple_of(DIRECT_ALIGN as u64);
+                (len >= *min && aligned).then_some(file)
+            }
+        }
     }
 }
 
@@ -636,7 +646,7 @@ impl Device for FileDevice {
 
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
         match &self.direct {
-            Some(d) if self.direct_min == 0 => direct_read(d, buf, LABEL_SIZE + offset),
+            DirectIo::All(d) => direct_read(d, buf, LABEL_SIZE + offset),
             _ => self.file.read_exact_at(buf, LABEL_SIZE + offset),
         }
     }
@@ -647,7 +657,7 @@ impl Device for FileDevice {
         // fdatasync flushes it, the same durability point either way (one
         // inode: either descriptor's fdatasync covers both kinds of write).
         match &self.direct {
-            Some(d) if self.direct_min == 0 => d.sync_data(),
+            DirectIo::All(d) => d.sync_data(),
             _ => self.file.sync_data(),
         }
     }
@@ -695,11 +705,6 @@ mod tests {
         );
         cfg.direct = true;
         assert!(wants_direct(&cfg, false), "--direct on a file");
-        // Large writes go direct only when asked.
-        let mut cfg = Config::new(BackendKind::File);
-        assert_eq!(direct_min_size(&cfg), None, "files stay buffered");
-        cfg.direct_min_size = Some(1 << 20);
-        assert_eq!(direct_min_size(&cfg), Some(1 << 20));
     }
 
     /// A new, empty file open for reading and writing.
@@ -721,8 +726,7 @@ mod tests {
         let file = new_file(&path);
         let dev = FileDevice {
             file,
-            direct: None,
-            direct_min: u64::MAX,
+            direct: DirectIo::Off,
             writeback: Writeback::default(),
         };
         let small = vec![7u8; 4096];
@@ -769,8 +773,10 @@ mod tests {
         };
         let dev = FileDevice {
             file,
-            direct: Some(direct),
-            direct_min: 64 << 10,
+            direct: DirectIo::LargeWrites {
+                file: direct,
+                min: 64 << 10,
+            },
             writeback: Writeback::default(),
         };
         let big = |b: u8| vec![b; WRITEBACK_CHUNK as usize];

@@ -282,6 +282,13 @@ impl Config {
                 if self.direct && self.buffered {
                     return bad("--direct and --buffered contradict each other: give one".into());
                 }
+                if self.direct_min_size.is_some() && (self.direct || self.buffered) {
+                    return bad(
+                        "--direct-min-size sends large writes direct and keeps the rest \
+                         buffered: give it alone, without --direct or --buffered"
+                            .into(),
+                    );
+                }
                 if self.direct && self.ashift < 12 {
                     return bad(format!(
                         "--direct needs --ashift 12 or more (O_DIRECT I/O is 4 KiB-aligned), not {}",
@@ -415,5 +422,42 @@ mod taskq_tests {
         assert_eq!(workers_for_pct(5, Some(2)), 1);
         assert_eq!(workers_for_pct(1, Some(1)), 1);
         assert!(workers_for_pct(100, None) >= 1);
+    }
+}
+
+#[cfg(test)]
+mod validate_tests {
+    use super::*;
+
+    fn file_cfg() -> Config {
+        let mut cfg = Config::new(BackendKind::File);
+        cfg.path = Some("/nonexistent/dev".into());
+        cfg
+    }
+
+    /// The three I/O modes exclude each other, even when set from code or
+    /// the environment rather than the command line (where clap refuses
+    /// them too); nothing is opened before the refusal.
+    #[test]
+    fn io_modes_that_contradict_are_refused_by_name() {
+        let refusal = |cfg: &Config| match cfg.validate() {
+            Err(AgentError::Config(m)) => m,
+            other => panic!("expected a config refusal, got {other:?}"),
+        };
+        let mut cfg = file_cfg();
+        cfg.direct_min_size = Some(256 << 10);
+        cfg.validate().unwrap();
+        cfg.buffered = true;
+        assert!(refusal(&cfg).contains("--direct-min-size"));
+        cfg.buffered = false;
+        cfg.direct = true;
+        assert!(refusal(&cfg).contains("without --direct or --buffered"));
+        cfg.direct_min_size = None;
+        cfg.buffered = true;
+        assert!(refusal(&cfg).contains("contradict"));
+        let mut sim = Config::new(BackendKind::Sim);
+        sim.capacity = Some(64 << 20);
+        sim.direct_min_size = Some(1 << 20);
+        assert!(refusal(&sim).contains("--backend file only"));
     }
 }

@@ -274,14 +274,8 @@ fn fresh_dd_and_floor(dir: &Path, round: usize, mib: f64) -> ((f64, f64), (f64, 
     let f = dir.join(format!("dd-fresh{round}.img"));
     let c0 = children_cpu();
     let t = Instant::now();
-    let st = Command::new("dd")
-        .arg("if=/dev/zero")
-        .arg(format!("of={}", f.display()))
-        .args(["bs=1M", &format!("count={}", mib as u64), "conv=fsync"])
-        .stderr(Stdio::null())
-        .status()
-        .expect("run dd");
-    assert!(st.success(), "dd into {}: {st}", f.display());
+    // A new file: notrunc has nothing to keep.
+    dd_zeros(&f, 0, mib as u64);
     let d = (
         mib / t.elapsed().as_secs_f64(),
         ms_per_mib(children_cpu() - c0, mib),

@@ -203,7 +203,7 @@ impl<P: SimPool> Sim<'_, P> {
                     self.log_issue(s)?;
                 }
             }
-            Ev::Loaded(tag) => self.enqueue_slot(tag, false),
+            Ev::Loaded(tag) => self.slot_placed(tag)?,
             Ev::CpuDone(i) => self.cpu_done(i)?,
             Ev::ThrottleWake => {
                 self.delay_waiting = false;

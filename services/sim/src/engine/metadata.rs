@@ -143,7 +143,7 @@ impl<P: SimPool> Sim<'_, P> {
                     kind: SlotKind::Meta(m),
                 });
                 if stall == 0 {
-                    self.enqueue_slot(tag, false);
+                    self.slot_placed(tag)?;
                 } else {
                     let at = self.now + stall;
                     self.push(at, Ev::Loaded(tag));

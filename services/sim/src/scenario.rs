@@ -1282,6 +1282,35 @@ write_bandwidth = "500MiB/s"
     }
 
     #[test]
+    fn cpu_split_at_the_throttle_parses_and_is_checked() {
+        let sync = MIN.replace("mode = \"full\"", "mode = \"full\"\nallocate = \"sync\"");
+        let cpu = |extra: &str| format!("{sync}[cpu]\ncount = 2\nblock_cost = \"100us\"\n{extra}");
+        let c = Scenario::from_toml(&cpu("")).unwrap().cpu.unwrap();
+        // Defaults: all of the work before the throttle, no dispatch.
+        assert_eq!((c.after_throttle, c.dispatch), (0.0, 0));
+        assert_eq!(c.before_throttle_cost(4096), 100_000);
+        assert_eq!(c.after_throttle_cost(4096), 0);
+        let c = Scenario::from_toml(&cpu(
+            "bandwidth = \"1GB/s\"\nafter_throttle = 0.25\ndispatch = \"3us\"",
+        ))
+        .unwrap()
+        .cpu
+        .unwrap();
+        assert_eq!(c.dispatch, 3_000);
+        // 100 us + 1 ms: a quarter after the throttle, the rest before.
+        assert_eq!(c.after_throttle_cost(1_000_000), 275_000);
+        assert_eq!(c.before_throttle_cost(1_000_000), 825_000);
+        for bad in [
+            "after_throttle = 1.5",
+            "after_throttle = -0.1",
+            "after_throttle = nan",
+        ] {
+            let e = err(&cpu(bad));
+            assert!(e.starts_with("cpu.after_throttle:"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
     fn device_model_load_cost_and_metadata_parse_and_are_checked() {
         let s = Scenario::from_toml(MIN).unwrap();
         assert_eq!(s.device_model, DeviceModel::Simple);

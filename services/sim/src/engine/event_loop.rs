@@ -149,6 +149,10 @@ impl<P: SimPool> Sim<'_, P> {
                 }
                 self.kick(v);
             }
+            Ev::DevFreeDone(v) => {
+                self.handle(Ev::DevFree(v))?;
+                self.handle(Ev::DevDone(v))?;
+            }
             Ev::DevDone(_) | Ev::LeafDone(..) => {
                 let mut tags = std::mem::take(&mut self.tags);
                 match (ev, &mut self.devices) {
@@ -203,7 +207,7 @@ impl<P: SimPool> Sim<'_, P> {
                     self.log_issue(s)?;
                 }
             }
-            Ev::Loaded(tag) => self.slot_placed(tag)?,
+            Ev::Loaded(tag, held) => self.slot_placed(tag, held)?,
             Ev::CpuDone(i) => self.cpu_done(i)?,
             Ev::ThrottleWake => {
                 self.delay_waiting = false;
@@ -258,8 +262,14 @@ impl<P: SimPool> Sim<'_, P> {
         match &mut self.devices[v as usize] {
             Dev::Simple(d) => {
                 if let Some(iss) = d.issue(self.now) {
-                    self.push(iss.free_at, Ev::DevFree(v));
-                    self.push(iss.done_at, Ev::DevDone(v));
+                    if iss.done_at == iss.free_at {
+                        // Nothing can come between the two: events
+                        // pushed while handling the first come after both.
+                        self.push(iss.free_at, Ev::DevFreeDone(v));
+                    } else {
+                        self.push(iss.free_at, Ev::DevFree(v));
+                        self.push(iss.done_at, Ev::DevDone(v));
+                    }
                 }
             }
             Dev::Leaf(d) => {

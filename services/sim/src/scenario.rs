@@ -574,9 +574,9 @@ pub struct Metadata {
 /// the leaf writes' `z_vdev_file` tasks and their completions) is a new
 /// task queued behind the CPUs' other work while the block holds its
 /// throttle reservation; its writes are queued once it is done. A block the
-/// throttle queued costs `dispatch` more, first in the CPUs' queue, when
-/// it is admitted: `zio_allocate_dispatch` hands it to the issue taskq again
-/// (`TQ_FRONT`, zio.c@zfs-2.3.9 and zfs-2.4.4).
+/// throttle queued costs `dispatch` more in that work, once admitted:
+/// `zio_allocate_dispatch` hands it to the issue taskq again (`TQ_FRONT`,
+/// zio.c@zfs-2.3.9 and zfs-2.4.4).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Cpu {
     pub count: u32,

@@ -57,6 +57,11 @@ pub(super) struct CpuState {
     pub(super) running: Vec<Option<CpuWork>>,
     /// Nanoseconds of CPU spent, over all CPUs.
     pub(super) busy: u64,
+    /// Per CPU, when its work is done and the event sequence number it
+    /// was given: the CPUs' completions are kept here rather than in the
+    /// event heap (two of a block's five events with the split), and the
+    /// main loop takes the earliest of both in the heap's order.
+    pub(super) due: Vec<Option<(u64, u64)>>,
     /// The last block size costed and its costs before and after the
     /// throttle (a run's blocks mostly share one size).
     last: (u64, u64, u64),
@@ -69,6 +74,7 @@ impl CpuState {
             queue: VecDeque::new(),
             running: vec![None; model.count as usize],
             busy: 0,
+            due: vec![None; model.count as usize],
             last: (
                 0,
                 model.before_throttle_cost(0),
@@ -149,11 +155,24 @@ impl<P: SimPool> Sim<'_, P> {
             let cost = c.cost(&w);
             c.busy += cost;
             c.running[i] = Some(w);
-            // `push`, without a second borrow of self.
             self.seq += 1;
-            let ev = (self.now + cost, self.seq, Ev::CpuDone(i as u32));
-            self.heap.push(Reverse(ev));
+            c.due[i] = Some((self.now + cost, self.seq));
         }
+    }
+
+    /// The CPU whose work is done first, in the event heap's order (time,
+    /// then sequence number), with its time and number.
+    pub(super) fn cpu_next(&self) -> Option<(u64, u64, u32)> {
+        let c = self.cpu.as_ref()?;
+        let mut best: Option<(u64, u64, u32)> = None;
+        for (i, d) in c.due.iter().enumerate() {
+            if let Some((at, seq)) = *d
+                && best.is_none_or(|(t, s, _)| (at, seq) < (t, s))
+            {
+                best = Some((at, seq, i as u32));
+            }
+        }
+        best
     }
 
     /// CPU `i` finished its block: the block goes on to the pool.
@@ -161,7 +180,10 @@ impl<P: SimPool> Sim<'_, P> {
         let w = self
             .cpu
             .as_mut()
-            .and_then(|c| c.running[i as usize].take())
+            .and_then(|c| {
+                c.due[i as usize] = None;
+                c.running[i as usize].take()
+            })
             .context("a CPU finished with nothing on it")?;
         self.cpu_start();
         self.cpu_finish(w)

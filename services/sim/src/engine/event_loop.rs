@@ -8,6 +8,20 @@ impl<P: SimPool> Sim<'_, P> {
         self.heap.push(Reverse((at, self.seq, ev)));
     }
 
+    /// The next event: the heap's first or a CPU's completion, whichever
+    /// comes first by (time, sequence number), as if both were in the heap.
+    fn next_event(&mut self) -> Option<(u64, Ev)> {
+        let cpu = self.cpu_next();
+        let heap_first = self.heap.peek().map(|Reverse((t, seq, _))| (*t, *seq));
+        match (cpu, heap_first) {
+            (Some((t, seq, i)), h) if h.is_none_or(|h| (t, seq) < h) => {
+                // cpu_done clears the CPU's due time.
+                Some((t, Ev::CpuDone(i)))
+            }
+            _ => self.heap.pop().map(|Reverse((t, _, ev))| (t, ev)),
+        }
+    }
+
     pub(super) fn main_loop(mut self, progress: &mut dyn FnMut(f64)) -> anyhow::Result<RunResult> {
         let start_view = self.pool.view();
         let planned = self
@@ -23,7 +37,7 @@ impl<P: SimPool> Sim<'_, P> {
         let mut steps: u64 = 0;
         let stop_reason;
         loop {
-            let Some(Reverse((t, _, ev))) = self.heap.pop() else {
+            let Some((t, ev)) = self.next_event() else {
                 stop_reason = "stalled: nothing left to happen".to_string();
                 break;
             };

@@ -343,6 +343,10 @@ struct RawCpu {
     block_cost: Dur,
     #[serde(default)]
     bandwidth: Option<Rate>,
+    #[serde(default)]
+    after_throttle: Option<f64>,
+    #[serde(default)]
+    dispatch: Option<Dur>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -559,11 +563,20 @@ pub struct Metadata {
 /// syncing txg passes `count` CPUs (the write issue taskq, sized by
 /// `zio_taskq_batch_pct` = 80 % of the CPUs but sharing them with the
 /// writers' copies, the sync thread and, for file vdevs, the `pwrite`
-/// into the page cache) before the pool allocates it, as its checksum and
-/// compression stages come before `ZIO_STAGE_DVA_THROTTLE`
-/// (zio.h:zio_stage@zfs-2.4.0). A block costs `block_cost + size /
-/// bandwidth` of one CPU; so "full speed" is the slower of the CPUs and
-/// the devices.
+/// into the page cache). A block costs `block_cost + size / bandwidth` of
+/// one CPU; so "full speed" is the slower of the CPUs and the devices.
+///
+/// By default all of it comes before the pool sees the block, as its
+/// checksum and compression stages come before `ZIO_STAGE_DVA_THROTTLE`
+/// (zio_impl.h:zio_stage@zfs-2.4.0). `after_throttle` moves that share of
+/// the cost past the throttle: the pool admits the block after the first
+/// part, and the rest (allocation, RAIDZ parity in `vdev_raidz_io_start`,
+/// the leaf writes' `z_vdev_file` tasks and their completions) is a new
+/// task queued behind the CPUs' other work while the block holds its
+/// throttle reservation; its writes are queued once it is done. A block the
+/// throttle queued costs `dispatch` more in that work, once admitted:
+/// `zio_allocate_dispatch` hands it to the issue taskq again (`TQ_FRONT`,
+/// zio.c@zfs-2.3.9 and zfs-2.4.4).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Cpu {
     pub count: u32,
@@ -571,6 +584,10 @@ pub struct Cpu {
     pub block_cost: u64,
     /// Bytes per second one CPU processes (0: no per-byte cost).
     pub bandwidth: f64,
+    /// Share of a block's cost after the throttle (0: all before it).
+    pub after_throttle: f64,
+    /// Nanoseconds of CPU to hand a throttled block to a taskq again.
+    pub dispatch: u64,
 }
 
 impl Cpu {
@@ -582,6 +599,16 @@ impl Cpu {
             0
         };
         self.block_cost + per_byte
+    }
+
+    /// The part of `cost(size)` before the throttle.
+    pub fn before_throttle_cost(&self, size: u64) -> u64 {
+        self.cost(size) - self.after_throttle_cost(size)
+    }
+
+    /// The part of `cost(size)` after the throttle.
+    pub fn after_throttle_cost(&self, size: u64) -> u64 {
+        (self.cost(size) as f64 * self.after_throttle).round() as u64
     }
 }
 
@@ -928,10 +955,16 @@ impl Scenario {
                         "block_cost and bandwidth are both zero: leave [cpu] out instead",
                     ));
                 }
+                let after_throttle = c.after_throttle.unwrap_or(0.0);
+                if !(0.0..=1.0).contains(&after_throttle) {
+                    return Err(invalid("cpu.after_throttle", "must be a share from 0 to 1"));
+                }
                 Some(Cpu {
                     count: c.count,
                     block_cost: c.block_cost.0,
                     bandwidth,
+                    after_throttle,
+                    dispatch: c.dispatch.map(|d| d.0).unwrap_or(0),
                 })
             }
         };
@@ -1246,6 +1279,35 @@ write_bandwidth = "500MiB/s"
                 .unwrap()
                 .allocate_at_sync
         );
+    }
+
+    #[test]
+    fn cpu_split_at_the_throttle_parses_and_is_checked() {
+        let sync = MIN.replace("mode = \"full\"", "mode = \"full\"\nallocate = \"sync\"");
+        let cpu = |extra: &str| format!("{sync}[cpu]\ncount = 2\nblock_cost = \"100us\"\n{extra}");
+        let c = Scenario::from_toml(&cpu("")).unwrap().cpu.unwrap();
+        // Defaults: all of the work before the throttle, no dispatch.
+        assert_eq!((c.after_throttle, c.dispatch), (0.0, 0));
+        assert_eq!(c.before_throttle_cost(4096), 100_000);
+        assert_eq!(c.after_throttle_cost(4096), 0);
+        let c = Scenario::from_toml(&cpu(
+            "bandwidth = \"1GB/s\"\nafter_throttle = 0.25\ndispatch = \"3us\"",
+        ))
+        .unwrap()
+        .cpu
+        .unwrap();
+        assert_eq!(c.dispatch, 3_000);
+        // 100 us + 1 ms: a quarter after the throttle, the rest before.
+        assert_eq!(c.after_throttle_cost(1_000_000), 275_000);
+        assert_eq!(c.before_throttle_cost(1_000_000), 825_000);
+        for bad in [
+            "after_throttle = 1.5",
+            "after_throttle = -0.1",
+            "after_throttle = nan",
+        ] {
+            let e = err(&cpu(bad));
+            assert!(e.starts_with("cpu.after_throttle:"), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -8,6 +8,20 @@ impl<P: SimPool> Sim<'_, P> {
         self.heap.push(Reverse((at, self.seq, ev)));
     }
 
+    /// The next event: the heap's first or a CPU's completion, whichever
+    /// comes first by (time, sequence number), as if both were in the heap.
+    fn next_event(&mut self) -> Option<(u64, Ev)> {
+        let cpu = self.cpu_next();
+        let heap_first = self.heap.peek().map(|Reverse((t, seq, _))| (*t, *seq));
+        match (cpu, heap_first) {
+            (Some((t, seq, i)), h) if h.is_none_or(|h| (t, seq) < h) => {
+                // cpu_done clears the CPU's due time.
+                Some((t, Ev::CpuDone(i)))
+            }
+            _ => self.heap.pop().map(|Reverse((t, _, ev))| (t, ev)),
+        }
+    }
+
     pub(super) fn main_loop(mut self, progress: &mut dyn FnMut(f64)) -> anyhow::Result<RunResult> {
         let start_view = self.pool.view();
         let planned = self
@@ -23,7 +37,7 @@ impl<P: SimPool> Sim<'_, P> {
         let mut steps: u64 = 0;
         let stop_reason;
         loop {
-            let Some(Reverse((t, _, ev))) = self.heap.pop() else {
+            let Some((t, ev)) = self.next_event() else {
                 stop_reason = "stalled: nothing left to happen".to_string();
                 break;
             };
@@ -149,6 +163,10 @@ impl<P: SimPool> Sim<'_, P> {
                 }
                 self.kick(v);
             }
+            Ev::DevFreeDone(v) => {
+                self.handle(Ev::DevFree(v))?;
+                self.handle(Ev::DevDone(v))?;
+            }
             Ev::DevDone(_) | Ev::LeafDone(..) => {
                 let mut tags = std::mem::take(&mut self.tags);
                 match (ev, &mut self.devices) {
@@ -203,7 +221,7 @@ impl<P: SimPool> Sim<'_, P> {
                     self.log_issue(s)?;
                 }
             }
-            Ev::Loaded(tag) => self.enqueue_slot(tag, false),
+            Ev::Loaded(tag, held) => self.slot_placed(tag, held)?,
             Ev::CpuDone(i) => self.cpu_done(i)?,
             Ev::ThrottleWake => {
                 self.delay_waiting = false;
@@ -258,8 +276,14 @@ impl<P: SimPool> Sim<'_, P> {
         match &mut self.devices[v as usize] {
             Dev::Simple(d) => {
                 if let Some(iss) = d.issue(self.now) {
-                    self.push(iss.free_at, Ev::DevFree(v));
-                    self.push(iss.done_at, Ev::DevDone(v));
+                    if iss.done_at == iss.free_at {
+                        // Nothing can come between the two: events
+                        // pushed while handling the first come after both.
+                        self.push(iss.free_at, Ev::DevFreeDone(v));
+                    } else {
+                        self.push(iss.free_at, Ev::DevFree(v));
+                        self.push(iss.done_at, Ev::DevDone(v));
+                    }
                 }
             }
             Dev::Leaf(d) => {

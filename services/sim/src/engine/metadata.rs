@@ -120,7 +120,7 @@ impl<P: SimPool> Sim<'_, P> {
             affinity: None,
         };
         match self.pool.submit(r).context("metadata submit")? {
-            Submitted::Ready(t) => self.allocate_meta(t, m),
+            Submitted::Ready(t) => self.allocate_meta(t, m, false),
             Submitted::Queued(t) => {
                 self.meta_tickets.insert(t, m);
                 Ok(())
@@ -128,7 +128,12 @@ impl<P: SimPool> Sim<'_, P> {
         }
     }
 
-    pub(super) fn allocate_meta(&mut self, t: Ticket, m: MetaReq) -> anyhow::Result<()> {
+    pub(super) fn allocate_meta(
+        &mut self,
+        t: Ticket,
+        m: MetaReq,
+        held: bool,
+    ) -> anyhow::Result<()> {
         let busy = self.busy();
         match self.pool.allocate(t, busy) {
             Ok(a) => {
@@ -143,10 +148,10 @@ impl<P: SimPool> Sim<'_, P> {
                     kind: SlotKind::Meta(m),
                 });
                 if stall == 0 {
-                    self.enqueue_slot(tag, false);
+                    self.slot_placed(tag, held)?;
                 } else {
                     let at = self.now + stall;
-                    self.push(at, Ev::Loaded(tag));
+                    self.push(at, Ev::Loaded(tag, held));
                 }
                 Ok(())
             }

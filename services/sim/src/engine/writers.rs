@@ -33,14 +33,13 @@ impl<P: SimPool> Sim<'_, P> {
 
     /// A data block whose allocation loaded `loads` metaslabs: its writes
     /// wait for the loads (`metaslab_load_cost` each) before they queue.
-    pub(super) fn place_data(&mut self, a: Allocation, req: Req) {
+    /// With `[cpu] after_throttle` (or `dispatch`, `held`: the throttle
+    /// queued it), the block's CPU work after the throttle comes before
+    /// its writes (`slot_placed`).
+    pub(super) fn place_data(&mut self, a: Allocation, req: Req, held: bool) -> anyhow::Result<()> {
         let loads = a.metaslab_loads as u64;
         self.data_loads += loads;
         let stall = loads * self.sc.metaslab_load_cost;
-        if stall == 0 {
-            self.place(a, SlotKind::Data(req), false);
-            return;
-        }
         self.data_load_stall += stall;
         let tag = self.new_slot(Slot {
             id: a.id,
@@ -48,8 +47,12 @@ impl<P: SimPool> Sim<'_, P> {
             extents: a.extents,
             kind: SlotKind::Data(req),
         });
+        if stall == 0 {
+            return self.slot_placed(tag, held);
+        }
         let at = self.now + stall;
-        self.push(at, Ev::Loaded(tag));
+        self.push(at, Ev::Loaded(tag, held));
+        Ok(())
     }
 
     pub(super) fn place(&mut self, a: Allocation, kind: SlotKind, sync: bool) -> u32 {
@@ -97,7 +100,7 @@ impl<P: SimPool> Sim<'_, P> {
             affinity: Some(req.stream as u64),
         };
         match self.pool.submit(r).context("submit")? {
-            Submitted::Ready(t) => self.allocate_data(t, req),
+            Submitted::Ready(t) => self.allocate_data(t, req, false),
             Submitted::Queued(t) => {
                 self.tickets.insert(t, req);
                 Ok(())
@@ -125,13 +128,10 @@ impl<P: SimPool> Sim<'_, P> {
         self.pool.busy_with_dirty(dirty, self.dirty_max)
     }
 
-    pub(super) fn allocate_data(&mut self, t: Ticket, req: Req) -> anyhow::Result<()> {
+    pub(super) fn allocate_data(&mut self, t: Ticket, req: Req, held: bool) -> anyhow::Result<()> {
         let busy = self.busy();
         match self.pool.allocate(t, busy) {
-            Ok(a) => {
-                self.place_data(a, req);
-                Ok(())
-            }
+            Ok(a) => self.place_data(a, req, held),
             Err(PoolError::NoSpace { reason, .. }) => {
                 self.release_req(req);
                 if !self.pool_full {
@@ -163,14 +163,14 @@ impl<P: SimPool> Sim<'_, P> {
             }
             for t in admitted {
                 if let Some(m) = self.meta_tickets.remove(&t) {
-                    self.allocate_meta(t, m)?;
+                    self.allocate_meta(t, m, true)?;
                     continue;
                 }
                 let req = self
                     .tickets
                     .remove(&t)
                     .with_context(|| format!("the pool admitted unknown ticket {t}"))?;
-                self.allocate_data(t, req)?;
+                self.allocate_data(t, req, true)?;
             }
         }
     }

@@ -92,24 +92,39 @@ fn t1a_legacy_cpu_bound_matches_openzfs_2_3() {
 }
 
 /// t2: 2 GiB + 4 GiB memory-speed file vdevs written at 40 MiB/s through
-/// the txg pipeline (a rate load allocated at sync). 2.4 unified stays
-/// within a point. (2.3 legacy drifts 11 points towards the large vdev;
-/// the simulator does not yet: not asserted, see the README.)
-#[test]
-fn t2_unified_rate_load_matches_openzfs_2_4() {
-    let c = compare("t2", "unified", "t2-2.4.log");
+/// the txg pipeline (a rate load allocated at sync). Held to the issue's
+/// target: ±5 points at each fill point, max spread within target.
+fn t2(policy: &str, log: &str) {
+    let c = compare("t2", policy, log);
     for (i, d) in c.worst_diff.iter().enumerate() {
         assert!(
             *d <= 5.0,
-            "t2 unified: {d:.1} points off at fill point {i}\n{}",
+            "t2 {policy}: {d:.1} points off at fill point {i}\n{}",
             c.table()
         );
     }
     assert!(
         c.spread_within_target(),
-        "t2 unified: max spread\n{}",
+        "t2 {policy}: max spread\n{}",
         c.table()
     );
+}
+
+/// 2.4 unified stays within a point.
+#[test]
+fn t2_unified_rate_load_matches_openzfs_2_4() {
+    t2("unified", "t2-2.4.log");
+}
+
+/// 2.3 legacy drifts 11 points towards the large vdev: each object's
+/// indirect blocks, ditto copies allocated between its data and the next
+/// object's, restart the large vdev's turn of the rotor (the second copy
+/// lands on the small vdev and the aliquot is compared with the small
+/// vdev's smaller share; see `push_txg`). With the metadata all at the end
+/// of the txg the simulator drifted 3.9 points the other way.
+#[test]
+fn t2_legacy_rate_load_matches_openzfs_2_3() {
+    t2("legacy", "t2-2.3.log");
 }
 
 /// t5c (fill one vdev to 90 %, add a second, rewrite everything twice): the
@@ -259,12 +274,13 @@ fn t6_raidz_cpu_bound_ratio_matches_openzfs_at_128k_and_1m() {
 /// txg, and each held block is handed to the issue taskq once more when
 /// admitted; 2.4's byte budget holds none. With the hand-off's measured
 /// cost (3 us of CPU, `t6-raidz/handoff.rs`) that is worth 1.3 %: the
-/// simulator gives 1.013 against 1.114, 9.1 % off, inside the ±10 % but
+/// simulator gives 1.007 against 1.114, 9.6 % off (1.013 before a syncing
+/// txg went to the pipeline object by object, see `push_txg`), inside the ±10 % but
 /// 10 of the 11.4 points unexplained (a held block's hand-off would have
 /// to cost ~26 us for the whole gain). Kept ignored until the rest is
 /// found; it passes if run.
 #[test]
-#[ignore = "known gap (issue 30 item 4): the modelled taskq hop gives 1.013 against 1.114 (9.1 % off, within ±10 % but 10 of 11.4 points unexplained); passes if run"]
+#[ignore = "known gap (issue 30 item 4): the modelled taskq hop gives 1.007 against 1.114 (9.6 % off, within ±10 % but 10 of 11.4 points unexplained); passes if run"]
 fn t6_raidz_cpu_bound_ratio_matches_openzfs_at_16k() {
     let (sim, real) = t6_raidz_ratio("16K");
     assert!(

@@ -18,6 +18,17 @@ pub(super) enum MetaKey {
     Mos(u32),
 }
 
+impl MetaKey {
+    /// The object (stream) whose indirect block this is; `None` for the
+    /// per-txg blocks (the dnode block, the MOS).
+    pub(super) fn object(&self) -> Option<u32> {
+        match *self {
+            MetaKey::L1(s, _) | MetaKey::L2(s) => Some(s),
+            MetaKey::Dnode | MetaKey::Mos(_) => None,
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug)]
 pub(super) struct MetaReq {
     pub(super) key: MetaKey,

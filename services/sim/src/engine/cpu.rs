@@ -43,7 +43,7 @@ impl CpuWork {
     fn size(&self) -> u64 {
         match self {
             CpuWork::Data(r) => r.size,
-            CpuWork::Meta(m) => m.size * m.copies as u64,
+            CpuWork::Meta(m) => m.bytes(),
             CpuWork::Issue(_, size, _) => *size,
         }
     }
@@ -112,19 +112,19 @@ impl<P: SimPool> Sim<'_, P> {
         Ok(())
     }
 
-    /// Whether a placed block (slot `tag`) has CPU work after the
-    /// throttle: the syncing txg's data and metadata blocks, with a
-    /// `[cpu]` whose `after_throttle` is above 0, or that the throttle
-    /// queued (`held`) with a `dispatch` cost.
-    fn has_issue_work(&self, tag: u32, held: bool) -> bool {
-        let Some(c) = &self.cpu else { return false };
+    /// The bytes of a placed block's CPU work after the throttle, if it
+    /// has any: the syncing txg's data and metadata blocks, with a `[cpu]`
+    /// whose `after_throttle` is above 0, or that the throttle queued
+    /// (`held`) with a `dispatch` cost.
+    fn issue_bytes(&self, tag: u32, held: bool) -> Option<u64> {
+        let c = self.cpu.as_ref()?;
         if c.model.after_throttle <= 0.0 && !(held && c.model.dispatch > 0) {
-            return false;
+            return None;
         }
         match &self.slots[tag as usize].as_ref().expect("live slot").kind {
-            SlotKind::Data(r) => r.stream != LOG_STREAM,
-            SlotKind::Meta(_) => true,
-            SlotKind::LogBlock(_) => false,
+            SlotKind::Data(r) => (r.stream != LOG_STREAM).then_some(r.size),
+            SlotKind::Meta(m) => Some(m.bytes()),
+            SlotKind::LogBlock(_) => None,
         }
     }
 
@@ -132,16 +132,13 @@ impl<P: SimPool> Sim<'_, P> {
     /// them, or first its CPU work after the throttle (`held`: the
     /// throttle queued it before admitting it).
     pub(super) fn slot_placed(&mut self, tag: u32, held: bool) -> anyhow::Result<()> {
-        if !self.has_issue_work(tag, held) {
-            self.enqueue_slot(tag, false);
-            return Ok(());
+        match self.issue_bytes(tag, held) {
+            Some(size) => self.cpu_issue(CpuWork::Issue(tag, size, held)),
+            None => {
+                self.enqueue_slot(tag, false);
+                Ok(())
+            }
         }
-        let size = match &self.slots[tag as usize].as_ref().expect("live slot").kind {
-            SlotKind::Data(r) => r.size,
-            SlotKind::Meta(m) => m.size * m.copies as u64,
-            SlotKind::LogBlock(_) => unreachable!("log blocks have no issue work"),
-        };
-        self.cpu_issue(CpuWork::Issue(tag, size, held))
     }
 
     /// Put queued work on idle CPUs.

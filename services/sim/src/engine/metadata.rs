@@ -29,6 +29,13 @@ impl MetaKey {
     }
 }
 
+impl MetaReq {
+    /// Bytes written for it: every copy.
+    pub(super) fn bytes(&self) -> u64 {
+        self.size * self.copies as u64
+    }
+}
+
 #[derive(Clone, Copy, Debug)]
 pub(super) struct MetaReq {
     pub(super) key: MetaKey,
@@ -147,25 +154,7 @@ impl<P: SimPool> Sim<'_, P> {
     ) -> anyhow::Result<()> {
         let busy = self.busy();
         match self.pool.allocate(t, busy) {
-            Ok(a) => {
-                let loads = a.metaslab_loads as u64;
-                self.data_loads += loads;
-                let stall = loads * self.sc.metaslab_load_cost;
-                self.data_load_stall += stall;
-                let tag = self.new_slot(Slot {
-                    id: a.id,
-                    remaining: a.extents.len() as u32,
-                    extents: a.extents,
-                    kind: SlotKind::Meta(m),
-                });
-                if stall == 0 {
-                    self.slot_placed(tag, held)?;
-                } else {
-                    let at = self.now + stall;
-                    self.push(at, Ev::Loaded(tag, held));
-                }
-                Ok(())
-            }
+            Ok(a) => self.place_loaded(a, SlotKind::Meta(m), held),
             Err(PoolError::NoSpace { reason, .. }) => {
                 if !self.pool_full {
                     self.pool_full = true;

@@ -52,28 +52,12 @@ pub use txg::{
     write_delay,
 };
 
-/// Hashes a ticket (a `u64` the pool hands out in sequence) with one
-/// multiplication: the simulator's ticket maps take an insert and two
-/// look-ups per block the throttle queues, and SipHash was a visible share
-/// of a run once the throttle held most blocks (t6-A at 16K).
-#[derive(Default, Clone, Copy)]
-struct TicketHasher(u64);
-
-impl std::hash::Hasher for TicketHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ b as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        }
-    }
-    fn write_u64(&mut self, n: u64) {
-        self.0 = (self.0 ^ n).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    }
-}
-
-type TicketMap<V> = HashMap<Ticket, V, std::hash::BuildHasherDefault<TicketHasher>>;
+/// Ticket maps hash with foldhash's fixed-seed hasher, not SipHash: they
+/// take an insert and two look-ups per block the throttle queues, and
+/// SipHash was a visible share of a run once the throttle held most blocks
+/// (t6-A at 16K). Fixed seed: nothing iterates them, and runs stay
+/// reproducible either way.
+type TicketMap<V> = HashMap<Ticket, V, foldhash::fast::FixedState>;
 
 /// Samples kept before halving the sampling rate.
 const MAX_SAMPLES: usize = 2000;
@@ -136,6 +120,18 @@ struct Slot {
     remaining: u32,
     extents: Vec<Extent>,
     kind: SlotKind,
+}
+
+impl Slot {
+    /// An allocation's slot, every extent still to write.
+    fn new(a: Allocation, kind: SlotKind) -> Slot {
+        Slot {
+            id: a.id,
+            remaining: a.extents.len() as u32,
+            extents: a.extents,
+            kind,
+        }
+    }
 }
 
 #[derive(Debug)]

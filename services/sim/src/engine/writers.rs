@@ -31,22 +31,22 @@ impl<P: SimPool> Sim<'_, P> {
         }
     }
 
-    /// A data block whose allocation loaded `loads` metaslabs: its writes
-    /// wait for the loads (`metaslab_load_cost` each) before they queue.
-    /// With `[cpu] after_throttle` (or `dispatch`, `held`: the throttle
-    /// queued it), the block's CPU work after the throttle comes before
-    /// its writes (`slot_placed`).
-    pub(super) fn place_data(&mut self, a: Allocation, req: Req, held: bool) -> anyhow::Result<()> {
+    /// A data or metadata block whose allocation loaded `loads` metaslabs:
+    /// its writes wait for the loads (`metaslab_load_cost` each) before
+    /// they queue. With `[cpu] after_throttle` (or `dispatch`, `held`: the
+    /// throttle queued it), the block's CPU work after the throttle comes
+    /// before its writes (`slot_placed`).
+    pub(super) fn place_loaded(
+        &mut self,
+        a: Allocation,
+        kind: SlotKind,
+        held: bool,
+    ) -> anyhow::Result<()> {
         let loads = a.metaslab_loads as u64;
         self.data_loads += loads;
         let stall = loads * self.sc.metaslab_load_cost;
         self.data_load_stall += stall;
-        let tag = self.new_slot(Slot {
-            id: a.id,
-            remaining: a.extents.len() as u32,
-            extents: a.extents,
-            kind: SlotKind::Data(req),
-        });
+        let tag = self.new_slot(Slot::new(a, kind));
         if stall == 0 {
             return self.slot_placed(tag, held);
         }
@@ -56,12 +56,7 @@ impl<P: SimPool> Sim<'_, P> {
     }
 
     pub(super) fn place(&mut self, a: Allocation, kind: SlotKind, sync: bool) -> u32 {
-        let tag = self.new_slot(Slot {
-            id: a.id,
-            remaining: a.extents.len() as u32,
-            extents: a.extents,
-            kind,
-        });
+        let tag = self.new_slot(Slot::new(a, kind));
         if !sync || self.log.as_ref().is_none_or(|l| l.stall != Stall::Load) {
             self.enqueue_slot(tag, sync);
         }
@@ -131,7 +126,7 @@ impl<P: SimPool> Sim<'_, P> {
     pub(super) fn allocate_data(&mut self, t: Ticket, req: Req, held: bool) -> anyhow::Result<()> {
         let busy = self.busy();
         match self.pool.allocate(t, busy) {
-            Ok(a) => self.place_data(a, req, held),
+            Ok(a) => self.place_loaded(a, SlotKind::Data(req), held),
             Err(PoolError::NoSpace { reason, .. }) => {
                 self.release_req(req);
                 if !self.pool_full {

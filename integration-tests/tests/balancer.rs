@@ -142,6 +142,19 @@ fn unresolved(manifest: &Path) -> u64 {
     count("{\"pending\"") - count("{\"moved\"") - count("{\"dropped\"")
 }
 
+/// The moves a mover its failpoint aborted left open in the journal: at
+/// least one (the mover's stderr says why if none).
+fn left_open(p: &Pool, out: &std::process::Output) -> u64 {
+    assert!(!out.status.success(), "the failpoint aborts the mover");
+    let open = unresolved(&p.manifest());
+    assert!(
+        open >= 1,
+        "no move left open in the journal; the mover said: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    open
+}
+
 fn report(out: &std::process::Output) -> serde_json::Value {
     assert!(
         out.status.success(),
@@ -339,13 +352,7 @@ fn a_mover_killed_mid_plan_resumes_without_losing_or_leaking_a_block() {
         .execute_child(&slow, Some("mover-after-pending:3"))
         .wait_with_output()
         .unwrap();
-    assert!(!out.status.success(), "the failpoint aborts the mover");
-    let open = unresolved(&p.manifest());
-    assert!(
-        open >= 1,
-        "the journal holds the batch's pending moves; the mover said: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let open = left_open(&p, &out);
     let r = report(
         &p.execute_child(&args!["--max-plans", "1", "--no-progress"], None)
             .wait_with_output()
@@ -360,13 +367,7 @@ fn a_mover_killed_mid_plan_resumes_without_losing_or_leaking_a_block() {
         .execute_child(&slow, Some("mover-after-commit:2"))
         .wait_with_output()
         .unwrap();
-    assert!(!out.status.success());
-    let open = unresolved(&p.manifest());
-    assert!(
-        open >= 1,
-        "no move left open; the mover said: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let open = left_open(&p, &out);
     let r = report(
         &p.execute_child(&args!["--max-plans", "1", "--no-progress"], None)
             .wait_with_output()

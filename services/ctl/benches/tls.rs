@@ -379,7 +379,7 @@ fn main() {
         }
         // What the CPU ratio could be at best: plaintext's CPU per MiB plus
         // one seal and one open of every byte.
-        let plain_ms = median(plain_cpu.clone());
+        let plain_ms = median(plain_cpu);
         for (name, alg) in [
             ("AES-128-GCM", &ring::aead::AES_128_GCM),
             ("AES-256-GCM", &ring::aead::AES_256_GCM),

@@ -32,6 +32,9 @@ pub use mac_token::VdevKey;
 pub use role::{Identity, Role};
 pub use tls::TlsFiles;
 pub use token::{TokenError, TokenSigner, TokenVerifier, WriteCheck, WriteGrant};
+/// The rustls our TLS is built on, for callers that drive a connection
+/// themselves (the `tls` bench): one version across the workspace.
+pub use tokio_rustls::rustls;
 
 /// The ErrorInfo domain of the reasons this crate gives (the allocator's).
 pub const DOMAIN: &str = "aliquot.v1";

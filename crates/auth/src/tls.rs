@@ -11,7 +11,7 @@ use std::sync::Arc;
 use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use tokio_rustls::rustls::server::WebPkiClientVerifier;
-use tokio_rustls::rustls::{RootCertStore, ServerConfig};
+use tokio_rustls::rustls::{ClientConfig, RootCertStore, ServerConfig};
 
 use tonic::transport::{Certificate, ClientTlsConfig, Identity as TlsIdentity, ServerTlsConfig};
 
@@ -107,6 +107,36 @@ impl TlsFiles {
         Ok(Arc::new(config))
     }
 
+    /// Client side as a rustls config: the pool CA as the only root, our
+    /// certificate, the provider's own suite order (as tonic's client has).
+    /// tonic builds its own from [`Self::client_config`]; this one is for
+    /// driving a connection in memory (the `tls` bench's rustls floor,
+    /// tests).
+    pub fn rustls_client_config(&self) -> Result<Arc<ClientConfig>, AuthError> {
+        let bad = |what: &str, e: &dyn std::fmt::Display| AuthError::Tls(format!("{what}: {e}"));
+        let mut roots = RootCertStore::empty();
+        for c in CertificateDer::pem_slice_iter(read(&self.ca)?.as_bytes()) {
+            let c = c.map_err(|e| bad(&format!("{}", self.ca.display()), &e))?;
+            roots
+                .add(c)
+                .map_err(|e| bad(&format!("{}", self.ca.display()), &e))?;
+        }
+        let certs = CertificateDer::pem_slice_iter(read(&self.cert)?.as_bytes())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| bad(&format!("{}", self.cert.display()), &e))?;
+        let key = PrivateKeyDer::from_pem_slice(read(&self.key)?.as_bytes())
+            .map_err(|e| bad(&format!("{}", self.key.display()), &e))?;
+        let provider = tokio_rustls::rustls::crypto::ring::default_provider();
+        let mut config = ClientConfig::builder_with_provider(Arc::new(provider))
+            .with_safe_default_protocol_versions()
+            .map_err(|e| bad("protocol versions", &e))?
+            .with_root_certificates(roots)
+            .with_client_auth_cert(certs, key)
+            .map_err(|e| bad(&format!("{}", self.cert.display()), &e))?;
+        config.alpn_protocols = vec![b"h2".to_vec()];
+        Ok(Arc::new(config))
+    }
+
     /// Client side, to a server of `server_role`.
     pub fn client_config(&self, server_role: Role) -> Result<ClientTlsConfig, AuthError> {
         Ok(ClientTlsConfig::new()
@@ -119,9 +149,7 @@ impl TlsFiles {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tokio_rustls::rustls::{
-        CipherSuite, ClientConfig, ClientConnection, Connection, ServerConnection,
-    };
+    use tokio_rustls::rustls::{CipherSuite, ClientConnection, Connection, ServerConnection};
 
     /// Everything `from` has to send, read and processed by `to`.
     fn pump(from: &mut Connection, to: &mut Connection) {
@@ -147,29 +175,17 @@ mod tests {
         let server = TlsFiles::in_dir(dir.path(), Role::Agent, "a0")
             .rustls_server_config()
             .unwrap();
-        let client = TlsFiles::in_dir(dir.path(), Role::Client, "c0");
         let provider = tokio_rustls::rustls::crypto::ring::default_provider();
         assert_eq!(
             provider.cipher_suites[0].suite(),
             CipherSuite::TLS13_AES_256_GCM_SHA384,
             "the client prefers AES-256"
         );
-        let mut roots = RootCertStore::empty();
-        for c in CertificateDer::pem_slice_iter(read(&client.ca).unwrap().as_bytes()) {
-            roots.add(c.unwrap()).unwrap();
-        }
-        let certs = CertificateDer::pem_slice_iter(read(&client.cert).unwrap().as_bytes())
-            .collect::<Result<Vec<_>, _>>()
-            .unwrap();
-        let key = PrivateKeyDer::from_pem_slice(read(&client.key).unwrap().as_bytes()).unwrap();
-        let cc = ClientConfig::builder_with_provider(Arc::new(provider))
-            .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_root_certificates(roots)
-            .with_client_auth_cert(certs, key)
+        let cc = TlsFiles::in_dir(dir.path(), Role::Client, "c0")
+            .rustls_client_config()
             .unwrap();
         let name = Role::Agent.server_name().try_into().unwrap();
-        let mut c = Connection::Client(ClientConnection::new(Arc::new(cc), name).unwrap());
+        let mut c = Connection::Client(ClientConnection::new(cc, name).unwrap());
         let mut s = Connection::Server(ServerConnection::new(server).unwrap());
         // The handshake in memory: each side's records to the other.
         for _ in 0..10 {

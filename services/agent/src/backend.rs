@@ -64,6 +64,15 @@ pub fn open(cfg: &Config) -> Result<Opened, AgentError> {
                 block_device,
             } = open_file(path, cfg)?;
             let direct = if wants_direct(cfg, block_device) {
+                if let Some(min) = cfg.direct_min_size {
+                    // Said, not silent: the flag asked for less than this.
+                    tracing::warn!(
+                        path = %path.display(),
+                        "--direct-min-size {min}: ignored, {} is a block device and all its \
+                         I/O is direct already",
+                        path.display()
+                    );
+                }
                 DirectIo::All(open_direct(path)?)
             } else if let Some(min) = cfg.direct_min_size {
                 // Large writes only: the file stays usable without it.

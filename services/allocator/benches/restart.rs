@@ -17,7 +17,9 @@
 //! and times `Pool::sync` and `SqliteStore::persist` of that txg (target ≤ 1 s),
 //! then a second txg of as many frees spread over the remaining extents.
 //! Before the frees, the store's exact-extent lookup (`allocated_overlapping`,
-//! asked per extent by Claim and Free) is timed over 10^4 extents.
+//! asked per extent by Claim) is timed over 10^4 extents, and Free's batch
+//! form (`allocated_overlapping_many`) over requests of 1024 neighbouring
+//! or scattered extents.
 
 use std::path::Path;
 use std::process::Command;
@@ -203,6 +205,29 @@ async fn child(path: &Path, layout: &str) {
         "{layout:>6} allocated_overlapping (the exact-extent check): {:.1} us per extent",
         t.elapsed().as_secs_f64() * 1e6 / probes as f64
     );
+    // Free checks a whole request at once (`allocated_overlapping_many`):
+    // requests of 1024 extents, neighbours (a run of blocks, as a manifest
+    // lists them) or scattered over the vdev (its spans halved down to
+    // single lookups).
+    for (what, step) in [("neighbours", 1), ("scattered", 7919)] {
+        let batches = 10u64;
+        let t = Instant::now();
+        for b in 0..batches {
+            let batch: Vec<Extent> = (0..1024u64)
+                .map(|k| Extent {
+                    vdev: 0,
+                    offset: ((b * 1024 + k) * step % rows) * st,
+                    size: BLOCK,
+                })
+                .collect();
+            let hits = store.allocated_overlapping_many(&batch).await.unwrap();
+            assert!(hits.iter().zip(&batch).all(|(h, e)| h == &[*e]));
+        }
+        println!(
+            "{layout:>6} allocated_overlapping_many, 1024 {what}: {:.2} us per extent",
+            t.elapsed().as_secs_f64() * 1e6 / (batches * 1024) as f64
+        );
+    }
 
     let frees = env_u64("ALIQUOT_BENCH_FREES", 1_000_000).min(rows);
     let ext: Vec<Extent> = (0..frees)

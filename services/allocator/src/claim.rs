@@ -44,8 +44,21 @@ pub async fn check_exact(shared: &Shared, extents: &[Extent]) -> Result<()> {
 /// spanning other clients' blocks, or part of one, whose space would then be
 /// handed out again while its data is live.
 pub async fn check_free_exact(shared: &Shared, extents: &[Extent]) -> Result<()> {
-    for e in extents {
-        let overlapping = committed_overlapping(shared, e).await?;
+    // Not yet persisted first, then the store: a txg that syncs in between
+    // is then seen in one or both, never in neither.
+    let recent: Vec<Vec<Extent>> = extents
+        .iter()
+        .map(|e| recent_overlapping(shared, e))
+        .collect();
+    // The store's part for the whole request at once: one query per span
+    // of extents, not one per extent (a bulk Free of a run of blocks).
+    let stored = shared
+        .store
+        .allocated_overlapping_many(extents)
+        .await
+        .map_err(|err| Error::Store(err.to_string()))?;
+    for ((e, mut overlapping), stored) in extents.iter().zip(recent).zip(stored) {
+        merge(&mut overlapping, stored);
         // None: not committed at all, which the pool rules on (a retried
         // free, free space, or an allocation in flight: NOT_ALLOCATED).
         if overlapping.is_empty() || overlapping == [*e] {
@@ -78,25 +91,30 @@ pub async fn check_relocatable(shared: &Shared, e: &Extent) -> Result<()> {
 /// The committed (or claimed) extents `e` overlaps: the store's, as of the
 /// last synced txg, and those of txgs not yet persisted.
 async fn committed_overlapping(shared: &Shared, e: &Extent) -> Result<Vec<Extent>> {
-    {
-        let mut overlapping: Vec<Extent> = {
-            let g = shared.lock();
-            let end = e.offset.saturating_add(e.size);
-            g.recent_allocs
-                .range((e.vdev, 0)..(e.vdev, end))
-                .filter(|((_, off), (size, _, _))| off + size > e.offset)
-                .map(|(&(vdev, offset), &(size, _, _))| Extent { vdev, offset, size })
-                .collect()
-        };
-        overlapping.extend(
-            shared
-                .store
-                .allocated_overlapping(*e)
-                .await
-                .map_err(|err| Error::Store(err.to_string()))?,
-        );
-        overlapping.sort();
-        overlapping.dedup();
-        Ok(overlapping)
-    }
+    let mut overlapping = recent_overlapping(shared, e);
+    let stored = shared
+        .store
+        .allocated_overlapping(*e)
+        .await
+        .map_err(|err| Error::Store(err.to_string()))?;
+    merge(&mut overlapping, stored);
+    Ok(overlapping)
+}
+
+/// The extents of txgs not yet persisted that `e` overlaps.
+fn recent_overlapping(shared: &Shared, e: &Extent) -> Vec<Extent> {
+    let g = shared.lock();
+    let end = e.offset.saturating_add(e.size);
+    g.recent_allocs
+        .range((e.vdev, 0)..(e.vdev, end))
+        .filter(|((_, off), (size, _, _))| off + size > e.offset)
+        .map(|(&(vdev, offset), &(size, _, _))| Extent { vdev, offset, size })
+        .collect()
+}
+
+/// `stored` added to `overlapping`, in order, once each.
+fn merge(overlapping: &mut Vec<Extent>, stored: Vec<Extent>) {
+    overlapping.extend(stored);
+    overlapping.sort();
+    overlapping.dedup();
 }

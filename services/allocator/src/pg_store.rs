@@ -1037,30 +1037,53 @@ impl Store for PgStore {
 
     fn allocated_overlapping(&self, e: Extent) -> BoxFuture<'_, Result<Vec<Extent>, StoreError>> {
         Box::pin(async move {
-            let db = |err: sqlx::Error| StoreError(format!("extents overlapping {e}: {err}"));
-            let end = e.offset.saturating_add(e.size).min(i64::MAX as u64);
-            let rows = sqlx::query(
+            let mut one = self.allocated_overlapping_many(&[e]).await?;
+            Ok(one.pop().unwrap_or_default())
+        })
+    }
+
+    fn allocated_overlapping_many<'a>(
+        &'a self,
+        extents: &'a [Extent],
+    ) -> BoxFuture<'a, Result<Vec<Vec<Extent>>, StoreError>> {
+        let pool = match self.pool_id() {
+            Ok(p) => p,
+            Err(e) => return Box::pin(async move { Err(e) }),
+        };
+        // By the key (vdev, start): the chunk starting last at or before
+        // the span, then those starting inside it (see `spacemap`); each
+        // searched in place, not decoded.
+        let fetch = move |vdev: u32, off: u64, end: u64, limit: usize| async move {
+            sqlx::query(
                 "SELECT start, width, data FROM spacemaps
                  WHERE pool = $1 AND vdev = $2 AND start < $4 AND start >= COALESCE(
                      (SELECT MAX(start) FROM spacemaps
                       WHERE pool = $1 AND vdev = $2 AND start <= $3), $3)
-                 ORDER BY start",
+                 ORDER BY start LIMIT $5",
             )
-            .bind(self.pool_id()?)
-            .bind(e.vdev as i64)
-            .bind(i(e.offset.min(i64::MAX as u64)))
+            .bind(pool)
+            .bind(vdev as i64)
+            .bind(i(off))
             .bind(i(end))
+            .bind(limit.min(i64::MAX as usize) as i64)
             .fetch_all(&self.db)
             .await
-            .map_err(db)?;
-            spacemap::overlapping_rows(
-                e.vdev,
-                rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))),
-                e.offset,
-                end,
-            )
-            .map_err(|err| StoreError(format!("extents overlapping {e}: {err}")))
-        })
+            .map(|rows| {
+                rows.iter()
+                    .map(|r| (r.get(0), r.get(1), r.get::<Vec<u8>, _>(2)))
+                    .collect()
+            })
+            .map_err(|err| {
+                StoreError(format!(
+                    "extents overlapping {off}..{end} of vdev {vdev}: {err}"
+                ))
+            })
+        };
+        Box::pin(crate::store::overlapping_batched(
+            extents,
+            crate::store::SPAN_ROWS,
+            fetch,
+        ))
     }
 
     fn set_tunable<'a>(

@@ -225,6 +225,32 @@ pub fn overlapping_rows<'a>(
     Ok(out)
 }
 
+/// The extents of `vdev` overlapping each of `probes` (`(offset, end)`) in
+/// chunk rows `(start, width, data)` in start order that cover every probe
+/// (fetched for the span of them all): per probe, only its own rows are
+/// searched (the last starting at or before it, then those starting inside
+/// it, found by binary search), so a batch of Frees costs one query for
+/// their span, not one each.
+pub fn overlapping_each(
+    vdev: u32,
+    rows: &[(i64, i64, Vec<u8>)],
+    probes: &[(u64, u64)],
+) -> Result<Vec<Vec<Extent>>, String> {
+    probes
+        .iter()
+        .map(|&(off, end)| {
+            let first = rows
+                .partition_point(|r| (r.0 as u64) <= off)
+                .saturating_sub(1);
+            let mine = rows[first..]
+                .iter()
+                .take_while(|r| (r.0 as u64) < end)
+                .map(|(start, width, data)| (*start, *width, data.as_slice()));
+            overlapping_rows(vdev, mine, off, end)
+        })
+        .collect()
+}
+
 /// The `limit` largest extents of chunks pushed in order (largest first,
 /// then lowest offset): the candidates of a rebalance plan, kept in a
 /// bounded heap so a scan of a vdev never holds more than `limit`.

@@ -1036,31 +1036,47 @@ impl Store for SqliteStore {
 
     fn allocated_overlapping(&self, e: Extent) -> BoxFuture<'_, Result<Vec<Extent>, StoreError>> {
         Box::pin(async move {
-            let db = |err: sqlx::Error| StoreError(format!("extents overlapping {e}: {err}"));
-            let end = e.offset.saturating_add(e.size).min(i64::MAX as u64);
-            // By the key (vdev, start): the chunk starting last at or before
-            // `e`, then those starting inside it (see `spacemap`); each
-            // searched in place, not decoded.
-            let rows = sqlx::query(
+            let mut one = self.allocated_overlapping_many(&[e]).await?;
+            Ok(one.pop().unwrap_or_default())
+        })
+    }
+
+    fn allocated_overlapping_many<'a>(
+        &'a self,
+        extents: &'a [Extent],
+    ) -> BoxFuture<'a, Result<Vec<Vec<Extent>>, StoreError>> {
+        // By the key (vdev, start): the chunk starting last at or before
+        // the span, then those starting inside it (see `spacemap`); each
+        // searched in place, not decoded.
+        let fetch = move |vdev: u32, off: u64, end: u64, limit: usize| async move {
+            sqlx::query(
                 "SELECT start, width, data FROM spacemaps
                  WHERE vdev = ?1 AND start < ?3 AND start >= COALESCE(
                      (SELECT MAX(start) FROM spacemaps WHERE vdev = ?1 AND start <= ?2), ?2)
-                 ORDER BY start",
+                 ORDER BY start LIMIT ?4",
             )
-            .bind(e.vdev as i64)
-            .bind(i(e.offset.min(i64::MAX as u64)))
+            .bind(vdev as i64)
+            .bind(i(off))
             .bind(i(end))
+            .bind(limit.min(i64::MAX as usize) as i64)
             .fetch_all(&self.db)
             .await
-            .map_err(db)?;
-            spacemap::overlapping_rows(
-                e.vdev,
-                rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))),
-                e.offset,
-                end,
-            )
-            .map_err(|err| StoreError(format!("extents overlapping {e}: {err}")))
-        })
+            .map(|rows| {
+                rows.iter()
+                    .map(|r| (r.get(0), r.get(1), r.get::<Vec<u8>, _>(2)))
+                    .collect()
+            })
+            .map_err(|err| {
+                StoreError(format!(
+                    "extents overlapping {off}..{end} of vdev {vdev}: {err}"
+                ))
+            })
+        };
+        Box::pin(crate::store::overlapping_batched(
+            extents,
+            crate::store::SPAN_ROWS,
+            fetch,
+        ))
     }
 
     fn set_tunable<'a>(

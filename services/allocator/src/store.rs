@@ -281,6 +281,78 @@ pub struct Persisted {
 #[error("{0}")]
 pub struct StoreError(pub String);
 
+/// A chunk row `(start, width, data)` as a span query returns it.
+pub(crate) type SpanRow = (i64, i64, Vec<u8>);
+pub(crate) type SpanRows = Vec<SpanRow>;
+
+/// Most chunk rows one span query of [`overlapping_batched`] reads (4 MiB of
+/// 32 KiB chunks); a batch whose span holds more is halved.
+pub(crate) const SPAN_ROWS: usize = 128;
+
+/// [`Store::allocated_overlapping_many`] for a store of space-map chunk
+/// rows. Per vdev, one query for the span of its extents: `fetch(vdev, off,
+/// end, limit)` returns, in start order and at most `limit`, the row
+/// starting last at or before `off`, then those starting before `end` (the
+/// rows any extent of the span can be in; see `spacemap`). A span holding
+/// more than `max_rows` rows (extents far apart on a full vdev) is halved
+/// and each half asked again, down to one extent, whose rows are read
+/// whole; so a 1024-extent Free of a run of blocks is a query or two
+/// instead of 1024 (each a hop to the store's thread).
+pub(crate) async fn overlapping_batched<F, Fut>(
+    extents: &[Extent],
+    max_rows: usize,
+    fetch: F,
+) -> Result<Vec<Vec<Extent>>, StoreError>
+where
+    F: Fn(u32, u64, u64, usize) -> Fut,
+    Fut: std::future::Future<Output = Result<SpanRows, StoreError>>,
+{
+    // As the single query binds them (SQL integers are signed).
+    let off_of = |e: &Extent| e.offset.min(i64::MAX as u64);
+    let end_of = |e: &Extent| e.offset.saturating_add(e.size).min(i64::MAX as u64);
+    let mut order: Vec<usize> = (0..extents.len()).collect();
+    order.sort_by_key(|&i| (extents[i].vdev, extents[i].offset));
+    let mut out = vec![Vec::new(); extents.len()];
+    let mut work: Vec<&[usize]> = order
+        .chunk_by(|&a, &b| extents[a].vdev == extents[b].vdev)
+        .collect();
+    while let Some(group) = work.pop() {
+        let vdev = extents[group[0]].vdev;
+        let off = off_of(&extents[group[0]]);
+        let end = group
+            .iter()
+            .map(|&i| end_of(&extents[i]))
+            .max()
+            .unwrap_or(off);
+        let single = group.len() == 1;
+        let rows = fetch(
+            vdev,
+            off,
+            end,
+            if single { usize::MAX } else { max_rows + 1 },
+        )
+        .await?;
+        if !single && rows.len() > max_rows {
+            let (a, b) = group.split_at(group.len() / 2);
+            work.extend([a, b]);
+            continue;
+        }
+        let probes: Vec<(u64, u64)> = group
+            .iter()
+            .map(|&i| (off_of(&extents[i]), end_of(&extents[i])))
+            .collect();
+        let found = crate::spacemap::overlapping_each(vdev, &rows, &probes).map_err(|err| {
+            StoreError(format!(
+                "extents overlapping {off}..{end} of vdev {vdev}: {err}"
+            ))
+        })?;
+        for (&i, f) in group.iter().zip(found) {
+            out[i] = f;
+        }
+    }
+    Ok(out)
+}
+
 pub trait Store: Send + Sync + 'static {
     /// The persisted pool, or `None` for a fresh one.
     fn load(&self) -> BoxFuture<'_, Result<Option<Persisted>, StoreError>>;
@@ -324,6 +396,22 @@ pub trait Store: Send + Sync + 'static {
     }
     /// Durable allocated extents overlapping `e` (for Claim's exact check).
     fn allocated_overlapping(&self, e: Extent) -> BoxFuture<'_, Result<Vec<Extent>, StoreError>>;
+    /// [`Self::allocated_overlapping`] of each of `extents`, in their order
+    /// (Free's exact check of a whole request). Stores of chunk rows answer
+    /// a batch with a query per span ([`overlapping_batched`]), not one per
+    /// extent.
+    fn allocated_overlapping_many<'a>(
+        &'a self,
+        extents: &'a [Extent],
+    ) -> BoxFuture<'a, Result<Vec<Vec<Extent>>, StoreError>> {
+        Box::pin(async move {
+            let mut out = Vec::with_capacity(extents.len());
+            for e in extents {
+                out.push(self.allocated_overlapping(*e).await?);
+            }
+            Ok(out)
+        })
+    }
     /// Up to `limit` durable extents of `vdev`, largest first: the
     /// candidates of a rebalance plan. Stores without extents answer empty.
     fn largest_extents(
@@ -676,6 +764,96 @@ impl Store for MemStore {
 mod tests {
     use super::*;
     use metaslab::SpaceChange;
+
+    /// A batch's answer, however its spans are cut (one query per vdev, or
+    /// halved down to single extents), is each extent's own: checked
+    /// against every stored extent, on many small chunks.
+    #[test]
+    fn a_batch_of_lookups_finds_what_each_lookup_finds() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(28);
+        const K: u64 = 4096;
+        // Two vdevs of non-overlapping extents, some touching, cut into
+        // chunks of 7 (the store's are 4096) so spans cross many rows.
+        let mut stored: Vec<(u32, Vec<(u64, u64)>)> = Vec::new();
+        for vdev in [0u32, 3] {
+            let (mut at, mut v) = (0, Vec::new());
+            for _ in 0..500 {
+                at += K * rng.random_range(0..3);
+                let size = K * rng.random_range(1..6);
+                v.push((at, size));
+                at += size;
+            }
+            stored.push((vdev, v));
+        }
+        let rows: Vec<(u32, SpanRow)> = stored
+            .iter()
+            .flat_map(|(vdev, v)| {
+                v.chunks(7).map(|c| {
+                    let ch = crate::spacemap::Chunk::encode(*vdev, c);
+                    (*vdev, (ch.start as i64, ch.width as i64, ch.data))
+                })
+            })
+            .collect();
+        // What the span query returns: the row starting last at or before
+        // `off`, then those starting before `end`, at most `limit`.
+        let calls = std::sync::atomic::AtomicUsize::new(0);
+        let fetch = |vdev: u32, off: u64, end: u64, limit: usize| {
+            calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let mine: Vec<&SpanRow> = rows.iter().filter(|r| r.0 == vdev).map(|r| &r.1).collect();
+            let from = mine
+                .iter()
+                .filter(|r| r.0 as u64 <= off)
+                .map(|r| r.0)
+                .max()
+                .unwrap_or(off as i64);
+            let got: SpanRows = mine
+                .into_iter()
+                .filter(|r| r.0 >= from && (r.0 as u64) < end)
+                .take(limit)
+                .cloned()
+                .collect();
+            async move { Ok(got) }
+        };
+        let probes: Vec<Extent> = (0..300)
+            .map(|_| {
+                let vdev = if rng.random_bool(0.5) { 0 } else { 3 };
+                Extent {
+                    vdev,
+                    // Some beyond every extent; some not on a 4 KiB boundary.
+                    offset: rng.random_range(0..2600 * K) & !511,
+                    size: 512 * rng.random_range(1..80),
+                }
+            })
+            .collect();
+        let want: Vec<Vec<Extent>> = probes
+            .iter()
+            .map(|p| {
+                let (_, v) = stored.iter().find(|(vd, _)| *vd == p.vdev).unwrap();
+                v.iter()
+                    .filter(|&&(o, l)| o < p.offset + p.size && o + l > p.offset)
+                    .map(|&(offset, size)| Extent {
+                        vdev: p.vdev,
+                        offset,
+                        size,
+                    })
+                    .collect()
+            })
+            .collect();
+        assert!(want.iter().any(|w| w.len() > 1), "some probes span extents");
+        assert!(want.iter().any(|w| w.is_empty()), "some probes find none");
+        let run = |max_rows| {
+            futures_util::FutureExt::now_or_never(overlapping_batched(&probes, max_rows, fetch))
+                .unwrap()
+                .unwrap()
+        };
+        // A span of all: one query per vdev.
+        assert_eq!(run(usize::MAX - 1), want);
+        assert_eq!(calls.swap(0, std::sync::atomic::Ordering::Relaxed), 2);
+        // Spans of at most 2 rows: halved, the same answers.
+        assert_eq!(run(2), want);
+        assert!(calls.load(std::sync::atomic::Ordering::Relaxed) > 2);
+    }
 
     fn ext(offset: u64, size: u64) -> Extent {
         Extent {

@@ -1011,6 +1011,7 @@ async fn space_maps_match_the_reference_store() {
             })
             .collect();
         assert!(a.allocated.iter().eq(want.iter().copied()), "txg {txg}");
+        let mut probes = Vec::new();
         for _ in 0..20 {
             let v = rng.random_range(0..2u32);
             let probe = Extent {
@@ -1018,12 +1019,23 @@ async fn space_maps_match_the_reference_store() {
                 offset: K * rng.random_range(0..cursor[v as usize] / K + 2),
                 size: K * rng.random_range(1..40),
             };
+            let want = mem.allocated_overlapping(probe).await.unwrap();
             assert_eq!(
                 store.allocated_overlapping(probe).await.unwrap(),
-                mem.allocated_overlapping(probe).await.unwrap(),
+                want,
                 "txg {txg}: {probe}"
             );
+            probes.push((probe, want));
         }
+        // The same probes as one batch (Free's check of a request): one
+        // query per vdev's span, the same answers in the same order.
+        let batch: Vec<Extent> = probes.iter().map(|p| p.0).collect();
+        let want: Vec<Vec<Extent>> = probes.into_iter().map(|p| p.1).collect();
+        assert_eq!(
+            store.allocated_overlapping_many(&batch).await.unwrap(),
+            want,
+            "txg {txg}"
+        );
         for v in 0..2 {
             assert_eq!(
                 store.largest_extents(v, 7).await.unwrap(),

@@ -977,10 +977,12 @@ async fn a_free_names_exactly_one_committed_extent() {
         ..lo
     };
     for round in ["not yet persisted", "persisted"] {
-        for bad in [span, part] {
+        // Alone, or after an exact one in the same request (checked as a
+        // batch): the whole request is refused.
+        for bad in [vec![span], vec![part], vec![hi, part]] {
             let e = h
                 .alloc
-                .free(pb::FreeRequest { extents: vec![bad] })
+                .free(pb::FreeRequest { extents: bad })
                 .await
                 .expect_err("an inexact free was accepted");
             assert_eq!(e.code(), Code::FailedPrecondition, "{round}: {e:?}");

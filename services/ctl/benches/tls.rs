@@ -21,6 +21,12 @@
 //! `ALIQUOT_BENCH_WRITE` bytes per write run (default 256MiB; 0 skips the
 //! write runs, e.g. to profile AllocateStream alone); `ALIQUOT_BENCH_MODE`
 //! (plaintext, mTLS or mTLS+tokens) runs that mode only, for a profile.
+//!
+//! Then two floors, without sockets: the crypto floor (AES-GCM or ChaCha20
+//! alone, a copy a side) and the rustls floor (the same bytes through a
+//! rustls client and server connection in memory): what any design on
+//! this cipher, and any design on rustls's buffered API, must add to
+//! plaintext's CPU. `ALIQUOT_BENCH_ROUNDS=0` prints the floors alone.
 
 use aliquot_agent::measure::median;
 use std::sync::Arc;
@@ -276,6 +282,112 @@ fn aead_floor(alg: &'static ring::aead::Algorithm, reps: usize) -> f64 {
     median(times)
 }
 
+/// What rustls's buffered API costs on top of [`aead_floor`]: a client and
+/// a server connection with the pool's configs (AES-128-GCM, as our servers
+/// choose), handshaken in memory, then 1 MiB messages written through the
+/// client (`writer()`, `write_tls`) and read by the server as tokio-rustls
+/// does (`read_tls` as much as it takes, `process_new_packets` after each,
+/// then `reader()` into the caller's buffer). The two hand-overs between
+/// them are plain copies standing in for the socket's, so the same loop
+/// with plain copies only is measured too and taken off: what is left is
+/// rustls's own work per MiB (ms per MiB, median of `reps` passes over 64
+/// MiB).
+fn rustls_floor(certs: &std::path::Path, reps: usize) -> (f64, f64) {
+    use aliquot_auth::rustls::{ClientConnection, ServerConnection};
+    use std::io::{Read, Write};
+    let server = TlsFiles::in_dir(certs, Role::Agent, "sim0")
+        .rustls_server_config()
+        .unwrap();
+    let client = TlsFiles::in_dir(certs, Role::Client, "bench")
+        .rustls_client_config()
+        .unwrap();
+    let name = Role::Agent.server_name().try_into().unwrap();
+    let mut c = ClientConnection::new(client, name).unwrap();
+    let mut s = ServerConnection::new(server).unwrap();
+    let mut wire = Vec::with_capacity(1 << 20);
+    // The handshake, and any tickets, each side's records to the other.
+    for _ in 0..10 {
+        wire.clear();
+        while c.wants_write() {
+            c.write_tls(&mut wire).unwrap();
+        }
+        let mut rd = &wire[..];
+        while !rd.is_empty() {
+            s.read_tls(&mut rd).unwrap();
+            s.process_new_packets().unwrap();
+        }
+        wire.clear();
+        while s.wants_write() {
+            s.write_tls(&mut wire).unwrap();
+        }
+        let mut rd = &wire[..];
+        while !rd.is_empty() {
+            c.read_tls(&mut rd).unwrap();
+            c.process_new_packets().unwrap();
+        }
+        if !c.is_handshaking() && !s.is_handshaking() {
+            break;
+        }
+    }
+    assert!(!s.is_handshaking(), "in-memory handshake did not finish");
+    let data = vec![0x5au8; 1 << 20];
+    let mut out = vec![0u8; 1 << 20];
+    let mib = 64;
+    let tls: Vec<f64> = (0..reps)
+        .map(|_| {
+            let t = Instant::now();
+            for _ in 0..mib {
+                let (mut sent, mut got) = (0, 0);
+                while got < data.len() {
+                    // rustls takes what its send buffer holds, then must be
+                    // drained: as a socket write would.
+                    if sent < data.len() {
+                        sent += c.writer().write(&data[sent..]).unwrap();
+                    }
+                    wire.clear();
+                    while c.wants_write() {
+                        c.write_tls(&mut wire).unwrap();
+                    }
+                    let mut rd = &wire[..];
+                    while !rd.is_empty() {
+                        s.read_tls(&mut rd).unwrap();
+                        s.process_new_packets().unwrap();
+                        loop {
+                            match s.reader().read(&mut out[got..]) {
+                                Ok(0) => break,
+                                Ok(n) => got += n,
+                                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                                Err(e) => panic!("rustls read: {e}"),
+                            }
+                        }
+                    }
+                }
+                std::hint::black_box(&out);
+            }
+            t.elapsed().as_secs_f64() * 1e3 / mib as f64
+        })
+        .collect();
+    // The same hand-overs with plain copies: the socket's stand-in.
+    let copies: Vec<f64> = (0..reps)
+        .map(|_| {
+            let t = Instant::now();
+            for _ in 0..mib {
+                for chunk in data.chunks(64 << 10) {
+                    wire.clear();
+                    wire.extend_from_slice(chunk);
+                    for (i, piece) in wire.chunks(4 << 10).enumerate() {
+                        let at = (i << 12) % out.len();
+                        out[at..at + piece.len()].copy_from_slice(piece);
+                    }
+                }
+                std::hint::black_box(&out);
+            }
+            t.elapsed().as_secs_f64() * 1e3 / mib as f64
+        })
+        .collect();
+    (median(tls), median(copies))
+}
+
 fn main() {
     // As `aliquotctl` and `aliquot-agent` do at startup: without it every
     // 1 MiB buffer is a fresh mmap, and page faults were 15 % of this
@@ -397,7 +509,25 @@ fn main() {
             };
             println!("crypto floor {name}: seal + open of 1 MiB in 16 KiB records, a copy each: {c:.3} ms/MiB{best}");
         }
-        for (k, (name, _, _)) in modes.iter().enumerate().skip(1) {
+        let (tls, copies) = rustls_floor(dir.path(), 5);
+        let aes = aead_floor(&ring::aead::AES_128_GCM, 5);
+        println!(
+            "rustls floor: 1 MiB through a rustls client and server in memory (AES-128-GCM) \
+             {tls:.3} ms/MiB, less {copies:.3} for the two hand-overs a socket would copy: \
+             {:.3} ms/MiB of rustls's own work, {:.2}x the crypto floor ({aes:.3}){}",
+            tls - copies,
+            (tls - copies) / aes,
+            if plain_ms > 0.0 {
+                format!(
+                    "; plaintext's {plain_ms:.2} ms/MiB plus this is {:.2}x",
+                    (plain_ms + tls - copies) / plain_ms
+                )
+            } else {
+                String::new()
+            }
+        );
+        // No rounds (ALIQUOT_BENCH_ROUNDS=0): the floors only.
+        for (k, (name, _, _)) in modes.iter().enumerate().skip(1).filter(|_| rounds > 0) {
             let mut line = format!("{name} / plaintext (median of rounds):");
             for (j, c) in clients.iter().enumerate() {
                 let r = median(ratios[k].0[j].clone());

@@ -8,7 +8,7 @@
 use metaslab::Extent;
 
 use crate::error::{Error, Result};
-use crate::state::Shared;
+use crate::state::{Inner, Shared};
 
 /// Refuse claims that overlap allocated extents other than exactly
 /// themselves. Runs before the pool is asked, which then rules on free,
@@ -46,10 +46,10 @@ pub async fn check_exact(shared: &Shared, extents: &[Extent]) -> Result<()> {
 pub async fn check_free_exact(shared: &Shared, extents: &[Extent]) -> Result<()> {
     // Not yet persisted first, then the store: a txg that syncs in between
     // is then seen in one or both, never in neither.
-    let recent: Vec<Vec<Extent>> = extents
-        .iter()
-        .map(|e| recent_overlapping(shared, e))
-        .collect();
+    let recent: Vec<Vec<Extent>> = {
+        let g = shared.lock();
+        extents.iter().map(|e| recent_in(&g, e)).collect()
+    };
     // The store's part for the whole request at once: one query per span
     // of extents, not one per extent (a bulk Free of a run of blocks).
     let stored = shared
@@ -103,7 +103,10 @@ async fn committed_overlapping(shared: &Shared, e: &Extent) -> Result<Vec<Extent
 
 /// The extents of txgs not yet persisted that `e` overlaps.
 fn recent_overlapping(shared: &Shared, e: &Extent) -> Vec<Extent> {
-    let g = shared.lock();
+    recent_in(&shared.lock(), e)
+}
+
+fn recent_in(g: &Inner, e: &Extent) -> Vec<Extent> {
     let end = e.offset.saturating_add(e.size);
     g.recent_allocs
         .range((e.vdev, 0)..(e.vdev, end))

@@ -87,6 +87,19 @@ fn u(v: i64) -> u64 {
     v as u64
 }
 
+/// The chunk rows any extent in `[?2, ?3)` of vdev `?1` can be in: the one
+/// starting last at or before `?2`, then those starting inside (see
+/// `spacemap`); each searched in place, not decoded. Free's batch form
+/// appends a LIMIT.
+macro_rules! span_rows_sql {
+    () => {
+        "SELECT start, width, data FROM spacemaps
+         WHERE vdev = ?1 AND start < ?3 AND start >= COALESCE(
+             (SELECT MAX(start) FROM spacemaps WHERE vdev = ?1 AND start <= ?2), ?2)
+         ORDER BY start"
+    };
+}
+
 fn i(v: u64) -> i64 {
     v as i64
 }
@@ -1036,8 +1049,24 @@ impl Store for SqliteStore {
 
     fn allocated_overlapping(&self, e: Extent) -> BoxFuture<'_, Result<Vec<Extent>, StoreError>> {
         Box::pin(async move {
-            let mut one = self.allocated_overlapping_many(&[e]).await?;
-            Ok(one.pop().unwrap_or_default())
+            let db = |err: sqlx::Error| StoreError(format!("extents overlapping {e}: {err}"));
+            let end = e.offset.saturating_add(e.size).min(i64::MAX as u64);
+            // Its rows borrowed, not copied: Claim and Relocate ask one at a
+            // time.
+            let rows = sqlx::query(span_rows_sql!())
+                .bind(e.vdev as i64)
+                .bind(i(e.offset.min(i64::MAX as u64)))
+                .bind(i(end))
+                .fetch_all(&self.db)
+                .await
+                .map_err(db)?;
+            spacemap::overlapping_rows(
+                e.vdev,
+                rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))),
+                e.offset,
+                end,
+            )
+            .map_err(|err| StoreError(format!("extents overlapping {e}: {err}")))
         })
     }
 
@@ -1045,32 +1074,24 @@ impl Store for SqliteStore {
         &'a self,
         extents: &'a [Extent],
     ) -> BoxFuture<'a, Result<Vec<Vec<Extent>>, StoreError>> {
-        // By the key (vdev, start): the chunk starting last at or before
-        // the span, then those starting inside it (see `spacemap`); each
-        // searched in place, not decoded.
         let fetch = move |vdev: u32, off: u64, end: u64, limit: usize| async move {
-            sqlx::query(
-                "SELECT start, width, data FROM spacemaps
-                 WHERE vdev = ?1 AND start < ?3 AND start >= COALESCE(
-                     (SELECT MAX(start) FROM spacemaps WHERE vdev = ?1 AND start <= ?2), ?2)
-                 ORDER BY start LIMIT ?4",
-            )
-            .bind(vdev as i64)
-            .bind(i(off))
-            .bind(i(end))
-            .bind(limit.min(i64::MAX as usize) as i64)
-            .fetch_all(&self.db)
-            .await
-            .map(|rows| {
-                rows.iter()
-                    .map(|r| (r.get(0), r.get(1), r.get::<Vec<u8>, _>(2)))
-                    .collect()
-            })
-            .map_err(|err| {
-                StoreError(format!(
-                    "extents overlapping {off}..{end} of vdev {vdev}: {err}"
-                ))
-            })
+            sqlx::query(concat!(span_rows_sql!(), " LIMIT ?4"))
+                .bind(vdev as i64)
+                .bind(i(off))
+                .bind(i(end))
+                .bind(limit.min(i64::MAX as usize) as i64)
+                .fetch_all(&self.db)
+                .await
+                .map(|rows| {
+                    rows.iter()
+                        .map(|r| (r.get(0), r.get(1), r.get::<Vec<u8>, _>(2)))
+                        .collect()
+                })
+                .map_err(|err| {
+                    StoreError(format!(
+                        "extents overlapping {off}..{end} of vdev {vdev}: {err}"
+                    ))
+                })
         };
         Box::pin(crate::store::overlapping_batched(
             extents,

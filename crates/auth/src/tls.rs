@@ -33,6 +33,11 @@ fn aes128_first(
     p
 }
 
+/// A TLS setup error naming what failed.
+fn bad(what: &str, e: &dyn std::fmt::Display) -> AuthError {
+    AuthError::Tls(format!("{what}: {e}"))
+}
+
 /// The three PEM files a service or user presents.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TlsFiles {
@@ -70,14 +75,18 @@ impl TlsFiles {
             .client_ca_root(self.ca()?))
     }
 
-    /// Server side for [`crate::listen`], which runs the handshake itself
-    /// (bounded in time and number): the same rules as [`Self::server_config`]
-    /// (our certificate, a client certificate from the pool CA, ALPN h2).
-    pub fn rustls_server_config(&self) -> Result<Arc<ServerConfig>, AuthError> {
-        let bad = |what: &str, e: &dyn std::fmt::Display| AuthError::Tls(format!("{what}: {e}"));
-        let provider = Arc::new(aes128_first(
-            tokio_rustls::rustls::crypto::ring::default_provider(),
-        ));
+    /// The pool CA as a root store, our certificate chain and our key, read
+    /// from the three files (each error names its file).
+    fn pem_parts(
+        &self,
+    ) -> Result<
+        (
+            RootCertStore,
+            Vec<CertificateDer<'static>>,
+            PrivateKeyDer<'static>,
+        ),
+        AuthError,
+    > {
         let mut roots = RootCertStore::empty();
         for c in CertificateDer::pem_slice_iter(read(&self.ca)?.as_bytes()) {
             let c = c.map_err(|e| bad(&format!("{}", self.ca.display()), &e))?;
@@ -85,15 +94,26 @@ impl TlsFiles {
                 .add(c)
                 .map_err(|e| bad(&format!("{}", self.ca.display()), &e))?;
         }
-        let verifier =
-            WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
-                .build()
-                .map_err(|e| bad("client verifier", &e))?;
         let certs = CertificateDer::pem_slice_iter(read(&self.cert)?.as_bytes())
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| bad(&format!("{}", self.cert.display()), &e))?;
         let key = PrivateKeyDer::from_pem_slice(read(&self.key)?.as_bytes())
             .map_err(|e| bad(&format!("{}", self.key.display()), &e))?;
+        Ok((roots, certs, key))
+    }
+
+    /// Server side for [`crate::listen`], which runs the handshake itself
+    /// (bounded in time and number): the same rules as [`Self::server_config`]
+    /// (our certificate, a client certificate from the pool CA, ALPN h2).
+    pub fn rustls_server_config(&self) -> Result<Arc<ServerConfig>, AuthError> {
+        let provider = Arc::new(aes128_first(
+            tokio_rustls::rustls::crypto::ring::default_provider(),
+        ));
+        let (roots, certs, key) = self.pem_parts()?;
+        let verifier =
+            WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider.clone())
+                .build()
+                .map_err(|e| bad("client verifier", &e))?;
         let mut config = ServerConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
             .map_err(|e| bad("protocol versions", &e))?
@@ -113,19 +133,7 @@ impl TlsFiles {
     /// driving a connection in memory (the `tls` bench's rustls floor,
     /// tests).
     pub fn rustls_client_config(&self) -> Result<Arc<ClientConfig>, AuthError> {
-        let bad = |what: &str, e: &dyn std::fmt::Display| AuthError::Tls(format!("{what}: {e}"));
-        let mut roots = RootCertStore::empty();
-        for c in CertificateDer::pem_slice_iter(read(&self.ca)?.as_bytes()) {
-            let c = c.map_err(|e| bad(&format!("{}", self.ca.display()), &e))?;
-            roots
-                .add(c)
-                .map_err(|e| bad(&format!("{}", self.ca.display()), &e))?;
-        }
-        let certs = CertificateDer::pem_slice_iter(read(&self.cert)?.as_bytes())
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| bad(&format!("{}", self.cert.display()), &e))?;
-        let key = PrivateKeyDer::from_pem_slice(read(&self.key)?.as_bytes())
-            .map_err(|e| bad(&format!("{}", self.key.display()), &e))?;
+        let (roots, certs, key) = self.pem_parts()?;
         let provider = tokio_rustls::rustls::crypto::ring::default_provider();
         let mut config = ClientConfig::builder_with_provider(Arc::new(provider))
             .with_safe_default_protocol_versions()

@@ -293,7 +293,7 @@ fn aead_floor(alg: &'static ring::aead::Algorithm, reps: usize) -> f64 {
 /// rustls's own work per MiB (ms per MiB, median of `reps` passes over 64
 /// MiB).
 fn rustls_floor(certs: &std::path::Path, reps: usize) -> (f64, f64) {
-    use aliquot_auth::rustls::{ClientConnection, ServerConnection};
+    use aliquot_auth::rustls::{ClientConnection, Connection, ServerConnection};
     use std::io::{Read, Write};
     let server = TlsFiles::in_dir(certs, Role::Agent, "sim0")
         .rustls_server_config()
@@ -302,29 +302,25 @@ fn rustls_floor(certs: &std::path::Path, reps: usize) -> (f64, f64) {
         .rustls_client_config()
         .unwrap();
     let name = Role::Agent.server_name().try_into().unwrap();
-    let mut c = ClientConnection::new(client, name).unwrap();
-    let mut s = ServerConnection::new(server).unwrap();
+    let mut c = Connection::Client(ClientConnection::new(client, name).unwrap());
+    let mut s = Connection::Server(ServerConnection::new(server).unwrap());
     let mut wire = Vec::with_capacity(1 << 20);
+    // Everything `from` has to send, read and processed by `to`.
+    let pump = |from: &mut Connection, to: &mut Connection, wire: &mut Vec<u8>| {
+        wire.clear();
+        while from.wants_write() {
+            from.write_tls(wire).unwrap();
+        }
+        let mut rd = &wire[..];
+        while !rd.is_empty() {
+            to.read_tls(&mut rd).unwrap();
+            to.process_new_packets().unwrap();
+        }
+    };
     // The handshake, and any tickets, each side's records to the other.
     for _ in 0..10 {
-        wire.clear();
-        while c.wants_write() {
-            c.write_tls(&mut wire).unwrap();
-        }
-        let mut rd = &wire[..];
-        while !rd.is_empty() {
-            s.read_tls(&mut rd).unwrap();
-            s.process_new_packets().unwrap();
-        }
-        wire.clear();
-        while s.wants_write() {
-            s.write_tls(&mut wire).unwrap();
-        }
-        let mut rd = &wire[..];
-        while !rd.is_empty() {
-            c.read_tls(&mut rd).unwrap();
-            c.process_new_packets().unwrap();
-        }
+        pump(&mut c, &mut s, &mut wire);
+        pump(&mut s, &mut c, &mut wire);
         if !c.is_handshaking() && !s.is_handshaking() {
             break;
         }

@@ -285,19 +285,23 @@ pub struct StoreError(pub String);
 pub(crate) type SpanRow = (i64, i64, Vec<u8>);
 pub(crate) type SpanRows = Vec<SpanRow>;
 
-/// Most chunk rows one span query of [`overlapping_batched`] reads (4 MiB of
-/// 32 KiB chunks); a batch whose span holds more is halved.
-pub(crate) const SPAN_ROWS: usize = 128;
+/// Most chunk rows one query of [`overlapping_batched`] reads (1 MiB of
+/// 32 KiB chunks).
+pub(crate) const SPAN_ROWS: usize = 32;
 
 /// [`Store::allocated_overlapping_many`] for a store of space-map chunk
-/// rows. Per vdev, one query for the span of its extents: `fetch(vdev, off,
-/// end, limit)` returns, in start order and at most `limit`, the row
-/// starting last at or before `off`, then those starting before `end` (the
-/// rows any extent of the span can be in; see `spacemap`). A span holding
-/// more than `max_rows` rows (extents far apart on a full vdev) is halved
-/// and each half asked again, down to one extent, whose rows are read
-/// whole; so a 1024-extent Free of a run of blocks is a query or two
-/// instead of 1024 (each a hop to the store's thread).
+/// rows: per vdev, the extents in offset order are swept with queries of at
+/// most `max_rows` rows. `fetch(vdev, off, end, limit)` returns, in start
+/// order and at most `limit`, the row starting last at or before `off`,
+/// then those starting before `end` (the rows any extent in `[off, end)`
+/// can be in; see `spacemap`). One query from the first unresolved extent
+/// to the end of the last resolves every extent that ends before the first
+/// row it did not return; the next query starts at the next extent. So a
+/// 1024-extent Free of a run of blocks is one query instead of 1024 (each a
+/// hop to the store's thread), extents scattered over a large vdev cost a
+/// query per `max_rows` rows their span covers, and never more than one per
+/// extent, plus one for an extent spanning more than `max_rows` rows (whose
+/// rows are then read whole).
 pub(crate) async fn overlapping_batched<F, Fut>(
     extents: &[Extent],
     max_rows: usize,
@@ -308,46 +312,53 @@ where
     Fut: std::future::Future<Output = Result<SpanRows, StoreError>>,
 {
     // As the single query binds them (SQL integers are signed).
-    let off_of = |e: &Extent| e.offset.min(i64::MAX as u64);
-    let end_of = |e: &Extent| e.offset.saturating_add(e.size).min(i64::MAX as u64);
+    let probe = |e: &Extent| {
+        let off = e.offset.min(i64::MAX as u64);
+        (off, e.offset.saturating_add(e.size).min(i64::MAX as u64))
+    };
     let mut order: Vec<usize> = (0..extents.len()).collect();
     order.sort_by_key(|&i| (extents[i].vdev, extents[i].offset));
     let mut out = vec![Vec::new(); extents.len()];
-    let mut work: Vec<&[usize]> = order
-        .chunk_by(|&a, &b| extents[a].vdev == extents[b].vdev)
-        .collect();
-    while let Some(group) = work.pop() {
+    for group in order.chunk_by(|&a, &b| extents[a].vdev == extents[b].vdev) {
         let vdev = extents[group[0]].vdev;
-        let off = off_of(&extents[group[0]]);
-        let end = group
-            .iter()
-            .map(|&i| end_of(&extents[i]))
-            .max()
-            .unwrap_or(off);
-        let single = group.len() == 1;
-        let rows = fetch(
-            vdev,
-            off,
-            end,
-            if single { usize::MAX } else { max_rows + 1 },
-        )
-        .await?;
-        if !single && rows.len() > max_rows {
-            let (a, b) = group.split_at(group.len() / 2);
-            work.extend([a, b]);
-            continue;
-        }
-        let probes: Vec<(u64, u64)> = group
-            .iter()
-            .map(|&i| (off_of(&extents[i]), end_of(&extents[i])))
-            .collect();
-        let found = crate::spacemap::overlapping_each(vdev, &rows, &probes).map_err(|err| {
-            StoreError(format!(
-                "extents overlapping {off}..{end} of vdev {vdev}: {err}"
-            ))
-        })?;
-        for (&i, f) in group.iter().zip(found) {
-            out[i] = f;
+        let mut rest = group;
+        while let Some(&first) = rest.first() {
+            let (off, _) = probe(&extents[first]);
+            let end = rest
+                .iter()
+                .map(|&i| probe(&extents[i]).1)
+                .max()
+                .unwrap_or(off);
+            let mut rows = fetch(vdev, off, end, max_rows + 1).await?;
+            // Rows from the first not returned on are unknown: resolve the
+            // extents that end before it.
+            let known_to = if rows.len() > max_rows {
+                let cut = rows[max_rows].0 as u64;
+                rows.truncate(max_rows);
+                cut
+            } else {
+                u64::MAX
+            };
+            let mut n = rest
+                .iter()
+                .take_while(|&&i| probe(&extents[i]).1 <= known_to)
+                .count();
+            if n == 0 {
+                // The first extent alone spans more than `max_rows` rows.
+                let (off, end) = probe(&extents[first]);
+                rows = fetch(vdev, off, end, usize::MAX).await?;
+                n = 1;
+            }
+            let probes: Vec<(u64, u64)> = rest[..n].iter().map(|&i| probe(&extents[i])).collect();
+            let found = crate::spacemap::overlapping_each(vdev, &rows, &probes).map_err(|err| {
+                StoreError(format!(
+                    "extents overlapping {off}..{end} of vdev {vdev}: {err}"
+                ))
+            })?;
+            for (&i, f) in rest[..n].iter().zip(found) {
+                out[i] = f;
+            }
+            rest = &rest[n..];
         }
     }
     Ok(out)
@@ -765,8 +776,8 @@ mod tests {
     use super::*;
     use metaslab::SpaceChange;
 
-    /// A batch's answer, however its spans are cut (one query per vdev, or
-    /// halved down to single extents), is each extent's own: checked
+    /// A batch's answer, however its queries are cut (one per vdev, a sweep
+    /// of small ones, or one per extent), is each extent's own: checked
     /// against every stored extent, on many small chunks.
     #[test]
     fn a_batch_of_lookups_finds_what_each_lookup_finds() {
@@ -850,9 +861,12 @@ mod tests {
         // A span of all: one query per vdev.
         assert_eq!(run(usize::MAX - 1), want);
         assert_eq!(calls.swap(0, std::sync::atomic::Ordering::Relaxed), 2);
-        // Spans of at most 2 rows: halved, the same answers.
+        // Queries of at most 2 rows: a sweep of many, the same answers.
         assert_eq!(run(2), want);
-        assert!(calls.load(std::sync::atomic::Ordering::Relaxed) > 2);
+        assert!(calls.swap(0, std::sync::atomic::Ordering::Relaxed) > 2);
+        // No rows per query: each extent falls back to its own whole read.
+        assert_eq!(run(0), want);
+        assert!(calls.load(std::sync::atomic::Ordering::Relaxed) >= 2 * probes.len());
     }
 
     fn ext(offset: u64, size: u64) -> Extent {

@@ -321,14 +321,16 @@ where
     let mut out = vec![Vec::new(); extents.len()];
     for group in order.chunk_by(|&a, &b| extents[a].vdev == extents[b].vdev) {
         let vdev = extents[group[0]].vdev;
+        // The furthest end from each extent on: every query's `end`, found
+        // once instead of rescanning the rest per query.
+        let mut ends: Vec<u64> = group.iter().map(|&i| probe(&extents[i]).1).collect();
+        for k in (1..ends.len()).rev() {
+            ends[k - 1] = ends[k - 1].max(ends[k]);
+        }
         let mut rest = group;
         while let Some(&first) = rest.first() {
             let (off, _) = probe(&extents[first]);
-            let end = rest
-                .iter()
-                .map(|&i| probe(&extents[i]).1)
-                .max()
-                .unwrap_or(off);
+            let end = ends[group.len() - rest.len()];
             let mut rows = fetch(vdev, off, end, max_rows + 1).await?;
             // Rows from the first not returned on are unknown: resolve the
             // extents that end before it.

@@ -220,6 +220,14 @@ fn execute_balances_a_new_vdev_within_bounds_and_every_block_survives() {
         assert!(moved <= bound, "a plan moved {moved} > bound {bound}: {r}");
         assert!(moved <= pl["planned_bytes"].as_u64().unwrap(), "{pl}");
         assert_eq!(pl["foreign_moves"].as_u64(), Some(0), "{pl}");
+        // Every skip is counted under exactly one reason.
+        let by_reason: u64 = pl["skipped_by_reason"]
+            .as_object()
+            .unwrap_or_else(|| panic!("no skipped_by_reason: {pl}"))
+            .values()
+            .map(|n| n.as_u64().unwrap())
+            .sum();
+        assert_eq!(Some(by_reason), pl["skipped"].as_u64(), "{pl}");
     }
     let after = p.score();
     assert!(after < GOOD_SCORE, "score {before} → {after}: {r}");

@@ -126,6 +126,11 @@ pub struct PlanReport {
     pub moved_bytes: u64,
     /// Moves that did not happen (extent busy or gone, no room): retried by a later plan.
     pub skipped: u64,
+    /// `skipped` by reason: the allocator's refusal (`RELOCATION_CONFLICT`,
+    /// `NOT_ALLOCATED`, `VDEVS_OFFLINE`, `NO_SPACE`, `FRAGMENTED`), or the
+    /// mover's own (`MOVED_SINCE_PLAN`, `INTERRUPTED`, `NOT_COMMITTED`: the
+    /// relocation's Commit did not take effect, e.g. its lease ran out).
+    pub skipped_by_reason: BTreeMap<&'static str, u64>,
     pub score_before: f64,
     pub score_predicted: f64,
     pub score_after: f64,
@@ -205,13 +210,56 @@ struct Mover {
 
 enum Outcome {
     Moved(u64),
-    Skipped(String),
+    Skipped(Skip),
 }
 
 enum Prep {
     /// Written to its new extent (not yet flushed), on this endpoint.
     Ready(usize, Pending, String),
-    Skipped(String),
+    Skipped(Skip),
+}
+
+/// Why a move did not happen: a reason a script can count (the allocator's
+/// `ErrorReason` name when it refused the relocation) and the words of that
+/// one refusal.
+struct Skip {
+    reason: &'static str,
+    detail: String,
+}
+
+impl Skip {
+    fn new(reason: &'static str, detail: impl Into<String>) -> Skip {
+        Skip {
+            reason,
+            detail: detail.into(),
+        }
+    }
+}
+
+/// `": NO_SPACE 3, VDEVS_OFFLINE 21"` for a plan's line, or nothing.
+fn skip_counts(by_reason: &BTreeMap<&'static str, u64>) -> String {
+    if by_reason.is_empty() {
+        return String::new();
+    }
+    let counts: Vec<String> = by_reason.iter().map(|(r, n)| format!("{r} {n}")).collect();
+    format!(": {}", counts.join(", "))
+}
+
+/// Why a plan moved nothing, for `stopped`: each reason's count, and the
+/// allocator's words for the most frequent one.
+fn skip_summary(
+    by_reason: &BTreeMap<&'static str, u64>,
+    first: &BTreeMap<&'static str, String>,
+) -> String {
+    let Some((top, _)) = by_reason.iter().max_by_key(|(_, n)| **n) else {
+        return "no move was tried".into();
+    };
+    let counts: Vec<String> = by_reason.iter().map(|(r, n)| format!("{r} {n}")).collect();
+    format!(
+        "every move was skipped ({}); {top}: {}",
+        counts.join(", "),
+        first.get(top).map_or("", String::as_str)
+    )
 }
 
 fn pool_score(st: &PoolStatus) -> f64 {
@@ -363,7 +411,10 @@ impl Mover {
             let m = &ms[mi];
             let copies = &m.blocks[&block];
             if copies.get(copy).map(|c| c.at) != Some(from) {
-                return Ok(Prep::Skipped("moved since the plan".into()));
+                return Ok(Prep::Skipped(Skip::new(
+                    "MOVED_SINCE_PLAN",
+                    "moved since the plan",
+                )));
             }
             let avoid: Vec<u32> = copies
                 .iter()
@@ -394,12 +445,12 @@ impl Mover {
             Err(s) => {
                 return match reason(&s) {
                     Some(
-                        ErrorReason::RelocationConflict
+                        r @ (ErrorReason::RelocationConflict
                         | ErrorReason::NotAllocated
                         | ErrorReason::VdevsOffline
                         | ErrorReason::NoSpace
-                        | ErrorReason::Fragmented,
-                    ) => Ok(Prep::Skipped(s.message().to_string())),
+                        | ErrorReason::Fragmented),
+                    ) => Ok(Prep::Skipped(Skip::new(r.as_str_name(), s.message()))),
                     _ => Err(client::status_msg(&format!("relocate block {block}"), &s)),
                 };
             }
@@ -522,9 +573,12 @@ impl Mover {
                         out.push(if self.settle(mi, p).await? {
                             Outcome::Moved(p.from.size)
                         } else {
-                            Outcome::Skipped(format!(
-                                "relocation {} of block {} did not take effect",
-                                p.allocation, p.block
+                            Outcome::Skipped(Skip::new(
+                                "NOT_COMMITTED",
+                                format!(
+                                    "relocation {} of block {} did not take effect",
+                                    p.allocation, p.block
+                                ),
                             ))
                         });
                     }
@@ -782,7 +836,7 @@ pub async fn execute(conn: &AllocatorArgs, args: &ExecuteArgs) -> anyhow::Result
                 results.extend(
                     batch
                         .iter()
-                        .map(|_| Ok(Outcome::Skipped("interrupted".into()))),
+                        .map(|_| Ok(Outcome::Skipped(Skip::new("INTERRUPTED", "interrupted")))),
                 );
                 continue;
             }
@@ -818,15 +872,19 @@ pub async fn execute(conn: &AllocatorArgs, args: &ExecuteArgs) -> anyhow::Result
             }
         }
         let mut first_err = None;
+        // The first refusal's words per reason, for the lines below.
+        let mut first_skip: BTreeMap<&'static str, String> = BTreeMap::new();
         for r in results {
             match r {
                 Ok(Outcome::Moved(b)) => {
                     pr.moved += 1;
                     pr.moved_bytes += b;
                 }
-                Ok(Outcome::Skipped(why)) => {
-                    tracing::debug!(%why, "move skipped");
+                Ok(Outcome::Skipped(skip)) => {
+                    tracing::debug!(reason = skip.reason, why = %skip.detail, "move skipped");
                     pr.skipped += 1;
+                    *pr.skipped_by_reason.entry(skip.reason).or_default() += 1;
+                    first_skip.entry(skip.reason).or_insert(skip.detail);
                 }
                 Err(e) => {
                     first_err.get_or_insert(e);
@@ -840,13 +898,14 @@ pub async fn execute(conn: &AllocatorArgs, args: &ExecuteArgs) -> anyhow::Result
         report.moved_bytes += pr.moved_bytes;
         if !args.json {
             eprintln!(
-                "plan {n}: moved {} of {} planned ({} of {}, {} skipped, {} not in the manifest) \
+                "plan {n}: moved {} of {} planned ({} of {}, {} skipped{}, {} not in the manifest) \
                  in {:.1} s; score {:.4} → {:.4} (predicted {:.4})",
                 pr.moved,
                 pr.planned_moves,
                 short(pr.moved_bytes),
                 short(pr.planned_bytes),
                 pr.skipped,
+                skip_counts(&pr.skipped_by_reason),
                 pr.foreign_moves,
                 pr.secs,
                 pr.score_before,
@@ -855,6 +914,7 @@ pub async fn execute(conn: &AllocatorArgs, args: &ExecuteArgs) -> anyhow::Result
             );
         }
         let moved_none = pr.moved == 0;
+        let why_none = skip_summary(&pr.skipped_by_reason, &first_skip);
         report.plans.push(pr);
         if let Some(e) = first_err {
             return Err(e.context(format!(
@@ -863,7 +923,7 @@ pub async fn execute(conn: &AllocatorArgs, args: &ExecuteArgs) -> anyhow::Result
             )));
         }
         if moved_none {
-            break "a whole plan moved nothing (its extents were busy or there was no room)".into();
+            break format!("a whole plan moved nothing: {why_none}");
         }
     };
     report.secs = t0.elapsed().as_secs_f64();
@@ -1190,4 +1250,27 @@ pub async fn verify(
         }
     }
     Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_plan_that_moved_nothing_says_why_by_reason() {
+        let mut by: BTreeMap<&'static str, u64> = BTreeMap::new();
+        let mut first: BTreeMap<&'static str, String> = BTreeMap::new();
+        assert_eq!(skip_counts(&by), "");
+        assert_eq!(skip_summary(&by, &first), "no move was tried");
+        by.insert("NO_SPACE", 3);
+        by.insert("VDEVS_OFFLINE", 21);
+        first.insert("NO_SPACE", "no room on vdev 2".into());
+        first.insert("VDEVS_OFFLINE", "vdev 1 missed its report".into());
+        assert_eq!(skip_counts(&by), ": NO_SPACE 3, VDEVS_OFFLINE 21");
+        assert_eq!(
+            skip_summary(&by, &first),
+            "every move was skipped (NO_SPACE 3, VDEVS_OFFLINE 21); \
+             VDEVS_OFFLINE: vdev 1 missed its report"
+        );
+    }
 }

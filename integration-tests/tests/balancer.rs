@@ -244,6 +244,40 @@ fn execute_balances_a_new_vdev_within_bounds_and_every_block_survives() {
     );
 }
 
+/// A batch that takes longer than the allocator's lease (2 s here: the
+/// plan's 4 moves, paced at 1 MiB/s, take about 3 s) still commits: the mover renews the
+/// leases of the relocations it holds. Without that, on a loaded machine
+/// every Commit of a plan was refused LEASE_EXPIRED and the plan moved
+/// nothing (the drain test below failed that way).
+#[test]
+fn a_batch_slower_than_the_lease_still_commits() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = filled(tmp.path());
+    let slow = args![
+        "--rate",
+        "1MiB/s",
+        "--batch",
+        "8",
+        "--budget",
+        "8MiB",
+        "--max-plans",
+        "1",
+        "--concurrency",
+        "1",
+        "--no-progress"
+    ];
+    let out = p.execute_child(&slow, None).wait_with_output().unwrap();
+    let r = report(&out);
+    let pl = &r["plans"][0];
+    assert!(
+        pl["secs"].as_f64().unwrap() > 2.0,
+        "slower than the lease: {r}"
+    );
+    assert_eq!(pl["skipped"].as_u64(), Some(0), "{r}");
+    assert!(pl["moved"].as_u64().unwrap() >= 4, "{r}");
+    p.verify_exclusive();
+}
+
 #[test]
 fn drain_then_remove_empties_a_vdev_for_good_and_plans_wait_for_a_whole_pool() {
     let tmp = tempfile::tempdir().unwrap();

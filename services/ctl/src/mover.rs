@@ -10,7 +10,7 @@
 //! abort; not committed: dropped), so no block is lost or moved twice and
 //! no space leaks. `balancer verify --manifest` reads every block back.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use aliquot_proto::v1::{
     AbortRequest, BalancerStatusRequest, CommitRequest, ErrorReason, FlushRequest, GetPoolRequest,
     PlanRebalanceRequest, PoolStatus, ReadRequest, RelocateRequest, RelocationState,
-    SyncTxgRequest, WriteRequest,
+    RenewLeaseRequest, SyncTxgRequest, WriteRequest,
 };
 use futures_util::StreamExt;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -206,6 +206,11 @@ struct Mover {
     admitted: AtomicU64,
     stop: Arc<AtomicBool>,
     bar: ProgressBar,
+    /// Relocations made and not yet committed or aborted: their leases are
+    /// renewed while this mover lives ([`renew_held`]).
+    held: Mutex<BTreeSet<u64>>,
+    /// The allocator's lease as the last Relocate reply gave it, in ms.
+    lease_ms: AtomicU64,
 }
 
 enum Outcome {
@@ -459,8 +464,10 @@ impl Mover {
         else {
             anyhow::bail!("relocate block {block}: no extent or endpoint in the reply");
         };
+        self.hold(r.allocation_id, r.lease_deadline_ms);
         if let Err(e) = self.copy(eps, (block, nonce), from, len, &r).await {
             self.abort(&[r.allocation_id]).await;
+            self.release(&[r.allocation_id]);
             return Err(e);
         }
         Ok(Prep::Ready(
@@ -475,6 +482,26 @@ impl Mover {
             },
             ep,
         ))
+    }
+
+    /// A relocation to keep alive until [`Self::release`]; `deadline_ms`
+    /// (unix ms) tells the allocator's lease.
+    fn hold(&self, id: u64, deadline_ms: u64) {
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        if deadline_ms > now_ms {
+            self.lease_ms.store(deadline_ms - now_ms, Ordering::Relaxed);
+        }
+        self.held.lock().expect("held lock").insert(id);
+    }
+
+    /// Relocations committed, settled or aborted: no longer renewed.
+    fn release(&self, ids: &[u64]) {
+        let mut held = self.held.lock().expect("held lock");
+        for id in ids {
+            held.remove(id);
+        }
     }
 
     async fn abort(&self, ids: &[u64]) {
@@ -496,6 +523,16 @@ impl Mover {
     /// (wait_synced: one txg for the batch), journal them `moved`. A Commit
     /// that fails is settled move by move with BalancerStatus.
     async fn finish(&self, ready: Vec<(usize, Pending, String)>) -> anyhow::Result<Vec<Outcome>> {
+        let ids: Vec<u64> = ready.iter().map(|(_, p, _)| p.allocation).collect();
+        let out = self.finish_held(ready).await;
+        self.release(&ids);
+        out
+    }
+
+    async fn finish_held(
+        &self,
+        ready: Vec<(usize, Pending, String)>,
+    ) -> anyhow::Result<Vec<Outcome>> {
         if ready.is_empty() {
             return Ok(Vec::new());
         }
@@ -568,7 +605,11 @@ impl Mover {
                 }
                 // Expired, restarted, or an answer lost: the allocator
                 // knows each one's fate (all or none committed).
-                Err(_) => {
+                Err(e) => {
+                    let why = match reason(&e) {
+                        Some(r) => format!("{}: {}", r.as_str_name(), e.message()),
+                        None => format!("{:?}: {}", e.code(), e.message()),
+                    };
                     for (mi, p) in group {
                         out.push(if self.settle(mi, p).await? {
                             Outcome::Moved(p.from.size)
@@ -576,7 +617,8 @@ impl Mover {
                             Outcome::Skipped(Skip::new(
                                 "NOT_COMMITTED",
                                 format!(
-                                    "relocation {} of block {} did not take effect",
+                                    "relocation {} of block {} did not take effect (its Commit: \
+                                     {why})",
                                     p.allocation, p.block
                                 ),
                             ))
@@ -734,7 +776,11 @@ pub async fn execute(conn: &AllocatorArgs, args: &ExecuteArgs) -> anyhow::Result
         admitted: AtomicU64::new(0),
         stop: stop.clone(),
         bar: bar.clone(),
+        held: Mutex::new(BTreeSet::new()),
+        lease_ms: AtomicU64::new(0),
     });
+    // Dropped (and so stopped) when execute returns, however it returns.
+    let _renewer = AbortOnDrop(tokio::spawn(renew_held(mover.clone())));
     let mut report = ExecuteReport {
         score_start: pool_score(&st),
         ..Default::default()
@@ -1250,6 +1296,63 @@ pub async fn verify(
         }
     }
     Ok(report)
+}
+
+/// Renew the leases of the relocations the mover holds, every third of the
+/// allocator's lease. A batch of moves is copied, flushed and journaled
+/// before its one Commit; on a loaded machine that took longer than a short
+/// `--lease` (2 s in the tests: every Commit of a plan refused
+/// LEASE_EXPIRED). A mover that dies stops renewing, so what it held is
+/// still released one lease after its death.
+async fn renew_held(mover: Arc<Mover>) {
+    loop {
+        let lease = mover.lease_ms.load(Ordering::Relaxed);
+        let period = if lease == 0 {
+            Duration::from_millis(500)
+        } else {
+            Duration::from_millis(lease / 3)
+                .clamp(Duration::from_millis(100), Duration::from_secs(10))
+        };
+        tokio::time::sleep(period).await;
+        let ids: Vec<u64> = mover
+            .held
+            .lock()
+            .expect("held lock")
+            .iter()
+            .copied()
+            .collect();
+        if ids.is_empty() {
+            continue;
+        }
+        let renew = |ids: Vec<u64>| {
+            let mut alloc = mover.alloc.clone();
+            async move {
+                alloc
+                    .renew_lease(RenewLeaseRequest {
+                        allocation_ids: ids,
+                        lease_ms: 0,
+                    })
+                    .await
+            }
+        };
+        if let Err(e) = renew(ids.clone()).await {
+            // One expired or committed id refuses the whole request: the
+            // others one at a time. Their Commit reports what was lost.
+            tracing::debug!(error = %e, "renewing the mover's relocations; one by one");
+            for id in ids {
+                let _ = renew(vec![id]).await;
+            }
+        }
+    }
+}
+
+/// A task aborted when this is dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 #[cfg(test)]

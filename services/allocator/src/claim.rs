@@ -48,7 +48,7 @@ pub async fn check_free_exact(shared: &Shared, extents: &[Extent]) -> Result<()>
     // is then seen in one or both, never in neither.
     let recent: Vec<Vec<Extent>> = {
         let g = shared.lock();
-        extents.iter().map(|e| recent_in(&g, e)).collect()
+        extents.iter().map(|e| recent_overlapping(&g, e)).collect()
     };
     // The store's part for the whole request at once: one query per span
     // of extents, not one per extent (a bulk Free of a run of blocks).
@@ -91,7 +91,7 @@ pub async fn check_relocatable(shared: &Shared, e: &Extent) -> Result<()> {
 /// The committed (or claimed) extents `e` overlaps: the store's, as of the
 /// last synced txg, and those of txgs not yet persisted.
 async fn committed_overlapping(shared: &Shared, e: &Extent) -> Result<Vec<Extent>> {
-    let mut overlapping = recent_overlapping(shared, e);
+    let mut overlapping = recent_overlapping(&shared.lock(), e);
     let stored = shared
         .store
         .allocated_overlapping(*e)
@@ -101,12 +101,9 @@ async fn committed_overlapping(shared: &Shared, e: &Extent) -> Result<Vec<Extent
     Ok(overlapping)
 }
 
-/// The extents of txgs not yet persisted that `e` overlaps.
-fn recent_overlapping(shared: &Shared, e: &Extent) -> Vec<Extent> {
-    recent_in(&shared.lock(), e)
-}
-
-fn recent_in(g: &Inner, e: &Extent) -> Vec<Extent> {
+/// The extents of txgs not yet persisted that `e` overlaps (the caller
+/// holds the lock: Free asks for a whole request under one).
+fn recent_overlapping(g: &Inner, e: &Extent) -> Vec<Extent> {
     let end = e.offset.saturating_add(e.size);
     g.recent_allocs
         .range((e.vdev, 0)..(e.vdev, end))

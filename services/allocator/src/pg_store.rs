@@ -1050,25 +1050,16 @@ impl Store for PgStore {
 
     fn allocated_overlapping(&self, e: Extent) -> BoxFuture<'_, Result<Vec<Extent>, StoreError>> {
         Box::pin(async move {
-            let db = |err: sqlx::Error| StoreError(format!("extents overlapping {e}: {err}"));
-            let end = e.offset.saturating_add(e.size).min(i64::MAX as u64);
-            // Its rows borrowed, not copied: Claim and Relocate ask one at a
-            // time.
+            let (off, end) = crate::store::sql_span(&e);
             let rows = sqlx::query(span_rows_sql!())
                 .bind(self.pool_id()?)
                 .bind(e.vdev as i64)
-                .bind(i(e.offset.min(i64::MAX as u64)))
+                .bind(i(off))
                 .bind(i(end))
                 .fetch_all(&self.db)
                 .await
-                .map_err(db)?;
-            spacemap::overlapping_rows(
-                e.vdev,
-                rows.iter().map(|r| (r.get(0), r.get(1), r.get(2))),
-                e.offset,
-                end,
-            )
-            .map_err(|err| StoreError(format!("extents overlapping {e}: {err}")))
+                .map_err(|err| crate::store::overlap_error(e, err))?;
+            crate::store::overlapping_in_rows(&e, rows.iter().map(crate::store::span_row))
         })
     }
 
@@ -1089,15 +1080,9 @@ impl Store for PgStore {
                 .bind(limit.min(i64::MAX as usize) as i64)
                 .fetch_all(&self.db)
                 .await
-                .map(|rows| {
-                    rows.iter()
-                        .map(|r| (r.get(0), r.get(1), r.get::<Vec<u8>, _>(2)))
-                        .collect()
-                })
+                .map(|rows| crate::store::span_rows(rows.iter().map(crate::store::span_row)))
                 .map_err(|err| {
-                    StoreError(format!(
-                        "extents overlapping {off}..{end} of vdev {vdev}: {err}"
-                    ))
+                    crate::store::overlap_error(format_args!("{off}..{end} of vdev {vdev}"), err)
                 })
         };
         Box::pin(crate::store::overlapping_batched(

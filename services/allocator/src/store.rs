@@ -289,6 +289,50 @@ pub(crate) type SpanRows = Vec<SpanRow>;
 /// 32 KiB chunks).
 pub(crate) const SPAN_ROWS: usize = 32;
 
+/// `[off, end)` of `e` as the span queries bind it (SQL integers are
+/// signed).
+pub(crate) fn sql_span(e: &Extent) -> (u64, u64) {
+    let off = e.offset.min(i64::MAX as u64);
+    (off, e.offset.saturating_add(e.size).min(i64::MAX as u64))
+}
+
+/// A span query's failure, naming what it looked for.
+pub(crate) fn overlap_error(
+    what: impl std::fmt::Display,
+    err: impl std::fmt::Display,
+) -> StoreError {
+    StoreError(format!("extents overlapping {what}: {err}"))
+}
+
+/// A chunk row of a span query (`SELECT start, width, data`), its data
+/// borrowed from the driver's row.
+pub(crate) fn span_row<R>(r: &R) -> (i64, i64, &[u8])
+where
+    R: sqlx::Row,
+    usize: sqlx::ColumnIndex<R>,
+    i64: sqlx::Type<R::Database> + for<'r> sqlx::Decode<'r, R::Database>,
+    for<'r> &'r [u8]: sqlx::Type<R::Database> + sqlx::Decode<'r, R::Database>,
+{
+    (r.get(0), r.get(1), r.get(2))
+}
+
+/// The batch's rows, copied (the sweep keeps them across the extents it
+/// resolves).
+pub(crate) fn span_rows<'a>(rows: impl Iterator<Item = (i64, i64, &'a [u8])>) -> SpanRows {
+    rows.map(|(start, width, data)| (start, width, data.to_vec()))
+        .collect()
+}
+
+/// [`Store::allocated_overlapping`] from its span query's rows, searched
+/// where the driver holds them: Claim and Relocate ask one at a time.
+pub(crate) fn overlapping_in_rows<'a>(
+    e: &Extent,
+    rows: impl Iterator<Item = (i64, i64, &'a [u8])>,
+) -> Result<Vec<Extent>, StoreError> {
+    let (off, end) = sql_span(e);
+    crate::spacemap::overlapping_rows(e.vdev, rows, off, end).map_err(|err| overlap_error(e, err))
+}
+
 /// [`Store::allocated_overlapping_many`] for a store of space-map chunk
 /// rows: per vdev, the extents in offset order are swept with queries of at
 /// most `max_rows` rows. `fetch(vdev, off, end, limit)` returns, in start
@@ -311,11 +355,7 @@ where
     F: Fn(u32, u64, u64, usize) -> Fut,
     Fut: std::future::Future<Output = Result<SpanRows, StoreError>>,
 {
-    // As the single query binds them (SQL integers are signed).
-    let probe = |e: &Extent| {
-        let off = e.offset.min(i64::MAX as u64);
-        (off, e.offset.saturating_add(e.size).min(i64::MAX as u64))
-    };
+    let probe = sql_span;
     let mut order: Vec<usize> = (0..extents.len()).collect();
     order.sort_by_key(|&i| (extents[i].vdev, extents[i].offset));
     let mut out = vec![Vec::new(); extents.len()];
@@ -352,11 +392,8 @@ where
                 n = 1;
             }
             let probes: Vec<(u64, u64)> = rest[..n].iter().map(|&i| probe(&extents[i])).collect();
-            let found = crate::spacemap::overlapping_each(vdev, &rows, &probes).map_err(|err| {
-                StoreError(format!(
-                    "extents overlapping {off}..{end} of vdev {vdev}: {err}"
-                ))
-            })?;
+            let found = crate::spacemap::overlapping_each(vdev, &rows, &probes)
+                .map_err(|err| overlap_error(format_args!("{off}..{end} of vdev {vdev}"), err))?;
             for (&i, f) in rest[..n].iter().zip(found) {
                 out[i] = f;
             }

@@ -241,13 +241,18 @@ impl Skip {
     }
 }
 
+/// `"NO_SPACE 3, VDEVS_OFFLINE 21"`.
+fn reason_counts(by_reason: &BTreeMap<&'static str, u64>) -> String {
+    let counts: Vec<String> = by_reason.iter().map(|(r, n)| format!("{r} {n}")).collect();
+    counts.join(", ")
+}
+
 /// `": NO_SPACE 3, VDEVS_OFFLINE 21"` for a plan's line, or nothing.
 fn skip_counts(by_reason: &BTreeMap<&'static str, u64>) -> String {
     if by_reason.is_empty() {
         return String::new();
     }
-    let counts: Vec<String> = by_reason.iter().map(|(r, n)| format!("{r} {n}")).collect();
-    format!(": {}", counts.join(", "))
+    format!(": {}", reason_counts(by_reason))
 }
 
 /// Why a plan moved nothing, for `stopped`: each reason's count, and the
@@ -259,10 +264,9 @@ fn skip_summary(
     let Some((top, _)) = by_reason.iter().max_by_key(|(_, n)| **n) else {
         return "no move was tried".into();
     };
-    let counts: Vec<String> = by_reason.iter().map(|(r, n)| format!("{r} {n}")).collect();
     format!(
         "every move was skipped ({}); {top}: {}",
-        counts.join(", "),
+        reason_counts(by_reason),
         first.get(top).map_or("", String::as_str)
     )
 }
@@ -780,7 +784,8 @@ pub async fn execute(conn: &AllocatorArgs, args: &ExecuteArgs) -> anyhow::Result
         lease_ms: AtomicU64::new(0),
     });
     // Dropped (and so stopped) when execute returns, however it returns.
-    let _renewer = AbortOnDrop(tokio::spawn(renew_held(mover.clone())));
+    let _renewer =
+        tokio_util::task::AbortOnDropHandle::new(tokio::spawn(renew_held(mover.clone())));
     let mut report = ExecuteReport {
         score_start: pool_score(&st),
         ..Default::default()
@@ -1343,15 +1348,6 @@ async fn renew_held(mover: Arc<Mover>) {
                 let _ = renew(vec![id]).await;
             }
         }
-    }
-}
-
-/// A task aborted when this is dropped.
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }
 

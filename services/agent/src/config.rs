@@ -16,6 +16,18 @@ pub const AGGREGATION_LIMIT_NON_ROTATING: u64 = 128 << 10;
 pub const AGGREGATION_LIMIT_MAX: u64 = 16 << 20;
 /// OpenZFS `zio_taskq_batch_pct` default.
 pub const ZIO_TASKQ_BATCH_PCT_DEFAULT: u32 = 80;
+/// --direct-min-size's default: 1 MiB writes (the CLI's block) go direct,
+/// 4 KiB ones never (measured in the `data_path` bench, stop 38).
+pub const DIRECT_MIN_SIZE_DEFAULT: u64 = 256 << 10;
+
+/// Which large writes to a buffered file bypass the page cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum DirectLargeWrites {
+    /// Only writes into never-written ranges (holes).
+    Holes,
+    /// Every large aligned write.
+    All,
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum BackendKind {
@@ -85,26 +97,37 @@ pub struct Config {
     /// copy into it, no writeback later); Flush still fdatasyncs, so the
     /// durability contract is the same. Needs a filesystem or block device
     /// that supports it. The default for block devices (with --ashift 12 or
-    /// more; --buffered turns it off); regular files stay buffered unless
-    /// asked (or --direct-min-size for large writes only), since small
-    /// writes would then wait for the disk one by one.
+    /// more; --buffered turns it off). On regular files only large writes
+    /// into new space go direct by default (--direct-min-size,
+    /// --direct-large-writes), since small writes would wait for the disk
+    /// one by one.
     #[arg(long, env = "ALIQUOT_DIRECT", value_parser = clap::builder::BoolishValueParser::new(), conflicts_with = "buffered")]
     pub direct: bool,
 
     /// Data I/O through the page cache even on a block device (where
-    /// O_DIRECT is the default).
+    /// O_DIRECT is the default), and every write on a file (where large
+    /// writes into new space go direct by default).
     #[arg(long, env = "ALIQUOT_BUFFERED", value_parser = clap::builder::BoolishValueParser::new())]
     pub buffered: bool,
 
-    /// On a buffered file, writes of at least this size (4 KiB-aligned, e.g.
-    /// 256KiB) go through O_DIRECT and smaller ones through the page cache:
-    /// large writes skip the copy into the page cache and the writeback
-    /// after it, small ones do not wait for the disk one by one. Reads and
+    /// On a buffered file, writes of at least this size (4 KiB-aligned;
+    /// default 256KiB) may go through O_DIRECT, smaller ones always use the
+    /// page cache: which large ones, --direct-large-writes says. Reads and
     /// Flush (fdatasync) are unchanged. Falls back to buffered if the
-    /// filesystem refuses O_DIRECT. Off unless given.
+    /// filesystem refuses O_DIRECT; --buffered keeps every write buffered.
     #[arg(long, env = "ALIQUOT_DIRECT_MIN_SIZE", value_parser = units::size_arg,
           conflicts_with_all = ["direct", "buffered"])]
     pub direct_min_size: Option<u64>,
+
+    /// Which writes of --direct-min-size or more go O_DIRECT on a buffered
+    /// file. `holes` (the default): those into ranges the file has never
+    /// held data in (new space, found with SEEK_DATA), which no page cache
+    /// holds, so the copy into it and the writeback after it are pure cost;
+    /// overwrites stay buffered, where the pages are often cached already.
+    /// `all`: every large write.
+    #[arg(long, env = "ALIQUOT_DIRECT_LARGE_WRITES", value_enum, default_value_t = DirectLargeWrites::Holes,
+          conflicts_with_all = ["direct", "buffered"])]
+    pub direct_large_writes: DirectLargeWrites,
 
     /// Serve unary Writes through tonic's decoder instead of the fast path
     /// (which writes the payload from the received HTTP/2 frames without
@@ -219,6 +242,7 @@ impl Config {
             direct: false,
             buffered: false,
             direct_min_size: None,
+            direct_large_writes: DirectLargeWrites::Holes,
             no_fast_write: false,
             ashift: 12,
             rotational: false,

@@ -1,5 +1,5 @@
 //! The data path target of issue 14: `aliquotctl write` of 1 GiB in 1 MiB
-//! blocks (32 in flight, freed after) to a local pool of three 4 GiB file
+//! blocks (32 in flight, freed after) to a local pool of three 2 GiB file
 //! agents, all real processes (`aliquotctl up --insecure`, this build's
 //! release binary), against `dd if=/dev/zero bs=1M count=1024 conv=notrunc,fsync`
 //! on the same filesystem, interleaved per round. Every round overwrites
@@ -16,7 +16,9 @@
 //! `cargo bench -p aliquotctl --bench data_path`
 //! Env: ALIQUOT_BENCH_ROUNDS (3), ALIQUOT_BENCH_DIR (where the temp dir
 //! goes, default /work if it exists, else the system temp dir),
-//! ALIQUOT_BENCH_TOTAL (1GiB), ALIQUOT_BENCH_VS="ENV=VAL ..." (a second
+//! ALIQUOT_BENCH_TOTAL (1GiB), ALIQUOT_BENCH_AGENT_SIZE (each agent's
+//! file, 2GiB; both pools' laid-out files must fit in the page cache),
+//! ALIQUOT_BENCH_VS="ENV=VAL ..." (a second
 //! pool, B, whose processes get these variables, run interleaved with A;
 //! B/A ratios are printed), ALIQUOT_BENCH_SECURE=1 (B is the secure
 //! default instead: `up` with mutual TLS and write tokens, `write` with the
@@ -82,6 +84,28 @@ struct Pool {
     agents: Vec<u32>,
 }
 
+/// Each agent's file (`ALIQUOT_BENCH_AGENT_SIZE`, default 2GiB). Both
+/// pools' laid-out files must fit in the page cache together with room to
+/// spare: with 4 GiB agents (24 GiB laid out on a 23 GiB machine) the pool
+/// laid out first lost its pages to the second's lay-out and wrote into
+/// uncached pages every round, and an A/A run read B/A throughput 1.11,
+/// agents' CPU 0.91 (stop 42).
+fn agent_size() -> String {
+    std::env::var("ALIQUOT_BENCH_AGENT_SIZE").unwrap_or_else(|_| "2GiB".into())
+}
+
+/// MemTotal from /proc/meminfo, in bytes (0 if unknown).
+fn mem_total() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(0, |kib| kib << 10)
+}
+
 fn start_pool(name: &'static str, dir: &Path, side: &Side) -> Pool {
     let (env, secure) = (&side.env, side.secure);
     let data = dir.join(name);
@@ -89,7 +113,7 @@ fn start_pool(name: &'static str, dir: &Path, side: &Side) -> Pool {
         .arg("up")
         .args((!secure).then_some("--insecure"))
         .args(["--ephemeral", "--no-metrics"])
-        .args(["--agents", "4GiB,4GiB,4GiB"])
+        .args(["--agents", &vec![agent_size(); 3].join(",")])
         .arg("--data-dir")
         .arg(&data)
         .envs(env.iter().map(|(k, v)| (k, v)))
@@ -149,7 +173,7 @@ fn start_pool(name: &'static str, dir: &Path, side: &Side) -> Pool {
 /// Write zeros over every agent's data area (behind the label) once, before
 /// any timed write: the agents' files are created sparse, and the first
 /// write into a hole makes ext4 allocate blocks at writeback, in the
-/// agent's `sync_file_range`. Allocating 12 GiB of them over the rounds
+/// agent's `sync_file_range`. Allocating all of them over the rounds
 /// would be most of the agents' CPU and would differ round to round. The
 /// pool is the bench's own and holds nothing yet.
 fn lay_out(p: &Pool) {
@@ -511,7 +535,8 @@ fn main() {
         .tempdir_in(&base)
         .expect("temp dir");
     println!(
-        "data path: aliquotctl write --total {total} --block-size 1MiB --concurrency 32 --free, 3 file agents of 4 GiB in {}; dd bs=1M count={} conv=notrunc,fsync; {rounds} rounds{}",
+        "data path: aliquotctl write --total {total} --block-size 1MiB --concurrency 32 --free, 3 file agents of {} in {}; dd bs=1M count={} conv=notrunc,fsync; {rounds} rounds{}",
+        agent_size(),
         dir.path().display(),
         mib as u64,
         if has_b {
@@ -540,6 +565,19 @@ fn main() {
             String::new()
         }
     );
+    let laid_out = units::size_arg(&agent_size()).expect("ALIQUOT_BENCH_AGENT_SIZE")
+        * 3
+        * if has_b { 2 } else { 1 };
+    let mem = mem_total();
+    if laid_out > mem / 3 * 2 {
+        println!(
+            "warning: the pools' laid-out files ({} GiB) are more than two thirds of memory ({} GiB): \
+             the pool laid out first loses its cached pages, a bias against A \
+             (ALIQUOT_BENCH_AGENT_SIZE)",
+            laid_out >> 30,
+            mem >> 30
+        );
+    }
     let warmup = std::env::var("ALIQUOT_BENCH_WARMUP")
         .ok()
         .and_then(|v| v.parse().ok())

@@ -49,6 +49,7 @@ impl Agent {
     pub fn open(cfg: &Config) -> Result<Agent, AgentError> {
         cfg.validate()?;
         let opened = backend::open(cfg)?;
+        let data_io = opened.device.data_io();
         let verifier = match &cfg.token_key {
             Some(p) => Some(
                 aliquot_auth::TokenVerifier::load(p)
@@ -91,6 +92,7 @@ impl Agent {
             zfs_vdev_aggregation_limit = i.queue.aggregation_limit(),
             zio_taskq_batch_pct = cfg.zio_taskq_batch_pct,
             io_workers = i.queue.workers(),
+            data_io,
             "device open"
         );
         Ok(agent)

@@ -27,6 +27,10 @@ pub trait Device: Send + Sync + 'static {
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()>;
     /// Make every completed write durable.
     fn flush(&self) -> io::Result<()>;
+    /// How data reaches the medium, for the agent's startup line.
+    fn data_io(&self) -> String {
+        "memory".into()
+    }
 }
 
 /// What the agent knows about its device once it is open.
@@ -755,6 +759,18 @@ impl Device for FileDevice {
         match &self.direct {
             DirectIo::All(d) => direct_read(d, buf, LABEL_SIZE + offset),
             _ => self.file.read_exact_at(buf, LABEL_SIZE + offset),
+        }
+    }
+
+    fn data_io(&self) -> String {
+        match &self.direct {
+            DirectIo::Off => "buffered".into(),
+            DirectIo::All(_) => "direct".into(),
+            DirectIo::LargeWrites { min, holes, .. } => format!(
+                "direct for writes of {} or more{}, else buffered",
+                units::format_bytes(*min),
+                if holes.is_some() { " into holes" } else { "" }
+            ),
         }
     }
 

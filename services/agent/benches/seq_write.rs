@@ -9,7 +9,8 @@
 //! ALIQUOT_BENCH_MALLOC=default (skip the binary's malloc tuning),
 //! ALIQUOT_BENCH_ROUNDS (3), ALIQUOT_BENCH_CONNS (client connections, 1),
 //! ALIQUOT_BENCH_DIRECT=1 (all I/O O_DIRECT, `--direct`), =0 (all
-//! buffered, `--buffered`); unset: the default (buffered for a file).
+//! buffered, `--buffered`); unset: the default (for a file, large writes
+//! into holes direct, everything else buffered).
 
 use aliquot_agent::measure::median;
 use std::fs::OpenOptions;

@@ -184,6 +184,16 @@ fn filled(dir: &Path) -> Pool {
         "--no-progress"
     ]);
     p.add_agent("128MiB");
+    // A loaded machine can leave a vdev flagged for a report or two after
+    // the write (its last writes slow, or a report late): plans wait for a
+    // whole pool, so the tests start from one.
+    p.wait("every vdev healthy", |s| {
+        s["vdevs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|v| v["health"] == "healthy")
+    });
     p
 }
 

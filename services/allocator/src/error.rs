@@ -141,7 +141,7 @@ pub enum Error {
     #[error(
         "no rebalance plan while vdevs are not healthy and online ({}): bring them back \
          (or remove them) first",
-        .0.join(", ")
+        .0.join("; ")
     )]
     PoolDegraded(Vec<String>),
     #[error(
@@ -451,7 +451,7 @@ impl Error {
                     ("generation", generation.to_string()),
                 ],
             ),
-            Error::PoolDegraded(v) => (ErrorReason::PoolDegraded, vec![("vdevs", v.join(","))]),
+            Error::PoolDegraded(v) => (ErrorReason::PoolDegraded, vec![("vdevs", v.join("; "))]),
             Error::RelocationConflict { extent, allocation } => (
                 ErrorReason::RelocationConflict,
                 vec![

@@ -9,12 +9,45 @@ use metaslab::move_plan::{PlanLimits, PlanVdev, plan};
 use metaslab::{ClassKind, Extent, Health};
 
 use crate::error::{Error, Result};
-use crate::state::Shared;
+use crate::state::{Shared, VdevInfo};
 use aliquot_proto::v1 as pb;
 
 /// Candidates read per over-full vdev (largest first): enough for any plan
 /// bounded at 5 % of the class, without reading millions of rows.
 const CANDIDATES_PER_VDEV: u32 = 20_000;
+
+/// Why a vdev keeps the pool from counting as whole, in words an operator
+/// can act on: the registry's own verdicts first (silent, hung, full),
+/// then the health its agent reported.
+fn why_not_whole(info: Option<&VdevInfo>, online: bool, health: Health) -> String {
+    let Some(i) = info else {
+        return "no agent has registered it".into();
+    };
+    if !online {
+        return "offline".into();
+    }
+    if i.silent {
+        return if i.last_report.is_none() || !i.generation_acked {
+            "its agent has not reported to this allocator yet".into()
+        } else {
+            format!("no report for {} ms", i.last_seen.elapsed().as_millis())
+        };
+    }
+    if i.stalled {
+        return if i.last_report.as_ref().is_some_and(|r| r.out_of_space) {
+            "its device's file system is full".into()
+        } else {
+            format!(
+                "writes queued at its device and none completing for {} reports (hung)",
+                i.stalled_reports
+            )
+        };
+    }
+    format!(
+        "its agent reports it {}",
+        format!("{health:?}").to_lowercase()
+    )
+}
 
 pub async fn plan_rebalance(
     shared: &Shared,
@@ -53,12 +86,10 @@ pub async fn plan_rebalance(
                 continue;
             }
             if !v.online || v.health != Health::Healthy {
-                let name = g
-                    .vdevs
-                    .get(&v.id)
-                    .map(|i| i.name.clone())
-                    .unwrap_or_default();
-                not_ok.push(format!("{name} ({})", v.id));
+                let info = g.vdevs.get(&v.id);
+                let name = info.map(|i| i.name.as_str()).unwrap_or_default();
+                let why = why_not_whole(info, v.online, v.health);
+                not_ok.push(format!("{name} ({}): {why}", v.id));
             }
         }
         if !not_ok.is_empty() {

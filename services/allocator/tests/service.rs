@@ -1077,6 +1077,7 @@ async fn plan_rebalance_moves_toward_a_new_vdev_and_waits_for_a_whole_pool() {
         .unwrap_err();
     assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
     assert_eq!(reason(&e), "POOL_DEGRADED", "{e:?}");
+    assert!(e.message().contains(": offline"), "says why: {e:?}");
 }
 
 /// A drain plan: the drained vdev must be offline first; then everything on

@@ -39,7 +39,9 @@
 //! Each side reuses one 1 MiB buffer, which stays in the CPU's cache;
 //! `ALIQUOT_BENCH_FLOOR_BUFS=32` rotates through 32, as 32 blocks in flight
 //! touch 32 MiB (measured: 1.18x the floor's CPU, all of it the
-//! generator's user time, stop 42).
+//! generator's user time, stop 42). Each round also runs the floor shaped
+//! like the workload ([`floor_shaped`]): three such pairs at once, one per
+//! agent, 11 buffers each.
 
 use aliquot_agent::measure::median;
 use std::io::{BufRead, BufReader};
@@ -333,6 +335,7 @@ const FLOOR_ROLE: &str = "ALIQUOT_BENCH_FLOOR_ROLE";
 const FLOOR_ADDR: &str = "ALIQUOT_BENCH_FLOOR_ADDR";
 const FLOOR_FILE: &str = "ALIQUOT_BENCH_FLOOR_FILE";
 const FLOOR_MIB: &str = "ALIQUOT_BENCH_FLOOR_MIB";
+const FLOOR_BUFS: &str = "ALIQUOT_BENCH_FLOOR_BUFS";
 
 fn floor_child(role: &str) {
     use std::io::{Read as _, Write as _};
@@ -341,7 +344,7 @@ fn floor_child(role: &str) {
     let blocks: u64 = std::env::var(FLOOR_MIB).unwrap().parse().unwrap();
     // ALIQUOT_BENCH_FLOOR_BUFS=N: rotate through N buffers, as a pool with
     // N blocks in flight touches N, instead of one that stays in cache.
-    let nbufs: usize = std::env::var("ALIQUOT_BENCH_FLOOR_BUFS")
+    let nbufs: usize = std::env::var(FLOOR_BUFS)
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(1)
@@ -402,45 +405,97 @@ fn floor_run(dir: &Path, mib: f64, transport: &str) -> (f64, f64) {
 /// The floor writing into `file` (laid out, or new and empty: the fresh
 /// case).
 fn floor_into(dir: &Path, file: &Path, mib: f64, transport: &str) -> (f64, f64) {
-    let sock = dir.join("floor.sock");
-    let _ = std::fs::remove_file(&sock);
-    let addr = match transport {
-        "unix" => format!("unix:{}", sock.display()),
-        _ => "127.0.0.1:0".into(),
-    };
+    floor_pairs(dir, &[file.to_path_buf()], mib, transport, None)
+}
+
+/// The floor shaped like the workload: `SHAPED_STREAMS` sender/receiver
+/// pairs at once (one per agent), each moving a third of the bytes into a
+/// laid-out file of its own and rotating through `SHAPED_BUFS` buffers
+/// (together about the 32 blocks `write` keeps in flight). Every byte takes
+/// the same four passes as in the one-stream floor; what it adds is what
+/// concurrency costs on this machine: more processes than cores, and
+/// buffers that no longer stay in the CPU's cache.
+fn floor_shaped(dir: &Path, mib: f64) -> (f64, f64) {
+    let part = (mib as u64).div_ceil(SHAPED_STREAMS as u64);
+    let files: Vec<PathBuf> = (0..SHAPED_STREAMS)
+        .map(|i| {
+            let f = dir.join(format!("floor-shaped{i}.img"));
+            if !f.exists() {
+                dd_zeros(&f, 0, part);
+            }
+            f
+        })
+        .collect();
+    floor_pairs(dir, &files, mib, "tcp", Some(SHAPED_BUFS))
+}
+
+const SHAPED_STREAMS: usize = 3;
+const SHAPED_BUFS: usize = 11;
+
+/// One sender/receiver pair per file, all at once, `mib` split evenly
+/// among them; `bufs` overrides `ALIQUOT_BENCH_FLOOR_BUFS`. MiB/s of the
+/// whole and CPU per MiB of every process together.
+fn floor_pairs(
+    dir: &Path,
+    files: &[PathBuf],
+    mib: f64,
+    transport: &str,
+    bufs: Option<usize>,
+) -> (f64, f64) {
     let me = std::env::current_exe().unwrap();
+    let part = ((mib as u64).div_ceil(files.len() as u64)).to_string();
     let c0 = children_cpu();
-    let mut recv = Command::new(&me)
-        .env(FLOOR_ROLE, "recv")
-        .env(FLOOR_ADDR, &addr)
-        .env(FLOOR_FILE, file)
-        .env(FLOOR_MIB, (mib as u64).to_string())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("start floor receiver");
-    let mut ready = String::new();
-    BufReader::new(recv.stdout.take().unwrap())
-        .read_line(&mut ready)
-        .unwrap();
-    // The address to send to: the socket's, or the port the receiver got.
-    let to = ready
-        .trim()
-        .strip_prefix("ready ")
-        .unwrap_or_else(|| panic!("floor receiver said {ready:?}"))
-        .to_string();
+    let mut receivers = Vec::new();
+    let mut targets = Vec::new();
+    for (i, file) in files.iter().enumerate() {
+        let sock = dir.join(format!("floor{i}.sock"));
+        let _ = std::fs::remove_file(&sock);
+        let addr = match transport {
+            "unix" => format!("unix:{}", sock.display()),
+            _ => "127.0.0.1:0".into(),
+        };
+        let mut recv = Command::new(&me);
+        recv.env(FLOOR_ROLE, "recv")
+            .env(FLOOR_ADDR, &addr)
+            .env(FLOOR_FILE, file)
+            .env(FLOOR_MIB, &part)
+            .stdout(Stdio::piped());
+        if let Some(n) = bufs {
+            recv.env(FLOOR_BUFS, n.to_string());
+        }
+        let mut recv = recv.spawn().expect("start floor receiver");
+        let mut ready = String::new();
+        BufReader::new(recv.stdout.take().unwrap())
+            .read_line(&mut ready)
+            .unwrap();
+        // The address to send to: the socket's, or the port the receiver got.
+        let to = ready
+            .trim()
+            .strip_prefix("ready ")
+            .unwrap_or_else(|| panic!("floor receiver said {ready:?}"))
+            .to_string();
+        receivers.push(recv);
+        targets.push(to);
+    }
     let t = Instant::now();
-    let sent = Command::new(&me)
-        .env(FLOOR_ROLE, "send")
-        .env(FLOOR_ADDR, &to)
-        .env(FLOOR_MIB, (mib as u64).to_string())
-        .status()
-        .expect("run floor sender");
-    let got = recv.wait().expect("floor receiver");
+    let senders: Vec<Child> = targets
+        .iter()
+        .map(|to| {
+            let mut send = Command::new(&me);
+            send.env(FLOOR_ROLE, "send")
+                .env(FLOOR_ADDR, to)
+                .env(FLOOR_MIB, &part);
+            if let Some(n) = bufs {
+                send.env(FLOOR_BUFS, n.to_string());
+            }
+            send.spawn().expect("run floor sender")
+        })
+        .collect();
+    for mut c in senders.into_iter().chain(receivers) {
+        let st = c.wait().expect("floor process");
+        assert!(st.success(), "floor {transport}: {st}");
+    }
     let wall = t.elapsed();
-    assert!(
-        sent.success() && got.success(),
-        "floor {transport}: {sent} / {got}"
-    );
     (
         mib / wall.as_secs_f64(),
         ms_per_mib(children_cpu() - c0, mib),
@@ -612,7 +667,7 @@ fn main() {
         "warm-up: agents' files laid out with zeros, {warmup} untimed run(s) per pool, dd's file laid out"
     );
     let (mut ra, mut rb, mut dds) = (Vec::new(), Vec::new(), Vec::new());
-    let mut floors: Vec<[(f64, f64); 2]> = Vec::new();
+    let mut floors: Vec<[(f64, f64); 3]> = Vec::new();
     for round in 0..rounds {
         // A B dd, then dd B A: drift falls on all alike.
         let fwd = round % 2 == 0;
@@ -636,17 +691,20 @@ fn main() {
         let f = [
             floor_run(dir.path(), mib, "tcp"),
             floor_run(dir.path(), mib, "unix"),
+            floor_shaped(dir.path(), mib),
         ];
         floors.push(f);
         println!(
-            "round {}: dd {:7.1} MiB/s, CPU {:.2} ms/MiB; floor over TCP {:.1} MiB/s, {:.2} ms/MiB; over a Unix socket {:.1} MiB/s, {:.2} ms/MiB",
+            "round {}: dd {:7.1} MiB/s, CPU {:.2} ms/MiB; floor over TCP {:.1} MiB/s, {:.2} ms/MiB; over a Unix socket {:.1} MiB/s, {:.2} ms/MiB; shaped {:.1} MiB/s, {:.2} ms/MiB",
             round + 1,
             d.0,
             d.1,
             f[0].0,
             f[0].1,
             f[1].0,
-            f[1].1
+            f[1].1,
+            f[2].0,
+            f[2].1
         );
         show("A", ra.last().unwrap(), d.0);
         if let Some(r) = rb.last() {
@@ -704,19 +762,35 @@ fn main() {
         median(dds.iter().map(|d| d.0).collect()),
         median(dds.iter().map(|d| d.1).collect())
     );
-    for (i, t) in ["loopback TCP", "a Unix socket"].iter().enumerate() {
+    for (i, t) in [
+        "loopback TCP",
+        "a Unix socket",
+        "loopback TCP, shaped like the workload (3 streams, 33 buffers)",
+    ]
+    .iter()
+    .enumerate()
+    {
         println!(
-            "floor over {t}: {:.1} MiB/s, CPU {:.2} ms/MiB (sender + receiver)",
+            "floor over {t}: {:.1} MiB/s, CPU {:.2} ms/MiB (senders + receivers)",
             median(floors.iter().map(|f| f[i].0).collect()),
             median(floors.iter().map(|f| f[i].1).collect())
         );
     }
     let floor_tcp = median(floors.iter().map(|f| f[0].1).collect());
+    let floor_shaped = median(floors.iter().map(|f| f[2].1).collect());
     let sa = summary("A", &ra, &dds);
-    println!("A: CPU {:.2}× the TCP floor's", sa[1] / floor_tcp.max(1e-9));
+    println!(
+        "A: CPU {:.2}× the TCP floor's, {:.2}× the shaped floor's",
+        sa[1] / floor_tcp.max(1e-9),
+        sa[1] / floor_shaped.max(1e-9)
+    );
     if b.is_some() {
         let sb = summary("B", &rb, &dds);
-        println!("B: CPU {:.2}× the TCP floor's", sb[1] / floor_tcp.max(1e-9));
+        println!(
+            "B: CPU {:.2}× the TCP floor's, {:.2}× the shaped floor's",
+            sb[1] / floor_tcp.max(1e-9),
+            sb[1] / floor_shaped.max(1e-9)
+        );
         ratios("B/A", &ra, &rb, sa, sb);
     }
     if !fresh.is_empty() {

@@ -223,6 +223,14 @@ pub struct Config {
           value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub max_streams: u32,
 
+    /// Threads that serve the network (HTTP/2, TLS) for this process;
+    /// device I/O has its own (--zio-taskq-batch-pct). Default: one per
+    /// core. Where several servers share a machine, fewer wake each other
+    /// less: `aliquotctl up` gives each of its servers cores / servers.
+    #[arg(long, env = "ALIQUOT_WORKER_THREADS",
+          value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub worker_threads: Option<u16>,
+
     #[command(flatten)]
     pub telemetry: telemetry::TelemetryArgs,
 }
@@ -264,6 +272,7 @@ impl Config {
             max_buffered: 512 << 20,
             connection_buffer: 128 << 20,
             max_streams: 64,
+            worker_threads: None,
             telemetry: Default::default(),
         }
     }

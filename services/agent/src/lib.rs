@@ -251,6 +251,16 @@ pub async fn serve(
     Ok(())
 }
 
+/// The process's tokio runtime: `worker_threads` network threads (one per
+/// core when None, tokio's default), every driver on.
+pub fn runtime(worker_threads: Option<u16>) -> std::io::Result<tokio::runtime::Runtime> {
+    let mut b = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = worker_threads {
+        b.worker_threads(n.into());
+    }
+    b.enable_all().build()
+}
+
 /// Keep large I/O buffers in malloc's arenas instead of fresh `mmap`s: by
 /// default glibc maps (and on free, unmaps) every allocation above 128 KiB,
 /// so each 1 MiB write's decode buffers page-fault afresh, 256 faults per

@@ -7,7 +7,7 @@ use clap::Parser;
 fn main() -> ExitCode {
     aliquot_agent::tune_allocator();
     let config = aliquot_agent::Config::parse();
-    let rt = match tokio::runtime::Runtime::new() {
+    let rt = match aliquot_agent::runtime(config.worker_threads) {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("aliquot-agent: cannot start the runtime: {e}");

@@ -175,6 +175,13 @@ pub struct Config {
     #[command(flatten)]
     pub tls: aliquot_auth::TlsArgs,
 
+    /// Threads that serve RPCs. Default: one per core. Where several
+    /// servers share a machine, fewer wake each other less: `aliquotctl up`
+    /// gives each of its servers cores / servers.
+    #[arg(long, env = "ALIQUOT_WORKER_THREADS",
+          value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub worker_threads: Option<u16>,
+
     #[command(flatten)]
     pub telemetry: telemetry::TelemetryArgs,
 }

@@ -1,8 +1,22 @@
 use clap::Parser;
 
-#[tokio::main]
-async fn main() -> std::process::ExitCode {
+fn main() -> std::process::ExitCode {
     let config = aliquot_allocator::Config::parse();
+    let mut b = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = config.worker_threads {
+        b.worker_threads(n.into());
+    }
+    let rt = match b.enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("aliquot-allocator: cannot start the runtime: {e}");
+            return std::process::ExitCode::from(1);
+        }
+    };
+    rt.block_on(serve(config))
+}
+
+async fn serve(config: aliquot_allocator::Config) -> std::process::ExitCode {
     let guard = telemetry::init("aliquot-allocator", &config.telemetry);
     let result = aliquot_allocator::run(config).await;
     guard.shutdown().await;

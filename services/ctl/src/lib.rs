@@ -91,6 +91,16 @@ impl Cli {
         }
     }
 
+    /// The runtime's network threads: a served agent's or allocator's
+    /// `--worker-threads`; tokio's default (one per core) otherwise.
+    pub fn worker_threads(&self) -> Option<u16> {
+        match &self.command {
+            Cmd::Serve(serve::ServeCmd::Agent(c)) => c.worker_threads,
+            Cmd::Serve(serve::ServeCmd::Allocator(c)) => c.worker_threads,
+            _ => None,
+        }
+    }
+
     /// The telemetry flags that apply: for `serve`, the service's own, but
     /// `aliquotctl --log-format json serve X` is honoured too (either place
     /// asking for JSON gets JSON).

@@ -10,7 +10,7 @@ fn main() -> ExitCode {
     // a fresh mmap (256 page faults per MiB) each; for `write` and `serve agent` alike.
     aliquot_agent::tune_allocator();
     let cli = aliquotctl::Cli::parse();
-    let rt = match tokio::runtime::Runtime::new() {
+    let rt = match aliquot_agent::runtime(cli.worker_threads()) {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("aliquotctl: cannot start the runtime: {e}");

@@ -63,6 +63,17 @@ impl Pool {
         }
     }
 
+    /// Until every vdev's health is `healthy`.
+    fn wait_healthy(&self, what: &str) {
+        self.wait(what, |s| {
+            s["vdevs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|v| v["health"] == "healthy")
+        });
+    }
+
     fn ctl(&self, a: &[String]) -> String {
         let mut a = a.to_vec();
         a.extend(args!["--allocator", self.url]);
@@ -187,13 +198,7 @@ fn filled(dir: &Path) -> Pool {
     // A loaded machine can leave a vdev flagged for a report or two after
     // the write (its last writes slow, or a report late): plans wait for a
     // whole pool, so the tests start from one.
-    p.wait("every vdev healthy", |s| {
-        s["vdevs"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .all(|v| v["health"] == "healthy")
-    });
+    p.wait_healthy("every vdev healthy");
     p
 }
 
@@ -319,13 +324,7 @@ fn drain_then_remove_empties_a_vdev_for_good_and_plans_wait_for_a_whole_pool() {
     );
     gone.restart().unwrap();
     p.agents.push(gone);
-    p.wait("file2 back", |s| {
-        s["vdevs"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .all(|v| v["health"] == "healthy")
-    });
+    p.wait_healthy("file2 back");
 
     let out = p.ctl(&args!["vdev", "drain", "file0"]);
     assert!(out.contains("offline"), "{out}");

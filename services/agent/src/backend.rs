@@ -880,6 +880,27 @@ mod tests {
         assert_eq!(got, small);
     }
 
+    /// A sparse 16 MiB data area at `path` whose writes of `min` or more go
+    /// direct (into holes only with `holes`); None, said, where the file
+    /// system refuses O_DIRECT.
+    fn large_writes_device(path: &Path, min: u64, holes: Option<Holes>) -> Option<FileDevice> {
+        let file = new_file(path);
+        file.set_len(LABEL_SIZE + (16 << 20)).unwrap();
+        let Ok(direct) = open_direct(path) else {
+            eprintln!("this filesystem refuses O_DIRECT: nothing to test");
+            return None;
+        };
+        Some(FileDevice {
+            file,
+            direct: DirectIo::LargeWrites {
+                file: direct,
+                min,
+                holes,
+            },
+            writeback: Writeback::default(),
+        })
+    }
+
     /// `--direct-min-size`: large aligned writes bypass the page cache,
     /// small or unaligned ones do not, and the two stay coherent whichever
     /// order they overlap in.
@@ -888,20 +909,8 @@ mod tests {
         use std::sync::atomic::Ordering::Relaxed;
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("f");
-        let file = new_file(&path);
-        file.set_len(LABEL_SIZE + (16 << 20)).unwrap();
-        let Ok(direct) = open_direct(&path) else {
-            eprintln!("this filesystem refuses O_DIRECT: nothing to test");
+        let Some(dev) = large_writes_device(&path, 64 << 10, None) else {
             return;
-        };
-        let dev = FileDevice {
-            file,
-            direct: DirectIo::LargeWrites {
-                file: direct,
-                min: 64 << 10,
-                holes: None,
-            },
-            writeback: Writeback::default(),
         };
         let big = |b: u8| vec![b; WRITEBACK_CHUNK as usize];
         let mut expect = vec![0u8; 4 << 20];
@@ -957,25 +966,17 @@ mod tests {
         use std::sync::atomic::Ordering::Relaxed;
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("f");
-        let file = new_file(&path);
-        file.set_len(LABEL_SIZE + (16 << 20)).unwrap();
-        let Ok(direct) = open_direct(&path) else {
-            eprintln!("this filesystem refuses O_DIRECT: nothing to test");
+        let Some(dev) = large_writes_device(&path, DIRECT_MIN_SIZE_DEFAULT, Some(Holes::default()))
+        else {
             return;
         };
-        if !is_hole(&direct, LABEL_SIZE, 16 << 20) {
+        let DirectIo::LargeWrites { file, .. } = &dev.direct else {
+            unreachable!()
+        };
+        if !is_hole(file, LABEL_SIZE, 16 << 20) {
             eprintln!("this filesystem does not report holes: nothing to test");
             return;
         }
-        let dev = FileDevice {
-            file,
-            direct: DirectIo::LargeWrites {
-                file: direct,
-                min: DIRECT_MIN_SIZE_DEFAULT,
-                holes: Some(Holes::default()),
-            },
-            writeback: Writeback::default(),
-        };
         let calls = || dev.writeback.calls.load(Relaxed);
         let mib = |b: u8| vec![b; 1 << 20];
         // New space: direct (a buffered 1 MiB write starts writeback).

@@ -1269,17 +1269,27 @@ async fn check_patterns(c: &mut Cluster, m: &mut Model, only: Option<u32>) {
     for (k, (id, e)) in wanted.iter().enumerate() {
         {
             let ep = c.endpoints[&e.vdev].clone();
-            let data = c
-                .agent(&ep)
-                .read(pb::ReadRequest {
-                    offset: e.offset,
-                    size: e.size,
-                    token: tokens.get(k).cloned().unwrap_or_default(),
-                })
-                .await
-                .unwrap_or_else(|err| panic!("read {e:?} from {ep}: {err}"))
-                .into_inner()
-                .data;
+            // An agent just restarted checks read tokens only once it has
+            // registered again, and until then says UNAVAILABLE, retry: a
+            // client retries, and so does the test.
+            let deadline = Instant::now() + Duration::from_secs(20);
+            let data = loop {
+                let r = c
+                    .agent(&ep)
+                    .read(pb::ReadRequest {
+                        offset: e.offset,
+                        size: e.size,
+                        token: tokens.get(k).cloned().unwrap_or_default(),
+                    })
+                    .await;
+                match r {
+                    Ok(r) => break r.into_inner().data,
+                    Err(err) if err.code() == Code::Unavailable && Instant::now() < deadline => {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                    Err(err) => panic!("read {e:?} from {ep}: {err}"),
+                }
+            };
             assert!(
                 data == pattern(*id, e.size as usize),
                 "extent {}:{:#x}+{:#x} (pattern {id}) lost its data",

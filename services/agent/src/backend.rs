@@ -654,12 +654,12 @@ impl FileDevice {
 }
 
 /// Where the file still has holes, for `--direct-large-writes holes`.
-/// Asking costs a `SEEK_DATA` per large write, which takes the inode's
-/// lock shared, so it waits for buffered writes in flight (they hold it
-/// while they copy). Holes never come back (the agent punches none), so
-/// once a `SEEK_HOLE` over the whole data area finds none the question is
-/// never asked again: a file laid out in full, or filled, is all
-/// overwrites. That check runs once per `RECHECK` overwrites.
+/// Asking costs a `SEEK_DATA` per large write: on laid-out files, asking
+/// every time measured 0.96x the throughput of buffered agents (stop 42).
+/// Holes never come back (the agent punches none), so once a `SEEK_HOLE`
+/// over the whole data area finds none the question is never asked again:
+/// a file laid out in full, or filled, is all overwrites. That check runs
+/// once per `RECHECK` overwrites.
 #[derive(Debug, Default)]
 struct Holes {
     none_left: std::sync::atomic::AtomicBool,

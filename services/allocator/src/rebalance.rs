@@ -17,8 +17,8 @@ use aliquot_proto::v1 as pb;
 const CANDIDATES_PER_VDEV: u32 = 20_000;
 
 /// Why a vdev keeps the pool from counting as whole, in words an operator
-/// can act on: the registry's own verdicts first (silent, hung, full),
-/// then the health its agent reported.
+/// can act on: offline, the registry's verdict, or the health its agent
+/// reported.
 fn why_not_whole(info: Option<&VdevInfo>, online: bool, health: Health) -> String {
     let Some(i) = info else {
         return "no agent has registered it".into();
@@ -26,27 +26,12 @@ fn why_not_whole(info: Option<&VdevInfo>, online: bool, health: Health) -> Strin
     if !online {
         return "offline".into();
     }
-    if i.silent {
-        return if i.last_report.is_none() || !i.generation_acked {
-            "its agent has not reported to this allocator yet".into()
-        } else {
-            format!("no report for {} ms", i.last_seen.elapsed().as_millis())
-        };
-    }
-    if i.stalled {
-        return if i.last_report.as_ref().is_some_and(|r| r.out_of_space) {
-            "its device's file system is full".into()
-        } else {
-            format!(
-                "writes queued at its device and none completing for {} reports (hung)",
-                i.stalled_reports
-            )
-        };
-    }
-    format!(
-        "its agent reports it {}",
-        format!("{health:?}").to_lowercase()
-    )
+    i.unavailable_reason().unwrap_or_else(|| {
+        format!(
+            "its agent reports it {}",
+            format!("{health:?}").to_lowercase()
+        )
+    })
 }
 
 pub async fn plan_rebalance(

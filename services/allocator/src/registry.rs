@@ -209,23 +209,16 @@ fn stall_check(g: &mut Inner, id: VdevId) {
     let depth = last.queue_depth_ios;
     if stalled && !info.stalled {
         info.stalled = true;
+        let why = info.unavailable_reason().unwrap_or_default();
         let _ = g.pool.set_health(id, Health::Unavailable);
         if full {
-            g.event(
-                "vdev_full",
-                id,
-                "its device's file system is full (ENOSPC)".into(),
-            );
+            g.event("vdev_full", id, why);
             tracing::warn!(
                 vdev = id,
                 "vdev out of space: a write met ENOSPC; not allocating there until the agent has room"
             );
         } else {
-            g.event(
-                "vdev_stalled",
-                id,
-                format!("{depth} writes queued, none completing"),
-            );
+            g.event("vdev_stalled", id, why);
             tracing::warn!(
                 vdev = id,
                 queued = depth,
@@ -641,14 +634,12 @@ pub fn check_liveness(shared: &Shared, now: Instant) {
         .map(|(id, _)| *id)
         .collect();
     for id in silent {
-        let age = now.duration_since(g.vdevs[&id].last_seen);
-        g.vdevs.get_mut(&id).expect("present").silent = true;
+        let v = g.vdevs.get_mut(&id).expect("present");
+        let age = now.duration_since(v.last_seen);
+        v.silent = true;
+        let why = v.unavailable_reason().unwrap_or_default();
         let _ = g.pool.set_health(id, Health::Unavailable);
-        g.event(
-            "vdev_unavailable",
-            id,
-            format!("no report for {} ms", age.as_millis()),
-        );
+        g.event("vdev_unavailable", id, why);
         tracing::warn!(
             vdev = id,
             silent_ms = age.as_millis() as u64,

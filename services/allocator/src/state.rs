@@ -56,6 +56,34 @@ pub struct VdevInfo {
     pub device_capacity: u64,
 }
 
+impl VdevInfo {
+    /// Why the registry keeps this vdev unavailable, in an operator's words
+    /// (the events that mark it and PlanRebalance's refusal say the same);
+    /// None: the registry does not.
+    pub fn unavailable_reason(&self) -> Option<String> {
+        if self.silent {
+            return Some(if self.last_report.is_none() || !self.generation_acked {
+                "its agent has not reported to this allocator yet".into()
+            } else {
+                format!("no report for {} ms", self.last_seen.elapsed().as_millis())
+            });
+        }
+        if !self.stalled {
+            return None;
+        }
+        let last = self.last_report.as_ref();
+        Some(if last.is_some_and(|r| r.out_of_space) {
+            "its device's file system is full (ENOSPC)".into()
+        } else {
+            format!(
+                "{} writes queued at its device, none completing for {} reports (hung)",
+                last.map_or(0, |r| r.queue_depth_ios),
+                self.stalled_reports
+            )
+        })
+    }
+}
+
 pub struct Inner {
     pub pool: Pool,
     /// Tickets queued in the throttle → the parked request.

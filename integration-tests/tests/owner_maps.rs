@@ -197,7 +197,7 @@ async fn rows_of_an_older_binary_are_converted_and_damage_is_refused() {
             .await
             .unwrap();
         for (i, n) in [(1, "client/a"), (2, "client/b")] {
-            sqlx::query("INSERT INTO owners (idx, identity) VALUES (?, ?)")
+            sqlx::query("INSERT INTO owners (pool, idx, identity) VALUES (1, ?, ?)")
                 .bind(i)
                 .bind(n)
                 .execute(&mut c)
@@ -205,7 +205,9 @@ async fn rows_of_an_older_binary_are_converted_and_damage_is_refused() {
                 .unwrap();
         }
         for &(v, s, e, o) in &old_runs {
-            sqlx::query("INSERT INTO owner_runs (vdev, start, stop, owner) VALUES (?, ?, ?, ?)")
+            sqlx::query(
+                "INSERT INTO owner_runs (pool, vdev, start, stop, owner) VALUES (1, ?, ?, ?, ?)",
+            )
                 .bind(v as i64)
                 .bind(s as i64)
                 .bind(e as i64)

@@ -108,21 +108,23 @@ async fn build(path: &Path, n: u64, layout: &str) {
         run.clear();
         run.extend((first..(first + per).min(n)).map(|k| (k * st, BLOCK)));
         let c = spacemap::Chunk::encode(id, &run);
-        sqlx::query("INSERT INTO spacemaps (vdev, start, width, data) VALUES (?, ?, ?, ?)")
-            .bind(id as i64)
-            .bind(c.start as i64)
-            .bind(c.width as i64)
-            .bind(c.data)
-            .execute(&mut *tx)
-            .await
-            .unwrap();
+        sqlx::query(
+            "INSERT INTO spacemaps (pool, vdev, start, width, data) VALUES (1, ?, ?, ?, ?)",
+        )
+        .bind(id as i64)
+        .bind(c.start as i64)
+        .bind(c.width as i64)
+        .bind(c.data)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
     }
     // Owners (issue 25): `ALIQUOT_BENCH_OWNERS=alternating` gives every
     // extent the other of two owners than its neighbours: one owner run per
     // extent, the worst case (one client per pool is one run per vdev).
     if std::env::var("ALIQUOT_BENCH_OWNERS").as_deref() == Ok("alternating") {
         for (idx, name) in [(1i64, "client/a"), (2, "client/b")] {
-            sqlx::query("INSERT INTO owners (idx, identity) VALUES (?, ?)")
+            sqlx::query("INSERT INTO owners (pool, idx, identity) VALUES (1, ?, ?)")
                 .bind(idx)
                 .bind(name)
                 .execute(&mut *tx)
@@ -133,7 +135,7 @@ async fn build(path: &Path, n: u64, layout: &str) {
             .map(|k| (k * st, k * st + BLOCK, 1 + (k % 2) as u32))
             .collect();
         for (window, data) in owner_map::rows(&runs) {
-            sqlx::query("INSERT INTO owner_maps (vdev, start, data) VALUES (?, ?, ?)")
+            sqlx::query("INSERT INTO owner_maps (pool, vdev, start, data) VALUES (1, ?, ?, ?)")
                 .bind(id as i64)
                 .bind(window as i64)
                 .bind(data)
@@ -143,7 +145,7 @@ async fn build(path: &Path, n: u64, layout: &str) {
         }
     }
     tx.commit().await.unwrap();
-    sqlx::query("UPDATE vdevs SET allocated = ? WHERE id = ?")
+    sqlx::query("UPDATE vdevs SET allocated = ? WHERE pool = 1 AND id = ?")
         .bind((n * BLOCK) as i64)
         .bind(id as i64)
         .execute(&mut conn)

@@ -25,6 +25,7 @@ pub mod registry;
 pub mod relocation;
 pub mod service;
 pub mod spacemap;
+pub mod sql_store;
 pub mod sqlite_store;
 pub mod state;
 pub mod store;
@@ -43,6 +44,7 @@ use metaslab::{Pool, ThrottlePolicy, Tunables};
 use tokio::task::JoinHandle;
 
 pub use error::Error;
+pub use pg_store::PgStore;
 pub use sqlite_store::SqliteStore;
 pub use state::Shared;
 pub use store::{MemStore, Store};

@@ -2,8 +2,10 @@
 //! that txg ([`TxgRecord`]); SyncTxg waiters are released only after
 //! `persist` returned. At start the service `load`s what was persisted and
 //! rebuilds the pool from it (`metaslab::Pool::restore`). [`MemStore`] keeps
-//! the records in memory (tests); `crate::sqlite_store::SqliteStore` is the
-//! durable one (one SQLite transaction per txg).
+//! the records in memory (tests), refusing what the SQL stores refuse;
+//! `crate::sql_store::SqlStore` is the durable one (one SQL transaction per
+//! txg, on SQLite or PostgreSQL). The conformance suite
+//! (`tests/store_conformance.rs`) runs the same tests on all of them.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
@@ -24,9 +26,9 @@ pub struct VdevRecord {
     pub spec: VdevSpec,
 }
 
-/// A `vdevs` row as every SQL store keeps it (integers as BIGINT / the
-/// i64 bit patterns of u64), checked into a [`VdevRecord`] by [`VdevRow::records`].
-#[derive(Clone, Debug, sqlx::FromRow)]
+/// A `vdevs` row as the SQL store keeps it (integers as BIGINT / the i64
+/// bit patterns of u64), checked into a [`VdevRecord`] by [`VdevRow::records`].
+#[derive(Clone, Debug)]
 pub struct VdevRow {
     pub id: i64,
     pub guid: i64,
@@ -53,15 +55,6 @@ pub type VdevRecords = (
 );
 
 impl VdevRow {
-    /// The columns, in the struct's order (append `WHERE` clauses).
-    pub const SELECT: &'static str = "SELECT id, guid, name, endpoint, capacity, ashift, \
-         metaslab_shift, metaslab_size, children, parity, rotational, class, allocated, \
-         admin_state FROM vdevs ORDER BY id";
-    /// The same, of one pool of a store holding several (`$1`: its id).
-    pub const SELECT_OF_POOL: &'static str = "SELECT id, guid, name, endpoint, capacity, ashift, \
-         metaslab_shift, metaslab_size, children, parity, rotational, class, allocated, \
-         admin_state FROM vdevs WHERE pool = $1 ORDER BY id";
-
     /// Check each row (shift against size, known class and admin state, ids
     /// in range) into records.
     pub fn records(rows: Vec<VdevRow>) -> Result<VdevRecords, String> {
@@ -304,18 +297,6 @@ pub(crate) fn overlap_error(
     StoreError(format!("extents overlapping {what}: {err}"))
 }
 
-/// A chunk row of a span query (`SELECT start, width, data`), its data
-/// borrowed from the driver's row.
-pub(crate) fn span_row<R>(r: &R) -> (i64, i64, &[u8])
-where
-    R: sqlx::Row,
-    usize: sqlx::ColumnIndex<R>,
-    i64: sqlx::Type<R::Database> + for<'r> sqlx::Decode<'r, R::Database>,
-    for<'r> &'r [u8]: sqlx::Type<R::Database> + sqlx::Decode<'r, R::Database>,
-{
-    (r.get(0), r.get(1), r.get(2))
-}
-
 /// The batch's rows, copied (the sweep keeps them across the extents it
 /// resolves).
 pub(crate) fn span_rows<'a>(rows: impl Iterator<Item = (i64, i64, &'a [u8])>) -> SpanRows {
@@ -403,12 +384,17 @@ where
     Ok(out)
 }
 
+/// What every store does, with the same answers (the conformance suite
+/// checks MemStore, SQLite and PostgreSQL alike). No method has a default:
+/// a new store states each answer.
 pub trait Store: Send + Sync + 'static {
     /// The persisted pool, or `None` for a fresh one.
     fn load(&self) -> BoxFuture<'_, Result<Option<Persisted>, StoreError>>;
-    /// Record the pool guid of a fresh pool.
+    /// Record the pool guid of a fresh pool (refused if it exists).
     fn create(&self, pool_guid: u64) -> BoxFuture<'_, Result<(), StoreError>>;
-    /// Persist one txg, atomically. Called in txg order, one at a time.
+    /// Persist one txg, atomically: all of it or nothing. Called in txg
+    /// order, one at a time; the last persisted txg again is a retry whose
+    /// commit landed (a no-op), an older one is refused.
     fn persist<'a>(&'a self, record: &'a TxgRecord) -> BoxFuture<'a, Result<(), StoreError>>;
     /// Remember a tunable set at run time (outside any txg: it is durable
     /// when this returns).
@@ -420,30 +406,21 @@ pub trait Store: Send + Sync + 'static {
     /// A persist failed because another allocator leads the pool now (the
     /// txg's fencing check found a newer generation): never retry, stop
     /// serving. Stores with one writer by construction answer false.
-    fn fenced(&self) -> bool {
-        false
-    }
+    fn fenced(&self) -> bool;
     /// Bump the pool's generation (once per start, after `load`/`create`)
     /// and return the new one; durable when this returns.
     fn open_generation(&self) -> BoxFuture<'_, Result<u64, StoreError>>;
     /// Generation -> the synced txg when it opened, for every generation
     /// the store recorded (the one `open_generation` started included):
-    /// what generation G synced is the entry of G + 1. Stores without a
-    /// history answer empty (fencing then falls back to the current
-    /// generation's synced txg at open).
-    fn generation_history(&self) -> BoxFuture<'_, Result<BTreeMap<u64, Txg>, StoreError>> {
-        Box::pin(async { Ok(BTreeMap::new()) })
-    }
+    /// what generation G synced is the entry of G + 1. Generations opened
+    /// before the store kept a history have no entry (fencing then falls
+    /// back to the current generation's synced txg at open).
+    fn generation_history(&self) -> BoxFuture<'_, Result<BTreeMap<u64, Txg>, StoreError>>;
     /// The generation that accepted a rollback (`--rewind-to`), 0 if none:
     /// device labels of older generations are not compared with the store.
-    fn rewind_generation(&self) -> BoxFuture<'_, Result<u64, StoreError>> {
-        Box::pin(async { Ok(0) })
-    }
+    fn rewind_generation(&self) -> BoxFuture<'_, Result<u64, StoreError>>;
     /// Record that generation `g` accepted a rollback; durable on return.
-    fn set_rewind_generation(&self, g: u64) -> BoxFuture<'_, Result<(), StoreError>> {
-        let _ = g;
-        Box::pin(async { Ok(()) })
-    }
+    fn set_rewind_generation(&self, g: u64) -> BoxFuture<'_, Result<(), StoreError>>;
     /// Durable allocated extents overlapping `e` (for Claim's exact check).
     fn allocated_overlapping(&self, e: Extent) -> BoxFuture<'_, Result<Vec<Extent>, StoreError>>;
     /// [`Self::allocated_overlapping`] of each of `extents`, in their order
@@ -453,50 +430,30 @@ pub trait Store: Send + Sync + 'static {
     fn allocated_overlapping_many<'a>(
         &'a self,
         extents: &'a [Extent],
-    ) -> BoxFuture<'a, Result<Vec<Vec<Extent>>, StoreError>> {
-        Box::pin(async move {
-            let mut out = Vec::with_capacity(extents.len());
-            for e in extents {
-                out.push(self.allocated_overlapping(*e).await?);
-            }
-            Ok(out)
-        })
-    }
-    /// Up to `limit` durable extents of `vdev`, largest first: the
-    /// candidates of a rebalance plan. Stores without extents answer empty.
+    ) -> BoxFuture<'a, Result<Vec<Vec<Extent>>, StoreError>>;
+    /// Up to `limit` durable extents of `vdev`, largest first (ties by
+    /// offset): the candidates of a rebalance plan.
     fn largest_extents(
         &self,
         vdev: u32,
         limit: u32,
-    ) -> BoxFuture<'_, Result<Vec<Extent>, StoreError>> {
-        let _ = (vdev, limit);
-        Box::pin(async { Ok(Vec::new()) })
-    }
+    ) -> BoxFuture<'_, Result<Vec<Extent>, StoreError>>;
     /// The committed relocation made by allocation `id`, if its txg
-    /// persisted. Stores without relocations answer None.
-    fn relocation(&self, id: u64) -> BoxFuture<'_, Result<Option<RelocationRecord>, StoreError>> {
-        let _ = id;
-        Box::pin(async { Ok(None) })
-    }
+    /// persisted.
+    fn relocation(&self, id: u64) -> BoxFuture<'_, Result<Option<RelocationRecord>, StoreError>>;
     /// Durable relocations ever made: (count, bytes of the extents freed).
-    fn relocation_totals(&self) -> BoxFuture<'_, Result<(u64, u64), StoreError>> {
-        Box::pin(async { Ok((0, 0)) })
-    }
+    fn relocation_totals(&self) -> BoxFuture<'_, Result<(u64, u64), StoreError>>;
     /// Agent certificate name -> the device guid it is bound to (see
-    /// `binding`). Stores without bindings answer empty.
-    fn agent_bindings(&self) -> BoxFuture<'_, Result<BTreeMap<String, u64>, StoreError>> {
-        Box::pin(async { Ok(BTreeMap::new()) })
-    }
+    /// `binding`).
+    fn agent_bindings(&self) -> BoxFuture<'_, Result<BTreeMap<String, u64>, StoreError>>;
     /// Bind agent certificate `name` to `device_guid`, durable when this
-    /// returns (before the Register that made it is answered).
+    /// returns (before the Register that made it is answered). A name or a
+    /// device already bound is refused.
     fn bind_agent<'a>(
         &'a self,
         name: &'a str,
         device_guid: u64,
-    ) -> BoxFuture<'a, Result<(), StoreError>> {
-        let _ = (name, device_guid);
-        Box::pin(async { Ok(()) })
-    }
+    ) -> BoxFuture<'a, Result<(), StoreError>>;
 }
 
 /// Keeps the persisted state in memory (for tests and until the SQLite
@@ -539,32 +496,81 @@ impl MemStore {
             .map_or(0, |s| s.synced_txg)
     }
 
+    /// Persist `record` as the SQL stores do: everything checked before
+    /// anything changes (a refused txg leaves nothing), with the same
+    /// refusals (an allocation over a stored extent, a free of space not
+    /// stored, a relocation or owner number recorded twice).
     fn apply(&self, record: &TxgRecord) -> Result<(), StoreError> {
         let mut g = self.state.lock().unwrap();
         let st = g
             .as_mut()
             .ok_or_else(|| StoreError("persist before create".into()))?;
-        if record.sync.txg <= st.synced_txg {
+        let txg = record.sync.txg;
+        if txg <= st.synced_txg {
+            if txg == st.synced_txg {
+                // A retry of a txg whose commit did land: nothing to do.
+                return Ok(());
+            }
             return Err(StoreError(format!(
-                "txg {} persisted out of order (last {})",
-                record.sync.txg, st.synced_txg
+                "txg {txg} persisted out of order (last {})",
+                st.synced_txg
             )));
+        }
+        let VdevChanges { by_vdev, .. } = VdevChanges::of(record).map_err(StoreError)?;
+        let mut replaced = Vec::with_capacity(by_vdev.len());
+        for (&vdev, changes) in &by_vdev {
+            let cur: Vec<(u64, u64)> = st
+                .allocated
+                .range(vdev_range(vdev))
+                .map(|e| (e.offset, e.size))
+                .collect();
+            let out = crate::spacemap::apply(cur, changes)
+                .map_err(|e| StoreError(format!("txg {txg}: vdev {vdev}: {e}")))?;
+            replaced.push((vdev, out));
+        }
+        for r in &record.relocations {
+            if st.relocations.contains_key(&r.allocation_id) {
+                return Err(StoreError(format!(
+                    "txg {txg}: relocation {} recorded twice",
+                    r.allocation_id
+                )));
+            }
+        }
+        for (i, name) in &record.owners.identities {
+            if st.owner_identities.contains_key(i)
+                || st.owner_identities.values().any(|n| n == name)
+            {
+                return Err(StoreError(format!(
+                    "txg {txg}: owner {i} ({name:?}) recorded twice"
+                )));
+            }
+        }
+        for v in &record.vdevs {
+            if v.spec.metaslab_shift.is_none() {
+                return Err(StoreError(format!(
+                    "vdev {}: no metaslab shift to persist",
+                    v.id
+                )));
+            }
         }
         for v in &record.vdevs {
             st.vdevs.insert(v.id, v.clone());
         }
-        for c in &record.sync.changes {
-            match c.kind {
-                SpaceChangeKind::Alloc => {
-                    st.allocated.insert(c.extent);
-                }
-                SpaceChangeKind::Free => {
-                    // A free may cover part of an allocated extent: split.
-                    free_range(&mut st.allocated, c.extent);
-                }
+        for (vdev, out) in replaced {
+            let old: Vec<Extent> = st.allocated.range(vdev_range(vdev)).copied().collect();
+            for e in old {
+                st.allocated.remove(&e);
             }
+            st.allocated
+                .extend(
+                    out.into_iter()
+                        .map(|(offset, size)| Extent { vdev, offset, size }),
+                );
         }
         for &(v, a) in &record.vdev_states {
+            if !st.vdevs.contains_key(&v) {
+                continue; // as an UPDATE of no row
+            }
             if a == AdminState::Online {
                 st.vdev_states.remove(&v);
             } else {
@@ -584,38 +590,32 @@ impl MemStore {
                 st.owner_runs.insert((w.vdev, s), (e, o));
             }
         }
-        st.synced_txg = record.sync.txg;
+        st.synced_txg = txg;
         st.state_digest = record.state_digest;
         Ok(())
     }
+
+    fn created<T>(
+        &self,
+        f: impl FnOnce(&mut MemState) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        match self.state.lock().unwrap().as_mut() {
+            None => Err(StoreError("the pool is not created yet".into())),
+            Some(st) => f(st),
+        }
+    }
 }
 
-/// Remove `f` from the set of allocated extents, splitting the extents it
-/// overlaps.
-fn free_range(set: &mut BTreeSet<Extent>, f: Extent) {
-    let end = f.offset + f.size;
-    let hits: Vec<Extent> = set
-        .iter()
-        .filter(|e| e.vdev == f.vdev && e.offset < end && f.offset < e.offset + e.size)
-        .copied()
-        .collect();
-    for e in hits {
-        set.remove(&e);
-        if e.offset < f.offset {
-            set.insert(Extent {
-                vdev: e.vdev,
-                offset: e.offset,
-                size: f.offset - e.offset,
-            });
-        }
-        let e_end = e.offset + e.size;
-        if e_end > end {
-            set.insert(Extent {
-                vdev: e.vdev,
-                offset: end,
-                size: e_end - end,
-            });
-        }
+/// Every extent of `vdev`, as a range of the ordered set.
+fn vdev_range(vdev: u32) -> std::ops::RangeInclusive<Extent> {
+    Extent {
+        vdev,
+        offset: 0,
+        size: 0,
+    }..=Extent {
+        vdev,
+        offset: u64::MAX,
+        size: u64::MAX,
     }
 }
 
@@ -686,10 +686,15 @@ impl Store for MemStore {
     }
 
     fn set_rewind_generation(&self, gen_: u64) -> BoxFuture<'_, Result<(), StoreError>> {
-        if let Some(s) = self.state.lock().unwrap().as_mut() {
+        let r = self.created(|s| {
             s.rewind_generation = gen_;
-        }
-        Box::pin(async { Ok(()) })
+            Ok(())
+        });
+        Box::pin(async move { r })
+    }
+
+    fn fenced(&self) -> bool {
+        false
     }
 
     fn open_generation(&self) -> BoxFuture<'_, Result<u64, StoreError>> {
@@ -752,21 +757,24 @@ impl Store for MemStore {
         name: &'a str,
         device_guid: u64,
     ) -> BoxFuture<'a, Result<(), StoreError>> {
-        let r = match self.state.lock().unwrap().as_mut() {
-            None => Err(StoreError("bind_agent before create".into())),
-            Some(st) => {
-                st.bindings.insert(name.to_owned(), device_guid);
-                Ok(())
+        let r = self.created(|st| {
+            // The keys of the SQL stores' table: one device per name, one
+            // name per device.
+            if st.bindings.contains_key(name) || st.bindings.values().any(|&g| g == device_guid) {
+                return Err(StoreError(format!(
+                    "bind agent {name}: the name or device {device_guid:#x} is already bound"
+                )));
             }
-        };
+            st.bindings.insert(name.to_owned(), device_guid);
+            Ok(())
+        });
         Box::pin(async move { r })
     }
 
     fn allocated_overlapping(&self, e: Extent) -> BoxFuture<'_, Result<Vec<Extent>, StoreError>> {
-        let g = self.state.lock().unwrap();
         // Extents are ordered by (vdev, offset) and never overlap: the one
         // starting at or before `e`, then those starting inside it.
-        let out = g.as_ref().map_or_else(Vec::new, |st| {
+        let out = self.created(|st| {
             let at = |offset, size| Extent {
                 vdev: e.vdev,
                 offset,
@@ -774,21 +782,34 @@ impl Store for MemStore {
             };
             let end = e.offset.saturating_add(e.size);
             if end <= e.offset {
-                return Vec::new();
+                return Ok(Vec::new());
             }
             let before = st.allocated.range(..=at(e.offset, u64::MAX)).next_back();
             let inside = st
                 .allocated
                 .range(at(e.offset, u64::MAX)..at(end, 0))
                 .filter(|a| a.offset > e.offset);
-            before
+            Ok(before
                 .into_iter()
                 .chain(inside)
                 .filter(|a| a.vdev == e.vdev && a.offset < end && e.offset < a.offset + a.size)
                 .copied()
-                .collect()
+                .collect())
         });
-        Box::pin(async move { Ok(out) })
+        Box::pin(async move { out })
+    }
+
+    fn allocated_overlapping_many<'a>(
+        &'a self,
+        extents: &'a [Extent],
+    ) -> BoxFuture<'a, Result<Vec<Vec<Extent>>, StoreError>> {
+        Box::pin(async move {
+            let mut out = Vec::with_capacity(extents.len());
+            for e in extents {
+                out.push(self.allocated_overlapping(*e).await?);
+            }
+            Ok(out)
+        })
     }
 
     fn largest_extents(
@@ -796,17 +817,13 @@ impl Store for MemStore {
         vdev: u32,
         limit: u32,
     ) -> BoxFuture<'_, Result<Vec<Extent>, StoreError>> {
-        let g = self.state.lock().unwrap();
-        let mut out: Vec<Extent> = g.as_ref().map_or_else(Vec::new, |st| {
-            st.allocated
-                .iter()
-                .filter(|a| a.vdev == vdev)
-                .copied()
-                .collect()
+        let out = self.created(|st| {
+            let mut out: Vec<Extent> = st.allocated.range(vdev_range(vdev)).copied().collect();
+            out.sort_by(|a, b| b.size.cmp(&a.size).then(a.offset.cmp(&b.offset)));
+            out.truncate(limit as usize);
+            Ok(out)
         });
-        out.sort_by(|a, b| b.size.cmp(&a.size).then(a.offset.cmp(&b.offset)));
-        out.truncate(limit as usize);
-        Box::pin(async move { Ok(out) })
+        Box::pin(async move { out })
     }
 }
 
@@ -935,7 +952,11 @@ mod tests {
             },
         ];
         s.apply(&rec).unwrap();
-        assert!(s.apply(&rec).is_err(), "same txg twice must be refused");
+        // The same txg again is a retry whose commit landed; an older one
+        // is refused.
+        s.apply(&rec).unwrap();
+        rec.sync.txg = 4;
+        assert!(s.apply(&rec).is_err(), "an older txg must be refused");
         let p = futures_util::FutureExt::now_or_never(s.load())
             .unwrap()
             .unwrap()

@@ -225,7 +225,7 @@ async fn refused(path: &Path, pool: &str, guid: Option<u64>) -> OpenError {
 /// The space-map chunk holding extent `k` (the last starting at or before it).
 async fn chunk_holding(c: &mut sqlx::SqliteConnection, k: &pb::Extent) -> Chunk {
     let (start, width, data): (i64, i64, Vec<u8>) = sqlx::query_as(
-        "SELECT start, width, data FROM spacemaps WHERE vdev = ? AND start <= ?
+        "SELECT start, width, data FROM spacemaps WHERE pool = 1 AND vdev = ? AND start <= ?
          ORDER BY start DESC LIMIT 1",
     )
     .bind(k.vdev as i64)
@@ -238,7 +238,7 @@ async fn chunk_holding(c: &mut sqlx::SqliteConnection, k: &pb::Extent) -> Chunk 
 
 /// Overwrite `old`'s row with a chunk of `extents` (none: just delete it).
 async fn replace_chunk(c: &mut sqlx::SqliteConnection, old: &Chunk, extents: &[(u64, u64)]) {
-    sqlx::query("DELETE FROM spacemaps WHERE vdev = ? AND start = ?")
+    sqlx::query("DELETE FROM spacemaps WHERE pool = 1 AND vdev = ? AND start = ?")
         .bind(old.vdev as i64)
         .bind(old.start as i64)
         .execute(&mut *c)
@@ -246,14 +246,16 @@ async fn replace_chunk(c: &mut sqlx::SqliteConnection, old: &Chunk, extents: &[(
         .unwrap();
     if !extents.is_empty() {
         let n = Chunk::encode(old.vdev, extents);
-        sqlx::query("INSERT INTO spacemaps (vdev, start, width, data) VALUES (?, ?, ?, ?)")
-            .bind(n.vdev as i64)
-            .bind(n.start as i64)
-            .bind(n.width as i64)
-            .bind(n.data)
-            .execute(&mut *c)
-            .await
-            .unwrap();
+        sqlx::query(
+            "INSERT INTO spacemaps (pool, vdev, start, width, data) VALUES (1, ?, ?, ?, ?)",
+        )
+        .bind(n.vdev as i64)
+        .bind(n.start as i64)
+        .bind(n.width as i64)
+        .bind(n.data)
+        .execute(&mut *c)
+        .await
+        .unwrap();
     }
 }
 
@@ -336,14 +338,14 @@ async fn untrusted_stores_are_refused_and_left_untouched() {
     let k = kept[0];
     {
         let mut c = rw(&op).await;
-        sqlx::query("INSERT INTO extents (vdev, offset, size, txg) VALUES (?, ?, ?, 1)")
+        sqlx::query("INSERT INTO extents (pool, vdev, offset, size, txg) VALUES (1, ?, ?, ?, 1)")
             .bind(k.vdev as i64)
             .bind((k.offset + 4096) as i64)
             .bind(k.size as i64)
             .execute(&mut c)
             .await
             .unwrap();
-        sqlx::query("UPDATE vdevs SET allocated = allocated + ? WHERE id = ?")
+        sqlx::query("UPDATE vdevs SET allocated = allocated + ? WHERE pool = 1 AND id = ?")
             .bind(k.size as i64)
             .bind(k.vdev as i64)
             .execute(&mut c)
@@ -405,7 +407,7 @@ async fn untrusted_stores_are_refused_and_left_untouched() {
         dup.push((k.offset, k.size));
         dup.sort();
         replace_chunk(&mut c, &chunk, &dup).await;
-        sqlx::query("UPDATE vdevs SET allocated = allocated + ? WHERE id = ?")
+        sqlx::query("UPDATE vdevs SET allocated = allocated + ? WHERE pool = 1 AND id = ?")
             .bind(k.size as i64)
             .bind(k.vdev as i64)
             .execute(&mut c)
@@ -558,6 +560,50 @@ impl Store for GateStore {
         e: metaslab::Extent,
     ) -> BoxFuture<'_, Result<Vec<metaslab::Extent>, StoreError>> {
         self.inner.allocated_overlapping(e)
+    }
+    fn fenced(&self) -> bool {
+        self.inner.fenced()
+    }
+    fn generation_history(
+        &self,
+    ) -> BoxFuture<'_, Result<std::collections::BTreeMap<u64, u64>, StoreError>> {
+        self.inner.generation_history()
+    }
+    fn rewind_generation(&self) -> BoxFuture<'_, Result<u64, StoreError>> {
+        self.inner.rewind_generation()
+    }
+    fn set_rewind_generation(&self, g: u64) -> BoxFuture<'_, Result<(), StoreError>> {
+        self.inner.set_rewind_generation(g)
+    }
+    fn allocated_overlapping_many<'a>(
+        &'a self,
+        extents: &'a [metaslab::Extent],
+    ) -> BoxFuture<'a, Result<Vec<Vec<metaslab::Extent>>, StoreError>> {
+        self.inner.allocated_overlapping_many(extents)
+    }
+    fn largest_extents(
+        &self,
+        vdev: u32,
+        limit: u32,
+    ) -> BoxFuture<'_, Result<Vec<metaslab::Extent>, StoreError>> {
+        self.inner.largest_extents(vdev, limit)
+    }
+    fn relocation(
+        &self,
+        id: u64,
+    ) -> BoxFuture<'_, Result<Option<aliquot_allocator::store::RelocationRecord>, StoreError>> {
+        self.inner.relocation(id)
+    }
+    fn relocation_totals(&self) -> BoxFuture<'_, Result<(u64, u64), StoreError>> {
+        self.inner.relocation_totals()
+    }
+    fn agent_bindings(
+        &self,
+    ) -> BoxFuture<'_, Result<std::collections::BTreeMap<String, u64>, StoreError>> {
+        self.inner.agent_bindings()
+    }
+    fn bind_agent<'a>(&'a self, n: &'a str, g: u64) -> BoxFuture<'a, Result<(), StoreError>> {
+        self.inner.bind_agent(n, g)
     }
 }
 
@@ -1061,13 +1107,15 @@ async fn space_maps_match_the_reference_store() {
             .await
             .unwrap();
         for e in want.allocated.iter() {
-            sqlx::query("INSERT INTO extents (vdev, offset, size, txg) VALUES (?, ?, ?, 1)")
-                .bind(e.vdev as i64)
-                .bind(e.offset as i64)
-                .bind(e.size as i64)
-                .execute(&mut c)
-                .await
-                .unwrap();
+            sqlx::query(
+                "INSERT INTO extents (pool, vdev, offset, size, txg) VALUES (1, ?, ?, ?, 1)",
+            )
+            .bind(e.vdev as i64)
+            .bind(e.offset as i64)
+            .bind(e.size as i64)
+            .execute(&mut c)
+            .await
+            .unwrap();
         }
         c.close().await.unwrap();
     }

@@ -1,0 +1,1 @@
+DELETE FROM standbys WHERE pool = $1 AND id = $2

@@ -1,0 +1,1 @@
+SELECT MAX(version) FROM _sqlx_migrations

@@ -1,0 +1,1 @@
+UPDATE vdevs SET allocated = allocated + $1 WHERE pool = $2 AND id = $3

@@ -1,0 +1,1 @@
+SELECT name, device_guid FROM agent_bindings WHERE pool = $1

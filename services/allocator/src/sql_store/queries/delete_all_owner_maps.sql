@@ -1,0 +1,1 @@
+DELETE FROM owner_maps WHERE pool = $1

@@ -1,0 +1,1 @@
+DELETE FROM owner_runs WHERE pool = $1

@@ -1,0 +1,1 @@
+INSERT INTO owners (pool, idx, identity) VALUES ($1, $2, $3)

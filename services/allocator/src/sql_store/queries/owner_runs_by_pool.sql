@@ -1,0 +1,1 @@
+SELECT pool, count(*) FROM owner_runs GROUP BY pool ORDER BY pool

@@ -1,0 +1,1 @@
+SELECT idx, identity FROM owners WHERE pool = $1 ORDER BY idx

@@ -1,0 +1,1 @@
+SELECT id, guid FROM pools WHERE name = $1

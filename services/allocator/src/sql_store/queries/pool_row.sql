@@ -1,0 +1,1 @@
+SELECT guid, synced_txg, state_digest FROM pools WHERE id = $1

@@ -1,0 +1,1 @@
+SELECT id, synced_txg FROM pools WHERE name = $1

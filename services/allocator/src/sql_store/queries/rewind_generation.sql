@@ -1,0 +1,1 @@
+SELECT rewind_generation FROM pools WHERE id = $1

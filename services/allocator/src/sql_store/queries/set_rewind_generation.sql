@@ -1,0 +1,1 @@
+UPDATE pools SET rewind_generation = $1 WHERE id = $2

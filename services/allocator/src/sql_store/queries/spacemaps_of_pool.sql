@@ -1,0 +1,1 @@
+SELECT vdev, start, width, data FROM spacemaps WHERE pool = $1 ORDER BY vdev, start

@@ -1,0 +1,1 @@
+SELECT synced_txg FROM pools WHERE id = $1

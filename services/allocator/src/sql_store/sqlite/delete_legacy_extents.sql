@@ -1,0 +1,1 @@
+DELETE FROM extents WHERE pool = $1

@@ -1,0 +1,1 @@
+SELECT id FROM pools ORDER BY id LIMIT 1

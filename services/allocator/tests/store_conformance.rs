@@ -1,0 +1,669 @@
+//! One conformance suite for every store: each test below runs against the
+//! in-memory store, SQLite (a real file) and PostgreSQL (a private server
+//! from `local-postgres`), through the `Store` trait only, with restarts
+//! (close, open again, load). A store that answers differently from the
+//! others fails here, whichever it is.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use aliquot_allocator::extent_owners::{OwnerChanges, OwnerWindow};
+use aliquot_allocator::store::{AdminState, RelocationRecord, TxgRecord, VdevRecord, state_digest};
+use aliquot_allocator::{MemStore, PgStore, SqliteStore, Store, sqlite_store};
+use metaslab::{Extent, SpaceChange, SpaceChangeKind, TxgSync, VdevRole, VdevSpec};
+
+const POOL: &str = "conformance";
+const MIB: u64 = 1 << 20;
+
+/// A store under test, opened again after `close` as a restart would.
+trait Backend {
+    type S: Store;
+    async fn open(&mut self) -> Arc<Self::S>;
+    async fn close(&mut self, s: Arc<Self::S>);
+}
+
+/// The in-memory store: a restart is the same object (what it keeps is what
+/// a process keeps).
+struct Mem(Arc<MemStore>);
+
+impl Mem {
+    fn new() -> Mem {
+        Mem(Arc::new(MemStore::new()))
+    }
+}
+
+impl Backend for Mem {
+    type S = MemStore;
+    async fn open(&mut self) -> Arc<MemStore> {
+        self.0.clone()
+    }
+    async fn close(&mut self, _: Arc<MemStore>) {}
+}
+
+struct Sqlite(tempfile::TempDir);
+
+impl Sqlite {
+    fn new() -> Sqlite {
+        Sqlite(tempfile::tempdir().unwrap())
+    }
+}
+
+impl Backend for Sqlite {
+    type S = SqliteStore;
+    async fn open(&mut self) -> Arc<SqliteStore> {
+        let path = self.0.path().join(sqlite_store::DB_FILE);
+        Arc::new(SqliteStore::open(&path, POOL, None).await.unwrap())
+    }
+    async fn close(&mut self, s: Arc<SqliteStore>) {
+        s.close().await;
+    }
+}
+
+/// A private PostgreSQL server; each open is a new allocator taking the
+/// pool's leadership (the previous one stepped down at close).
+struct Pg {
+    server: local_postgres::Postgres,
+    opened: u32,
+}
+
+impl Pg {
+    fn new() -> Pg {
+        Pg {
+            server: local_postgres::Postgres::start(),
+            opened: 0,
+        }
+    }
+
+    async fn leader(&mut self) -> PgStore {
+        self.opened += 1;
+        let me = format!("allocator-{}", self.opened);
+        let s = PgStore::open(&self.server.url(), POOL, None, &me)
+            .await
+            .unwrap();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        loop {
+            if s.try_acquire(Duration::from_secs(60))
+                .await
+                .unwrap()
+                .is_some()
+            {
+                return s;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{me} never took the leadership"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+impl Backend for Pg {
+    type S = PgStore;
+    async fn open(&mut self) -> Arc<PgStore> {
+        Arc::new(self.leader().await)
+    }
+    async fn close(&mut self, s: Arc<PgStore>) {
+        s.release().await.unwrap();
+        s.close().await;
+    }
+}
+
+fn ext(vdev: u32, offset: u64, size: u64) -> Extent {
+    Extent { vdev, offset, size }
+}
+
+fn alloc(e: Extent) -> SpaceChange {
+    SpaceChange {
+        kind: SpaceChangeKind::Alloc,
+        extent: e,
+    }
+}
+
+fn free(e: Extent) -> SpaceChange {
+    SpaceChange {
+        kind: SpaceChangeKind::Free,
+        extent: e,
+    }
+}
+
+fn vdev(id: u32) -> VdevRecord {
+    VdevRecord {
+        id,
+        guid: 0x1000 + id as u64,
+        name: format!("vdev{id}"),
+        endpoint: format!("http://127.0.0.1:{}", 7000 + id),
+        spec: VdevSpec {
+            capacity: 1 << 30,
+            ashift: 12,
+            children: 1,
+            parity: 0,
+            rotational: id % 2 == 1,
+            role: if id == 9 {
+                VdevRole::Log
+            } else {
+                VdevRole::Normal
+            },
+            metaslab_shift: Some(24),
+        },
+    }
+}
+
+/// A txg record chaining its digest from `prev`.
+fn txg(n: u64, prev: u64, changes: Vec<SpaceChange>) -> TxgRecord {
+    let mut r = TxgRecord {
+        sync: TxgSync {
+            txg: n,
+            changes,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    r.state_digest = state_digest(prev, &r);
+    r
+}
+
+/// Persist through the trait, panicking with the store's words.
+async fn persist(s: &impl Store, r: &TxgRecord) {
+    s.persist(r)
+        .await
+        .unwrap_or_else(|e| panic!("txg {}: {e}", r.sync.txg));
+}
+
+fn sorted(mut v: Vec<(String, String)>) -> Vec<(String, String)> {
+    v.sort();
+    v
+}
+
+/// The everything-txg: two vdevs, allocations, an owner, a relocation, an
+/// offline vdev; then a second txg freeing part of an extent.
+fn history() -> (Vec<TxgRecord>, Vec<Extent>) {
+    let mut t1 = txg(
+        1,
+        0,
+        vec![
+            alloc(ext(0, 0, 4 * MIB)),
+            alloc(ext(0, 8 * MIB, MIB)),
+            alloc(ext(1, 0, 2 * MIB)),
+        ],
+    );
+    t1.vdevs = vec![vdev(0), vdev(1)];
+    t1.owners = OwnerChanges {
+        identities: vec![(1, "client/a".into())],
+        windows: vec![OwnerWindow {
+            vdev: 0,
+            start: 0,
+            end: 16 * MIB,
+            runs: vec![(0, 4 * MIB, 1), (8 * MIB, 9 * MIB, 1)],
+        }],
+    };
+    t1.state_digest = state_digest(0, &t1);
+    // Relocate vdev 1's extent to vdev 0; free the middle of vdev 0's first.
+    let mut t2 = txg(
+        2,
+        t1.state_digest,
+        vec![
+            alloc(ext(0, 12 * MIB, 2 * MIB)),
+            free(ext(1, 0, 2 * MIB)),
+            free(ext(0, MIB, MIB)),
+        ],
+    );
+    t2.relocations = vec![RelocationRecord {
+        allocation_id: 77,
+        plan_id: 5,
+        from: ext(1, 0, 2 * MIB),
+        to: ext(0, 12 * MIB, 2 * MIB),
+        txg: 2,
+    }];
+    t2.vdev_states = vec![(1, AdminState::Offline)];
+    t2.state_digest = state_digest(t1.state_digest, &t2);
+    let allocated = vec![
+        ext(0, 0, MIB),
+        ext(0, 2 * MIB, 2 * MIB),
+        ext(0, 8 * MIB, MIB),
+        ext(0, 12 * MIB, 2 * MIB),
+    ];
+    (vec![t1, t2], allocated)
+}
+
+mod suite {
+    use super::*;
+
+    /// Before `create`: nothing to load, nothing written; `create` once.
+    pub async fn a_fresh_store_is_empty_and_refuses_writes_before_create<B: Backend>(b: &mut B) {
+        let s = b.open().await;
+        assert_eq!(s.load().await.unwrap(), None);
+        assert!(s.persist(&txg(1, 0, vec![])).await.is_err());
+        assert!(s.set_tunable("x", "1").await.is_err());
+        assert!(s.bind_agent("agent", 1).await.is_err());
+        assert!(s.set_rewind_generation(1).await.is_err());
+        assert!(s.allocated_overlapping(ext(0, 0, 1)).await.is_err());
+        assert!(s.largest_extents(0, 1).await.is_err());
+        assert_eq!(s.relocation(1).await.unwrap(), None);
+        assert_eq!(s.relocation_totals().await.unwrap(), (0, 0));
+        assert!(s.agent_bindings().await.unwrap().is_empty());
+        assert_eq!(s.rewind_generation().await.unwrap(), 0);
+        assert!(!s.fenced());
+        s.create(0xfeed).await.unwrap();
+        assert!(s.create(0xfeed).await.is_err(), "a pool is created once");
+        let p = s.load().await.unwrap().unwrap();
+        assert_eq!((p.pool_guid, p.synced_txg, p.state_digest), (0xfeed, 0, 0));
+        assert!(p.vdevs.is_empty() && p.allocated.is_empty() && p.tunables.is_empty());
+        b.close(s).await;
+        let s = b.open().await;
+        assert_eq!(s.load().await.unwrap().unwrap().pool_guid, 0xfeed);
+        b.close(s).await;
+    }
+
+    /// Every kind of change a txg carries, loaded back after a restart,
+    /// with the side tables (tunables, bindings, rewind, relocations).
+    pub async fn everything_persisted_is_loaded_after_a_restart<B: Backend>(b: &mut B) {
+        let s = b.open().await;
+        s.create(7).await.unwrap();
+        s.open_generation().await.unwrap();
+        let (txgs, allocated) = history();
+        for t in &txgs {
+            persist(&*s, t).await;
+        }
+        s.set_tunable("metaslab_aliquot", "1048576").await.unwrap();
+        s.set_tunable("zfs_txg_timeout", "5").await.unwrap();
+        s.set_tunable("metaslab_aliquot", "2097152").await.unwrap();
+        s.bind_agent("agent-a", 0x1000).await.unwrap();
+        s.bind_agent("agent-b", u64::MAX).await.unwrap();
+        s.set_rewind_generation(3).await.unwrap();
+        b.close(s).await;
+
+        let s = b.open().await;
+        let p = s.load().await.unwrap().unwrap();
+        assert_eq!(p.pool_guid, 7);
+        assert_eq!(p.synced_txg, 2);
+        assert_eq!(p.state_digest, txgs[1].state_digest);
+        assert_eq!(p.vdevs, vec![vdev(0), vdev(1)]);
+        assert_eq!(p.allocated.iter().collect::<Vec<_>>(), allocated);
+        assert_eq!(p.vdev_states, BTreeMap::from([(1, AdminState::Offline)]));
+        assert_eq!(p.owner_identities, vec![(1, "client/a".to_string())]);
+        assert_eq!(
+            p.owner_runs,
+            vec![(0, 0, 4 * MIB, 1), (0, 8 * MIB, 9 * MIB, 1)]
+        );
+        assert_eq!(
+            sorted(p.tunables.clone()),
+            vec![
+                ("metaslab_aliquot".to_string(), "2097152".to_string()),
+                ("zfs_txg_timeout".to_string(), "5".to_string()),
+            ]
+        );
+        assert_eq!(
+            s.relocation(77).await.unwrap(),
+            Some(txgs[1].relocations[0])
+        );
+        assert_eq!(s.relocation(78).await.unwrap(), None);
+        assert_eq!(s.relocation_totals().await.unwrap(), (1, 2 * MIB));
+        assert_eq!(
+            s.agent_bindings().await.unwrap(),
+            BTreeMap::from([("agent-a".into(), 0x1000), ("agent-b".into(), u64::MAX)])
+        );
+        assert_eq!(s.rewind_generation().await.unwrap(), 3);
+        aliquot_allocator::recovery::verify(&p).expect("a consistent pool");
+        // A vdev's endpoint changes and it comes back online.
+        let mut t3 = txg(3, p.state_digest, vec![]);
+        let mut moved = vdev(1);
+        moved.endpoint = "http://127.0.0.1:9999".into();
+        t3.vdevs = vec![moved.clone()];
+        t3.vdev_states = vec![(1, AdminState::Online)];
+        persist(&*s, &t3).await;
+        let p = s.load().await.unwrap().unwrap();
+        assert_eq!(p.vdevs, vec![vdev(0), moved]);
+        assert!(p.vdev_states.is_empty());
+        b.close(s).await;
+    }
+
+    /// Txgs persist in order: the last one again is a retry whose commit
+    /// landed (nothing changes), an older one is refused.
+    pub async fn txgs_persist_in_order_and_a_retry_is_a_no_op<B: Backend>(b: &mut B) {
+        let s = b.open().await;
+        s.create(7).await.unwrap();
+        let (txgs, _) = history();
+        persist(&*s, &txgs[0]).await;
+        persist(&*s, &txgs[1]).await;
+        let before = s.load().await.unwrap().unwrap();
+        persist(&*s, &txgs[1]).await;
+        assert_eq!(
+            s.load().await.unwrap().unwrap(),
+            before,
+            "a retry changes nothing"
+        );
+        let e = s.persist(&txgs[0]).await.unwrap_err().to_string();
+        assert!(e.contains("out of order"), "{e}");
+        assert_eq!(s.load().await.unwrap().unwrap(), before);
+        // A gap is fine: txgs with nothing to write are not persisted.
+        persist(
+            &*s,
+            &txg(9, before.state_digest, vec![alloc(ext(0, 20 * MIB, MIB))]),
+        )
+        .await;
+        assert_eq!(s.load().await.unwrap().unwrap().synced_txg, 9);
+        b.close(s).await;
+    }
+
+    /// A txg refused part-way (its last statement fails) leaves nothing of
+    /// itself: not its vdev, extents, relocation, owners, nor its txg.
+    pub async fn a_torn_txg_leaves_nothing<B: Backend>(b: &mut B) {
+        let s = b.open().await;
+        s.create(7).await.unwrap();
+        let (txgs, _) = history();
+        persist(&*s, &txgs[0]).await;
+        let before = s.load().await.unwrap().unwrap();
+        let changes = vec![alloc(ext(2, 0, MIB)), free(ext(0, 8 * MIB, MIB))];
+        let mut torn = txg(2, before.state_digest, changes.clone());
+        torn.vdevs = vec![vdev(2)];
+        torn.relocations = vec![RelocationRecord {
+            allocation_id: 9,
+            plan_id: 1,
+            from: ext(0, 8 * MIB, MIB),
+            to: ext(2, 0, MIB),
+            txg: 2,
+        }];
+        // Owner number 1 is taken: the last write of the txg fails.
+        torn.owners.identities = vec![(1, "client/other".into())];
+        assert!(s.persist(&torn).await.is_err(), "owner 1 recorded twice");
+        // An allocation over a stored extent, and a free of space never
+        // allocated: refused too, with nothing written.
+        let over = txg(2, before.state_digest, vec![alloc(ext(0, MIB, MIB))]);
+        assert!(s.persist(&over).await.is_err());
+        let unallocated = txg(2, before.state_digest, vec![free(ext(0, 5 * MIB, MIB))]);
+        assert!(s.persist(&unallocated).await.is_err());
+        b.close(s).await;
+        let s = b.open().await;
+        assert_eq!(s.load().await.unwrap().unwrap(), before);
+        assert_eq!(s.relocation(9).await.unwrap(), None);
+        // The same txg number, whole this time, is not mistaken for a retry.
+        let mut whole = txg(2, before.state_digest, changes);
+        whole.vdevs = vec![vdev(2)];
+        persist(&*s, &whole).await;
+        let p = s.load().await.unwrap().unwrap();
+        assert_eq!(p.synced_txg, 2);
+        assert_eq!(p.vdevs.len(), 3);
+        b.close(s).await;
+    }
+
+    /// The lookups Claim, Free and the rebalancer make, against a model.
+    pub async fn lookups_answer_from_the_durable_extents<B: Backend>(b: &mut B) {
+        let s = b.open().await;
+        s.create(7).await.unwrap();
+        let mut t1 = txg(1, 0, vec![]);
+        t1.vdevs = vec![vdev(0), vdev(1)];
+        let mut model = Vec::new();
+        // Enough extents for several space-map chunks on vdev 0.
+        for k in 0..9000u64 {
+            let e = ext(0, k * 8192, 4096 * (1 + k % 2));
+            model.push(e);
+            t1.sync.changes.push(alloc(e));
+        }
+        let big = ext(1, 64 * MIB, 8 * MIB);
+        model.push(big);
+        t1.sync.changes.push(alloc(big));
+        t1.state_digest = state_digest(0, &t1);
+        persist(&*s, &t1).await;
+        // Free the middle of the big one: it splits.
+        let t2 = txg(2, t1.state_digest, vec![free(ext(1, 66 * MIB, MIB))]);
+        persist(&*s, &t2).await;
+        model.retain(|e| *e != big);
+        model.push(ext(1, 64 * MIB, 2 * MIB));
+        model.push(ext(1, 67 * MIB, 5 * MIB));
+        let overlapping = |p: Extent| -> Vec<Extent> {
+            let mut v: Vec<Extent> = model
+                .iter()
+                .filter(|e| {
+                    e.vdev == p.vdev && e.offset < p.offset + p.size && p.offset < e.offset + e.size
+                })
+                .copied()
+                .collect();
+            v.sort();
+            v
+        };
+        let probes = vec![
+            ext(0, 0, 1),
+            ext(0, 4096, 4096),
+            ext(0, 8192 * 4000 + 100, 8192 * 3),
+            ext(0, 8192 * 9000, MIB),
+            ext(1, 65 * MIB, 4 * MIB),
+            ext(1, 66 * MIB, MIB),
+            ext(3, 0, MIB),
+        ];
+        for &p in &probes {
+            assert_eq!(
+                s.allocated_overlapping(p).await.unwrap(),
+                overlapping(p),
+                "{p}"
+            );
+        }
+        let want: Vec<Vec<Extent>> = probes.iter().map(|&p| overlapping(p)).collect();
+        assert_eq!(s.allocated_overlapping_many(&probes).await.unwrap(), want);
+        assert_eq!(
+            s.largest_extents(1, 5).await.unwrap(),
+            vec![ext(1, 67 * MIB, 5 * MIB), ext(1, 64 * MIB, 2 * MIB)]
+        );
+        let top = s.largest_extents(0, 3).await.unwrap();
+        assert_eq!(
+            top,
+            vec![
+                ext(0, 8192, 8192),
+                ext(0, 3 * 8192, 8192),
+                ext(0, 5 * 8192, 8192)
+            ],
+            "largest first, then by offset"
+        );
+        assert!(s.largest_extents(5, 3).await.unwrap().is_empty());
+        b.close(s).await;
+    }
+
+    /// Each start opens a generation; the history says what each generation
+    /// found synced when it opened, across restarts.
+    pub async fn generations_and_their_history_survive_restarts<B: Backend>(b: &mut B) {
+        let s = b.open().await;
+        s.create(7).await.unwrap();
+        let g1 = s.open_generation().await.unwrap();
+        let (txgs, _) = history();
+        for t in &txgs {
+            persist(&*s, t).await;
+        }
+        b.close(s).await;
+        let s = b.open().await;
+        let g2 = s.open_generation().await.unwrap();
+        assert!(g2 > g1, "{g2} after {g1}");
+        let h = s.generation_history().await.unwrap();
+        assert_eq!(h.get(&g1), Some(&0));
+        assert_eq!(h.get(&g2), Some(&2), "{h:?}");
+        assert_eq!(h.keys().max(), Some(&g2));
+        b.close(s).await;
+    }
+
+    /// Owner windows: a txg rewrites exactly the windows it names.
+    pub async fn owner_windows_are_replaced_whole<B: Backend>(b: &mut B) {
+        let s = b.open().await;
+        s.create(7).await.unwrap();
+        let w = 16 * MIB;
+        let mut t1 = txg(1, 0, vec![alloc(ext(0, 0, 4 * w))]);
+        t1.vdevs = vec![vdev(0)];
+        t1.owners = OwnerChanges {
+            identities: vec![(1, "a".into()), (2, "b".into())],
+            windows: vec![
+                OwnerWindow {
+                    vdev: 0,
+                    start: 0,
+                    end: w,
+                    runs: vec![(0, MIB, 1), (MIB, 2 * MIB, 2)],
+                },
+                OwnerWindow {
+                    vdev: 0,
+                    start: 2 * w,
+                    end: 3 * w,
+                    runs: vec![(2 * w, 2 * w + MIB, 2)],
+                },
+            ],
+        };
+        t1.state_digest = state_digest(0, &t1);
+        persist(&*s, &t1).await;
+        let mut t2 = txg(2, t1.state_digest, vec![]);
+        t2.owners = OwnerChanges {
+            identities: vec![(3, "c".into())],
+            windows: vec![OwnerWindow {
+                vdev: 0,
+                start: 0,
+                end: w,
+                runs: vec![(5 * MIB, 6 * MIB, 3)],
+            }],
+        };
+        persist(&*s, &t2).await;
+        b.close(s).await;
+        let s = b.open().await;
+        let p = s.load().await.unwrap().unwrap();
+        assert_eq!(
+            p.owner_identities,
+            vec![(1, "a".into()), (2, "b".into()), (3, "c".into())]
+        );
+        assert_eq!(
+            p.owner_runs,
+            vec![(0, 5 * MIB, 6 * MIB, 3), (0, 2 * w, 2 * w + MIB, 2)]
+        );
+        b.close(s).await;
+    }
+
+    /// Bindings are keys both ways: a name binds one device, a device one
+    /// name.
+    pub async fn an_agent_binds_one_device_and_a_device_one_agent<B: Backend>(b: &mut B) {
+        let s = b.open().await;
+        s.create(7).await.unwrap();
+        s.bind_agent("a", 1).await.unwrap();
+        assert!(s.bind_agent("a", 2).await.is_err(), "name bound");
+        assert!(s.bind_agent("b", 1).await.is_err(), "device bound");
+        s.bind_agent("b", 2).await.unwrap();
+        assert_eq!(
+            s.agent_bindings().await.unwrap(),
+            BTreeMap::from([("a".into(), 1), ("b".into(), 2)])
+        );
+        b.close(s).await;
+    }
+
+    /// Txgs persisting while tunables and bindings are written from other
+    /// tasks: every write lands, none is lost or torn.
+    pub async fn concurrent_writers_all_land<B: Backend>(b: &mut B) {
+        let s = b.open().await;
+        s.create(7).await.unwrap();
+        let mut t1 = txg(1, 0, vec![]);
+        t1.vdevs = vec![vdev(0)];
+        persist(&*s, &t1).await;
+        let syncer = {
+            let s = s.clone();
+            tokio::spawn(async move {
+                let mut prev = t1.state_digest;
+                for n in 2..=40u64 {
+                    let t = txg(n, prev, vec![alloc(ext(0, n * MIB, MIB))]);
+                    prev = t.state_digest;
+                    persist(&*s, &t).await;
+                }
+            })
+        };
+        let mut others = Vec::new();
+        for k in 0..16u64 {
+            let s = s.clone();
+            others.push(tokio::spawn(async move {
+                s.set_tunable(&format!("t{k}"), &k.to_string())
+                    .await
+                    .unwrap();
+                s.bind_agent(&format!("agent{k}"), 100 + k).await.unwrap();
+            }));
+        }
+        syncer.await.unwrap();
+        for o in others {
+            o.await.unwrap();
+        }
+        b.close(s).await;
+        let s = b.open().await;
+        let p = s.load().await.unwrap().unwrap();
+        assert_eq!(p.synced_txg, 40);
+        assert_eq!(p.allocated.len(), 39);
+        assert_eq!(p.tunables.len(), 16);
+        assert_eq!(s.agent_bindings().await.unwrap().len(), 16);
+        b.close(s).await;
+    }
+}
+
+/// Instantiates every test of [`suite`] for one store.
+macro_rules! store_test_suite {
+    ($store:ident, $backend:expr) => {
+        mod $store {
+            use super::*;
+            store_test_suite!(@tests $backend;
+                a_fresh_store_is_empty_and_refuses_writes_before_create,
+                everything_persisted_is_loaded_after_a_restart,
+                txgs_persist_in_order_and_a_retry_is_a_no_op,
+                a_torn_txg_leaves_nothing,
+                lookups_answer_from_the_durable_extents,
+                generations_and_their_history_survive_restarts,
+                owner_windows_are_replaced_whole,
+                an_agent_binds_one_device_and_a_device_one_agent,
+                concurrent_writers_all_land,
+            );
+        }
+    };
+    (@tests $backend:expr; $($test:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $test() {
+                let mut b = $backend;
+                suite::$test(&mut b).await;
+            }
+        )*
+    };
+}
+
+store_test_suite!(mem, Mem::new());
+store_test_suite!(sqlite, Sqlite::new());
+store_test_suite!(postgres, Pg::new());
+
+/// PostgreSQL's own fence: a leader replaced while paused persists
+/// nothing, says it is fenced, and the new leader loads none of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_deposed_leader_persists_nothing() {
+    let mut b = Pg::new();
+    let old = b.open().await;
+    old.create(7).await.unwrap();
+    let (txgs, _) = history();
+    persist(&*old, &txgs[0]).await;
+    // The new leader takes over without the old one stepping down (its
+    // lease is given up on its behalf, as expiry would).
+    let url = b.server.url();
+    let new = PgStore::open(&url, POOL, None, "allocator-new")
+        .await
+        .unwrap();
+    {
+        use sqlx::Connection;
+        let mut c = sqlx::PgConnection::connect(&url).await.unwrap();
+        sqlx::query("UPDATE leaders SET lease_until = '-infinity' WHERE pool = $1")
+            .bind(POOL)
+            .execute(&mut c)
+            .await
+            .unwrap();
+        c.close().await.unwrap();
+    }
+    let g = new
+        .try_acquire(Duration::from_secs(60))
+        .await
+        .unwrap()
+        .expect("the lease expired");
+    assert!(g > old.generation());
+    assert!(!old.fenced());
+    let e = old.persist(&txgs[1]).await.unwrap_err().to_string();
+    assert!(e.contains("no longer leads"), "{e}");
+    assert!(old.fenced(), "the fence is remembered");
+    let p = new.load().await.unwrap().unwrap();
+    assert_eq!(p.synced_txg, 1, "the deposed leader's txg is not there");
+    assert_eq!(new.relocation(77).await.unwrap(), None);
+    persist(&new, &txgs[1]).await;
+    assert!(!new.fenced());
+    old.close().await;
+    new.close().await;
+}

@@ -149,15 +149,19 @@ impl Row {
             other => Err(format!("column {k}: expected text, got {other:?}")),
         }
     }
+    /// A blob column (SQLite text is taken as its bytes, as the driver
+    /// decodes it).
     pub fn blob(&mut self, k: usize) -> Result<Vec<u8>, String> {
         match self.0.get_mut(k) {
             Some(Val::Blob(v)) => Ok(std::mem::take(v)),
+            Some(Val::Text(v)) => Ok(std::mem::take(v).into_bytes()),
             other => Err(format!("column {k}: expected a blob, got {other:?}")),
         }
     }
     pub fn blob_ref(&self, k: usize) -> Result<&[u8], String> {
         match self.0.get(k) {
             Some(Val::Blob(v)) => Ok(v),
+            Some(Val::Text(v)) => Ok(v.as_bytes()),
             other => Err(format!("column {k}: expected a blob, got {other:?}")),
         }
     }

@@ -138,7 +138,12 @@ fn row_of(r: &sqlx::sqlite::SqliteRow) -> Result<Row, sqlx::Error> {
             match raw.type_info().name() {
                 "INTEGER" | "BOOLEAN" => Val::Int(r.try_get(k)?),
                 "REAL" => Val::Real(r.try_get(k)?),
-                "TEXT" => Val::Text(r.try_get(k)?),
+                // Text that is not UTF-8 can only be bytes (`x'09' || x'80'`
+                // is TEXT to SQLite): the blob readers take it as such.
+                "TEXT" => match r.try_get(k) {
+                    Ok(t) => Val::Text(t),
+                    Err(_) => Val::Blob(r.try_get(k)?),
+                },
                 _ => Val::Blob(r.try_get(k)?),
             }
         };

@@ -73,159 +73,9 @@ pub(crate) mod q {
     }
 }
 
-/// A bound parameter or a column value. Integers are i64 (u64 values as
-/// their bit patterns); the array forms are PostgreSQL's bulk inserts.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Val {
-    Null,
-    Int(i64),
-    Real(f64),
-    Text(String),
-    Blob(Vec<u8>),
-    Ints(Vec<i64>),
-    Blobs(Vec<Vec<u8>>),
-}
-
-impl From<i64> for Val {
-    fn from(v: i64) -> Val {
-        Val::Int(v)
-    }
-}
-impl From<&str> for Val {
-    fn from(v: &str) -> Val {
-        Val::Text(v.to_string())
-    }
-}
-impl From<&String> for Val {
-    fn from(v: &String) -> Val {
-        Val::Text(v.clone())
-    }
-}
-impl From<String> for Val {
-    fn from(v: String) -> Val {
-        Val::Text(v)
-    }
-}
-impl From<Vec<u8>> for Val {
-    fn from(v: Vec<u8>) -> Val {
-        Val::Blob(v)
-    }
-}
-
-/// The parameters of a statement, `$1` first.
-macro_rules! args {
-    ($($v:expr),* $(,)?) => { vec![$($crate::sql_store::Val::from($v)),*] };
-}
-pub(crate) use args;
-
-/// A result row.
-#[derive(Debug)]
-pub struct Row(pub Vec<Val>);
-
-impl Row {
-    pub fn int(&self, k: usize) -> Result<i64, String> {
-        match self.0.get(k) {
-            Some(Val::Int(v)) => Ok(*v),
-            other => Err(format!("column {k}: expected an integer, got {other:?}")),
-        }
-    }
-    /// An integer column that may be NULL.
-    pub fn opt_int(&self, k: usize) -> Result<Option<i64>, String> {
-        match self.0.get(k) {
-            Some(Val::Null) => Ok(None),
-            _ => self.int(k).map(Some),
-        }
-    }
-    pub fn real(&self, k: usize) -> Result<f64, String> {
-        match self.0.get(k) {
-            Some(Val::Real(v)) => Ok(*v),
-            Some(Val::Int(v)) => Ok(*v as f64),
-            other => Err(format!("column {k}: expected a number, got {other:?}")),
-        }
-    }
-    pub fn text(&mut self, k: usize) -> Result<String, String> {
-        match self.0.get_mut(k) {
-            Some(Val::Text(v)) => Ok(std::mem::take(v)),
-            other => Err(format!("column {k}: expected text, got {other:?}")),
-        }
-    }
-    /// A blob column (SQLite text is taken as its bytes, as the driver
-    /// decodes it).
-    pub fn blob(&mut self, k: usize) -> Result<Vec<u8>, String> {
-        match self.0.get_mut(k) {
-            Some(Val::Blob(v)) => Ok(std::mem::take(v)),
-            Some(Val::Text(v)) => Ok(std::mem::take(v).into_bytes()),
-            other => Err(format!("column {k}: expected a blob, got {other:?}")),
-        }
-    }
-    pub fn blob_ref(&self, k: usize) -> Result<&[u8], String> {
-        match self.0.get(k) {
-            Some(Val::Blob(v)) => Ok(v),
-            Some(Val::Text(v)) => Ok(v.as_bytes()),
-            other => Err(format!("column {k}: expected a blob, got {other:?}")),
-        }
-    }
-}
-
-/// The connection type of a dialect's database.
-pub type Conn<D> = <<D as Dialect>::Db as sqlx::Database>::Connection;
-
-/// A row callback of [`Dialect::each`].
-pub type EachRow<'c> = &'c mut (dyn FnMut(Row) -> Result<(), String> + Send);
-
-/// What differs between the SQL databases. The executors bind [`Val`]s and
-/// read rows into them, so everything else is written once, over any
-/// dialect, without the driver's generic bounds.
-pub trait Dialect: Send + Sync + Sized + 'static {
-    type Db: sqlx::Database;
-    /// Insert chunks `($1 pool, $2 vdev, $3 start, $4 width, $5 data)`.
-    const INSERT_SPACEMAP: &'static str;
-    /// Insert owner maps `($1 pool, $2 vdev, $3 start, $4 data)`.
-    const INSERT_OWNER_MAP: &'static str;
-    /// The two inserts above take arrays (one statement per run) rather
-    /// than one row.
-    const ARRAYS: bool;
-    /// The legacy one-row-per-extent table's read and delete, if the
-    /// database may hold one (SQLite files from before space maps).
-    const LEGACY_EXTENTS: Option<(&'static str, &'static str)>;
-    /// Run first in `load`'s transaction (a consistent snapshot).
-    const SNAPSHOT: Option<&'static str>;
-
-    /// Run a statement; rows affected.
-    fn exec<'c>(
-        c: &'c mut Conn<Self>,
-        sql: &'static str,
-        args: Vec<Val>,
-    ) -> BoxFuture<'c, Result<u64, sqlx::Error>>;
-    /// Run a query; all its rows.
-    fn fetch<'c>(
-        c: &'c mut Conn<Self>,
-        sql: &'static str,
-        args: Vec<Val>,
-    ) -> BoxFuture<'c, Result<Vec<Row>, sqlx::Error>>;
-    /// Run a query, handing each row to `f` as it streams in (never all
-    /// materialised).
-    fn each<'c>(
-        c: &'c mut Conn<Self>,
-        sql: &'static str,
-        args: Vec<Val>,
-        f: EachRow<'c>,
-    ) -> BoxFuture<'c, Result<(), String>>;
-
-    /// First in a txg's transaction: refuse (and remember) a writer that no
-    /// longer owns the pool. Stores with one writer by construction pass.
-    fn fence<'c>(
-        s: &'c SqlStore<Self>,
-        c: &'c mut Conn<Self>,
-        txg: Txg,
-    ) -> BoxFuture<'c, Result<(), StoreError>>;
-    /// After a txg's commit.
-    fn after_commit(s: &SqlStore<Self>, txg: Txg) -> BoxFuture<'_, Result<(), StoreError>>;
-    /// [`Store::open_generation`].
-    fn open_generation(s: &SqlStore<Self>) -> BoxFuture<'_, Result<u64, StoreError>>;
-    /// [`Store::fenced`].
-    fn fenced(s: &SqlStore<Self>) -> bool;
-}
+mod dialect;
+pub(crate) use dialect::args;
+pub use dialect::{Conn, Dialect, EachRow, Row, Val};
 
 /// The store of one pool in an SQL database.
 pub struct SqlStore<D: Dialect> {
@@ -988,8 +838,11 @@ impl<D: Dialect> Store for SqlStore<D> {
     }
 }
 
-/// A span query's rows `(start, width, data)`, the data borrowed.
-fn span_refs(rows: &[Row]) -> Result<Vec<(i64, i64, &[u8])>, String> {
+/// A span query's row `(start, width, data)`, the data borrowed.
+type SpanRef<'a> = (i64, i64, &'a [u8]);
+
+/// A span query's rows.
+fn span_refs(rows: &[Row]) -> Result<Vec<SpanRef<'_>>, String> {
     rows.iter()
         .map(|r| Ok((r.int(0)?, r.int(1)?, r.blob_ref(2)?)))
         .collect()

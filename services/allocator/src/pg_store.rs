@@ -22,7 +22,7 @@ use futures_util::TryStreamExt;
 use futures_util::future::BoxFuture;
 use metaslab::{Extent, SpaceChangeKind, Txg, VdevRole};
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
-use sqlx::{Postgres, Row};
+use sqlx::{Connection, Postgres, Row};
 
 use crate::owner_map;
 use crate::spacemap::{self, Chunk};
@@ -405,12 +405,36 @@ impl PgStore {
         }
     }
 
+    /// Persist one txg. A connection on which anything of the txg's
+    /// transaction failed (a COMMIT refused by a deferred constraint, a
+    /// server gone mid-transaction) is closed, never given back to the pool:
+    /// no retry may run inside what is left of a failed transaction.
     async fn persist_txg(&self, rec: &TxgRecord) -> Result<(), StoreError> {
+        let txg = rec.sync.txg;
+        let mut conn = self
+            .db
+            .acquire()
+            .await
+            .map_err(|e| StoreError(format!("txg {txg}: {e}")))?;
+        let r = self.persist_on(&mut conn, rec).await;
+        if r.is_err() {
+            conn.close_on_drop();
+        }
+        r
+    }
+
+    async fn persist_on(
+        &self,
+        conn: &mut sqlx::PgConnection,
+        rec: &TxgRecord,
+    ) -> Result<(), StoreError> {
         let pool = self.pool_id()?;
         let mine = self.generation();
         let txg = rec.sync.txg;
         let db = |e: sqlx::Error| StoreError(format!("txg {txg}: {e}"));
-        let mut tx = self.db.begin().await.map_err(db)?;
+        // Refused (not nested as a SAVEPOINT) on a connection sqlx still
+        // believes is in a transaction.
+        let mut tx = conn.begin_with("BEGIN").await.map_err(db)?;
         // The fence: first, and holding the leadership row until commit.
         let fenced = sqlx::query(
             "UPDATE leaders SET last_txg = $3 WHERE pool = $1 AND generation = $2 AND leader_id = $4",

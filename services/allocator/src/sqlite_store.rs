@@ -535,10 +535,60 @@ impl SqliteStore {
         self.db.close().await;
     }
 
+    /// Persist one txg on the store's connection. A connection on which
+    /// anything of the txg's transaction failed is closed, never reused:
+    /// after SQLITE_FULL on COMMIT SQLite has already rolled back, sqlx's
+    /// own ROLLBACK then fails and leaves its transaction depth out of step,
+    /// so the next BEGIN became a SAVEPOINT inside a stale transaction and a
+    /// retry read its own uncommitted `synced_txg` as persisted. The pool
+    /// opens a fresh connection for the retry.
     async fn persist_txg(&self, rec: &TxgRecord) -> Result<(), String> {
+        let mut conn = self.db.acquire().await.map_err(|e| e.to_string())?;
+        let r = Self::persist_on(&mut conn, rec).await;
+        match r {
+            Ok(()) => {
+                // Move the txg from the WAL into the database file at once.
+                // Left to SQLite's auto-checkpoint (every 1000 pages) a small
+                // pool lived in `pool.db-wal` for good: one unlink of that
+                // file from empty. After a TRUNCATE checkpoint the WAL is
+                // empty and the file alone holds every synced txg. It costs
+                // the file's fsync per txg; txgs are seconds apart. (The
+                // connection is the store's only one, so no reader can hold
+                // the checkpoint back.) The txg is durable in the WAL
+                // already: a failed checkpoint is said, not a failed txg.
+                let ck: Result<(i64, i64, i64), _> =
+                    sqlx::query_as("PRAGMA wal_checkpoint(TRUNCATE)")
+                        .fetch_one(&mut *conn)
+                        .await;
+                match ck {
+                    Ok((0, _, _)) => {}
+                    Ok((_, log, done)) => tracing::warn!(
+                        txg = rec.sync.txg,
+                        wal_pages = log,
+                        checkpointed = done,
+                        "WAL checkpoint incomplete"
+                    ),
+                    Err(e) => {
+                        tracing::warn!(txg = rec.sync.txg, error = %e, "WAL checkpoint failed; the txg is durable in the WAL");
+                        conn.close_on_drop();
+                    }
+                }
+                Ok(())
+            }
+            Err(e) => {
+                conn.close_on_drop();
+                Err(e)
+            }
+        }
+    }
+
+    async fn persist_on(conn: &mut SqliteConnection, rec: &TxgRecord) -> Result<(), String> {
         let db = |e: sqlx::Error| e.to_string();
         let txg = rec.sync.txg;
-        let mut tx = self.db.begin().await.map_err(db)?;
+        // A plain BEGIN on a connection sqlx believes is in a transaction
+        // is a SAVEPOINT (nothing commits with it); BEGIN IMMEDIATE is
+        // refused there instead, and takes the write lock up front.
+        let mut tx = conn.begin_with("BEGIN IMMEDIATE").await.map_err(db)?;
         let synced: i64 = sqlx::query_scalar("SELECT synced_txg FROM pool WHERE id = 1")
             .fetch_optional(&mut *tx)
             .await
@@ -658,25 +708,6 @@ impl SqliteStore {
             .await
             .map_err(db)?;
         tx.commit().await.map_err(db)?;
-        // Move the txg from the WAL into the database file at once. Left to
-        // SQLite's auto-checkpoint (every 1000 pages) a small pool lived in
-        // `pool.db-wal` for good: one unlink of that file from empty. After
-        // a TRUNCATE checkpoint the WAL is empty and the file alone holds
-        // every synced txg. It costs the file's fsync per txg; txgs are
-        // seconds apart. (The connection is the store's only one, so no
-        // reader can hold the checkpoint back.)
-        let (busy, log, done): (i64, i64, i64) = sqlx::query_as("PRAGMA wal_checkpoint(TRUNCATE)")
-            .fetch_one(&self.db)
-            .await
-            .map_err(db)?;
-        if busy != 0 {
-            tracing::warn!(
-                txg,
-                wal_pages = log,
-                checkpointed = done,
-                "WAL checkpoint incomplete"
-            );
-        }
         Ok(())
     }
 }

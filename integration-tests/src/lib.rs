@@ -704,7 +704,7 @@ impl Tmpfs {
             match f.write(&chunk) {
                 Ok(0) => break,
                 Ok(_) => {}
-                Err(e) if e.raw_os_error() == Some(28) => break, // ENOSPC
+                Err(e) if e.kind() == std::io::ErrorKind::StorageFull => break,
                 Err(e) => panic!("fill {}: {e}", path.display()),
             }
         }

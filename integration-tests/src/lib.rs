@@ -655,3 +655,66 @@ impl Drop for TermOnDrop {
         let _ = self.0.wait();
     }
 }
+
+/// A small tmpfs mounted for a test's life, to fill a real file system
+/// (unmounted, lazily, on drop). Mounting needs root (CAP_SYS_ADMIN), which
+/// the project's test machines have; the test fails, saying so, where it is
+/// missing.
+pub struct Tmpfs(pub PathBuf);
+
+impl Tmpfs {
+    pub fn mount(at: &Path, size: &str) -> Tmpfs {
+        std::fs::create_dir_all(at).unwrap();
+        let out = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(at)
+            .output()
+            .expect("run mount");
+        assert!(
+            out.status.success(),
+            "this test fills a real file system: it mounts a small tmpfs, which needs root \
+             (CAP_SYS_ADMIN): {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Tmpfs(at.to_path_buf())
+    }
+
+    pub fn resize(&self, size: &str) {
+        let ok = Command::new("mount")
+            .args(["-o", &format!("remount,size={size}")])
+            .arg(&self.0)
+            .status()
+            .expect("run mount")
+            .success();
+        assert!(ok, "remount {}", self.0.display());
+    }
+
+    /// Fill what is left of the file system with the file `name` (written
+    /// until ENOSPC); removing the file gives the space back.
+    pub fn fill(&self, name: &str) -> PathBuf {
+        use std::io::Write;
+        let path = self.0.join(name);
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .expect("ballast file");
+        let chunk = vec![0xeeu8; 4096];
+        loop {
+            match f.write(&chunk) {
+                Ok(0) => break,
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::StorageFull => break,
+                Err(e) => panic!("fill {}: {e}", path.display()),
+            }
+        }
+        let _ = f.sync_all();
+        path
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}

@@ -1272,6 +1272,8 @@ async fn check_patterns(c: &mut Cluster, m: &mut Model, only: Option<u32>) {
             // An agent just restarted checks read tokens only once it has
             // registered again, and until then says UNAVAILABLE, retry: a
             // client retries, and so does the test.
+            // A token granted before the agent registered again is refused
+            // (it cannot know what was written meanwhile): ask again.
             let deadline = Instant::now() + Duration::from_secs(20);
             let data = loop {
                 let r = c
@@ -1286,6 +1288,19 @@ async fn check_patterns(c: &mut Cluster, m: &mut Model, only: Option<u32>) {
                     Ok(r) => break r.into_inner().data,
                     Err(err) if err.code() == Code::Unavailable && Instant::now() < deadline => {
                         tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                    Err(err)
+                        if reason(&err) == "READ_TOKEN_BEFORE_AGENT_START"
+                            && Instant::now() < deadline =>
+                    {
+                        let t = c
+                            .client
+                            .read_tokens(pb::ReadTokensRequest { extents: vec![*e] })
+                            .await
+                            .unwrap_or_else(|e| panic!("read token again: {e}"))
+                            .into_inner()
+                            .tokens;
+                        tokens[k] = t.into_iter().next().unwrap_or_default();
                     }
                     Err(err) => panic!("read {e:?} from {ep}: {err}"),
                 }

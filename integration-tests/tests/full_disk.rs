@@ -8,50 +8,11 @@
 //! Mounting a tmpfs needs root (CAP_SYS_ADMIN), which the project's test
 //! machines have; the test fails, saying so, where it is missing.
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use aliquot_proto::v1 as pb;
-use integration_tests::{FilePool, args, ctl, ok_stdout};
+use integration_tests::{FilePool, Tmpfs, args, ctl, ok_stdout};
 use pb::allocator_client::AllocatorClient;
-
-/// A tmpfs mounted for the test's life.
-struct Tmpfs(PathBuf);
-
-impl Tmpfs {
-    fn mount(at: &Path, size: &str) -> Tmpfs {
-        std::fs::create_dir_all(at).unwrap();
-        let out = Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
-            .arg(at)
-            .output()
-            .expect("run mount");
-        assert!(
-            out.status.success(),
-            "this test fills a real file system: it mounts a small tmpfs, which needs root \
-             (CAP_SYS_ADMIN): {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Tmpfs(at.to_path_buf())
-    }
-
-    fn resize(&self, size: &str) {
-        let ok = Command::new("mount")
-            .args(["-o", &format!("remount,size={size}")])
-            .arg(&self.0)
-            .status()
-            .expect("run mount")
-            .success();
-        assert!(ok, "remount {}", self.0.display());
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
-    }
-}
 
 async fn health_of(c: &mut AllocatorClient<tonic::transport::Channel>, name: &str) -> i32 {
     let st = c

@@ -31,7 +31,7 @@ pub use layer::RoleLayer;
 pub use mac_token::VdevKey;
 pub use role::{Identity, Role};
 pub use tls::TlsFiles;
-pub use token::{TokenError, TokenSigner, TokenVerifier, WriteCheck, WriteGrant};
+pub use token::{ReadTokenError, TokenError, TokenSigner, TokenVerifier, WriteCheck, WriteGrant};
 /// The rustls our TLS is built on, for callers that drive a connection
 /// themselves (the `tls` bench): one version across the workspace.
 pub use tokio_rustls::rustls;

@@ -131,8 +131,13 @@ impl VdevKey {
         self.check(token, check, MAC_WRITE_VERSION, WRITE_CONTEXT)
     }
 
-    pub fn verify_read(&self, token: &[u8], check: &WriteCheck) -> Result<WriteGrant, TokenError> {
+    pub fn verify_read(
+        &self,
+        token: &[u8],
+        check: &WriteCheck,
+    ) -> Result<WriteGrant, crate::token::ReadTokenError> {
         self.check(token, check, MAC_READ_VERSION, READ_CONTEXT)
+            .map_err(crate::token::ReadTokenError)
     }
 
     fn check(

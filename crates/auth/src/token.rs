@@ -144,6 +144,65 @@ impl TokenError {
     }
 }
 
+/// A read refused by the same checks: said of reads, with `READ_TOKEN_*`
+/// reasons (a read without a token must not be told about writes).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{}", read_message(.0))]
+pub struct ReadTokenError(pub TokenError);
+
+impl ReadTokenError {
+    /// The ErrorInfo reason.
+    pub fn reason(&self) -> &'static str {
+        match self.0 {
+            TokenError::Missing => "READ_TOKEN_MISSING",
+            TokenError::Malformed(_) => "READ_TOKEN_MALFORMED",
+            TokenError::Forged => "READ_TOKEN_FORGED",
+            TokenError::OtherPool { .. } => "READ_TOKEN_OTHER_POOL",
+            TokenError::OtherVdev { .. } => "READ_TOKEN_OTHER_VDEV",
+            TokenError::OlderGeneration { .. } => "READ_TOKEN_OLD_GENERATION",
+            TokenError::Expired { .. } => "READ_TOKEN_EXPIRED",
+            TokenError::OutOfRange { .. } => "READ_TOKEN_OUT_OF_RANGE",
+        }
+    }
+}
+
+fn read_message(e: &TokenError) -> String {
+    match *e {
+        TokenError::Missing => "read without a token: reads need the read token of the block's \
+             extent (Allocator.ReadTokens, granted to its owner or an admin)"
+            .into(),
+        TokenError::Malformed(n) => {
+            format!("malformed read token ({n} bytes, not a read token of Allocator.ReadTokens)")
+        }
+        TokenError::Forged => {
+            "read token signature does not verify (not signed by this pool's allocator, or a \
+             write token given for a read)"
+                .into()
+        }
+        TokenError::OtherPool { token, agent } => {
+            format!("read token is for pool {token:#x}, this agent is in pool {agent:#x}")
+        }
+        TokenError::OtherVdev { token, agent } => {
+            format!("read token is for vdev {token}, this agent is vdev {agent}")
+        }
+        TokenError::OlderGeneration { token, known } => format!(
+            "read token is of allocator generation {token}, older than generation {known}: the \
+             allocator restarted since; ask ReadTokens again"
+        ),
+        TokenError::Expired { expires_ms, now_ms } => {
+            format!("read token expired at {expires_ms} ms (now {now_ms} ms): ask ReadTokens again")
+        }
+        TokenError::OutOfRange {
+            offset,
+            len,
+            token_offset,
+            token_size,
+        } => format!(
+            "read [{offset}, +{len}) is outside the token's extent [{token_offset}, +{token_size})"
+        ),
+    }
+}
+
 /// The allocator's half: the private key, and the master key of the
 /// per-vdev MAC keys derived from it (`crate::mac_token`).
 pub struct TokenSigner {
@@ -248,8 +307,13 @@ impl TokenVerifier {
 
     /// Verify a read token as [`Self::verify`] does a write token (the
     /// `WriteCheck` then describes the read).
-    pub fn verify_read(&self, token: &[u8], check: &WriteCheck) -> Result<WriteGrant, TokenError> {
+    pub fn verify_read(
+        &self,
+        token: &[u8],
+        check: &WriteCheck,
+    ) -> Result<WriteGrant, ReadTokenError> {
         self.verify_as(token, check, READ_VERSION, READ_CONTEXT)
+            .map_err(ReadTokenError)
     }
 
     /// Verify the signature first (nothing unsigned is looked at), then pool,

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 use tonic::codegen::http;
@@ -140,7 +141,19 @@ pub struct RpcMetrics {
     stream_latency: Family<Labels, Histogram>,
     /// The allocator's per-vdev space counters (see [`RpcMetrics::vdev_space`]).
     vdev_space: VdevSpace,
+    /// The allocator's txg persists (see [`RpcMetrics::txg_persist`]).
+    txg_persist: TxgPersist,
     methods: Mutex<HashSet<String>>,
+}
+
+/// Whether the store refuses a txg now (gauge 0/1), and how many persist
+/// attempts it refused since the allocator started. Only the allocator
+/// fills them; they are served once it has said anything.
+#[derive(Default)]
+struct TxgPersist {
+    used: std::sync::atomic::AtomicBool,
+    failing: Gauge,
+    failures: Counter,
 }
 
 /// Per-vdev counters of space given out and given back, as node_exporter's
@@ -171,6 +184,7 @@ impl Default for RpcMetrics {
             stream_messages: Family::default(),
             stream_latency: Family::new_with_constructor(latency_histogram),
             vdev_space: VdevSpace::default(),
+            txg_persist: TxgPersist::default(),
             methods: Mutex::new(HashSet::new()),
         }
     }
@@ -201,6 +215,20 @@ impl RpcMetrics {
              (throttle waits included)",
             self.stream_latency.clone(),
         );
+        let t = &self.txg_persist;
+        if t.used.load(std::sync::atomic::Ordering::Relaxed) {
+            reg.register(
+                "aliquot_txg_persist_failing",
+                "1 while the store refuses a txg (nothing waiting on it or a later txg is \
+                 answered until it persists), else 0",
+                t.failing.clone(),
+            );
+            reg.register(
+                "aliquot_txg_persist_failures",
+                "Txg persist attempts the store refused since the allocator started",
+                t.failures.clone(),
+            );
+        }
         let v = &self.vdev_space;
         if v.used.load(std::sync::atomic::Ordering::Relaxed) {
             reg.register(
@@ -226,6 +254,24 @@ impl RpcMetrics {
                 v.frees.clone(),
             );
         }
+    }
+
+    /// A txg persist ended: `ok`, or refused by the store (counted). The
+    /// gauge says whether the last attempt failed.
+    pub fn txg_persist(&self, ok: bool) {
+        let t = &self.txg_persist;
+        t.used.store(true, std::sync::atomic::Ordering::Relaxed);
+        t.failing.set(i64::from(!ok));
+        if !ok {
+            t.failures.inc();
+        }
+    }
+
+    /// Serve the txg persist metrics from now on (0 until a failure).
+    pub fn txg_persist_known(&self) {
+        self.txg_persist
+            .used
+            .store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Extents of `bytes` in all committed (`freed` false) or freed on vdev

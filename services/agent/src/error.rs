@@ -33,11 +33,13 @@ pub enum AgentError {
     Removed,
     /// Writes need the pool and generation the allocator gives at registration.
     #[error(
-        "the agent has not registered with the allocator yet: writes wait for its pool and generation; retry"
+        "the agent has not registered with the allocator yet: reads and writes wait for its pool and generation; retry"
     )]
     NotRegistered,
     #[error("{0}")]
     Token(#[from] aliquot_auth::TokenError),
+    #[error("{0}")]
+    ReadToken(#[from] aliquot_auth::ReadTokenError),
     /// A genuine token whose allocation no longer owns the bytes.
     #[error("{0}")]
     Fenced(crate::fence::Fenced),
@@ -114,11 +116,30 @@ impl From<AgentError> for Status {
                             "WRITE_TOKEN_BEFORE_AGENT_START"
                         }
                         crate::fence::Fenced::Revoked { .. } => "WRITE_TOKEN_REVOKED",
+                        crate::fence::Fenced::ReadSuperseded { .. } => "READ_TOKEN_SUPERSEDED",
+                        crate::fence::Fenced::ReadBeforeStart { .. } => {
+                            "READ_TOKEN_BEFORE_AGENT_START"
+                        }
                     },
                     aliquot_auth::DOMAIN,
                     HashMap::<String, String>::new(),
                 ),
             ),
+            AgentError::ReadToken(t) => {
+                let code = match t.0 {
+                    aliquot_auth::TokenError::Missing => Code::Unauthenticated,
+                    _ => Code::PermissionDenied,
+                };
+                Status::with_error_details(
+                    code,
+                    msg,
+                    ErrorDetails::with_error_info(
+                        t.reason(),
+                        aliquot_auth::DOMAIN,
+                        HashMap::<String, String>::new(),
+                    ),
+                )
+            }
             AgentError::Token(t) => {
                 let code = match t {
                     aliquot_auth::TokenError::Missing => Code::Unauthenticated,

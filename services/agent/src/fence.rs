@@ -20,8 +20,16 @@
 //! from then on (`WRITE_TOKEN_REVOKED`), which covers a replay onto the
 //! holder's own committed block, after at most one report interval.
 //!
+//! Read tokens die the same way (`check_read`): a read token carries the
+//! first allocation id not yet given out when it was granted, and any write
+//! over its bytes by that allocation or a newer one means the block it was
+//! granted for was freed and its space given again (`READ_TOKEN_SUPERSEDED`).
+//! A restarted agent refuses read tokens granted before it registered
+//! (`READ_TOKEN_BEFORE_AGENT_START`): it cannot know what was written then.
+//!
 //! Not covered: two overlapping writes in flight at the same instant (the
-//! older one may land last), and a replay within that report interval.
+//! older one may land last), a replay within that report interval, and a
+//! read in flight while the next owner's write lands.
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -61,6 +69,18 @@ pub enum Fenced {
          expired; allocate again to write"
     )]
     Revoked { mine: u64 },
+    #[error(
+        "read token is superseded: allocation {newer} has written bytes [{offset}, {end}) since \
+         it was granted (the block was freed and its space given again): the block it was \
+         granted for is gone"
+    )]
+    ReadSuperseded { newer: u64, offset: u64, end: u64 },
+    #[error(
+        "read token was granted before this agent (re)started (it honours read tokens granted \
+         from allocation {floor} on): it cannot tell what was written over the block since; ask \
+         ReadTokens again"
+    )]
+    ReadBeforeStart { granted_at: u64, floor: u64 },
 }
 
 #[derive(Debug, Default)]
@@ -183,6 +203,41 @@ impl WriteFence {
         Ok(())
     }
 
+    /// Admit a read of `[offset, offset+len)` with a read token granted
+    /// when `granted_at` was the first allocation id not yet given out:
+    /// any allocation that wrote here since has an id at or above it, and
+    /// the block the token was granted for is gone. Nothing is remembered.
+    /// The written ranges outlive every such token: a read token expires
+    /// within the longest lease of its grant, a range is kept for that long
+    /// past its own (later) writer's token.
+    pub fn check_read(&self, granted_at: u64, offset: u64, len: u64) -> Result<(), Fenced> {
+        // What was written before this process started is not known: a
+        // token from before then cannot be checked, so it is refused.
+        let floor = self.floor.load(Relaxed);
+        if granted_at < floor {
+            return Err(Fenced::ReadBeforeStart { granted_at, floor });
+        }
+        let end = offset.saturating_add(len);
+        let w = self.written.lock().unwrap_or_else(|p| p.into_inner());
+        let first = w
+            .range(..offset)
+            .next_back()
+            .filter(|(_, x)| x.end > offset)
+            .map(|(o, _)| *o)
+            .unwrap_or(offset);
+        match w
+            .range(first..end)
+            .find(|(_, x)| x.allocation_id >= granted_at)
+        {
+            Some((o, x)) => Err(Fenced::ReadSuperseded {
+                newer: x.allocation_id,
+                offset: (*o).max(offset),
+                end: x.end.min(end),
+            }),
+            None => Ok(()),
+        }
+    }
+
     /// Ranges remembered (tests, stats).
     pub fn len(&self) -> usize {
         self.written.lock().unwrap_or_else(|p| p.into_inner()).len()
@@ -224,6 +279,37 @@ mod tests {
         f.admit(9, 4096, 8192, 1000, 0).unwrap();
         f.admit(12, 12288, 4096, 1000, 0).unwrap();
         assert!(f.admit(9, 12288, 4096, 1000, 0).is_err());
+    }
+
+    #[test]
+    fn a_read_token_dies_where_a_newer_allocation_wrote() {
+        let f = WriteFence::default();
+        f.learn_floor(10, 0);
+        // Alice's block (allocation 12) is written; her read token is
+        // granted when 20 is the next allocation id.
+        f.admit(12, 0, 8192, 1000, 0).unwrap();
+        f.check_read(20, 0, 8192).unwrap();
+        // Freed, and bob (25) writes its second half.
+        f.admit(25, 4096, 4096, 1000, 0).unwrap();
+        assert_eq!(
+            f.check_read(20, 0, 8192),
+            Err(Fenced::ReadSuperseded {
+                newer: 25,
+                offset: 4096,
+                end: 8192
+            })
+        );
+        // The half nobody newer wrote still reads; bob's own token reads.
+        f.check_read(20, 0, 4096).unwrap();
+        f.check_read(26, 0, 8192).unwrap();
+        // Granted before this agent started: it cannot know.
+        assert_eq!(
+            f.check_read(9, 0, 4096),
+            Err(Fenced::ReadBeforeStart {
+                granted_at: 9,
+                floor: 10
+            })
+        );
     }
 
     #[test]

@@ -6,7 +6,9 @@
 //! it cannot tell a good token from a stale one, so it refuses writes.
 //! Tokens come in two kinds: Ed25519-signed (checked with `token.pub`) and
 //! MACs under this vdev's key of the generation (`aliquot_auth::mac_token`),
-//! handed over by the allocator in the RegisterReply.
+//! handed over by the allocator in the RegisterReply. Reads need a read
+//! token the same way, which dies when a newer allocation writes over its
+//! bytes (see [`crate::fence`]).
 
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
@@ -15,6 +17,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use aliquot_auth::VdevKey;
 use aliquot_auth::mac_token::{MAC_READ_VERSION, MAC_WRITE_VERSION, token_version};
 use aliquot_auth::token::{TokenVerifier, WriteCheck};
+use aliquot_auth::{ReadTokenError, TokenError};
 
 use crate::error::AgentError;
 
@@ -99,14 +102,19 @@ impl WriteGate {
         check: &WriteCheck,
         read: bool,
     ) -> Result<aliquot_auth::WriteGrant, AgentError> {
+        // A refused read is told about reads (`READ_TOKEN_*`).
+        let refused = |e: TokenError| match read {
+            true => AgentError::ReadToken(ReadTokenError(e)),
+            false => AgentError::Token(e),
+        };
         let version = token_version(token);
         if version != MAC_WRITE_VERSION && version != MAC_READ_VERSION {
             return if read {
-                verifier.verify_read(token, check)
+                verifier.verify_read(token, check).map_err(|e| e.0)
             } else {
                 verifier.verify(token, check)
             }
-            .map_err(AgentError::Token);
+            .map_err(refused);
         }
         // The generation field says which key; unauthenticated until the
         // MAC is checked, so it only picks the key or the refusal.
@@ -117,17 +125,15 @@ impl WriteGate {
         let mac = self.mac.read().unwrap_or_else(|p| p.into_inner());
         match mac.as_ref() {
             Some(k) if k.generation() == generation => if read {
-                k.verify_read(token, check)
+                k.verify_read(token, check).map_err(|e| e.0)
             } else {
                 k.verify(token, check)
             }
-            .map_err(AgentError::Token),
-            Some(k) if k.generation() > generation => Err(AgentError::Token(
-                aliquot_auth::TokenError::OlderGeneration {
-                    token: generation,
-                    known: k.generation(),
-                },
-            )),
+            .map_err(refused),
+            Some(k) if k.generation() > generation => Err(refused(TokenError::OlderGeneration {
+                token: generation,
+                known: k.generation(),
+            })),
             _ => Err(AgentError::TokenKeyUnknown { generation }),
         }
     }
@@ -159,7 +165,15 @@ impl WriteGate {
             offset,
             len,
         };
-        self.verify(verifier, token, &check, true).map(|_| ())
+        // A token dies with its block: refused where a newer allocation
+        // wrote since it was granted (the block was freed, the space given
+        // again).
+        self.verify(verifier, token, &check, true)
+            .and_then(|grant| {
+                self.fence
+                    .check_read(grant.allocation_id, offset, len)
+                    .map_err(AgentError::Fenced)
+            })
     }
 
     /// Check a write of `len` bytes at `offset` to `vdev` (None: not

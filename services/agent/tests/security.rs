@@ -24,6 +24,16 @@ fn now_ms() -> u64 {
         .as_millis() as u64
 }
 
+/// A read capability of the grant's extent, granted after the allocations
+/// of these tests wrote (a read token carries the first allocation id not
+/// yet given out when it was granted).
+fn read_grant() -> WriteGrant {
+    WriteGrant {
+        allocation_id: 100,
+        ..grant()
+    }
+}
+
 fn grant() -> WriteGrant {
     WriteGrant {
         pool_guid: POOL,
@@ -135,7 +145,7 @@ async fn tokens_and_roles_over_tls() {
         .read(ReadRequest {
             offset: EXTENT,
             size: 4096,
-            token: signer.sign_read(&grant()),
+            token: signer.sign_read(&read_grant()),
         })
         .await
         .unwrap()
@@ -238,7 +248,7 @@ async fn tokens_and_roles_over_tls() {
         .read(ReadRequest {
             offset: EXTENT,
             size: 4096,
-            token: signer.sign_read(&grant()),
+            token: signer.sign_read(&read_grant()),
         })
         .await
         .unwrap_err();
@@ -327,7 +337,7 @@ async fn batch_writes_check_every_token() {
         let token = signer.sign_read(&WriteGrant {
             offset,
             size,
-            ..grant()
+            ..read_grant()
         });
         async move {
             c.read(ReadRequest {

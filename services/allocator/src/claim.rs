@@ -103,7 +103,7 @@ async fn committed_overlapping(shared: &Shared, e: &Extent) -> Result<Vec<Extent
 
 /// The extents of txgs not yet persisted that `e` overlaps (the caller
 /// holds the lock: Free asks for a whole request under one).
-fn recent_overlapping(g: &Inner, e: &Extent) -> Vec<Extent> {
+pub(crate) fn recent_overlapping(g: &Inner, e: &Extent) -> Vec<Extent> {
     let end = e.offset.saturating_add(e.size);
     g.recent_allocs
         .range((e.vdev, 0)..(e.vdev, end))
@@ -113,7 +113,7 @@ fn recent_overlapping(g: &Inner, e: &Extent) -> Vec<Extent> {
 }
 
 /// `stored` added to `overlapping`, in order, once each.
-fn merge(overlapping: &mut Vec<Extent>, stored: Vec<Extent>) {
+pub(crate) fn merge(overlapping: &mut Vec<Extent>, stored: Vec<Extent>) {
     overlapping.extend(stored);
     overlapping.sort();
     overlapping.dedup();

@@ -240,6 +240,16 @@ pub fn pool_status(shared: &Shared, g: &Inner) -> pb::PoolStatus {
                 ..Default::default()
             },
         }),
+        persist_failure: shared
+            .persist_failure
+            .borrow()
+            .as_ref()
+            .map(|f| pb::PersistFailure {
+                txg: f.txg,
+                error: f.error.clone(),
+                since_ms: f.since_ms,
+                attempts: f.attempts,
+            }),
     }
 }
 

@@ -116,6 +116,27 @@ pub enum Error {
         overlapping: Vec<metaslab::Extent>,
     },
     #[error(
+        "no read token for {extent}: it is no committed block ({}); read tokens are granted \
+         for exactly a committed block's extent, to its owner or an admin",
+        match .freed_txg {
+            Some(t) => format!("it was freed in txg {t}: its data belongs to nobody"),
+            None => "free space, never allocated or freed, or an allocation not committed".into(),
+        }
+    )]
+    ReadNotCommitted {
+        extent: metaslab::Extent,
+        freed_txg: Option<Txg>,
+    },
+    #[error(
+        "no read token for {requested}: it overlaps committed blocks {} without being exactly \
+         one; ask for each block's own extent",
+        fmt_extents(.overlapping)
+    )]
+    ReadNotExact {
+        requested: metaslab::Extent,
+        overlapping: Vec<metaslab::Extent>,
+    },
+    #[error(
         "allocation {id} was made by another identity; only the certificate that allocated it \
          ({caller} is not it) may {action} it"
     )]
@@ -248,9 +269,11 @@ impl Error {
             },
             Error::InvalidArgument(_) => Code::InvalidArgument,
             Error::NotFound(_) => Code::NotFound,
-            Error::VdevConflict(_) | Error::ClaimOverlaps { .. } | Error::FreeNotExact { .. } => {
-                Code::FailedPrecondition
-            }
+            Error::VdevConflict(_)
+            | Error::ClaimOverlaps { .. }
+            | Error::FreeNotExact { .. }
+            | Error::ReadNotCommitted { .. }
+            | Error::ReadNotExact { .. } => Code::FailedPrecondition,
             Error::LeaseExpired(_) | Error::AllocatorRestarted { .. } => Code::Aborted,
             Error::LeaseLifetime { .. } => Code::FailedPrecondition,
             Error::LeaseQuota { .. } => Code::ResourceExhausted,
@@ -362,6 +385,22 @@ impl Error {
                 overlapping,
             } => (
                 ErrorReason::NotAllocated,
+                vec![
+                    ("requested", requested.to_string()),
+                    ("overlapping", fmt_extents(overlapping)),
+                ],
+            ),
+            Error::ReadNotCommitted { extent, freed_txg } => (
+                ErrorReason::ReadTokenNotCommitted,
+                std::iter::once(("extent", extent.to_string()))
+                    .chain(freed_txg.map(|t| ("freed_txg", t.to_string())))
+                    .collect(),
+            ),
+            Error::ReadNotExact {
+                requested,
+                overlapping,
+            } => (
+                ErrorReason::ReadTokenNotExact,
                 vec![
                     ("requested", requested.to_string()),
                     ("overlapping", fmt_extents(overlapping)),

@@ -19,6 +19,7 @@ pub mod metrics_push;
 pub mod owner_map;
 pub mod ownership;
 pub mod pg_store;
+pub mod read_grant;
 pub mod rebalance;
 pub mod recovery;
 pub mod registry;
@@ -537,8 +538,13 @@ where
     }
 
     let rpc = Arc::new(telemetry::rpc_metrics::RpcMetrics::default());
-    // Per-vdev space counters on the allocator's /metrics.
+    // Per-vdev space counters and the txg persist gauge on /metrics.
+    rpc.txg_persist_known();
     shared.lock().rpc = Some(rpc.clone());
+    background.push(tokio::spawn(persist_health(
+        shared.clone(),
+        health_reporter.clone(),
+    )));
     let alloc_svc = service::AllocatorService {
         shared: shared.clone(),
         rpc: rpc.clone(),
@@ -615,6 +621,25 @@ fn restore_tunables(v: &mut Validated, stored: &[(String, String)]) {
             }
             Err(e) => tracing::warn!(name = %name, value = %value, error = %e,
                 "stored tunable not applied"),
+        }
+    }
+}
+
+/// gRPC health follows the store: NOT_SERVING (the server and the
+/// Allocator service) while it refuses a txg, SERVING again once it took it.
+async fn persist_health(shared: Arc<Shared>, health: tonic_health::server::HealthReporter) {
+    let mut failure = shared.persist_failure.subscribe();
+    loop {
+        let status = match failure.borrow_and_update().is_some() {
+            true => tonic_health::ServingStatus::NotServing,
+            false => tonic_health::ServingStatus::Serving,
+        };
+        for service in ["", "aliquot.v1.Allocator"] {
+            health.set_service_status(service, status).await;
+        }
+        tokio::select! {
+            r = failure.changed() => if r.is_err() { return },
+            _ = shared.stopping() => return,
         }
     }
 }

@@ -143,6 +143,7 @@ impl Dialect for PgDialect {
     const ARRAYS: bool = true;
     const LEGACY_EXTENTS: Option<(&'static str, &'static str)> = None;
     const SNAPSHOT: Option<&'static str> = Some(sql::SNAPSHOT);
+    const BEGIN_TXG: &'static str = "BEGIN";
 
     fn exec<'c>(
         c: &'c mut Conn<Self>,
@@ -209,7 +210,7 @@ impl Dialect for PgDialect {
         })
     }
 
-    fn after_commit(_: &SqlStore<Self>, _: Txg) -> BoxFuture<'_, Result<(), StoreError>> {
+    fn after_commit(_: &mut Conn<Self>, _: Txg) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(async { Ok(()) })
     }
 

@@ -672,13 +672,15 @@ impl Allocator for AllocatorService {
     ) -> Result<Response<pb::ReadTokensReply>, Status> {
         self.shared.check_serving()?;
         let extents = convert::extents_from_pb(&req.get_ref().extents)?;
-        // Exactly committed extents (the rule Free follows), of the caller.
-        crate::claim::check_free_exact(&self.shared, &extents).await?;
+        // Whatever writes over these bytes after a Free is of an allocation
+        // at or above this id: the agent then refuses the token there.
+        let watermark = crate::read_grant::watermark(&self.shared);
+        // Exactly committed blocks, of the caller (or an admin).
+        crate::read_grant::check_committed(&self.shared, &extents).await?;
         check_extent_owner(&self.shared.lock(), caller(&req).as_ref(), &extents, "read")?;
         let deadline = Instant::now() + self.shared.settings.max_lease;
         let expires_ms = convert::deadline_unix_ms(deadline);
-        // Reads are of committed extents, not of an allocation in flight.
-        let tokens = mint_tokens(&self.shared, 0, &extents, expires_ms, true);
+        let tokens = mint_tokens(&self.shared, watermark, &extents, expires_ms, true);
         Ok(Response::new(pb::ReadTokensReply {
             tokens,
             expires_ms,

@@ -470,12 +470,38 @@ impl<D: Dialect> SqlStore<D> {
         Ok(())
     }
 
+    /// Persist one txg. A connection on which anything of the txg's
+    /// transaction failed is closed, never given back to the pool: after
+    /// SQLITE_FULL on COMMIT SQLite has already rolled back, the driver's
+    /// own ROLLBACK then fails and leaves its transaction depth out of step,
+    /// and a retry on that connection read its own uncommitted `synced_txg`
+    /// as persisted. The retry gets a fresh connection.
     async fn persist_txg(&self, rec: &TxgRecord) -> Result<(), StoreError> {
+        let txg = rec.sync.txg;
+        let mut conn = self
+            .db
+            .acquire()
+            .await
+            .map_err(|e| StoreError(format!("txg {txg}: {e}")))?;
+        if let Err(e) = self.persist_on(&mut conn, rec).await {
+            conn.close_on_drop();
+            return Err(e);
+        }
+        if let Err(e) = D::after_commit(&mut conn, txg).await {
+            tracing::warn!(txg, error = %e.0, "after the txg's commit (the txg is durable)");
+            conn.close_on_drop();
+        }
+        Ok(())
+    }
+
+    async fn persist_on(&self, conn: &mut Conn<D>, rec: &TxgRecord) -> Result<(), StoreError> {
         let pool = self.pool_id()?;
         let txg = rec.sync.txg;
         let db = |e: sqlx::Error| StoreError(format!("txg {txg}: {e}"));
         let err = |e: String| StoreError(format!("txg {txg}: {e}"));
-        let mut tx = self.db.begin().await.map_err(db)?;
+        let mut tx = sqlx::Connection::begin_with(conn, D::BEGIN_TXG)
+            .await
+            .map_err(db)?;
         D::fence(self, &mut *tx, txg).await?;
         let synced = D::fetch(&mut *tx, q::SYNCED_TXG, args![pool])
             .await
@@ -570,7 +596,7 @@ impl<D: Dialect> SqlStore<D> {
         let a = args![i(txg), i(rec.state_digest), pool];
         D::exec(&mut *tx, q::SET_SYNCED, a).await.map_err(db)?;
         tx.commit().await.map_err(db)?;
-        D::after_commit(self, txg).await
+        Ok(())
     }
 
     /// One query on a connection of the pool.

@@ -160,6 +160,8 @@ impl Dialect for SqliteDialect {
     const LEGACY_EXTENTS: Option<(&'static str, &'static str)> =
         Some((sql::LEGACY_EXTENTS, sql::DELETE_LEGACY_EXTENTS));
     const SNAPSHOT: Option<&'static str> = None;
+    // Also takes the write lock up front.
+    const BEGIN_TXG: &'static str = "BEGIN IMMEDIATE";
 
     fn exec<'c>(
         c: &'c mut Conn<Self>,
@@ -207,7 +209,7 @@ impl Dialect for SqliteDialect {
         Box::pin(async { Ok(()) })
     }
 
-    fn after_commit(s: &SqlStore<Self>, txg: Txg) -> BoxFuture<'_, Result<(), StoreError>> {
+    fn after_commit(c: &mut Conn<Self>, txg: Txg) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(async move {
             // Move the txg from the WAL into the database file at once. Left
             // to SQLite's auto-checkpoint (every 1000 pages) a small pool
@@ -217,8 +219,7 @@ impl Dialect for SqliteDialect {
             // per txg; txgs are seconds apart. (The connection is the
             // store's only one, so no reader can hold the checkpoint back.)
             let db = |e: sqlx::Error| StoreError(format!("txg {txg}: {e}"));
-            let mut c = s.db.acquire().await.map_err(db)?;
-            let rows = Self::fetch(&mut c, sql::WAL_CHECKPOINT, args![])
+            let rows = Self::fetch(c, sql::WAL_CHECKPOINT, args![])
                 .await
                 .map_err(db)?;
             if let Some(r) = rows.first()

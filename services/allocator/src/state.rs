@@ -686,6 +686,8 @@ pub struct Shared {
     /// Leadership among allocators sharing a store (`--store postgres://`);
     /// `None` for a store with one writer by construction (SQLite).
     pub lease: std::sync::OnceLock<Arc<crate::leadership::Lease>>,
+    /// Set while the store refuses a txg (GetPool, health, metrics).
+    pub persist_failure: watch::Sender<Option<crate::txg::PersistFailure>>,
 }
 
 /// What proved the store older than the pool.
@@ -749,6 +751,7 @@ impl Shared {
             rolled_back: Mutex::new(None),
             synced_state: Mutex::new((synced_txg, 0)),
             lease: std::sync::OnceLock::new(),
+            persist_failure: watch::Sender::new(None),
         })
     }
 

@@ -1,7 +1,11 @@
 //! The txg clock: closes the open txg every `zfs_txg_timeout`, or sooner
 //! when somebody waits for it (SyncTxg, Commit{wait_synced}, a new vdev).
 //! A sync is `pool.sync()` under the lock, then `store.persist` outside it;
-//! waiters are released only once the store returned.
+//! waiters are released only once the store returned. A txg the store
+//! refuses (a full disk, a failed COMMIT) is retried with backoff until it
+//! persists: meanwhile nothing waiting on it (or on a later txg) is
+//! answered, and the failure is shown (`Shared::persist_failure`: GetPool,
+//! health NOT_SERVING, `aliquot_txg_persist_failing`).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -10,6 +14,34 @@ use tracing::Instrument;
 
 use crate::state::Shared;
 use crate::store::TxgRecord;
+
+/// A txg the store has not taken yet (shown while it lasts).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PersistFailure {
+    pub txg: metaslab::Txg,
+    /// The store's last error.
+    pub error: String,
+    /// Unix ms of the first failed attempt.
+    pub since_ms: u64,
+    /// Failed attempts so far.
+    pub attempts: u64,
+}
+
+/// How a sync ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Synced {
+    /// The store has the txg; its waiters were answered.
+    Persisted,
+    /// Another allocator leads the pool: nothing was persisted.
+    Lost,
+    /// Shutdown came while the store refused the txg: nothing more will
+    /// be persisted, its waiters hear Unavailable.
+    GaveUp,
+}
+
+/// Attempts a refused txg still gets once shutdown started (a store that
+/// takes it at once is not abandoned; a full one does not hold the exit).
+const ATTEMPTS_AFTER_STOP: u32 = 3;
 
 /// Run until shutdown starts; a last sync is done on the way out so
 /// committed allocations are not lost.
@@ -27,7 +59,7 @@ pub async fn run(shared: Arc<Shared>) {
             if shared.synced_txg() >= want {
                 break;
             }
-            if !sync_once(&shared).await {
+            if sync_once(&shared).await != Synced::Persisted {
                 return fenced(&shared);
             }
         }
@@ -41,7 +73,7 @@ pub async fn run(shared: Arc<Shared>) {
             _ = shared.txg_timeout_changed.notified() => continue,
             _ = shutdown.wait_for(|s| *s) => break,
         };
-        if by_timer && !sync_once(&shared).await {
+        if by_timer && sync_once(&shared).await != Synced::Persisted {
             return fenced(&shared);
         }
     }
@@ -49,7 +81,8 @@ pub async fn run(shared: Arc<Shared>) {
     shared.closed.send_replace(true);
 }
 
-/// Another allocator leads: the clock stops; waiters hear Unavailable.
+/// Another allocator leads (or shutdown came while the store refused a
+/// txg): the clock stops; waiters hear Unavailable.
 fn fenced(shared: &Shared) {
     shared.lock().drop_waiters();
     shared.closed.send_replace(true);
@@ -68,9 +101,9 @@ fn lost_the_pool(shared: &Shared) -> bool {
     deposed
 }
 
-/// Close the open txg and persist it. False: the pool is led by another
-/// allocator now; nothing was persisted and nothing is acknowledged.
-pub async fn sync_once(shared: &Shared) -> bool {
+/// Close the open txg and persist it. Anything but `Persisted`: nothing
+/// was persisted and nothing is acknowledged.
+pub async fn sync_once(shared: &Shared) -> Synced {
     let start = Instant::now();
     let record = {
         let mut g = shared.lock();
@@ -110,31 +143,77 @@ pub async fn sync_once(shared: &Shared) -> bool {
     );
     let persisted = async {
         let mut backoff = Duration::from_millis(50);
+        let mut stop = shared.stop.subscribe();
+        let mut after_stop = 0u32;
         loop {
-            match shared.store.persist(&record).await {
+            let r = shared.store.persist(&record).await;
+            let rpc = shared.lock().rpc.clone();
+            if let Some(m) = &rpc {
+                m.txg_persist(r.is_ok());
+            }
+            let e = match r {
                 Ok(()) => break,
-                Err(e) if lost_the_pool(shared) => {
-                    tracing::error!(txg, error = %e, "txg not persisted: another allocator leads the pool");
-                    return false;
-                }
-                Err(e) => {
-                    // Waiters stay parked: durability is not claimed until
-                    // the store has the txg.
-                    tracing::error!(txg, error = %e, "txg persist failed; retrying");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                Err(e) => e,
+            };
+            if lost_the_pool(shared) {
+                tracing::error!(txg, error = %e, "txg not persisted: another allocator leads the pool");
+                return Synced::Lost;
+            }
+            // Waiters stay parked: durability is not claimed until the
+            // store has the txg. Said in GetPool, health and metrics.
+            let mut attempts = 0;
+            shared.persist_failure.send_modify(|f| {
+                let f = f.get_or_insert_with(|| PersistFailure {
+                    txg,
+                    error: String::new(),
+                    since_ms: crate::convert::unix_ms(),
+                    attempts: 0,
+                });
+                f.error = e.to_string();
+                f.attempts += 1;
+                attempts = f.attempts;
+            });
+            let stopping = *stop.borrow();
+            if stopping {
+                after_stop += 1;
+                if after_stop >= ATTEMPTS_AFTER_STOP {
+                    tracing::error!(txg, error = %e, attempts,
+                        "txg not persisted and shutting down: its commits were never acknowledged");
+                    return Synced::GaveUp;
                 }
             }
+            tracing::error!(txg, error = %e, attempts, retry_in_ms = backoff.as_millis() as u64,
+                "txg persist failed: nothing waiting on it is answered until the store takes it");
+            if stopping {
+                tokio::time::sleep(backoff.min(Duration::from_millis(200))).await;
+            } else {
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => {}
+                    _ = stop.wait_for(|s| *s) => {}
+                }
+            }
+            // Capped low: a file system that has room again is used within
+            // seconds, and a refusing one costs one attempt every 2 s.
+            backoff = (backoff * 2).min(Duration::from_secs(2));
+        }
+        let mut was = None;
+        shared.persist_failure.send_if_modified(|f| {
+            was = f.take();
+            was.is_some()
+        });
+        if let Some(f) = was {
+            tracing::warn!(txg, attempts = f.attempts, failing_for_ms = crate::convert::unix_ms().saturating_sub(f.since_ms),
+                "txg persisted again after failed attempts");
         }
         let us = start.elapsed().as_micros() as u64;
         tracing::Span::current().record("duration_us", us);
         tracing::debug!(txg, duration_us = us, "txg synced");
-        true
+        Synced::Persisted
     }
     .instrument(span)
     .await;
-    if !persisted {
-        return false;
+    if persisted != Synced::Persisted {
+        return persisted;
     }
     // Retries of what this txg made durable no longer need remembering
     // (commit ids for a few txgs more), and the store now has its extents.
@@ -148,7 +227,7 @@ pub async fn sync_once(shared: &Shared) -> bool {
         .lock()
         .unwrap_or_else(|p| p.into_inner()) = (txg, record.state_digest);
     shared.synced.send_replace(txg);
-    true
+    Synced::Persisted
 }
 
 #[cfg(test)]

@@ -121,6 +121,10 @@ fn print_status(st: &PoolStatus, json: bool, clear: bool, style: Style) -> anyho
         text.push_str(&serde_json::to_string(&PoolJson::from(st))?);
         text.push('\n');
     } else {
+        if let (true, Some(f)) = (style.scripted, &st.persist_failure) {
+            // Rows only on stdout; the failure still reaches the operator.
+            eprintln!("{}", persist_failure_line(st, f));
+        }
         text.push_str(&render_table_with(st, style));
     }
     let mut out = std::io::stdout().lock();
@@ -129,6 +133,18 @@ fn print_status(st: &PoolStatus, json: bool, clear: bool, style: Style) -> anyho
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(false),
         Err(e) => Err(e.into()),
     }
+}
+
+/// The store refuses a txg: one line no operator can miss.
+pub fn persist_failure_line(st: &PoolStatus, f: &aliquot_proto::v1::PersistFailure) -> String {
+    let secs = st.time_ms.saturating_sub(f.since_ms) as f64 / 1000.0;
+    format!(
+        "STORE FAILING: txg {} not persisted for {secs:.1} s ({} attempts): {}. Nothing \
+         committed after txg {} is durable; SyncTxg and wait_synced commits wait, and the \
+         allocator retries by itself until the store takes it (free space under the store, \
+         or bring it back)",
+        f.txg, f.attempts, f.error, st.synced_txg
+    )
 }
 
 /// Health as operators read it; an administratively offline vdev is OFFLINE.
@@ -447,6 +463,9 @@ pub fn render_table_with(st: &PoolStatus, style: Style) -> String {
         st.throttle_policy,
         short(st.slop_space)
     );
+    if let Some(f) = &st.persist_failure {
+        let _ = writeln!(out, "{}", persist_failure_line(st, f));
+    }
     if why.is_empty() {
         let _ = writeln!(out, "health {health}");
     } else {
@@ -597,8 +616,24 @@ pub struct PoolJson {
     /// Who serves the pool: the store, and with PostgreSQL the leader, its
     /// lease and the standbys it has seen (as the table's `leader` line).
     pub leadership: LeadershipJson,
+    /// Set (else null) while the store refuses a txg: nothing committed
+    /// after `synced_txg` is durable until it takes it.
+    pub persist_failure: Option<PersistFailureJson>,
     pub classes: Vec<ClassJson>,
     pub vdevs: Vec<VdevJson>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct PersistFailureJson {
+    #[serde(serialize_with = "as_string")]
+    pub txg: u64,
+    /// The store's last error.
+    pub error: String,
+    /// Unix ms of the first failed attempt.
+    #[serde(serialize_with = "as_string")]
+    pub since_ms: u64,
+    #[serde(serialize_with = "as_string")]
+    pub attempts: u64,
 }
 
 #[derive(Debug, Serialize)]
@@ -738,6 +773,12 @@ impl From<&PoolStatus> for PoolJson {
                     lease_left_ms: l.lease_left_ms,
                 }
             },
+            persist_failure: st.persist_failure.as_ref().map(|f| PersistFailureJson {
+                txg: f.txg,
+                error: f.error.clone(),
+                since_ms: f.since_ms,
+                attempts: f.attempts,
+            }),
             name: st.name.clone(),
             guid: st.guid,
             open_txg: st.open_txg,
@@ -887,6 +928,7 @@ mod tests {
         ];
         PoolStatus {
             leadership: None,
+            persist_failure: None,
             name: "aliquot".into(),
             guid: 0x1234,
             open_txg: 42,
@@ -973,6 +1015,32 @@ mod tests {
         for l in &lines[4..9] {
             assert_eq!(l.len(), width, "{l:?}");
         }
+    }
+
+    #[test]
+    fn a_failing_store_is_said_first_in_the_table_and_in_json() {
+        let mut st = sample();
+        assert!(serde_json::to_value(PoolJson::from(&st)).unwrap()["persist_failure"].is_null());
+        st.time_ms = 61_000;
+        st.persist_failure = Some(aliquot_proto::v1::PersistFailure {
+            txg: 42,
+            error: "database or disk is full".into(),
+            since_ms: 1_000,
+            attempts: 17,
+        });
+        let t = render_table(&st);
+        let line = t.lines().nth(1).unwrap();
+        assert!(
+            line.starts_with("STORE FAILING: txg 42 not persisted for 60.0 s (17 attempts): database or disk is full.")
+                && line.contains("after txg 41 is durable"),
+            "{line}"
+        );
+        let v = serde_json::to_value(PoolJson::from(&st)).unwrap();
+        let f = &v["persist_failure"];
+        assert_eq!(f["txg"], "42");
+        assert_eq!(f["attempts"], "17");
+        assert_eq!(f["since_ms"], "1000");
+        assert_eq!(f["error"], "database or disk is full");
     }
 
     #[test]

@@ -467,19 +467,22 @@ fn retry_block(s: &tonic::Status) -> bool {
 /// allocation's token (it restarted, or the allocator did).
 fn rewrite_elsewhere(s: &tonic::Status) -> bool {
     use tonic::Code;
-    let token_reason = || {
-        use tonic_types::StatusExt;
-        s.get_details_error_info().map(|i| i.reason)
-    };
     match s.code() {
         Code::Unavailable | Code::DeadlineExceeded | Code::Unknown | Code::Cancelled => true,
         Code::Aborted | Code::ResourceExhausted => true,
         Code::PermissionDenied => matches!(
-            token_reason().as_deref(),
+            token_reason(s).as_deref(),
             Some("WRITE_TOKEN_BEFORE_AGENT_START" | "WRITE_TOKEN_OLD_GENERATION")
         ),
         _ => false,
     }
+}
+
+/// The ErrorInfo reason of an agent's refusal (its reasons are strings,
+/// not the allocator's enum).
+fn token_reason(s: &tonic::Status) -> Option<String> {
+    use tonic_types::StatusExt;
+    s.get_details_error_info().map(|i| i.reason)
 }
 
 /// The allocator cannot place anything right now but will (it is down,
@@ -1584,22 +1587,43 @@ async fn verify(
                 for (e, ep) in p.extents.iter().zip(&p.endpoints) {
                     let mut c = sh.agents.get(ep).await?;
                     let deadline = sh.args.timeout.max(Duration::from_secs(30));
-                    let data = tokio::time::timeout(
-                        deadline,
-                        c.read(ReadRequest {
-                            offset: e.offset,
-                            size: e.size,
-                            token: tokens.get(&(e.vdev, e.offset)).cloned().unwrap_or_default(),
-                        }),
-                    )
-                    .await
-                    .map_err(|_| {
-                        anyhow::anyhow!(
-                            "read block {} from vdev {}: no answer in {deadline:?}",
-                            p.block,
-                            e.vdev
+                    let mut token = tokens.get(&(e.vdev, e.offset)).cloned().unwrap_or_default();
+                    let mut asked_again = false;
+                    let data = loop {
+                        let r = tokio::time::timeout(
+                            deadline,
+                            c.read(ReadRequest {
+                                offset: e.offset,
+                                size: e.size,
+                                token: token.clone(),
+                            }),
                         )
-                    })?
+                        .await
+                        .map_err(|_| {
+                            anyhow::anyhow!(
+                                "read block {} from vdev {}: no answer in {deadline:?}",
+                                p.block,
+                                e.vdev
+                            )
+                        })?;
+                        // An agent that restarted since the token was
+                        // granted refuses it (it cannot know what was
+                        // written meanwhile): ask for the block's token again.
+                        match r {
+                            Err(s)
+                                if !asked_again
+                                    && token_reason(&s).as_deref()
+                                        == Some("READ_TOKEN_BEFORE_AGENT_START") =>
+                            {
+                                asked_again = true;
+                                token = client::read_tokens(&sh.alloc, [*e])
+                                    .await?
+                                    .remove(&(e.vdev, e.offset))
+                                    .unwrap_or_default();
+                            }
+                            r => break r,
+                        }
+                    }
                     .map_err(|s| {
                         client::status_msg(
                             &format!("read block {} from vdev {}", p.block, e.vdev),

@@ -125,6 +125,10 @@ pub trait Dialect: Send + Sync + Sized + 'static {
     const LEGACY_EXTENTS: Option<(&'static str, &'static str)>;
     /// Run first in `load`'s transaction (a consistent snapshot).
     const SNAPSHOT: Option<&'static str>;
+    /// Opens a txg's transaction. It must be refused, not nested as a
+    /// SAVEPOINT, on a connection the driver still counts as inside a
+    /// transaction (a plain `BEGIN` there would commit nothing).
+    const BEGIN_TXG: &'static str;
 
     /// Run a statement; rows affected.
     fn exec<'c>(
@@ -154,8 +158,9 @@ pub trait Dialect: Send + Sync + Sized + 'static {
         c: &'c mut Conn<Self>,
         txg: Txg,
     ) -> BoxFuture<'c, Result<(), StoreError>>;
-    /// After a txg's commit.
-    fn after_commit(s: &SqlStore<Self>, txg: Txg) -> BoxFuture<'_, Result<(), StoreError>>;
+    /// After a txg's commit, on the connection that committed it. The txg
+    /// is durable already: an error here only retires the connection.
+    fn after_commit(c: &mut Conn<Self>, txg: Txg) -> BoxFuture<'_, Result<(), StoreError>>;
     /// [`Store::open_generation`].
     fn open_generation(s: &SqlStore<Self>) -> BoxFuture<'_, Result<u64, StoreError>>;
     /// [`Store::fenced`].

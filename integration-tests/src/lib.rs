@@ -38,6 +38,24 @@ pub fn bin(name: &str) -> PathBuf {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let mut cmd = Command::new(cargo);
         cmd.args(["build", "--workspace", "--bins"]);
+        // Cargo gives a test process this package's CARGO_PKG_*,
+        // CARGO_MANIFEST_* & co.; build scripts that rerun when those change
+        // (ring's does) would then be rebuilt here, and again by the next
+        // `cargo test` from a shell, with everything above them: ~1.5 min a
+        // test binary on 2 cores. Build with the invoking shell's view.
+        for (k, _) in std::env::vars_os() {
+            let k = k.to_string_lossy();
+            if k.starts_with("CARGO_PKG_")
+                || k.starts_with("CARGO_MANIFEST_")
+                || k.starts_with("CARGO_CRATE_")
+                || k.starts_with("CARGO_BIN_")
+                || k == "CARGO_PRIMARY_PACKAGE"
+                || k == "CARGO_TARGET_TMPDIR"
+                || k == "OUT_DIR"
+            {
+                cmd.env_remove(k.as_ref());
+            }
+        }
         if !cfg!(debug_assertions) {
             cmd.arg("--release");
         }
@@ -653,5 +671,44 @@ impl Drop for TermOnDrop {
             .args(["-TERM", &self.0.id().to_string()])
             .status();
         let _ = self.0.wait();
+    }
+}
+
+/// A tmpfs of `size` mounted at a directory for the test's life (a really
+/// full file system); unmounted when dropped. Needs root (CAP_SYS_ADMIN):
+/// the test fails, saying so, where it is missing.
+pub struct Tmpfs(pub PathBuf);
+
+impl Tmpfs {
+    pub fn mount(at: &Path, size: &str) -> Tmpfs {
+        std::fs::create_dir_all(at).unwrap();
+        let out = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(at)
+            .output()
+            .expect("run mount");
+        assert!(
+            out.status.success(),
+            "this test fills a real file system: it mounts a small tmpfs, which needs root \
+             (CAP_SYS_ADMIN): {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Tmpfs(at.to_path_buf())
+    }
+
+    pub fn resize(&self, size: &str) {
+        let ok = Command::new("mount")
+            .args(["-o", &format!("remount,size={size}")])
+            .arg(&self.0)
+            .status()
+            .expect("run mount")
+            .success();
+        assert!(ok, "remount {}", self.0.display());
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
     }
 }

@@ -1,20 +1,30 @@
-//! What `aliquotctl up` sets up, the other commands find (issue 31 item 7),
-//! with real processes: `history` reaches the running pool's metrics service
-//! over TLS given its address as printed (any scheme), `verify --data-dir`
-//! takes `up`'s data dir, and after `vdev remove` the removed vdev's agent
-//! stops and `up` says so while the rest of the pool runs on.
+//! What `aliquotctl up` sets up, the other commands find, with real
+//! processes: `history` reaches the running pool's metrics service over TLS
+//! given its address as printed (any scheme), `verify --data-dir` takes
+//! `up`'s data dir, after `vdev remove` the removed vdev's agent stops and
+//! `up` says so while the rest of the pool runs on, and `up` again on the
+//! same data dir leaves the removed vdev out and starts the rest.
 
 use std::io::{BufRead, BufReader};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use integration_tests::{args, bin, ctl, ok_stdout};
+use integration_tests::{TermOnDrop, args, bin, ctl, ok_stdout};
 
-#[test]
-fn history_verify_and_removal_follow_up() {
-    let tmp = tempfile::tempdir().unwrap();
-    let data = tmp.path().join("data");
+/// A running `aliquotctl up`: its banner (stdout up to the LISTEN line),
+/// the allocator's address, and its stderr as it comes.
+struct Up {
+    banner: String,
+    addr: String,
+    errs: Arc<Mutex<String>>,
+    _child: TermOnDrop,
+}
+
+/// `aliquotctl up` on `data`: three 256 MiB file vdevs, ephemeral ports,
+/// fast snapshots and txgs; returns once it printed its LISTEN line.
+fn up(data: &Path) -> Up {
     let mut up = Command::new(bin("aliquotctl"))
         .args(args![
             "up",
@@ -48,10 +58,12 @@ fn history_verify_and_removal_follow_up() {
         });
     }
     let mut lines = BufReader::new(up.stdout.take().unwrap()).lines();
-    let _up = integration_tests::TermOnDrop(up);
+    let child = TermOnDrop(up);
     let mut banner = String::new();
     let addr = loop {
-        let l = lines.next().expect("up ended before LISTEN").unwrap();
+        let Some(Ok(l)) = lines.next() else {
+            panic!("up ended before LISTEN:\n{banner}{}", errs.lock().unwrap());
+        };
         banner.push_str(&l);
         banner.push('\n');
         if let Some(a) = l.strip_prefix("LISTEN grpc ") {
@@ -59,6 +71,24 @@ fn history_verify_and_removal_follow_up() {
         }
     };
     std::thread::spawn(move || lines.for_each(drop));
+    Up {
+        banner,
+        addr,
+        errs,
+        _child: child,
+    }
+}
+
+#[test]
+fn history_verify_and_removal_follow_up() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    let Up {
+        banner,
+        addr,
+        errs,
+        _child: first,
+    } = up(&data);
     // "  metrics    https://127.0.0.1:PORT   charts ...": given as http://,
     // as a user copying the address might.
     let metrics = banner
@@ -161,5 +191,53 @@ fn history_verify_and_removal_follow_up() {
     assert!(
         st.contains("health ONLINE") && !st.contains("file2"),
         "{st}"
+    );
+
+    // The README's flow goes on: stop the pool, `up` again on the same data
+    // dir. The store says file2 was removed: up leaves it out, says so, and
+    // starts the rest.
+    drop(first);
+    let again = up(&data);
+    assert!(
+        again
+            .banner
+            .lines()
+            .any(|l| l.trim_start().starts_with("skipped") && l.contains("file2")),
+        "{}",
+        again.banner
+    );
+    assert!(
+        !again.banner.contains("agent      file2"),
+        "{}",
+        again.banner
+    );
+    let mut a = args!["status", "--json"];
+    a.extend(args![
+        "--allocator",
+        format!("https://{}", again.addr),
+        "--certs-dir",
+        certs.display()
+    ]);
+    let st: serde_json::Value =
+        serde_json::from_str(&ok_stdout(&ctl(&a), "status after up again")).unwrap();
+    let vdevs: Vec<(String, String)> = st["vdevs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| {
+            (
+                v["name"].as_str().unwrap_or_default().to_string(),
+                v["health"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        vdevs,
+        vec![
+            ("file0".to_string(), "healthy".to_string()),
+            ("file1".to_string(), "healthy".to_string())
+        ],
+        "{st}\n{}",
+        again.errs.lock().unwrap()
     );
 }

@@ -143,28 +143,18 @@ impl std::str::FromStr for ChartKind {
     }
 }
 
-/// `2026-12-02 10:04:05`-style UTC parts from unix ms.
-fn civil(ms: i64) -> (i64, u32, u32, u32, u32, u32) {
-    let secs = ms.div_euclid(1000);
-    let days = secs.div_euclid(86_400);
-    let tod = secs.rem_euclid(86_400);
-    // Days since 1970-01-01 to a proleptic Gregorian date (Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    let y = yoe + era * 400 + i64::from(m <= 2);
+/// `2026-12-02 10:04:05`-style UTC parts from unix ms (outside the
+/// calendar's range: the epoch).
+fn civil(ms: i64) -> (i32, u8, u8, u8, u8, u8) {
+    let t = time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000)
+        .unwrap_or(time::OffsetDateTime::UNIX_EPOCH);
     (
-        y,
-        m,
-        d,
-        (tod / 3600) as u32,
-        (tod / 60 % 60) as u32,
-        (tod % 60) as u32,
+        t.year(),
+        u8::from(t.month()),
+        t.day(),
+        t.hour(),
+        t.minute(),
+        t.second(),
     )
 }
 

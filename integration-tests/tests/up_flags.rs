@@ -241,3 +241,90 @@ fn history_verify_and_removal_follow_up() {
         again.errs.lock().unwrap()
     );
 }
+
+/// The README's "add a vdev to the running pool": a certificate from the
+/// pool CA (`certs issue`) and `serve agent` with its nine flags, run from
+/// the directory holding `aliquot-data` as the README does; the vdev joins
+/// the pool healthy.
+#[test]
+fn a_vdev_added_by_hand_as_the_readme_says_joins_the_pool() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("aliquot-data");
+    let pool = up(&data);
+    let url = format!("https://{}", pool.addr);
+    let run = |a: &[&str]| {
+        Command::new(bin("aliquotctl"))
+            .args(a)
+            .current_dir(tmp.path())
+            .env_remove("ALIQUOT_ALLOCATOR")
+            .env_remove("ALIQUOT_INSECURE")
+            .output()
+            .expect("run aliquotctl")
+    };
+    ok_stdout(
+        &run(&[
+            "certs",
+            "issue",
+            "--dir",
+            "aliquot-data/certs",
+            "--role",
+            "agent",
+            "file3",
+        ]),
+        "certs issue --role agent file3",
+    );
+    let log = std::fs::File::create(tmp.path().join("file3.log")).unwrap();
+    let agent = Command::new(bin("aliquotctl"))
+        .args([
+            "serve",
+            "agent",
+            "--allocator",
+            &url,
+            "--listen",
+            "127.0.0.1:0",
+            "--name",
+            "file3",
+            "--backend",
+            "file",
+            "--path",
+            "aliquot-data/vdevs/file3.img",
+            "--capacity",
+            "256MiB",
+            "--tls-ca",
+            "aliquot-data/certs/ca.pem",
+            "--tls-cert",
+            "aliquot-data/certs/agent-file3.pem",
+            "--tls-key",
+            "aliquot-data/certs/agent-file3.key",
+            "--token-key",
+            "aliquot-data/certs",
+        ])
+        .current_dir(tmp.path())
+        .env_remove("ALIQUOT_INSECURE")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("serve agent");
+    let _agent = TermOnDrop(agent);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let o = run(&["status", "--json", "--allocator", &url]);
+        let st: serde_json::Value =
+            serde_json::from_slice(&o.stdout).unwrap_or(serde_json::Value::Null);
+        let joined = st["vdevs"].as_array().is_some_and(|v| {
+            v.iter()
+                .any(|v| v["name"] == "file3" && v["health"] == "healthy")
+        });
+        if joined {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "file3 did not join: {st}\n{}\nagent log:\n{}",
+            String::from_utf8_lossy(&o.stderr),
+            std::fs::read_to_string(tmp.path().join("file3.log")).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}

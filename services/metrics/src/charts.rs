@@ -261,7 +261,13 @@ fn draw<'a>(chart: &Chart, buf: &'a mut String) -> Result<(), Box<dyn std::error
     };
     // The axis counts ticks (0..=n, plotters labels each integer); a value
     // is drawn at value / step and labelled step × tick.
-    let (step, n) = y_ticks(chart.unit, (ymax * 1.1).max(floor));
+    // Headroom above the highest point, but a fraction never past 100 %
+    // (a used fraction cannot be more).
+    let top = match chart.unit {
+        YUnit::Fraction => (ymax * 1.1).min(1.0),
+        _ => ymax * 1.1,
+    };
+    let (step, n) = y_ticks(chart.unit, top.max(floor));
     let y1 = n as f64;
 
     let root = SVGBackend::with_string(buf, (chart.width, chart.height)).into_drawing_area();
@@ -346,6 +352,9 @@ mod tests {
         assert_eq!(format_y(YUnit::BytesPerSec, 2.0 * step), "32.0M/s");
         let (step, n) = y_ticks(YUnit::Fraction, 0.47);
         assert!((step - 0.1).abs() < 1e-9 && n == 5, "{step} {n}");
+        // A full vdev's 98 %: the axis ends at 100 %, not 120 %.
+        let (step, n) = y_ticks(YUnit::Fraction, (0.98f64 * 1.1).min(1.0));
+        assert!((step * n as f64 - 1.0).abs() < 1e-9, "{step} {n}");
         // Drawn: the ticks are the labels.
         let chart = Chart {
             title: "t".into(),

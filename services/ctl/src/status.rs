@@ -293,6 +293,18 @@ pub fn render_table(st: &PoolStatus) -> String {
     render_table_with(st, Style::default())
 }
 
+/// Freed bytes still counted in ALLOC (deferred frees): a `free` is not
+/// seen as missing while they wait out their two txgs.
+pub fn deferred_note(st: &PoolStatus, style: Style) -> Option<String> {
+    let d: u64 = st.classes.iter().map(|c| c.deferred).sum();
+    (d > 0).then(|| {
+        format!(
+            "frees deferred: {} of ALLOC is freed and reusable once 2 more txgs have synced",
+            style.size(d)
+        )
+    })
+}
+
 /// Vdevs whose fill runs more than `style.warn_ahead` points above their
 /// class's: the ones a balancer (or the operator) should look at first.
 pub fn ahead_warnings(st: &PoolStatus, style: Style) -> Vec<String> {
@@ -477,6 +489,9 @@ pub fn render_table_with(st: &PoolStatus, style: Style) -> String {
     for w in ahead_warnings(st, style) {
         let _ = writeln!(out, "{w}");
     }
+    if let Some(d) = deferred_note(st, style) {
+        let _ = writeln!(out, "{d}");
+    }
     out.push('\n');
     out.push_str(&layout(&VDEV_HEADER, &rows));
     for c in &st.classes {
@@ -652,6 +667,9 @@ pub struct ClassJson {
     pub alloc_max: u64,
     #[serde(serialize_with = "as_string")]
     pub alloc_io_size: u64,
+    /// Of alloc: freed, reusable once 2 more txgs have synced.
+    #[serde(serialize_with = "as_string")]
+    pub deferred: u64,
     pub busy: bool,
     pub waiting: u32,
     #[serde(serialize_with = "as_string")]
@@ -780,6 +798,7 @@ fn class_json(st: &PoolStatus, c: &ClassStatus) -> ClassJson {
         reserved: c.reserved,
         alloc_max: c.alloc_max,
         alloc_io_size: c.alloc_io_size,
+        deferred: c.deferred,
         busy: c.busy,
         waiting: c.waiting,
         waiting_bytes: c.waiting_bytes,
@@ -922,6 +941,7 @@ mod tests {
                     groups,
                     fragmentation: 3,
                     balance_score: 0.091,
+                    deferred: 0,
                 },
                 ClassStatus {
                     name: "log".into(),
@@ -940,6 +960,20 @@ mod tests {
             claim_window_remaining_ms: 0,
             max_lease_ms: 300_000,
         }
+    }
+
+    #[test]
+    fn deferred_frees_are_said() {
+        let mut st = sample();
+        assert!(!render_table(&st).contains("frees deferred"));
+        st.classes[0].deferred = 100 * MIB;
+        let t = render_table(&st);
+        assert!(
+            t.contains("frees deferred: 100M of ALLOC is freed and reusable once 2 more txgs"),
+            "{t}"
+        );
+        let j = serde_json::to_value(PoolJson::from(&st)).unwrap();
+        assert_eq!(j["classes"][0]["deferred"], "104857600");
     }
 
     #[test]

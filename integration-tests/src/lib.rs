@@ -38,6 +38,24 @@ pub fn bin(name: &str) -> PathBuf {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let mut cmd = Command::new(cargo);
         cmd.args(["build", "--workspace", "--bins"]);
+        // Cargo gives a test process this package's CARGO_PKG_*,
+        // CARGO_MANIFEST_* & co.; build scripts that rerun when those change
+        // (ring's does) would then be rebuilt here, and again by the next
+        // `cargo test` from a shell, with everything above them: ~1.5 min a
+        // test binary on 2 cores. Build with the invoking shell's view.
+        for (k, _) in std::env::vars_os() {
+            let k = k.to_string_lossy();
+            if k.starts_with("CARGO_PKG_")
+                || k.starts_with("CARGO_MANIFEST_")
+                || k.starts_with("CARGO_CRATE_")
+                || k.starts_with("CARGO_BIN_")
+                || k == "CARGO_PRIMARY_PACKAGE"
+                || k == "CARGO_TARGET_TMPDIR"
+                || k == "OUT_DIR"
+            {
+                cmd.env_remove(k.as_ref());
+            }
+        }
         if !cfg!(debug_assertions) {
             cmd.arg("--release");
         }

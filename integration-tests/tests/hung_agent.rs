@@ -128,3 +128,112 @@ async fn sigstopped_agent_stalls_writes_at_most_the_deadline() {
         "writes stalled {max_stall:?} with a {TIMEOUT:?} deadline"
     );
 }
+
+/// A read-back is not a hang: `write --verify` on an idle pool of slow
+/// (simulated, 16 MiB/s) devices keeps reads queued at each device for
+/// many report intervals while no write arrives, and no vdev may be
+/// marked stalled for it (no `vdev_stalled` event reaches the metrics
+/// service, no warning in the allocator's log).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_back_marks_no_vdev_stalled() {
+    use pb::metrics_client::MetricsClient;
+    let dir = tempfile::tempdir().unwrap();
+    let met = integration_tests::metrics_service(dir.path());
+    let mut pool = FilePool::start(
+        dir.path(),
+        &args![
+            "--report-interval",
+            "100ms",
+            "--metrics",
+            met.url("grpc"),
+            "--snapshot-interval",
+            "200ms"
+        ],
+    );
+    for (i, name) in ["sim0", "sim1"].iter().enumerate() {
+        pool.add_sim_agent(
+            name,
+            0x51_0000 + i as u64,
+            &args!["--capacity", "256MiB", "--bandwidth", "16MiB/s"],
+        );
+    }
+    wait_allocatable(pool.url.clone(), 2).await;
+    let url = pool.url.clone();
+    let out = tokio::task::spawn_blocking(move || {
+        integration_tests::ctl(&args![
+            "write",
+            "--allocator",
+            url,
+            "--total",
+            "32MiB",
+            "--block-size",
+            "1MiB",
+            "--concurrency",
+            "16",
+            "--verify",
+            "--no-manifest",
+            "--json",
+            "--no-progress"
+        ])
+    })
+    .await
+    .unwrap();
+    let text = integration_tests::ok_stdout(&out, "write --verify");
+    let r: serde_json::Value = serde_json::from_str(&text).expect("json report");
+    assert_eq!(r["verified_blocks"], 32, "{text}");
+    // The read-back took many report intervals, or this proves nothing.
+    let verify_secs = r["verify_secs"].as_f64().unwrap();
+    assert!(verify_secs > 0.5, "verify took only {verify_secs} s");
+    let ended = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    // Every report of the read-back has been judged and its events sent:
+    // wait for snapshots well past its end.
+    let mut m = MetricsClient::new(integration_tests::lazy_channel(&met.url("grpc")));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let s = m
+            .summary(pb::SummaryRequest {
+                pool: "aliquot".into(),
+            })
+            .await
+            .map(|r| r.into_inner());
+        if let Ok(s) = &s
+            && s.pools.first().is_some_and(|p| p.last_ms > ended + 1000)
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no snapshot after the write: {s:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let h = m
+        .history(pb::HistoryRequest {
+            pool: "aliquot".into(),
+            max_points: 10,
+            ..Default::default()
+        })
+        .await
+        .expect("history")
+        .into_inner();
+    let stalled: Vec<&pb::PoolEvent> = h
+        .events
+        .iter()
+        .filter(|e| e.kind == "vdev_stalled")
+        .collect();
+    assert!(
+        stalled.is_empty(),
+        "a read-back marked vdevs stalled: {stalled:?}"
+    );
+    let log = std::fs::read_to_string(&pool.alloc.log).unwrap();
+    assert!(
+        !log.contains("stalled:"),
+        "allocator log:\n{}",
+        pool.alloc.log_tail()
+    );
+    drop(pool);
+    drop(met);
+}

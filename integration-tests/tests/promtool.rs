@@ -262,3 +262,139 @@ fn every_endpoint_passes_promtool_and_negotiates_openmetrics() {
     ok_stdout(&o, "promtool check config");
     drop(agents);
 }
+
+/// The samples of `name` in a 0.0.4 text body: (labels as `{...}`, value).
+fn samples<'a>(body: &'a str, name: &str) -> Vec<(&'a str, &'a str)> {
+    body.lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix(name)?;
+            let (labels, value) = rest.rsplit_once(' ')?;
+            labels.starts_with('{').then_some((labels, value))
+        })
+        .collect()
+}
+
+/// A sample's value is 1 (the encoder writes `1.0`).
+fn one(v: &str) -> bool {
+    v.parse::<f64>() == Ok(1.0)
+}
+
+/// A vdev set offline is exported as OFFLINE (its pool DEGRADED), and the
+/// shipped `AliquotVdevNotOnline` fires on the series as scraped; a class
+/// the throttle does not bound has no `aliquot_class_limit_bytes` sample,
+/// a throttled one has, and promtool still passes the body.
+#[test]
+fn an_offline_vdev_is_offline_to_prometheus_and_unthrottled_classes_have_no_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let met = metrics_service(dir.path());
+    // Enough metaslabs for an embedded log class of some space, as `up`
+    // asks (the class the throttle does not bound).
+    let mut pool = FilePool::start(
+        dir.path(),
+        &args![
+            "--metrics",
+            met.url("grpc"),
+            "--snapshot-interval",
+            "200ms",
+            "--tunable",
+            "zfs_vdev_min_ms_count=128"
+        ],
+    );
+    pool.add_agent("256MiB");
+    pool.add_agent("256MiB");
+    let first = pool.ok(&args!["vdev", "offline", "file1"]);
+    assert!(first.contains("is offline"), "{first}");
+    // Twice: says it was already.
+    let again = pool.ok(&args!["vdev", "offline", "file1"]);
+    assert!(again.contains("file1 (1) is already offline"), "{again}");
+    let url = format!("http://{}/metrics", met.addr("http"));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let body = loop {
+        let (_, body) = scrape(&url, None);
+        if samples(&body, "aliquot_vdev_health")
+            .iter()
+            .any(|(l, v)| l.contains("name=\"file1\"") && l.contains("state=\"OFFLINE\"") && one(v))
+        {
+            break body;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "file1 never exported OFFLINE:\n{body}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let health = samples(&body, "aliquot_vdev_health");
+    let on = |name: &str| -> Vec<&str> {
+        health
+            .iter()
+            .filter(|(l, v)| l.contains(&format!("name=\"{name}\"")) && one(v))
+            .map(|(l, _)| *l)
+            .collect()
+    };
+    assert_eq!(on("file1").len(), 1, "one state at a time: {health:?}");
+    assert!(on("file0")[0].contains("state=\"ONLINE\""), "{health:?}");
+    let pool_state: Vec<(&str, &str)> = samples(&body, "aliquot_pool_health")
+        .into_iter()
+        .filter(|(_, v)| one(v))
+        .collect();
+    assert_eq!(pool_state.len(), 1, "{body}");
+    assert!(pool_state[0].0.contains("state=\"DEGRADED\""), "{body}");
+
+    // The shipped rule fires on these series (as scraped, held for 10 min).
+    let mut series = String::new();
+    for (labels, value) in &health {
+        series.push_str(&format!(
+            "      - series: 'aliquot_vdev_health{labels}'\n        values: '{value}x10'\n"
+        ));
+    }
+    let rules = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/prometheus-rules.yml");
+    let file1 = on("file1")[0];
+    let vdev = file1
+        .split("vdev=\"")
+        .nth(1)
+        .and_then(|r| r.split('"').next())
+        .expect("vdev label");
+    let test = format!(
+        "rule_files:\n  - {}\nevaluation_interval: 1m\ntests:\n  - interval: 1m\n    input_series:\n{series}    \
+         alert_rule_test:\n      - eval_time: 5m\n        alertname: AliquotVdevNotOnline\n        exp_alerts:\n          \
+         - exp_labels:\n              severity: critical\n              pool: aliquot\n              vdev: \"{vdev}\"\n              \
+         name: file1\n              state: ONLINE\n            exp_annotations:\n              summary: \"vdev file1 ({vdev}) \
+         of pool aliquot is not ONLINE\"\n              description: \"aliquotctl status shows its state and why; the agent's \
+         log says more.\"\n",
+        rules.canonicalize().unwrap().display()
+    );
+    let test_file = dir.path().join("offline.test.yml");
+    std::fs::write(&test_file, &test).unwrap();
+    let o = Command::new(promtool())
+        .args(["test", "rules"])
+        .arg(&test_file)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "promtool test rules on the scraped series:\n{test}\n{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+
+    // Class limits: a sample exactly for the classes the throttle bounds.
+    let st = pool.status();
+    let limits = samples(&body, "aliquot_class_limit_bytes");
+    let mut unthrottled = 0;
+    for c in st["classes"].as_array().expect("classes") {
+        let name = c["name"].as_str().unwrap();
+        let throttled = c["throttle_enabled"].as_bool().unwrap_or(false);
+        unthrottled += usize::from(!throttled);
+        let has = limits
+            .iter()
+            .any(|(l, _)| l.contains(&format!("class=\"{name}\"")));
+        assert_eq!(
+            has, throttled,
+            "class {name} (throttle {throttled}): limit samples {limits:?}"
+        );
+    }
+    assert!(unthrottled > 0, "no unthrottled class to check: {st}");
+    let (ok, said) = check_metrics(&body);
+    assert!(ok && said.trim().is_empty(), "promtool: {said}");
+    drop(pool);
+}

@@ -46,6 +46,24 @@ for b in blocks:
 freed_txg = pool.free(blocks[:1])
 pool.sync_txg(freed_txg)
 
+# The asyncio API writes, reads back and frees too (its blocks leave the
+# pool's accounting as they came).
+import asyncio
+from aliquot_client import AsyncPool, Block
+
+async def aio():
+    async with AsyncPool(allocator, tls=Tls.in_dir(certs, role="client", name="pytest")) as ap:
+        bs = await asyncio.gather(*(ap.write_block(bytes([i]) * 8192) for i in range(4)))
+        for i, b in enumerate(bs):
+            assert await ap.read_block(Block.from_json(b.to_json())) == bytes([i]) * 8192, i
+        t = await ap.free(bs)
+        assert t >= max(b.txg for b in bs), (t, [b.txg for b in bs])
+        await ap.sync_txg(t)
+        # Past the frees' deferral (two more txgs): the pool holds none of it.
+        for _ in range(3):
+            await ap.sync_txg()
+asyncio.run(aio())
+
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )

@@ -795,6 +795,28 @@ fn up_is_tls_by_default_and_status_works() {
         !o.status.success() && err.contains("aliquotctl up"),
         "{err}"
     );
+    // Another pool's certificates: said as such, naming the CA tried.
+    let other = dir.path().join("other");
+    let ca = PoolCa::init(&other, "other").unwrap();
+    ca.ensure_issued(Role::Admin, aliquot_auth::client::OPERATOR, &[])
+        .unwrap();
+    let o = ctl(&args![
+        "status",
+        "--allocator",
+        addr,
+        "--certs-dir",
+        other.display()
+    ]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success()
+            && err.contains(&format!(
+                "the server's certificate is not signed by {}",
+                other.join("ca.pem").display()
+            ))
+            && err.contains("another pool? give --certs-dir"),
+        "{err}"
+    );
 }
 
 /// Issue 27, item 7: a client holds at most --max-leased-per-client bytes

@@ -651,3 +651,107 @@ async fn allocate_stream_carries_the_trace_context() {
     pool.allocator.kill();
     pool.metrics.kill();
 }
+
+/// `write --verify`: the read-back is part of the command, so every agent
+/// Read it makes is in the command's trace, under its `aliquotctl.verify`
+/// span, not a root trace of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verify_reads_are_in_the_commands_trace() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let sink = TraceSink::new();
+    let endpoint = sink.spawn_local().await.expect("receiver");
+    let mut pool = start_pool(dir.path(), &endpoint, 2).await;
+    let out = Command::new(bin(CTL))
+        .env(integration_tests::INSECURE_ENV, "1")
+        .args(args![
+            "write",
+            "--allocator",
+            pool.allocator.url("grpc"),
+            "--total",
+            "512KiB",
+            "--block-size",
+            "64KiB",
+            "--concurrency",
+            "4",
+            "--verify",
+            "--no-manifest",
+            "--no-progress"
+        ])
+        .envs(otel_env(&endpoint, 200))
+        .output()
+        .expect("run aliquotctl write --verify");
+    assert!(
+        out.status.success(),
+        "aliquotctl write --verify failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    const READS: usize = 8;
+    let reads = |spans: &[SpanRecord]| {
+        spans
+            .iter()
+            .filter(|s| s.service == AGENT && s.name == "/aliquot.v1.VdevAgent/Read")
+            .count()
+    };
+    let arrived = sink
+        .wait_until(Duration::from_secs(30), |spans| {
+            reads(spans) >= READS
+                && spans
+                    .iter()
+                    .any(|s| s.service == CTL && s.name == "aliquotctl.write")
+        })
+        .await;
+    let spans = sink.spans();
+    assert!(
+        arrived,
+        "the write's root and {READS} agent Read spans did not arrive within 30 s; got:\n{}",
+        describe(&spans)
+    );
+    let root = spans
+        .iter()
+        .find(|s| s.service == CTL && s.name == "aliquotctl.write")
+        .expect("root");
+    let trace = sink.trace(&root.trace_id);
+    let ids = by_id(&trace);
+    let verify = trace
+        .iter()
+        .find(|s| s.service == CTL && s.name == "aliquotctl.verify")
+        .unwrap_or_else(|| {
+            panic!(
+                "no aliquotctl.verify in the write's trace:\n{}",
+                describe(&trace)
+            )
+        });
+    let in_trace: Vec<&SpanRecord> = trace
+        .iter()
+        .filter(|s| s.service == AGENT && s.name == "/aliquot.v1.VdevAgent/Read")
+        .collect();
+    let orphans = spans
+        .iter()
+        .filter(|s| {
+            s.service == AGENT
+                && s.name == "/aliquot.v1.VdevAgent/Read"
+                && s.trace_id != root.trace_id
+        })
+        .count();
+    assert!(
+        orphans == 0 && in_trace.len() >= READS,
+        "{orphans} agent Reads outside the write's trace, {} in it:\n{}",
+        in_trace.len(),
+        describe(&spans)
+    );
+    for r in in_trace {
+        assert!(
+            ancestors(r, &ids)
+                .iter()
+                .any(|a| a.span_id == verify.span_id),
+            "a Read does not descend from aliquotctl.verify:\n{}",
+            describe(&trace)
+        );
+    }
+    for a in &mut pool.agents {
+        a.kill();
+    }
+    pool.allocator.kill();
+    pool.metrics.kill();
+}

@@ -1,20 +1,30 @@
-//! What `aliquotctl up` sets up, the other commands find (issue 31 item 7),
-//! with real processes: `history` reaches the running pool's metrics service
-//! over TLS given its address as printed (any scheme), `verify --data-dir`
-//! takes `up`'s data dir, and after `vdev remove` the removed vdev's agent
-//! stops and `up` says so while the rest of the pool runs on.
+//! What `aliquotctl up` sets up, the other commands find, with real
+//! processes: `history` reaches the running pool's metrics service over TLS
+//! given its address as printed (any scheme), `verify --data-dir` takes
+//! `up`'s data dir, after `vdev remove` the removed vdev's agent stops and
+//! `up` says so while the rest of the pool runs on, and `up` again on the
+//! same data dir leaves the removed vdev out and starts the rest.
 
 use std::io::{BufRead, BufReader};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use integration_tests::{args, bin, ctl, ok_stdout};
+use integration_tests::{TermOnDrop, args, bin, ctl, ok_stdout};
 
-#[test]
-fn history_verify_and_removal_follow_up() {
-    let tmp = tempfile::tempdir().unwrap();
-    let data = tmp.path().join("data");
+/// A running `aliquotctl up`: its banner (stdout up to the LISTEN line),
+/// the allocator's address, and its stderr as it comes.
+struct Up {
+    banner: String,
+    addr: String,
+    errs: Arc<Mutex<String>>,
+    _child: TermOnDrop,
+}
+
+/// `aliquotctl up` on `data`: three 256 MiB file vdevs, ephemeral ports,
+/// fast snapshots and txgs; returns once it printed its LISTEN line.
+fn up(data: &Path) -> Up {
     let mut up = Command::new(bin("aliquotctl"))
         .args(args![
             "up",
@@ -48,10 +58,12 @@ fn history_verify_and_removal_follow_up() {
         });
     }
     let mut lines = BufReader::new(up.stdout.take().unwrap()).lines();
-    let _up = integration_tests::TermOnDrop(up);
+    let child = TermOnDrop(up);
     let mut banner = String::new();
     let addr = loop {
-        let l = lines.next().expect("up ended before LISTEN").unwrap();
+        let Some(Ok(l)) = lines.next() else {
+            panic!("up ended before LISTEN:\n{banner}{}", errs.lock().unwrap());
+        };
         banner.push_str(&l);
         banner.push('\n');
         if let Some(a) = l.strip_prefix("LISTEN grpc ") {
@@ -59,6 +71,24 @@ fn history_verify_and_removal_follow_up() {
         }
     };
     std::thread::spawn(move || lines.for_each(drop));
+    Up {
+        banner,
+        addr,
+        errs,
+        _child: child,
+    }
+}
+
+#[test]
+fn history_verify_and_removal_follow_up() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("data");
+    let Up {
+        banner,
+        addr,
+        errs,
+        _child: first,
+    } = up(&data);
     // "  metrics    https://127.0.0.1:PORT   charts ...": given as http://,
     // as a user copying the address might.
     let metrics = banner
@@ -162,4 +192,139 @@ fn history_verify_and_removal_follow_up() {
         st.contains("health ONLINE") && !st.contains("file2"),
         "{st}"
     );
+
+    // The README's flow goes on: stop the pool, `up` again on the same data
+    // dir. The store says file2 was removed: up leaves it out, says so, and
+    // starts the rest.
+    drop(first);
+    let again = up(&data);
+    assert!(
+        again
+            .banner
+            .lines()
+            .any(|l| l.trim_start().starts_with("skipped") && l.contains("file2")),
+        "{}",
+        again.banner
+    );
+    assert!(
+        !again.banner.contains("agent      file2"),
+        "{}",
+        again.banner
+    );
+    let mut a = args!["status", "--json"];
+    a.extend(args![
+        "--allocator",
+        format!("https://{}", again.addr),
+        "--certs-dir",
+        certs.display()
+    ]);
+    let st: serde_json::Value =
+        serde_json::from_str(&ok_stdout(&ctl(&a), "status after up again")).unwrap();
+    let vdevs: Vec<(String, String)> = st["vdevs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| {
+            (
+                v["name"].as_str().unwrap_or_default().to_string(),
+                v["health"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        vdevs,
+        vec![
+            ("file0".to_string(), "healthy".to_string()),
+            ("file1".to_string(), "healthy".to_string())
+        ],
+        "{st}\n{}",
+        again.errs.lock().unwrap()
+    );
+}
+
+/// The README's "add a vdev to the running pool": a certificate from the
+/// pool CA (`certs issue`) and `serve agent` with its nine flags, run from
+/// the directory holding `aliquot-data` as the README does; the vdev joins
+/// the pool healthy.
+#[test]
+fn a_vdev_added_by_hand_as_the_readme_says_joins_the_pool() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("aliquot-data");
+    let pool = up(&data);
+    let url = format!("https://{}", pool.addr);
+    let run = |a: &[&str]| {
+        Command::new(bin("aliquotctl"))
+            .args(a)
+            .current_dir(tmp.path())
+            .env_remove("ALIQUOT_ALLOCATOR")
+            .env_remove("ALIQUOT_INSECURE")
+            .output()
+            .expect("run aliquotctl")
+    };
+    ok_stdout(
+        &run(&[
+            "certs",
+            "issue",
+            "--dir",
+            "aliquot-data/certs",
+            "--role",
+            "agent",
+            "file3",
+        ]),
+        "certs issue --role agent file3",
+    );
+    let log = std::fs::File::create(tmp.path().join("file3.log")).unwrap();
+    let agent = Command::new(bin("aliquotctl"))
+        .args([
+            "serve",
+            "agent",
+            "--allocator",
+            &url,
+            "--listen",
+            "127.0.0.1:0",
+            "--name",
+            "file3",
+            "--backend",
+            "file",
+            "--path",
+            "aliquot-data/vdevs/file3.img",
+            "--capacity",
+            "256MiB",
+            "--tls-ca",
+            "aliquot-data/certs/ca.pem",
+            "--tls-cert",
+            "aliquot-data/certs/agent-file3.pem",
+            "--tls-key",
+            "aliquot-data/certs/agent-file3.key",
+            "--token-key",
+            "aliquot-data/certs",
+        ])
+        .current_dir(tmp.path())
+        .env_remove("ALIQUOT_INSECURE")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("serve agent");
+    let _agent = TermOnDrop(agent);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let o = run(&["status", "--json", "--allocator", &url]);
+        let st: serde_json::Value =
+            serde_json::from_slice(&o.stdout).unwrap_or(serde_json::Value::Null);
+        let joined = st["vdevs"].as_array().is_some_and(|v| {
+            v.iter()
+                .any(|v| v["name"] == "file3" && v["health"] == "healthy")
+        });
+        if joined {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "file3 did not join: {st}\n{}\nagent log:\n{}",
+            String::from_utf8_lossy(&o.stderr),
+            std::fs::read_to_string(tmp.path().join("file3.log")).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
 }

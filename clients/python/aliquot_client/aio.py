@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import grpc
 
 from aliquot.v1 import agent_pb2, agent_pb2_grpc, allocator_pb2, allocator_pb2_grpc
 
-from .pool import _OPTIONS, _TRANSIENT, AliquotError, Block, ErrorReason, Tls, _target
+from .pool import _OPTIONS, _TRANSIENT, AliquotError, Block, ErrorReason, Tls, Txg, _target
 
 
 class AsyncPool:
@@ -84,6 +84,31 @@ class AsyncPool:
 
     async def get_pool(self) -> allocator_pb2.PoolStatus:
         return await self._repeat("get pool", "GetPool", allocator_pb2.GetPoolRequest())
+
+    async def free(self, blocks: Sequence[Block]) -> Txg:
+        """Free blocks' extents, as `Pool.free`: the txg the frees belong to
+        (an int that also carries the allocator generation it belongs to)."""
+        extents = [e for b in blocks for e in b.extents]
+        # The allocator takes at most 4096 extents per Free.
+        txg, generation = 0, 0
+        for i in range(0, len(extents), 4096):
+            r = await self._repeat(
+                "free", "Free", allocator_pb2.FreeRequest(extents=extents[i : i + 4096])
+            )
+            txg, generation = max(txg, r.txg), r.generation
+        return Txg(txg, generation)
+
+    async def sync_txg(self, txg: int = 0, generation: int = 0) -> int:
+        """Wait until `txg` (0: the open one) has synced, as `Pool.sync_txg`
+        (a `Txg` from `free` carries its generation); the synced txg."""
+        if not generation:
+            generation = getattr(txg, "generation", 0)
+        r = await self._repeat(
+            "sync txg",
+            "SyncTxg",
+            allocator_pb2.SyncTxgRequest(txg=int(txg), generation=generation),
+        )
+        return r.synced_txg
 
     async def write_block(self, data: bytes, copies: int = 1, durable: bool = True) -> Block:
         """Allocate, write each copy, flush those agents, commit (with

@@ -87,7 +87,7 @@ impl ListenLimits {
 #[derive(Clone, Debug, Default, clap::Args)]
 pub struct ListenArgs {
     /// A TLS handshake not finished within this is dropped (default 10s).
-    #[arg(long, env = "ALIQUOT_HANDSHAKE_TIMEOUT", value_parser = parse_duration)]
+    #[arg(long, env = "ALIQUOT_HANDSHAKE_TIMEOUT", value_parser = units::duration_arg)]
     pub handshake_timeout: Option<Duration>,
     /// TLS handshakes in progress at once; connections beyond are closed
     /// (default 256).
@@ -125,24 +125,6 @@ impl ListenArgs {
         }
         l
     }
-}
-
-/// `10s`, `500ms`, `2m`, or bare seconds.
-fn parse_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    let (num, unit) = s
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .map_or((s, "s"), |i| s.split_at(i));
-    let v: f64 = num
-        .parse()
-        .map_err(|_| format!("{s:?}: a duration such as 10s or 500ms"))?;
-    let secs = match unit.trim() {
-        "ms" => v / 1000.0,
-        "s" => v,
-        "m" => v * 60.0,
-        _ => return Err(format!("{s:?}: a duration such as 10s or 500ms")),
-    };
-    Duration::try_from_secs_f64(secs).map_err(|e| format!("{s:?}: {e}"))
 }
 
 /// Raise RLIMIT_NOFILE's soft limit to its hard limit; returns both after.
@@ -554,3 +536,32 @@ macro_rules! delegate_io {
 
 delegate_io!(Conn, conn_io);
 delegate_io!(Counted, counted_io);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Flags {
+        #[command(flatten)]
+        listen: ListenArgs,
+    }
+
+    #[test]
+    fn the_handshake_timeout_takes_every_duration_other_flags_take() {
+        for (s, secs) in [
+            ("2min", 120.0),
+            ("2m", 120.0),
+            ("1.5s", 1.5),
+            ("500ms", 0.5),
+        ] {
+            let f = Flags::try_parse_from(["x", "--handshake-timeout", s]).unwrap();
+            assert_eq!(
+                f.listen.limits().handshake_timeout,
+                Duration::from_secs_f64(secs),
+                "{s}"
+            );
+        }
+    }
+}

@@ -162,6 +162,7 @@ pub fn pool_status(shared: &Shared, g: &Inner) -> pb::PoolStatus {
             throttle_enabled: c.throttle_enabled,
             fragmentation: frag(c.fragmentation),
             balance_score: c.balance_score(),
+            deferred: c.deferred,
             groups: c
                 .groups
                 .iter()

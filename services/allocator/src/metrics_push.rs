@@ -64,6 +64,7 @@ pub fn snapshot(shared: &Shared, g: &mut Inner) -> pb::PoolSnapshot {
                 latency_p50_us: last.map_or(0, |r| r.latency_p50_us),
                 latency_p99_us: last.map_or(0, |r| r.latency_p99_us),
                 health: convert::health_to_pb(m.health) as i32,
+                offline: !m.online,
             });
         }
     }
@@ -77,6 +78,7 @@ pub fn snapshot(shared: &Shared, g: &mut Inner) -> pb::PoolSnapshot {
             busy: c.busy,
             waiting: c.waiting,
             waiting_bytes: c.waiting_bytes,
+            throttle_enabled: c.throttle_enabled,
         })
         .collect();
     pb::PoolSnapshot {

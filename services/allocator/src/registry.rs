@@ -180,9 +180,11 @@ fn validate_registration(r: &pb::RegisterRequest) -> Result<()> {
     Ok(())
 }
 
-/// Reports that show writes queued at the device but none completing for
-/// `STALLED_REPORTS` reports in a row: the agent's device is hung. The
-/// vdev stops taking allocations (health Unavailable) until it drains.
+/// Reports that show I/Os queued at the device but none completing (no
+/// write, no read, not even a failed one) for `STALLED_REPORTS` reports in
+/// a row: the agent's device is hung. The vdev stops taking allocations
+/// (health Unavailable) until it drains. A device serving reads is not
+/// hung, even while no write arrives (a read-back, a verify).
 pub const STALLED_REPORTS: u32 = 2;
 
 fn stall_check(g: &mut Inner, id: VdevId) {
@@ -194,7 +196,10 @@ fn stall_check(g: &mut Inner, id: VdevId) {
     };
     let stuck = last.queue_depth_ios > 0
         && last.writes == prev.writes
-        && last.bytes_written == prev.bytes_written;
+        && last.bytes_written == prev.bytes_written
+        && last.bytes_read == prev.bytes_read
+        && last.write_errors == prev.write_errors
+        && last.read_errors == prev.read_errors;
     if stuck {
         info.stalled_reports += 1;
     } else {
@@ -207,6 +212,8 @@ fn stall_check(g: &mut Inner, id: VdevId) {
     let stalled = hung || full;
     let health = info.reported_health;
     let depth = last.queue_depth_ios;
+    // Logs name the vdev as operators see it: `file2 (2)`.
+    let label = format!("{} ({id})", info.name);
     if stalled && !info.stalled {
         info.stalled = true;
         let why = info.unavailable_reason().unwrap_or_default();
@@ -214,15 +221,13 @@ fn stall_check(g: &mut Inner, id: VdevId) {
         if full {
             g.event("vdev_full", id, why);
             tracing::warn!(
-                vdev = id,
-                "vdev out of space: a write met ENOSPC; not allocating there until the agent has room"
+                "vdev {label} out of space: a write met ENOSPC; not allocating there until the agent has room"
             );
         } else {
             g.event("vdev_stalled", id, why);
             tracing::warn!(
-                vdev = id,
                 queued = depth,
-                "vdev stalled: its queue is not draining; not allocating there"
+                "vdev {label} stalled: {depth} I/Os queued at its device, none completing; not allocating there"
             );
         }
     } else if !stalled && info.stalled {
@@ -234,7 +239,7 @@ fn stall_check(g: &mut Inner, id: VdevId) {
             id,
             "queue draining again, with room on its device".into(),
         );
-        tracing::info!(vdev = id, "vdev writable again");
+        tracing::info!("vdev {label} writable again");
     }
 }
 

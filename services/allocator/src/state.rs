@@ -76,7 +76,7 @@ impl VdevInfo {
             "its device's file system is full (ENOSPC)".into()
         } else {
             format!(
-                "{} writes queued at its device, none completing for {} reports (hung)",
+                "{} I/Os queued at its device, none completing (no write, no read) for {} reports (hung)",
                 last.map_or(0, |r| r.queue_depth_ios),
                 self.stalled_reports
             )

@@ -268,6 +268,13 @@ pub async fn vdev(args: VdevArgs) -> anyhow::Result<()> {
         }
     };
     let what = if online { "online" } else { "offline" };
+    // Setting the state it is in changes nothing: say so (as `zpool
+    // offline` of an offline device would).
+    let already = pool
+        .vdevs
+        .iter()
+        .find(|v| v.vdev == vdev)
+        .is_some_and(|v| v.online == online);
     let v = c
         .set_vdev_state(SetVdevStateRequest {
             vdev,
@@ -278,8 +285,9 @@ pub async fn vdev(args: VdevArgs) -> anyhow::Result<()> {
         .map_err(|s| client::status_msg(&format!("vdev {what} {label}"), &s))?
         .into_inner();
     println!(
-        "vdev {} is {}",
+        "vdev {} is {}{}",
         vdev_label(v.vdev, &v.name),
+        if already { "already " } else { "" },
         health_name(v.health, v.online)
     );
     Ok(())

@@ -9,6 +9,7 @@ use aliquot_proto::v1::{
     ClassStatus, GetPoolRequest, PlanRebalanceRequest, PoolStatus, RebalancePlan,
 };
 use serde::Serialize;
+use tracing::Instrument;
 use units::format_bytes_short as short;
 
 use crate::client::AllocatorArgs;
@@ -96,7 +97,10 @@ pub async fn run(args: BalancerArgs) -> anyhow::Result<()> {
             return Ok(());
         }
         BalancerCmd::Verify(v) => {
-            let r = crate::mover::verify(&args.conn, v).await?;
+            // The command's trace holds every Read it makes.
+            let r = crate::mover::verify(&args.conn, v)
+                .instrument(tracing::info_span!("aliquotctl.balancer.verify"))
+                .await?;
             if v.json {
                 println!("{}", serde_json::to_string_pretty(&r)?);
             } else {
@@ -284,16 +288,16 @@ fn classes(st: &PoolStatus) -> impl Iterator<Item = &ClassStatus> {
 pub struct VdevEval {
     pub vdev: u32,
     pub name: String,
-    #[serde(serialize_with = "as_string")]
+    #[serde(serialize_with = "crate::status::as_string")]
     pub capacity: u64,
-    #[serde(serialize_with = "as_string")]
+    #[serde(serialize_with = "crate::status::as_string")]
     pub alloc: u64,
     pub used: f64,
     pub var: Option<f64>,
-    #[serde(serialize_with = "as_string")]
+    #[serde(serialize_with = "crate::status::as_string")]
     pub target: u64,
     /// alloc − target, bytes (negative: room to take more).
-    #[serde(serialize_with = "i_as_string")]
+    #[serde(serialize_with = "crate::status::as_string")]
     pub excess: i64,
 }
 
@@ -304,16 +308,9 @@ pub struct ClassEval {
     pub verdict: &'static str,
     pub used: f64,
     /// Σ of positive excess: the fewest bytes a rebalance must move.
-    #[serde(serialize_with = "as_string")]
+    #[serde(serialize_with = "crate::status::as_string")]
     pub misplaced: u64,
     pub vdevs: Vec<VdevEval>,
-}
-
-fn as_string<S: serde::Serializer>(v: &u64, s: S) -> Result<S::Ok, S::Error> {
-    s.collect_str(v)
-}
-fn i_as_string<S: serde::Serializer>(v: &i64, s: S) -> Result<S::Ok, S::Error> {
-    s.collect_str(v)
 }
 
 pub fn eval(st: &PoolStatus) -> Vec<ClassEval> {

@@ -48,8 +48,10 @@ pub struct AllocatorArgs {
     pub allocator: String,
     /// Reach every agent at this host (keeping the port it advertises):
     /// for a compose stack from the host, whose agents advertise names only
-    /// the compose network resolves (`--agent-host 127.0.0.1`).
-    #[arg(long, env = "ALIQUOT_AGENT_HOST")]
+    /// the compose network resolves (`--agent-host 127.0.0.1`). Global,
+    /// as --allocator: it may follow a subcommand (`balancer execute
+    /// --agent-host 127.0.0.1`), where the errors that ask for it are.
+    #[arg(long, global = true, env = "ALIQUOT_AGENT_HOST")]
     pub agent_host: Option<String>,
     #[command(flatten)]
     pub tls: ClientTlsArgs,
@@ -116,6 +118,18 @@ pub async fn channel(tls: &ClientTls, url: &str, server: Role) -> anyhow::Result
             return anyhow::anyhow!(
                 "cannot reach {url}: it speaks plaintext, not TLS (a pool started with \
                  --insecure): add --insecure"
+            );
+        }
+        // rustls: the server's chain does not lead to our CA. The server
+        // is up and speaks TLS: it is another pool's, or ours is not the
+        // certificate directory it was made with.
+        if let ClientTls::Mutual(files) = tls
+            && chain.contains("UnknownIssuer")
+        {
+            return anyhow::anyhow!(
+                "cannot reach {url}: the server's certificate is not signed by {}: another \
+                 pool? give --certs-dir (the directory `aliquotctl up` printed for that pool)",
+                files.ca.display()
             );
         }
         let hint = if tls.is_tls() {
@@ -248,23 +262,28 @@ impl Agents {
             Some(h) => with_host(url, h),
             None => url.to_string(),
         };
-        let c = match channel(&self.tls, &target, Role::Agent).await {
-            Ok(c) => c,
-            Err(e) if self.host.is_none() && e.to_string().contains("dns error") => {
-                let host = url
-                    .split_once("://")
-                    .map_or(url, |(_, r)| r)
-                    .rsplit_once(':')
-                    .map_or(url, |(h, _)| h)
-                    .to_string();
+        // An advertised name this machine cannot resolve: asked of the
+        // resolver itself, not read from a transport error's words.
+        if self.host.is_none() {
+            let hostport = url
+                .split_once("://")
+                .map_or(url, |(_, r)| r)
+                .trim_end_matches('/');
+            let host = hostport
+                .rsplit_once(':')
+                .map_or(hostport, |(h, _)| h)
+                .trim_matches(|c| c == '[' || c == ']');
+            if host.parse::<std::net::IpAddr>().is_err()
+                && tokio::net::lookup_host(hostport).await.is_err()
+            {
                 return Err(Unresolvable {
                     url: url.to_string(),
-                    host,
+                    host: host.to_string(),
                 }
                 .into());
             }
-            Err(e) => return Err(e),
-        };
+        }
+        let c = channel(&self.tls, &target, Role::Agent).await?;
         let mut map = self.inner.write().expect("agents lock");
         Ok(map.entry(url.to_string()).or_insert(c).clone())
     }

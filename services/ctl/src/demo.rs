@@ -166,6 +166,6 @@ pub const BALANCE_NOTE: &str = "note: the warning is expected here. Under a full
 unified throttle lets equally fast devices take bytes at nearly the same rate, so the smallest \
 file fills ahead of the others; OpenZFS 2.4 does the same (2 GiB + 4 GiB vdevs at 60 MB/s each: \
 the small one written at 0.67x the large one's rate, 11.1 points apart at 46 % full, 2.7 at \
-90 %; ../shared/calibration/openzfs t1c). The gap closes as the pool fills; the throttle's \
+90 %; its log is services/sim/scenarios/calibration/t1c-2.4.log). The gap closes as the pool fills; the throttle's \
 point shows with devices of different speeds (`aliquotctl up --sim ...`, or \
 --throttle-policy legacy to compare), and `aliquotctl balancer execute` evens the pool now.";

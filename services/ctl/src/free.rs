@@ -35,14 +35,10 @@ pub struct FreeReport {
     pub manifests: Vec<String>,
     pub blocks: u64,
     pub extents: u64,
-    #[serde(serialize_with = "as_string")]
+    #[serde(serialize_with = "crate::status::as_string")]
     pub bytes: u64,
-    #[serde(serialize_with = "as_string")]
+    #[serde(serialize_with = "crate::status::as_string")]
     pub synced_txg: u64,
-}
-
-fn as_string<S: serde::Serializer>(v: &u64, s: S) -> Result<S::Ok, S::Error> {
-    s.collect_str(v)
 }
 
 pub async fn free(args: &FreeArgs) -> anyhow::Result<FreeReport> {

@@ -150,4 +150,30 @@ mod tests {
     fn cli_is_well_formed() {
         <super::Cli as clap::CommandFactory>::command().debug_assert();
     }
+
+    /// `--agent-host` where the errors that ask for it are: after the
+    /// subcommand.
+    #[test]
+    fn agent_host_follows_any_subcommand() {
+        use clap::Parser;
+        for argv in [
+            &[
+                "aliquotctl",
+                "balancer",
+                "execute",
+                "--agent-host",
+                "127.0.0.1",
+            ][..],
+            &[
+                "aliquotctl",
+                "balancer",
+                "verify",
+                "--agent-host",
+                "127.0.0.1",
+            ],
+            &["aliquotctl", "write", "--agent-host", "127.0.0.1"],
+        ] {
+            super::Cli::try_parse_from(argv).unwrap_or_else(|e| panic!("{argv:?}: {e}"));
+        }
+    }
 }

@@ -76,10 +76,14 @@ pub struct PoolArgs {
     )]
     pub metrics_http_listen: SocketAddr,
     /// Serve the allocator's and each agent's gRPC metrics as Prometheus
-    /// `/metrics` on this address (a port each: `up` prints them), e.g.
-    /// 127.0.0.1. The metrics service's pool gauges are on its charts port.
-    #[arg(long, env = "ALIQUOT_PROMETHEUS_LISTEN")]
-    pub prometheus_listen: Option<std::net::IpAddr>,
+    /// `/metrics` on this address, a port each (`up` prints them): an IP
+    /// (e.g. 127.0.0.1: ephemeral ports, new at each start) or IP:PORT, a
+    /// base port (the allocator on PORT, the standby of --ha on PORT+1,
+    /// then each agent in order on the next ones: the same every start, for
+    /// a static scrape config). The metrics service's pool gauges are on
+    /// its charts port.
+    #[arg(long, env = "ALIQUOT_PROMETHEUS_LISTEN", value_parser = parse_prometheus_listen)]
+    pub prometheus_listen: Option<SocketAddr>,
     /// Allocator tunable NAME=VALUE (repeatable), e.g. metaslab_perf_bias=0.
     #[arg(long, env = "ALIQUOT_TUNABLE", value_delimiter = ',')]
     pub tunable: Vec<String>,
@@ -110,6 +114,24 @@ pub struct SimSpec {
     pub capacity: u64,
     pub bandwidth: f64,
     pub latency: Duration,
+}
+
+/// `--prometheus-listen`: an IP (port 0: ephemeral) or IP:PORT (a base).
+pub fn parse_prometheus_listen(s: &str) -> Result<SocketAddr, String> {
+    if let Ok(ip) = s.parse::<std::net::IpAddr>() {
+        return Ok(SocketAddr::new(ip, 0));
+    }
+    s.parse::<SocketAddr>()
+        .map_err(|_| format!("{s:?}: an IP address (e.g. 127.0.0.1) or IP:PORT (a base port)"))
+}
+
+/// The `n`th Prometheus listener's address from `--prometheus-listen`
+/// `base`: ephemeral when no port was given, else the base port plus `n`.
+fn prometheus_addr(base: SocketAddr, n: u16) -> SocketAddr {
+    match base.port() {
+        0 => base,
+        p => SocketAddr::new(base.ip(), p.saturating_add(n)),
+    }
 }
 
 pub fn parse_sim(s: &str) -> Result<SimSpec, String> {
@@ -180,6 +202,9 @@ pub struct LocalPool {
     pub metrics_url: Option<String>,
     pub metrics_http: Option<SocketAddr>,
     pub agents: Vec<AgentInfo>,
+    /// File agents not started because the store says their vdev was
+    /// removed from the pool: (name, device file).
+    pub skipped: Vec<(String, PathBuf)>,
     /// With --prometheus-listen: (child, its /metrics address).
     pub prometheus: Vec<(String, SocketAddr)>,
     /// How clients reach this pool: the operator's certificate, or plaintext.
@@ -267,6 +292,7 @@ impl LocalPool {
             metrics_url: None,
             metrics_http: None,
             agents: Vec::new(),
+            skipped: Vec::new(),
             prometheus: Vec::new(),
             tls,
             deaths,
@@ -350,15 +376,19 @@ impl LocalPool {
             ]);
         }
         aargs.extend(self.security_flags(aliquot_auth::Role::Allocator, "allocator")?);
-        let prom: Vec<String> = args
-            .prometheus_listen
-            .map(|ip| {
-                vec![
-                    "--prometheus-listen".into(),
-                    SocketAddr::new(ip, 0).to_string(),
-                ]
-            })
-            .unwrap_or_default();
+        // Listener n of --prometheus-listen: 0 the allocator, 1 the --ha
+        // standby, then the agents (1 + i without --ha, 2 + i with).
+        let prom_at = |n: u16| -> Vec<String> {
+            args.prometheus_listen
+                .map(|base| {
+                    vec![
+                        "--prometheus-listen".into(),
+                        prometheus_addr(base, n).to_string(),
+                    ]
+                })
+                .unwrap_or_default()
+        };
+        let prom = prom_at(0);
         let kinds: &[&str] = if prom.is_empty() {
             &["grpc"]
         } else {
@@ -402,7 +432,10 @@ impl LocalPool {
             self.ha_allocators
                 .push(("allocator".into(), pin(&aargs, a[0])));
             // The standby: the same flags on another port.
-            let bargs = pin(&aargs, SocketAddr::from(([127, 0, 0, 1], 0)));
+            let mut bargs = pin(&aargs, SocketAddr::from(([127, 0, 0, 1], 0)));
+            if let Some(i) = bargs.iter().position(|a| a == "--prometheus-listen") {
+                bargs[i + 1] = prom_at(1)[1].clone();
+            }
             let b = self
                 .spawn("allocator-b", Role::Allocator, &bargs, kinds)
                 .await?;
@@ -415,22 +448,32 @@ impl LocalPool {
         }
 
         // Agents report their own addresses.
-        // (name, kind, capacity, path, backend flags)
-        type Spec = (String, String, u64, Option<PathBuf>, Vec<String>);
+        // (name, kind, capacity, path, backend flags, Prometheus listener)
+        type Spec = (String, String, u64, Option<PathBuf>, Vec<String>, u16);
+        let first_agent: u16 = if args.ha { 2 } else { 1 };
         let mut specs: Vec<Spec> = Vec::new();
+        let removed = self.removed_vdevs().await;
         for (i, cap) in args.agents.iter().enumerate() {
             let name = format!("file{i}");
             let path = dir.join("vdevs").join(format!("{name}.img"));
+            // Its device file still carries the removed vdev's label: the
+            // allocator would refuse it (VDEV_REMOVED), so do not start it.
+            if removed.contains(&name) && path.exists() {
+                self.skipped.push((name, path));
+                continue;
+            }
             let extra = vec![
                 "--backend".into(),
                 "file".into(),
                 "--path".into(),
                 path.display().to_string(),
             ];
-            specs.push((name, "file".into(), *cap, Some(path), extra));
+            let n = first_agent.saturating_add(i as u16);
+            specs.push((name, "file".into(), *cap, Some(path), extra, n));
         }
         let (mut nh, mut ns) = (0, 0);
-        for s in &args.sim {
+        for (j, s) in args.sim.iter().enumerate() {
+            let prom_n = first_agent.saturating_add((args.agents.len() + j) as u16);
             let kind = if s.rotational { "hdd" } else { "ssd" };
             let n = if s.rotational { &mut nh } else { &mut ns };
             let name = format!("{kind}{n}");
@@ -446,10 +489,10 @@ impl LocalPool {
             if s.rotational {
                 extra.push("--rotational".into());
             }
-            specs.push((name, format!("sim {kind}"), s.capacity, None, extra));
+            specs.push((name, format!("sim {kind}"), s.capacity, None, extra, prom_n));
         }
         let mut starts = Vec::new();
-        for (name, kind, cap, path, extra) in specs {
+        for (name, kind, cap, path, extra, prom_n) in specs {
             let mut fa: Vec<String> = vec![
                 "agent".into(),
                 "--listen".into(),
@@ -462,7 +505,7 @@ impl LocalPool {
                 cap.to_string(),
             ];
             fa.extend(extra);
-            fa.extend(prom.iter().cloned());
+            fa.extend(prom_at(prom_n));
             fa.extend(self.security_flags(aliquot_auth::Role::Agent, &name)?);
             starts.push((name, kind, cap, path, fa));
         }
@@ -486,6 +529,55 @@ impl LocalPool {
             self.wait_registered(Duration::from_secs(60)).await?;
         }
         Ok(())
+    }
+
+    /// Names of the vdevs the pool's store says were removed (`vdev
+    /// remove`) and that no vdev in the pool has taken since, read
+    /// read-only; nothing when the store is new or cannot be read (then
+    /// the allocator's refusal, shown at once, says why an agent left).
+    async fn removed_vdevs(&self) -> Vec<String> {
+        let read = match &self.postgres {
+            Some((_, url)) => aliquot_allocator::pg_store::read_only(url, &self.pool)
+                .await
+                .map_err(|e| e.to_string()),
+            None => {
+                let db = self
+                    .data_dir
+                    .join("allocator")
+                    .join(aliquot_allocator::sqlite_store::DB_FILE);
+                if !db.exists() {
+                    return Vec::new();
+                }
+                aliquot_allocator::sqlite_store::read_only(&db)
+                    .await
+                    .map(|o| o.map(|(_, p)| p))
+                    .map_err(|e| e.to_string())
+            }
+        };
+        let persisted = match read {
+            Ok(Some(p)) => p,
+            Ok(None) => return Vec::new(),
+            Err(e) => {
+                eprintln!("aliquotctl: cannot read which vdevs were removed from the store: {e}");
+                return Vec::new();
+            }
+        };
+        let is_removed = |id| {
+            persisted.vdev_states.get(&id) == Some(&aliquot_allocator::store::AdminState::Removed)
+        };
+        let mut names: Vec<String> = persisted
+            .vdevs
+            .iter()
+            .filter(|v| is_removed(v.id))
+            .map(|v| v.name.clone())
+            .collect();
+        names.retain(|n| {
+            !persisted
+                .vdevs
+                .iter()
+                .any(|v| &v.name == n && !is_removed(v.id))
+        });
+        names
     }
 
     /// A child's security flags: its own certificate (issued on first use)
@@ -659,6 +751,10 @@ impl LocalPool {
     /// metaslabs synced in (not "allocatable": a full pool restarts too).
     async fn wait_registered(&mut self, within: Duration) -> anyhow::Result<()> {
         let deadline = Instant::now() + within;
+        // Past this, an agent still out of the pool is shown on the
+        // terminal at once with its log, rather than after the deadline.
+        let slow = Instant::now() + SLOW_JOIN;
+        let mut told: Vec<String> = Vec::new();
         let mut c = client::allocator(&self.tls, &self.allocator_url).await?;
         loop {
             if let Some(dead) = self.children.iter().find(|c| c.status.borrow().is_some()) {
@@ -684,6 +780,26 @@ impl LocalPool {
                 .collect();
             if missing.is_empty() {
                 return Ok(());
+            }
+            if Instant::now() > slow {
+                for a in &self.agents {
+                    let Some(m) = missing
+                        .iter()
+                        .find(|m| *m == &a.name || m.starts_with(&format!("{} (", a.name)))
+                    else {
+                        continue;
+                    };
+                    if told.contains(&a.name) {
+                        continue;
+                    }
+                    told.push(a.name.clone());
+                    let log = self.log_of(&a.name).map(tail_note).unwrap_or_default();
+                    eprintln!(
+                        "aliquotctl: {m} has not joined the pool after {} s (waiting up to {} s); {log}",
+                        SLOW_JOIN.as_secs(),
+                        within.as_secs()
+                    );
+                }
             }
             if Instant::now() > deadline {
                 anyhow::bail!(
@@ -865,6 +981,14 @@ impl LocalPool {
         for (name, a) in &self.prometheus {
             let _ = writeln!(s, "  prometheus {name:<11} http://{a}/metrics");
         }
+        for (name, path) in &self.skipped {
+            let _ = writeln!(
+                s,
+                "  skipped    {name:<6} removed from the pool (aliquotctl vdev remove): not \
+                 started; its device file {} is no longer the pool's",
+                path.display()
+            );
+        }
         for a in &self.agents {
             let _ = writeln!(
                 s,
@@ -922,6 +1046,9 @@ fn signal(pid: i32, sig: libc::c_int) {
         }
     }
 }
+
+/// How long an agent may take to join before `up` shows why it has not.
+const SLOW_JOIN: Duration = Duration::from_secs(5);
 
 /// Metaslabs per vdev `up` asks for (`zfs_vdev_min_ms_count`), so that
 /// its vdevs have more than `zfs_embedded_slog_min_ms` (64).
@@ -1084,6 +1211,17 @@ mod tests {
     }
 
     use super::*;
+
+    #[test]
+    fn prometheus_listen_is_an_ip_or_a_base_port() {
+        let ip = parse_prometheus_listen("127.0.0.1").unwrap();
+        assert_eq!(ip.port(), 0);
+        assert_eq!(prometheus_addr(ip, 3), ip, "no port: ephemeral for all");
+        let base = parse_prometheus_listen("127.0.0.1:9100").unwrap();
+        assert_eq!(prometheus_addr(base, 0).to_string(), "127.0.0.1:9100");
+        assert_eq!(prometheus_addr(base, 3).to_string(), "127.0.0.1:9103");
+        assert!(parse_prometheus_listen("localhost").is_err());
+    }
 
     #[test]
     fn sim_specs() {

@@ -804,12 +804,23 @@ pub async fn execute(conn: &AllocatorArgs, args: &ExecuteArgs) -> anyhow::Result
         );
     }
     let t0 = Instant::now();
+    // Frees settled once the manifests hold nothing on the drained vdevs.
+    let mut settled = false;
     report.stopped = loop {
         if report.plans.len() as u32 >= args.max_plans {
             break format!("{} plans made (--max-plans)", args.max_plans);
         }
         if stop.load(Ordering::Relaxed) {
             break "interrupted".into();
+        }
+        // A drained vdev that holds nothing is done: planning on would only
+        // plan the other vdevs' blocks, which is no drain's business.
+        if !drain.is_empty() && !settled && manifests_hold(&mover, &drain) == 0 {
+            settle_frees(&alloc).await?;
+            settled = true;
+            if let Some(done) = drained_empty(&pool(&alloc).await?, &drain) {
+                break done;
+            }
         }
         let st = pool(&alloc).await?;
         let score = pool_score(&st);
@@ -995,6 +1006,48 @@ pub async fn execute(conn: &AllocatorArgs, args: &ExecuteArgs) -> anyhow::Result
     }
     report.manifests_read = crate::manifest::describe(&paths);
     Ok(report)
+}
+
+/// Bytes the manifests' copies take on the vdevs `on`.
+fn manifests_hold(mover: &Mover, on: &[u32]) -> u64 {
+    let ms = mover.manifests.lock().expect("manifest lock");
+    ms.iter()
+        .flat_map(|m| m.blocks.values().flatten())
+        .filter(|c| on.contains(&c.at.vdev))
+        .map(|c| c.at.size)
+        .sum()
+}
+
+/// When every drained vdev holds 0 bytes: the line `execute` stops with,
+/// naming the command that takes them out of the pool.
+fn drained_empty(st: &PoolStatus, drain: &[u32]) -> Option<String> {
+    let vdevs: Vec<&aliquot_proto::v1::VdevStatus> = st
+        .vdevs
+        .iter()
+        .filter(|v| drain.contains(&v.vdev))
+        .collect();
+    if vdevs.is_empty() || vdevs.iter().any(|v| v.alloc > 0) {
+        return None;
+    }
+    let labels: Vec<String> = vdevs
+        .iter()
+        .map(|v| crate::names::vdev_label(v.vdev, &v.name))
+        .collect();
+    let removes: Vec<String> = vdevs
+        .iter()
+        .map(|v| format!("`aliquotctl vdev remove {}`", v.name))
+        .collect();
+    Some(format!(
+        "{} {} empty: {} {} out of the pool",
+        labels.join(", "),
+        if vdevs.len() == 1 { "is" } else { "are" },
+        removes.join(", "),
+        if vdevs.len() == 1 {
+            "takes it"
+        } else {
+            "take them"
+        }
+    ))
 }
 
 /// Extent → (manifest, block, copy) over every manifest.

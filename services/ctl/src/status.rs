@@ -200,9 +200,10 @@ pub const CLASS_HEADER: [&str; 8] = [
     "USED/LIMIT",
 ];
 
-/// A class that is never throttled has no meaningful limit.
+/// A class the throttle does not bound has no limit to show, whatever
+/// `alloc_max` its aliquots add up to.
 fn limit(c: &ClassStatus, style: Style) -> String {
-    if !c.throttle_enabled && c.alloc_max >= u64::MAX / 4 {
+    if !c.throttle_enabled {
         "-".into()
     } else {
         style.size(c.alloc_max)
@@ -306,6 +307,18 @@ pub fn balance(c: &ClassStatus) -> Option<Balance> {
 /// `zpool list -v`-like: the pool, each class, each vdev of the class.
 pub fn render_table(st: &PoolStatus) -> String {
     render_table_with(st, Style::default())
+}
+
+/// Freed bytes still counted in ALLOC (deferred frees): a `free` is not
+/// seen as missing while they wait out their two txgs.
+pub fn deferred_note(st: &PoolStatus, style: Style) -> Option<String> {
+    let d: u64 = st.classes.iter().map(|c| c.deferred).sum();
+    (d > 0).then(|| {
+        format!(
+            "frees deferred: {} of ALLOC is freed and reusable once 2 more txgs have synced",
+            style.size(d)
+        )
+    })
 }
 
 /// Vdevs whose fill runs more than `style.warn_ahead` points above their
@@ -495,6 +508,9 @@ pub fn render_table_with(st: &PoolStatus, style: Style) -> String {
     for w in ahead_warnings(st, style) {
         let _ = writeln!(out, "{w}");
     }
+    if let Some(d) = deferred_note(st, style) {
+        let _ = writeln!(out, "{d}");
+    }
     out.push('\n');
     out.push_str(&layout(&VDEV_HEADER, &rows));
     for c in &st.classes {
@@ -504,12 +520,17 @@ pub fn render_table_with(st: &PoolStatus, style: Style) -> String {
             continue;
         }
         if let Some(b) = balance(c) {
+            // VAR is a vdev's fill over its class's: undefined while the
+            // class holds nothing.
+            let var = if class_used(c) <= 0.0 {
+                "-/-".to_string()
+            } else {
+                format!("{:.2}/{:.2}", b.min_var, b.max_var)
+            };
             let _ = writeln!(
                 out,
-                "{}: MIN/MAX VAR: {:.2}/{:.2}  STDDEV: {:.2}%  SPREAD: {:.2}%  SCORE: {:.3}",
+                "{}: MIN/MAX VAR: {var}  STDDEV: {:.2}%  SPREAD: {:.2}%  SCORE: {:.3}",
                 c.name,
-                b.min_var,
-                b.max_var,
                 b.stddev * 100.0,
                 b.spread * 100.0,
                 c.balance_score
@@ -581,7 +602,12 @@ fn layout<const N: usize>(header: &[&str; N], rows: &[[String; N]]) -> String {
 // are strings (a guid or u64::MAX is beyond 2^53, where jq and JavaScript
 // round), 32-bit ones and floats are numbers; field names as in the proto.
 
-fn as_string<S: serde::Serializer>(v: &u64, s: S) -> Result<S::Ok, S::Error> {
+/// A 64-bit integer as a JSON string (the proto3 JSON mapping), for
+/// `#[serde(serialize_with)]` in every report of this crate.
+pub(crate) fn as_string<S: serde::Serializer, T: std::fmt::Display>(
+    v: &T,
+    s: S,
+) -> Result<S::Ok, S::Error> {
     s.collect_str(v)
 }
 
@@ -613,6 +639,9 @@ pub struct PoolJson {
     pub health: String,
     /// The vdevs that are not healthy ("file1 (1) offline").
     pub health_reasons: Vec<String>,
+    /// The table's `warning:` lines (vdevs filling well ahead of their
+    /// class), as printed.
+    pub warnings: Vec<String>,
     /// Who serves the pool: the store, and with PostgreSQL the leader, its
     /// lease and the standbys it has seen (as the table's `leader` line).
     pub leadership: LeadershipJson,
@@ -673,6 +702,9 @@ pub struct ClassJson {
     pub alloc_max: u64,
     #[serde(serialize_with = "as_string")]
     pub alloc_io_size: u64,
+    /// Of alloc: freed, reusable once 2 more txgs have synced.
+    #[serde(serialize_with = "as_string")]
+    pub deferred: u64,
     pub busy: bool,
     pub waiting: u32,
     #[serde(serialize_with = "as_string")]
@@ -759,6 +791,7 @@ impl From<&PoolStatus> for PoolJson {
         PoolJson {
             health: health.to_string(),
             health_reasons: reasons,
+            warnings: ahead_warnings(st, Style::default()),
             leadership: {
                 let l = st.leadership.clone().unwrap_or_default();
                 LeadershipJson {
@@ -806,6 +839,7 @@ fn class_json(st: &PoolStatus, c: &ClassStatus) -> ClassJson {
         reserved: c.reserved,
         alloc_max: c.alloc_max,
         alloc_io_size: c.alloc_io_size,
+        deferred: c.deferred,
         busy: c.busy,
         waiting: c.waiting,
         waiting_bytes: c.waiting_bytes,
@@ -949,6 +983,7 @@ mod tests {
                     groups,
                     fragmentation: 3,
                     balance_score: 0.091,
+                    deferred: 0,
                 },
                 ClassStatus {
                     name: "log".into(),
@@ -967,6 +1002,45 @@ mod tests {
             claim_window_remaining_ms: 0,
             max_lease_ms: 300_000,
         }
+    }
+
+    #[test]
+    fn deferred_frees_are_said() {
+        let mut st = sample();
+        assert!(!render_table(&st).contains("frees deferred"));
+        st.classes[0].deferred = 100 * MIB;
+        let t = render_table(&st);
+        assert!(
+            t.contains("frees deferred: 100M of ALLOC is freed and reusable once 2 more txgs"),
+            "{t}"
+        );
+        let j = serde_json::to_value(PoolJson::from(&st)).unwrap();
+        assert_eq!(j["classes"][0]["deferred"], "104857600");
+    }
+
+    #[test]
+    fn an_empty_pool_has_no_var_and_an_unthrottled_class_no_limit() {
+        let mut st = sample();
+        for g in &mut st.classes[0].groups {
+            g.alloc = 0;
+        }
+        st.classes[0].alloc = 0;
+        st.classes.push(ClassStatus {
+            name: "embedded_log".into(),
+            space: 48 * MIB,
+            alloc_max: 4 * GIB,
+            throttle_enabled: false,
+            fragmentation: -1,
+            ..Default::default()
+        });
+        let t = render_table(&st);
+        assert!(t.contains("normal: MIN/MAX VAR: -/-  STDDEV"), "{t}");
+        let row = t
+            .lines()
+            .find(|l| l.starts_with("embedded_log"))
+            .unwrap_or_else(|| panic!("{t}"));
+        let cols: Vec<&str> = row.split_whitespace().collect();
+        assert_eq!(cols[1], "-", "LIMIT of an unthrottled class: {row}");
     }
 
     #[test]
@@ -1047,6 +1121,15 @@ mod tests {
     fn json_keys_and_sums() {
         let v = serde_json::to_value(PoolJson::from(&sample())).unwrap();
         assert_eq!(v["leadership"]["store"], "sqlite");
+        assert_eq!(v["warnings"], serde_json::json!([]));
+        // The table's warning lines, in JSON too.
+        let mut ahead = sample();
+        ahead.classes[0].groups[0].alloc = 900 * MIB;
+        let t = render_table(&ahead);
+        let w: Vec<&str> = t.lines().filter(|l| l.starts_with("warning:")).collect();
+        assert!(!w.is_empty(), "{t}");
+        let j = serde_json::to_value(PoolJson::from(&ahead)).unwrap();
+        assert_eq!(j["warnings"], serde_json::json!(w));
         let c = &v["classes"][0];
         for k in [
             "name",

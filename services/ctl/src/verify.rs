@@ -184,22 +184,36 @@ fn table(path: &std::path::Path, id: &Identity, r: &VerifyReport, running: Optio
         r.synced_txg,
         path.display()
     );
-    let _ = writeln!(
-        o,
-        "{:>4}  {:<18}  {:<10}  {:>9}  {:>8}  {:>9}  {:>5}  {:>7}",
-        "vdev", "guid", "name", "capacity", "extents", "alloc", "ms", "elog ms"
-    );
-    for v in &r.vdevs {
-        let _ = writeln!(
-            o,
-            "{:>4}  {:<18}  {:<10}  {:>9}  {:>8}  {:>9}  {:>5}  {:>7}",
-            v.id,
-            format!("{:#x}", v.guid),
+    let names: Vec<String> = r
+        .vdevs
+        .iter()
+        .map(|v| {
             if v.removed {
                 format!("{} (removed)", v.name)
             } else {
                 v.name.clone()
-            },
+            }
+        })
+        .collect();
+    // The name column as wide as its longest entry (`file0 (removed)`).
+    let nw = names
+        .iter()
+        .map(|n| n.chars().count())
+        .max()
+        .unwrap_or(0)
+        .max(10);
+    let _ = writeln!(
+        o,
+        "{:>4}  {:<18}  {:<nw$}  {:>9}  {:>8}  {:>9}  {:>5}  {:>7}",
+        "vdev", "guid", "name", "capacity", "extents", "alloc", "ms", "elog ms"
+    );
+    for (v, name) in r.vdevs.iter().zip(names) {
+        let _ = writeln!(
+            o,
+            "{:>4}  {:<18}  {:<nw$}  {:>9}  {:>8}  {:>9}  {:>5}  {:>7}",
+            v.id,
+            format!("{:#x}", v.guid),
+            name,
             units::format_bytes_short(v.capacity),
             v.extents,
             units::format_bytes_short(v.allocated),

@@ -1049,7 +1049,11 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
             placed.iter().flat_map(|p| p.extents.iter().cloned()),
         )
         .await?;
-        verified_blocks = verify(&shared, &placed, Arc::new(tokens)).await?;
+        // In the command's trace: every agent Read below is a child of it.
+        let span = tracing::info_span!("aliquotctl.verify", blocks = placed.len());
+        verified_blocks = verify(&shared, &placed, Arc::new(tokens))
+            .instrument(span)
+            .await?;
     }
     let verify_secs = t_verify.elapsed().as_secs_f64();
     let mut freed_blocks = 0;
@@ -1654,7 +1658,7 @@ async fn verify(
                 n += 1;
             }
             anyhow::Ok(n)
-        }));
+        }.in_current_span()));
     }
     let mut total = 0;
     for t in tasks {

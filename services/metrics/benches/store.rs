@@ -34,6 +34,7 @@ fn snapshot(t: i64) -> PoolSnapshot {
                 latency_p50_us: 120,
                 latency_p99_us: 900,
                 health: VdevHealth::Healthy as i32,
+                offline: false,
             })
             .collect(),
         classes: vec![],

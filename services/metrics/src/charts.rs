@@ -143,28 +143,18 @@ impl std::str::FromStr for ChartKind {
     }
 }
 
-/// `2026-12-02 10:04:05`-style UTC parts from unix ms.
-fn civil(ms: i64) -> (i64, u32, u32, u32, u32, u32) {
-    let secs = ms.div_euclid(1000);
-    let days = secs.div_euclid(86_400);
-    let tod = secs.rem_euclid(86_400);
-    // Days since 1970-01-01 to a proleptic Gregorian date (Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    let y = yoe + era * 400 + i64::from(m <= 2);
+/// `2026-12-02 10:04:05`-style UTC parts from unix ms (outside the
+/// calendar's range: the epoch).
+fn civil(ms: i64) -> (i32, u8, u8, u8, u8, u8) {
+    let t = time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000)
+        .unwrap_or(time::OffsetDateTime::UNIX_EPOCH);
     (
-        y,
-        m,
-        d,
-        (tod / 3600) as u32,
-        (tod / 60 % 60) as u32,
-        (tod % 60) as u32,
+        t.year(),
+        u8::from(t.month()),
+        t.day(),
+        t.hour(),
+        t.minute(),
+        t.second(),
     )
 }
 
@@ -271,7 +261,13 @@ fn draw<'a>(chart: &Chart, buf: &'a mut String) -> Result<(), Box<dyn std::error
     };
     // The axis counts ticks (0..=n, plotters labels each integer); a value
     // is drawn at value / step and labelled step × tick.
-    let (step, n) = y_ticks(chart.unit, (ymax * 1.1).max(floor));
+    // Headroom above the highest point, but a fraction never past 100 %
+    // (a used fraction cannot be more).
+    let top = match chart.unit {
+        YUnit::Fraction => (ymax * 1.1).min(1.0),
+        _ => ymax * 1.1,
+    };
+    let (step, n) = y_ticks(chart.unit, top.max(floor));
     let y1 = n as f64;
 
     let root = SVGBackend::with_string(buf, (chart.width, chart.height)).into_drawing_area();
@@ -356,6 +352,9 @@ mod tests {
         assert_eq!(format_y(YUnit::BytesPerSec, 2.0 * step), "32.0M/s");
         let (step, n) = y_ticks(YUnit::Fraction, 0.47);
         assert!((step - 0.1).abs() < 1e-9 && n == 5, "{step} {n}");
+        // A full vdev's 98 %: the axis ends at 100 %, not 120 %.
+        let (step, n) = y_ticks(YUnit::Fraction, (0.98f64 * 1.1).min(1.0));
+        assert!((step * n as f64 - 1.0).abs() < 1e-9, "{step} {n}");
         // Drawn: the ticks are the labels.
         let chart = Chart {
             title: "t".into(),

@@ -20,6 +20,13 @@ pub enum MetricsError {
     Config(String),
     #[error("metrics database error: {0}")]
     Db(#[from] sqlx::Error),
+    /// A write did not commit (a full disk, an I/O error): nothing of the
+    /// request was stored.
+    #[error(
+        "the metrics store cannot write ({0}): nothing of this request was stored; retry \
+         (the allocator does) once its file system has room"
+    )]
+    StoreFailing(String),
     #[error("metrics database migration failed: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
 }
@@ -42,6 +49,7 @@ impl From<MetricsError> for Status {
             MetricsError::Db(_) => {
                 Status::unavailable(format!("{e}; the metrics store may be busy, retry"))
             }
+            MetricsError::StoreFailing(_) => Status::unavailable(e.to_string()),
         }
     }
 }

@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::sync::atomic::AtomicU64;
 
-use aliquot_proto::v1::{PoolSnapshot, VdevHealth};
+use aliquot_proto::v1::{PoolSnapshot, VdevHealth, VdevSample};
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -51,13 +51,11 @@ impl Latest {
 }
 
 /// Pool health rolled up from its vdevs, as `zpool status` names it:
-/// ONLINE when every vdev is healthy, SUSPENDED when none is, else DEGRADED.
+/// ONLINE when every vdev is healthy and online, SUSPENDED when none is,
+/// else DEGRADED (an offline vdev takes no allocations: the pool runs on
+/// less than it has, as a pool with an offline device does).
 pub fn pool_health(s: &PoolSnapshot) -> &'static str {
-    let healthy = s
-        .vdevs
-        .iter()
-        .filter(|v| v.health() == VdevHealth::Healthy)
-        .count();
+    let healthy = s.vdevs.iter().filter(|v| vdev_state(v) == "ONLINE").count();
     if healthy == 0 {
         "SUSPENDED"
     } else if healthy == s.vdevs.len() {
@@ -75,6 +73,20 @@ const VDEV_STATES: [(VdevHealth, &str); 5] = [
     (VdevHealth::Faulted, "FAULTED"),
     (VdevHealth::Unavailable, "UNAVAIL"),
 ];
+/// An operator's `vdev offline` outranks the health the agent reports, as
+/// `zpool status` shows OFFLINE for a device taken offline however sound.
+const OFFLINE: &str = "OFFLINE";
+
+/// The vdev's state as `zpool status` would name it.
+pub fn vdev_state(v: &VdevSample) -> &'static str {
+    if v.offline {
+        return OFFLINE;
+    }
+    VDEV_STATES
+        .iter()
+        .find(|(h, _)| *h == v.health())
+        .map_or("UNKNOWN", |(_, st)| *st)
+}
 
 /// Balance figures of one snapshot (ratios, 0.0 ..= 1.0).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -318,8 +330,9 @@ fn register_pools(reg: &mut Registry, pools: &[PoolSnapshot]) {
             rbps.get_or_create(&vl).set(v.read_bytes_per_sec);
             p50.get_or_create(&vl).set(v.latency_p50_us as f64 / 1e6);
             p99.get_or_create(&vl).set(v.latency_p99_us as f64 / 1e6);
-            for (h, st) in VDEV_STATES {
-                let on = if v.health() == h { 1.0 } else { 0.0 };
+            let state = vdev_state(v);
+            for st in VDEV_STATES.iter().map(|(_, st)| *st).chain([OFFLINE]) {
+                let on = if st == state { 1.0 } else { 0.0 };
                 let mut hl = vl.clone();
                 hl.push(("state".into(), st.into()));
                 vh.get_or_create(&hl).set(on);
@@ -331,9 +344,9 @@ fn register_pools(reg: &mut Registry, pools: &[PoolSnapshot]) {
         }
         for c in &s.classes {
             let cl = l(&[("pool", pool), ("class", &c.name)]);
-            // u64::MAX is "no limit" (a class the throttle does not bound):
-            // no sample, rather than 1.8e19 on a dashboard.
-            if c.alloc_max != u64::MAX {
+            // A class the throttle does not bound has no limit: no sample,
+            // rather than a figure nothing enforces on a dashboard.
+            if c.throttle_enabled {
                 climit.get_or_create(&cl).set(c.alloc_max as f64);
             }
             cres.get_or_create(&cl).set(c.reserved as f64);
@@ -344,10 +357,20 @@ fn register_pools(reg: &mut Registry, pools: &[PoolSnapshot]) {
     }
 }
 
-/// The whole `/metrics` body: pool gauges from `latest`, then `rpc`.
-pub fn render(latest: &Latest, rpc: &RpcMetrics) -> String {
+/// The whole `/metrics` body: pool gauges from the store's latest
+/// snapshots, whether the store writes, then `rpc`.
+pub fn render(store: &crate::Store, rpc: &RpcMetrics) -> String {
     let mut reg = Registry::default();
-    register_pools(&mut reg, &latest.snapshot());
+    register_pools(&mut reg, &store.latest().snapshot());
+    // While it is 0 the latest snapshot stops moving too: the snapshots
+    // the allocator sends are refused (and kept by it) until writes work.
+    let writable = Gauge::<f64, AtomicU64>::default();
+    writable.set(if *store.writable().borrow() { 1.0 } else { 0.0 });
+    reg.register(
+        "aliquot_metrics_store_writable",
+        "1 while the metrics store commits what it is sent; 0 after a write failed (a full disk), until one succeeds",
+        writable,
+    );
     rpc.register(&mut reg);
     let mut out = String::new();
     // Writing into a String cannot fail.
@@ -358,7 +381,6 @@ pub fn render(latest: &Latest, rpc: &RpcMetrics) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use aliquot_proto::v1::VdevSample;
 
     fn vdev(id: u32, alloc: u64, cap: u64, h: VdevHealth) -> VdevSample {
         VdevSample {
@@ -390,6 +412,19 @@ mod tests {
             / 3.0)
             .sqrt();
         assert!((b.stddev - sd).abs() < 1e-12);
+        assert_eq!(pool_health(&s), "DEGRADED");
+    }
+
+    #[test]
+    fn an_offline_vdev_is_offline_and_degrades_the_pool() {
+        let mut off = vdev(1, 0, 1, VdevHealth::Healthy);
+        off.offline = true;
+        assert_eq!(vdev_state(&off), "OFFLINE");
+        let s = PoolSnapshot {
+            pool: "p".into(),
+            vdevs: vec![vdev(0, 0, 1, VdevHealth::Healthy), off],
+            ..Default::default()
+        };
         assert_eq!(pool_health(&s), "DEGRADED");
     }
 

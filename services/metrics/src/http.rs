@@ -45,8 +45,7 @@ async fn prometheus(
     headers: axum::http::HeaderMap,
 ) -> Response {
     let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok());
-    let (ct, body) =
-        telemetry::rpc_metrics::negotiate(accept, exposition::render(store.latest(), &rpc));
+    let (ct, body) = telemetry::rpc_metrics::negotiate(accept, exposition::render(&store, &rpc));
     ([(header::CONTENT_TYPE, ct)], body).into_response()
 }
 
@@ -144,17 +143,16 @@ fn escape_html(s: &str) -> String {
         .replace('"', "&quot;")
 }
 
+/// Everything but RFC 3986's unreserved characters.
+const COMPONENT: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'_')
+    .remove(b'.')
+    .remove(b'~');
+
 /// Percent-encode one URL path segment or query value.
 pub fn encode_component(s: &str) -> String {
-    let mut out = String::new();
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
-            out.push(b as char);
-        } else {
-            let _ = write!(out, "%{b:02X}");
-        }
-    }
-    out
+    percent_encoding::utf8_percent_encode(s, COMPONENT).to_string()
 }
 
 #[tracing::instrument(skip_all)]

@@ -192,6 +192,38 @@ pub async fn start(config: &Config) -> anyhow::Result<Running> {
                 .map_err(|e| anyhow::anyhow!("HTTP server: {e}"))
         }
     });
+    // Health follows the store: NOT_SERVING while it cannot write (what a
+    // load balancer or a probe should see), SERVING again once it does.
+    let health_task = tokio::spawn({
+        let rx = stop_rx.clone();
+        let mut writable = store.writable();
+        async move {
+            let stop = stopped(rx);
+            tokio::pin!(stop);
+            loop {
+                tokio::select! {
+                    _ = &mut stop => return Ok(()),
+                    changed = writable.changed() => if changed.is_err() { return Ok(()) },
+                }
+                let ok = *writable.borrow_and_update();
+                let status = if ok {
+                    tonic_health::ServingStatus::Serving
+                } else {
+                    tonic_health::ServingStatus::NotServing
+                };
+                health.set_service_status("", status).await;
+                if ok {
+                    health
+                        .set_serving::<MetricsServer<service::MetricsService>>()
+                        .await;
+                } else {
+                    health
+                        .set_not_serving::<MetricsServer<service::MetricsService>>()
+                        .await;
+                }
+            }
+        }
+    });
     let maint_task = tokio::spawn({
         let rx = stop_rx.clone();
         let store = store.clone();
@@ -225,7 +257,7 @@ pub async fn start(config: &Config) -> anyhow::Result<Running> {
         http_addr,
         store,
         stop,
-        tasks: vec![grpc_task, http_task, maint_task],
+        tasks: vec![grpc_task, http_task, maint_task, health_task],
     })
 }
 

@@ -71,6 +71,9 @@ pub struct Store {
     writer: SqlitePool,
     reader: SqlitePool,
     latest: crate::exposition::Latest,
+    /// False from a failed write until the next one that commits: health
+    /// and `/metrics` show it.
+    writable: tokio::sync::watch::Sender<bool>,
 }
 
 fn floor_minute(ms: i64) -> i64 {
@@ -255,7 +258,43 @@ impl Store {
             writer,
             reader,
             latest: Default::default(),
+            writable: tokio::sync::watch::Sender::new(true),
         })
+    }
+
+    /// Whether the last write committed (true until one fails); changes
+    /// are announced to subscribers (the health service).
+    pub fn writable(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.writable.subscribe()
+    }
+
+    /// After a write that failed on `conn`: close that connection, so the
+    /// next write starts on a fresh one. After SQLITE_FULL, SQLite may have
+    /// rolled the transaction back on its own while sqlx still counts it
+    /// open; on that connection every later BEGIN would be a savepoint and
+    /// every COMMIT its release, acknowledged and never durable.
+    fn write_failed(
+        &self,
+        mut conn: sqlx::pool::PoolConnection<Sqlite>,
+        e: MetricsError,
+    ) -> MetricsError {
+        let MetricsError::Db(db) = e else {
+            // Refused before anything was written (a bad request): the
+            // connection and the store are fine.
+            return e;
+        };
+        conn.close_on_drop();
+        drop(conn);
+        if self.writable.send_replace(false) {
+            tracing::error!(db = %self.path.display(), error = %db, "the metrics store cannot write: refusing snapshots until it can (the sender keeps and resends them)");
+        }
+        MetricsError::StoreFailing(db.to_string())
+    }
+
+    fn write_ok(&self) {
+        if !self.writable.send_replace(true) {
+            tracing::info!(db = %self.path.display(), "the metrics store writes again");
+        }
     }
 
     /// The newest stored snapshot of each pool (for `/metrics`).
@@ -296,15 +335,17 @@ impl Store {
         if by_pool.is_empty() {
             return Ok(IngestStats::default());
         }
-        let mut stats = IngestStats::default();
-        let mut tx = self.writer.begin().await?;
-        for (pool, mut list) in by_pool {
-            list.sort_by_key(|s| s.time_ms);
-            let rows = ingest_pool(&mut tx, pool, &list).await?;
-            stats.snapshots += list.len() as u64;
-            stats.rows += rows;
-        }
-        tx.commit().await?;
+        let mut conn = self
+            .writer
+            .acquire()
+            .await
+            .map_err(|e| MetricsError::StoreFailing(e.to_string()))?;
+        let stats = match ingest_tx(&mut conn, by_pool).await {
+            Ok(st) => st,
+            Err(e) => return Err(self.write_failed(conn, e)),
+        };
+        drop(conn);
+        self.write_ok();
         for s in snaps {
             self.latest.offer(s);
         }
@@ -545,22 +586,64 @@ impl Store {
     /// `retention` (only once they are aggregated). `now_ms` is injected so
     /// tests can run retention on constructed histories.
     pub async fn maintain(&self, now_ms: i64, retention: Duration) -> Result<MaintainStats> {
-        let retention_ms = i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
-        let mut stats = MaintainStats::default();
-        let pools: Vec<(i64, i64, i64, i64)> = sqlx::query_as(
-            "SELECT id, first_ms, aggregated_until_ms, pruned_until_ms FROM pools ORDER BY id",
-        )
-        .fetch_all(&self.writer)
-        .await?;
-        for (id, first_ms, aggregated_until, pruned_until) in pools {
-            let mut tx = self.writer.begin().await?;
-            // A minute is folded once it ended a minute ago: snapshots for it
-            // arriving later still count (see ingest's late-sample path).
-            let target = floor_minute(now_ms - MINUTE_MS);
-            let from = aggregated_until.max(floor_minute(first_ms));
-            let mut agg = aggregated_until;
-            if target > from {
-                let r = sqlx::query(
+        let mut conn = self
+            .writer
+            .acquire()
+            .await
+            .map_err(|e| MetricsError::StoreFailing(e.to_string()))?;
+        match maintain_tx(&mut conn, now_ms, retention).await {
+            Ok(st) => Ok(st),
+            Err(e) => Err(self.write_failed(conn, e)),
+        }
+    }
+
+    /// Raw sample rows currently held (tests and benches).
+    pub async fn raw_rows(&self) -> Result<i64> {
+        Ok(sqlx::query_scalar("SELECT COUNT(*) FROM vdev_samples")
+            .fetch_one(&self.reader)
+            .await?)
+    }
+}
+
+/// Every pool's snapshots in one transaction on `conn`.
+async fn ingest_tx(
+    conn: &mut SqliteConnection,
+    by_pool: BTreeMap<&str, Vec<&PoolSnapshot>>,
+) -> Result<IngestStats> {
+    let mut stats = IngestStats::default();
+    let mut tx = conn.begin().await?;
+    for (pool, mut list) in by_pool {
+        list.sort_by_key(|s| s.time_ms);
+        let rows = ingest_pool(&mut tx, pool, &list).await?;
+        stats.snapshots += list.len() as u64;
+        stats.rows += rows;
+    }
+    tx.commit().await?;
+    Ok(stats)
+}
+
+/// [`Store::maintain`] on the write connection `conn`, a transaction a pool.
+async fn maintain_tx(
+    conn: &mut SqliteConnection,
+    now_ms: i64,
+    retention: Duration,
+) -> Result<MaintainStats> {
+    let retention_ms = i64::try_from(retention.as_millis()).unwrap_or(i64::MAX);
+    let mut stats = MaintainStats::default();
+    let pools: Vec<(i64, i64, i64, i64)> = sqlx::query_as(
+        "SELECT id, first_ms, aggregated_until_ms, pruned_until_ms FROM pools ORDER BY id",
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    for (id, first_ms, aggregated_until, pruned_until) in pools {
+        let mut tx = conn.begin().await?;
+        // A minute is folded once it ended a minute ago: snapshots for it
+        // arriving later still count (see ingest's late-sample path).
+        let target = floor_minute(now_ms - MINUTE_MS);
+        let from = aggregated_until.max(floor_minute(first_ms));
+        let mut agg = aggregated_until;
+        if target > from {
+            let r = sqlx::query(
                     "INSERT INTO vdev_minutes (pool_id, minute_ms, vdev, n, sum_time_ms, sum_used, \
                      sum_allocated, sum_capacity, sum_write_bps, sum_read_bps, sum_queue_depth, \
                      sum_queue_target, sum_aliquot, sum_fragmentation, n_fragmentation, max_latency_p99_us) \
@@ -591,45 +674,35 @@ impl Store {
                 .bind(target)
                 .execute(&mut *tx)
                 .await?;
-                stats.minutes_aggregated += r.rows_affected();
-                agg = target;
+            stats.minutes_aggregated += r.rows_affected();
+            agg = target;
+        }
+        let horizon = floor_minute(now_ms.saturating_sub(retention_ms)).min(agg);
+        let mut pruned = pruned_until;
+        if horizon > pruned_until {
+            for sql in [
+                "DELETE FROM vdev_samples WHERE pool_id = ? AND time_ms < ?",
+                "DELETE FROM snapshots WHERE pool_id = ? AND time_ms < ?",
+                "DELETE FROM class_samples WHERE pool_id = ? AND time_ms < ?",
+            ] {
+                let r = sqlx::query(sql)
+                    .bind(id)
+                    .bind(horizon)
+                    .execute(&mut *tx)
+                    .await?;
+                stats.rows_pruned += r.rows_affected();
             }
-            let horizon = floor_minute(now_ms.saturating_sub(retention_ms)).min(agg);
-            let mut pruned = pruned_until;
-            if horizon > pruned_until {
-                for sql in [
-                    "DELETE FROM vdev_samples WHERE pool_id = ? AND time_ms < ?",
-                    "DELETE FROM snapshots WHERE pool_id = ? AND time_ms < ?",
-                    "DELETE FROM class_samples WHERE pool_id = ? AND time_ms < ?",
-                ] {
-                    let r = sqlx::query(sql)
-                        .bind(id)
-                        .bind(horizon)
-                        .execute(&mut *tx)
-                        .await?;
-                    stats.rows_pruned += r.rows_affected();
-                }
-                pruned = horizon;
-            }
-            sqlx::query(
-                "UPDATE pools SET aggregated_until_ms = ?, pruned_until_ms = ? WHERE id = ?",
-            )
+            pruned = horizon;
+        }
+        sqlx::query("UPDATE pools SET aggregated_until_ms = ?, pruned_until_ms = ? WHERE id = ?")
             .bind(agg)
             .bind(pruned)
             .bind(id)
             .execute(&mut *tx)
             .await?;
-            tx.commit().await?;
-        }
-        Ok(stats)
+        tx.commit().await?;
     }
-
-    /// Raw sample rows currently held (tests and benches).
-    pub async fn raw_rows(&self) -> Result<i64> {
-        Ok(sqlx::query_scalar("SELECT COUNT(*) FROM vdev_samples")
-            .fetch_one(&self.reader)
-            .await?)
-    }
+    Ok(stats)
 }
 
 fn push_vdev_filter(qb: &mut QueryBuilder<Sqlite>, vdevs: &[u32]) {

@@ -37,6 +37,7 @@ pub fn snap(pool: &str, time_ms: i64, used: &[f64]) -> PoolSnapshot {
                 latency_p50_us: 100,
                 latency_p99_us: 900 + i as u64,
                 health: VdevHealth::Healthy as i32,
+                offline: false,
             })
             .collect(),
         classes: vec![ClassSample {
@@ -46,6 +47,7 @@ pub fn snap(pool: &str, time_ms: i64, used: &[f64]) -> PoolSnapshot {
             busy: false,
             waiting: 0,
             waiting_bytes: 0,
+            throttle_enabled: true,
         }],
         events: vec![],
         dropped_snapshots: 0,

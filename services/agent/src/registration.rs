@@ -21,6 +21,11 @@ const BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// looking often enough to report to it within a second of the takeover.
 const BACKOFF_MAX_SEVERAL: Duration = Duration::from_millis(500);
 const DEFAULT_INTERVAL: Duration = Duration::from_secs(1);
+/// The longest a connect (TCP, TLS and HTTP/2) may take.
+const CONNECT_WITHIN: Duration = Duration::from_secs(3);
+/// A report stream whose acks stop for this long (at least; three report
+/// intervals when longer) is ended: the allocator stopped or lost the pool.
+const ACK_PATIENCE: Duration = Duration::from_secs(3);
 
 /// Why a session ended, and the leader a standby named, if any.
 struct Ended {
@@ -153,13 +158,16 @@ async fn session(
         (Duration::from_secs(2), Duration::from_secs(3))
     };
     let channel = channel
-        .connect_timeout(Duration::from_secs(2))
+        .connect_timeout(CONNECT_WITHIN)
         .tcp_nodelay(true)
         .http2_keep_alive_interval(ping)
         .keep_alive_timeout(patience)
-        .keep_alive_while_idle(true)
-        .connect()
+        .keep_alive_while_idle(true);
+    // The whole connect, TLS handshake included: a stopped allocator
+    // accepts TCP (the kernel does) and never finishes the handshake.
+    let channel = tokio::time::timeout(CONNECT_WITHIN, channel.connect())
         .await
+        .map_err(|_| format!("connect: no TLS/HTTP2 session within {CONNECT_WITHIN:?}"))?
         .map_err(|e| format!("connect: {e}"))?;
     let mut client = AgentRegistryClient::with_interceptor(channel, telemetry::TraceInjector);
     let info = agent.info().clone();
@@ -241,8 +249,16 @@ async fn session(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tick.tick().await; // the first tick is immediate; that report is sent
     let mut seen: Option<(i32, bool)> = None;
+    let patience = (interval * 3).max(ACK_PATIENCE);
+    let mut last_ack = tokio::time::Instant::now();
     loop {
         tokio::select! {
+            _ = tokio::time::sleep_until(last_ack + patience) => {
+                return Err(format!(
+                    "report stream: no ack for {patience:?} (the allocator stopped answering)"
+                )
+                .into());
+            }
             _ = tick.tick() => match tx.try_send(agent.report(reply.vdev)) {
                 Ok(()) => {}
                 // The allocator is not reading: skip this report rather than
@@ -256,6 +272,7 @@ async fn session(
             },
             ack = acks.message() => match ack {
                 Ok(Some(ack)) => {
+                    last_ack = tokio::time::Instant::now();
                     agent.gate().learn_generation(ack.generation);
                     agent
                         .gate()

@@ -94,7 +94,13 @@ fn endpoint(tls: &ClientTls, url: &str, server: Role) -> anyhow::Result<Endpoint
         .endpoint(url, server)?
         .connect_timeout(Duration::from_secs(3))
         .tcp_nodelay(true)
-        .http2_adaptive_window(true))
+        .http2_adaptive_window(true)
+        // A stopped server (SIGSTOP, a partition) keeps the TCP session:
+        // unanswered pings end it within 3 s, and the call fails over to
+        // another allocator instead of hanging.
+        .http2_keep_alive_interval(Duration::from_secs(1))
+        .keep_alive_timeout(Duration::from_secs(2))
+        .keep_alive_while_idle(true))
 }
 
 /// The one connect helper: to a server of role `server` at `url`, now

@@ -815,6 +815,71 @@ async fn finish_write(ha: &Ha, w: std::process::Child, manifest: &Path) {
     assert!(text.contains("ha"), "{text}");
 }
 
+/// With the leader stopped and its 10 s lease still running, `status`,
+/// `allocator status` and `write` given both allocators wait for a leader,
+/// saying whose lease they wait for and when it ends, and run once the
+/// standby took over (instead of exiting on the first refusal).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commands_given_several_allocators_wait_for_a_leader() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let ha = Ha::start_with_lease(dir.path(), "10s");
+    let (old, _) = ha.leader(Duration::from_secs(30)).await;
+    let old_url = ha.urls()[old].clone();
+    // Once the standby has read the lease, it names the leader.
+    let mut s = AllocatorClient::new(channel(&ha.urls()[1 - old]));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let e = s.get_pool(pb::GetPoolRequest {}).await.expect_err("a standby");
+        let named = e
+            .get_details_error_info()
+            .and_then(|i| i.metadata.get("leader").cloned());
+        if named.as_ref() == Some(&old_url) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the standby never named the leader: {e}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    signal(&ha.allocators[old], "-STOP");
+    let both = ha.urls().join(",");
+    let run = |a: Vec<String>| {
+        tokio::task::spawn_blocking(move || {
+            std::process::Command::new(bin("aliquotctl"))
+                .args(a)
+                .env(integration_tests::INSECURE_ENV, "1")
+                .env_remove("ALIQUOT_ALLOCATOR")
+                .output()
+                .expect("run aliquotctl")
+        })
+    };
+    let wait = args!["--allocator", both, "--leader-wait", "60s"];
+    let status = run([args!["status"], wait.clone()].concat());
+    let allocator_status = run([args!["allocator", "status"], wait.clone()].concat());
+    let write = run([
+        args!["write", "--total", "8MiB", "--block-size", "1MiB", "--verify", "--no-progress"],
+        wait,
+    ]
+    .concat());
+    let said = format!("no leader answers yet: {old_url} holds the lease, which ends in");
+    let mut outs = Vec::new();
+    for (what, o) in [
+        ("status", status),
+        ("allocator status", allocator_status),
+        ("write", write),
+    ] {
+        let o = o.await.unwrap();
+        let stdout = String::from_utf8_lossy(&o.stdout).to_string();
+        let stderr = String::from_utf8_lossy(&o.stderr).to_string();
+        assert!(o.status.success(), "{what} failed:\n{stderr}\n{stdout}");
+        assert!(stderr.contains(&said), "{what} did not say what it waited for:\n{stderr}");
+        outs.push(stdout);
+    }
+    signal(&ha.allocators[old], "-CONT");
+    let new_url = &ha.urls()[1 - old];
+    assert!(outs[1].contains(&format!("leader      {new_url}")), "{}", outs[1]);
+    assert!(outs[2].contains("verified"), "{}", outs[2]);
+}
+
 /// A graceful handover does not wait for the lease: `aliquotctl allocator
 /// step-down` and SIGTERM each move the pool to the standby, which serves
 /// (agents reported in) well before a 10 s lease could have expired.

@@ -830,14 +830,20 @@ async fn commands_given_several_allocators_wait_for_a_leader() {
     let mut s = AllocatorClient::new(channel(&ha.urls()[1 - old]));
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let e = s.get_pool(pb::GetPoolRequest {}).await.expect_err("a standby");
+        let e = s
+            .get_pool(pb::GetPoolRequest {})
+            .await
+            .expect_err("a standby");
         let named = e
             .get_details_error_info()
             .and_then(|i| i.metadata.get("leader").cloned());
         if named.as_ref() == Some(&old_url) {
             break;
         }
-        assert!(Instant::now() < deadline, "the standby never named the leader: {e}");
+        assert!(
+            Instant::now() < deadline,
+            "the standby never named the leader: {e}"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     signal(&ha.allocators[old], "-STOP");
@@ -856,7 +862,15 @@ async fn commands_given_several_allocators_wait_for_a_leader() {
     let status = run([args!["status"], wait.clone()].concat());
     let allocator_status = run([args!["allocator", "status"], wait.clone()].concat());
     let write = run([
-        args!["write", "--total", "8MiB", "--block-size", "1MiB", "--verify", "--no-progress"],
+        args![
+            "write",
+            "--total",
+            "8MiB",
+            "--block-size",
+            "1MiB",
+            "--verify",
+            "--no-progress"
+        ],
         wait,
     ]
     .concat());
@@ -871,12 +885,19 @@ async fn commands_given_several_allocators_wait_for_a_leader() {
         let stdout = String::from_utf8_lossy(&o.stdout).to_string();
         let stderr = String::from_utf8_lossy(&o.stderr).to_string();
         assert!(o.status.success(), "{what} failed:\n{stderr}\n{stdout}");
-        assert!(stderr.contains(&said), "{what} did not say what it waited for:\n{stderr}");
+        assert!(
+            stderr.contains(&said),
+            "{what} did not say what it waited for:\n{stderr}"
+        );
         outs.push(stdout);
     }
     signal(&ha.allocators[old], "-CONT");
     let new_url = &ha.urls()[1 - old];
-    assert!(outs[1].contains(&format!("leader      {new_url}")), "{}", outs[1]);
+    assert!(
+        outs[1].contains(&format!("leader      {new_url}")),
+        "{}",
+        outs[1]
+    );
     assert!(outs[2].contains("verified"), "{}", outs[2]);
 }
 
@@ -1229,6 +1250,21 @@ async fn up_ha_serves_across_a_killed_allocator() {
             break;
         }
         assert!(Instant::now() < deadline, "no standby again:\n{text}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    // ... and said who leads after the restart, as it found out.
+    let deadline = Instant::now() + Duration::from_secs(40);
+    loop {
+        let log = std::fs::read_to_string(&up.log).unwrap_or_default();
+        let said = log
+            .lines()
+            .find(|l| l.contains(" leads (generation "))
+            .map(str::to_string);
+        if let Some(l) = said {
+            assert!(l.contains(&leader) || l.contains(&standby), "{l}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "up never said who leads:\n{log}");
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
 }

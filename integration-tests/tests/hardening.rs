@@ -61,8 +61,15 @@ fn tls_allocator(dir: &Path, caps: &[String]) -> (Proc, u16) {
     ];
     a.extend(caps.iter().cloned());
     a.extend(tls_args(&certs, Role::Allocator, "allocator"));
-    let alloc = Proc::start("allocator", &bin("aliquot-allocator"), &a, &[], &["grpc"], dir)
-        .expect("allocator");
+    let alloc = Proc::start(
+        "allocator",
+        &bin("aliquot-allocator"),
+        &a,
+        &[],
+        &["grpc"],
+        dir,
+    )
+    .expect("allocator");
     let port = alloc.addr("grpc").port();
     (alloc, port)
 }
@@ -316,7 +323,11 @@ async fn idle_connections_do_not_lock_out_a_client_on_the_same_address() {
     let idle: Vec<TcpStream> = (0..1000)
         .filter_map(|_| TcpStream::connect(target).ok())
         .collect();
-    assert!(idle.len() >= 900, "only {} idle connections opened", idle.len());
+    assert!(
+        idle.len() >= 900,
+        "only {} idle connections opened",
+        idle.len()
+    );
     let mut answered = 0;
     for i in 0..30 {
         let mut c = AllocatorClient::new(channel_from(&url, &certs, "127.0.0.1"));

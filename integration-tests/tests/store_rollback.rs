@@ -338,7 +338,14 @@ impl Backing {
         };
         let bin = integration_tests::postgres::bin_dir().expect("PostgreSQL binaries");
         let mut c = std::process::Command::new(bin.join(tool));
-        c.args(["-h", "127.0.0.1", "-p", &pg.port.to_string(), "-U", "aliquot"]);
+        c.args([
+            "-h",
+            "127.0.0.1",
+            "-p",
+            &pg.port.to_string(),
+            "-U",
+            "aliquot",
+        ]);
         c.args(["-d", "postgres"]);
         c
     }

@@ -458,8 +458,11 @@ impl GuardedListener {
             }
             let (acceptor, tx, timeout) =
                 (acceptor.clone(), tx.clone(), self.limits.handshake_timeout);
-            let (refusals, ledger, max_per_peer) =
-                (self.refusals.clone(), self.ledger.clone(), self.limits.max_per_peer);
+            let (refusals, ledger, max_per_peer) = (
+                self.refusals.clone(),
+                self.ledger.clone(),
+                self.limits.max_per_peer,
+            );
             tokio::spawn(async move {
                 let done = tokio::select! {
                     r = tokio::time::timeout(timeout, acceptor.accept(s)) => Some(r),

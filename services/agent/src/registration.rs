@@ -34,6 +34,9 @@ struct Ended {
     /// The allocator removed this vdev (`aliquotctl vdev remove`): there
     /// is nothing left to register for.
     removed: bool,
+    /// The pool refused this device (not a transient failure): an
+    /// operator must act, and the agent's health says NOT_SERVING.
+    refused: bool,
 }
 
 impl From<String> for Ended {
@@ -42,6 +45,7 @@ impl From<String> for Ended {
             why,
             leader: None,
             removed: false,
+            refused: false,
         }
     }
 }
@@ -71,6 +75,7 @@ fn leader_of(s: &tonic::Status) -> Option<String> {
 
 /// Register and report until `stop` turns true, or until the allocator
 /// says the vdev was removed: then `removed` is notified (the agent stops).
+/// `refused` holds why the pool refuses this device, while it does.
 pub async fn run(
     agent: Agent,
     allocators: Vec<String>,
@@ -78,6 +83,7 @@ pub async fn run(
     tls: Option<aliquot_auth::TlsFiles>,
     mut stop: watch::Receiver<bool>,
     removed: std::sync::Arc<tokio::sync::Notify>,
+    refused: std::sync::Arc<watch::Sender<Option<String>>>,
 ) {
     let mut backoff = BACKOFF_START;
     let mut failures: u32 = 0;
@@ -93,7 +99,17 @@ pub async fn run(
             why: e,
             leader,
             removed: gone,
+            refused: by_pool,
         }) = result;
+        if registered {
+            refused.send_replace(None);
+        }
+        if by_pool {
+            // Loudly, every time: retrying will not help until an operator
+            // acts; the health check says NOT_SERVING meanwhile.
+            tracing::error!(allocator = %allocator, error = %e, "the pool refuses this device");
+            refused.send_replace(Some(e.clone()));
+        }
         if gone {
             tracing::error!(allocator = %allocator, error = %e, "this vdev was removed from the pool (aliquotctl vdev remove): stopping the agent");
             removed.notify_one();
@@ -202,6 +218,13 @@ async fn session(
                 why: e,
                 leader: leader_of(&s),
                 removed: is_removed(&s),
+                refused: matches!(
+                    s.code(),
+                    tonic::Code::FailedPrecondition
+                        | tonic::Code::PermissionDenied
+                        | tonic::Code::AlreadyExists
+                        | tonic::Code::InvalidArgument
+                ),
             }
         })?
         .into_inner();
@@ -213,7 +236,10 @@ async fn session(
             reply.pool_guid, mark.pool_guid, mark.txg
         );
         tracing::error!("{e}");
-        return Err(e.into());
+        return Err(Ended {
+            refused: true,
+            ..Ended::from(e)
+        });
     }
     agent.set_vdev(reply.vdev);
     agent.gate().learn_pool(reply.pool_guid, reply.generation);
@@ -292,6 +318,7 @@ async fn session(
                         why: format!("report stream: {}: {}", s.code(), s.message()),
                         leader: leader_of(&s),
                         removed: is_removed(&s),
+                        refused: false,
                     })
                 }
             },

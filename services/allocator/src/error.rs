@@ -474,9 +474,10 @@ impl Error {
                 ],
             ),
             Error::Store(_) => (ErrorReason::Store, vec![]),
-            Error::SyncPending { waited_ms } => {
-                (ErrorReason::Store, vec![("waited_ms", waited_ms.to_string())])
-            }
+            Error::SyncPending { waited_ms } => (
+                ErrorReason::Store,
+                vec![("waited_ms", waited_ms.to_string())],
+            ),
             Error::PoolMismatch {
                 label_pool_guid,
                 pool_guid,

@@ -53,14 +53,15 @@ pub async fn run(config: Config, url: String) -> anyhow::Result<()> {
         format!("{scheme}://{addr}")
     });
     let me = format!("{advertise} pid {}", std::process::id());
-    let store = match PgStore::open_with_lease(&url, &config.pool, config.pool_guid, &me, lease).await {
-        Ok(s) => Arc::new(s),
-        Err(e @ crate::pg_store::OpenError::Url { .. })
-        | Err(e @ crate::pg_store::OpenError::OtherPool { .. }) => {
-            return Err(ConfigError(e.to_string()).into());
-        }
-        Err(e) => return Err(e.into()),
-    };
+    let store =
+        match PgStore::open_with_lease(&url, &config.pool, config.pool_guid, &me, lease).await {
+            Ok(s) => Arc::new(s),
+            Err(e @ crate::pg_store::OpenError::Url { .. })
+            | Err(e @ crate::pg_store::OpenError::OtherPool { .. }) => {
+                return Err(ConfigError(e.to_string()).into());
+            }
+            Err(e) => return Err(e.into()),
+        };
     store.set_address(&advertise);
     {
         let mut out = std::io::stdout().lock();

@@ -90,7 +90,9 @@ pub async fn sync_once(shared: &Shared) -> bool {
     // labels' txg and serve the older store).
     let _gate = shared.sync_gate.lock().await;
     if shared.is_rolled_back() {
-        tracing::warn!("the store is older than the pool's devices: no txg syncs until an operator restores it or restarts with --rewind-to");
+        tracing::warn!(
+            "the store is older than the pool's devices: no txg syncs until an operator restores it or restarts with --rewind-to"
+        );
         return false;
     }
     let start = Instant::now();

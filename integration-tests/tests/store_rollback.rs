@@ -168,8 +168,14 @@ async fn refused(p: &FilePool) -> tonic::Status {
             Ok(r) => panic!("a rolled-back store allocated {:?}", r.into_inner().extents),
             Err(e) if reason(&e) == "STORE_ROLLED_BACK" => return e,
             Err(e) => {
-                // Until an agent registers: nothing is allocatable either.
-                assert_eq!(e.code(), Code::Unavailable, "{e}");
+                // Until an agent registers: nothing is allocatable either
+                // (a PostgreSQL allocator turning from standby to leader
+                // also drops the connections its standby server held).
+                assert!(
+                    e.code() == Code::Unavailable
+                        || (e.code() == Code::Unknown && e.message() == "transport error"),
+                    "{e}"
+                );
                 assert!(Instant::now() < deadline, "never refused: {e}");
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
@@ -290,6 +296,33 @@ async fn a_lost_store_or_another_pool_does_not_take_over_labelled_devices() {
         log.contains("POOL_MISMATCH") || log.contains("not this pool"),
         "{log}"
     );
+    // The refused agent says so: an ERROR, and health NOT_SERVING (what a
+    // compose health check asks), not "unreachable, retrying".
+    assert!(
+        log.lines()
+            .any(|l| l.contains("ERROR") && l.contains("the pool refuses this device")),
+        "{log}"
+    );
+    let mut health =
+        tonic_health::pb::health_client::HealthClient::new(lazy(&p.agents[0].url("grpc")));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let h = health
+            .check(tonic_health::pb::HealthCheckRequest {
+                service: String::new(),
+            })
+            .await
+            .expect("agent health")
+            .into_inner();
+        if h.status == tonic_health::pb::health_check_response::ServingStatus::NotServing as i32 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "a refused agent still says it serves"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     check_blocks(&p, &blocks).await;
 
     // The same for an agent pointed at another pool's allocator.

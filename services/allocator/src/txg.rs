@@ -82,7 +82,8 @@ fn lost_the_pool(shared: &Shared) -> bool {
 }
 
 /// Close the open txg and persist it. False: the pool is led by another
-/// allocator now; nothing was persisted and nothing is acknowledged.
+/// allocator now, or its store was refused as older than the pool; nothing
+/// was persisted and nothing is acknowledged.
 pub async fn sync_once(shared: &Shared) -> bool {
     // Held until the txg is persisted and `synced_state` says so: a label
     // check waits for it, and after a refusal no txg closes at all (an

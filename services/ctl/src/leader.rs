@@ -103,10 +103,11 @@ impl LeaderChannel {
                             .get("lease_left_ms")
                             .and_then(|v| v.parse().ok())
                             .unwrap_or(0);
-                        if !leader.is_empty() && left > 0 {
-                            if holder.as_ref().is_none_or(|(_, m)| left > *m) {
-                                holder = Some((leader, left));
-                            }
+                        if !leader.is_empty()
+                            && left > 0
+                            && holder.as_ref().is_none_or(|(_, m)| left > *m)
+                        {
+                            holder = Some((leader, left));
                         }
                         others.push(format!("{url}: does not lead"));
                     }

@@ -337,6 +337,10 @@ struct Cluster {
     /// kill to the standby serving with every awake vdev reported in.
     killed_at: Option<Instant>,
     takeovers: Vec<Duration>,
+    /// The leader is stopped (SIGSTOP), not killed; and how many woken
+    /// leaders answered NOT_LEADER.
+    stopped: bool,
+    woken_refused: u64,
     /// Secure runs: the CA directory, and the other actors.
     certs: Option<PathBuf>,
     admin: Option<AllocatorClient<Channel>>,
@@ -491,6 +495,8 @@ impl Cluster {
             standby,
             killed_at: None,
             takeovers: Vec::new(),
+            stopped: false,
+            woken_refused: 0,
             certs,
             admin: None,
             mallory: None,
@@ -543,11 +549,18 @@ impl Cluster {
     }
 
     async fn pool(&mut self) -> pb::PoolStatus {
-        self.client
-            .get_pool(pb::GetPoolRequest {})
-            .await
-            .expect("get pool")
-            .into_inner()
+        // A leader whose lease lapsed for a moment (a renewal late on a
+        // loaded machine) answers NOT_LEADER until it renews.
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            match self.client.get_pool(pb::GetPoolRequest {}).await {
+                Ok(r) => return r.into_inner(),
+                Err(e) if e.code() == Code::Unavailable && Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Err(e) => panic!("get pool: {e}"),
+            }
+        }
     }
 
     fn agent(&mut self, endpoint: &str) -> VdevAgentClient<Channel> {
@@ -575,6 +588,14 @@ impl Cluster {
 
     fn kill_allocator(&mut self) {
         self.alloc.kill9();
+        self.killed_at = Some(Instant::now());
+    }
+
+    /// SIGSTOP the leader (PostgreSQL): the standby takes over while it is
+    /// stopped; `restart_allocator_on_any_store` wakes it.
+    fn stop_allocator(&mut self) {
+        signal(&self.alloc, "-STOP");
+        self.stopped = true;
         self.killed_at = Some(Instant::now());
     }
 
@@ -610,6 +631,30 @@ impl Cluster {
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
             std::mem::swap(&mut self.alloc, b);
+            if std::mem::take(&mut self.stopped) {
+                // Woken after the takeover: it serves nothing.
+                signal(b, "-CONT");
+                let old = url_of(self.certs.is_some(), b);
+                let mut co = AllocatorClient::new(channel(
+                    self.certs.as_deref(),
+                    &old,
+                    Role::Client,
+                    "writer",
+                    Role::Allocator,
+                ));
+                let deadline = Instant::now() + Duration::from_secs(20);
+                loop {
+                    match co.allocate(data_req(64 << 10)).await {
+                        Ok(r) => panic!("the woken leader allocated {:?}", r.into_inner().extents),
+                        Err(e) if e.message().contains("does not lead") => break,
+                        Err(e) => {
+                            assert!(Instant::now() < deadline, "never NOT_LEADER: {e}");
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                        }
+                    }
+                }
+                self.woken_refused += 1;
+            }
             b.restart().expect("restart the old leader as a standby");
             self.alloc_url = url;
         } else {
@@ -1349,6 +1394,11 @@ enum Kill {
     /// Restart the allocator on an older copy of its store: refused
     /// (STORE_ROLLED_BACK) until the newest store is put back.
     Rollback,
+    /// On PostgreSQL: SIGSTOP the leader instead of killing it; the standby
+    /// takes over with the stopped one's agents, then it is woken (SIGCONT)
+    /// and must answer NOT_LEADER (and persist nothing: the store is
+    /// checked at the next fault) before it is restarted as the standby.
+    LeaderStop,
 }
 
 fn copy_store(from: &Path, to: &Path) {
@@ -1382,6 +1432,8 @@ struct Faults {
     hangs: usize,
     hangs_across_restarts: usize,
     rollbacks: usize,
+    /// SIGSTOP of the leader (needs `ha`).
+    leader_stops: usize,
     /// Two allocators on PostgreSQL: every allocator kill is a takeover
     /// (rollbacks, which copy an SQLite file, need `ha` false).
     ha: bool,
@@ -1397,10 +1449,12 @@ async fn crash_run(f: Faults) {
         hangs,
         hangs_across_restarts,
         rollbacks,
+        leader_stops,
         ha,
         secure,
     } = f;
     assert!(!(ha && rollbacks > 0), "rollbacks copy the SQLite store");
+    assert!(ha || leader_stops == 0, "a stopped leader needs a standby");
     let seed = std::env::var("ALIQUOT_CRASH_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -1425,6 +1479,7 @@ async fn crash_run(f: Faults) {
             hangs_across_restarts,
         ))
         .chain(std::iter::repeat_n(Kill::Rollback, rollbacks))
+        .chain(std::iter::repeat_n(Kill::LeaderStop, leader_stops))
         .collect();
     let mut refused_placements = 0u64;
     let mut rollbacks_refused = 0u64;
@@ -1451,6 +1506,17 @@ async fn crash_run(f: Faults) {
                     c.agents[victim].restart().expect("restart agent");
                     c.unsettle();
                 }
+                c.restart_allocator().await;
+                resolve(&mut c, &mut m).await;
+                check_patterns(&mut c, &mut m, None).await;
+            }
+            Kill::LeaderStop => {
+                tokio::select! {
+                    _ = write_forever(&mut c, &mut m, &mut rng) => unreachable!(),
+                    _ = tokio::time::sleep(run_for) => {}
+                }
+                c.stop_allocator();
+                check_store(&mut c, &mut m).await;
                 c.restart_allocator().await;
                 resolve(&mut c, &mut m).await;
                 check_patterns(&mut c, &mut m, None).await;
@@ -1609,6 +1675,13 @@ async fn crash_run(f: Faults) {
          ({refused_placements} placements meanwhile, none on a sleeping agent's vdev); \
          {rollbacks_refused} of {rollbacks} older stores refused"
     );
+    if leader_stops > 0 {
+        eprintln!(
+            "crash test: {} of {leader_stops} stopped leaders, woken after the takeover, answered NOT_LEADER",
+            c.woken_refused
+        );
+        assert_eq!(c.woken_refused, leader_stops as u64);
+    }
     if !c.takeovers.is_empty() {
         let mut t = c.takeovers.clone();
         t.sort();
@@ -1685,7 +1758,8 @@ async fn owners_tokens_and_moves_under_faults_lose_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn takeovers_on_postgres_lose_nothing_durable() {
     crash_run(Faults {
-        allocator_kills: 8,
+        allocator_kills: 6,
+        leader_stops: 3,
         agent_kills: 2,
         both_kills: 2,
         hangs: 1,
@@ -1700,7 +1774,8 @@ async fn takeovers_on_postgres_lose_nothing_durable() {
 #[ignore = "long: many takeovers on PostgreSQL"]
 async fn takeovers_on_postgres_many_times() {
     crash_run(Faults {
-        allocator_kills: 60,
+        allocator_kills: 50,
+        leader_stops: 10,
         agent_kills: 10,
         both_kills: 10,
         hangs: 5,

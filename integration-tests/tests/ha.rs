@@ -8,6 +8,8 @@
 
 use std::collections::BTreeSet;
 use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use aliquot_proto::v1 as pb;
@@ -48,6 +50,19 @@ impl Ha {
 
     fn start_with_lease(dir: &Path, lease: &str) -> Ha {
         let pg = Postgres::start();
+        let url = pg.url();
+        Ha::start_on(dir, lease, "500ms", pg, [url.clone(), url])
+    }
+
+    /// `start_with_lease` with each allocator's `--store` URL given (e.g.
+    /// through a [`PgProxy`] of its own).
+    fn start_on(
+        dir: &Path,
+        lease: &str,
+        claim_window: &str,
+        pg: Postgres,
+        stores: [String; 2],
+    ) -> Ha {
         let certs = dir.join("certs");
         aliquot_auth::PoolCa::init(&certs, "ha").unwrap();
         let mut ha = Ha {
@@ -56,12 +71,12 @@ impl Ha {
             allocators: Vec::new(),
             agents: Vec::new(),
         };
-        for i in 0..2 {
+        for (i, store) in stores.iter().enumerate() {
             let a = args![
                 "--listen",
                 "127.0.0.1:0",
                 "--store",
-                ha.pg.url(),
+                store,
                 "--pool",
                 "ha",
                 "--leader-lease",
@@ -71,7 +86,7 @@ impl Ha {
                 "--report-interval",
                 "200ms",
                 "--claim-window",
-                "500ms",
+                claim_window,
                 "--zfs-txg-timeout",
                 "1s",
             ];
@@ -166,6 +181,21 @@ impl Ha {
                 t0.elapsed() < within,
                 "no allocator served Allocate within {within:?}"
             );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+impl Ha {
+    /// `leader`, for an allocator other than `old` (which may still serve
+    /// until its lease runs out); the time it took.
+    async fn leader_besides(&self, old: usize, within: Duration) -> (usize, Duration) {
+        let t0 = Instant::now();
+        loop {
+            let (i, _) = self.leader(within.saturating_sub(t0.elapsed())).await;
+            if i != old {
+                return (i, t0.elapsed());
+            }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
@@ -428,6 +458,291 @@ async fn a_paused_leader_woken_after_a_takeover_persists_and_serves_nothing() {
         .expect("write on the new leader");
 }
 
+/// A TCP proxy between allocators and PostgreSQL that can cut the path in
+/// the middle of a transaction: armed, it lets the next `BEGIN` and the
+/// statement after it through (a txg's transaction holding the `leaders`
+/// row), then forwards nothing more, either way, on any of its
+/// connections until thawed, as a partition would.
+struct PgProxy {
+    port: u16,
+    armed: Arc<AtomicBool>,
+    frozen: Arc<tokio::sync::watch::Sender<bool>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl PgProxy {
+    async fn start(pg_port: u16) -> PgProxy {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = l.local_addr().unwrap().port();
+        let armed = Arc::new(AtomicBool::new(false));
+        let frozen = Arc::new(tokio::sync::watch::Sender::new(false));
+        let (a, f) = (armed.clone(), frozen.clone());
+        let task = tokio::spawn(async move {
+            let mut conns = tokio::task::JoinSet::new();
+            while let Ok((client, _)) = l.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", pg_port)).await
+                else {
+                    continue;
+                };
+                let (cr, cw) = client.into_split();
+                let (sr, sw) = server.into_split();
+                conns.spawn(PgProxy::pipe(cr, sw, Some(a.clone()), f.clone()));
+                conns.spawn(PgProxy::pipe(sr, cw, None, f.clone()));
+            }
+        });
+        PgProxy {
+            port,
+            armed,
+            frozen,
+            task,
+        }
+    }
+
+    /// Copy `from` to `to` while not frozen; on the client's side
+    /// (`armed` given), freeze after a `BEGIN` and the message after it.
+    async fn pipe(
+        mut from: tokio::net::tcp::OwnedReadHalf,
+        mut to: tokio::net::tcp::OwnedWriteHalf,
+        armed: Option<Arc<AtomicBool>>,
+        frozen: Arc<tokio::sync::watch::Sender<bool>>,
+    ) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut thawed = frozen.subscribe();
+        let mut buf = vec![0u8; 64 << 10];
+        let mut began = false;
+        loop {
+            let n = match from.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            let chunk = &buf[..n];
+            let mut cut_after = false;
+            if let Some(armed) = &armed
+                && armed.load(Ordering::Acquire)
+            {
+                // sqlx begins with a simple query: 'Q' … "BEGIN".
+                if chunk[0] == b'Q' && chunk.windows(5).any(|w| w == b"BEGIN") {
+                    began = true;
+                } else if began && armed.swap(false, Ordering::AcqRel) {
+                    cut_after = true;
+                }
+            }
+            if cut_after {
+                // Frozen before the statement goes out: its answer is held.
+                frozen.send_replace(true);
+            } else if thawed.wait_for(|f| !*f).await.is_err() {
+                return;
+            }
+            if to.write_all(chunk).await.is_err() {
+                return;
+            }
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("postgres://aliquot@127.0.0.1:{}/postgres", self.port)
+    }
+
+    fn arm(&self) {
+        self.armed.store(true, Ordering::Release);
+    }
+
+    async fn wait_frozen(&self, within: Duration) {
+        let mut rx = self.frozen.subscribe();
+        tokio::time::timeout(within, rx.wait_for(|f| *f))
+            .await
+            .expect("no transaction began through the proxy")
+            .unwrap();
+    }
+
+    fn thaw(&self) {
+        self.frozen.send_replace(false);
+    }
+}
+
+impl Drop for PgProxy {
+    fn drop(&mut self) {
+        self.thaw();
+        self.task.abort();
+    }
+}
+
+/// The path between the leader and PostgreSQL cut inside a txg's
+/// transaction for three leases: the leader's sessions bound their
+/// statements by the lease and their idle transactions and lock waits by
+/// half of it, so the server ends the cut transaction, its `leaders` row
+/// lock goes, and the standby takes the pool while the path is still cut.
+/// Once the path is back, the cut transaction has committed nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_inside_a_txg_transaction_does_not_block_the_takeover() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let pg = Postgres::start();
+    let proxies = [PgProxy::start(pg.port).await, PgProxy::start(pg.port).await];
+    let ha = Ha::start_on(
+        dir.path(),
+        "3s",
+        "500ms",
+        pg,
+        [proxies[0].url(), proxies[1].url()],
+    );
+    let lease = Duration::from_secs(3);
+    let (old, _) = ha.leader(Duration::from_secs(30)).await;
+    let mut c = AllocatorClient::new(channel(&ha.urls()[old]));
+    let kept = write_durable(&mut c, 64 << 10, 3).await.expect("write");
+    // Cut at the next transaction: the txg holding this commit.
+    proxies[old].arm();
+    let unsynced = c.allocate(data(64 << 10)).await.unwrap().into_inner();
+    c.commit(pb::CommitRequest {
+        allocation_ids: vec![unsynced.allocation_id],
+        wait_synced: false,
+        generation: unsynced.generation,
+    })
+    .await
+    .expect("commit");
+    proxies[old].wait_frozen(Duration::from_secs(10)).await;
+    let cut = Instant::now();
+    let (new, _) = ha
+        .leader_besides(old, 3 * lease + Duration::from_secs(30))
+        .await;
+    let took = cut.elapsed();
+    eprintln!("takeover {took:?} after the leader's path to PostgreSQL was cut mid-transaction");
+    assert_ne!(new, old, "the cut-off leader kept the pool");
+    assert!(
+        took < 3 * lease,
+        "no takeover while the path was cut ({took:?}): the cut transaction held it up"
+    );
+    // The cut lasts three leases in all.
+    tokio::time::sleep((3 * lease).saturating_sub(cut.elapsed())).await;
+    proxies[old].thaw();
+    // The old leader hears its answers now: it stands by, and what its
+    // cut transaction held never lands.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match c.get_pool(pb::GetPoolRequest {}).await {
+            Err(e) if reason(&e) == "NOT_LEADER" => break,
+            r => {
+                assert!(
+                    Instant::now() < deadline,
+                    "the cut-off leader never said NOT_LEADER: {r:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+    let p = aliquot_allocator::pg_store::read_only(&ha.pg.url(), "ha")
+        .await
+        .unwrap()
+        .unwrap();
+    aliquot_allocator::recovery::verify(&p).expect("store consistent");
+    let have: BTreeSet<(u32, u64, u64)> = p
+        .allocated
+        .iter()
+        .map(|e| (e.vdev, e.offset, e.size))
+        .collect();
+    assert!(have.contains(&key(&kept)), "a durable extent vanished");
+    assert!(
+        !have.contains(&key(&unsynced.extents[0])),
+        "the cut transaction's txg landed"
+    );
+    let mut n = AllocatorClient::new(channel(&ha.urls()[new]));
+    write_durable(&mut n, 64 << 10, 4)
+        .await
+        .expect("write on the new leader");
+}
+
+/// The leader stopped (SIGSTOP) for three leases at least under two agents
+/// and a 32-way `aliquotctl write` given both allocators: the agents leave
+/// the silent leader (their report stream's acks stop), the write's calls
+/// fail over (HTTP/2 keepalive), the standby serves while the old leader is
+/// still stopped, and the write finishes, verified. Woken, the old leader
+/// persists nothing and answers NOT_LEADER.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_leader_strands_neither_agents_nor_writers() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    // The default claim window: the write claims what the stopped leader's
+    // lost txgs held once its calls have failed over (keepalive, 3 s).
+    let pg = Postgres::start();
+    let url = pg.url();
+    let ha = Ha::start_on(dir.path(), LEASE, "10s", pg, [url.clone(), url]);
+    let (old, _) = ha.leader(Duration::from_secs(30)).await;
+    let manifest = dir.path().join("run.manifest");
+    let w = spawn_write(&ha, &manifest);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // A commit the stopped leader may still hold unsynced in its open txg
+    // (the write's synced commits close txgs often, so it may have synced
+    // before the stop: then there is nothing to prove with it).
+    let mut c = AllocatorClient::new(channel(&ha.urls()[old]));
+    let unsynced = c.allocate(data(64 << 10)).await.unwrap().into_inner();
+    c.commit(pb::CommitRequest {
+        allocation_ids: vec![unsynced.allocation_id],
+        wait_synced: false,
+        generation: unsynced.generation,
+    })
+    .await
+    .expect("commit");
+    signal(&ha.allocators[old], "-STOP");
+    let stopped = Instant::now();
+    let (new, took) = ha
+        .leader_besides(old, Duration::from_millis(3 * LEASE_MS + 30000))
+        .await;
+    eprintln!("the standby served {took:?} after the leader stopped");
+    // The old leader is still stopped: the agents left it for the standby.
+    assert_ne!(new, old, "a stopped allocator cannot serve");
+    tokio::time::sleep(Duration::from_millis(3 * LEASE_MS).saturating_sub(stopped.elapsed())).await;
+    let u = key(&unsynced.extents[0]);
+    let held = !allocated(&ha.pg).await.contains(&u);
+    signal(&ha.allocators[old], "-CONT");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match c.get_pool(pb::GetPoolRequest {}).await {
+            Err(e) if reason(&e) == "NOT_LEADER" => break,
+            Ok(_) => panic!("the woken leader answered GetPool as the leader"),
+            Err(e) => {
+                assert!(Instant::now() < deadline, "never NOT_LEADER: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+    // Allocate too (a call may meet the server going away as it turns
+    // standby: a transport error, then NOT_LEADER).
+    loop {
+        match c.allocate(data(4096)).await {
+            Err(e) if reason(&e) == "NOT_LEADER" => break,
+            Ok(a) => panic!("the woken leader allocated {:?}", a.into_inner().extents),
+            Err(e) => {
+                assert!(Instant::now() < deadline, "never NOT_LEADER: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+    finish_write(&ha, w, &manifest).await;
+    // The write ran for seconds after the wake: had the old leader
+    // persisted its open txg, the held commit would be in the store (no
+    // block of the write has its size).
+    if held {
+        assert!(
+            !allocated(&ha.pg).await.contains(&u),
+            "the woken leader persisted its open txg ({u:?})"
+        );
+    } else {
+        eprintln!("the held commit synced before the stop: nothing to prove with it");
+    }
+}
+
+/// The extents the store holds allocated.
+async fn allocated(pg: &Postgres) -> BTreeSet<(u32, u64, u64)> {
+    aliquot_allocator::pg_store::read_only(&pg.url(), "ha")
+        .await
+        .unwrap()
+        .unwrap()
+        .allocated
+        .iter()
+        .map(|e| (e.vdev, e.offset, e.size))
+        .collect()
+}
+
 /// The run: a 32-way `aliquotctl write` given both allocators,
 /// the leader killed with -9 under it. The standby takes over, the write
 /// follows it and finishes (claiming what the lost txg held), and every
@@ -439,7 +754,19 @@ async fn a_write_given_both_allocators_finishes_across_a_leader_kill() {
     let mut ha = Ha::start(dir.path());
     let (leader, _) = ha.leader(Duration::from_secs(30)).await;
     let manifest = dir.path().join("run.manifest");
-    let w = std::process::Command::new(bin("aliquotctl"))
+    let w = spawn_write(&ha, &manifest);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    ha.allocators[leader].kill9();
+    let (next, took) = ha.leader(Duration::from_millis(LEASE_MS + 8000)).await;
+    assert_ne!(next, leader);
+    eprintln!("takeover under the write: {took:?}");
+    finish_write(&ha, w, &manifest).await;
+}
+
+/// A 32-way `aliquotctl write` of 160 MiB given both allocators, verified,
+/// with its manifest at `manifest`.
+fn spawn_write(ha: &Ha, manifest: &Path) -> std::process::Child {
+    std::process::Command::new(bin("aliquotctl"))
         .args(args![
             "write",
             "--allocator",
@@ -462,12 +789,12 @@ async fn a_write_given_both_allocators_finishes_across_a_leader_kill() {
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
-        .expect("spawn aliquotctl write");
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    ha.allocators[leader].kill9();
-    let (next, took) = ha.leader(Duration::from_millis(LEASE_MS + 8000)).await;
-    assert_ne!(next, leader);
-    eprintln!("takeover under the write: {took:?}");
+        .expect("spawn aliquotctl write")
+}
+
+/// The write finished and verified, every block of its manifest is
+/// allocated in the store, and the store verifies.
+async fn finish_write(ha: &Ha, w: std::process::Child, manifest: &Path) {
     let out = tokio::task::spawn_blocking(move || w.wait_with_output().unwrap())
         .await
         .unwrap();
@@ -475,7 +802,7 @@ async fn a_write_given_both_allocators_finishes_across_a_leader_kill() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "the run failed:\n{stderr}\n{stdout}");
     assert!(stdout.contains("verified"), "{stdout}");
-    let m = aliquotctl::manifest::Manifest::load(&manifest).expect("manifest");
+    let m = aliquotctl::manifest::Manifest::load(manifest).expect("manifest");
     assert_eq!(m.blocks.len(), 160, "every block is in the manifest");
     let durable: BTreeSet<(u32, u64, u64)> = m
         .blocks
@@ -486,6 +813,92 @@ async fn a_write_given_both_allocators_finishes_across_a_leader_kill() {
     let v = integration_tests::ctl(&args!["verify", "--store", ha.pg.url(), "--pool", "ha"]);
     let text = integration_tests::ok_stdout(&v, "verify --store");
     assert!(text.contains("ha"), "{text}");
+}
+
+/// With the leader stopped and its 10 s lease still running, `status`,
+/// `allocator status` and `write` given both allocators wait for a leader,
+/// saying whose lease they wait for and when it ends, and run once the
+/// standby took over (instead of exiting on the first refusal).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commands_given_several_allocators_wait_for_a_leader() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let ha = Ha::start_with_lease(dir.path(), "10s");
+    let (old, _) = ha.leader(Duration::from_secs(30)).await;
+    let old_url = ha.urls()[old].clone();
+    // Once the standby has read the lease, it names the leader.
+    let mut s = AllocatorClient::new(channel(&ha.urls()[1 - old]));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let e = s
+            .get_pool(pb::GetPoolRequest {})
+            .await
+            .expect_err("a standby");
+        let named = e
+            .get_details_error_info()
+            .and_then(|i| i.metadata.get("leader").cloned());
+        if named.as_ref() == Some(&old_url) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the standby never named the leader: {e}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    signal(&ha.allocators[old], "-STOP");
+    let both = ha.urls().join(",");
+    let run = |a: Vec<String>| {
+        tokio::task::spawn_blocking(move || {
+            std::process::Command::new(bin("aliquotctl"))
+                .args(a)
+                .env(integration_tests::INSECURE_ENV, "1")
+                .env_remove("ALIQUOT_ALLOCATOR")
+                .output()
+                .expect("run aliquotctl")
+        })
+    };
+    let wait = args!["--allocator", both, "--leader-wait", "60s"];
+    let status = run([args!["status"], wait.clone()].concat());
+    let allocator_status = run([args!["allocator", "status"], wait.clone()].concat());
+    let write = run([
+        args![
+            "write",
+            "--total",
+            "8MiB",
+            "--block-size",
+            "1MiB",
+            "--verify",
+            "--no-progress"
+        ],
+        wait,
+    ]
+    .concat());
+    let said = format!("no leader answers yet: {old_url} holds the lease, which ends in");
+    let mut outs = Vec::new();
+    for (what, o) in [
+        ("status", status),
+        ("allocator status", allocator_status),
+        ("write", write),
+    ] {
+        let o = o.await.unwrap();
+        let stdout = String::from_utf8_lossy(&o.stdout).to_string();
+        let stderr = String::from_utf8_lossy(&o.stderr).to_string();
+        assert!(o.status.success(), "{what} failed:\n{stderr}\n{stdout}");
+        assert!(
+            stderr.contains(&said),
+            "{what} did not say what it waited for:\n{stderr}"
+        );
+        outs.push(stdout);
+    }
+    signal(&ha.allocators[old], "-CONT");
+    let new_url = &ha.urls()[1 - old];
+    assert!(
+        outs[1].contains(&format!("leader      {new_url}")),
+        "{}",
+        outs[1]
+    );
+    assert!(outs[2].contains("verified"), "{}", outs[2]);
 }
 
 /// A graceful handover does not wait for the lease: `aliquotctl allocator
@@ -837,6 +1250,21 @@ async fn up_ha_serves_across_a_killed_allocator() {
             break;
         }
         assert!(Instant::now() < deadline, "no standby again:\n{text}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    // ... and said who leads after the restart, as it found out.
+    let deadline = Instant::now() + Duration::from_secs(40);
+    loop {
+        let log = std::fs::read_to_string(&up.log).unwrap_or_default();
+        let said = log
+            .lines()
+            .find(|l| l.contains(" leads (generation "))
+            .map(str::to_string);
+        if let Some(l) = said {
+            assert!(l.contains(&leader) || l.contains(&standby), "{l}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "up never said who leads:\n{log}");
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
 }

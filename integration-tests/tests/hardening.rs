@@ -41,11 +41,11 @@ fn closed_within(s: &mut TcpStream, wait: Duration) -> bool {
         || e.kind() == std::io::ErrorKind::TimedOut)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_peer_that_never_finishes_handshakes_holds_only_its_caps() {
+/// A TLS allocator with an admin certificate "op" in `dir/certs`, `caps`
+/// added to its flags; its process and port.
+fn tls_allocator(dir: &Path, caps: &[String]) -> (Proc, u16) {
     aliquot_auth::listen::raise_fd_limit();
-    let dir = tempfile::tempdir().unwrap();
-    let certs = dir.path().join("certs");
+    let certs = dir.join("certs");
     let ca = PoolCa::init(&certs, "hardening").unwrap();
     ca.issue(Role::Allocator, "allocator", &[]).unwrap();
     ca.issue(Role::Admin, "op", &[]).unwrap();
@@ -55,18 +55,11 @@ async fn a_peer_that_never_finishes_handshakes_holds_only_its_caps() {
         "--pool",
         "hardening",
         "--data-dir",
-        dir.path().join("allocator").display(),
+        dir.join("allocator").display(),
         "--token-key",
         certs.display(),
-        "--handshake-timeout",
-        "2s",
-        "--max-handshakes",
-        "32",
-        "--max-handshakes-per-peer",
-        "16",
-        "--max-connections-per-peer",
-        "64",
     ];
+    a.extend(caps.iter().cloned());
     a.extend(tls_args(&certs, Role::Allocator, "allocator"));
     let alloc = Proc::start(
         "allocator",
@@ -74,10 +67,30 @@ async fn a_peer_that_never_finishes_handshakes_holds_only_its_caps() {
         &a,
         &[],
         &["grpc"],
-        dir.path(),
+        dir,
     )
     .expect("allocator");
     let port = alloc.addr("grpc").port();
+    (alloc, port)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_never_finishes_handshakes_holds_only_its_caps() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = dir.path().join("certs");
+    let (_alloc, port) = tls_allocator(
+        dir.path(),
+        &args![
+            "--handshake-timeout",
+            "2s",
+            "--max-handshakes",
+            "32",
+            "--max-handshakes-per-peer",
+            "16",
+            "--max-connections-per-peer",
+            "64",
+        ],
+    );
     let target: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let url = format!("https://127.0.0.1:{port}");
 
@@ -85,8 +98,8 @@ async fn a_peer_that_never_finishes_handshakes_holds_only_its_caps() {
     let mut attack: Vec<TcpStream> = (0..200)
         .map(|_| TcpStream::connect(target).expect("connect"))
         .collect();
-    // What the caps turn away is closed at once: 200 - 64 over the
-    // per-peer cap, and 64 - 16 over the per-peer pending-handshake cap.
+    // What the caps turn away is closed at once: each connection past the
+    // per-peer pending-handshake cap (16) evicts that peer's oldest.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let mut held = Vec::new();
     let mut closed_at_once = 0;
@@ -293,4 +306,39 @@ async fn stall_writes(agent: &Proc, pid: u32, method: &str) {
 /// `h2`'s body type is `bytes::Bytes`; tonic re-exports the same crate.
 mod bytes_of {
     pub use tonic::codegen::Bytes;
+}
+
+/// Idle connections (never a ClientHello) from the very address of an
+/// authenticated client do not shut it out: pending handshakes do not count
+/// against the per-peer cap, and a new one past their own bound evicts the
+/// oldest, so every one of the client's calls, each on a new connection,
+/// is answered while ~1000 idle connections are kept open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_do_not_lock_out_a_client_on_the_same_address() {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = dir.path().join("certs");
+    let (_alloc, port) = tls_allocator(dir.path(), &args!["--max-connections-per-peer", "64"]);
+    let target: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let url = format!("https://127.0.0.1:{port}");
+    let idle: Vec<TcpStream> = (0..1000)
+        .filter_map(|_| TcpStream::connect(target).ok())
+        .collect();
+    assert!(
+        idle.len() >= 900,
+        "only {} idle connections opened",
+        idle.len()
+    );
+    let mut answered = 0;
+    for i in 0..30 {
+        let mut c = AllocatorClient::new(channel_from(&url, &certs, "127.0.0.1"));
+        match c.get_pool(pb::GetPoolRequest::default()).await {
+            Ok(_) => answered += 1,
+            Err(e) => panic!("call {i} from the client on 127.0.0.1 refused: {e}"),
+        }
+    }
+    eprintln!(
+        "{answered}/30 GetPool calls answered with {} idle connections open",
+        idle.len()
+    );
+    drop(idle);
 }

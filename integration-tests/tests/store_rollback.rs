@@ -168,8 +168,14 @@ async fn refused(p: &FilePool) -> tonic::Status {
             Ok(r) => panic!("a rolled-back store allocated {:?}", r.into_inner().extents),
             Err(e) if reason(&e) == "STORE_ROLLED_BACK" => return e,
             Err(e) => {
-                // Until an agent registers: nothing is allocatable either.
-                assert_eq!(e.code(), Code::Unavailable, "{e}");
+                // Until an agent registers: nothing is allocatable either
+                // (a PostgreSQL allocator turning from standby to leader
+                // also drops the connections its standby server held).
+                assert!(
+                    e.code() == Code::Unavailable
+                        || (e.code() == Code::Unknown && e.message() == "transport error"),
+                    "{e}"
+                );
                 assert!(Instant::now() < deadline, "never refused: {e}");
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
@@ -290,6 +296,33 @@ async fn a_lost_store_or_another_pool_does_not_take_over_labelled_devices() {
         log.contains("POOL_MISMATCH") || log.contains("not this pool"),
         "{log}"
     );
+    // The refused agent says so: an ERROR, and health NOT_SERVING (what a
+    // compose health check asks), not "unreachable, retrying".
+    assert!(
+        log.lines()
+            .any(|l| l.contains("ERROR") && l.contains("the pool refuses this device")),
+        "{log}"
+    );
+    let mut health =
+        tonic_health::pb::health_client::HealthClient::new(lazy(&p.agents[0].url("grpc")));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let h = health
+            .check(tonic_health::pb::HealthCheckRequest {
+                service: String::new(),
+            })
+            .await
+            .expect("agent health")
+            .into_inner();
+        if h.status == tonic_health::pb::health_check_response::ServingStatus::NotServing as i32 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "a refused agent still says it serves"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     check_blocks(&p, &blocks).await;
 
     // The same for an agent pointed at another pool's allocator.
@@ -309,4 +342,195 @@ async fn a_lost_store_or_another_pool_does_not_take_over_labelled_devices() {
         .into_inner();
     assert!(st.vdevs.is_empty(), "another pool's device joined");
     check_blocks(&p, &blocks).await;
+}
+
+/// Where the allocator keeps its store in a waiting-out run, and how an
+/// older copy of it is saved and restored.
+enum Backing {
+    /// The data dir's SQLite files, copied.
+    Sqlite,
+    /// A PostgreSQL server of the test's own, dumped with `pg_dump` and
+    /// restored with `psql`.
+    Postgres(integration_tests::postgres::Postgres),
+}
+
+impl Backing {
+    /// The allocator flags for this store.
+    fn args(&self) -> Vec<String> {
+        match self {
+            Backing::Sqlite => Vec::new(),
+            // One allocator; a short lease so a restart after -9 takes the
+            // pool back quickly.
+            Backing::Postgres(pg) => args!["--store", pg.url(), "--leader-lease", "1s"],
+        }
+    }
+
+    fn pg_tool(&self, tool: &str) -> std::process::Command {
+        let Backing::Postgres(pg) = self else {
+            unreachable!("a PostgreSQL tool without PostgreSQL")
+        };
+        let bin = integration_tests::postgres::bin_dir().expect("PostgreSQL binaries");
+        let mut c = std::process::Command::new(bin.join(tool));
+        c.args([
+            "-h",
+            "127.0.0.1",
+            "-p",
+            &pg.port.to_string(),
+            "-U",
+            "aliquot",
+        ]);
+        c.args(["-d", "postgres"]);
+        c
+    }
+
+    /// Save the store as it is now (the allocator is stopped).
+    fn save(&self, p: &FilePool, to: &Path) {
+        match self {
+            Backing::Sqlite => copy_dir(&p.store_dir(), to),
+            Backing::Postgres(_) => {
+                std::fs::create_dir_all(to).unwrap();
+                let o = self
+                    .pg_tool("pg_dump")
+                    .args(["--clean", "--if-exists", "-f"])
+                    .arg(to.join("dump.sql"))
+                    .output()
+                    .expect("run pg_dump");
+                assert!(o.status.success(), "pg_dump: {o:?}");
+            }
+        }
+    }
+
+    /// Put the saved copy back in place of the store (the allocator is
+    /// stopped).
+    fn restore(&self, p: &FilePool, from: &Path) {
+        match self {
+            Backing::Sqlite => {
+                std::fs::remove_dir_all(p.store_dir()).unwrap();
+                copy_dir(from, &p.store_dir());
+            }
+            Backing::Postgres(_) => {
+                let o = self
+                    .pg_tool("psql")
+                    .args(["-q", "-v", "ON_ERROR_STOP=1", "-f"])
+                    .arg(from.join("dump.sql"))
+                    .output()
+                    .expect("run psql");
+                assert!(o.status.success(), "psql restore: {o:?}");
+            }
+        }
+    }
+}
+
+/// The synced txg, once the allocator answers GetPool (a PostgreSQL one
+/// answers NOT_LEADER until it took the pool).
+async fn synced_txg_when_up(p: &FilePool) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match p.client().get_pool(pb::GetPoolRequest {}).await {
+            Ok(r) => return r.into_inner().synced_txg,
+            Err(e) => {
+                assert!(Instant::now() < deadline, "GetPool never answered: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+/// The waiting-out attack: an older copy of the store restored, the
+/// allocator left running on it with txgs every 10 ms (first with no agent
+/// connected, then refused by their labels), then plain restarts. No txg
+/// syncs past the refusal nor before a label vouched for the store, and
+/// every restart, each in a generation number the devices already saw, is
+/// refused again; only `--rewind-to` serves it.
+async fn a_refused_store_stays_refused(backing: Backing, dir: &Path) {
+    let mut a = args!["--pool", "waitout", "--report-interval", "100ms"];
+    a.extend(backing.args());
+    let mut p = FilePool::start(dir, &a);
+    // A PostgreSQL allocator takes the pool after it listens.
+    synced_txg_when_up(&p).await;
+    for _ in 0..2 {
+        p.add_agent("64MiB");
+    }
+    let first = write_blocks(&p, 4, 1).await;
+    let t1 = synced_txg(&p).await;
+    labels_reach(&p, t1).await;
+    p.alloc.kill9();
+    let backup = dir.join("backup");
+    backing.save(&p, &backup);
+    p.alloc.restart().expect("restart");
+    let second = write_blocks(&p, 4, 100).await;
+    let t2 = synced_txg_when_up(&p).await;
+    labels_reach(&p, t2).await;
+
+    // The older copy back, and no agent: txgs of 10 ms for 2 s would be
+    // ~200 empty txgs past the labels' if the store moved unchecked.
+    for a in &mut p.agents {
+        a.kill();
+    }
+    p.alloc.kill9();
+    backing.restore(&p, &backup);
+    p.alloc.set_arg("--zfs-txg-timeout", "10ms");
+    p.alloc.restart().expect("restart on the older store");
+    let at_restore = synced_txg_when_up(&p).await;
+    assert!(at_restore < t2, "the copy is older: {at_restore} vs {t2}");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        synced_txg_when_up(&p).await,
+        at_restore,
+        "txgs synced before any device's label vouched for the store"
+    );
+    for a in &mut p.agents {
+        a.restart().expect("agent back");
+    }
+    let e = refused(&p).await;
+    assert!(
+        e.message().contains("the store is older than the pool"),
+        "{e}"
+    );
+    // Refused running: 3 s of 10 ms txgs, none synced.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        synced_txg_when_up(&p).await,
+        at_restore,
+        "a refused store synced txgs"
+    );
+    // Plain restarts, by -9 and by SIGTERM: each opens a generation the
+    // labels may already name; each is refused, none syncs.
+    for round in 0..3 {
+        if round == 1 {
+            p.alloc.kill();
+        } else {
+            p.alloc.kill9();
+        }
+        p.alloc.restart().expect("plain restart");
+        let e = refused(&p).await;
+        assert!(
+            e.message().contains(&format!("--rewind-to {at_restore}")),
+            "round {round}: {e}"
+        );
+        assert_eq!(synced_txg_when_up(&p).await, at_restore, "round {round}");
+    }
+    check_blocks(&p, &second).await;
+
+    // The operator accepts the loss on purpose: served.
+    p.alloc.set_arg("--rewind-to", &at_restore.to_string());
+    p.alloc.restart().expect("rewound");
+    allocate(&mut p.client()).await;
+    check_blocks(&p, &first).await;
+    p.alloc.remove_arg("--rewind-to");
+    p.alloc.restart().expect("restart after the rewind");
+    allocate(&mut p.client()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_sqlite_store_cannot_be_waited_out() {
+    let dir = tempfile::tempdir().unwrap();
+    a_refused_store_stays_refused(Backing::Sqlite, dir.path()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgres_store_restored_from_a_dump_cannot_be_waited_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let pg = integration_tests::postgres::Postgres::start();
+    a_refused_store_stays_refused(Backing::Postgres(pg), dir.path()).await;
 }

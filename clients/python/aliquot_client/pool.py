@@ -27,6 +27,13 @@ MAX_MESSAGE = 17 * 1024 * 1024
 _OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE),
     ("grpc.max_receive_message_length", MAX_MESSAGE),
+    # A stopped allocator (SIGSTOP, a partition) keeps the TCP session open:
+    # unanswered HTTP/2 pings end it within 3 s, so calls fail over instead of
+    # hanging.
+    ("grpc.keepalive_time_ms", 1000),
+    ("grpc.keepalive_timeout_ms", 2000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
 ]
 # Codes on which a call that is safe to repeat is repeated.
 _TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)

@@ -2,12 +2,16 @@
 //! item 1). Every server (allocator, agents, metrics gRPC and HTTP, the
 //! Prometheus listeners) accepts through here:
 //!
-//! * connections per peer address and in total are capped; one over a cap
-//!   is closed at once, before any TLS work;
+//! * connections in total are capped, and per peer address: plaintext ones
+//!   at accept, TLS ones once their handshake finished (connections that
+//!   never authenticate must not shut out a client on the same address);
+//!   one over a cap is closed at once;
 //! * the TLS handshake runs here, not in tonic, so that it is bounded in
 //!   time (`handshake_timeout`) and in number (`max_handshakes` pending at
-//!   once: a peer that opens connections and never sends a ClientHello holds
-//!   at most that many, for at most that long);
+//!   once, `max_handshakes_per_peer` from one address): a new connection
+//!   past a bound evicts the oldest pending handshake, so a peer that opens
+//!   connections and never sends a ClientHello holds at most that many, for
+//!   at most that long, and cannot keep a newcomer from handshaking;
 //! * each connection carries a byte budget ([`PeerInfo::budget`]) that the
 //!   agent's write path draws on for request bodies it buffers (item 2).
 //!
@@ -36,12 +40,15 @@ use tokio_stream::wrappers::ReceiverStream;
 pub struct ListenLimits {
     /// A TLS handshake not finished in this time is dropped.
     pub handshake_timeout: Duration,
-    /// TLS handshakes in progress at once; a connection beyond is closed.
+    /// TLS handshakes in progress at once; a new one beyond evicts the
+    /// oldest.
     pub max_handshakes: usize,
-    /// TLS handshakes in progress at once from one IP address: one peer
-    /// cannot take every handshake slot.
+    /// TLS handshakes in progress at once from one IP address (a new one
+    /// beyond evicts that address's oldest): one peer cannot take every
+    /// handshake slot.
     pub max_handshakes_per_peer: usize,
-    /// Open connections from one IP address.
+    /// Open connections from one IP address (under TLS: those past their
+    /// handshake).
     pub max_per_peer: usize,
     /// Open connections in total (kept below the file-descriptor limit).
     pub max_connections: usize,
@@ -89,14 +96,16 @@ pub struct ListenArgs {
     /// A TLS handshake not finished within this is dropped (default 10s).
     #[arg(long, env = "ALIQUOT_HANDSHAKE_TIMEOUT", value_parser = units::duration_arg)]
     pub handshake_timeout: Option<Duration>,
-    /// TLS handshakes in progress at once; connections beyond are closed
-    /// (default 256).
+    /// TLS handshakes in progress at once; a new one beyond evicts the
+    /// oldest pending (default 256).
     #[arg(long, env = "ALIQUOT_MAX_HANDSHAKES")]
     pub max_handshakes: Option<usize>,
-    /// TLS handshakes in progress at once from one IP address (default 16).
+    /// TLS handshakes in progress at once from one IP address; a new one
+    /// beyond evicts that address's oldest pending (default 16).
     #[arg(long, env = "ALIQUOT_MAX_HANDSHAKES_PER_PEER")]
     pub max_handshakes_per_peer: Option<usize>,
-    /// Open connections from one IP address (default 512).
+    /// Open connections from one IP address; under TLS only those past
+    /// their handshake count (default 512).
     #[arg(long, env = "ALIQUOT_MAX_CONNECTIONS_PER_PEER")]
     pub max_connections_per_peer: Option<usize>,
     /// Open connections in total (default 4096, and at most three quarters
@@ -194,31 +203,69 @@ pub struct Refusals {
     pub handshakes_failed: AtomicU64,
 }
 
-/// Open connections, per peer and in total; handshakes in progress per peer.
+/// Open connections, per peer and in total; handshakes in progress.
 #[derive(Debug, Default)]
 struct Ledger {
     per_peer: Mutex<HashMap<IpAddr, usize>>,
     total: AtomicUsize,
-    handshaking: Mutex<HashMap<IpAddr, usize>>,
+    pending: Mutex<Pending>,
 }
 
-/// One handshake in progress from `peer`, given back on drop.
-struct Handshaking {
-    ledger: Arc<Ledger>,
-    peer: IpAddr,
+/// TLS handshakes in progress, oldest first. They do not count against
+/// the per-peer cap (an unauthenticated connection must not shut out an
+/// authenticated client from the same address); they have bounds of their
+/// own, per peer and in all, and a new one past a bound evicts the oldest
+/// (a connection that never finishes its handshake loses its place to one
+/// that may).
+#[derive(Debug, Default)]
+struct Pending {
+    next: u64,
+    order: std::collections::BTreeMap<u64, (IpAddr, tokio::sync::oneshot::Sender<()>)>,
+    per_peer: HashMap<IpAddr, usize>,
 }
 
-impl Drop for Handshaking {
-    fn drop(&mut self) {
-        let mut m = self
-            .ledger
-            .handshaking
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        if let Some(n) = m.get_mut(&self.peer) {
+impl Pending {
+    /// Room for a handshake from `peer`, evicting the oldest past a bound;
+    /// its id and how many were evicted.
+    fn admit(
+        &mut self,
+        peer: IpAddr,
+        limits: &ListenLimits,
+    ) -> (u64, tokio::sync::oneshot::Receiver<()>, u64) {
+        let mut evicted = 0;
+        if self.per_peer.get(&peer).copied().unwrap_or(0) >= limits.max_handshakes_per_peer {
+            let oldest = self
+                .order
+                .iter()
+                .find(|(_, (p, _))| *p == peer)
+                .map(|(id, _)| *id);
+            if let Some(id) = oldest {
+                self.remove(id);
+                evicted += 1;
+            }
+        }
+        if self.order.len() >= limits.max_handshakes
+            && let Some(&id) = self.order.keys().next()
+        {
+            self.remove(id);
+            evicted += 1;
+        }
+        let id = self.next;
+        self.next += 1;
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.order.insert(id, (peer, tx));
+        *self.per_peer.entry(peer).or_default() += 1;
+        (id, rx, evicted)
+    }
+
+    /// The handshake ended (or was evicted: dropping its sender ends it).
+    fn remove(&mut self, id: u64) {
+        if let Some((peer, _)) = self.order.remove(&id)
+            && let Some(n) = self.per_peer.get_mut(&peer)
+        {
             *n -= 1;
             if *n == 0 {
-                m.remove(&self.peer);
+                self.per_peer.remove(&peer);
             }
         }
     }
@@ -229,11 +276,35 @@ impl Drop for Handshaking {
 struct Slot {
     ledger: Arc<Ledger>,
     peer: IpAddr,
+    /// Counted against the per-peer cap (under TLS: once its handshake
+    /// finished).
+    per_peer: bool,
+}
+
+impl Slot {
+    /// Count the connection against its peer's cap; false when full.
+    fn take_per_peer(&mut self, max: usize) -> bool {
+        let mut m = self
+            .ledger
+            .per_peer
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let n = m.entry(self.peer).or_default();
+        if *n >= max {
+            return false;
+        }
+        *n += 1;
+        self.per_peer = true;
+        true
+    }
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
         self.ledger.total.fetch_sub(1, Ordering::Relaxed);
+        if !self.per_peer {
+            return;
+        }
         let mut m = self
             .ledger
             .per_peer
@@ -281,7 +352,9 @@ impl GuardedListener {
     }
 
     /// The next connection within the caps; those over them are closed.
-    async fn accept_counted(&self) -> (TcpStream, SocketAddr, Slot) {
+    /// `per_peer`: count it against its peer's cap now (plaintext; under
+    /// TLS that waits for the finished handshake).
+    async fn accept_counted(&self, per_peer: bool) -> (TcpStream, SocketAddr, Slot) {
         loop {
             let (s, addr) = match self.inner.accept().await {
                 Ok(x) => x,
@@ -298,26 +371,17 @@ impl GuardedListener {
                 self.refused(&self.refusals.total, peer, "max_connections");
                 continue;
             }
-            {
-                let mut m = self
-                    .ledger
-                    .per_peer
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner());
-                let n = m.entry(peer).or_default();
-                if *n >= self.limits.max_per_peer {
-                    drop(m);
-                    self.refused(&self.refusals.per_peer, peer, "max_per_peer");
-                    continue;
-                }
-                *n += 1;
-            }
-            self.ledger.total.fetch_add(1, Ordering::Relaxed);
-            let _ = s.set_nodelay(true);
-            let slot = Slot {
+            let mut slot = Slot {
                 ledger: self.ledger.clone(),
                 peer,
+                per_peer: false,
             };
+            self.ledger.total.fetch_add(1, Ordering::Relaxed);
+            if per_peer && !slot.take_per_peer(self.limits.max_per_peer) {
+                self.refused(&self.refusals.per_peer, peer, "max_per_peer");
+                continue;
+            }
+            let _ = s.set_nodelay(true);
             return (s, addr, slot);
         }
     }
@@ -340,10 +404,9 @@ impl GuardedListener {
 
     async fn run(self, tls: Option<Arc<ServerConfig>>, tx: mpsc::Sender<io::Result<Conn>>) {
         let acceptor = tls.map(tokio_rustls::TlsAcceptor::from);
-        let handshakes = Arc::new(Semaphore::new(self.limits.max_handshakes));
         loop {
-            let (s, remote, slot) = tokio::select! {
-                c = self.accept_counted() => c,
+            let (s, remote, mut slot) = tokio::select! {
+                c = self.accept_counted(acceptor.is_none()) => c,
                 _ = tx.closed() => return,
             };
             let budget = Budget::new(self.limits.connection_buffer);
@@ -362,58 +425,59 @@ impl GuardedListener {
                 }
                 continue;
             };
-            let peer_handshake = {
-                let mut m = self
-                    .ledger
-                    .handshaking
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner());
-                let n = m.entry(remote.ip()).or_default();
-                if *n >= self.limits.max_handshakes_per_peer {
-                    None
-                } else {
-                    *n += 1;
-                    Some(Handshaking {
-                        ledger: self.ledger.clone(),
-                        peer: remote.ip(),
-                    })
-                }
-            };
-            let Some(peer_handshake) = peer_handshake else {
+            let (id, mut evict, evicted) = self
+                .ledger
+                .pending
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .admit(remote.ip(), &self.limits);
+            for _ in 0..evicted {
                 self.refused(
                     &self.refusals.handshakes_busy,
                     remote.ip(),
-                    "max_handshakes_per_peer",
+                    "max_handshakes (the oldest pending handshake evicted)",
                 );
-                continue;
-            };
-            let Ok(permit) = handshakes.clone().try_acquire_owned() else {
-                self.refused(
-                    &self.refusals.handshakes_busy,
-                    remote.ip(),
-                    "max_handshakes",
-                );
-                continue;
-            };
+            }
             let (acceptor, tx, timeout) =
                 (acceptor.clone(), tx.clone(), self.limits.handshake_timeout);
-            let refusals = self.refusals.clone();
+            let (refusals, ledger, max_per_peer) = (
+                self.refusals.clone(),
+                self.ledger.clone(),
+                self.limits.max_per_peer,
+            );
             tokio::spawn(async move {
-                let done = tokio::time::timeout(timeout, acceptor.accept(s)).await;
-                drop((permit, peer_handshake));
+                let done = tokio::select! {
+                    r = tokio::time::timeout(timeout, acceptor.accept(s)) => Some(r),
+                    _ = &mut evict => None,
+                };
+                ledger
+                    .pending
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .remove(id);
                 let tls = match done {
-                    Ok(Ok(tls)) => tls,
-                    Ok(Err(e)) => {
+                    None => {
+                        tracing::debug!(%remote, "TLS handshake evicted by a newer one");
+                        return;
+                    }
+                    Some(Ok(Ok(tls))) => tls,
+                    Some(Ok(Err(e))) => {
                         refusals.handshakes_failed.fetch_add(1, Ordering::Relaxed);
                         tracing::debug!(%remote, error = %e, "TLS handshake failed");
                         return;
                     }
-                    Err(_) => {
+                    Some(Err(_)) => {
                         refusals.handshakes_failed.fetch_add(1, Ordering::Relaxed);
                         tracing::debug!(%remote, "TLS handshake timed out");
                         return;
                     }
                 };
+                // Established: now it counts against its peer's cap.
+                if !slot.take_per_peer(max_per_peer) {
+                    refusals.per_peer.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(%remote, "connection refused at max_per_peer after its handshake");
+                    return;
+                }
                 let certs = tls
                     .get_ref()
                     .1
@@ -440,7 +504,7 @@ impl axum_listener::Listener for GuardedListener {
     type Addr = SocketAddr;
 
     async fn accept(&mut self) -> (Counted, SocketAddr) {
-        let (s, addr, slot) = self.accept_counted().await;
+        let (s, addr, slot) = self.accept_counted(true).await;
         (Counted { io: s, _slot: slot }, addr)
     }
 

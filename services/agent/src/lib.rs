@@ -109,6 +109,8 @@ pub async fn serve(
     }
     // Notified when the allocator says this vdev was removed: stop serving.
     let removed = std::sync::Arc::new(tokio::sync::Notify::new());
+    // Why the pool refuses this device, while it does (health NOT_SERVING).
+    let refused = std::sync::Arc::new(watch::Sender::new(None::<String>));
     if config.registers() {
         tasks.push(tokio::spawn(registration::run(
             agent.clone(),
@@ -117,6 +119,7 @@ pub async fn serve(
             config.tls.files(),
             stop_rx.clone(),
             removed.clone(),
+            refused.clone(),
         )));
     } else {
         tracing::info!("--allocator none: not registering");
@@ -126,6 +129,30 @@ pub async fn serve(
     health_reporter
         .set_serving::<VdevAgentServer<service::VdevAgentService>>()
         .await;
+    {
+        // A device the pool refuses is not healthy, whatever its own state:
+        // the server as a whole and the VdevAgent service say NOT_SERVING
+        // until a registration succeeds.
+        let mut rx = refused.subscribe();
+        let mut stop = stop_rx.clone();
+        let reporter = health_reporter.clone();
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let status = if rx.borrow_and_update().is_some() {
+                    tonic_health::ServingStatus::NotServing
+                } else {
+                    tonic_health::ServingStatus::Serving
+                };
+                for name in ["", "aliquot.v1.VdevAgent"] {
+                    reporter.set_service_status(name, status).await;
+                }
+                tokio::select! {
+                    r = rx.changed() => if r.is_err() { return },
+                    _ = stop.wait_for(|s| *s) => return,
+                }
+            }
+        }));
+    }
     // Reflection (v1 and v1alpha) lists only what this binary serves.
     let (reflection, reflection_v1alpha) =
         aliquot_proto::reflection::services(&["aliquot.v1.VdevAgent"])?;

@@ -21,6 +21,11 @@ const BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// looking often enough to report to it within a second of the takeover.
 const BACKOFF_MAX_SEVERAL: Duration = Duration::from_millis(500);
 const DEFAULT_INTERVAL: Duration = Duration::from_secs(1);
+/// The longest a connect (TCP, TLS and HTTP/2) may take.
+const CONNECT_WITHIN: Duration = Duration::from_secs(3);
+/// A report stream whose acks stop for this long (at least; three report
+/// intervals when longer) is ended: the allocator stopped or lost the pool.
+const ACK_PATIENCE: Duration = Duration::from_secs(3);
 
 /// Why a session ended, and the leader a standby named, if any.
 struct Ended {
@@ -29,6 +34,9 @@ struct Ended {
     /// The allocator removed this vdev (`aliquotctl vdev remove`): there
     /// is nothing left to register for.
     removed: bool,
+    /// The pool refused this device (not a transient failure): an
+    /// operator must act, and the agent's health says NOT_SERVING.
+    refused: bool,
 }
 
 impl From<String> for Ended {
@@ -37,6 +45,7 @@ impl From<String> for Ended {
             why,
             leader: None,
             removed: false,
+            refused: false,
         }
     }
 }
@@ -66,6 +75,7 @@ fn leader_of(s: &tonic::Status) -> Option<String> {
 
 /// Register and report until `stop` turns true, or until the allocator
 /// says the vdev was removed: then `removed` is notified (the agent stops).
+/// `refused` holds why the pool refuses this device, while it does.
 pub async fn run(
     agent: Agent,
     allocators: Vec<String>,
@@ -73,6 +83,7 @@ pub async fn run(
     tls: Option<aliquot_auth::TlsFiles>,
     mut stop: watch::Receiver<bool>,
     removed: std::sync::Arc<tokio::sync::Notify>,
+    refused: std::sync::Arc<watch::Sender<Option<String>>>,
 ) {
     let mut backoff = BACKOFF_START;
     let mut failures: u32 = 0;
@@ -88,7 +99,17 @@ pub async fn run(
             why: e,
             leader,
             removed: gone,
+            refused: by_pool,
         }) = result;
+        if registered {
+            refused.send_replace(None);
+        }
+        if by_pool {
+            // Loudly, every time: retrying will not help until an operator
+            // acts; the health check says NOT_SERVING meanwhile.
+            tracing::error!(allocator = %allocator, error = %e, "the pool refuses this device");
+            refused.send_replace(Some(e.clone()));
+        }
         if gone {
             tracing::error!(allocator = %allocator, error = %e, "this vdev was removed from the pool (aliquotctl vdev remove): stopping the agent");
             removed.notify_one();
@@ -153,13 +174,16 @@ async fn session(
         (Duration::from_secs(2), Duration::from_secs(3))
     };
     let channel = channel
-        .connect_timeout(Duration::from_secs(2))
+        .connect_timeout(CONNECT_WITHIN)
         .tcp_nodelay(true)
         .http2_keep_alive_interval(ping)
         .keep_alive_timeout(patience)
-        .keep_alive_while_idle(true)
-        .connect()
+        .keep_alive_while_idle(true);
+    // The whole connect, TLS handshake included: a stopped allocator
+    // accepts TCP (the kernel does) and never finishes the handshake.
+    let channel = tokio::time::timeout(CONNECT_WITHIN, channel.connect())
         .await
+        .map_err(|_| format!("connect: no TLS/HTTP2 session within {CONNECT_WITHIN:?}"))?
         .map_err(|e| format!("connect: {e}"))?;
     let mut client = AgentRegistryClient::with_interceptor(channel, telemetry::TraceInjector);
     let info = agent.info().clone();
@@ -194,6 +218,13 @@ async fn session(
                 why: e,
                 leader: leader_of(&s),
                 removed: is_removed(&s),
+                refused: matches!(
+                    s.code(),
+                    tonic::Code::FailedPrecondition
+                        | tonic::Code::PermissionDenied
+                        | tonic::Code::AlreadyExists
+                        | tonic::Code::InvalidArgument
+                ),
             }
         })?
         .into_inner();
@@ -205,7 +236,10 @@ async fn session(
             reply.pool_guid, mark.pool_guid, mark.txg
         );
         tracing::error!("{e}");
-        return Err(e.into());
+        return Err(Ended {
+            refused: true,
+            ..Ended::from(e)
+        });
     }
     agent.set_vdev(reply.vdev);
     agent.gate().learn_pool(reply.pool_guid, reply.generation);
@@ -241,8 +275,16 @@ async fn session(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tick.tick().await; // the first tick is immediate; that report is sent
     let mut seen: Option<(i32, bool)> = None;
+    let patience = (interval * 3).max(ACK_PATIENCE);
+    let mut last_ack = tokio::time::Instant::now();
     loop {
         tokio::select! {
+            _ = tokio::time::sleep_until(last_ack + patience) => {
+                return Err(format!(
+                    "report stream: no ack for {patience:?} (the allocator stopped answering)"
+                )
+                .into());
+            }
             _ = tick.tick() => match tx.try_send(agent.report(reply.vdev)) {
                 Ok(()) => {}
                 // The allocator is not reading: skip this report rather than
@@ -256,6 +298,7 @@ async fn session(
             },
             ack = acks.message() => match ack {
                 Ok(Some(ack)) => {
+                    last_ack = tokio::time::Instant::now();
                     agent.gate().learn_generation(ack.generation);
                     agent
                         .gate()
@@ -275,6 +318,7 @@ async fn session(
                         why: format!("report stream: {}: {}", s.code(), s.message()),
                         leader: leader_of(&s),
                         removed: is_removed(&s),
+                        refused: false,
                     })
                 }
             },

@@ -92,6 +92,9 @@ pub enum Error {
         why: String,
         leader: String,
         generation: u64,
+        /// The time left on the leader's lease as this allocator last
+        /// read it (0: unknown or ended): when a takeover can start.
+        lease_left_ms: u64,
     },
     #[error(
         "generation {seen} is newer than this allocator's ({current}): another allocator serves this pool?"
@@ -175,6 +178,12 @@ pub enum Error {
     },
     #[error("store: {0}")]
     Store(String),
+    /// A txg has been persisting longer than a label check may wait for it.
+    #[error(
+        "a txg sync has been persisting for over {waited_ms} ms; the device's label is \
+         checked against the store once it lands: retry"
+    )]
+    SyncPending { waited_ms: u64 },
     /// A device's label names another pool.
     #[error("{message}")]
     PoolMismatch {
@@ -286,6 +295,7 @@ impl Error {
             Error::NoStandby | Error::ClaimGivenOut(_) => Code::FailedPrecondition,
             Error::PoolDegraded(_) | Error::RelocationConflict { .. } => Code::FailedPrecondition,
             Error::Store(_) => Code::Internal,
+            Error::SyncPending { .. } => Code::Unavailable,
             Error::PoolMismatch { .. } | Error::StoreRolledBack { .. } => Code::FailedPrecondition,
         }
     }
@@ -482,12 +492,16 @@ impl Error {
                 vec![("requested", e.to_string()), ("conflicting", e.to_string())],
             ),
             Error::NotLeader {
-                leader, generation, ..
+                leader,
+                generation,
+                lease_left_ms,
+                ..
             } => (
                 ErrorReason::NotLeader,
                 vec![
                     ("leader", leader.clone()),
                     ("generation", generation.to_string()),
+                    ("lease_left_ms", lease_left_ms.to_string()),
                 ],
             ),
             Error::PoolDegraded(v) => (ErrorReason::PoolDegraded, vec![("vdevs", v.join("; "))]),
@@ -499,6 +513,10 @@ impl Error {
                 ],
             ),
             Error::Store(_) => (ErrorReason::Store, vec![]),
+            Error::SyncPending { waited_ms } => (
+                ErrorReason::Store,
+                vec![("waited_ms", waited_ms.to_string())],
+            ),
             Error::PoolMismatch {
                 label_pool_guid,
                 pool_guid,

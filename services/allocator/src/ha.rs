@@ -53,14 +53,15 @@ pub async fn run(config: Config, url: String) -> anyhow::Result<()> {
         format!("{scheme}://{addr}")
     });
     let me = format!("{advertise} pid {}", std::process::id());
-    let store = match PgStore::open(&url, &config.pool, config.pool_guid, &me).await {
-        Ok(s) => Arc::new(s),
-        Err(e @ crate::pg_store::OpenError::Url { .. })
-        | Err(e @ crate::pg_store::OpenError::OtherPool { .. }) => {
-            return Err(ConfigError(e.to_string()).into());
-        }
-        Err(e) => return Err(e.into()),
-    };
+    let store =
+        match PgStore::open_with_lease(&url, &config.pool, config.pool_guid, &me, lease).await {
+            Ok(s) => Arc::new(s),
+            Err(e @ crate::pg_store::OpenError::Url { .. })
+            | Err(e @ crate::pg_store::OpenError::OtherPool { .. }) => {
+                return Err(ConfigError(e.to_string()).into());
+            }
+            Err(e) => return Err(e.into()),
+        };
     store.set_address(&advertise);
     {
         let mut out = std::io::stdout().lock();
@@ -334,11 +335,13 @@ impl NotLeader {
             .unwrap_or_else(|p| p.into_inner())
             .clone();
         // Named only while its lease (as read) has not run out since.
-        let live = read.elapsed() < Duration::from_millis(leader.lease_left_ms);
+        let left = Duration::from_millis(leader.lease_left_ms).saturating_sub(read.elapsed());
+        let live = !left.is_zero();
         Error::NotLeader {
             why: "a standby".into(),
             leader: if live { leader.address } else { String::new() },
             generation: leader.generation,
+            lease_left_ms: left.as_millis() as u64,
         }
         .into()
     }

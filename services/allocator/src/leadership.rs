@@ -139,6 +139,7 @@ impl Lease {
                 why: format!("generation {} was replaced", self.generation),
                 leader: leader(),
                 generation: self.generation,
+                lease_left_ms: 0,
             });
         }
         if self.left().is_zero() {
@@ -149,6 +150,7 @@ impl Lease {
                 ),
                 leader: String::new(),
                 generation: self.generation,
+                lease_left_ms: 0,
             });
         }
         Ok(())

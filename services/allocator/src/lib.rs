@@ -470,6 +470,12 @@ where
         .synced_state
         .lock()
         .unwrap_or_else(|p| p.into_inner()) = (synced, state_digest);
+    // A new pool, or one without a vdev whose label could object, syncs at
+    // once; a restarted one waits for a device's label (`Shared::labels_vouched`).
+    let vouched = guid
+        .as_ref()
+        .is_none_or(|(_, vdevs)| vdevs.iter().all(|r| shared.lock().pool.is_removed(r.id)));
+    shared.labels_vouched.send_replace(vouched);
     if let Some((_, vdevs)) = guid {
         // Known vdevs come back silent and unallocatable until their agents
         // report: an agent learns the new generation from its RegisterReply

@@ -232,6 +232,10 @@ impl Dialect for PgDialect {
     }
 }
 
+/// The lease `PgStore::open` bounds its sessions by (tools and tests that
+/// lead no pool under a lease of their own).
+const DEFAULT_SESSION_LEASE: Duration = Duration::from_secs(10);
+
 impl SqlStore<PgDialect> {
     /// Connect, refuse a schema newer than this binary or a pool of another
     /// guid, then migrate. `me` names this allocator in the leadership row.
@@ -241,52 +245,76 @@ impl SqlStore<PgDialect> {
         expect_guid: Option<u64>,
         me: &str,
     ) -> Result<PgStore, OpenError> {
+        Self::open_with_lease(url, pool_name, expect_guid, me, DEFAULT_SESSION_LEASE).await
+    }
+
+    /// `open` for an allocator leading under a `lease`: every session it
+    /// opens bounds its statements by the lease and its lock waits and
+    /// idle transactions by half of it. A leader cut off from the server
+    /// inside a txg's transaction (which holds the `leaders` row) then has
+    /// that transaction ended by the server, its row lock released, within
+    /// half a lease, so a standby takes the pool when the lease runs out
+    /// and the cut-off transaction commits nothing.
+    pub async fn open_with_lease(
+        url: &str,
+        pool_name: &str,
+        expect_guid: Option<u64>,
+        me: &str,
+        lease: Duration,
+    ) -> Result<PgStore, OpenError> {
         let shown = redact(url);
         let opts: PgConnectOptions = url.parse().map_err(|e| OpenError::Url {
             url: shown.clone(),
             reason: format!("not a PostgreSQL URL: {e}"),
         })?;
-        let opts = opts
-            .application_name("aliquot-allocator")
-            // A hung server must not hang a txg for ever: the leader's
-            // lease runs out meanwhile and it stops serving anyway.
-            .options([("statement_timeout", "10000"), ("lock_timeout", "10000")]);
-        let db = PgPoolOptions::new()
-            .max_connections(4)
-            .acquire_timeout(Duration::from_secs(5))
-            .connect_with(opts)
-            .await
-            .map_err(|e| OpenError::Connect {
-                url: shown.clone(),
-                reason: e.to_string(),
-            })?;
+        let opts = opts.application_name("aliquot-allocator");
+        let connect = |lease: Duration, n: u32| {
+            let ms = |d: Duration| d.as_millis().max(1).to_string();
+            PgPoolOptions::new()
+                .max_connections(n)
+                .acquire_timeout(Duration::from_secs(5))
+                .connect_with(opts.clone().options([
+                    ("statement_timeout", ms(lease)),
+                    ("lock_timeout", ms(lease / 2)),
+                    ("idle_in_transaction_session_timeout", ms(lease / 2)),
+                ]))
+        };
+        let unreachable = |e: sqlx::Error| OpenError::Connect {
+            url: shown.clone(),
+            reason: e.to_string(),
+        };
         let refuse = |reason: String| OpenError::Refused {
             url: shown.clone(),
             reason,
         };
+        let dialect = || PgDialect {
+            me: me.to_string(),
+            generation: AtomicU64::new(0),
+            deposed: AtomicBool::new(false),
+            address: Mutex::new(String::new()),
+        };
+        // The schema is checked, migrated and converted on a session of its
+        // own with the default bounds: a migration (or waiting for another
+        // allocator's) may take longer than a short lease allows.
+        let setup = connect(DEFAULT_SESSION_LEASE, 1)
+            .await
+            .map_err(unreachable)?;
         {
-            let mut c = db.acquire().await.map_err(|e| refuse(e.to_string()))?;
+            let mut c = setup.acquire().await.map_err(|e| refuse(e.to_string()))?;
             check_schema(&mut c).await.map_err(refuse)?;
         }
         MIGRATOR
-            .run(&db)
+            .run(&setup)
             .await
             .map_err(|e| refuse(format!("cannot migrate it: {e}")))?;
-        let store = SqlStore::new(
-            db,
-            shown.clone(),
-            pool_name,
-            PgDialect {
-                me: me.to_string(),
-                generation: AtomicU64::new(0),
-                deposed: AtomicBool::new(false),
-                address: Mutex::new(String::new()),
-            },
-        );
-        let (_, moved) = store.convert_legacy().await.map_err(refuse)?;
+        let converting = SqlStore::new(setup, shown.clone(), pool_name, dialect());
+        let (_, moved) = converting.convert_legacy().await.map_err(refuse)?;
         if moved > 0 {
             tracing::info!(store = %shown, runs = moved, "owner rows moved into owner maps");
         }
+        converting.db.close().await;
+        let db = connect(lease, 4).await.map_err(unreachable)?;
+        let store = SqlStore::new(db, shown.clone(), pool_name, dialect());
         let guid = store.find_pool().await.map_err(refuse)?;
         if let (Some(guid), Some(want)) = (guid, expect_guid)
             && guid != want

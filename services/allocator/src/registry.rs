@@ -21,6 +21,10 @@ use crate::error::{Error, Result};
 use crate::state::{Inner, MISSED_REPORTS, RolledBack, Shared, VdevInfo};
 use crate::store::VdevRecord;
 
+/// How long a Register waits for a txg being persisted before its label is
+/// checked (the agent retries).
+const LABEL_CHECK_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
 #[derive(Clone)]
 pub struct RegistryService {
     pub shared: Arc<Shared>,
@@ -285,6 +289,58 @@ impl RegistryService {
             .insert(reply.vdev, key);
     }
 
+    /// What the label's generation proves against the store's history of
+    /// generations, if anything: a generation the store never opened, a
+    /// txg that generation never synced here, or this very generation on a
+    /// device this allocator never acknowledged. A store restored from an
+    /// older copy reopens generation numbers the devices already saw, and
+    /// its synced txg can pass the labels' txg while it runs, so the txg
+    /// alone cannot tell its history from the devices'.
+    fn label_generation_problem(&self, r: &pb::RegisterRequest, vdev: u32) -> Option<String> {
+        let seen = r.label_generation;
+        let f = &self.shared.fencing;
+        let (first, _) = f.history.first_key_value()?;
+        if seen == 0 || seen < *first {
+            return None; // a label or a store from before generations were recorded
+        }
+        if seen > f.generation {
+            return Some(format!(
+                "was last told of generation {seen} (txg {}), which this store never opened \
+                 (it opened generation {} now)",
+                r.label_txg, f.generation
+            ));
+        }
+        if seen == f.generation {
+            let acked = self
+                .shared
+                .lock()
+                .vdevs
+                .get(&vdev)
+                .is_some_and(|v| v.generation_acked);
+            return (!acked).then(|| {
+                format!(
+                    "says txg {} synced in generation {seen}, this allocator's own, which never \
+                     acknowledged that device",
+                    r.label_txg
+                )
+            });
+        }
+        let Some(&opened_at) = f.history.get(&seen) else {
+            return Some(format!(
+                "was last told of generation {seen} (txg {}), which this store never opened",
+                r.label_txg
+            ));
+        };
+        let last = f.synced_by(seen);
+        (r.label_txg < opened_at || r.label_txg > last).then(|| {
+            format!(
+                "says txg {} synced in generation {seen}, which synced only txgs {opened_at}..={last} \
+                 in this store",
+                r.label_txg
+            )
+        })
+    }
+
     /// Compare what the device's label says of its pool with this pool and
     /// store (OpenZFS compares the labels' uberblocks at import,
     /// `spa.c:spa_load_impl@zfs-2.4.0`, and refuses a pool whose devices
@@ -325,9 +381,6 @@ impl RegistryService {
             && r.label_state_digest != 0
             && store_digest != 0
             && r.label_state_digest != store_digest;
-        if r.label_txg < store_txg || (r.label_txg == store_txg && !diverged) {
-            return Ok(());
-        }
         let vdev = self
             .shared
             .lock()
@@ -335,16 +388,35 @@ impl RegistryService {
             .get(&r.device_guid)
             .copied()
             .unwrap_or(u32::MAX);
+        let generation_problem = self.label_generation_problem(r, vdev);
+        let txg_ahead = !(r.label_txg < store_txg || (r.label_txg == store_txg && !diverged));
+        if generation_problem.is_none() && !txg_ahead {
+            return Ok(());
+        }
         if r.label_generation < self.shared.fencing.rewind_generation {
             tracing::warn!(
                 vdev,
                 label_txg = r.label_txg,
+                label_generation = r.label_generation,
                 store_txg,
-                "{device}: rollback accepted by --rewind-to: txgs {}..={} it saw are lost",
-                store_txg + 1,
-                r.label_txg
+                "{device}: rollback accepted by --rewind-to: what it saw after txg {store_txg} is lost",
             );
             return Ok(());
+        }
+        if let Some(why) = generation_problem {
+            return Err(self.shared.refuse_rolled_back(RolledBack {
+                vdev,
+                label_txg: r.label_txg,
+                store_txg,
+                message: format!(
+                    "the store is older than the pool: {device} {why}. Its label was written \
+                     by a history this store does not hold (an older copy of the data dir or \
+                     of the database restored); blocks committed there would be handed out \
+                     again, so this allocator serves nothing and syncs no txg. Restore the \
+                     newest store and restart, or accept losing that history: restart the \
+                     allocator with --rewind-to {store_txg} (as `zpool import -F`)."
+                ),
+            }));
         }
         if diverged {
             return Err(self.shared.refuse_rolled_back(RolledBack {
@@ -561,6 +633,7 @@ impl RegistryService {
     }
 
     fn report_one(&self, r: pb::AgentReport) -> Result<pb::ReportAck> {
+        self.shared.check_lease()?;
         let now = Instant::now();
         let mut g = self.shared.lock();
         let id = r.vdev;
@@ -660,10 +733,23 @@ impl AgentRegistry for RegistryService {
         &self,
         req: Request<pb::RegisterRequest>,
     ) -> Result<Response<pb::RegisterReply>, Status> {
+        // Not the leader (its lease ran out): say so at once, before any
+        // wait, so the agent tries the next allocator.
+        self.shared.check_lease()?;
         let id = req.extensions().get::<aliquot_auth::Identity>().cloned();
         // The label first: a device of another pool, or one proving the store
         // lost txgs, is refused before anything (binding included) changes.
-        self.check_label(req.get_ref())?;
+        // Under the sync gate: a txg persisting now is either counted here
+        // or, after a refusal, never lands.
+        {
+            let _gate = tokio::time::timeout(LABEL_CHECK_WAIT, self.shared.sync_gate.lock())
+                .await
+                .map_err(|_| Error::SyncPending {
+                    waited_ms: LABEL_CHECK_WAIT.as_millis() as u64,
+                })?;
+            self.check_label(req.get_ref())?;
+            self.shared.labels_vouched.send_replace(true);
+        }
         // The certificate's claim on the device is checked first and made
         // durable only once the registration succeeded: a refused first
         // Register binds nothing.
@@ -706,6 +792,12 @@ impl AgentRegistry for RegistryService {
                     let msg = tokio::select! {
                         m = inbound.next() => m,
                         _ = svc.shared.stopping() => break,
+                        // The stream ends with the lease: the agent then
+                        // looks for the allocator that leads now.
+                        e = svc.shared.lease_lost() => {
+                            let _ = tx.send(Err(e.into())).await;
+                            break;
+                        }
                     };
                     let Some(msg) = msg else { break };
                     let reply = match msg {

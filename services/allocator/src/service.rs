@@ -758,6 +758,8 @@ impl Allocator for AllocatorService {
         &self,
         _req: Request<pb::GetPoolRequest>,
     ) -> Result<Response<pb::PoolStatus>, Status> {
+        // An allocator whose lease ran out does not speak for the pool.
+        self.shared.check_lease()?;
         Ok(Response::new(self.status()))
     }
 
@@ -789,6 +791,7 @@ impl Allocator for AllocatorService {
             0 => 1000,
             ms => ms.max(10),
         };
+        self.shared.check_lease()?;
         let (tx, rx) = mpsc::channel(4);
         let svc = self.clone();
         tokio::spawn(async move {
@@ -799,6 +802,10 @@ impl Allocator for AllocatorService {
                     _ = tick.tick() => {}
                     _ = tx.closed() => return,
                     _ = svc.shared.stopping() => return,
+                    e = svc.shared.lease_lost() => {
+                        let _ = tx.send(Err(e.into())).await;
+                        return;
+                    }
                 }
                 if svc.shared.shutting_down.load(Ordering::Relaxed) {
                     return;

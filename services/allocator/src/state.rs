@@ -683,6 +683,16 @@ pub struct Shared {
     /// The last synced txg and the store's state digest at it, as one pair
     /// (what ReportAck tells the agents to write to their labels).
     pub synced_state: Mutex<(Txg, u64)>,
+    /// One gate for a txg's persist and a device's label check: a txg in
+    /// flight when a label proves the store old is either counted by the
+    /// check or never lands, and none closes after the refusal.
+    pub sync_gate: tokio::sync::Mutex<()>,
+    /// Whether a device's label has vouched for the store (passed the label
+    /// check) in this generation. A restarted pool syncs no txg before:
+    /// txgs synced while no device could object would move a store restored
+    /// from an older copy past the labels' txg (`lib.rs` sets it for a new
+    /// pool).
+    pub labels_vouched: watch::Sender<bool>,
     /// Leadership among allocators sharing a store (`--store postgres://`);
     /// `None` for a store with one writer by construction (SQLite).
     pub lease: std::sync::OnceLock<Arc<crate::leadership::Lease>>,
@@ -750,6 +760,8 @@ impl Shared {
             mac_keys: Default::default(),
             rolled_back: Mutex::new(None),
             synced_state: Mutex::new((synced_txg, 0)),
+            sync_gate: tokio::sync::Mutex::new(()),
+            labels_vouched: watch::Sender::new(false),
             lease: std::sync::OnceLock::new(),
             persist_failure: watch::Sender::new(None),
         })
@@ -851,6 +863,35 @@ impl Shared {
         Duration::from_micros(self.settings.txg_timeout_us.load(Ordering::Relaxed))
     }
 
+    /// Refuse (NOT_LEADER) unless this allocator leads under a live lease;
+    /// the calls that still answer while the store is refused (GetPool,
+    /// Report) check only this.
+    pub fn check_lease(&self) -> Result<()> {
+        if let Some(l) = self.lease.get() {
+            l.check()?;
+        }
+        Ok(())
+    }
+
+    /// Resolves, with the refusal to send, once the lease ran out or was
+    /// taken (never for a store with one writer): streams end with it, so
+    /// agents and watchers move to whoever leads instead of waiting on an
+    /// allocator that no longer does.
+    pub async fn lease_lost(&self) -> Error {
+        let Some(l) = self.lease.get() else {
+            return std::future::pending().await;
+        };
+        loop {
+            if let Err(e) = l.check() {
+                return e;
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(l.left() + Duration::from_millis(10)) => {}
+                _ = l.deposed() => {}
+            }
+        }
+    }
+
     pub fn check_serving(&self) -> Result<()> {
         if let Some(l) = self.lease.get() {
             l.check()?;
@@ -867,6 +908,14 @@ impl Shared {
             return Err(r.error());
         }
         Ok(())
+    }
+
+    /// Has a device's label proved the store older than the pool?
+    pub fn is_rolled_back(&self) -> bool {
+        self.rolled_back
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some()
     }
 
     /// The store is older than a device's label: serve nothing more (no

@@ -34,6 +34,10 @@ pub enum Synced {
     Persisted,
     /// Another allocator leads the pool: nothing was persisted.
     Lost,
+    /// The store was refused as older than the pool's devices: no txg
+    /// syncs (an empty txg synced while refused would let a later start
+    /// pass the labels' txg and serve the older store).
+    Refused,
     /// Shutdown came while the store refused the txg: nothing more will
     /// be persisted, its waiters hear Unavailable.
     GaveUp,
@@ -48,6 +52,18 @@ const ATTEMPTS_AFTER_STOP: u32 = 3;
 pub async fn run(shared: Arc<Shared>) {
     let mut shutdown = shared.stop.subscribe();
     let mut wanted = shared.wanted.subscribe();
+    // No txg before a device's label vouched for the store (a restarted
+    // pool): a store restored from an older copy must not sync its way past
+    // the labels' txg while no device is there to object.
+    let mut vouched = shared.labels_vouched.subscribe();
+    tokio::select! {
+        _ = vouched.wait_for(|v| *v) => {}
+        _ = shutdown.wait_for(|s| *s) => {
+            tracing::info!("shutting down before any device's label vouched for the store: no last txg");
+            shared.closed.send_replace(true);
+            return;
+        }
+    }
     loop {
         // Sync until every waiter's txg is durable. This comes first: the
         // task subscribes after it is spawned, so a waiter that raised
@@ -81,8 +97,9 @@ pub async fn run(shared: Arc<Shared>) {
     shared.closed.send_replace(true);
 }
 
-/// Another allocator leads (or shutdown came while the store refused a
-/// txg): the clock stops; waiters hear Unavailable.
+/// Another allocator leads, the store was refused as older than the pool,
+/// or shutdown came while the store refused a txg: the clock stops; waiters
+/// hear why.
 fn fenced(shared: &Shared) {
     shared.lock().drop_waiters();
     shared.closed.send_replace(true);
@@ -104,6 +121,15 @@ fn lost_the_pool(shared: &Shared) -> bool {
 /// Close the open txg and persist it. Anything but `Persisted`: nothing
 /// was persisted and nothing is acknowledged.
 pub async fn sync_once(shared: &Shared) -> Synced {
+    // Held until the txg is persisted and `synced_state` says so: a label
+    // check waits for it, and after a refusal no txg closes at all.
+    let _gate = shared.sync_gate.lock().await;
+    if shared.is_rolled_back() {
+        tracing::warn!(
+            "the store is older than the pool's devices: no txg syncs until an operator restores it or restarts with --rewind-to"
+        );
+        return Synced::Refused;
+    }
     let start = Instant::now();
     let record = {
         let mut g = shared.lock();
@@ -266,6 +292,7 @@ mod tests {
         let store = Arc::new(MemStore::new());
         store.create(1).await.unwrap();
         let shared = Shared::new(pool, settings, 1, fencing, store, synced);
+        shared.labels_vouched.send_replace(true);
         // What `wait_synced` does, before the clock exists.
         shared.wanted.send_replace(synced + 1);
         let clock = tokio::spawn(run(shared.clone()));

@@ -46,6 +46,10 @@ pub struct AllocatorArgs {
         default_value = "http://127.0.0.1:7000"
     )]
     pub allocator: String,
+    /// With several allocators, how long to wait for one to lead (a
+    /// takeover under way) before the command fails.
+    #[arg(long, global = true, env = "ALIQUOT_LEADER_WAIT", value_parser = units::duration_arg, default_value = "30s")]
+    pub leader_wait: Duration,
     /// Reach every agent at this host (keeping the port it advertises):
     /// for a compose stack from the host, whose agents advertise names only
     /// the compose network resolves (`--agent-host 127.0.0.1`). Global,
@@ -60,7 +64,7 @@ pub struct AllocatorArgs {
 impl AllocatorArgs {
     /// Connect to the allocator with these flags' certificates.
     pub async fn connect(&self) -> anyhow::Result<Allocator> {
-        allocator(&self.tls.resolve()?, &self.allocator).await
+        allocator_waiting(&self.tls.resolve()?, &self.allocator, self.leader_wait).await
     }
 
     /// The agents, reached as these flags say.
@@ -96,7 +100,13 @@ fn endpoint(tls: &ClientTls, url: &str, server: Role) -> anyhow::Result<Endpoint
         .endpoint(url, server)?
         .connect_timeout(Duration::from_secs(3))
         .tcp_nodelay(true)
-        .http2_adaptive_window(true))
+        .http2_adaptive_window(true)
+        // A stopped server (SIGSTOP, a partition) keeps the TCP session:
+        // unanswered pings end it within 3 s, and the call fails over to
+        // another allocator instead of hanging.
+        .http2_keep_alive_interval(Duration::from_secs(1))
+        .keep_alive_timeout(Duration::from_secs(2))
+        .keep_alive_while_idle(true))
 }
 
 /// The one connect helper: to a server of role `server` at `url`, now
@@ -197,6 +207,15 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 }
 
 pub async fn allocator(tls: &ClientTls, url: &str) -> anyhow::Result<Allocator> {
+    allocator_waiting(tls, url, Duration::from_secs(30)).await
+}
+
+/// `allocator`; given several, wait up to `leader_wait` for one to lead.
+pub async fn allocator_waiting(
+    tls: &ClientTls,
+    url: &str,
+    leader_wait: Duration,
+) -> anyhow::Result<Allocator> {
     let urls: Vec<&str> = url
         .split(',')
         .map(str::trim)
@@ -221,7 +240,7 @@ pub async fn allocator(tls: &ClientTls, url: &str) -> anyhow::Result<Allocator> 
     let several = chans.len() > 1;
     let ch = crate::leader::LeaderChannel::new(chans);
     if several {
-        ch.find_leader().await;
+        ch.find_leader(leader_wait).await?;
     }
     Ok(AllocatorClient::with_interceptor(ch, TraceInjector)
         .max_decoding_message_size(MAX_MESSAGE)

@@ -14,6 +14,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
 use tonic::body::Body;
 use tonic::codegen::{Service, http};
@@ -51,41 +52,90 @@ impl LeaderChannel {
     }
 
     /// Start with the allocator that leads now, so a command's first call
-    /// is not spent on a standby: each is asked GetPool in turn (briefly);
-    /// the first that answers, or the leader a standby names, is taken.
-    pub async fn find_leader(&self) {
+    /// is not spent on a standby: each is asked GetPool in turn (briefly)
+    /// and the first that answers as the leader is taken. While none does
+    /// (a takeover under way: the leader stopped or cut off, its lease not
+    /// yet ended), wait up to `wait`, saying on stderr what the standbys
+    /// say of the lease, instead of failing on the first refusal.
+    pub async fn find_leader(&self, wait: Duration) -> anyhow::Result<()> {
         use aliquot_proto::v1::GetPoolRequest;
         use aliquot_proto::v1::allocator_client::AllocatorClient;
-        for (i, (_, ch)) in self.inner.allocators.iter().enumerate() {
-            let mut c = AllocatorClient::new(ch.clone());
-            let r = tokio::time::timeout(
-                std::time::Duration::from_secs(2),
-                c.get_pool(GetPoolRequest {}),
-            )
-            .await;
-            match r {
-                Ok(Ok(_)) => {
-                    self.inner.current.store(i, Ordering::Release);
-                    return;
-                }
-                Ok(Err(s)) => {
-                    let leader = s
-                        .get_details_error_info()
+        let t0 = Instant::now();
+        let mut last_said = Instant::now() - Duration::from_secs(60);
+        let mut waited = false;
+        loop {
+            // The live lease a standby names, and what the others said.
+            let mut holder: Option<(String, u64)> = None;
+            let mut others = Vec::new();
+            for (i, (url, ch)) in self.inner.allocators.iter().enumerate() {
+                let mut c = AllocatorClient::new(ch.clone());
+                let r = tokio::time::timeout(Duration::from_secs(2), c.get_pool(GetPoolRequest {}))
+                    .await;
+                let s = match r {
+                    Err(_) => {
+                        others.push(format!("{url}: no answer in 2 s"));
+                        continue;
+                    }
+                    Ok(Ok(_)) => None,
+                    Ok(Err(s)) => Some(s),
+                };
+                let info = s.as_ref().and_then(|s| {
+                    s.get_details_error_info()
                         .filter(|e| e.reason == "NOT_LEADER")
-                        .and_then(|e| e.metadata.get("leader").cloned());
-                    if let Some(l) = leader
-                        && let Some(j) = self
-                            .inner
-                            .allocators
-                            .iter()
-                            .position(|(u, _)| same_endpoint(u, &l))
-                    {
-                        self.inner.current.store(j, Ordering::Release);
-                        return;
+                });
+                match (s, info) {
+                    // It answered, as the leader or with a refusal of its
+                    // own (which the command then shows).
+                    (None, _) => {
+                        self.inner.current.store(i, Ordering::Release);
+                        if waited {
+                            eprintln!(
+                                "aliquotctl: {url} leads ({:.1} s later)",
+                                t0.elapsed().as_secs_f64()
+                            );
+                        }
+                        return Ok(());
+                    }
+                    (Some(_), Some(info)) => {
+                        let leader = info.metadata.get("leader").cloned().unwrap_or_default();
+                        let left: u64 = info
+                            .metadata
+                            .get("lease_left_ms")
+                            .and_then(|v| v.parse().ok())
+                            .unwrap_or(0);
+                        if !leader.is_empty()
+                            && left > 0
+                            && holder.as_ref().is_none_or(|(_, m)| left > *m)
+                        {
+                            holder = Some((leader, left));
+                        }
+                        others.push(format!("{url}: does not lead"));
+                    }
+                    (Some(s), None) if s.code() == tonic::Code::Unavailable => {
+                        others.push(format!("{url}: {}", s.message()));
+                    }
+                    (Some(_), None) => {
+                        self.inner.current.store(i, Ordering::Release);
+                        return Ok(());
                     }
                 }
-                Err(_) => {}
             }
+            let msg = match &holder {
+                Some((l, ms)) => format!(
+                    "no leader answers yet: {l} holds the lease, which ends in {} s",
+                    ms.div_ceil(1000)
+                ),
+                None => format!("no leader answers yet ({})", others.join("; ")),
+            };
+            if t0.elapsed() >= wait {
+                anyhow::bail!("{msg}; gave up after --leader-wait {wait:?}");
+            }
+            if last_said.elapsed() >= Duration::from_secs(1) {
+                eprintln!("aliquotctl: {msg}; waiting");
+                last_said = Instant::now();
+            }
+            waited = true;
+            tokio::time::sleep(Duration::from_millis(250)).await;
         }
     }
 }

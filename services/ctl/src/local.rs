@@ -1163,7 +1163,26 @@ pub async fn up(args: PoolArgs) -> anyhow::Result<()> {
                 if pool.is_allocator(&name) {
                     match pool.restart_ha_allocator(&name).await {
                         Ok(true) => {
-                            eprintln!("aliquotctl: {name} started again (--ha: it stands by; the other allocator leads)");
+                            eprintln!("aliquotctl: {name} started again (--ha); asking who leads");
+                            // Whichever leads now (the restarted one may
+                            // take the pool back before the other does):
+                            // said once an allocator answers as the leader.
+                            let (tls, urls) = (pool.tls.clone(), pool.allocator_url.clone());
+                            tokio::spawn(async move {
+                                let leader = async {
+                                    let mut c = client::allocator(&tls, &urls).await?;
+                                    let st = c.get_pool(GetPoolRequest {}).await?;
+                                    anyhow::Ok(st.into_inner())
+                                };
+                                match leader.await {
+                                    Ok(st) => eprintln!(
+                                        "aliquotctl: {} leads (generation {})",
+                                        st.leadership.unwrap_or_default().leader,
+                                        st.generation
+                                    ),
+                                    Err(e) => eprintln!("aliquotctl: no allocator leads yet: {e:#}"),
+                                }
+                            });
                             continue;
                         }
                         Ok(false) => {}

@@ -208,13 +208,13 @@ async fn rows_of_an_older_binary_are_converted_and_damage_is_refused() {
             sqlx::query(
                 "INSERT INTO owner_runs (pool, vdev, start, stop, owner) VALUES (1, ?, ?, ?, ?)",
             )
-                .bind(v as i64)
-                .bind(s as i64)
-                .bind(e as i64)
-                .bind(o as i64)
-                .execute(&mut c)
-                .await
-                .unwrap();
+            .bind(v as i64)
+            .bind(s as i64)
+            .bind(e as i64)
+            .bind(o as i64)
+            .execute(&mut c)
+            .await
+            .unwrap();
         }
         c.close().await.unwrap();
     }

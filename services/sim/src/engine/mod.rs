@@ -151,7 +151,6 @@ struct DataLoad {
     mode: LoadMode,
     block_size: u64,
     passes: u32,
-    dirty_per_stream: u64,
     /// Rate mode: nanoseconds between one stream's writes.
     interval: u64,
     active: bool,
@@ -197,6 +196,8 @@ struct Sim<'a, P: SimPool> {
     sync_gen: u64,
     last_sync: u64,
     fill_events: Vec<u32>,
+    /// The highest normal-class fill `check_fill` saw.
+    fill_reached: f64,
     commits_since_fill_check: u32,
     samples: Vec<Sample>,
     sample_interval: u64,
@@ -402,6 +403,7 @@ pub fn run<P: SimPool>(
         sync_gen: 0,
         last_sync: 0,
         fill_events: Vec::new(),
+        fill_reached: 0.0,
         commits_since_fill_check: 0,
         samples: Vec::new(),
         sample_interval: FIRST_SAMPLE_INTERVAL,

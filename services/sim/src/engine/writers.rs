@@ -86,6 +86,19 @@ impl<P: SimPool> Sim<'_, P> {
 
     /// Hand a written block to the pool: submit, and allocate once admitted.
     pub(super) fn issue_data(&mut self, req: Req) -> anyhow::Result<()> {
+        if let Some(b) = &mut self.backlog
+            && (!b.is_empty() || !self.tickets.is_empty())
+        {
+            // Behind a block the throttle holds: it would queue behind it.
+            b.push_back(req);
+            return Ok(());
+        }
+        self.submit_data_block(req, false)
+    }
+
+    /// Submit one data block; `waited`: it waited in the backlog, so the
+    /// throttle would have queued it (held).
+    fn submit_data_block(&mut self, req: Req, waited: bool) -> anyhow::Result<()> {
         // A stream's blocks keep one allocator, as an object's do.
         let r = AllocRequest {
             kind: AllocKind::Data,
@@ -95,12 +108,23 @@ impl<P: SimPool> Sim<'_, P> {
             affinity: Some(req.stream as u64),
         };
         match self.pool.submit(r).context("submit")? {
-            Submitted::Ready(t) => self.allocate_data(t, req, false),
+            Submitted::Ready(t) => self.allocate_data(t, req, waited),
             Submitted::Queued(t) => {
                 self.tickets.insert(t, req);
                 Ok(())
             }
         }
+    }
+
+    /// Submit backlogged blocks while the throttle admits them at once.
+    fn submit_backlog(&mut self) -> anyhow::Result<()> {
+        while self.tickets.is_empty() {
+            let Some(req) = self.backlog.as_mut().and_then(VecDeque::pop_front) else {
+                return Ok(());
+            };
+            self.submit_data_block(req, true)?;
+        }
+        Ok(())
     }
 
     pub(super) fn release_req(&mut self, req: Req) {
@@ -178,6 +202,9 @@ impl<P: SimPool> Sim<'_, P> {
                     .remove(&t)
                     .with_context(|| format!("the pool admitted unknown ticket {t}"))?;
                 self.allocate_data(t, req, true)?;
+            }
+            if self.backlog.is_some() {
+                self.submit_backlog()?;
             }
         }
     }

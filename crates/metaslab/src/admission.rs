@@ -5,8 +5,7 @@
 
 use crate::throttle::{legacy, unified};
 use crate::{
-    AllocKind, AllocRequest, ClassKind, Error, Result, SPA_MAXBLOCKSIZE, Submitted, ThrottlePolicy,
-    Ticket,
+    AllocKind, AllocRequest, Error, Result, SPA_MAXBLOCKSIZE, Submitted, ThrottlePolicy, Ticket,
 };
 
 use crate::pool::*;
@@ -202,39 +201,14 @@ impl Pool {
         Ok(())
     }
 
-    /// The spec's "busy" for a class (preface): reserved + waiting bytes over
-    /// alloc_max × (min% + max%) / 200, or any request waiting.
-    pub fn busy(&self, class: ClassKind) -> bool {
-        let c = &self.classes[class_index(class)];
-        if c.is_log {
-            return false;
-        }
-        match self.tun.throttle_policy {
-            // Over the class's whole budget: `spa_alloc_count × alloc_max`.
-            ThrottlePolicy::Unified => unified::busy(
-                c.reserved,
-                c.waiting_bytes,
-                c.waiting(),
-                c.alloc_max.saturating_mul(c.reserved_by.len() as u64),
-                self.tun.busy_pct_sum(),
-            ),
-            ThrottlePolicy::Legacy => {
-                c.waiting() > 0
-                    || c.slots_by
-                        .iter()
-                        .zip(&c.max_slots_by)
-                        .any(|(&s, &m)| m > 0 && s >= m)
-            }
-            ThrottlePolicy::Off => false,
-        }
-    }
-
-    /// OpenZFS's own busy rule, from the caller's dirty data: `dirty`
-    /// bytes written and not yet synced, against its `dirty_max`
-    /// (`zfs_dirty_data_max`), with the two percentages by their OpenZFS
-    /// names; `sync_pending` as a pending sync task. The caller measures
-    /// dirty data (the allocator: bytes in the open and syncing txgs and in
-    /// flight; the simulator: its modelled dirty data).
+    /// Busy for `metaslab_perf_bias`, OpenZFS 2.4's rule
+    /// (`metaslab.c:metaslab_class_rotate@zfs-2.4.0`): the caller's `dirty`
+    /// bytes (written and not yet synced, `dp_dirty_total`) above
+    /// `dirty_max` (`zfs_dirty_data_max`) × (min% + max%) / 200 of the two
+    /// `zfs_vdev_async_write_active_*_dirty_percent` tunables, or
+    /// `sync_pending` (a pending sync task). The caller measures dirty data
+    /// (the allocator: bytes of the open and syncing txgs; the simulator:
+    /// its modelled dirty data).
     pub fn busy_dirty(&self, dirty: u64, dirty_max: u64, sync_pending: bool) -> bool {
         unified::busy_dirty(dirty, dirty_max, self.tun.busy_pct_sum(), sync_pending)
     }
@@ -273,13 +247,14 @@ impl Pool {
         self.alloc_count
     }
 
-    /// Busy for a data allocation (`metaslab_perf_bias`): the throttle's
-    /// own measure (`busy`, the spec preface's proxy, which moves first when
-    /// clients write faster than the pool) or OpenZFS's dirty-data rule on
-    /// the caller's `dirty` bytes against `dirty_max`. The one rule the
-    /// allocator and the simulator both use.
+    /// Busy for a data allocation (`metaslab_perf_bias`): `busy_dirty`
+    /// without a pending sync task, the one rule the allocator and the
+    /// simulator both use (neither runs sync tasks). The throttle's own
+    /// state (requests waiting, bytes reserved) plays no part, as in
+    /// OpenZFS: a waiting request says the vdevs' queues are full, which
+    /// every large txg's burst does, not that the writers outrun the pool.
     pub fn busy_with_dirty(&self, dirty: u64, dirty_max: u64) -> bool {
-        self.busy(ClassKind::Normal) || self.busy_dirty(dirty, dirty_max, false)
+        self.busy_dirty(dirty, dirty_max, false)
     }
 
     /// The normal class's space that takes allocations: OpenZFS's

@@ -31,14 +31,6 @@ pub const MAX_VDEV_CAPACITY: u64 = 1 << 57;
 /// Most metaslabs one vdev may have (memory bound on caller input).
 pub(crate) const MAX_METASLABS: u64 = 1 << 20;
 
-pub(crate) fn class_index(k: ClassKind) -> usize {
-    match k {
-        ClassKind::Normal => NORMAL,
-        ClassKind::Log => LOG,
-        ClassKind::EmbeddedLog => ELOG,
-    }
-}
-
 /// What a ticket or allocation holds in the throttle.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Reservation {

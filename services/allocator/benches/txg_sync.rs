@@ -50,7 +50,7 @@ fn fill(pool: &mut Pool, n: usize) -> Vec<metaslab::Extent> {
             Submitted::Ready(t) => t,
             Submitted::Queued(_) => panic!("throttled with nothing in flight"),
         };
-        let busy = pool.busy(metaslab::ClassKind::Normal);
+        let busy = pool.busy_with_dirty(pool.dirty_bytes(), 1 << 30);
         let a = pool.allocate(t, busy).expect("allocate");
         pool.commit(a.id).expect("commit");
         out.extend(a.extents);
@@ -138,7 +138,7 @@ fn alloc_loop(
             Submitted::Ready(t) => t,
             Submitted::Queued(_) => panic!("throttled"),
         };
-        let busy = g.pool.busy(metaslab::ClassKind::Normal);
+        let busy = g.busy();
         let a = g.pool.allocate(t, busy).expect("allocate");
         g.pool.commit(a.id).expect("commit");
         n += 1;

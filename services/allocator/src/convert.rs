@@ -156,7 +156,7 @@ pub fn pool_status(shared: &Shared, g: &Inner) -> pb::PoolStatus {
             reserved: c.reserved,
             alloc_max: c.alloc_max,
             alloc_io_size: c.alloc_io_size,
-            busy: c.busy,
+            busy: c.kind == ClassKind::Normal && g.busy(),
             waiting: c.waiting,
             waiting_bytes: c.waiting_bytes,
             throttle_enabled: c.throttle_enabled,

@@ -75,7 +75,7 @@ pub fn snapshot(shared: &Shared, g: &mut Inner) -> pb::PoolSnapshot {
             name: convert::class_name(c.kind).into(),
             alloc_max: c.alloc_max,
             reserved: c.reserved,
-            busy: c.busy,
+            busy: c.kind == metaslab::ClassKind::Normal && g.busy(),
             waiting: c.waiting,
             waiting_bytes: c.waiting_bytes,
             throttle_enabled: c.throttle_enabled,

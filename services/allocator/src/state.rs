@@ -194,14 +194,17 @@ impl Inner {
         }
     }
 
+    /// Busy for `metaslab_perf_bias`, the answer placement uses and
+    /// GetPool reports: OpenZFS's dirty-data rule on the bytes of the open
+    /// and syncing txgs against `--txg-dirty-max`.
+    pub fn busy(&self) -> bool {
+        let dirty = self.pool.dirty_bytes().saturating_add(self.syncing_bytes);
+        self.pool.busy_with_dirty(dirty, self.dirty_max)
+    }
+
     /// Place an admitted ticket and start its lease.
     fn place(&mut self, ticket: Ticket, lease: Duration) -> Result<(Allocation, Instant)> {
-        // Busy: OpenZFS's dirty-data rule on the bytes of the open and
-        // syncing txgs, or the throttle's own measure (bytes admitted or
-        // waiting), which is what moves first when clients write faster
-        // than the pool (the spec preface's proxy).
-        let dirty = self.pool.dirty_bytes().saturating_add(self.syncing_bytes);
-        let busy = self.pool.busy_with_dirty(dirty, self.dirty_max);
+        let busy = self.busy();
         let reloc = self.reloc_tickets.remove(&ticket);
         if let Some(r) = &reloc
             && let Some(other) = self.relocations.moving(&r.from)

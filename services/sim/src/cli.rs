@@ -222,29 +222,32 @@ pub fn execute(cli: Cli) -> Result<(), CliError> {
             );
             crate::chart::compare_chart(&chart, &title, &r.vdev_names, &measured, &simulated)
                 .map_err(CliError::Run)?;
-            print!("{}", c.table());
+            // Built whole, then written once: a reader that closes early
+            // (`| head`) ends the output, not the process with a panic.
+            let mut out = c.table();
             let secs = r.end_time as f64 / 1e9;
-            print!(
+            out += &format!(
                 "run: {:.1} s, {:.0} MiB/s",
                 secs,
                 r.bytes_committed as f64 / secs.max(1e-9) / 1048576.0
             );
-            match r.cpu_utilisation() {
+            out += &match r.cpu_utilisation() {
                 // Past 90 % busy the CPUs, not the devices, set the pace.
-                Some(u) if u >= 0.9 => println!("; CPUs {:.0} % busy: CPU-bound", 100.0 * u),
-                Some(u) => println!("; CPUs {:.0} % busy: device-bound", 100.0 * u),
-                None => println!("; no [cpu]: device-bound"),
-            }
+                Some(u) if u >= 0.9 => format!("; CPUs {:.0} % busy: CPU-bound\n", 100.0 * u),
+                Some(u) => format!("; CPUs {:.0} % busy: device-bound\n", 100.0 * u),
+                None => "; no [cpu]: device-bound\n".to_string(),
+            };
             // A rewrite experiment (t5c): the first rewrite pass by quarters.
             if let Some(m) = crate::calibration::PassQuarters::from_log(&text, "rewrite1")
                 .map_err(|e| CliError::Run(e.context(format!("{}", log.display()))))?
             {
                 let passes = sc.load.as_ref().map_or(1, |l| l.passes);
                 let s = crate::calibration::PassQuarters::from_run(&r, 1, passes);
-                println!("first rewrite pass (rewrite1):");
-                print!("{}", crate::calibration::PassQuarters::table(&m, &s));
+                out += "first rewrite pass (rewrite1):\n";
+                out += &crate::calibration::PassQuarters::table(&m, &s);
             }
-            println!("({}) wrote {}", r.stop_reason, chart.display());
+            out += &format!("({}) wrote {}\n", r.stop_reason, chart.display());
+            let _ = std::io::stdout().lock().write_all(out.as_bytes());
             Ok(())
         }
         Command::Check { scenario } => {

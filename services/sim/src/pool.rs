@@ -38,8 +38,8 @@ pub trait SimPool {
     fn open_txg(&self) -> Txg;
     fn submit(&mut self, req: AllocRequest) -> Result<Submitted>;
     fn take_admitted(&mut self) -> Vec<Ticket>;
-    fn busy(&self, class: ClassKind) -> bool;
-    /// OpenZFS's busy rule from the caller's dirty data (`Pool::busy_dirty`).
+    /// OpenZFS's busy rule from the caller's dirty data
+    /// (`Pool::busy_with_dirty`).
     fn busy_with_dirty(&self, dirty: u64, dirty_max: u64) -> bool;
     fn allocate(&mut self, ticket: Ticket, busy: bool) -> Result<Allocation>;
     fn commit(&mut self, id: AllocationId) -> Result<Txg>;
@@ -65,9 +65,6 @@ impl SimPool for Pool {
     }
     fn take_admitted(&mut self) -> Vec<Ticket> {
         Pool::take_admitted(self)
-    }
-    fn busy(&self, class: ClassKind) -> bool {
-        Pool::busy(self, class)
     }
     fn busy_with_dirty(&self, dirty: u64, dirty_max: u64) -> bool {
         Pool::busy_with_dirty(self, dirty, dirty_max)

@@ -435,9 +435,9 @@ pub struct Load {
     /// Most bytes submitted and not yet committed (OpenZFS's dirty data limit).
     pub dirty_max: u64,
     pub start: u64,
-    /// `allocate = "sync"`: writes become dirty data and their blocks are
-    /// allocated when their txg syncs (OpenZFS's pipeline); the default
-    /// `"write"` allocates each block as it is written.
+    /// `allocate = "sync"` (the default): writes become dirty data and
+    /// their blocks are allocated when their txg syncs (OpenZFS's
+    /// pipeline); `"write"` allocates each block as it is written.
     pub allocate_at_sync: bool,
 }
 
@@ -894,7 +894,7 @@ impl Scenario {
                 if !load.as_ref().is_some_and(|l| l.allocate_at_sync) {
                     return Err(invalid(
                         "metadata",
-                        "metadata is written by syncing txgs: needs [load] allocate = \"sync\"",
+                        "metadata is written by syncing txgs: needs the txg pipeline, not [load] allocate = \"write\"",
                     ));
                 }
                 let redundant = match m.redundant_metadata.as_deref() {
@@ -939,7 +939,7 @@ impl Scenario {
                 if !load.as_ref().is_some_and(|l| l.allocate_at_sync) {
                     return Err(invalid(
                         "cpu",
-                        "the CPU model costs a syncing txg's blocks: needs [load] allocate = \"sync\"",
+                        "the CPU model costs a syncing txg's blocks: needs the txg pipeline, not [load] allocate = \"write\"",
                     ));
                 }
                 if c.count == 0 {
@@ -1167,8 +1167,8 @@ fn load_model(l: RawLoad) -> Result<Load, ScenarioError> {
         (None, None) => Amount::Fill(0.95),
     };
     let allocate_at_sync = match l.allocate.as_deref() {
-        None | Some("write") => false,
-        Some("sync") => true,
+        Some("write") => false,
+        None | Some("sync") => true,
         Some(other) => {
             return Err(invalid(
                 "load.allocate",
@@ -1250,16 +1250,17 @@ write_bandwidth = "500MiB/s"
 
     #[test]
     fn allocate_mode_parses_and_is_checked() {
+        // The pipeline is the default.
         assert!(
-            !Scenario::from_toml(MIN)
+            Scenario::from_toml(MIN)
                 .unwrap()
                 .load
                 .unwrap()
                 .allocate_at_sync
         );
-        let sync = MIN.replace("mode = \"full\"", "mode = \"full\"\nallocate = \"sync\"");
+        let write = MIN.replace("mode = \"full\"", "mode = \"full\"\nallocate = \"write\"");
         assert!(
-            Scenario::from_toml(&sync)
+            !Scenario::from_toml(&write)
                 .unwrap()
                 .load
                 .unwrap()
@@ -1332,7 +1333,8 @@ write_bandwidth = "500MiB/s"
         let v = &Scenario::from_toml(&disk).unwrap().vdevs[0];
         assert_eq!((v.seek, v.rotation), (12_000_000, 8_333_000));
 
-        let e = err(&format!("{MIN}[metadata]\n"));
+        let write = MIN.replace("mode = \"full\"", "mode = \"full\"\nallocate = \"write\"");
+        let e = err(&format!("{write}[metadata]\n"));
         assert!(e.starts_with("metadata:"), "needs the pipeline: {e}");
         let sync = MIN.replace("mode = \"full\"", "mode = \"full\"\nallocate = \"sync\"");
         let m = Scenario::from_toml(&format!("{sync}[metadata]\n"))

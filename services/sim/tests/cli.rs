@@ -159,6 +159,67 @@ fn compare_prints_the_fill_points_and_draws_both_curves() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("--policy"));
 }
 
+/// `compare ... | head`: a reader that closes its end before the table is
+/// printed ends the output, not the process with a panic.
+#[test]
+fn compare_into_a_closed_pipe_does_not_panic() {
+    let dir = tempfile::tempdir().unwrap();
+    let cal = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scenarios/calibration");
+    let mut child = sim()
+        .arg("compare")
+        .arg(cal.join("t1c.toml"))
+        .arg(cal.join("t1c-2.4.log"))
+        .args(["--policy", "unified", "--chart"])
+        .arg(dir.path().join("c.svg"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Close the read end at once: every write to stdout then fails (EPIPE).
+    drop(child.stdout.take());
+    let o = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(o.status.code(), Some(0), "{err}");
+}
+
+/// An `at_fill` event the run never reaches is an error (exit 1) that
+/// names the event and the fill the run reached, not a run that ends
+/// without it.
+#[test]
+fn an_at_fill_event_never_reached_fails_the_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let sc = dir.path().join("s.toml");
+    // 1 GiB written to 4 GiB: the pool ends a quarter full.
+    let text = format!(
+        "{SMALL}[[event]]\nat_fill = 0.5\naction = \"add_vdev\"\n\
+         vdev = {{ name = \"late\", capacity = \"2GiB\", write_bandwidth = \"1GiB/s\" }}\n"
+    );
+    std::fs::write(&sc, text).unwrap();
+    let o = sim()
+        .arg("run")
+        .arg(&sc)
+        .arg("--out")
+        .arg(dir.path().join("out"))
+        .args(["-q", "--only", "unified"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("event[0]: at_fill = 0.5 never reached"),
+        "{err}"
+    );
+    // The fill reached is named: a quarter of the pool, as written.
+    let reached: f64 = err
+        .split("reached ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|r| r.parse().ok())
+        .unwrap_or_else(|| panic!("no fill reached in {err}"));
+    assert!((0.2..0.3).contains(&reached), "{reached}: {err}");
+}
+
 /// `rebalance` end to end: two full vdevs and an empty one converge in
 /// several bounded plans; a malformed vdev exits 2 naming the flag.
 #[test]

@@ -132,27 +132,14 @@ pub fn unreserve(reserved: &mut u64, alloc_max: u64, bytes: u64) -> bool {
     *reserved <= alloc_max
 }
 
-/// OpenZFS's busy rule for `metaslab_perf_bias` (`metaslab_class_throttle`
-/// via `vdev_queue`'s dirty scaling): the pool is busy when its dirty data
-/// passes `zfs_dirty_data_max × (min% + max%) / 200`, the midpoint of the
-/// async-write ramp, or when a sync task is pending.
+/// OpenZFS's busy rule for `metaslab_perf_bias`
+/// (`metaslab.c:metaslab_class_rotate@zfs-2.4.0`): the pool is busy when
+/// its dirty data (`dp_dirty_total`: every txg not yet synced) passes
+/// `zfs_dirty_data_max × (min% + max%) / 200`, the midpoint of the
+/// async-write ramp (45 % at the defaults), or when a sync task is pending.
+/// Nothing else: requests waiting in the throttle do not make it busy.
 pub fn busy_dirty(dirty: u64, dirty_max: u64, pct_sum: u64, sync_pending: bool) -> bool {
     sync_pending || dirty as u128 > dirty_max as u128 * pct_sum as u128 / 200
-}
-
-/// The busy threshold (preface): `alloc_max × (min% + max%) / 200`.
-pub fn busy(
-    reserved: u64,
-    waiting_bytes: u64,
-    waiting: usize,
-    alloc_max: u64,
-    pct_sum: u64,
-) -> bool {
-    if waiting > 0 {
-        return true;
-    }
-    let threshold = alloc_max as u128 * pct_sum as u128 / 200;
-    (reserved as u128 + waiting_bytes as u128) > threshold
 }
 
 #[cfg(test)]

@@ -67,6 +67,7 @@ impl<P: SimPool> Sim<'_, P> {
                 progress(self.fraction_done(planned));
             }
         }
+        self.check_fill_events_fired(&stop_reason)?;
         progress(1.0);
         let end = self.now;
         self.take_sample(end);
@@ -270,7 +271,7 @@ impl<P: SimPool> Sim<'_, P> {
     }
 
     pub(super) fn kick(&mut self, v: u32) {
-        let dirty = self.inflight + self.txg_dirty;
+        let dirty = self.dirty();
         let limits = self.queue_limits;
         let dirty_max = self.dirty_max;
         match &mut self.devices[v as usize] {

@@ -88,7 +88,6 @@ impl<P: SimPool> Sim<'_, P> {
                 mode: l.mode,
                 block_size: bs,
                 passes: l.passes,
-                dirty_per_stream: (l.dirty_max / streams).max(bs),
                 interval,
                 active: false,
                 streams: out,

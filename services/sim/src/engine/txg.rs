@@ -242,6 +242,7 @@ impl<P: SimPool> Sim<'_, P> {
         }
         let v = self.pool.view();
         let fill = v.normal_alloc as f64 / v.normal_space.max(1) as f64;
+        self.fill_reached = self.fill_reached.max(fill);
         let sc = self.sc;
         let due: Vec<u32> = self
             .fill_events
@@ -254,6 +255,23 @@ impl<P: SimPool> Sim<'_, P> {
             self.fire(i)?;
         }
         Ok(())
+    }
+
+    /// At the end of a run: an `at_fill` event still waiting was never
+    /// reached, so the run did not do what the scenario describes.
+    pub(super) fn check_fill_events_fired(&mut self, stop_reason: &str) -> anyhow::Result<()> {
+        self.check_fill()?;
+        let Some(&i) = self.fill_events.first() else {
+            return Ok(());
+        };
+        let Trigger::Fill(f) = self.sc.events[i as usize].trigger else {
+            unreachable!("fill_events holds at_fill events only")
+        };
+        bail!(
+            "event[{i}]: at_fill = {f} never reached: the normal class reached {:.4} at most \
+             (run ended: {stop_reason})",
+            self.fill_reached
+        )
     }
 
     pub(super) fn fire(&mut self, i: u32) -> anyhow::Result<()> {

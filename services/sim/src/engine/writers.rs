@@ -86,6 +86,19 @@ impl<P: SimPool> Sim<'_, P> {
 
     /// Hand a written block to the pool: submit, and allocate once admitted.
     pub(super) fn issue_data(&mut self, req: Req) -> anyhow::Result<()> {
+        if let Some(b) = &mut self.backlog
+            && (!b.is_empty() || !self.tickets.is_empty())
+        {
+            // Behind a block the throttle holds: it would queue behind it.
+            b.push_back(req);
+            return Ok(());
+        }
+        self.submit_data_block(req, false)
+    }
+
+    /// Submit one data block; `waited`: it waited in the backlog, so the
+    /// throttle would have queued it (held).
+    fn submit_data_block(&mut self, req: Req, waited: bool) -> anyhow::Result<()> {
         // A stream's blocks keep one allocator, as an object's do.
         let r = AllocRequest {
             kind: AllocKind::Data,
@@ -95,12 +108,23 @@ impl<P: SimPool> Sim<'_, P> {
             affinity: Some(req.stream as u64),
         };
         match self.pool.submit(r).context("submit")? {
-            Submitted::Ready(t) => self.allocate_data(t, req, false),
+            Submitted::Ready(t) => self.allocate_data(t, req, waited),
             Submitted::Queued(t) => {
                 self.tickets.insert(t, req);
                 Ok(())
             }
         }
+    }
+
+    /// Submit backlogged blocks while the throttle admits them at once.
+    fn submit_backlog(&mut self) -> anyhow::Result<()> {
+        while self.tickets.is_empty() {
+            let Some(req) = self.backlog.as_mut().and_then(VecDeque::pop_front) else {
+                return Ok(());
+            };
+            self.submit_data_block(req, true)?;
+        }
+        Ok(())
     }
 
     pub(super) fn release_req(&mut self, req: Req) {
@@ -115,12 +139,24 @@ impl<P: SimPool> Sim<'_, P> {
         self.pump_wanted = true;
     }
 
-    /// Busy as the allocator service decides it: the throttle's own proxy,
-    /// or OpenZFS's dirty-data rule on the bytes written and not yet
-    /// synced (in flight plus committed into the open txg).
+    /// The pool's dirty data, OpenZFS's `dp_dirty_total`, which the busy
+    /// rule and the vdev queues read. With the pipeline: the bytes written
+    /// and not yet on their devices (OpenZFS undirties each block as its
+    /// write completes, `dbuf.c:dbuf_write_done@zfs-2.4.0`); with
+    /// allocation as the writer writes, also the bytes committed into the
+    /// open txg, dirty until it syncs.
+    pub(super) fn dirty(&self) -> u64 {
+        if self.alloc_at_sync {
+            self.inflight
+        } else {
+            self.inflight + self.txg_dirty
+        }
+    }
+
+    /// Busy as the allocator service decides it: OpenZFS's dirty-data rule
+    /// (`Pool::busy_with_dirty`) on `dirty` against `dirty_max`.
     pub(super) fn busy(&self) -> bool {
-        let dirty = self.inflight + self.txg_dirty;
-        self.pool.busy_with_dirty(dirty, self.dirty_max)
+        self.pool.busy_with_dirty(self.dirty(), self.dirty_max)
     }
 
     pub(super) fn allocate_data(&mut self, t: Ticket, req: Req, held: bool) -> anyhow::Result<()> {
@@ -166,6 +202,9 @@ impl<P: SimPool> Sim<'_, P> {
                     .remove(&t)
                     .with_context(|| format!("the pool admitted unknown ticket {t}"))?;
                 self.allocate_data(t, req, true)?;
+            }
+            if self.backlog.is_some() {
+                self.submit_backlog()?;
             }
         }
     }
@@ -250,13 +289,14 @@ impl<P: SimPool> Sim<'_, P> {
 
     /// The next block of stream `s`, or None when it must wait or is done.
     pub(super) fn next_block(&mut self, s: usize) -> Option<Req> {
+        // Every writer waits while the pool's dirty data is at `dirty_max`
+        // (`dmu_tx.c:dmu_tx_wait@zfs-2.4.0`): one pool-wide limit, no
+        // writer's share of it.
+        let full = self.inflight >= self.dirty_max;
         let d = self.data.as_mut()?;
         let bs = d.block_size;
         let st = &mut d.streams[s];
-        if !d.active || st.finished {
-            return None;
-        }
-        if st.outstanding > 0 && st.outstanding + bs > d.dirty_per_stream {
+        if !d.active || st.finished || full {
             return None;
         }
         if self.block_busy[st.cursor as usize] {

@@ -231,6 +231,7 @@ async fn only_the_owner_or_an_admin_frees_or_moves_a_block() {
     let e = bob
         .claim(pb::ClaimRequest {
             extents: vec![mine[0]],
+            per_extent: false,
         })
         .await
         .expect_err("bob claims alice's block");
@@ -240,6 +241,7 @@ async fn only_the_owner_or_an_admin_frees_or_moves_a_block() {
     let e = op
         .claim(pb::ClaimRequest {
             extents: vec![mine[1]],
+            per_extent: false,
         })
         .await
         .expect_err("an admin claims alice's block");
@@ -248,6 +250,7 @@ async fn only_the_owner_or_an_admin_frees_or_moves_a_block() {
     alice
         .claim(pb::ClaimRequest {
             extents: vec![mine[0]],
+            per_extent: false,
         })
         .await
         .expect("alice claims her own block");
@@ -259,6 +262,7 @@ async fn only_the_owner_or_an_admin_frees_or_moves_a_block() {
     };
     bob.claim(pb::ClaimRequest {
         extents: vec![claimed],
+        per_extent: false,
     })
     .await
     .expect("bob claims free space");
@@ -288,6 +292,7 @@ async fn only_the_owner_or_an_admin_frees_or_moves_a_block() {
     let e = bob
         .claim(pb::ClaimRequest {
             extents: vec![mine[0]],
+            per_extent: false,
         })
         .await
         .expect_err("bob claims alice's block after the restart");

@@ -114,6 +114,11 @@ impl From<AgentError> for Status {
                             "WRITE_TOKEN_BEFORE_AGENT_START"
                         }
                         crate::fence::Fenced::Revoked { .. } => "WRITE_TOKEN_REVOKED",
+                        // As the token check says it once the generation is
+                        // learned: the same for a client.
+                        crate::fence::Fenced::OlderGeneration { .. } => {
+                            "WRITE_TOKEN_OLD_GENERATION"
+                        }
                     },
                     aliquot_auth::DOMAIN,
                     HashMap::<String, String>::new(),

@@ -74,7 +74,14 @@ pub struct PgStore {
     deposed: AtomicBool,
     /// The address standbys name as the leader's.
     address: Mutex<String>,
+    /// The leader before this one handed over cleanly (`release(true)`).
+    clean_before: AtomicBool,
 }
+
+/// The holder id a leader leaves in the `leaders` row when it hands over
+/// cleanly: its last txg synced and it had no claim window open, so the
+/// next leader has nothing to wait for claims of.
+const HANDED_OVER_CLEANLY: &str = "(handed over cleanly)";
 
 fn u(v: i64) -> u64 {
     v as u64
@@ -206,6 +213,7 @@ impl PgStore {
             generation: AtomicU64::new(0),
             deposed: AtomicBool::new(false),
             address: Mutex::new(String::new()),
+            clean_before: AtomicBool::new(false),
         })
     }
 
@@ -251,6 +259,14 @@ impl PgStore {
             .unwrap_or_else(|p| p.into_inner())
             .clone();
         let mut tx = self.db.begin().await.map_err(db)?;
+        // Read before the row is taken over: did the last leader leave it
+        // cleanly?
+        let before: Option<String> =
+            sqlx::query_scalar("SELECT leader_id FROM leaders WHERE pool = $1")
+                .bind(&self.pool_name)
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(db)?;
         let g: Option<i64> = sqlx::query_scalar(
             "UPDATE leaders SET generation = generation + 1, leader_id = $2, leader_address = $3,
                 lease_until = clock_timestamp() + $4 * interval '1 millisecond'
@@ -296,6 +312,10 @@ impl PgStore {
             .await
             .map_err(db)?;
         tx.commit().await.map_err(db)?;
+        self.clean_before.store(
+            before.as_deref() == Some(HANDED_OVER_CLEANLY),
+            Ordering::Release,
+        );
         self.pool_id.store(id, Ordering::Release);
         self.deposed.store(false, Ordering::Release);
         self.generation.store(u(g), Ordering::Release);
@@ -328,20 +348,25 @@ impl PgStore {
     }
 
     /// Give the leadership up at once (step-down): a standby takes it at
-    /// its next poll, without waiting for the lease.
-    pub async fn release(&self) -> Result<(), StoreError> {
+    /// its next poll, without waiting for the lease. `clean`: the last txg
+    /// synced and no claim window was open, which the row then says (the
+    /// next leader opens no claim window).
+    pub async fn release(&self, clean: bool) -> Result<(), StoreError> {
         let mine = self.generation();
         self.deposed.store(true, Ordering::Release);
         if mine == 0 {
             return Ok(());
         }
         sqlx::query(
-            "UPDATE leaders SET lease_until = '-infinity'
+            "UPDATE leaders SET lease_until = '-infinity',
+                leader_id = CASE WHEN $4 THEN $5 ELSE leader_id END
              WHERE pool = $1 AND generation = $2 AND leader_id = $3",
         )
         .bind(&self.pool_name)
         .bind(i(mine))
         .bind(&self.me)
+        .bind(clean)
+        .bind(HANDED_OVER_CLEANLY)
         .execute(&self.db)
         .await
         .map_err(|e| StoreError(format!("step down: {e}")))?;
@@ -942,6 +967,10 @@ impl Store for PgStore {
 
     fn fenced(&self) -> bool {
         self.deposed()
+    }
+
+    fn handed_over_cleanly(&self) -> bool {
+        self.clean_before.load(Ordering::Acquire)
     }
 
     fn open_generation(&self) -> BoxFuture<'_, Result<u64, StoreError>> {

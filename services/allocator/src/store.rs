@@ -439,6 +439,13 @@ pub trait Store: Send + Sync + 'static {
     fn rewind_generation(&self) -> BoxFuture<'_, Result<u64, StoreError>> {
         Box::pin(async { Ok(0) })
     }
+    /// Whether the generation before this one handed the pool over cleanly
+    /// (its last txg synced, nothing dirty, no claim window of its own
+    /// open): then nothing can be claimed and no claim window opens. Stores
+    /// that do not record handovers answer false.
+    fn handed_over_cleanly(&self) -> bool {
+        false
+    }
     /// Record that generation `g` accepted a rollback; durable on return.
     fn set_rewind_generation(&self, g: u64) -> BoxFuture<'_, Result<(), StoreError>> {
         let _ = g;

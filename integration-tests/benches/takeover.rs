@@ -27,7 +27,7 @@ use pb::allocator_client::AllocatorClient;
 const AGENTS: usize = 2;
 
 struct Pool {
-    pg: Postgres,
+    _pg: Postgres,
     allocators: Vec<Proc>,
     _agents: Vec<Proc>,
 }
@@ -91,7 +91,7 @@ impl Pool {
             })
             .collect();
         Pool {
-            pg,
+            _pg: pg,
             allocators,
             _agents: agents,
         }

@@ -904,8 +904,19 @@ async fn a_takeover_serves_inside_the_claim_window_and_keeps_what_lost_txgs_wrot
     let _serial = SERIAL.lock().await;
     let dir = tempfile::tempdir().unwrap();
     // Txgs close only when asked: the committed blocks below stay unsynced.
-    let mut ha = Ha::start_with(dir.path(), LEASE, "120s", "600s");
+    let t0 = Instant::now();
+    let mut ha = Ha::start_with(dir.path(), LEASE, "120s", "1s");
     let (leader, _) = ha.leader(Duration::from_secs(60)).await;
+    eprintln!("{:?}: leader {leader}", t0.elapsed());
+    // From now on txgs close only when asked (the setting is stored, so the
+    // next leader keeps it): the committed blocks below stay unsynced.
+    AllocatorClient::new(channel(&ha.urls()[leader]))
+        .set_tunable(pb::SetTunableRequest {
+            name: "zfs_txg_timeout".into(),
+            value: "600".into(),
+        })
+        .await
+        .expect("set zfs_txg_timeout");
     let mut c = AllocatorClient::new(channel(&ha.urls()[leader]));
     let mut durable: Vec<(pb::Extent, u8)> = Vec::new();
     for i in 0..4u8 {
@@ -926,9 +937,11 @@ async fn a_takeover_serves_inside_the_claim_window_and_keeps_what_lost_txgs_wrot
         .await
         .unwrap()
         .into_inner();
+    eprintln!("{:?}: blocks written; kill -9", t0.elapsed());
     ha.allocators[leader].kill9();
 
-    let (next, _) = ha.leader(Duration::from_secs(60)).await;
+    let (next, took) = ha.leader(Duration::from_secs(60)).await;
+    eprintln!("{:?}: allocator {next} serves Allocate {took:?} after the kill", t0.elapsed());
     assert_ne!(next, leader);
     let mut c = AllocatorClient::new(channel(&ha.urls()[next]));
     let st = c
@@ -999,6 +1012,7 @@ async fn a_takeover_serves_inside_the_claim_window_and_keeps_what_lost_txgs_wrot
     })
     .await
     .expect("the claims' txg syncs");
+    eprintln!("{:?}: claimed and synced", t0.elapsed());
     let endpoints: Vec<String> = ha.agents.iter().map(|p| p.url("grpc")).collect();
     let (mut lost_n, mut wrong) = (0, 0);
     for (e, seed) in lost.iter().chain(&durable) {
@@ -1010,6 +1024,7 @@ async fn a_takeover_serves_inside_the_claim_window_and_keeps_what_lost_txgs_wrot
         }
     }
     assert_eq!((lost_n, wrong), (0, 0), "blocks lost / read back wrong");
+    eprintln!("{:?}: read back", t0.elapsed());
     let all: BTreeSet<(u32, u64, u64)> = lost.iter().chain(&durable).map(|(e, _)| key(e)).collect();
     check_store(&ha.pg, &all).await;
 }

@@ -547,9 +547,22 @@ async fn a_write_given_both_allocators_finishes_across_a_leader_kill() {
 async fn step_down_and_sigterm_hand_over_without_waiting_for_the_lease() {
     let _serial = SERIAL.lock().await;
     let dir = tempfile::tempdir().unwrap();
-    let ha = Ha::start_with_lease(dir.path(), "10s");
+    // A claim window far longer than the test: a leader after a clean
+    // handover must open none at all.
+    let ha = Ha::start_with(dir.path(), "10s", "300s", "1s");
     let (leader, _) = ha.leader(Duration::from_secs(30)).await;
     let both = ha.urls().join(",");
+    let window = |i: usize| {
+        let url = ha.urls()[i].clone();
+        async move {
+            AllocatorClient::new(channel(&url))
+                .get_pool(pb::GetPoolRequest {})
+                .await
+                .expect("get pool")
+                .into_inner()
+                .claim_window_remaining_ms
+        }
+    };
     // The leader lists the standby once it has seen it poll (refreshed at
     // each renewal, every third of the lease).
     let all = both.clone();
@@ -571,6 +584,7 @@ async fn step_down_and_sigterm_hand_over_without_waiting_for_the_lease() {
     eprintln!("step-down: {text} serving Allocate {took:?} after it was asked");
     assert_ne!(next, leader, "the standby leads");
     assert!(took < Duration::from_secs(3), "step-down took {took:?}");
+    assert_eq!(window(next).await, 0, "a clean step-down leaves nothing to claim");
 
     // SIGTERM: the same handover on the way out.
     let t0 = Instant::now();
@@ -583,6 +597,7 @@ async fn step_down_and_sigterm_hand_over_without_waiting_for_the_lease() {
         took < Duration::from_secs(3),
         "SIGTERM handover took {took:?}"
     );
+    assert_eq!(window(again).await, 0, "a clean SIGTERM leaves nothing to claim");
 }
 
 /// PostgreSQL itself restarted under load (fast shutdown, start): the

@@ -584,7 +584,11 @@ async fn step_down_and_sigterm_hand_over_without_waiting_for_the_lease() {
     eprintln!("step-down: {text} serving Allocate {took:?} after it was asked");
     assert_ne!(next, leader, "the standby leads");
     assert!(took < Duration::from_secs(3), "step-down took {took:?}");
-    assert_eq!(window(next).await, 0, "a clean step-down leaves nothing to claim");
+    assert_eq!(
+        window(next).await,
+        0,
+        "a clean step-down leaves nothing to claim"
+    );
 
     // SIGTERM: the same handover on the way out.
     let t0 = Instant::now();
@@ -597,7 +601,11 @@ async fn step_down_and_sigterm_hand_over_without_waiting_for_the_lease() {
         took < Duration::from_secs(3),
         "SIGTERM handover took {took:?}"
     );
-    assert_eq!(window(again).await, 0, "a clean SIGTERM leaves nothing to claim");
+    assert_eq!(
+        window(again).await,
+        0,
+        "a clean SIGTERM leaves nothing to claim"
+    );
 }
 
 /// PostgreSQL itself restarted under load (fast shutdown, start): the
@@ -956,7 +964,10 @@ async fn a_takeover_serves_inside_the_claim_window_and_keeps_what_lost_txgs_wrot
     ha.allocators[leader].kill9();
 
     let (next, took) = ha.leader(Duration::from_secs(60)).await;
-    eprintln!("{:?}: allocator {next} serves Allocate {took:?} after the kill", t0.elapsed());
+    eprintln!(
+        "{:?}: allocator {next} serves Allocate {took:?} after the kill",
+        t0.elapsed()
+    );
     assert_ne!(next, leader);
     let mut c = AllocatorClient::new(channel(&ha.urls()[next]));
     let st = c

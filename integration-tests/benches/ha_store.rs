@@ -259,7 +259,7 @@ fn main() {
             s.close().await;
             let p = fresh_pg(&url, &name).await;
             fill(&p, n).await;
-            p.release().await.unwrap();
+            p.release(false).await.unwrap();
             p.close().await;
             let (mut st, mut pt) = (vec![], vec![]);
             for r in 0..3 {
@@ -284,7 +284,7 @@ fn main() {
                 let pool = recovery::rebuild(Tunables::default(), &loaded).expect("consistent");
                 pt.push(t.elapsed());
                 drop((pool, loaded));
-                p.release().await.unwrap();
+                p.release(false).await.unwrap();
                 p.close().await;
             }
             let (st, pt) = (median(st), median(pt));

@@ -932,6 +932,7 @@ async fn foreign_attempt(c: &mut Cluster, m: &mut Model, rng: &mut Rng) -> StepR
     let r = mallory
         .claim(pb::ClaimRequest {
             extents: extents.clone(),
+            per_extent: false,
         })
         .await
         .map(|_| ());
@@ -1247,6 +1248,7 @@ async fn resolve(c: &mut Cluster, m: &mut Model) {
         c.client
             .claim(pb::ClaimRequest {
                 extents: extents.clone(),
+                per_extent: false,
             })
             .await
             .unwrap_or_else(|e| panic!("claim of our own {extents:?} failed: {e}"));

@@ -49,9 +49,20 @@ impl Ha {
     }
 
     fn start_with_lease(dir: &Path, lease: &str) -> Ha {
+        Ha::start_with(dir, lease, "500ms", "1s")
+    }
+
+    fn start_with(dir: &Path, lease: &str, claim_window: &str, txg_timeout: &str) -> Ha {
         let pg = Postgres::start();
         let url = pg.url();
-        Ha::start_on(dir, lease, "500ms", pg, [url.clone(), url])
+        Ha::start_on(
+            dir,
+            lease,
+            claim_window,
+            txg_timeout,
+            pg,
+            [url.clone(), url],
+        )
     }
 
     /// `start_with_lease` with each allocator's `--store` URL given (e.g.
@@ -60,6 +71,7 @@ impl Ha {
         dir: &Path,
         lease: &str,
         claim_window: &str,
+        txg_timeout: &str,
         pg: Postgres,
         stores: [String; 2],
     ) -> Ha {
@@ -88,7 +100,7 @@ impl Ha {
                 "--claim-window",
                 claim_window,
                 "--zfs-txg-timeout",
-                "1s",
+                txg_timeout,
             ];
             let mut p = Proc::start(
                 &format!("allocator{i}"),
@@ -208,6 +220,16 @@ async fn write_durable(
     size: u64,
     seed: u8,
 ) -> Result<pb::Extent, tonic::Status> {
+    write_block(c, size, seed, true).await
+}
+
+/// One block written through its agent and committed, synced or not.
+async fn write_block(
+    c: &mut AllocatorClient<Channel>,
+    size: u64,
+    seed: u8,
+    synced: bool,
+) -> Result<pb::Extent, tonic::Status> {
     let a = c.allocate(data(size)).await?.into_inner();
     let e = a.extents[0];
     let mut agent = VdevAgentClient::new(channel(&a.endpoints[0]));
@@ -233,13 +255,51 @@ async fn write_durable(
     let r = c
         .commit(pb::CommitRequest {
             allocation_ids: vec![a.allocation_id],
-            wait_synced: true,
+            wait_synced: synced,
             generation: a.generation,
         })
         .await?
         .into_inner();
-    assert!(r.synced, "wait_synced commit came back unsynced");
+    assert_eq!(r.synced, synced, "wait_synced commit came back unsynced");
     Ok(e)
+}
+
+/// The bytes of `e` as its agent reads them, with the owner's read token.
+async fn read_back(
+    c: &mut AllocatorClient<Channel>,
+    endpoints: &[String],
+    e: &pb::Extent,
+) -> Vec<u8> {
+    let token = c
+        .read_tokens(pb::ReadTokensRequest { extents: vec![*e] })
+        .await
+        .expect("read tokens")
+        .into_inner()
+        .tokens
+        .pop()
+        .unwrap_or_default();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for ep in endpoints {
+        let mut agent = VdevAgentClient::new(channel(ep));
+        loop {
+            match agent
+                .read(pb::ReadRequest {
+                    offset: e.offset,
+                    size: e.size,
+                    token: token.clone(),
+                })
+                .await
+            {
+                Ok(r) => return r.into_inner().data.to_vec(),
+                Err(s) if s.code() == Code::Unavailable && Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                // Another vdev's agent: try the next.
+                Err(_) => break,
+            }
+        }
+    }
+    panic!("no agent read {e:?}");
 }
 
 fn key(e: &pb::Extent) -> (u32, u64, u64) {
@@ -583,6 +643,7 @@ async fn a_partition_inside_a_txg_transaction_does_not_block_the_takeover() {
         dir.path(),
         "3s",
         "500ms",
+        "1s",
         pg,
         [proxies[0].url(), proxies[1].url()],
     );
@@ -665,7 +726,7 @@ async fn a_stopped_leader_strands_neither_agents_nor_writers() {
     // lost txgs held once its calls have failed over (keepalive, 3 s).
     let pg = Postgres::start();
     let url = pg.url();
-    let ha = Ha::start_on(dir.path(), LEASE, "10s", pg, [url.clone(), url]);
+    let ha = Ha::start_on(dir.path(), LEASE, "10s", "1s", pg, [url.clone(), url]);
     let (old, _) = ha.leader(Duration::from_secs(30)).await;
     let manifest = dir.path().join("run.manifest");
     let w = spawn_write(&ha, &manifest);
@@ -908,9 +969,22 @@ async fn commands_given_several_allocators_wait_for_a_leader() {
 async fn step_down_and_sigterm_hand_over_without_waiting_for_the_lease() {
     let _serial = SERIAL.lock().await;
     let dir = tempfile::tempdir().unwrap();
-    let ha = Ha::start_with_lease(dir.path(), "10s");
+    // A claim window far longer than the test: a leader after a clean
+    // handover must open none at all.
+    let ha = Ha::start_with(dir.path(), "10s", "300s", "1s");
     let (leader, _) = ha.leader(Duration::from_secs(30)).await;
     let both = ha.urls().join(",");
+    let window = |i: usize| {
+        let url = ha.urls()[i].clone();
+        async move {
+            AllocatorClient::new(channel(&url))
+                .get_pool(pb::GetPoolRequest {})
+                .await
+                .expect("get pool")
+                .into_inner()
+                .claim_window_remaining_ms
+        }
+    };
     // The leader lists the standby once it has seen it poll (refreshed at
     // each renewal, every third of the lease).
     let all = both.clone();
@@ -932,6 +1006,11 @@ async fn step_down_and_sigterm_hand_over_without_waiting_for_the_lease() {
     eprintln!("step-down: {text} serving Allocate {took:?} after it was asked");
     assert_ne!(next, leader, "the standby leads");
     assert!(took < Duration::from_secs(3), "step-down took {took:?}");
+    assert_eq!(
+        window(next).await,
+        0,
+        "a clean step-down leaves nothing to claim"
+    );
 
     // SIGTERM: the same handover on the way out.
     let t0 = Instant::now();
@@ -943,6 +1022,11 @@ async fn step_down_and_sigterm_hand_over_without_waiting_for_the_lease() {
     assert!(
         took < Duration::from_secs(3),
         "SIGTERM handover took {took:?}"
+    );
+    assert_eq!(
+        window(again).await,
+        0,
+        "a clean SIGTERM leaves nothing to claim"
     );
 }
 
@@ -1267,4 +1351,143 @@ async fn up_ha_serves_across_a_killed_allocator() {
         assert!(Instant::now() < deadline, "up never said who leads:\n{log}");
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
+}
+
+/// kill -9 of the leader while blocks of a txg that never synced are on the
+/// agents, with a claim window far longer than the takeover: the new leader
+/// serves Allocate while its window is still open (only what the agents name
+/// as written by the older generation is kept out); nothing new is placed
+/// over a lost block or a durable one; every lost block is claimed (each
+/// extent answered) and reads back intact with the durable ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_serves_inside_the_claim_window_and_keeps_what_lost_txgs_wrote() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    // Txgs close only when asked: the committed blocks below stay unsynced.
+    let t0 = Instant::now();
+    let mut ha = Ha::start_with(dir.path(), LEASE, "120s", "1s");
+    let (leader, _) = ha.leader(Duration::from_secs(60)).await;
+    eprintln!("{:?}: leader {leader}", t0.elapsed());
+    // From now on txgs close only when asked (the setting is stored, so the
+    // next leader keeps it): the committed blocks below stay unsynced.
+    AllocatorClient::new(channel(&ha.urls()[leader]))
+        .set_tunable(pb::SetTunableRequest {
+            name: "zfs_txg_timeout".into(),
+            value: "600".into(),
+        })
+        .await
+        .expect("set zfs_txg_timeout");
+    let mut c = AllocatorClient::new(channel(&ha.urls()[leader]));
+    let mut durable: Vec<(pb::Extent, u8)> = Vec::new();
+    for i in 0..4u8 {
+        let e = write_block(&mut c, 64 << 10, i, true)
+            .await
+            .expect("durable write");
+        durable.push((e, i));
+    }
+    let mut lost: Vec<(pb::Extent, u8)> = Vec::new();
+    for i in 0..16u8 {
+        let e = write_block(&mut c, 64 << 10, 100 + i, false)
+            .await
+            .expect("committed write");
+        lost.push((e, 100 + i));
+    }
+    let before = c
+        .get_pool(pb::GetPoolRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    eprintln!("{:?}: blocks written; kill -9", t0.elapsed());
+    ha.allocators[leader].kill9();
+
+    let (next, took) = ha.leader(Duration::from_secs(60)).await;
+    eprintln!(
+        "{:?}: allocator {next} serves Allocate {took:?} after the kill",
+        t0.elapsed()
+    );
+    assert_ne!(next, leader);
+    let mut c = AllocatorClient::new(channel(&ha.urls()[next]));
+    let st = c
+        .get_pool(pb::GetPoolRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(st.generation > before.generation);
+    assert!(
+        st.claim_window_remaining_ms > 0,
+        "Allocate was served before the claim window ended"
+    );
+    // The lost blocks are in no store: only the agents' records name them.
+    let p = aliquot_allocator::pg_store::read_only(&ha.pg.url(), "ha")
+        .await
+        .expect("store readable")
+        .expect("pool exists");
+    for (e, _) in &lost {
+        assert!(
+            !p.allocated
+                .iter()
+                .any(|a| (a.vdev, a.offset, a.size) == key(e)),
+            "{e:?} synced: the test lost nothing"
+        );
+    }
+    // New allocations: never over a lost block's extent or a durable one.
+    let taken: Vec<pb::Extent> = lost.iter().chain(&durable).map(|(e, _)| *e).collect();
+    let mut ids = Vec::new();
+    for _ in 0..64 {
+        let a = c
+            .allocate(data(64 << 10))
+            .await
+            .expect("allocate inside the claim window")
+            .into_inner();
+        for e in &a.extents {
+            assert!(
+                !taken.iter().any(|t| t.vdev == e.vdev
+                    && t.offset < e.offset + e.size
+                    && e.offset < t.offset + t.size),
+                "new leader placed {e:?} over a block of the lost txg or a durable one"
+            );
+        }
+        ids.push(a.allocation_id);
+    }
+    c.abort(pb::AbortRequest {
+        allocation_ids: ids,
+    })
+    .await
+    .expect("abort");
+    // Every lost block is claimed, extent by extent.
+    let r = c
+        .claim(pb::ClaimRequest {
+            extents: lost.iter().map(|(e, _)| *e).collect(),
+            per_extent: true,
+        })
+        .await
+        .expect("claim")
+        .into_inner();
+    assert_eq!(r.results.len(), lost.len());
+    let refused: Vec<_> = r.results.iter().filter(|x| !x.claimed).collect();
+    assert!(
+        refused.is_empty(),
+        "claims refused inside the window: {refused:?}"
+    );
+    c.sync_txg(pb::SyncTxgRequest {
+        txg: r.txg,
+        generation: r.generation,
+    })
+    .await
+    .expect("the claims' txg syncs");
+    eprintln!("{:?}: claimed and synced", t0.elapsed());
+    let endpoints: Vec<String> = ha.agents.iter().map(|p| p.url("grpc")).collect();
+    let (mut lost_n, mut wrong) = (0, 0);
+    for (e, seed) in lost.iter().chain(&durable) {
+        let got = read_back(&mut c, &endpoints, e).await;
+        if got.len() != e.size as usize {
+            lost_n += 1;
+        } else if got.iter().any(|b| b != seed) {
+            wrong += 1;
+        }
+    }
+    assert_eq!((lost_n, wrong), (0, 0), "blocks lost / read back wrong");
+    eprintln!("{:?}: read back", t0.elapsed());
+    let all: BTreeSet<(u32, u64, u64)> = lost.iter().chain(&durable).map(|(e, _)| key(e)).collect();
+    check_store(&ha.pg, &all).await;
 }

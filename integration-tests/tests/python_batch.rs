@@ -126,7 +126,8 @@ async def main():
             await ap.agent(ep).Flush(agent_pb2.FlushRequest())
         print("written", flush=True)
         sys.stdin.readline()
-        b = await ap._commit_or_claim(r, len(data), True)
+        b, why = await ap._commit_or_claim(r, len(data), True)
+        assert b is not None, why
         assert b.synced and b.generation > r.generation, (b, r.generation)
         assert await ap.read_block(b) == data
         st = await ap.get_pool()
@@ -139,7 +140,9 @@ asyncio.run(main())
 fn async_pool_claims_its_block_after_an_allocator_restart() {
     use std::io::{BufRead, BufReader, Write};
     let dir = tempfile::tempdir().unwrap();
-    let mut p = FilePool::start(dir.path(), &[]);
+    // A claim window longer than the test: the client claims only inside
+    // one (after it, it would write the block again).
+    let mut p = FilePool::start(dir.path(), &args!["--claim-window", "120s"]);
     p.add_agent("256MiB");
     let py = integration_tests::python();
     let path = integration_tests::python_client_path(&py, Path::new(env!("CARGO_TARGET_TMPDIR")));

@@ -5,9 +5,9 @@ allocator (UNAVAILABLE / DEADLINE_EXCEEDED on Commit and SyncTxg, within
 `allocator_wait`); a failed data write aborts its allocation and raises
 `AliquotError` (write the block again). As `Pool`, a block whose data is
 written when the allocator restarts is claimed in the new generation
-instead of committed (its Commit answers ALLOCATOR_RESTARTED); a claim
-refused with CLAIM_CONFLICT (its space was given out) raises: write the
-block again.
+instead of committed (its Commit answers ALLOCATOR_RESTARTED), but only
+while that generation's claim window is open; after it, or when an extent
+is refused (its space was given out), the block is written again.
 """
 
 from __future__ import annotations
@@ -20,7 +20,22 @@ import grpc
 
 from aliquot.v1 import agent_pb2, agent_pb2_grpc, allocator_pb2, allocator_pb2_grpc
 
-from .pool import _OPTIONS, _TRANSIENT, AliquotError, Block, ErrorReason, Tls, Txg, _target
+from .pool import (
+    _OPTIONS,
+    _TRANSIENT,
+    AliquotError,
+    Block,
+    ErrorReason,
+    Tls,
+    Txg,
+    _target,
+    all_claimed,
+    claim_window_open,
+    claimed_extents,
+)
+
+# Writes of one block before its last failure is raised (each allocates anew).
+_ATTEMPTS = 3
 
 
 class AsyncPool:
@@ -115,6 +130,17 @@ class AsyncPool:
         `durable`, once its txg has synced)."""
         if not 0 < len(data) <= 16 << 20:
             raise ValueError(f"a block is 1 B ..= 16 MiB, not {len(data)} bytes")
+        last_error: Optional[AliquotError] = None
+        for _ in range(_ATTEMPTS):
+            block, last_error = await self._write_once(data, copies, durable)
+            if block is not None:
+                return block
+        assert last_error is not None
+        raise last_error
+
+    async def _write_once(self, data: bytes, copies: int, durable: bool):
+        """One attempt: (the block, None), or (None, why) when the allocator
+        changed generation and the block must be written anew."""
         req = allocator_pb2.AllocateRequest(
             size=len(data), copies=copies, **{"class": allocator_pb2.ALLOCATION_CLASS_DATA}
         )
@@ -145,13 +171,13 @@ class AsyncPool:
             raise self._error("write", e) from e
         return await self._commit_or_claim(r, len(data), durable)
 
-    async def _commit_or_claim(
-        self, r: allocator_pb2.AllocateReply, length: int, durable: bool
-    ) -> Block:
+    async def _commit_or_claim(self, r: allocator_pb2.AllocateReply, length: int, durable: bool):
         """Commit `r`, whose data is written and flushed. After an allocator
         restart the new generation does not know the allocation
-        (ALLOCATOR_RESTARTED): claim its extents instead, and with `durable`
-        wait until the claim's txg has synced."""
+        (ALLOCATOR_RESTARTED): inside its claim window, claim the extents
+        instead (with `durable`, wait until the claim's txg has synced);
+        after it, or when an extent is refused, give back what was claimed
+        and answer (None, why): the block is written anew."""
         try:
             c = await self._repeat(
                 "commit",
@@ -164,7 +190,25 @@ class AsyncPool:
         except AliquotError as e:
             if e.reason != ErrorReason.ALLOCATOR_RESTARTED:
                 raise
-            cl = await self._repeat("claim", "Claim", allocator_pb2.ClaimRequest(extents=r.extents))
+            if not claim_window_open(e):
+                return None, e
+            try:
+                cl = await self._repeat(
+                    "claim", "Claim", allocator_pb2.ClaimRequest(extents=r.extents, per_extent=True)
+                )
+            except AliquotError as ce:
+                # An allocator answering all or nothing refused.
+                if ce.reason != ErrorReason.CLAIM_CONFLICT:
+                    raise
+                return None, ce
+            if not all_claimed(cl):
+                claimed = claimed_extents(cl)
+                if claimed:
+                    try:
+                        await self._repeat("free", "Free", allocator_pb2.FreeRequest(extents=claimed))
+                    except AliquotError:
+                        pass  # at worst their space stays allocated
+                return None, e
             txg, generation, synced = cl.txg, cl.generation, False
             if durable:
                 await self._repeat(
@@ -173,7 +217,7 @@ class AsyncPool:
                     allocator_pb2.SyncTxgRequest(txg=txg, generation=generation),
                 )
                 synced = True
-        return Block(
+        block = Block(
             length=length,
             extents=list(r.extents),
             endpoints=list(r.endpoints),
@@ -181,6 +225,7 @@ class AsyncPool:
             generation=generation,
             synced=synced,
         )
+        return block, None
 
     async def read_block(self, block: Block, copy: int = 0) -> bytes:
         ext, ep = block.extents[copy], block.endpoints[copy]

@@ -5,7 +5,9 @@ SyncTxg are safe to repeat; a failed data write gives its allocation back
 (Abort) and starts again with a new one, since nothing references it yet; a
 lease that ended (LEASE_EXPIRED) means the same; an allocator that restarted
 before the block's txg synced (ALLOCATOR_RESTARTED) gets the block's extents
-re-asserted with Claim, the data being on the agents already.
+re-asserted with Claim while its claim window is open, each extent answered
+on its own (the data is on the agents already); after the window, or when
+an extent is refused, the block is written again.
 """
 
 from __future__ import annotations
@@ -77,6 +79,25 @@ def error_reason(err: grpc.RpcError) -> Optional[str]:
     return info.reason if info is not None else None
 
 
+def claim_window_open(err: "AliquotError") -> bool:
+    """Whether an ALLOCATOR_RESTARTED error says the new generation's claim
+    window is still open (a Claim may still take back what was written)."""
+    try:
+        return int(err.metadata.get("claim_window_remaining_ms", "0")) > 0
+    except ValueError:
+        return False
+
+
+def all_claimed(reply: allocator_pb2.ClaimReply) -> bool:
+    """Every extent of a per-extent Claim was claimed (an allocator that
+    answers all or nothing sends no results when it claimed them all)."""
+    return all(x.claimed for x in reply.results)
+
+
+def claimed_extents(reply: allocator_pb2.ClaimReply) -> List[allocator_pb2.Extent]:
+    return [x.extent for x in reply.results if x.claimed]
+
+
 def _speaks_tls(target: str) -> bool:
     """Whether the server at `target` (host:port) answers an HTTP/2 preface
     with a TLS alert record, as a TLS server does."""
@@ -127,6 +148,9 @@ class AliquotError(Exception):
     ):
         self.code = err.code()
         self.reason = error_reason(err)
+        info = error_info(err)
+        # The ErrorInfo's values (e.g. claim_window_remaining_ms).
+        self.metadata: Dict[str, str] = dict(info.metadata) if info is not None else {}
         self.details = err.details()
         self.advice = _advice(err, target, tls)
         if self.advice:
@@ -459,21 +483,45 @@ class Pool:
                     continue
                 if e.reason != ErrorReason.ALLOCATOR_RESTARTED:
                     raise
-                # The data is on the agents; the restarted allocator does not
-                # know the allocation: re-assert its extents.
-                try:
-                    cl = self._repeat(
-                        "claim", "Claim", allocator_pb2.ClaimRequest(extents=r.extents)
-                    )
-                except AliquotError as ce:
-                    if ce.reason == ErrorReason.CLAIM_CONFLICT:
+                # The allocator changed generation before the commit's txg
+                # synced (or before the commit). Only inside the new
+                # generation's claim window can the extents be re-asserted:
+                # after it their space may hold another block. Each extent
+                # is answered on its own; unless all are ours again, give
+                # back what was claimed and write the block anew (the data
+                # is in hand).
+                if claim_window_open(e):
+                    try:
+                        cl = self._repeat(
+                            "claim",
+                            "Claim",
+                            allocator_pb2.ClaimRequest(extents=r.extents, per_extent=True),
+                        )
+                    except AliquotError as ce:
+                        # An allocator answering all or nothing refused.
+                        if ce.reason != ErrorReason.CLAIM_CONFLICT:
+                            raise
                         last_error = ce
                         continue
-                    raise
-                txg, generation, synced = cl.txg, cl.generation, False
-                if durable:
-                    self.sync_txg(txg, generation)
-                    synced = True
+                    if all_claimed(cl):
+                        txg, generation, synced = cl.txg, cl.generation, False
+                        if durable:
+                            self.sync_txg(txg, generation)
+                            synced = True
+                    else:
+                        claimed = claimed_extents(cl)
+                        if claimed:
+                            try:
+                                self._repeat(
+                                    "free", "Free", allocator_pb2.FreeRequest(extents=claimed)
+                                )
+                            except AliquotError:
+                                pass  # at worst their space stays allocated
+                        last_error = e
+                        continue
+                else:
+                    last_error = e
+                    continue
             return Block(
                 length=len(data),
                 extents=list(r.extents),

@@ -203,6 +203,7 @@ pub mod balance_score;
 pub mod class;
 pub mod error;
 pub mod group;
+mod hold;
 mod metaslab;
 pub mod move_plan;
 mod placement;

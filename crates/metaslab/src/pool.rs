@@ -101,6 +101,9 @@ pub(crate) struct Vdev {
     pub data_children: u64,
     /// In-flight (placed, not committed) extents: offset → (size, id).
     pub inflight: BTreeMap<u64, (u64, AllocationId)>,
+    /// Free space kept out of allocation (`Pool::hold`): offset → size,
+    /// each piece inside one metaslab. Never persisted.
+    pub held: BTreeMap<u64, u64>,
     /// Removed from the pool (`Pool::remove_vdev`): a tombstone keeping the
     /// id, with no metaslabs, never in a ring, absent from `stats`.
     pub removed: bool,
@@ -482,6 +485,7 @@ impl Pool {
             online: true,
             elog: None,
             inflight: BTreeMap::new(),
+            held: BTreeMap::new(),
             removed: false,
         })
     }
@@ -760,6 +764,7 @@ impl Vdev {
             elog: self.elog,
             data_children: self.data_children,
             inflight: BTreeMap::new(),
+            held: BTreeMap::new(),
             removed: self.removed,
         }
     }

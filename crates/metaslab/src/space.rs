@@ -147,6 +147,7 @@ impl Pool {
     /// Free committed space; reusable after TXG_DEFER_SIZE more syncs.
     /// All-or-nothing over the slice.
     pub fn free(&mut self, extents: &[Extent]) -> Result<Txg> {
+        self.check_not_held(extents)?;
         for e in extents {
             let v = self.check_extent(e)?;
             let mut free = 0;
@@ -187,6 +188,20 @@ impl Pool {
     /// Re-assert extents after a restart: succeeds when free (allocates them
     /// as committed) or already allocated exactly so. All-or-nothing.
     pub fn claim(&mut self, extents: &[Extent]) -> Result<Txg> {
+        // Held space is taken as free; whatever of it the claim did not
+        // take (all of it, if the claim failed) is held again.
+        let mut released = Vec::new();
+        for e in extents {
+            released.extend(self.release_held(e));
+        }
+        let r = self.claim_unheld(extents);
+        for e in &released {
+            let _ = self.hold(e);
+        }
+        r
+    }
+
+    fn claim_unheld(&mut self, extents: &[Extent]) -> Result<Txg> {
         let mut todo: Vec<Extent> = Vec::new();
         for e in extents {
             let v = self.check_extent(e)?;

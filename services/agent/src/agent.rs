@@ -355,6 +355,9 @@ impl Agent {
             time_ms: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_millis() as u64),
+            // Only the first report after a registration names them
+            // (`WriteGate::name_older_writes`).
+            ..Default::default()
         }
     }
 

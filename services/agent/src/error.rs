@@ -120,6 +120,11 @@ impl From<AgentError> for Status {
                         crate::fence::Fenced::ReadBeforeStart { .. } => {
                             "READ_TOKEN_BEFORE_AGENT_START"
                         }
+                        // As the token check says it once the generation is
+                        // learned: the same for a client.
+                        crate::fence::Fenced::OlderGeneration { .. } => {
+                            "WRITE_TOKEN_OLD_GENERATION"
+                        }
                     },
                     aliquot_auth::DOMAIN,
                     HashMap::<String, String>::new(),

@@ -39,6 +39,15 @@ use std::sync::atomic::Ordering::Relaxed;
 /// The allocator's default `--max-lease` (5 min), used until it says.
 const DEFAULT_MAX_LEASE_MS: u64 = 5 * 60 * 1000;
 
+/// Bit where an allocation id's generation starts (the allocator numbers
+/// each generation's allocations from `generation << 40`).
+const ALLOCATION_ID_GENERATION_SHIFT: u32 = 40;
+
+/// At most this many ranges are named to a new allocator generation; past
+/// it the agent says it cannot name them all (the vdev then waits for the
+/// claim window instead).
+pub const OLDER_WRITES_MAX: usize = 1 << 16;
+
 #[derive(Clone, Copy, Debug)]
 struct Written {
     end: u64,
@@ -64,6 +73,11 @@ pub enum Fenced {
          allocation it honours: {floor}): allocate again"
     )]
     BeforeStart { mine: u64, floor: u64 },
+    #[error(
+        "write token of allocation {mine} belongs to an older allocator generation than \
+         {generation}, which this agent has joined: allocate again"
+    )]
+    OlderGeneration { mine: u64, generation: u64 },
     #[error(
         "write token of allocation {mine} is revoked: the allocation was committed, aborted or \
          expired; allocate again to write"
@@ -92,15 +106,34 @@ pub struct WriteFence {
     max_lease_ms: AtomicU64,
     /// Allocations that ended (from ReportAck) -> expiry of their tokens.
     revoked: Mutex<std::collections::HashMap<u64, u64>>,
+    /// Writes of allocations of older generations than this are refused
+    /// (set, under the `written` lock, when older writes are named).
+    fenced_below: AtomicU64,
+    /// See `records_since`.
+    records_since: AtomicU64,
 }
 
 impl WriteFence {
     /// The first registration of this process sets the floor; later ones
     /// (the same process reconnecting) keep the history and the floor.
-    pub fn learn_floor(&self, first_allocation_id: u64, max_lease_ms: u64) {
-        let _ = self
+    /// `label_generation`: the generation the device's label named when
+    /// this process first registered. If it is older than the floor's, no
+    /// earlier process of this device wrote in the floor's generation, so
+    /// the records cover that whole generation.
+    pub fn learn_floor(&self, first_allocation_id: u64, max_lease_ms: u64, label_generation: u64) {
+        if self
             .floor
-            .compare_exchange(0, first_allocation_id, Relaxed, Relaxed);
+            .compare_exchange(0, first_allocation_id, Relaxed, Relaxed)
+            .is_ok()
+        {
+            let generation = first_allocation_id >> ALLOCATION_ID_GENERATION_SHIFT;
+            let since = if generation > label_generation {
+                (generation << ALLOCATION_ID_GENERATION_SHIFT) | 1
+            } else {
+                first_allocation_id
+            };
+            self.records_since.store(since, Relaxed);
+        }
         if max_lease_ms > 0 {
             self.max_lease_ms.store(max_lease_ms, Relaxed);
         }
@@ -157,6 +190,13 @@ impl WriteFence {
         let end = offset.saturating_add(len);
         let keep_for = self.max_lease_ms();
         let mut w = self.written.lock().unwrap_or_else(|p| p.into_inner());
+        let fenced_below = self.fenced_below.load(Relaxed);
+        if allocation_id >> ALLOCATION_ID_GENERATION_SHIFT < fenced_below {
+            return Err(Fenced::OlderGeneration {
+                mine: allocation_id,
+                generation: fenced_below,
+            });
+        }
         // Overlapping ranges: the one starting before `offset` and those
         // starting inside [offset, end).
         let first = w
@@ -238,6 +278,38 @@ impl WriteFence {
         }
     }
 
+    /// The oldest allocation id from which this device's writes are all
+    /// recorded here.
+    pub fn records_since(&self) -> u64 {
+        self.records_since.load(Relaxed)
+    }
+
+    /// Fence every generation older than `generation` (no write of theirs
+    /// is admitted any more) and name the ranges they wrote, coalesced, in
+    /// offset order; None when there are more than `OLDER_WRITES_MAX`.
+    /// Both under one lock: a write admitted before is named, one after is
+    /// refused.
+    pub fn older_writes(&self, generation: u64) -> Option<Vec<(u64, u64)>> {
+        let w = self.written.lock().unwrap_or_else(|p| p.into_inner());
+        self.fenced_below.fetch_max(generation, Relaxed);
+        let mut out: Vec<(u64, u64)> = Vec::new();
+        for (&offset, x) in w.iter() {
+            if x.allocation_id >> ALLOCATION_ID_GENERATION_SHIFT >= generation {
+                continue;
+            }
+            match out.last_mut() {
+                Some(last) if last.1 >= offset => last.1 = last.1.max(x.end),
+                _ => {
+                    if out.len() == OLDER_WRITES_MAX {
+                        return None;
+                    }
+                    out.push((offset, x.end));
+                }
+            }
+        }
+        Some(out)
+    }
+
     /// Ranges remembered (tests, stats).
     pub fn len(&self) -> usize {
         self.written.lock().unwrap_or_else(|p| p.into_inner()).len()
@@ -251,6 +323,35 @@ impl WriteFence {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A new generation learns what older ones wrote, coalesced, and from
+    /// then on no older write is admitted.
+    #[test]
+    fn older_writes_are_named_once_and_fenced() {
+        let f = WriteFence::default();
+        let g1 = |n: u64| (1 << ALLOCATION_ID_GENERATION_SHIFT) | n;
+        let g2 = |n: u64| (2 << ALLOCATION_ID_GENERATION_SHIFT) | n;
+        f.learn_floor(g1(5), 60_000, 0);
+        f.admit(g1(5), 0, 4096, u64::MAX, 0).unwrap();
+        f.admit(g1(6), 4096, 4096, u64::MAX, 0).unwrap();
+        f.admit(g1(7), 65536, 4096, u64::MAX, 0).unwrap();
+        f.admit(g2(1), 8192, 4096, u64::MAX, 0).unwrap();
+        assert_eq!(f.older_writes(2), Some(vec![(0, 8192), (65536, 69632)]));
+        assert_eq!(
+            f.admit(g1(8), 131072, 4096, u64::MAX, 0),
+            Err(Fenced::OlderGeneration {
+                mine: g1(8),
+                generation: 2
+            })
+        );
+        f.admit(g2(2), 131072, 4096, u64::MAX, 0).unwrap();
+        // The label named no older generation: generation 1 is covered
+        // from its first allocation, not only from this process's floor.
+        assert_eq!(f.records_since(), g1(1));
+        let restarted = WriteFence::default();
+        restarted.learn_floor(g1(5), 60_000, 1);
+        assert_eq!(restarted.records_since(), g1(5));
+    }
 
     #[test]
     fn a_newer_allocation_fences_older_tokens_over_its_bytes_only() {
@@ -284,7 +385,7 @@ mod tests {
     #[test]
     fn a_read_token_dies_where_a_newer_allocation_wrote() {
         let f = WriteFence::default();
-        f.learn_floor(10, 0);
+        f.learn_floor(10, 0, 0);
         // Alice's block (allocation 12) is written; her read token is
         // granted when 20 is the next allocation id.
         f.admit(12, 0, 8192, 1000, 0).unwrap();
@@ -328,8 +429,8 @@ mod tests {
     #[test]
     fn a_restarted_agent_honours_nothing_older_than_its_registration() {
         let f = WriteFence::default();
-        f.learn_floor(100, 0);
-        f.learn_floor(200, 0); // a reconnect of the same process
+        f.learn_floor(100, 0, 0);
+        f.learn_floor(200, 0, 0); // a reconnect of the same process
         assert_eq!(
             f.admit(99, 0, 4096, 1, 0),
             Err(Fenced::BeforeStart {

@@ -61,8 +61,32 @@ impl WriteGate {
 
     /// A registration's floor of honoured allocation ids and the
     /// allocator's longest lease (see [`crate::fence`]).
-    pub fn learn_fence(&self, first_allocation_id: u64, max_lease_ms: u64) {
-        self.fence.learn_floor(first_allocation_id, max_lease_ms);
+    pub fn learn_fence(&self, first_allocation_id: u64, max_lease_ms: u64, label_generation: u64) {
+        self.fence
+            .learn_floor(first_allocation_id, max_lease_ms, label_generation);
+    }
+
+    /// Fill `report` with what generations older than `generation` wrote
+    /// (see `fence::WriteFence::older_writes`); without a token verifier
+    /// nothing is recorded, and the report says so.
+    pub fn name_older_writes(&self, generation: u64, report: &mut aliquot_proto::v1::AgentReport) {
+        report.older_writes_sent = true;
+        if self.verifier.is_none() {
+            return;
+        }
+        let vdev = report.vdev;
+        if let Some(ranges) = self.fence.older_writes(generation) {
+            report.older_writes_known = true;
+            report.records_since_allocation_id = self.fence.records_since();
+            report.older_writes = ranges
+                .into_iter()
+                .map(|(offset, end)| aliquot_proto::v1::Extent {
+                    vdev,
+                    offset,
+                    size: end - offset,
+                })
+                .collect();
+        }
     }
 
     pub fn fence(&self) -> &crate::fence::WriteFence {

@@ -244,9 +244,11 @@ async fn session(
     agent.set_vdev(reply.vdev);
     agent.gate().learn_pool(reply.pool_guid, reply.generation);
     agent.gate().learn_key(reply.generation, &reply.token_key);
-    agent
-        .gate()
-        .learn_fence(reply.next_allocation_id, reply.max_lease_ms);
+    agent.gate().learn_fence(
+        reply.next_allocation_id,
+        reply.max_lease_ms,
+        mark.generation,
+    );
     *registered = true;
     let interval = match reply.report_interval_ms {
         0 => DEFAULT_INTERVAL,
@@ -263,7 +265,12 @@ async fn session(
 
     let (tx, rx) = mpsc::channel(4);
     // The first report goes out with the stream, before any ack is awaited.
-    tx.send(agent.report(reply.vdev))
+    // It names what older generations wrote here (fencing them first), so
+    // that after a takeover this vdev serves at once while those blocks can
+    // still be claimed.
+    let mut first = agent.report(reply.vdev);
+    agent.gate().name_older_writes(reply.generation, &mut first);
+    tx.send(first)
         .await
         .map_err(|_| "report stream closed".to_string())?;
     let mut acks = client

@@ -122,6 +122,7 @@ fn main() {
             last = admin
                 .claim(pb::ClaimRequest {
                     extents: chunk.to_vec(),
+                    per_extent: false,
                 })
                 .await
                 .expect("claim")

@@ -3,40 +3,46 @@
 //! for txgs not yet persisted, `Inner::recent_allocs`) does. A claim of
 //! allocated space succeeds only when it names exactly one allocated extent
 //! (a retry, or a block that did sync); a sub-range of an extent or a span
-//! across extents fails naming the extents it overlaps.
+//! across extents fails naming the extents it overlaps. A claim overlapping
+//! anything this generation committed fails too, exact or not
+//! (`crate::gen_space`).
 
 use metaslab::Extent;
 
 use crate::error::{Error, Result};
 use crate::state::{Inner, Shared};
 
-/// Refuse claims that overlap allocated extents other than exactly
-/// themselves. Runs before the pool is asked, which then rules on free,
-/// in-flight and deferred space.
-pub async fn check_exact(shared: &Shared, extents: &[Extent]) -> Result<()> {
-    for e in extents {
-        // Exactly an extent an Allocate of THIS generation committed: the
-        // claimed block's own txg was lost and its space given out again
-        // (a claim after the claim window). A no-op here would tell the
-        // claimant its block is safe while another block owns the bytes.
-        let given_out = shared
-            .lock()
-            .recent_allocs
-            .get(&(e.vdev, e.offset))
-            .is_some_and(|&(size, _, claimed)| size == e.size && !claimed);
-        if given_out {
-            return Err(Error::ClaimGivenOut(*e));
-        }
-        let overlapping = committed_overlapping(shared, e).await?;
-        if overlapping.is_empty() || overlapping == [*e] {
-            continue;
-        }
-        return Err(Error::ClaimOverlaps {
-            requested: *e,
-            overlapping,
-        });
-    }
-    Ok(())
+/// Each extent's answer to the store's half of the rule: refused when it
+/// overlaps committed extents other than exactly itself. Runs before the
+/// pool is asked, which then rules on free, in-flight and deferred space;
+/// what this generation committed is checked with the pool, under one lock
+/// ([`Inner::claim_one`]). Err: the store could not answer at all.
+pub async fn check_each(shared: &Shared, extents: &[Extent]) -> Result<Vec<Result<()>>> {
+    let recent: Vec<Vec<Extent>> = {
+        let g = shared.lock();
+        extents.iter().map(|e| recent_overlapping(&g, e)).collect()
+    };
+    let stored = shared
+        .store
+        .allocated_overlapping_many(extents)
+        .await
+        .map_err(|err| Error::Store(err.to_string()))?;
+    Ok(extents
+        .iter()
+        .zip(recent)
+        .zip(stored)
+        .map(|((e, mut overlapping), stored)| {
+            merge(&mut overlapping, stored);
+            if overlapping.is_empty() || overlapping == [*e] {
+                Ok(())
+            } else {
+                Err(Error::ClaimOverlaps {
+                    requested: *e,
+                    overlapping,
+                })
+            }
+        })
+        .collect())
 }
 
 /// Free's exact-boundary rule: a free of committed space names exactly one

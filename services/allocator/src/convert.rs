@@ -208,7 +208,7 @@ pub fn pool_status(shared: &Shared, g: &Inner) -> pb::PoolStatus {
                 online: v.online,
                 embedded_log_metaslab: v.embedded_log_metaslab,
                 alloc: v.alloc,
-                last_report: info.and_then(|i| i.last_report),
+                last_report: info.and_then(|i| i.last_report.clone()),
                 last_report_age_ms: info
                     .and_then(|i| i.last_report_at)
                     .map_or(0, |t| now.duration_since(t).as_millis() as u64),

@@ -86,6 +86,15 @@ pub enum Error {
          generation whether it synced)"
     )]
     ClaimGivenOut(metaslab::Extent),
+    #[error(
+        "claim of {requested}: {committed} was committed over it in this generation, after the \
+         claimed block's txg was lost (it never synced); the claimed block is lost, whoever \
+         committed that space"
+    )]
+    ClaimOverwritten {
+        requested: metaslab::Extent,
+        committed: metaslab::Extent,
+    },
     /// A standby, or a leader whose lease ran out or that was replaced.
     #[error("this allocator does not lead the pool ({why}){}", leader_hint(.leader))]
     NotLeader {
@@ -292,7 +301,9 @@ impl Error {
             | Error::NotOwnerExtent { .. } => Code::PermissionDenied,
             Error::ShuttingDown | Error::NotLeader { .. } | Error::NoVdevs => Code::Unavailable,
             Error::PoolFull { .. } => Code::ResourceExhausted,
-            Error::NoStandby | Error::ClaimGivenOut(_) => Code::FailedPrecondition,
+            Error::NoStandby | Error::ClaimGivenOut(_) | Error::ClaimOverwritten { .. } => {
+                Code::FailedPrecondition
+            }
             Error::PoolDegraded(_) | Error::RelocationConflict { .. } => Code::FailedPrecondition,
             Error::Store(_) => Code::Internal,
             Error::SyncPending { .. } => Code::Unavailable,
@@ -490,6 +501,16 @@ impl Error {
             Error::ClaimGivenOut(e) => (
                 ErrorReason::ClaimConflict,
                 vec![("requested", e.to_string()), ("conflicting", e.to_string())],
+            ),
+            Error::ClaimOverwritten {
+                requested,
+                committed,
+            } => (
+                ErrorReason::ClaimConflict,
+                vec![
+                    ("requested", requested.to_string()),
+                    ("conflicting", committed.to_string()),
+                ],
             ),
             Error::NotLeader {
                 leader,

@@ -158,7 +158,7 @@ async fn serve_roles(
             Ok(r) => r,
             Err(e) => {
                 // Give the pool to another allocator rather than hold it.
-                let _ = store.release().await;
+                let _ = store.release(false).await;
                 return Err(e);
             }
         };
@@ -167,9 +167,12 @@ async fn serve_roles(
             _ = signals.recv() => {
                 renewer.abort();
                 tracing::info!("shutting down: a last txg, then the lease is handed back");
+                let shared = running.shared.clone();
+                let quiet = shared.claim_window_remaining().is_zero();
                 let r = running.shutdown().await;
+                let clean = quiet && r.is_ok() && shared.nothing_unsynced();
                 if !lease_state.is_deposed()
-                    && let Err(e) = store.release().await
+                    && let Err(e) = store.release(clean).await
                 {
                     tracing::warn!(error = %e, "could not hand the lease back; it expires on its own");
                 }
@@ -182,10 +185,19 @@ async fn serve_roles(
             _ = lease_state.step_down_requested() => {
                 renewer.abort();
                 tracing::info!(generation, "stepping down: a last txg, then the lease is handed back");
-                if let Err(e) = running.shutdown().await {
-                    tracing::warn!(error = %e, "the last txg before stepping down");
-                }
-                if let Err(e) = store.release().await {
+                // Clean when the last txg synced and no claim of an older
+                // generation may still come: the next leader then opens no
+                // claim window.
+                let shared = running.shared.clone();
+                let quiet = shared.claim_window_remaining().is_zero();
+                let synced = match running.shutdown().await {
+                    Ok(()) => shared.nothing_unsynced(),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "the last txg before stepping down");
+                        false
+                    }
+                };
+                if let Err(e) = store.release(quiet && synced).await {
                     tracing::warn!(error = %e, "could not hand the lease back; it expires on its own");
                 }
                 // Let a standby (polling every `poll`) take it before this

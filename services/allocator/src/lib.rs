@@ -12,6 +12,7 @@ pub mod claim;
 pub mod convert;
 pub mod error;
 pub mod extent_owners;
+pub mod gen_space;
 pub mod ha;
 pub mod leadership;
 pub mod lock;
@@ -30,6 +31,7 @@ pub mod sql_store;
 pub mod sqlite_store;
 pub mod state;
 pub mod store;
+pub mod takeover;
 pub mod txg;
 
 use std::io::Write;
@@ -446,8 +448,16 @@ where
         store.rewind_generation().await?
     };
     // A restarted pool (one the store already held) opens with a claim
-    // window; a new one has nothing to claim.
-    let restarted = guid.is_some();
+    // window; a new one has nothing to claim, nor has one whose previous
+    // leader handed it over cleanly (its last txg synced).
+    let clean = store.handed_over_cleanly();
+    let restarted = guid.is_some() && !clean;
+    if guid.is_some() && clean {
+        tracing::info!(
+            generation,
+            "the previous leader handed over cleanly: no claim window"
+        );
+    }
     let fencing = state::Fencing {
         generation,
         synced_at_open: synced,
@@ -458,7 +468,8 @@ where
     };
     if restarted {
         tracing::info!(generation, synced_txg = synced, claim_window = ?config.claim_window,
-            "claim window open: Claim is served, Allocate waits");
+            "claim window open: Claim is served; Allocate is served on every vdev whose agent \
+             names what the older generation wrote there");
     }
     let shared = Shared::new(pool, settings, pool_guid, fencing, store, synced);
     if let Some(l) = lease {
@@ -511,6 +522,7 @@ where
                     stalled: false,
                     // Until its agent says otherwise: the vdev's own size.
                     device_capacity: r.spec.capacity,
+                    window_out: false,
                 },
             );
             let _ = g.pool.set_health(r.id, metaslab::Health::Unavailable);
@@ -670,6 +682,7 @@ async fn housekeeping(shared: Arc<Shared>) {
             );
         }
         registry::check_liveness(&shared, now);
+        takeover::check_window(&shared, now);
     }
 }
 

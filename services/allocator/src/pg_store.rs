@@ -46,6 +46,7 @@ mod sql {
         FORGET_STANDBY = "forget_standby.sql";
         RENEW = "renew.sql";
         RELEASE = "release.sql";
+        LEADER_ID = "leader_id.sql";
         STAND_BY = "stand_by.sql";
         STANDBYS = "standbys.sql";
         LEADER = "leader.sql";
@@ -92,6 +93,8 @@ pub struct PgDialect {
     deposed: AtomicBool,
     /// The address standbys name as the leader's.
     address: Mutex<String>,
+    /// The leader before this one handed over cleanly (`release(true)`).
+    clean_before: AtomicBool,
 }
 
 /// The store of one pool in a PostgreSQL database.
@@ -230,7 +233,16 @@ impl Dialect for PgDialect {
     fn fenced(s: &SqlStore<Self>) -> bool {
         s.deposed()
     }
+
+    fn handed_over_cleanly(s: &SqlStore<Self>) -> bool {
+        s.dialect.clean_before.load(Ordering::Acquire)
+    }
 }
+
+/// The holder id a leader leaves in the `leaders` row when it hands over
+/// cleanly: its last txg synced and it had no claim window open, so the
+/// next leader has nothing to wait for claims of.
+const HANDED_OVER_CLEANLY: &str = "(handed over cleanly)";
 
 /// The lease `PgStore::open` bounds its sessions by (tools and tests that
 /// lead no pool under a lease of their own).
@@ -292,6 +304,7 @@ impl SqlStore<PgDialect> {
             generation: AtomicU64::new(0),
             deposed: AtomicBool::new(false),
             address: Mutex::new(String::new()),
+            clean_before: AtomicBool::new(false),
         };
         // The schema is checked, migrated and converted on a session of its
         // own with the default bounds: a migration (or waiting for another
@@ -370,6 +383,15 @@ impl SqlStore<PgDialect> {
         let address = self.address();
         let me = &self.dialect.me;
         let mut tx = self.db.begin().await.map_err(db)?;
+        // Read before the row is taken over: did the last leader leave it
+        // cleanly?
+        let mut before = PgDialect::fetch(&mut tx, sql::LEADER_ID, args![&self.pool_name])
+            .await
+            .map_err(db)?;
+        let clean_before = match before.first_mut() {
+            Some(r) => r.text(0).map_err(StoreError)? == HANDED_OVER_CLEANLY,
+            None => false,
+        };
         let a = args![&self.pool_name, me, &address, lease.as_millis() as i64];
         let rows = PgDialect::fetch(&mut tx, sql::TRY_ACQUIRE, a)
             .await
@@ -388,6 +410,9 @@ impl SqlStore<PgDialect> {
             .await
             .map_err(db)?;
         tx.commit().await.map_err(db)?;
+        self.dialect
+            .clean_before
+            .store(clean_before, Ordering::Release);
         self.pool_id.store(id, Ordering::Release);
         self.dialect.deposed.store(false, Ordering::Release);
         self.dialect.generation.store(u(g), Ordering::Release);
@@ -428,14 +453,22 @@ impl SqlStore<PgDialect> {
     }
 
     /// Give the leadership up at once (step-down): a standby takes it at
-    /// its next poll, without waiting for the lease.
-    pub async fn release(&self) -> Result<(), StoreError> {
+    /// its next poll, without waiting for the lease. `clean`: the last txg
+    /// synced and no claim window was open, which the row then says (the
+    /// next leader opens no claim window).
+    pub async fn release(&self, clean: bool) -> Result<(), StoreError> {
         let mine = self.generation();
         self.dialect.deposed.store(true, Ordering::Release);
         if mine == 0 {
             return Ok(());
         }
-        let a = args![&self.pool_name, i(mine), &self.dialect.me];
+        let a = args![
+            &self.pool_name,
+            i(mine),
+            &self.dialect.me,
+            clean as i64,
+            HANDED_OVER_CLEANLY
+        ];
         self.exec_one(sql::RELEASE, a)
             .await
             .map_err(|e| StoreError(format!("step down: {e}")))?;

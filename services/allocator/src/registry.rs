@@ -107,7 +107,7 @@ fn endpoint_owner(g: &Inner, endpoint: &str, me: Option<VdevId>) -> Option<VdevI
 }
 
 /// A vdev heard from again: its reported health applies once more.
-fn mark_alive(g: &mut Inner, id: VdevId, now: Instant, why: &str) {
+pub(crate) fn mark_alive(g: &mut Inner, id: VdevId, now: Instant, why: &str) {
     let Some(info) = g.vdevs.get_mut(&id) else {
         return;
     };
@@ -554,7 +554,11 @@ impl RegistryService {
             // A vdev whose agent has not yet reported in this generation
             // waits for that report (it follows the RegisterReply that
             // teaches the agent the generation); see `report_one`.
-            if g.vdevs.get(&id).is_some_and(|v| v.generation_acked) {
+            let window_open = !self.shared.claim_window_remaining().is_zero();
+            if g.vdevs
+                .get(&id)
+                .is_some_and(|v| v.generation_acked && !(v.window_out && window_open))
+            {
                 mark_alive(&mut g, id, now, "agent registered again");
             } else if let Some(info) = g.vdevs.get_mut(&id) {
                 info.last_seen = now;
@@ -610,6 +614,7 @@ impl RegistryService {
                 stalled_reports: 0,
                 stalled: false,
                 device_capacity: r.capacity,
+                window_out: false,
             },
         );
         g.by_guid.insert(r.device_guid, id);
@@ -632,7 +637,7 @@ impl RegistryService {
         Ok((reply(id), Some(txg)))
     }
 
-    fn report_one(&self, r: pb::AgentReport) -> Result<pb::ReportAck> {
+    fn report_one(&self, mut r: pb::AgentReport) -> Result<pb::ReportAck> {
         self.shared.check_lease()?;
         let now = Instant::now();
         let mut g = self.shared.lock();
@@ -640,6 +645,14 @@ impl RegistryService {
         if g.pool.is_removed(id) {
             return Err(metaslab::Error::VdevRemoved(id).into());
         }
+        // The first report in this generation, during the claim window:
+        // what older generations wrote here is kept for their claims.
+        let window_open = !self.shared.claim_window_remaining().is_zero();
+        let first = g.vdevs.get(&id).is_some_and(|v| !v.generation_acked);
+        let kept_out = first
+            && window_open
+            && !crate::takeover::first_report(&mut g, &self.shared.fencing, id, &r);
+        r.older_writes = Vec::new();
         let Some(info) = g.vdevs.get_mut(&id) else {
             return Err(Error::NotFound(format!(
                 "vdev {id} is not registered here; register first"
@@ -656,7 +669,11 @@ impl RegistryService {
         info.last_report_at = Some(now);
         let was_silent = info.silent;
         info.generation_acked = true;
-        if was_silent {
+        info.window_out |= kept_out;
+        if was_silent && info.window_out && window_open {
+            // Heard from, but kept out until the claim window ends.
+            info.last_seen = now;
+        } else if was_silent {
             mark_alive(&mut g, id, now, "reports resumed");
         } else {
             let v = g.vdevs.get_mut(&id).expect("present");

@@ -352,8 +352,8 @@ async fn stream_op(
             );
             telemetry::adopt(&span, &req_trace);
             let _e = span.enter();
-            if !svc.shared.claim_window_remaining().is_zero() {
-                // After a restart: wait out the claim window off the stream.
+            if svc.shared.waits_for_a_vdev() {
+                // Right after a takeover: wait for a vdev off the stream.
                 drop(_e);
                 let shared = svc.shared.clone();
                 let out = out.clone();
@@ -695,30 +695,69 @@ impl Allocator for AllocatorService {
     ) -> Result<Response<pb::ClaimReply>, Status> {
         self.shared.check_serving()?;
         let extents = convert::extents_from_pb(&req.get_ref().extents)?;
+        let per_extent = req.get_ref().per_extent;
         // Free space is claimed; space allocated as exactly that extent is
-        // already theirs; anything else fails naming what it overlaps.
-        crate::claim::check_exact(&self.shared, &extents).await?;
+        // already theirs; anything else is refused naming what it overlaps.
+        let mut checked = crate::claim::check_each(&self.shared, &extents).await?;
         let claimant = caller(&req).map(|c| c.name.to_string());
+        let generation = self.shared.fencing.generation;
+        let mut results = Vec::new();
         let txg = {
             let mut g = self.shared.lock();
-            // Exactly an extent another identity owns: the claimant's block
-            // was lost with its txg and the bytes given to that owner (after
-            // the claim window, when `recent_allocs` no longer says so). A
-            // no-op here would leave two clients holding one extent. Admins
-            // too: a claim says "this block is mine", not an override.
-            if let Some(c) = &claimant
-                && let Some((extent, _)) = g.extent_owners.foreign(c, &extents)
-            {
-                return Err(Error::ClaimGivenOut(extent).into());
-            }
-            let txg = g.claim(&extents, claimant.as_deref())?;
+            let txg = if per_extent {
+                let mut txg = 0;
+                for (e, pre) in extents.iter().zip(checked) {
+                    let r = pre.and_then(|()| g.claim_one(*e, claimant.as_deref()));
+                    results.push(match r {
+                        Ok(t) => {
+                            txg = txg.max(t);
+                            pb::ClaimResult {
+                                extent: Some(convert::extent_to_pb(e)),
+                                claimed: true,
+                                ..Default::default()
+                            }
+                        }
+                        Err(err) => {
+                            tracing::warn!(extent = %e, error = %err, "claim refused");
+                            pb::ClaimResult {
+                                extent: Some(convert::extent_to_pb(e)),
+                                claimed: false,
+                                reason: err.reason().0 as i32,
+                                message: err.to_string(),
+                            }
+                        }
+                    });
+                }
+                txg
+            } else {
+                // All or nothing: check every extent before claiming any.
+                if let Some(i) = checked.iter().position(Result::is_err) {
+                    return Err(checked.swap_remove(i).unwrap_err().into());
+                }
+                for e in &extents {
+                    if let Some(committed) = g.gen_committed.overlapping(e) {
+                        return Err(Error::ClaimOverwritten {
+                            requested: *e,
+                            committed,
+                        }
+                        .into());
+                    }
+                }
+                if let Some(c) = &claimant
+                    && let Some((extent, _)) = g.extent_owners.foreign(c, &extents)
+                {
+                    return Err(Error::ClaimGivenOut(extent).into());
+                }
+                g.claim(&extents, claimant.as_deref())?
+            };
             self.shared.kick_if_dirty(&g);
             txg
         };
         Span::current().record("txg", txg);
         Ok(Response::new(pb::ClaimReply {
             txg,
-            generation: self.shared.fencing.generation,
+            generation,
+            results,
         }))
     }
 

@@ -698,6 +698,10 @@ impl<D: Dialect> Store for SqlStore<D> {
         D::fenced(self)
     }
 
+    fn handed_over_cleanly(&self) -> bool {
+        D::handed_over_cleanly(self)
+    }
+
     fn open_generation(&self) -> BoxFuture<'_, Result<u64, StoreError>> {
         D::open_generation(self)
     }

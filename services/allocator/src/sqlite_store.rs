@@ -260,6 +260,13 @@ impl Dialect for SqliteDialect {
     fn fenced(_: &SqlStore<Self>) -> bool {
         false
     }
+
+    // One allocator serves a SQLite store, and nothing records how it
+    // stopped: a restart opens a claim window (new allocations do not wait
+    // for it).
+    fn handed_over_cleanly(_: &SqlStore<Self>) -> bool {
+        false
+    }
 }
 
 async fn fetch_on(

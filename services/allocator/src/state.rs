@@ -54,6 +54,9 @@ pub struct VdevInfo {
     /// The device's size as its agent last said it (registration or
     /// report): ExpandVdev grows the vdev no further (issue 27, item 7).
     pub device_capacity: u64,
+    /// Kept out of allocation until the claim window ends: its agent could
+    /// not name every write of the older generation (`crate::takeover`).
+    pub window_out: bool,
 }
 
 impl VdevInfo {
@@ -64,6 +67,10 @@ impl VdevInfo {
         if self.silent {
             return Some(if self.last_report.is_none() || !self.generation_acked {
                 "its agent has not reported to this allocator yet".into()
+            } else if self.window_out {
+                "its agent cannot name what older generations wrote there: it waits for the \
+                 claim window to end"
+                    .into()
             } else {
                 format!("no report for {} ms", self.last_seen.elapsed().as_millis())
             });
@@ -122,6 +129,12 @@ pub struct Inner {
     /// looks here too, and refuses to take an extent an Allocate of this
     /// generation committed for the lost block of an older one.
     pub recent_allocs: BTreeMap<(VdevId, u64), (u64, Txg, bool)>,
+    /// Space committed in this generation (by Allocate+Commit or a move),
+    /// freed since or not. A block of an older generation whose txg was lost
+    /// may have been written over there: its late Claim must be refused even
+    /// when the store holds the new block in exactly the same shape, for the
+    /// same client.
+    pub gen_committed: crate::gen_space::GenSpace,
     /// Bytes of the txg being persisted (dirty until the store has them).
     pub syncing_bytes: u64,
     /// `--txg-dirty-max`: plays `zfs_dirty_data_max` for the busy rule.
@@ -161,6 +174,7 @@ impl Inner {
             expired: HashMap::new(),
             recent_frees: HashMap::new(),
             recent_allocs: BTreeMap::new(),
+            gen_committed: Default::default(),
             syncing_bytes: 0,
             dirty_max: u64::MAX,
             extent_owners: Default::default(),
@@ -361,6 +375,7 @@ impl Inner {
             }
             self.committed.insert(*id, t);
             self.relocations.committed(*id, t);
+            self.gen_committed.committed(&extents);
             for e in extents {
                 self.recent_allocs
                     .insert((e.vdev, e.offset), (e.size, t, false));
@@ -506,6 +521,26 @@ impl Inner {
                 .insert((e.vdev, e.offset), (e.size, txg, true));
         }
         Ok(txg)
+    }
+
+    /// Claim one extent that passed `claim::check_each`: refused when
+    /// anything committed in this generation overlaps it (its bytes were
+    /// given out again after its txg was lost), or when it is exactly an
+    /// extent another identity owns (a claim says "this block is mine", not
+    /// an override: admins too).
+    pub fn claim_one(&mut self, e: Extent, claimant: Option<&str>) -> Result<Txg> {
+        if let Some(committed) = self.gen_committed.overlapping(&e) {
+            return Err(Error::ClaimOverwritten {
+                requested: e,
+                committed,
+            });
+        }
+        if let Some(c) = claimant
+            && let Some((extent, _)) = self.extent_owners.foreign(c, &[e])
+        {
+            return Err(Error::ClaimGivenOut(extent));
+        }
+        self.claim(&[e], claimant)
     }
 
     /// After txg `synced` persisted: forget what retries no longer need.
@@ -799,16 +834,38 @@ impl Shared {
         })
     }
 
-    /// Resolves when the claim window has closed (at once if there is none).
-    pub async fn claim_window_closed(&self) -> Result<()> {
-        if let Some(until) = self.fencing.claim_window_until
-            && until > Instant::now()
-        {
+    /// Nothing committed, claimed or freed waits for a txg to persist
+    /// (after the last sync of a shutdown: whether it landed).
+    pub fn nothing_unsynced(&self) -> bool {
+        let g = self.lock();
+        g.recent_allocs.is_empty() && g.recent_frees.is_empty() && g.pool.dirty_bytes() == 0
+    }
+
+    /// During the claim window, while no vdev serves yet (their agents
+    /// have not reported in this generation, or are kept out for the
+    /// window): an Allocate would only fail.
+    pub fn waits_for_a_vdev(&self) -> bool {
+        !self.claim_window_remaining().is_zero()
+            && !self
+                .lock()
+                .vdevs
+                .values()
+                .any(|v| !v.silent && !v.window_out)
+    }
+
+    /// Right after a takeover, wait until a vdev serves or the claim window
+    /// ends (new allocations do not wait for the window itself: what a
+    /// claim may still take is held, `crate::takeover`).
+    pub async fn nothing_serves_yet(&self) -> Result<()> {
+        while self.waits_for_a_vdev() {
             tokio::select! {
-                _ = tokio::time::sleep_until(until.into()) => {}
+                _ = tokio::time::sleep(Duration::from_millis(20)) => {}
                 _ = self.stopping() => return Err(Error::ShuttingDown),
             }
         }
+        // The window may have closed a moment before housekeeping noticed:
+        // let the vdevs kept out for it serve before this placement.
+        crate::takeover::check_window(self, Instant::now());
         Ok(())
     }
 
@@ -1000,7 +1057,7 @@ impl Shared {
         }
     }
 
-    /// Relocate: like `allocate` (claim window, throttle), for a move.
+    /// Relocate: like `allocate` (throttle), for a move.
     pub async fn relocate(
         self: &Arc<Self>,
         req: AllocRequest,
@@ -1008,7 +1065,7 @@ impl Shared {
         intent: RelocateIntent,
     ) -> Result<(Allocation, Vec<String>, Instant, Duration)> {
         let start = Instant::now();
-        self.claim_window_closed().await?;
+        self.nothing_serves_yet().await?;
         match self.begin_relocate(req, lease, intent)? {
             Begun::Placed(a, eps, deadline) => Ok((a, eps, deadline, start.elapsed())),
             Begun::Queued(t, rx) => {
@@ -1053,8 +1110,8 @@ impl Shared {
         Ok((a, eps, deadline))
     }
 
-    /// Allocate, waiting for the claim window and in the throttle if need
-    /// be; returns the allocation, its endpoints, its lease deadline and the
+    /// Allocate, waiting in the throttle if need be (and, right after a
+    /// takeover, for a vdev to serve); returns the allocation, its endpoints, its lease deadline and the
     /// time waited.
     pub async fn allocate(
         self: &Arc<Self>,
@@ -1062,7 +1119,7 @@ impl Shared {
         lease: Duration,
     ) -> Result<(Allocation, Vec<String>, Instant, Duration)> {
         let start = Instant::now();
-        self.claim_window_closed().await?;
+        self.nothing_serves_yet().await?;
         match self.begin_allocate(req, lease)? {
             Begun::Placed(a, eps, deadline) => Ok((a, eps, deadline, start.elapsed())),
             Begun::Queued(t, rx) => {

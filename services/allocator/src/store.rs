@@ -419,6 +419,11 @@ pub trait Store: Send + Sync + 'static {
     /// The generation that accepted a rollback (`--rewind-to`), 0 if none:
     /// device labels of older generations are not compared with the store.
     fn rewind_generation(&self) -> BoxFuture<'_, Result<u64, StoreError>>;
+    /// Whether the generation before this one handed the pool over cleanly
+    /// (its last txg synced, nothing dirty, no claim window of its own
+    /// open): then nothing can be claimed and no claim window opens. Stores
+    /// that do not record handovers answer false.
+    fn handed_over_cleanly(&self) -> bool;
     /// Record that generation `g` accepted a rollback; durable on return.
     fn set_rewind_generation(&self, g: u64) -> BoxFuture<'_, Result<(), StoreError>>;
     /// Durable allocated extents overlapping `e` (for Claim's exact check).
@@ -694,6 +699,11 @@ impl Store for MemStore {
     }
 
     fn fenced(&self) -> bool {
+        false
+    }
+
+    // One process, nothing to hand over to.
+    fn handed_over_cleanly(&self) -> bool {
         false
     }
 

@@ -41,7 +41,10 @@ fn ext(e: &pb::Extent) -> pb::Extent {
 
 async fn claim(h: &mut Harness, extents: Vec<pb::Extent>) -> Result<u64, tonic::Status> {
     h.alloc
-        .claim(pb::ClaimRequest { extents })
+        .claim(pb::ClaimRequest {
+            extents,
+            per_extent: false,
+        })
         .await
         .map(|r| r.into_inner().txg)
 }
@@ -563,6 +566,9 @@ impl Store for GateStore {
     }
     fn fenced(&self) -> bool {
         self.inner.fenced()
+    }
+    fn handed_over_cleanly(&self) -> bool {
+        self.inner.handed_over_cleanly()
     }
     fn generation_history(
         &self,
@@ -1187,4 +1193,106 @@ async fn a_store_of_another_history_at_the_same_txg_is_refused() {
     assert!(e.message().contains("--rewind-to"), "{e}");
     let e = h.allocate(MIB).await.unwrap_err();
     assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+}
+
+/// A claim after the claim window names a block of generation N whose txg
+/// was lost; generation N+1 gave its space out again and committed a block
+/// there (synced). The claim must be refused although the store holds
+/// exactly that extent (same client, same shape): claiming it would leave
+/// two "durable" blocks on one extent. Sub-ranges and straddling ranges are
+/// refused too; answered per extent, only what overlaps is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_claim_over_space_committed_in_this_generation_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = db_path(dir.path());
+    let store = open(&path).await;
+    let mut h = start_with(config(), store.clone()).await;
+    h.add_vdev(11, 256 * MIB).await;
+    // The vdev synced, nothing allocated: after the restart the vdev is as
+    // empty as it was, and the first Allocate lands where X did.
+    h.sync().await;
+    let gen_n = h.pool().await.generation;
+    // X: committed in generation N, its txg never synced.
+    let (x, _) = alloc_commit(&mut h, 64 << 10, false).await;
+    store.close().await;
+    drop(h);
+
+    let store = open(&path).await;
+    let mut c = config();
+    c.claim_window = Duration::ZERO; // every claim from now on is late
+    let mut h = start_with(c, store.clone()).await;
+    assert!(h.pool().await.generation > gen_n);
+    h.rejoin(11, 256 * MIB).await;
+    // The first Allocate of the new generation gets X's space: Y.
+    let (y, y_txg) = alloc_commit(&mut h, 64 << 10, true).await;
+    assert_eq!(y, x, "the lost block's extent is given out again");
+    assert!(h.pool().await.synced_txg >= y_txg);
+
+    let e = claim(&mut h, vec![x]).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+    assert!(e.message().contains("committed over it"), "{e}");
+    let sub = pb::Extent {
+        offset: x.offset + 4096,
+        size: 4096,
+        ..x
+    };
+    let e = claim(&mut h, vec![sub]).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "sub-range: {e}");
+    let straddling = pb::Extent {
+        offset: x.offset + x.size / 2,
+        size: x.size,
+        ..x
+    };
+    let e = claim(&mut h, vec![straddling]).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "straddling: {e}");
+
+    // Per extent: the refused one is named, the free one beside it claimed.
+    let pool = h.pool().await;
+    let vd = &pool.vdevs[0];
+    let end = vd.metaslab_size * vd.metaslab_count as u64;
+    let free = pb::Extent {
+        vdev: x.vdev,
+        offset: end - 8192,
+        size: 8192,
+    };
+    let r = h
+        .alloc
+        .claim(pb::ClaimRequest {
+            extents: vec![x, free, sub],
+            per_extent: true,
+        })
+        .await
+        .expect("a per-extent claim answers each extent")
+        .into_inner();
+    let claimed: Vec<bool> = r.results.iter().map(|x| x.claimed).collect();
+    assert_eq!(claimed, vec![false, true, false], "{:?}", r.results);
+    assert_eq!(r.results[0].extent, Some(x));
+    assert_eq!(
+        r.results[0].reason,
+        pb::ErrorReason::ClaimConflict as i32,
+        "{:?}",
+        r.results[0]
+    );
+    assert!(r.txg > 0);
+    // The claimed one is allocated now: a free of it is exact.
+    h.alloc
+        .free(pb::FreeRequest {
+            extents: vec![free],
+        })
+        .await
+        .expect("the claimed extent is allocated");
+
+    // Y freed (and its free synced): X's space is free again, but Y's
+    // bytes overwrote X's; the claim is still refused.
+    h.alloc
+        .free(pb::FreeRequest { extents: vec![y] })
+        .await
+        .unwrap();
+    for _ in 0..3 {
+        h.sync().await;
+    }
+    let e = claim(&mut h, vec![x]).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "after Y's free: {e}");
+    h.server.shutdown().await.unwrap();
+    store.close().await;
 }

@@ -692,7 +692,10 @@ async fn bad_input_gets_a_precise_status_and_changes_nothing() {
         .map(|_| ());
     expect(st, Code::NotFound, "vdev 55");
     let claim = c
-        .claim(pb::ClaimRequest { extents: vec![] })
+        .claim(pb::ClaimRequest {
+            extents: vec![],
+            per_extent: false,
+        })
         .await
         .map(|_| ());
     expect(claim, Code::InvalidArgument, "no extents");
@@ -872,6 +875,7 @@ async fn a_restart_reloads_what_was_synced() {
     h2.alloc
         .claim(pb::ClaimRequest {
             extents: vec![e0, b.extents[0]],
+            per_extent: false,
         })
         .await
         .unwrap();
@@ -885,6 +889,7 @@ async fn a_restart_reloads_what_was_synced() {
         .alloc
         .claim(pb::ClaimRequest {
             extents: vec![overlap],
+            per_extent: false,
         })
         .await
         .unwrap_err();

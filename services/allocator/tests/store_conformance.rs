@@ -105,7 +105,7 @@ impl Backend for Pg {
         Arc::new(self.leader().await)
     }
     async fn close(&mut self, s: Arc<PgStore>) {
-        s.release().await.unwrap();
+        s.release(false).await.unwrap();
         s.close().await;
     }
 }
@@ -666,4 +666,42 @@ async fn postgres_a_deposed_leader_persists_nothing() {
     assert!(!new.fenced());
     old.close().await;
     new.close().await;
+}
+
+/// A leader that steps down cleanly says so to the next leader only; a
+/// leader that stops otherwise (here: steps down with a txg it could not
+/// sync) leaves nothing that says "clean".
+#[tokio::test]
+async fn postgres_a_clean_handover_is_said_to_the_next_leader_only() {
+    let mut b = Pg::new();
+    let first = b.open().await;
+    first.create(7).await.unwrap();
+    assert!(!first.handed_over_cleanly(), "nobody led before");
+    first.release(true).await.unwrap();
+    let url = b.server.url();
+    let take = |me: &'static str| {
+        let url = url.clone();
+        async move {
+            let s = PgStore::open(&url, POOL, None, me).await.unwrap();
+            s.try_acquire(Duration::from_secs(60))
+                .await
+                .unwrap()
+                .expect("the leadership was given up");
+            s
+        }
+    };
+    let second = take("allocator-second").await;
+    assert!(
+        second.handed_over_cleanly(),
+        "the first stepped down cleanly"
+    );
+    second.release(false).await.unwrap();
+    let third = take("allocator-third").await;
+    assert!(
+        !third.handed_over_cleanly(),
+        "the second did not hand over cleanly"
+    );
+    first.close().await;
+    second.close().await;
+    third.close().await;
 }

@@ -882,7 +882,7 @@ fn group_json(st: &PoolStatus, c: &ClassStatus, g: &GroupStatus) -> GroupJson {
 }
 
 fn vdev_json(v: &VdevStatus) -> VdevJson {
-    let r = v.last_report.unwrap_or_default();
+    let r = v.last_report.clone().unwrap_or_default();
     VdevJson {
         vdev: v.vdev,
         guid: v.guid,

@@ -713,8 +713,18 @@ impl Shared {
                     .iter()
                     .flat_map(|b| b.extents.iter().cloned())
                     .collect();
-                match c.claim(ClaimRequest { extents }).await {
-                    Ok(_) => {}
+                match claim_each(&mut c, extents).await {
+                    Ok(refused) if refused.is_empty() => {}
+                    Ok(refused) => {
+                        // Only what the allocator refused is lost: the rest
+                        // of the chunk is claimed.
+                        tracing::error!(
+                            extents = refused.len(),
+                            why = %refused[0].1,
+                            "claim refused"
+                        );
+                        self.lose(refused.into_iter().map(|(e, _)| e));
+                    }
                     Err(s) if transient(&s) => retry.extend(chunk),
                     Err(s) => {
                         tracing::error!(error = %s, "claim refused");
@@ -1225,6 +1235,37 @@ async fn write_manifest(
     Ok(())
 }
 
+/// Claim `extents`, each answered on its own: the ones refused, with why.
+async fn claim_each(
+    c: &mut Allocator,
+    extents: Vec<Extent>,
+) -> Result<Vec<(Extent, String)>, tonic::Status> {
+    claim_each_gen(c, extents).await.map(|(refused, _)| refused)
+}
+
+/// [`claim_each`], and the generation that answered.
+async fn claim_each_gen(
+    c: &mut Allocator,
+    extents: Vec<Extent>,
+) -> Result<(Vec<(Extent, String)>, u64), tonic::Status> {
+    let r = c
+        .claim(ClaimRequest {
+            extents,
+            per_extent: true,
+        })
+        .await?
+        .into_inner();
+    // An allocator that does not answer per extent answers all or nothing:
+    // an Ok without results claimed everything.
+    let refused = r
+        .results
+        .into_iter()
+        .filter(|x| !x.claimed)
+        .filter_map(|x| Some((x.extent?, x.message)))
+        .collect();
+    Ok((refused, r.generation))
+}
+
 /// Sync the txg holding this run's commits. If the allocator restarted
 /// before that txg synced (reason ALLOCATOR_RESTARTED), re-assert every
 /// block written with Claim (those that did sync are allocated exactly so
@@ -1241,16 +1282,28 @@ async fn sync_or_claim(alloc: &Allocator, sh: &Shared, placed: &[Placed]) -> any
                     "allocator restarted before the txg synced: claiming what was written"
                 );
                 let mut new_gen = 0;
+                let mut lost: Vec<(Extent, String)> = Vec::new();
                 for chunk in placed.chunks(512) {
                     let extents = chunk
                         .iter()
                         .flat_map(|p| p.extents.iter().cloned())
                         .collect();
-                    let r = c
-                        .claim(ClaimRequest { extents })
+                    let (refused, generation) = claim_each_gen(&mut c, extents)
                         .await
                         .map_err(|s| client::status_msg("claim after an allocator restart", &s))?;
-                    new_gen = r.into_inner().generation;
+                    lost.extend(refused);
+                    new_gen = generation;
+                }
+                if !lost.is_empty() {
+                    anyhow::bail!(
+                        "claim after an allocator restart: {} extents were refused (their \
+                         blocks are lost; the others were claimed); first: {}:{}+{} ({})",
+                        lost.len(),
+                        lost[0].0.vdev,
+                        lost[0].0.offset,
+                        lost[0].0.size,
+                        lost[0].1
+                    );
                 }
                 sh.saw_generation(new_gen);
             }

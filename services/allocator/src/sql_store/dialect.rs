@@ -165,4 +165,6 @@ pub trait Dialect: Send + Sync + Sized + 'static {
     fn open_generation(s: &SqlStore<Self>) -> BoxFuture<'_, Result<u64, StoreError>>;
     /// [`Store::fenced`].
     fn fenced(s: &SqlStore<Self>) -> bool;
+    /// [`Store::handed_over_cleanly`].
+    fn handed_over_cleanly(s: &SqlStore<Self>) -> bool;
 }

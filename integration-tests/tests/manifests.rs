@@ -118,7 +118,7 @@ fn writes_are_listed_by_default_and_drain_verify_free_use_every_manifest() {
     p.ok(&args!["vdev", "drain", "file1"]);
     let out = p.ok(&args!["balancer", "execute", "--drain", "file1"]);
     assert!(
-        out.contains("stopped: the drained vdevs hold nothing more to move"),
+        out.contains("stopped: file1 (1) is empty: `aliquotctl vdev remove file1`"),
         "{out}"
     );
     wait_alloc(&p, &[("file1", 0)]);

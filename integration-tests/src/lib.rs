@@ -647,10 +647,18 @@ pub fn python_client_path(py: &str, target_tmp: &Path) -> String {
     let repo = Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .expect("repo root");
-    let dir = target_tmp.join("python-client");
+    // Once per test process: two tests installing into one directory at
+    // once race in pip's own clean-up of the target (FileNotFoundError).
+    static INSTALLED: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    INSTALLED
+        .get_or_init(|| install_python_client(py, repo, &target_tmp.join("python-client")))
+        .clone()
+}
+
+fn install_python_client(py: &str, repo: &Path, dir: &Path) -> String {
     let st = Command::new(py)
         .args(["-m", "pip", "install", "--quiet", "--upgrade", "--target"])
-        .arg(&dir)
+        .arg(dir)
         .arg(format!(
             "{}[reflection]",
             repo.join("clients/python").display()

@@ -133,21 +133,6 @@ fn snapshot(t: i64) -> pb::PoolSnapshot {
 }
 
 /// Fill the file system of `dir` with a file of zeros until ENOSPC.
-fn fill(file: &std::path::Path) {
-    use std::io::Write;
-    let mut f = std::fs::File::create(file).unwrap();
-    let chunk = vec![0u8; 16 << 10];
-    loop {
-        match f.write(&chunk) {
-            Ok(0) => break,
-            Ok(_) => {}
-            Err(e) if e.raw_os_error() == Some(28) => break,
-            Err(e) => panic!("filling {}: {e}", file.display()),
-        }
-    }
-    let _ = f.sync_all();
-}
-
 fn writable_gauge(http: std::net::SocketAddr) -> Option<f64> {
     let o = std::process::Command::new("curl")
         .args(["-sS", "--max-time", "10"])
@@ -212,8 +197,7 @@ async fn a_full_metrics_disk_acknowledges_nothing_it_did_not_store() {
         let r = c.record_batch(batch()).await.expect("batch with room");
         acked += r.into_inner().rows;
     }
-    let filler = small.0.join("filler");
-    fill(&filler);
+    let filler = small.fill("filler");
     // Full: sooner or later (SQLite's pages in hand run out) refused.
     let deadline = Instant::now() + Duration::from_secs(60);
     let refused = loop {

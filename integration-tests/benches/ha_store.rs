@@ -1,4 +1,4 @@
-//! The PostgreSQL store against the SQLite one (issue 26). Prints figures
+//! The PostgreSQL store against the SQLite one. Prints figures
 //! (no harness); starts its own PostgreSQL on a private port:
 //!
 //!   cargo bench -p integration-tests --bench ha_store
@@ -7,8 +7,8 @@
 //! 1k, 10k and 100k allocations and of the txg freeing them, SQLite (WAL,
 //! synchronous=FULL, checkpointed) vs PostgreSQL (the txg fenced by its
 //! leadership row), interleaved, medians of `ALIQUOT_BENCH_ROUNDS` (5).
-//! PostgreSQL runs with fsync=off here (a test server), so its figures
-//! leave out the disk flush SQLite pays: read the ratio with that in mind.
+//! PostgreSQL runs with fsync on, as a pool's own server does, so both
+//! stores' figures include the disk flush.
 //! Part 2: startup at `ALIQUOT_BENCH_EXTENTS` (comma list, default
 //! 1000000) gapped 4 KiB extents: SQLite open + load + rebuild, against
 //! what a standby does once the lease expired (open, take the leadership,
@@ -204,7 +204,7 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
-    let pg = Postgres::start();
+    let pg = Postgres::start_durable();
     let url = pg.url();
     let rounds: usize = std::env::var("ALIQUOT_BENCH_ROUNDS")
         .ok()

@@ -12,6 +12,10 @@
 pub use local_postgres as postgres;
 
 pub mod compose;
+pub mod pg_proxy;
+pub mod pool;
+pub mod secure_pool;
+pub mod throttle;
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
@@ -21,6 +25,8 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::OnceLock;
 use std::sync::mpsc;
 use std::time::Duration;
+
+pub use pool::{FilePool, Security, start_agent, start_allocator};
 
 /// The directory holding the workspace's binaries (`target/debug`).
 pub fn bin_dir() -> PathBuf {
@@ -37,7 +43,15 @@ pub fn bin(name: &str) -> PathBuf {
     BUILT.get_or_init(|| {
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
         let mut cmd = Command::new(cargo);
-        cmd.args(["build", "--workspace", "--bins"]);
+        // With the crash points the mover's crash tests drive (the test
+        // build of this package enables them too, so one build serves both).
+        cmd.args([
+            "build",
+            "--workspace",
+            "--bins",
+            "--features",
+            "aliquotctl/failpoints",
+        ]);
         // Cargo gives a test process this package's CARGO_PKG_*,
         // CARGO_MANIFEST_* & co.; build scripts that rerun when those change
         // (ring's does) would then be rebuilt here, and again by the next
@@ -63,7 +77,10 @@ pub fn bin(name: &str) -> PathBuf {
             .current_dir(env!("CARGO_MANIFEST_DIR"))
             .status()
             .expect("run cargo build");
-        assert!(status.success(), "cargo build --workspace --bins failed");
+        assert!(
+            status.success(),
+            "cargo build --workspace --bins --features aliquotctl/failpoints failed"
+        );
     });
     let p = bin_dir().join(name);
     assert!(p.exists(), "binary {} not found", p.display());
@@ -396,16 +413,6 @@ pub fn leader_and_standby(allocators: &str) -> (String, String) {
     }
 }
 
-/// The listeners a service started with `args` announces: gRPC, and
-/// Prometheus where `--prometheus-listen` asks for it.
-fn listen_kinds(args: &[String]) -> Vec<&'static str> {
-    let mut k = vec!["grpc"];
-    if args.iter().any(|a| a == "--prometheus-listen") {
-        k.push("prometheus");
-    }
-    k
-}
-
 /// A metrics service in `dir` (its SQLite file `dir/metrics.db`), with its
 /// gRPC and HTTP listeners on ephemeral ports.
 pub fn metrics_service(dir: &Path) -> Proc {
@@ -426,209 +433,6 @@ pub fn metrics_service(dir: &Path) -> Proc {
         dir,
     )
     .expect("start metrics")
-}
-
-/// A plaintext pool of real processes for tests: an allocator and file
-/// agents in `dir`, with `dir/aliquot-data` as the pool's data dir (where
-/// `aliquotctl write` records its manifests: the `ctl` helpers pass
-/// `--certs-dir dir/aliquot-data/certs` with `--insecure`, as a user in
-/// the directory of an `up --insecure` pool would have them by default).
-pub struct FilePool {
-    pub dir: PathBuf,
-    pub alloc: Proc,
-    pub agents: Vec<Proc>,
-    pub url: String,
-    /// The pool CA's directory when the pool checks write tokens
-    /// (`start_with_write_tokens`): every agent is given it as
-    /// `--token-key`.
-    pub token_key: Option<PathBuf>,
-}
-
-impl FilePool {
-    /// The allocator (fast txgs and reports, no claim window), plus
-    /// `extra` flags, which replace a default of the same flag; no agents
-    /// yet.
-    pub fn start(dir: &Path, extra: &[String]) -> FilePool {
-        Self::start_allocator(
-            dir,
-            &[
-                ("--zfs-txg-timeout", "200ms"),
-                ("--report-interval", "200ms"),
-                ("--claim-window", "0s"),
-            ],
-            extra,
-        )
-    }
-
-    /// The allocator with its own default timings (txg, reports, claim
-    /// window), for tests whose assertions are about those defaults; plus
-    /// `extra` flags.
-    pub fn start_with_default_timings(dir: &Path, extra: &[String]) -> FilePool {
-        Self::start_allocator(dir, &[], extra)
-    }
-
-    /// A plaintext pool named `pool` whose allocator signs write tokens and
-    /// whose agents check them: a pool CA in `dir/certs` (its key signs,
-    /// its directory is every agent's `--token-key`), the allocator's
-    /// default timings, plus `extra` flags.
-    pub fn start_with_write_tokens(dir: &Path, pool: &str, extra: &[String]) -> FilePool {
-        let certs = dir.join("certs");
-        aliquot_auth::PoolCa::init(&certs, pool).expect("pool CA");
-        let mut a = args!["--pool", pool, "--token-key", certs.display()];
-        a.extend(extra.iter().cloned());
-        let mut p = Self::start_allocator(dir, &[], &a);
-        p.token_key = Some(certs);
-        p
-    }
-
-    fn start_allocator(dir: &Path, defaults: &[(&str, &str)], extra: &[String]) -> FilePool {
-        std::fs::create_dir_all(dir).expect("pool dir");
-        let mut a = args!["--listen", "127.0.0.1:0"];
-        let data_dir = dir.join("allocator").display().to_string();
-        for &(flag, value) in [("--data-dir", data_dir.as_str())].iter().chain(defaults) {
-            if !extra.iter().any(|e| e == flag) {
-                a.extend(args![flag, value]);
-            }
-        }
-        a.extend(extra.iter().cloned());
-        let mut alloc = Proc::start(
-            "allocator",
-            &bin("aliquot-allocator"),
-            &a,
-            &[],
-            &listen_kinds(&a),
-            dir,
-        )
-        .expect("start allocator");
-        let addr = alloc.addr("grpc");
-        alloc.set_arg("--listen", &addr.to_string());
-        let url = alloc.url("grpc");
-        std::fs::create_dir_all(dir.join("aliquot-data")).expect("data dir");
-        FilePool {
-            dir: dir.to_path_buf(),
-            alloc,
-            agents: Vec::new(),
-            url,
-            token_key: None,
-        }
-    }
-
-    /// A file agent `file<N>` of `capacity` (e.g. "128MiB"); waits until
-    /// the pool lists it.
-    pub fn add_agent(&mut self, capacity: &str) {
-        self.add_agent_with(capacity, &[]);
-    }
-
-    /// `add_agent` with `extra` agent flags. The agent keeps its port
-    /// across `restart`, so the allocator finds it where it registered.
-    pub fn add_agent_with(&mut self, capacity: &str, extra: &[String]) {
-        let name = format!("file{}", self.agents.len());
-        let path = self.dir.join(format!("{name}.img"));
-        self.add_file_agent(&name, &path, capacity, extra);
-    }
-
-    /// A file agent named `name` on the file `path` (which may be on a
-    /// file system of its own), with `extra` agent flags.
-    pub fn add_file_agent(&mut self, name: &str, path: &Path, capacity: &str, extra: &[String]) {
-        let mut a = args![
-            "--backend",
-            "file",
-            "--path",
-            path.display(),
-            "--capacity",
-            capacity,
-        ];
-        a.extend(extra.iter().cloned());
-        self.spawn_agent(name, a);
-    }
-
-    /// A simulated device named `name` (`--guid` fixed, so a restart is
-    /// the same vdev), with `extra` agent flags (`--capacity`,
-    /// `--sim-throughput`...); waits until the pool lists it.
-    pub fn add_sim_agent(&mut self, name: &str, guid: u64, extra: &[String]) {
-        let mut a = args!["--backend", "sim", "--guid", guid];
-        a.extend(extra.iter().cloned());
-        self.spawn_agent(name, a);
-    }
-
-    fn spawn_agent(&mut self, name: &str, backend: Vec<String>) {
-        let mut a = args![
-            "--listen",
-            "127.0.0.1:0",
-            "--allocator",
-            self.url,
-            "--name",
-            name
-        ];
-        a.extend(backend);
-        if let Some(k) = &self.token_key
-            && !a.iter().any(|f| f == "--token-key")
-        {
-            a.extend(args!["--token-key", k.display()]);
-        }
-        let kinds = listen_kinds(&a);
-        let mut a = Proc::start(name, &bin("aliquot-agent"), &a, &[], &kinds, &self.dir)
-            .expect("start agent");
-        let addr = a.addr("grpc");
-        a.set_arg("--listen", &addr.to_string());
-        self.agents.push(a);
-        let n = self.agents.len();
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        while self.status()["vdevs"].as_array().map_or(0, |v| v.len()) != n {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{n} vdevs did not register"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
-    /// The pool's data dir.
-    pub fn data_dir(&self) -> PathBuf {
-        self.dir.join("aliquot-data")
-    }
-
-    /// Where `write` records its manifests by default.
-    pub fn manifest_dir(&self) -> PathBuf {
-        self.data_dir().join("manifests")
-    }
-
-    /// `aliquotctl ARGS` against this pool, to completion.
-    pub fn run(&self, a: &[String]) -> Output {
-        let mut a = a.to_vec();
-        a.extend(args![
-            "--allocator",
-            self.url,
-            "--insecure",
-            "--certs-dir",
-            self.data_dir().join("certs").display()
-        ]);
-        ctl(&a)
-    }
-
-    /// `aliquotctl ARGS`, which must succeed: its stdout.
-    pub fn ok(&self, a: &[String]) -> String {
-        ok_stdout(&self.run(a), &a.join(" "))
-    }
-
-    pub fn status(&self) -> serde_json::Value {
-        serde_json::from_str(&self.ok(&args!["status", "--json"])).expect("status json")
-    }
-
-    /// Allocated bytes per vdev name.
-    pub fn alloc_by_name(&self) -> HashMap<String, u64> {
-        self.status()["vdevs"]
-            .as_array()
-            .expect("vdevs")
-            .iter()
-            .map(|v| {
-                (
-                    v["name"].as_str().unwrap_or_default().to_string(),
-                    json_u64(&v["alloc"]).unwrap_or(0),
-                )
-            })
-            .collect()
-    }
 }
 
 /// The Python interpreter the tests run: `ALIQUOT_TEST_PYTHON`, else

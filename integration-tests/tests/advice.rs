@@ -1,5 +1,5 @@
-//! TLS and addressing mistakes get one line naming the cause and the flag
-//! (issue 31 item 4), from `aliquotctl` as a user runs it: `--insecure`
+//! TLS and addressing mistakes get one line naming the cause and the flag,
+//! from `aliquotctl` as a user runs it: `--insecure`
 //! against a TLS pool, certificates against a plaintext one, and agents
 //! that advertise a host only their own network resolves (a compose stack
 //! from the host) without `--agent-host`: no retry lines, exit 1, and the

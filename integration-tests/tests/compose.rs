@@ -95,7 +95,7 @@ fn compose_deployment_end_to_end() {
     let allocator = project.port("allocator", 7000);
     let metrics = project.port("metrics", 7100);
 
-    // Each container holds only its own key (issue 27, item 6): no ca.key
+    // Each container holds only its own key: no ca.key
     // anywhere, the token signing key in the allocator only.
     for service in ["metrics", "allocator", "agent1", "agent2", "agent3", "hdd1"] {
         let o = run(

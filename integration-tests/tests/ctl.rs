@@ -553,3 +553,47 @@ fn demo_runs_end_to_end_with_metrics_and_a_chart() {
     assert_eq!(logs, 5, "allocator, metrics and 3 agents logged");
     assert!(!text.contains("SIGKILL"), "{text}");
 }
+
+/// aliquotctl links no server: it runs the service binaries found beside it
+/// (or on PATH). Alone in a directory with an empty PATH, `serve`, `up` and
+/// `verify` each name the binary missing and how to build it; beside them,
+/// `serve X` is the binary itself (its own `--help`).
+#[test]
+fn service_binaries_are_found_beside_aliquotctl_or_named_when_missing() {
+    // In target/ (one file system): a hard link, not a copy of the binary.
+    let tmp = tempfile::tempdir_in(integration_tests::bin_dir()).unwrap();
+    let lone = tmp.path().join("aliquotctl");
+    if std::fs::hard_link(bin("aliquotctl"), &lone).is_err() {
+        std::fs::copy(bin("aliquotctl"), &lone).unwrap();
+    }
+    let data = tmp.path().join("pool");
+    let data = data.display().to_string();
+    for (argv, missing) in [
+        (vec!["serve", "agent", "--help"], "aliquot-agent"),
+        (
+            vec!["up", "--data-dir", &data, "--ephemeral", "--insecure"],
+            "aliquot-metrics",
+        ),
+        (vec!["verify", "--data-dir", &data], "aliquot-allocator"),
+    ] {
+        let o = Command::new(&lone)
+            .args(&argv)
+            .env("PATH", "")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{argv:?}: {err}");
+        assert!(
+            err.contains(&format!("{missing} not found")) && err.contains("cargo build --release"),
+            "{argv:?} does not name {missing} and how to build it: {err}"
+        );
+    }
+    let help = ok_stdout(
+        &ctl(&args!["serve", "allocator", "--help"]),
+        "serve allocator --help",
+    );
+    assert!(
+        help.contains("aliquot-allocator") && help.contains("--rewind-to"),
+        "not the allocator's own help:\n{help}"
+    );
+}

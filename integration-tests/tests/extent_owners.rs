@@ -1,20 +1,17 @@
-//! Issue 25, item 3, across real processes over mutual TLS: a committed
+//! Across real processes over mutual TLS: a committed
 //! extent belongs to the identity that committed it. Another client cannot
 //! free it (PERMISSION_DENIED, reason NOT_OWNER) nor move it (Relocate is
 //! an admin call) nor read it (read tokens go to the owner and admins);
 //! its owner and admins can. Owners are persisted with the txg: the refusal holds
 //! after the allocator is killed and restarted.
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
-use aliquot_auth::{PoolCa, Role, TlsFiles};
+use aliquot_auth::Role;
 use aliquot_proto::v1 as pb;
-use integration_tests::{Proc, args, bin, data_request as data, tls_args};
-use pb::allocator_client::AllocatorClient;
-use pb::vdev_agent_client::VdevAgentClient;
+use integration_tests::data_request as data;
+use integration_tests::secure_pool::{SecurePool, SecurePoolSpec};
 use tonic::Code;
-use tonic::transport::Channel;
 use tonic_types::StatusExt;
 
 const MIB: u64 = 1 << 20;
@@ -25,96 +22,28 @@ fn reason(s: &tonic::Status) -> String {
         .unwrap_or_default()
 }
 
-fn channel(url: &str, certs: &Path, role: Role, name: &str, server: Role) -> Channel {
-    let f = TlsFiles::in_dir(certs, role, name);
-    Channel::from_shared(url.to_string())
-        .unwrap()
-        .tls_config(f.client_config(server).unwrap())
-        .unwrap()
-        .connect_timeout(Duration::from_secs(2))
-        .connect_lazy()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_the_owner_or_an_admin_frees_or_moves_a_block() {
     let dir = tempfile::tempdir().unwrap();
-    let certs = dir.path().join("certs");
-    let ca = PoolCa::init(&certs, "owners").unwrap();
-    for (role, name) in [
-        (Role::Allocator, "allocator"),
-        (Role::Agent, "d0"),
-        (Role::Client, "alice"),
-        (Role::Client, "bob"),
-        (Role::Admin, "op"),
-    ] {
-        ca.issue(role, name, &[]).unwrap();
-    }
-    let mut a = args![
-        "--listen",
-        "127.0.0.1:0",
-        "--pool",
-        "owners",
-        "--data-dir",
-        dir.path().join("allocator").display(),
-        "--token-key",
-        certs.display(),
-        "--report-interval",
-        "200ms",
-        "--claim-window",
-        "0s",
-    ];
-    a.extend(tls_args(&certs, Role::Allocator, "allocator"));
-    let mut alloc = Proc::start(
-        "allocator",
-        &bin("aliquot-allocator"),
-        &a,
-        &[],
-        &["grpc"],
+    let mut sp = SecurePool::start(
         dir.path(),
+        SecurePoolSpec {
+            pool: "owners",
+            agents: &[("d0", "128MiB")],
+            callers: &[
+                (Role::Client, "alice"),
+                (Role::Client, "bob"),
+                (Role::Admin, "op"),
+            ],
+            allocator_flags: &[],
+        },
     )
-    .expect("allocator");
-    let addr = alloc.addr("grpc");
-    alloc.set_arg("--listen", &addr.to_string());
-    let url = format!("https://127.0.0.1:{}", addr.port());
-    let mut g = args![
-        "--listen",
-        "127.0.0.1:0",
-        "--allocator",
-        url,
-        "--name",
-        "d0",
-        "--path",
-        dir.path().join("d0.img").display(),
-        "--capacity",
-        "128MiB",
-        "--token-key",
-        certs.display(),
-    ];
-    g.extend(tls_args(&certs, Role::Agent, "d0"));
-    let agent = Proc::start(
-        "agent",
-        &bin("aliquot-agent"),
-        &g,
-        &[],
-        &["grpc"],
-        dir.path(),
-    )
-    .expect("agent");
-    let agent_url = format!("https://127.0.0.1:{}", agent.addr("grpc").port());
-
-    let client = |name: &str, role: Role| {
-        AllocatorClient::new(channel(&url, &certs, role, name, Role::Allocator))
-    };
-    let mut alice = client("alice", Role::Client);
-    let mut bob = client("bob", Role::Client);
-    let mut op = client("op", Role::Admin);
-    let mut alice_agent = VdevAgentClient::new(channel(
-        &agent_url,
-        &certs,
-        Role::Client,
-        "alice",
-        Role::Agent,
-    ));
+    .await;
+    let agent_url = sp.agent_url(0);
+    let mut alice = sp.allocator(Role::Client, "alice");
+    let mut bob = sp.allocator(Role::Client, "bob");
+    let mut op = sp.allocator(Role::Admin, "op");
+    let mut alice_agent = sp.agent(&agent_url, Role::Client, "alice");
 
     // Alice writes and commits two blocks.
     let mut mine = Vec::new();
@@ -167,13 +96,7 @@ async fn only_the_owner_or_an_admin_frees_or_moves_a_block() {
         .await
         .expect_err("bob asks to read alice's block");
     assert_eq!(reason(&e), "NOT_OWNER", "{e}");
-    let mut bob_agent = VdevAgentClient::new(channel(
-        &agent_url,
-        &certs,
-        Role::Client,
-        "bob",
-        Role::Agent,
-    ));
+    let mut bob_agent = sp.agent(&agent_url, Role::Client, "bob");
     let e = bob_agent
         .read(pb::ReadRequest {
             offset: mine[0].offset,
@@ -232,6 +155,7 @@ async fn only_the_owner_or_an_admin_frees_or_moves_a_block() {
         .claim(pb::ClaimRequest {
             extents: vec![mine[0]],
             per_extent: false,
+            allocation_ids: Vec::new(),
         })
         .await
         .expect_err("bob claims alice's block");
@@ -242,6 +166,7 @@ async fn only_the_owner_or_an_admin_frees_or_moves_a_block() {
         .claim(pb::ClaimRequest {
             extents: vec![mine[1]],
             per_extent: false,
+            allocation_ids: Vec::new(),
         })
         .await
         .expect_err("an admin claims alice's block");
@@ -254,6 +179,7 @@ async fn only_the_owner_or_an_admin_frees_or_moves_a_block() {
         .claim(pb::ClaimRequest {
             extents: vec![mine[0]],
             per_extent: false,
+            allocation_ids: Vec::new(),
         })
         .await
         .expect_err("alice claims a block committed in this generation");
@@ -267,6 +193,7 @@ async fn only_the_owner_or_an_admin_frees_or_moves_a_block() {
     bob.claim(pb::ClaimRequest {
         extents: vec![claimed],
         per_extent: false,
+        allocation_ids: Vec::new(),
     })
     .await
     .expect("bob claims free space");
@@ -279,13 +206,13 @@ async fn only_the_owner_or_an_admin_frees_or_moves_a_block() {
     assert_eq!(reason(&e), "NOT_OWNER", "{e}");
 
     // Owners are durable: after kill -9 and a restart, still refused.
-    alloc.kill9();
-    alloc.restart().expect("restart");
-    let mut bob = client("bob", Role::Client);
-    let mut alice = client("alice", Role::Client);
+    sp.alloc.kill9();
+    sp.alloc.restart().expect("restart");
+    let mut bob = sp.allocator(Role::Client, "bob");
+    let mut alice = sp.allocator(Role::Client, "alice");
     let mut op = {
         let _ = &mut op;
-        client("op", Role::Admin)
+        sp.allocator(Role::Admin, "op")
     };
     refused(
         bob.free(pb::FreeRequest {
@@ -297,6 +224,7 @@ async fn only_the_owner_or_an_admin_frees_or_moves_a_block() {
         .claim(pb::ClaimRequest {
             extents: vec![mine[0]],
             per_extent: false,
+            allocation_ids: Vec::new(),
         })
         .await
         .expect_err("bob claims alice's block after the restart");

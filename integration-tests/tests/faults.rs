@@ -1,4 +1,4 @@
-//! Issue 10, with a whole local pool (`aliquotctl up`) as child processes:
+//! Faults with a whole local pool (`aliquotctl up`) as child processes:
 //! one hung agent (SIGSTOP) does not stall writes to the others; a full pool
 //! restarts; a second `up` on a running pool starts nothing.
 

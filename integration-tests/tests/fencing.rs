@@ -1,4 +1,4 @@
-//! Issue 10: an extent belongs to one client, once — across crashes,
+//! An extent belongs to one client, once — across crashes,
 //! restarts, slow clients and bad input. Real allocator processes on
 //! 127.0.0.1 with their SQLite stores; vdevs are registered straight over
 //! the AgentRegistry API (no data is written: these are allocator rules).
@@ -7,7 +7,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use aliquot_proto::v1 as pb;
-use integration_tests::{Proc, args, bin, data_request as data};
+use integration_tests::{Proc, args, bin, data_request as data, start_allocator};
 use pb::agent_registry_client::AgentRegistryClient;
 use pb::allocator_client::AllocatorClient;
 use tonic::Code;
@@ -17,30 +17,18 @@ use tonic_types::StatusExt;
 const MIB: u64 = 1 << 20;
 
 fn allocator(dir: &Path, extra: &[String]) -> Proc {
-    let mut a = args![
-        "--listen",
-        "127.0.0.1:0",
-        "--pool",
-        "fence",
-        "--data-dir",
-        dir.join("allocator").display(),
-        // Nothing syncs unless asked: the tests decide what is durable.
-        "--zfs-txg-timeout",
-        "3600s",
-        // Registered vdevs stay alive without an agent reporting.
-        "--report-interval",
-        "600s",
-    ];
-    a.extend_from_slice(extra);
-    Proc::start(
-        "allocator",
-        &bin("aliquot-allocator"),
-        &a,
-        &[],
-        &["grpc"],
+    start_allocator(
         dir,
+        "allocator",
+        &[
+            ("--pool", "fence".into()),
+            // Nothing syncs unless asked: the tests decide what is durable.
+            ("--zfs-txg-timeout", "3600s".into()),
+            // Registered vdevs stay alive without an agent reporting.
+            ("--report-interval", "600s".into()),
+        ],
+        extra,
     )
-    .expect("start allocator")
 }
 
 async fn client(p: &Proc) -> AllocatorClient<Channel> {
@@ -166,8 +154,6 @@ async fn a_txg_lost_in_a_crash_is_not_reported_synced_and_claim_wins_the_window(
     let dir = tempfile::tempdir().unwrap();
     let extra = args!["--claim-window", "3s"];
     let mut alloc = allocator(dir.path(), &extra);
-    let addr = alloc.addr("grpc");
-    alloc.set_arg("--listen", &addr.to_string());
     register(&alloc, 7, 256 * MIB).await;
     let mut c = client(&alloc).await;
     let a = c.allocate(data(MIB)).await.unwrap().into_inner();
@@ -234,6 +220,7 @@ async fn a_txg_lost_in_a_crash_is_not_reported_synced_and_claim_wins_the_window(
         .claim(pb::ClaimRequest {
             extents: a.extents.clone(),
             per_extent: false,
+            allocation_ids: Vec::new(),
         })
         .await
         .expect("claim inside the window")
@@ -276,8 +263,6 @@ async fn a_txg_lost_in_a_crash_is_not_reported_synced_and_claim_wins_the_window(
 async fn a_txg_lost_in_one_generation_stays_lost_after_a_later_one_reuses_its_number() {
     let dir = tempfile::tempdir().unwrap();
     let mut alloc = allocator(dir.path(), &args!["--claim-window", "0s"]);
-    let addr = alloc.addr("grpc");
-    alloc.set_arg("--listen", &addr.to_string());
     register(&alloc, 11, 256 * MIB).await;
     let mut c = client(&alloc).await;
     let commit = |a: &pb::AllocateReply| pb::CommitRequest {
@@ -459,6 +444,7 @@ async fn claim_of_a_sub_range_or_a_span_across_extents_fails() {
         .claim(pb::ClaimRequest {
             extents: vec![a, b],
             per_extent: false,
+            allocation_ids: Vec::new(),
         })
         .await
         .expect("free space is claimed")
@@ -478,6 +464,7 @@ async fn claim_of_a_sub_range_or_a_span_across_extents_fails() {
                 .claim(pb::ClaimRequest {
                     extents: vec![bad],
                     per_extent: false,
+                    allocation_ids: Vec::new(),
                 })
                 .await
                 .expect_err("a sub-range or span must fail");
@@ -489,6 +476,7 @@ async fn claim_of_a_sub_range_or_a_span_across_extents_fails() {
         c.claim(pb::ClaimRequest {
             extents: vec![b],
             per_extent: false,
+            allocation_ids: Vec::new(),
         })
         .await
         .expect("exact claim of allocated space");
@@ -499,8 +487,6 @@ async fn claim_of_a_sub_range_or_a_span_across_extents_fails() {
 async fn out_of_range_registrations_and_reports_are_refused_and_the_store_still_opens() {
     let dir = tempfile::tempdir().unwrap();
     let mut alloc = allocator(dir.path(), &[]);
-    let addr = alloc.addr("grpc");
-    alloc.set_arg("--listen", &addr.to_string());
     let mut r = registry(&alloc).await;
     let bad = [
         pb::RegisterRequest {
@@ -660,8 +646,6 @@ async fn a_store_bricked_by_a_bad_vdev_row_is_named_and_repaired_without_sql() {
     use sqlx::Connection;
     let dir = tempfile::tempdir().unwrap();
     let mut alloc = allocator(dir.path(), &[]);
-    let addr = alloc.addr("grpc");
-    alloc.set_arg("--listen", &addr.to_string());
     register(&alloc, 51, 256 * MIB).await;
     let mut c = client(&alloc).await;
     let a = c.allocate(data(MIB)).await.unwrap().into_inner();

@@ -1,4 +1,4 @@
-//! Issue 27, item 4, across real processes and a really full file system:
+//! A device that fills up, across real processes and a really full file system:
 //! one agent's device file lives on a 40 MiB tmpfs. A write of 160 MiB over
 //! two 256 MiB vdevs fills it; the agent reports ENOSPC, the allocator stops
 //! placing anything there (health UNAVAILABLE), and `aliquotctl write`

@@ -1,4 +1,4 @@
-//! A pool that fills up says why and what to do (issue 31 item 2), with
+//! A pool that fills up says why and what to do, with
 //! `aliquotctl up` and `aliquotctl write` as real processes: `up`'s banner
 //! suggests a `--total` that fits its pool; a write past the slop reserve
 //! fails with NO_SPACE naming the reserve and the usable bytes left, and

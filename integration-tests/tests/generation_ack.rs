@@ -1,4 +1,4 @@
-//! Issue 25, item 5, across real processes: an agent that slept (SIGSTOP)
+//! Across real processes: an agent that slept (SIGSTOP)
 //! through an allocator restart still honours the old generation's write
 //! tokens until it has registered again. So nothing of the new generation
 //! may be placed on its vdev before the agent has reported in it; and once

@@ -1,20 +1,22 @@
-//! Issue 26 across real processes and a real PostgreSQL server (started by
-//! the test on a private port and data dir): two allocators share one
-//! store; one leads, the other stands by answering NOT_LEADER. A leader
+//! High availability across real processes and a real PostgreSQL server
+//! (started by the test on a private port and data dir): two allocators share
+//! one store; one leads, the other stands by answering NOT_LEADER. A leader
 //! killed with -9 is replaced within its lease plus two seconds and nothing
 //! durable is lost or handed out twice; a leader paused (SIGSTOP) past its
-//! lease and woken after a takeover persists nothing, serves nothing, and
-//! its write tokens are refused by the agents.
+//! lease and woken after a takeover persists nothing, serves nothing, and its
+//! write tokens are refused by the agents.
 
 use std::collections::BTreeSet;
 use std::path::Path;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use aliquot_proto::v1 as pb;
+use integration_tests::pg_proxy::PgProxy;
+use integration_tests::pool::file_device;
 use integration_tests::postgres::Postgres;
-use integration_tests::{Proc, args, bin, data_request as data, lazy_channel as channel, signal};
+use integration_tests::{
+    Proc, Security, args, bin, data_request as data, lazy_channel as channel, signal, start_agent,
+};
 use pb::allocator_client::AllocatorClient;
 use pb::vdev_agent_client::VdevAgentClient;
 use tonic::Code;
@@ -66,7 +68,7 @@ impl Ha {
     }
 
     /// `start_with_lease` with each allocator's `--store` URL given (e.g.
-    /// through a [`PgProxy`] of its own).
+    /// through a `PgProxy` of its own).
     fn start_on(
         dir: &Path,
         lease: &str,
@@ -115,35 +117,26 @@ impl Ha {
             p.set_arg("--listen", &addr.to_string());
             ha.allocators.push(p);
         }
-        let list = ha.urls().join(",");
-        for i in 0..AGENTS {
-            let p = Proc::start(
-                &format!("agent{i}"),
-                &bin("aliquot-agent"),
-                &args![
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--allocator",
-                    list,
-                    "--name",
-                    format!("d{i}"),
-                    "--backend",
-                    "file",
-                    "--path",
-                    dir.join(format!("d{i}.img")).display(),
-                    "--capacity",
-                    "256MiB",
-                    "--token-key",
-                    ha.certs.display(),
-                ],
-                &[],
-                &["grpc"],
-                dir,
-            )
-            .expect("start agent");
-            ha.agents.push(p);
-        }
+        ha.start_agents(dir);
         ha
+    }
+
+    /// The file agents, given every allocator's URL.
+    fn start_agents(&mut self, dir: &Path) {
+        let list = self.urls().join(",");
+        for i in 0..AGENTS {
+            let name = format!("d{i}");
+            let device = file_device(&dir.join(format!("{name}.img")), "256MiB");
+            let p = start_agent(
+                dir,
+                Security::Tokens(&self.certs),
+                &list,
+                &name,
+                &device,
+                &[],
+            );
+            self.agents.push(p);
+        }
     }
 
     fn urls(&self) -> Vec<String> {
@@ -518,115 +511,6 @@ async fn a_paused_leader_woken_after_a_takeover_persists_and_serves_nothing() {
         .expect("write on the new leader");
 }
 
-/// A TCP proxy between allocators and PostgreSQL that can cut the path in
-/// the middle of a transaction: armed, it lets the next `BEGIN` and the
-/// statement after it through (a txg's transaction holding the `leaders`
-/// row), then forwards nothing more, either way, on any of its
-/// connections until thawed, as a partition would.
-struct PgProxy {
-    port: u16,
-    armed: Arc<AtomicBool>,
-    frozen: Arc<tokio::sync::watch::Sender<bool>>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl PgProxy {
-    async fn start(pg_port: u16) -> PgProxy {
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = l.local_addr().unwrap().port();
-        let armed = Arc::new(AtomicBool::new(false));
-        let frozen = Arc::new(tokio::sync::watch::Sender::new(false));
-        let (a, f) = (armed.clone(), frozen.clone());
-        let task = tokio::spawn(async move {
-            let mut conns = tokio::task::JoinSet::new();
-            while let Ok((client, _)) = l.accept().await {
-                let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", pg_port)).await
-                else {
-                    continue;
-                };
-                let (cr, cw) = client.into_split();
-                let (sr, sw) = server.into_split();
-                conns.spawn(PgProxy::pipe(cr, sw, Some(a.clone()), f.clone()));
-                conns.spawn(PgProxy::pipe(sr, cw, None, f.clone()));
-            }
-        });
-        PgProxy {
-            port,
-            armed,
-            frozen,
-            task,
-        }
-    }
-
-    /// Copy `from` to `to` while not frozen; on the client's side
-    /// (`armed` given), freeze after a `BEGIN` and the message after it.
-    async fn pipe(
-        mut from: tokio::net::tcp::OwnedReadHalf,
-        mut to: tokio::net::tcp::OwnedWriteHalf,
-        armed: Option<Arc<AtomicBool>>,
-        frozen: Arc<tokio::sync::watch::Sender<bool>>,
-    ) {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let mut thawed = frozen.subscribe();
-        let mut buf = vec![0u8; 64 << 10];
-        let mut began = false;
-        loop {
-            let n = match from.read(&mut buf).await {
-                Ok(0) | Err(_) => return,
-                Ok(n) => n,
-            };
-            let chunk = &buf[..n];
-            let mut cut_after = false;
-            if let Some(armed) = &armed
-                && armed.load(Ordering::Acquire)
-            {
-                // sqlx begins with a simple query: 'Q' … "BEGIN".
-                if chunk[0] == b'Q' && chunk.windows(5).any(|w| w == b"BEGIN") {
-                    began = true;
-                } else if began && armed.swap(false, Ordering::AcqRel) {
-                    cut_after = true;
-                }
-            }
-            if cut_after {
-                // Frozen before the statement goes out: its answer is held.
-                frozen.send_replace(true);
-            } else if thawed.wait_for(|f| !*f).await.is_err() {
-                return;
-            }
-            if to.write_all(chunk).await.is_err() {
-                return;
-            }
-        }
-    }
-
-    fn url(&self) -> String {
-        format!("postgres://aliquot@127.0.0.1:{}/postgres", self.port)
-    }
-
-    fn arm(&self) {
-        self.armed.store(true, Ordering::Release);
-    }
-
-    async fn wait_frozen(&self, within: Duration) {
-        let mut rx = self.frozen.subscribe();
-        tokio::time::timeout(within, rx.wait_for(|f| *f))
-            .await
-            .expect("no transaction began through the proxy")
-            .unwrap();
-    }
-
-    fn thaw(&self) {
-        self.frozen.send_replace(false);
-    }
-}
-
-impl Drop for PgProxy {
-    fn drop(&mut self) {
-        self.thaw();
-        self.task.abort();
-    }
-}
-
 /// The path between the leader and PostgreSQL cut inside a txg's
 /// transaction for three leases: the leader's sessions bound their
 /// statements by the lease and their idle transactions and lock waits by
@@ -874,6 +758,93 @@ async fn finish_write(ha: &Ha, w: std::process::Child, manifest: &Path) {
     let v = integration_tests::ctl(&args!["verify", "--store", ha.pg.url(), "--pool", "ha"]);
     let text = integration_tests::ok_stdout(&v, "verify --store");
     assert!(text.contains("ha"), "{text}");
+}
+
+/// `aliquotctl free` given both allocators, the leader killed with -9
+/// under it: the free follows the standby and finishes (no `.freeing` file
+/// left), and the store then holds exactly another run's blocks, intact: a
+/// Free whose answer the kill lost is neither lost nor repeated blindly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_free_given_both_allocators_finishes_across_a_leader_kill() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut ha = Ha::start(dir.path());
+    let (leader, _) = ha.leader(Duration::from_secs(30)).await;
+    let both = ha.urls().join(",");
+    let (a, b) = (dir.path().join("a.jsonl"), dir.path().join("b.jsonl"));
+    for m in [&a, &b] {
+        let o = integration_tests::ctl(&args![
+            "write",
+            "--allocator",
+            both,
+            "--total",
+            "4MiB",
+            "--block-size",
+            "64KiB",
+            "--no-progress",
+            "--manifest",
+            m.display()
+        ]);
+        integration_tests::ok_stdout(&o, "write");
+    }
+    let keep: BTreeSet<(u32, u64, u64)> = aliquotctl::manifest::Manifest::load(&b)
+        .unwrap()
+        .extents()
+        .iter()
+        .map(|(_, c)| (c.at.vdev, c.at.offset, c.at.size))
+        .collect();
+    let f = std::process::Command::new(bin("aliquotctl"))
+        .args(args![
+            "free",
+            "--allocator",
+            both,
+            "--manifest",
+            a.display(),
+            "--chunk",
+            "8"
+        ])
+        .env(integration_tests::INSECURE_ENV, "1")
+        .env_remove("ALIQUOT_ALLOCATOR")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn aliquotctl free");
+    // Kill the leader once the first chunk is freed (journaled).
+    let freeing = dir.path().join("a.jsonl.freeing");
+    let t0 = Instant::now();
+    while !std::fs::read_to_string(&freeing).is_ok_and(|t| t.contains("\"freed\"")) {
+        assert!(t0.elapsed() < Duration::from_secs(60), "no chunk was freed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    ha.allocators[leader].kill9();
+    let m = aliquotctl::manifest::Manifest::load(&freeing).expect("the free still runs");
+    assert!(
+        m.freed < m.extents().len() as u64,
+        "the free had finished before the kill: the test proves nothing"
+    );
+    let out = tokio::task::spawn_blocking(move || f.wait_with_output().unwrap())
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "free failed:\n{stderr}\n{stdout}");
+    assert!(stdout.contains("freed 64 blocks"), "{stdout}");
+    assert!(!freeing.exists() && !a.exists(), "free left its manifest");
+    assert_eq!(
+        allocated(&ha.pg).await,
+        keep,
+        "the store holds exactly run b"
+    );
+    let o = integration_tests::ctl(&args![
+        "balancer",
+        "verify",
+        "--allocator",
+        both,
+        "--manifest",
+        b.display()
+    ]);
+    let text = integration_tests::ok_stdout(&o, "balancer verify");
+    assert!(text.contains("all intact"), "{text}");
 }
 
 /// With the leader stopped and its 10 s lease still running, `status`,
@@ -1272,11 +1243,11 @@ async fn up_ha_serves_across_a_killed_allocator() {
         dir.path(),
     )
     .expect("up --ha");
-    // The allocators are `up`'s children running `serve allocator`.
+    // The allocators are `up`'s children running `aliquot-allocator`.
     let allocators = || -> Vec<u32> {
         integration_tests::children_of(up.pid().unwrap())
             .into_iter()
-            .filter(|p| cmdline(*p).contains("serve allocator"))
+            .filter(|p| cmdline(*p).contains("aliquot-allocator"))
             .collect()
     };
     assert_eq!(allocators().len(), 2, "two allocators");
@@ -1459,6 +1430,7 @@ async fn a_takeover_serves_inside_the_claim_window_and_keeps_what_lost_txgs_wrot
         .claim(pb::ClaimRequest {
             extents: lost.iter().map(|(e, _)| *e).collect(),
             per_extent: true,
+            allocation_ids: Vec::new(),
         })
         .await
         .expect("claim")
@@ -1490,4 +1462,436 @@ async fn a_takeover_serves_inside_the_claim_window_and_keeps_what_lost_txgs_wrot
     eprintln!("{:?}: read back", t0.elapsed());
     let all: BTreeSet<(u32, u64, u64)> = lost.iter().chain(&durable).map(|(e, _)| key(e)).collect();
     check_store(&ha.pg, &all).await;
+}
+
+/// PostgreSQL unreachable (paused) for 15 s under a 32-way `aliquotctl
+/// write` given both allocators, with the allocators' default lease, claim
+/// window and txg timeout: the write waits out the outage, claims what the
+/// lost txgs held inside the window (a refused claim fails the run), and
+/// finishes verified (0 blocks read back wrong); every block of its
+/// manifest is allocated in the store, and no two blocks overlap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_survives_a_15s_postgres_outage_with_the_defaults() {
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let ha = Ha::start_with(dir.path(), "5s", "10s", "5s");
+    ha.leader(Duration::from_secs(30)).await;
+    let manifest = dir.path().join("run.manifest");
+    let t0 = Instant::now();
+    let w = spawn_write(&ha, &manifest);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    ha.pg.pause(true);
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    ha.pg.pause(false);
+    let (_, took) = ha.leader(Duration::from_secs(30)).await;
+    eprintln!("serving again {took:?} after a 15 s PostgreSQL outage");
+    finish_write(&ha, w, &manifest).await;
+    eprintln!("the write finished {:?} after it started", t0.elapsed());
+    let m = aliquotctl::manifest::Manifest::load(&manifest).expect("manifest");
+    let mut extents: Vec<(u32, u64, u64)> = m
+        .blocks
+        .values()
+        .flat_map(|copies| copies.iter().map(|c| (c.at.vdev, c.at.offset, c.at.size)))
+        .collect();
+    assert_disjoint(&mut extents);
+}
+
+/// No two of `extents` (vdev, offset, size) overlap (sorts them).
+fn assert_disjoint(extents: &mut [(u32, u64, u64)]) {
+    extents.sort();
+    for w in extents.windows(2) {
+        assert!(
+            w[0].0 != w[1].0 || w[0].1 + w[0].2 <= w[1].1,
+            "two blocks overlap: {:?} and {:?}",
+            w[0],
+            w[1]
+        );
+    }
+}
+
+/// The Python client's writer for the outage test (`sync` or `async`).
+const PY_OUTAGE_WRITER: &str = include_str!("py/outage_writer.py");
+
+/// `a_write_survives_a_15s_postgres_outage_with_the_defaults` for the
+/// Python client: 8 writers of durable 256 KiB blocks given both
+/// allocators (`mode` picks `Pool` or `AsyncPool`), PostgreSQL paused for
+/// 15 s under them with the default lease, claim window and txg timeout.
+/// With `kill_leader` the leader is also killed (-9) 5 s into the outage,
+/// so the standby takes over once PostgreSQL is back and the writers must
+/// claim what the lost txgs held (without it, the leader may renew its own
+/// lease after the outage and keep its generation: nothing to claim).
+/// No write fails, no claim is refused, every acknowledged block reads back
+/// as written, no two overlap, and every one is allocated in the store,
+/// which verifies.
+/// The Python `Pool` and `AsyncPool` write at once, each in its own process,
+/// through a 15 s PostgreSQL outage (and a kill -9 of the leader inside it
+/// when `kill_leader`), with the default lease and claim window.
+async fn python_writes_through_a_15s_postgres_outage(kill_leader: bool) {
+    let _serial = SERIAL.lock().await;
+    let py = integration_tests::python();
+    let pypath = integration_tests::python_client_path(&py, Path::new(env!("CARGO_TARGET_TMPDIR")));
+    let dir = tempfile::tempdir().unwrap();
+    let mut ha = Ha::start_with(dir.path(), "5s", "10s", "5s");
+    let (before, _) = ha.leader(Duration::from_secs(30)).await;
+    let gen_before = generation(&ha, before).await;
+    let stop = dir.path().join("stop");
+    let t0 = Instant::now();
+    let mut writers = Vec::new();
+    for mode in ["sync", "async"] {
+        let started = dir.path().join(format!("started-{mode}"));
+        let w = std::process::Command::new(&py)
+            .arg("-c")
+            .arg(PY_OUTAGE_WRITER)
+            .args([mode, &ha.urls().join(",")])
+            .arg(&started)
+            .arg(&stop)
+            .env("PYTHONPATH", &pypath)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawn the python writer");
+        let pid = w.id();
+        let out = tokio::task::spawn_blocking(move || w.wait_with_output().unwrap());
+        writers.push((mode, started, pid, out));
+    }
+    for (mode, started, _, _) in &writers {
+        while !started.exists() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "the python {mode} writer acknowledged no block"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    ha.pg.pause(true);
+    if kill_leader {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        ha.allocators[before].kill9();
+        tokio::time::sleep(Duration::from_secs(10)).await;
+    } else {
+        tokio::time::sleep(Duration::from_secs(15)).await;
+    }
+    ha.pg.pause(false);
+    let (after, took) = ha.leader(Duration::from_secs(30)).await;
+    eprintln!(
+        "allocator {after} generation {} (allocator {before} generation {gen_before} before) \
+         serving again {took:?} after a 15 s PostgreSQL outage",
+        generation(&ha, after).await
+    );
+    // Some blocks after the outage too.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    std::fs::write(&stop, b"").unwrap();
+    let mut extents: Vec<(u32, u64, u64)> = Vec::new();
+    for (mode, _, pid, out) in writers {
+        let out = match tokio::time::timeout(Duration::from_secs(180), out).await {
+            Ok(o) => o.unwrap(),
+            Err(_) => {
+                let _ = std::process::Command::new("kill")
+                    .args(["-KILL", &pid.to_string()])
+                    .status();
+                panic!("the python {mode} writer did not finish within 180 s of the stop");
+            }
+        };
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success(),
+            "the python {mode} writer failed:\n{stderr}\n{stdout}"
+        );
+        let r: serde_json::Value = serde_json::from_str(stdout.lines().last().unwrap_or_default())
+            .unwrap_or_else(|e| panic!("{e}: {stdout}\n{stderr}"));
+        eprintln!(
+            "python {mode}: {} blocks acknowledged, longest wait {} s, {} claims ({} refused, {} \
+             windows closed), run {:?}",
+            r["acked"],
+            r["longest_wait_s"],
+            r["claims"],
+            r["refused"],
+            r["window_closed"],
+            t0.elapsed()
+        );
+        assert_eq!(
+            r["failures"],
+            serde_json::json!([]),
+            "{mode}: writes failed"
+        );
+        assert_eq!(r["wrong"], 0, "{mode}: blocks read back wrong");
+        assert_eq!(r["refused"], 0, "{mode}: claims refused inside the window");
+        assert_eq!(
+            r["synced"], true,
+            "{mode}: a durable write came back unsynced"
+        );
+        if kill_leader {
+            assert!(
+                r["claims"].as_u64().unwrap() > 0,
+                "{mode}: the takeover left the writer nothing to claim: the test proved nothing"
+            );
+        }
+        assert!(
+            r["acked"].as_u64().unwrap() > 0,
+            "{mode}: nothing acknowledged"
+        );
+        extents.extend(r["extents"].as_array().unwrap().iter().map(|e| {
+            let n = |i: usize| e[i].as_u64().unwrap();
+            (n(0) as u32, n(1), n(2))
+        }));
+    }
+    if kill_leader {
+        assert_ne!(after, before, "the killed leader serves");
+    }
+    // Both writers' blocks together: no two overlap, every one is stored.
+    assert_disjoint(&mut extents);
+    check_store(&ha.pg, &extents.into_iter().collect()).await;
+}
+
+/// The generation allocator `i` serves.
+async fn generation(ha: &Ha, i: usize) -> u64 {
+    AllocatorClient::new(channel(&ha.urls()[i]))
+        .get_pool(pb::GetPoolRequest {})
+        .await
+        .expect("get pool")
+        .into_inner()
+        .generation
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_python_pools_write_through_a_15s_postgres_outage_with_the_defaults() {
+    python_writes_through_a_15s_postgres_outage(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_python_pools_claim_through_a_15s_postgres_outage_and_a_killed_leader() {
+    python_writes_through_a_15s_postgres_outage(true).await;
+}
+
+/// `aliquotctl migrate-store`, stderr and stdout.
+fn migrate_store(from: &Path, to: &str) -> std::process::Output {
+    integration_tests::ctl(&args![
+        "migrate-store",
+        "--from",
+        from.display(),
+        "--to",
+        to
+    ])
+}
+
+fn said(o: &std::process::Output) -> String {
+    format!(
+        "{}\nstdout: {}\nstderr: {}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// A pool written on SQLite (real allocator, agents and files), stopped,
+/// moved into PostgreSQL with `aliquotctl migrate-store`, is served from
+/// there by an allocator on `--store`: the same agents re-register, every
+/// block reads back byte for byte with its owner's read tokens, the store
+/// verifies, and new writes go on. Refused: a move while the SQLite
+/// allocator runs (nothing written), and a second move into the store now
+/// holding the pool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sqlite_pool_moved_into_postgres_serves_every_block() {
+    let _serial = SERIAL.lock().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let pg = Postgres::start();
+    let url = pg.url();
+    let certs = dir.join("certs");
+    aliquot_auth::PoolCa::init(&certs, "ha").unwrap();
+    let data_dir = dir.join("sqlite");
+    let common = args![
+        "--pool",
+        "ha",
+        "--token-key",
+        certs.display(),
+        "--report-interval",
+        "200ms",
+        "--claim-window",
+        "500ms",
+        "--zfs-txg-timeout",
+        "1s",
+    ];
+    let mut a = args!["--listen", "127.0.0.1:0", "--data-dir", data_dir.display()];
+    a.extend(common.iter().cloned());
+    let sqlite = Proc::start(
+        "allocator-sqlite",
+        &bin("aliquot-allocator"),
+        &a,
+        &[],
+        &["grpc"],
+        dir,
+    )
+    .expect("start the SQLite allocator");
+    let addr = sqlite.addr("grpc");
+    let mut ha = Ha {
+        pg,
+        certs,
+        allocators: vec![sqlite],
+        agents: Vec::new(),
+    };
+    ha.start_agents(dir);
+    ha.leader(Duration::from_secs(60)).await;
+    let mut c = AllocatorClient::new(channel(&ha.urls()[0]));
+    let mut blocks = Vec::new();
+    for k in 0..48u8 {
+        let size = 4096 * (1 + k as u64 % 4);
+        let e = write_durable(&mut c, size, k + 1)
+            .await
+            .unwrap_or_else(|e| panic!("write {k}: {e}"));
+        blocks.push((e, k + 1));
+    }
+    // Some freed: the store's log space map holds frees as well.
+    let freed: Vec<pb::Extent> = blocks.drain(..8).map(|(e, _)| e).collect();
+    let f = c
+        .free(pb::FreeRequest {
+            extents: freed.clone(),
+        })
+        .await
+        .expect("free")
+        .into_inner();
+    c.sync_txg(pb::SyncTxgRequest {
+        txg: f.txg,
+        generation: f.generation,
+    })
+    .await
+    .expect("the frees sync");
+
+    // The allocator runs: refused, nothing written.
+    let o = migrate_store(&data_dir, &url);
+    assert!(!o.status.success(), "moved a running pool: {}", said(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("in use"),
+        "{}",
+        said(&o)
+    );
+    // (It did not even create the schema: the lock is taken first.)
+    assert!(
+        !matches!(
+            aliquot_allocator::pg_store::read_only(&url, "ha").await,
+            Ok(Some(_))
+        ),
+        "a refused move wrote the pool"
+    );
+
+    ha.allocators[0].kill();
+    let o = migrate_store(&data_dir, &url);
+    assert!(o.status.success(), "migrate-store: {}", said(&o));
+    eprintln!("{}", said(&o));
+    assert!(!data_dir.join("pool.db").exists(), "the SQLite file stays");
+    let moved = data_dir.join("pool.db.moved");
+    assert!(moved.exists());
+
+    // The destination verifies, with exactly the live blocks.
+    let v = integration_tests::ctl(&args!["verify", "--store", url, "--pool", "ha", "--json"]);
+    let v: serde_json::Value =
+        serde_json::from_str(&integration_tests::ok_stdout(&v, "verify")).expect("json");
+    assert_eq!(v["extents"], blocks.len() as u64, "{v}");
+
+    // A second move into it (from the renamed file) is refused.
+    let o = migrate_store(&moved, &url);
+    assert!(!o.status.success(), "moved twice: {}", said(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("already holds a pool"),
+        "{}",
+        said(&o)
+    );
+
+    // An allocator on PostgreSQL where the SQLite one listened: the agents
+    // come back to it, their devices' labels accepted.
+    let mut a = args![
+        "--listen",
+        addr.to_string(),
+        "--store",
+        url,
+        "--leader-lease",
+        LEASE
+    ];
+    a.extend(common.iter().cloned());
+    ha.allocators[0] = Proc::start(
+        "allocator-pg",
+        &bin("aliquot-allocator"),
+        &a,
+        &[],
+        &["grpc"],
+        dir,
+    )
+    .expect("start the PostgreSQL allocator");
+    ha.leader(Duration::from_secs(60)).await;
+    let mut c = AllocatorClient::new(channel(&ha.urls()[0]));
+    let endpoints: Vec<String> = ha.agents.iter().map(|p| p.url("grpc")).collect();
+    let mut wrong = 0;
+    for (e, seed) in &blocks {
+        let got = read_back(&mut c, &endpoints, e).await;
+        if got.len() != e.size as usize || got.iter().any(|b| b != seed) {
+            wrong += 1;
+        }
+    }
+    assert_eq!(wrong, 0, "blocks read back wrong after the move");
+    for e in &freed {
+        let r = c
+            .read_tokens(pb::ReadTokensRequest { extents: vec![*e] })
+            .await;
+        assert!(r.is_err(), "a read token for freed {e:?} after the move");
+    }
+    let mut durable: BTreeSet<(u32, u64, u64)> = blocks.iter().map(|(e, _)| key(e)).collect();
+    for k in 0..8u8 {
+        let e = write_durable(&mut c, 8192, 200 + k)
+            .await
+            .unwrap_or_else(|e| panic!("write after the move: {e}"));
+        assert!(durable.insert(key(&e)), "{e:?} handed out twice");
+    }
+    check_store(&ha.pg, &durable).await;
+}
+
+/// The client's leader channel, its first allocator a standby: a call the
+/// standby refuses (NOT_LEADER, nothing done) is sent again to the leader
+/// it names, so the caller sees the leader's answer, for GetPool as for
+/// Allocate; with no leader wait the standby's refusal is the caller's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_a_standby_refuses_is_sent_again_to_the_leader() {
+    use aliquot_client::leader::LeaderChannel;
+    let _serial = SERIAL.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let ha = Ha::start(dir.path());
+    let (leader, _) = ha.leader(Duration::from_secs(30)).await;
+    let urls = ha.urls();
+    let standby_first = |wait: Duration| {
+        let order = [1 - leader, leader];
+        LeaderChannel::new(
+            order
+                .iter()
+                .map(|&i| (urls[i].clone(), channel(&urls[i])))
+                .collect(),
+            wait,
+        )
+    };
+    let ch = standby_first(Duration::ZERO);
+    let e = AllocatorClient::new(ch.clone())
+        .get_pool(pb::GetPoolRequest {})
+        .await
+        .expect_err("without a leader wait, the standby's refusal");
+    assert_eq!(reason(&e), "NOT_LEADER", "{e}");
+
+    let ch = standby_first(Duration::from_secs(10));
+    let st = AllocatorClient::new(ch.clone())
+        .get_pool(pb::GetPoolRequest {})
+        .await
+        .expect("the leader's answer")
+        .into_inner();
+    assert_eq!(st.name, "ha");
+    assert_eq!(ch.current(), urls[leader]);
+    let mut c = AllocatorClient::new(standby_first(Duration::from_secs(10)));
+    let a = c
+        .allocate(data(4096))
+        .await
+        .expect("Allocate served by the leader")
+        .into_inner();
+    c.abort(pb::AbortRequest {
+        allocation_ids: vec![a.allocation_id],
+    })
+    .await
+    .expect("abort");
 }

@@ -1,4 +1,4 @@
-//! Issue 27, items 1 and 2, against real processes: a peer that opens
+//! Against real processes: a peer that opens
 //! connections and never finishes a TLS handshake holds at most its caps,
 //! for at most the handshake timeout, while other peers are served; and a
 //! client that sends write bodies slowly (all but the last KiB, then
@@ -12,9 +12,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use aliquot_auth::{PoolCa, Role, TlsFiles};
+use aliquot_auth::{Role, TlsFiles};
 use aliquot_proto::v1 as pb;
-use integration_tests::{Proc, args, bin, tls_args};
+use integration_tests::pool::file_device;
+use integration_tests::secure_pool::{SecurePool, SecurePoolSpec};
+use integration_tests::{Proc, Security, args, start_agent};
 use pb::allocator_client::AllocatorClient;
 use tonic::transport::{Channel, Endpoint};
 
@@ -42,43 +44,31 @@ fn closed_within(s: &mut TcpStream, wait: Duration) -> bool {
 }
 
 /// A TLS allocator with an admin certificate "op" in `dir/certs`, `caps`
-/// added to its flags; its process and port.
-fn tls_allocator(dir: &Path, caps: &[String]) -> (Proc, u16) {
+/// added to its flags, listening on every address (the other peers come
+/// from 127.0.0.2); no agents. Its pool and port.
+async fn tls_allocator(dir: &Path, caps: &[String]) -> (SecurePool, u16) {
     aliquot_auth::listen::raise_fd_limit();
-    let certs = dir.join("certs");
-    let ca = PoolCa::init(&certs, "hardening").unwrap();
-    ca.issue(Role::Allocator, "allocator", &[]).unwrap();
-    ca.issue(Role::Admin, "op", &[]).unwrap();
-    let mut a = args![
-        "--listen",
-        "0.0.0.0:0",
-        "--pool",
-        "hardening",
-        "--data-dir",
-        dir.join("allocator").display(),
-        "--token-key",
-        certs.display(),
-    ];
-    a.extend(caps.iter().cloned());
-    a.extend(tls_args(&certs, Role::Allocator, "allocator"));
-    let alloc = Proc::start(
-        "allocator",
-        &bin("aliquot-allocator"),
-        &a,
-        &[],
-        &["grpc"],
+    let mut flags = args!["--listen", "0.0.0.0:0"];
+    flags.extend(caps.iter().cloned());
+    let sp = SecurePool::start(
         dir,
+        SecurePoolSpec {
+            pool: "hardening",
+            agents: &[],
+            callers: &[(Role::Admin, "op")],
+            allocator_flags: &flags,
+        },
     )
-    .expect("allocator");
-    let port = alloc.addr("grpc").port();
-    (alloc, port)
+    .await;
+    let port = sp.alloc.addr("grpc").port();
+    (sp, port)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_that_never_finishes_handshakes_holds_only_its_caps() {
     let dir = tempfile::tempdir().unwrap();
     let certs = dir.path().join("certs");
-    let (_alloc, port) = tls_allocator(
+    let (_pool, port) = tls_allocator(
         dir.path(),
         &args![
             "--handshake-timeout",
@@ -90,7 +80,8 @@ async fn a_peer_that_never_finishes_handshakes_holds_only_its_caps() {
             "--max-connections-per-peer",
             "64",
         ],
-    );
+    )
+    .await;
     let target: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let url = format!("https://127.0.0.1:{port}");
 
@@ -161,33 +152,25 @@ fn rss_mib(pid: u32) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_write_bodies_pin_bounded_memory_and_are_reset() {
     let dir = tempfile::tempdir().unwrap();
-    let g = args![
-        "--listen",
-        "127.0.0.1:0",
-        "--allocator",
-        "none",
-        "--insecure",
-        "--unchecked-writes",
-        "--path",
-        dir.path().join("d0.img").display(),
-        "--capacity",
-        "1GiB",
-        "--body-timeout",
-        "4s",
-        "--connection-buffer",
-        "32MiB",
-        "--max-buffered",
-        "64MiB",
-    ];
-    let agent = Proc::start(
-        "agent",
-        &bin("aliquot-agent"),
-        &g,
-        &[],
-        &["grpc"],
+    // An agent of no pool, taking any write: the attack is on its
+    // transport, not its tokens.
+    let agent = start_agent(
         dir.path(),
-    )
-    .expect("agent");
+        Security::Plaintext,
+        "none",
+        "d0",
+        &file_device(&dir.path().join("d0.img"), "1GiB"),
+        &args![
+            "--insecure",
+            "--unchecked-writes",
+            "--body-timeout",
+            "4s",
+            "--connection-buffer",
+            "32MiB",
+            "--max-buffered",
+            "64MiB",
+        ],
+    );
     let pid = agent.pid().expect("pid");
     // The fast write path's Write, then WriteBatch (decoded by tonic, read
     // under the same budgets first).
@@ -317,7 +300,7 @@ mod bytes_of {
 async fn idle_connections_do_not_lock_out_a_client_on_the_same_address() {
     let dir = tempfile::tempdir().unwrap();
     let certs = dir.path().join("certs");
-    let (_alloc, port) = tls_allocator(dir.path(), &args!["--max-connections-per-peer", "64"]);
+    let (_pool, port) = tls_allocator(dir.path(), &args!["--max-connections-per-peer", "64"]).await;
     let target: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let url = format!("https://127.0.0.1:{port}");
     let idle: Vec<TcpStream> = (0..1000)

@@ -1,4 +1,4 @@
-//! One hung agent must not stall the pool's writers (issue 10, item 7).
+//! One hung agent must not stall the pool's writers.
 //! Real processes: an allocator and three file agents on loopback, and
 //! `aliquotctl write` with 32 blocks in flight. One agent is stopped with
 //! SIGSTOP for 10 s mid-run and then continued; the write must complete,

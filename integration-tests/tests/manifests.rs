@@ -1,4 +1,4 @@
-//! The README's balancer flow ends where it should (issue 31 item 1), with
+//! The README's balancer flow ends where it should, with
 //! real processes: `aliquotctl write` records a manifest per run in the
 //! pool's data dir by default; `balancer verify --exclusive` tells bytes
 //! another manifest lists and bytes no manifest lists from lost ones;

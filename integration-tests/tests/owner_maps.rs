@@ -1,4 +1,4 @@
-//! Owner maps (issue 25, item 3): the owners of committed extents are kept
+//! Owner maps: the owners of committed extents are kept
 //! as varint rows per vdev and 16 MiB window (`owner_map.rs`), in SQLite and
 //! in PostgreSQL alike. Random commits, frees and moves by three clients over
 //! many windows are persisted txg by txg into both stores and the in-memory

@@ -1,5 +1,5 @@
-//! The Python client's batch write, lease renewal and JSON block references
-//! (issue 31 item 9), against a real pool: `write_blocks` commits many
+//! The Python client's batch write, lease renewal and JSON block references,
+//! against a real pool: `write_blocks` commits many
 //! blocks in one txg with one sync and each reads back; a `Block` survives
 //! `to_json`/`from_json` and still reads; `renew_lease` extends an
 //! allocation in flight; `AsyncPool` (grpc.aio) writes 8 blocks at once,
@@ -106,7 +106,7 @@ fn python_batch_json_and_renew() {
     );
 }
 
-/// `AsyncPool` across an allocator restart (issue 31, item 9): a block
+/// `AsyncPool` across an allocator restart: a block
 /// whose data is on the agents when the allocator is killed with -9 and
 /// restarted is claimed in the new generation (its Commit answers
 /// ALLOCATOR_RESTARTED), made durable, and reads back.

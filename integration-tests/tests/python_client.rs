@@ -190,13 +190,15 @@ fn python_client_writes_reads_and_discovers_over_tls() {
     );
 }
 
-/// The client across a takeover (issue 26): given both allocators of an
+/// The client across a takeover: given both allocators of an
 /// `up --ha` pool, it writes durable blocks, the leading allocator is
 /// killed with -9, and it follows NOT_LEADER to the new leader, waits out
-/// the takeover and the claim window, writes on, and reads everything back.
+/// the takeover and the claim window, writes on, and reads everything back;
+/// so does an `AsyncPool` given both, the killed leader first, which
+/// writes first after the kill.
 const PY_HA: &str = r#"
-import os, sys, time
-from aliquot_client import Pool
+import asyncio, os, sys, time
+from aliquot_client import AsyncPool, Pool
 
 def listener_pid(port):
     inodes = set()
@@ -218,7 +220,19 @@ pool = Pool(sys.argv[1], allocator_wait=60)
 before = [pool.write_block(bytes([i]) * 65536) for i in range(4)]
 st = pool.get_pool()
 leader = st.leadership.leader
+# The AsyncPool below starts on the first address given: the one killed.
+assert sys.argv[1].split(",")[0].split("://")[-1] == leader.split("://")[-1], (sys.argv[1], leader)
 os.kill(listener_pid(int(leader.rsplit(":", 1)[1])), 9)
+
+async def aio_after():
+    async with AsyncPool(sys.argv[1], allocator_wait=60) as ap:
+        t0 = time.time()
+        bs = [await ap.write_block(bytes([200 + i]) * 65536) for i in range(4)]
+        took = time.time() - t0
+        for i, b in enumerate(bs):
+            assert await ap.read_block(b) == bytes([200 + i]) * 65536, i
+        return bs, took
+aio_blocks, aio_took = asyncio.run(aio_after())
 t0 = time.time()
 after = [pool.write_block(bytes([100 + i]) * 65536) for i in range(4)]
 took = time.time() - t0
@@ -230,7 +244,10 @@ for i, b in enumerate(before):
     assert pool.read_block(b) == bytes([i]) * 65536, i
 for i, b in enumerate(after):
     assert pool.read_block(b) == bytes([100 + i]) * 65536, i
-print("takeover followed: %d blocks before, %d after (%.1f s), all read back" % (len(before), len(after), took))
+for i, b in enumerate(aio_blocks):
+    assert pool.read_block(b) == bytes([200 + i]) * 65536, i
+print("takeover followed: %d blocks before; after, AsyncPool %d (%.1f s) and Pool %d (%.1f s), all read back"
+      % (len(before), len(aio_blocks), aio_took, len(after), took))
 "#;
 
 #[test]

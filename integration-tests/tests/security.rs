@@ -49,6 +49,8 @@ async fn pool_over_mutual_tls_with_write_tokens() {
     let mut ac = aliquot_allocator::Config::with_listen("127.0.0.1:0".parse().unwrap());
     ac.data_dir = dir.path().join("allocator");
     ac.token_key = Some(certs.clone());
+    // The operator admits file0's device ahead (`--admit-agent file0`).
+    ac.admit_agents = vec![("file0".into(), None)];
     set_tls(&mut ac.tls, files(Role::Allocator, "allocator"));
     let store = std::sync::Arc::new(aliquot_allocator::MemStore::new());
     let allocator = aliquot_allocator::start(ac, store).await.unwrap();
@@ -127,7 +129,7 @@ async fn pool_over_mutual_tls_with_write_tokens() {
         .await
         .unwrap();
     // The agent registered over mutual TLS with its own certificate, so it
-    // holds its vdev's MAC key: the token is a MAC (issue 28), and one
+    // holds its vdev's MAC key: the token is a MAC, and one
     // widened, or made under another key, is refused as forged.
     let token = &reply.tokens[0];
     assert_eq!(
@@ -299,6 +301,10 @@ async fn start_allocator_with(
     std::sync::Arc<aliquot_allocator::SqliteStore>,
 ) {
     let mut ac = aliquot_allocator::Config::with_listen("127.0.0.1:0".parse().unwrap());
+    // The operator admits these agents' devices ahead (`--admit-agent`).
+    ac.admit_agents = ["file0", "file1", "d0"]
+        .map(|n| (n.to_string(), None))
+        .to_vec();
     tweak(&mut ac);
     ac.data_dir = dir.join("allocator");
     ac.token_key = Some(certs.to_owned());
@@ -565,7 +571,7 @@ async fn identities_own_their_allocations_devices_and_metrics() {
     assert!(e.message().contains("needs role admin"), "{e:?}");
 
     // An expired allocation of alice's: bob is told NOT_OWNER, not its
-    // state (issue 27, item 8); alice is told it expired.
+    // state; alice is told it expired.
     let short = alice
         .allocate(pb::AllocateRequest {
             lease_ms: 200,
@@ -819,7 +825,7 @@ fn up_is_tls_by_default_and_status_works() {
     );
 }
 
-/// Issue 27, item 7: a client holds at most --max-leased-per-client bytes
+/// A client holds at most --max-leased-per-client bytes
 /// in flight, and no allocation outlives --max-lease-lifetime by renewing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leases_are_bounded_per_client_and_in_lifetime() {

@@ -1,4 +1,4 @@
-//! `aliquotctl status` as a script reads it (issue 31 item 6), against a
+//! `aliquotctl status` as a script reads it, against a
 //! real pool: `--json` carries what the table shows (the health line and
 //! its reasons, each vdev's VAR, the class's MIN/MAX VAR, STDDEV and
 //! spread), and `status --watch` into a pipe writes tables one after

@@ -1,4 +1,4 @@
-//! Issue 25, item 1, across real processes: the allocator's store is checked
+//! Across real processes: the allocator's store is checked
 //! against what the devices' labels saw. Agents write the pool's guid and
 //! its last synced txg to their labels at every report; at registration the
 //! allocator refuses a store older than a label (an older copy of the data

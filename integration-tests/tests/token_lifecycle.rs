@@ -1,4 +1,4 @@
-//! Issue 25, item 2, across real processes: a write token dies with its
+//! Across real processes: a write token dies with its
 //! block. Alice allocates, writes and commits: her token is revoked at the
 //! agent within a report interval. She frees; Bob is given the same space,
 //! writes and commits; Alice's old (bearer) token is refused and Bob's
@@ -159,7 +159,7 @@ async fn a_token_dies_when_its_space_is_given_to_someone_else() {
     );
     assert!(e.message().contains("allocate again"), "{e}");
     let be = bob.extents[0];
-    // Reads need a read token (issue 25 item 4), from the allocator.
+    // Reads need a read token, from the allocator.
     let token = c
         .read_tokens(pb::ReadTokensRequest { extents: vec![be] })
         .await

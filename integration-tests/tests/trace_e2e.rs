@@ -592,10 +592,10 @@ async fn allocate_stream_carries_the_trace_context() {
         .map(|s| s.trace_id.as_str())
         .collect();
     assert_eq!(block_traces.len(), 3, "a trace per block");
-    // Each block's trace holds its own Allocate and Commit stream messages
-    // (issue 31 item 5), under its aliquotctl.block root.
+    // Each block's trace holds its own Allocate and Commit stream messages,
+    // under its aliquotctl.block root.
     for t in &block_traces {
-        for op in ["aliquotctl.stream.allocate", "aliquotctl.stream.commit"] {
+        for op in ["aliquot.stream.allocate", "aliquot.stream.commit"] {
             assert!(
                 spans
                     .iter()
@@ -634,7 +634,7 @@ async fn allocate_stream_carries_the_trace_context() {
                 .get(s.parent_span_id.as_str())
                 .expect("its parent was exported");
             assert_eq!(parent.service, CTL);
-            assert_eq!(parent.name, format!("aliquotctl.{op}"));
+            assert_eq!(parent.name, format!("aliquot.{op}"));
         }
     }
     assert!(

@@ -133,7 +133,7 @@ fn history_verify_and_removal_follow_up() {
         std::thread::sleep(Duration::from_millis(300));
     };
     assert!(table.contains("file0"), "{table}");
-    // Events name their vdev (issue 31 item 10), not just its id.
+    // Events name their vdev, not just its id.
     assert!(
         table
             .lines()
@@ -307,6 +307,15 @@ fn a_vdev_added_by_hand_as_the_readme_says_joins_the_pool() {
         .spawn()
         .expect("serve agent");
     let _agent = TermOnDrop(agent);
+    // Its device waits as pending until the operator adds it.
+    let added = ok_stdout(
+        &run(&["vdev", "add", "file3", "--allocator", &url, "--wait", "60s"]),
+        "vdev add file3",
+    );
+    assert!(
+        added.contains("file3") && added.contains("added"),
+        "{added}"
+    );
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let o = run(&["status", "--json", "--allocator", &url]);

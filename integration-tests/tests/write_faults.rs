@@ -1,4 +1,4 @@
-//! Issue 25, item 6, across real processes: `aliquotctl write` survives a
+//! Across real processes: `aliquotctl write` survives a
 //! kill -9 of the allocator and of an agent in the middle of a run. Blocks
 //! whose agent write fails on the transport (or whose agent restarted and
 //! no longer honours the token) are written again elsewhere; the writer

@@ -12,4 +12,5 @@ pub mod v1 {
 /// The encoded descriptor set, for gRPC reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] = tonic::include_file_descriptor_set!("aliquot_descriptor");
 
+pub mod error;
 pub mod reflection;

@@ -7,22 +7,34 @@ lease that ended (LEASE_EXPIRED) means the same; an allocator that restarted
 before the block's txg synced (ALLOCATOR_RESTARTED) gets the block's extents
 re-asserted with Claim while its claim window is open, each extent answered
 on its own (the data is on the agents already); after the window, or when
-an extent is refused, the block is written again.
+an extent is refused, the block is written again, and what the first
+Commit may have made durable before the generation ended is given back
+(claimed, then freed). Allocations of a generation that ended are never
+aborted by id: in the new one their ids may name someone else's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import socket
 import time
-from typing import Dict, List, Optional, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Dict, Iterable, List, Optional, Sequence
 
 import grpc
 from grpc_status import rpc_status
 from google.rpc import error_details_pb2
 
-from aliquot.v1 import agent_pb2, agent_pb2_grpc, allocator_pb2, allocator_pb2_grpc, common_pb2
+from aliquot.v1 import agent_pb2_grpc, allocator_pb2, allocator_pb2_grpc
+
+from . import protocol
+from .protocol import (  # noqa: F401 (the package's names since before protocol.py)
+    Block,
+    ErrorReason,
+    all_claimed,
+    claim_window_open,
+    claimed_extents,
+)
 
 # A 16 MiB block plus framing, as the servers accept.
 MAX_MESSAGE = 17 * 1024 * 1024
@@ -39,22 +51,6 @@ _OPTIONS = [
 ]
 # Codes on which a call that is safe to repeat is repeated.
 _TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-
-
-class ErrorReason:
-    """The `reason` names of the google.rpc.ErrorInfo Aliquot errors carry."""
-
-    LEASE_EXPIRED = "LEASE_EXPIRED"
-    ALLOCATOR_RESTARTED = "ALLOCATOR_RESTARTED"
-    NO_SPACE = "NO_SPACE"
-    FRAGMENTED = "FRAGMENTED"
-    VDEVS_OFFLINE = "VDEVS_OFFLINE"
-    CLAIM_CONFLICT = "CLAIM_CONFLICT"
-    UNKNOWN_ALLOCATION = "UNKNOWN_ALLOCATION"
-    TXG_WAIT = "TXG_WAIT"
-    SHUTTING_DOWN = "SHUTTING_DOWN"
-    NOT_OWNER = "NOT_OWNER"
-    NOT_LEADER = "NOT_LEADER"
 
 
 def error_info(err: grpc.RpcError) -> Optional[error_details_pb2.ErrorInfo]:
@@ -77,25 +73,6 @@ def error_reason(err: grpc.RpcError) -> Optional[str]:
     """The machine-readable reason of an Aliquot error (see `ErrorReason`)."""
     info = error_info(err)
     return info.reason if info is not None else None
-
-
-def claim_window_open(err: "AliquotError") -> bool:
-    """Whether an ALLOCATOR_RESTARTED error says the new generation's claim
-    window is still open (a Claim may still take back what was written)."""
-    try:
-        return int(err.metadata.get("claim_window_remaining_ms", "0")) > 0
-    except ValueError:
-        return False
-
-
-def all_claimed(reply: allocator_pb2.ClaimReply) -> bool:
-    """Every extent of a per-extent Claim was claimed (an allocator that
-    answers all or nothing sends no results when it claimed them all)."""
-    return all(x.claimed for x in reply.results)
-
-
-def claimed_extents(reply: allocator_pb2.ClaimReply) -> List[allocator_pb2.Extent]:
-    return [x.extent for x in reply.results if x.claimed]
 
 
 def _speaks_tls(target: str) -> bool:
@@ -197,54 +174,28 @@ class Tls:
         )
 
 
-@dataclasses.dataclass(frozen=True)
-class Block:
-    """A committed block: where its copies are and the txg that makes it durable."""
-
-    length: int  # bytes of data (extents are rounded up to each vdev's ashift)
-    extents: List[common_pb2.Extent]
-    endpoints: List[str]
-    txg: int
-    generation: int
-    synced: bool
-
-    def to_json(self) -> str:
-        """The block as JSON, to persist a reference (64-bit integers as
-        strings, as the proto3 JSON mapping and `aliquotctl` write them)."""
-        return json.dumps(
-            {
-                "length": self.length,
-                "extents": [
-                    {"vdev": e.vdev, "offset": str(e.offset), "size": str(e.size)}
-                    for e in self.extents
-                ],
-                "endpoints": list(self.endpoints),
-                "txg": str(self.txg),
-                "generation": str(self.generation),
-                "synced": self.synced,
-            }
-        )
-
-    @staticmethod
-    def from_json(text: str) -> "Block":
-        """A block from `to_json`'s text."""
-        d = json.loads(text)
-        return Block(
-            length=int(d["length"]),
-            extents=[
-                common_pb2.Extent(vdev=int(e["vdev"]), offset=int(e["offset"]), size=int(e["size"]))
-                for e in d["extents"]
-            ],
-            endpoints=[str(ep) for ep in d["endpoints"]],
-            txg=int(d["txg"]),
-            generation=int(d["generation"]),
-            synced=bool(d["synced"]),
-        )
-
-
 def _target(url: str) -> str:
     """`https://host:port` -> `host:port` (what grpc channels take)."""
     return url.split("://", 1)[-1].rstrip("/")
+
+
+def allocator_targets(allocator) -> List[str]:
+    """The allocators' host:port from one address, several separated by
+    commas, or a list."""
+    urls = allocator.split(",") if isinstance(allocator, str) else list(allocator)
+    return [_target(u.strip()) for u in urls if u.strip()]
+
+
+def follow(leader: protocol.Leader, called: str, err: grpc.RpcError) -> None:
+    """Move `leader` after the call to allocator `called` failed with `err`
+    (a blocking or an asyncio call's error)."""
+    info = error_info(err)
+    leader.follow(
+        called,
+        err.code() in _TRANSIENT,
+        info.reason if info is not None else None,
+        _target(info.metadata.get("leader", "")) if info is not None else "",
+    )
 
 
 class Pool:
@@ -275,44 +226,24 @@ class Pool:
         self.attempts = attempts
         self.allocator_wait = allocator_wait
         self._creds = tls.credentials() if tls is not None else None
-        urls = allocator.split(",") if isinstance(allocator, str) else list(allocator)
-        targets = [_target(u.strip()) for u in urls if u.strip()]
-        if not targets:
-            raise ValueError("no allocator address given")
-        self._allocators = []
-        for t in targets:
+        self._leader = protocol.Leader(allocator_targets(allocator))
+        self._allocators = {}
+        for t in self._leader.targets:
             ch = self._channel(t, "allocator.aliquot")
-            self._allocators.append((t, ch, allocator_pb2_grpc.AllocatorStub(ch)))
-        self._leader = 0
+            self._allocators[t] = (ch, allocator_pb2_grpc.AllocatorStub(ch))
         self._agents: Dict[str, agent_pb2_grpc.VdevAgentStub] = {}
-        self._channels = [ch for _, ch, _ in self._allocators]
+        self._channels = [ch for ch, _ in self._allocators.values()]
 
     @property
     def allocator(self) -> allocator_pb2_grpc.AllocatorStub:
         """The stub of the allocator believed to lead."""
-        return self._allocators[self._leader][2]
+        return self._allocators[self._leader.target][1]
 
     @property
     def allocator_channel(self) -> grpc.Channel:
         """The channel to the allocator believed to lead (for reflection or
         stubs of your own)."""
-        return self._allocators[self._leader][1]
-
-    def _follow(self, err: grpc.RpcError) -> None:
-        """After a failed call: move to the leader a NOT_LEADER names, or
-        (another allocator unreachable or standing by) to the next one."""
-        if len(self._allocators) < 2:
-            return
-        info = error_info(err)
-        if info is not None and info.reason == ErrorReason.NOT_LEADER:
-            leader = _target(info.metadata.get("leader", ""))
-            for i, (t, _, _) in enumerate(self._allocators):
-                if leader and t == leader:
-                    self._leader = i
-                    return
-        if info is None or info.reason == ErrorReason.NOT_LEADER:
-            if err.code() in _TRANSIENT:
-                self._leader = (self._leader + 1) % len(self._allocators)
+        return self._allocators[self._leader.target][0]
 
     def _channel(self, target: str, server_name: str) -> grpc.Channel:
         if self._creds is None:
@@ -344,29 +275,87 @@ class Pool:
         return AliquotError(
             what,
             err,
-            target=target or self._allocators[self._leader][0],
+            target=target or self._leader.target,
             tls=self.tls is not None,
         )
 
-    # ---- calls safe to repeat ------------------------------------------------
+    # ---- carrying out protocol.py's operations -------------------------------
 
-    def _repeat(self, what: str, call, *args, **kwargs):
-        """`call` again on a transient failure, with backoff. A method name
-        (str) is looked up on the allocator believed to lead at each try,
-        so a retry after NOT_LEADER goes to the leader."""
+    def _run(self, op):
+        """Carry out a protocol operation (a generator of protocol.py) with
+        blocking calls; its result."""
+        done, x = protocol.advance(op)
+        while not done:
+            try:
+                value, error = self._do(x), None
+            except Exception as e:
+                value, error = None, e
+            done, x = protocol.advance(op, value, error)
+        return x
+
+    def _do(self, step):
+        if isinstance(step, protocol.Call):
+            return self._call(step)
+        if isinstance(step, protocol.Parallel):
+            return self._parallel(step)
+        if isinstance(step, protocol.Sleep):
+            time.sleep(step.seconds)
+            return None
+        raise TypeError(f"unknown protocol step {step!r}")
+
+    def _call(self, c: protocol.Call):
+        timeout = None if c.unbounded else self.timeout
+        if c.agent is not None:
+            try:
+                return getattr(self.agent(c.agent), c.method)(c.request, timeout=timeout)
+            except grpc.RpcError as e:
+                raise self._error(c.what, e, target=_target(c.agent)) from e
         deadline = time.monotonic() + self.allocator_wait
         attempt = 0
         while True:
+            target = self._leader.target
             try:
-                fn = getattr(self.allocator, call) if isinstance(call, str) else call
-                return fn(*args, timeout=self.timeout, **kwargs)
+                return getattr(self._allocators[target][1], c.method)(c.request, timeout=timeout)
             except grpc.RpcError as e:
-                self._follow(e)
-                if e.code() in _TRANSIENT and time.monotonic() < deadline:
+                follow(self._leader, target, e)
+                if c.repeat and e.code() in _TRANSIENT and time.monotonic() < deadline:
+                    # Away, restarting or taken over: wait (allocator_wait).
                     time.sleep(min(0.1 * 2**attempt, 1.0))
                     attempt += 1
                     continue
-                raise self._error(what, e) from e
+                raise self._error(c.what, e) from e
+
+    def _parallel(self, p: protocol.Parallel) -> list:
+        s = protocol.Schedule(p)
+
+        def inline(op) -> Future:
+            # One at a time: no thread to hand it to.
+            f: Future = Future()
+            try:
+                f.set_result(self._run(op))
+            except Exception as e:
+                f.set_exception(e)
+            return f
+
+        if p.limit <= 1:
+            while s.start(inline):
+                for f in list(s.running):
+                    s.finished(f)
+            return s.results()
+        with ThreadPoolExecutor(max_workers=p.limit) as ex:
+            while s.start(lambda op: ex.submit(self._run, op)):
+                done, _ = wait(s.running, return_when=FIRST_COMPLETED)
+                for f in done:
+                    s.finished(f)
+        return s.results()
+
+    # ---- the API ---------------------------------------------------------------
+
+    def _repeat(self, what: str, method: str, req):
+        """Call `method` of the allocator believed to lead, repeated on a
+        transient failure with backoff (a retry after NOT_LEADER goes to
+        the leader)."""
+        return self._call(protocol.Call(what, method, req, repeat=True))
 
     def sync_txg(self, txg: int = 0, generation: int = 0) -> int:
         """Wait until `txg` (0: the open one) has synced; the synced txg.
@@ -377,160 +366,31 @@ class Pool:
         `free` carries its own."""
         if not generation:
             generation = getattr(txg, "generation", 0)
-        r = self._repeat(
-            "sync txg",
-            "SyncTxg",
-            allocator_pb2.SyncTxgRequest(txg=int(txg), generation=generation),
-        )
-        return r.synced_txg
+        return self._run(protocol.sync_txg(txg, generation))
 
     def free(self, blocks: Sequence[Block]) -> "Txg":
         """Free blocks' extents; the txg the frees belong to (an int that
         also carries the allocator generation it belongs to)."""
-        extents = [e for b in blocks for e in b.extents]
-        # The allocator takes at most 4096 extents per Free.
-        txg, generation = 0, 0
-        for i in range(0, len(extents), 4096):
-            r = self._repeat(
-                "free", "Free", allocator_pb2.FreeRequest(extents=extents[i : i + 4096])
-            )
-            txg, generation = max(txg, r.txg), r.generation
-        return Txg(txg, generation)
+        return Txg(*self._run(protocol.free([e for b in blocks for e in b.extents])))
 
     def get_pool(self) -> allocator_pb2.PoolStatus:
         return self._repeat("get pool", "GetPool", allocator_pb2.GetPoolRequest())
 
-    # ---- the write protocol --------------------------------------------------
-
-    def _allocate(self, size: int, copies: int, log: bool) -> allocator_pb2.AllocateReply:
-        req = allocator_pb2.AllocateRequest(
-            size=size,
-            copies=copies,
-            **{"class": allocator_pb2.ALLOCATION_CLASS_LOG if log else allocator_pb2.ALLOCATION_CLASS_DATA},
-        )
-        deadline = time.monotonic() + self.allocator_wait
-        waits, away = 0, 0
-        while True:
-            try:
-                # No client deadline: a DATA allocation may wait in the
-                # throttle, which is the point of it.
-                return self.allocator.Allocate(req)
-            except grpc.RpcError as e:
-                self._follow(e)
-                info = error_info(e)
-                reason = info.reason if info else None
-                if reason == ErrorReason.TXG_WAIT and waits + 1 < self.attempts:
-                    # Log space comes back when txg `until` syncs.
-                    waits += 1
-                    until = int(info.metadata.get("until", "0"))
-                    self.sync_txg(until, self.get_pool().generation)
-                    continue
-                if e.code() in _TRANSIENT and time.monotonic() < deadline:
-                    # Away, restarting or taken over: wait (allocator_wait).
-                    time.sleep(min(0.1 * 2**away, 1.0))
-                    away += 1
-                    continue
-                raise self._error("allocate", e) from e
-        raise AssertionError("unreachable")
-
     def write_block(
-        self, data: bytes, copies: int = 1, log: bool = False, durable: bool = True
+        self,
+        data: bytes,
+        copies: int = 1,
+        log: bool = False,
+        durable: bool = True,
+        affinity_key: Optional[int] = None,
     ) -> Block:
         """Write one block (1 B ..= 16 MiB) as `copies` copies on distinct
         vdevs and commit it; with `durable`, return once its txg has synced.
+        `affinity_key`: blocks that give one key keep one of the allocator's
+        allocators (its rotor and active metaslabs), as OpenZFS keeps an
+        object's blocks together; unset, the allocators take turns.
         """
-        if not 0 < len(data) <= 16 << 20:
-            raise ValueError(f"a block is 1 B ..= 16 MiB, not {len(data)} bytes")
-        last_error: Optional[Exception] = None
-        for _ in range(self.attempts):
-            r = self._allocate(len(data), copies, log)
-            try:
-                for ext, ep, tok in zip(r.extents, r.endpoints, r.tokens or [b""] * len(r.extents)):
-                    # Extents are rounded up to the vdev's ashift: pad.
-                    payload = data + bytes(ext.size - len(data))
-                    self.agent(ep).Write(
-                        agent_pb2.WriteRequest(offset=ext.offset, data=payload, token=tok),
-                        timeout=self.timeout,
-                    )
-                for ep in sorted(set(r.endpoints)):
-                    self.agent(ep).Flush(agent_pb2.FlushRequest(), timeout=self.timeout)
-            except grpc.RpcError as e:
-                # Nothing references the allocation yet: give it back (the
-                # lease takes it back if this fails too) and start again.
-                last_error = AliquotError("write", e)
-                try:
-                    self.allocator.Abort(
-                        allocator_pb2.AbortRequest(allocation_ids=[r.allocation_id]),
-                        timeout=self.timeout,
-                    )
-                except grpc.RpcError:
-                    pass
-                continue
-            try:
-                c = self._repeat(
-                    "commit",
-                    "Commit",
-                    allocator_pb2.CommitRequest(
-                        allocation_ids=[r.allocation_id],
-                        wait_synced=durable,
-                        generation=r.generation,
-                    ),
-                )
-                txg, generation, synced = c.txg, c.generation, c.synced
-            except AliquotError as e:
-                if e.reason == ErrorReason.LEASE_EXPIRED:
-                    last_error = e
-                    continue
-                if e.reason != ErrorReason.ALLOCATOR_RESTARTED:
-                    raise
-                # The allocator changed generation before the commit's txg
-                # synced (or before the commit). Only inside the new
-                # generation's claim window can the extents be re-asserted:
-                # after it their space may hold another block. Each extent
-                # is answered on its own; unless all are ours again, give
-                # back what was claimed and write the block anew (the data
-                # is in hand).
-                if claim_window_open(e):
-                    try:
-                        cl = self._repeat(
-                            "claim",
-                            "Claim",
-                            allocator_pb2.ClaimRequest(extents=r.extents, per_extent=True),
-                        )
-                    except AliquotError as ce:
-                        # An allocator answering all or nothing refused.
-                        if ce.reason != ErrorReason.CLAIM_CONFLICT:
-                            raise
-                        last_error = ce
-                        continue
-                    if all_claimed(cl):
-                        txg, generation, synced = cl.txg, cl.generation, False
-                        if durable:
-                            self.sync_txg(txg, generation)
-                            synced = True
-                    else:
-                        claimed = claimed_extents(cl)
-                        if claimed:
-                            try:
-                                self._repeat(
-                                    "free", "Free", allocator_pb2.FreeRequest(extents=claimed)
-                                )
-                            except AliquotError:
-                                pass  # at worst their space stays allocated
-                        last_error = e
-                        continue
-                else:
-                    last_error = e
-                    continue
-            return Block(
-                length=len(data),
-                extents=list(r.extents),
-                endpoints=list(r.endpoints),
-                txg=txg,
-                generation=generation,
-                synced=synced,
-            )
-        raise RuntimeError(f"write_block: gave up after {self.attempts} attempts: {last_error}")
+        return self._run(protocol.write_block(data, copies, log, durable, self.attempts, affinity_key))
 
     def renew_lease(self, allocation_ids: Sequence[int], lease_ms: int = 0) -> allocator_pb2.RenewLeaseReply:
         """Extend the lease of allocations still in flight (a long write):
@@ -544,84 +404,26 @@ class Pool:
         )
 
     def write_blocks(
-        self, blocks: Sequence[bytes], copies: int = 1, durable: bool = True
+        self,
+        blocks: Iterable[bytes],
+        copies: int = 1,
+        durable: bool = True,
+        in_flight: int = protocol.IN_FLIGHT,
+        affinity_key: Optional[int] = None,
     ) -> List[Block]:
         """Write many blocks with one Commit (one txg) and, with `durable`,
-        one sync: each is allocated and written to its agents, every agent
-        written is flushed once, then all are committed together. A failed
-        write aborts every allocation of the batch and raises (nothing of
-        it is committed); retry the batch."""
-        if not blocks:
-            return []
-        for d in blocks:
-            if not 0 < len(d) <= 16 << 20:
-                raise ValueError(f"a block is 1 B ..= 16 MiB, not {len(d)} bytes")
-        replies = []
-        try:
-            for d in blocks:
-                r = self._allocate(len(d), copies, False)
-                replies.append(r)
-                for ext, ep, tok in zip(r.extents, r.endpoints, r.tokens or [b""] * len(r.extents)):
-                    self.agent(ep).Write(
-                        agent_pb2.WriteRequest(offset=ext.offset, data=d + bytes(ext.size - len(d)), token=tok),
-                        timeout=self.timeout,
-                    )
-            for ep in sorted({ep for r in replies for ep in r.endpoints}):
-                self.agent(ep).Flush(agent_pb2.FlushRequest(), timeout=self.timeout)
-        except grpc.RpcError as e:
-            if replies:
-                try:
-                    self.allocator.Abort(
-                        allocator_pb2.AbortRequest(allocation_ids=[r.allocation_id for r in replies]),
-                        timeout=self.timeout,
-                    )
-                except grpc.RpcError:
-                    pass
-            raise AliquotError("write batch", e) from e
-        generations = {r.generation for r in replies}
-        if len(generations) != 1:
-            raise RuntimeError("the allocator restarted during the batch: write it again")
-        c = self._repeat(
-            "commit",
-            "Commit",
-            allocator_pb2.CommitRequest(
-                allocation_ids=[r.allocation_id for r in replies],
-                wait_synced=durable,
-                generation=replies[0].generation,
-            ),
+        one sync. At most `in_flight` blocks are allocated and written at
+        once, each reported written as soon as its copies are on their
+        agents (its throttle reservation ends then: a batch larger than the
+        throttle's limit never waits on itself); then every agent written
+        is flushed once and all are committed together. A failure (a write,
+        the commit, or `blocks` raising) aborts every allocation of the
+        batch and raises: nothing of it is committed or stays reserved;
+        retry the batch."""
+        return self._run(
+            protocol.write_blocks(blocks, copies, durable, self.attempts, in_flight, affinity_key)
         )
-        return [
-            Block(
-                length=len(d),
-                extents=list(r.extents),
-                endpoints=list(r.endpoints),
-                txg=c.txg,
-                generation=c.generation,
-                synced=c.synced,
-            )
-            for d, r in zip(blocks, replies)
-        ]
 
     def read_block(self, block: Block, copy: Optional[int] = None) -> bytes:
         """Read a block back: copy `copy`, or the first copy that answers."""
-        order = [copy] if copy is not None else list(range(len(block.extents)))
-        # Agents with the pool's token key read only what a read token
-        # covers; the allocator issues them to the block's owner.
-        tokens = self._repeat(
-            "read tokens",
-            "ReadTokens",
-            allocator_pb2.ReadTokensRequest(extents=[block.extents[i] for i in order]),
-        ).tokens
-        last: Optional[grpc.RpcError] = None
-        for n, i in enumerate(order):
-            ext, ep = block.extents[i], block.endpoints[i]
-            token = tokens[n] if n < len(tokens) else b""
-            try:
-                r = self.agent(ep).Read(
-                    agent_pb2.ReadRequest(offset=ext.offset, size=ext.size, token=token),
-                    timeout=self.timeout,
-                )
-                return r.data[: block.length]
-            except grpc.RpcError as e:
-                last = e
-        raise AliquotError("read", last)
+        return self._run(protocol.read_block(block, copy))

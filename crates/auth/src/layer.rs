@@ -8,19 +8,18 @@
 //! pool certificate, PERMISSION_DENIED (reason `ROLE_NOT_ALLOWED`, metadata
 //! `method`, `role`, `allowed`) when the role may not call the method.
 
-use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
+use aliquot_proto::error::Refusal;
+use aliquot_proto::v1::ErrorReason;
 use tonic::codegen::Service;
 use tonic::codegen::http;
 use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
 use tonic::{Code, Status};
-use tonic_types::{ErrorDetails, StatusExt};
 use tower::Layer;
 
-use crate::DOMAIN;
 use crate::policy;
 use crate::role::{Identity, Role};
 
@@ -114,7 +113,7 @@ pub fn authorize(path: &str, leaf_der: Option<&[u8]>) -> Result<Identity, Status
     let Some(der) = leaf_der else {
         return Err(refuse(
             Code::Unauthenticated,
-            "CERTIFICATE_REQUIRED",
+            ErrorReason::CertificateRequired,
             format!("{path} needs a client certificate from the pool CA (mutual TLS)"),
             path,
             None,
@@ -123,7 +122,7 @@ pub fn authorize(path: &str, leaf_der: Option<&[u8]>) -> Result<Identity, Status
     let Some(id) = Identity::from_cert_der(der) else {
         return Err(refuse(
             Code::Unauthenticated,
-            "CERTIFICATE_REQUIRED",
+            ErrorReason::CertificateRequired,
             format!(
                 "{path}: the client certificate names no Aliquot role (issue one with `aliquotctl certs issue`)"
             ),
@@ -146,7 +145,7 @@ pub fn authorize(path: &str, leaf_der: Option<&[u8]>) -> Result<Identity, Status
     };
     Err(refuse(
         Code::PermissionDenied,
-        "ROLE_NOT_ALLOWED",
+        ErrorReason::RoleNotAllowed,
         format!(
             "{path} needs role {need}; the caller {id} has role {}",
             id.role
@@ -158,16 +157,15 @@ pub fn authorize(path: &str, leaf_der: Option<&[u8]>) -> Result<Identity, Status
 
 fn refuse(
     code: Code,
-    reason: &str,
+    reason: ErrorReason,
     message: String,
     path: &str,
     role: Option<(Role, &[Role])>,
 ) -> Status {
-    let mut meta = HashMap::from([("method".to_owned(), path.to_owned())]);
+    let mut r = Refusal::new(code, reason).with("method", path);
     if let Some((have, allowed)) = role {
-        meta.insert("role".into(), have.to_string());
-        meta.insert(
-            "allowed".into(),
+        r = r.with("role", have).with(
+            "allowed",
             allowed
                 .iter()
                 .map(|r| r.as_str())
@@ -175,9 +173,5 @@ fn refuse(
                 .join(","),
         );
     }
-    Status::with_error_details(
-        code,
-        message,
-        ErrorDetails::with_error_info(reason, DOMAIN, meta),
-    )
+    r.status(message)
 }

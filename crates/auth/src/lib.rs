@@ -35,6 +35,3 @@ pub use token::{ReadTokenError, TokenError, TokenSigner, TokenVerifier, WriteChe
 /// The rustls our TLS is built on, for callers that drive a connection
 /// themselves (the `tls` bench): one version across the workspace.
 pub use tokio_rustls::rustls;
-
-/// The ErrorInfo domain of the reasons this crate gives (the allocator's).
-pub const DOMAIN: &str = "aliquot.v1";

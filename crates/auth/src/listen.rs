@@ -1,6 +1,6 @@
-//! Accepting connections so that no peer can exhaust a server (issue 27,
-//! item 1). Every server (allocator, agents, metrics gRPC and HTTP, the
-//! Prometheus listeners) accepts through here:
+//! Accepting connections so that no peer can exhaust a server. Every server
+//! (allocator, agents, metrics gRPC and HTTP, the Prometheus listeners) accepts
+//! through here:
 //!
 //! * connections in total are capped, and per peer address: plaintext ones
 //!   at accept, TLS ones once their handshake finished (connections that
@@ -27,6 +27,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use telemetry::backoff::Backoff;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, mpsc};
@@ -355,14 +356,17 @@ impl GuardedListener {
     /// `per_peer`: count it against its peer's cap now (plaintext; under
     /// TLS that waits for the finished handshake).
     async fn accept_counted(&self, per_peer: bool) -> (TcpStream, SocketAddr, Slot) {
+        // Starts afresh per accepted connection: only a run of failures
+        // stretches the pause.
+        let mut backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
         loop {
             let (s, addr) = match self.inner.accept().await {
                 Ok(x) => x,
                 Err(e) => {
                     // EMFILE and friends: wait for descriptors to come back
-                    // rather than spin.
+                    // rather than spin, longer while they stay gone.
                     tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    tokio::time::sleep(backoff.next_delay()).await;
                     continue;
                 }
             };

@@ -1,4 +1,4 @@
-//! Capabilities as MACs with per-vdev keys (issue 28): what the allocator
+//! Capabilities as MACs with per-vdev keys: what the allocator
 //! mints per extent at memory speed, where an Ed25519 signature cost ~20 µs.
 //!
 //! The allocator holds a master key (derived from its `token.key`, so no new

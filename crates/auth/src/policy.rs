@@ -4,8 +4,8 @@
 //!
 //! Finer bindings live with the state they bind and use the caller's
 //! [`Identity`](crate::Identity) from the request extensions: an agent
-//! registers and reports only its own device, and Commit/Abort/RenewLease
-//! are honoured only for the identity that allocated.
+//! registers and reports only its own device, and Commit/Abort/RenewLease/
+//! Written are honoured only for the identity that allocated.
 
 use crate::role::Role;
 
@@ -30,10 +30,11 @@ pub fn allowed(path: &str) -> Option<&'static [Role]> {
         | ("grpc.reflection.v1alpha.ServerReflection", _) => ANY,
 
         ("aliquot.v1.Allocator", m) => match m {
-            "Allocate" | "AllocateStream" | "Commit" | "Abort" | "RenewLease" | "Free"
-            | "Claim" | "SyncTxg" | "ReadTokens" => CLIENTS,
+            "Allocate" | "AllocateStream" | "Commit" | "Abort" | "RenewLease" | "Written"
+            | "Free" | "Claim" | "SyncTxg" | "ReadTokens" | "Remap" => CLIENTS,
             "GetPool" | "WatchPool" | "GetTunables" => READERS,
-            "SetTunable" | "SetVdevState" | "ExpandVdev" => ADMIN,
+            // AdmitVdev adds capacity, as `zpool add` does: operators only.
+            "SetTunable" | "SetVdevState" | "ExpandVdev" | "AdmitVdev" => ADMIN,
             // A plan names other clients' extents, and a relocation's commit
             // frees the extent it moves: operators (the mover) only.
             "PlanRebalance" | "Relocate" | "RemoveVdev" => ADMIN,
@@ -45,8 +46,13 @@ pub fn allowed(path: &str) -> Option<&'static [Role]> {
         ("aliquot.v1.AgentRegistry", "Register" | "Report") => AGENTS,
 
         ("aliquot.v1.VdevAgent", m) => match m {
-            // Writes also need a write token; reads a client certificate.
+            // Writes also need a write token; reads a read token.
             "Write" | "WriteBatch" | "Read" | "Flush" => CLIENTS,
+            // An agent reads another (with the allocator's read token) only
+            // to copy a block for the allocator's mover (CopyFrom).
+            "ReadForCopy" => AGENTS,
+            // Only the allocator moves blocks between agents.
+            "CopyFrom" => ALLOCATOR,
             "GetStats" => READERS,
             "SetTunables" => ADMIN,
             _ => return None,
@@ -70,6 +76,8 @@ mod tests {
         let can = |role: Role, path: &str| allowed(path).is_some_and(|r| r.contains(&role));
         assert!(can(Client, "/aliquot.v1.Allocator/Allocate"));
         assert!(!can(Agent, "/aliquot.v1.Allocator/Allocate"));
+        assert!(can(Client, "/aliquot.v1.Allocator/Written"));
+        assert!(!can(Agent, "/aliquot.v1.Allocator/Written"));
         assert!(!can(Client, "/aliquot.v1.AgentRegistry/Register"));
         assert!(!can(Client, "/aliquot.v1.AgentRegistry/Report"));
         assert!(can(Agent, "/aliquot.v1.AgentRegistry/Report"));
@@ -77,6 +85,9 @@ mod tests {
         assert!(can(Admin, "/aliquot.v1.Allocator/SetVdevState"));
         assert!(can(Admin, "/aliquot.v1.Allocator/ExpandVdev"));
         assert!(!can(Client, "/aliquot.v1.Allocator/ExpandVdev"));
+        assert!(can(Admin, "/aliquot.v1.Allocator/AdmitVdev"));
+        assert!(!can(Agent, "/aliquot.v1.Allocator/AdmitVdev"));
+        assert!(!can(Client, "/aliquot.v1.Allocator/AdmitVdev"));
         assert!(can(Admin, "/aliquot.v1.Allocator/PlanRebalance"));
         assert!(!can(Client, "/aliquot.v1.Allocator/PlanRebalance"));
         assert!(can(Admin, "/aliquot.v1.Allocator/Relocate"));
@@ -89,6 +100,11 @@ mod tests {
         assert!(!can(Client, "/aliquot.v1.Metrics/RecordBatch"));
         assert!(can(Allocator, "/aliquot.v1.Metrics/RecordSnapshots"));
         assert!(!can(Agent, "/aliquot.v1.VdevAgent/Read"));
+        assert!(can(Agent, "/aliquot.v1.VdevAgent/ReadForCopy"));
+        assert!(!can(Client, "/aliquot.v1.VdevAgent/ReadForCopy"));
+        assert!(can(Allocator, "/aliquot.v1.VdevAgent/CopyFrom"));
+        assert!(!can(Client, "/aliquot.v1.VdevAgent/CopyFrom"));
+        assert!(!can(Admin, "/aliquot.v1.VdevAgent/CopyFrom"));
         // A batch of writes is a write: the same roles (and tokens).
         for role in [Client, Admin, Agent, Allocator] {
             assert_eq!(

@@ -15,8 +15,11 @@
 
 use std::path::Path;
 
+use aliquot_proto::error::Refusal;
+use aliquot_proto::v1::ErrorReason;
 use ring::rand::SystemRandom;
 use ring::signature::{ED25519, Ed25519KeyPair, KeyPair as _, UnparsedPublicKey};
+use tonic::Code;
 
 use crate::ca::{read, write_new};
 use crate::error::AuthError;
@@ -25,7 +28,7 @@ pub const TOKEN_KEY: &str = "token.key";
 pub const TOKEN_PUB: &str = "token.pub";
 
 const VERSION: u8 = 1;
-/// The first byte of a read capability (issue 25): the same fields, signed
+/// The first byte of a read capability: the same fields, signed
 /// under its own prefix, so a write token never reads and a read token never
 /// writes (HDFS block tokens' access modes).
 const READ_VERSION: u8 = 2;
@@ -129,19 +132,67 @@ pub enum TokenError {
 }
 
 impl TokenError {
-    /// The ErrorInfo reason.
-    pub fn reason(&self) -> &'static str {
-        match self {
-            TokenError::Missing => "WRITE_TOKEN_MISSING",
-            TokenError::Malformed(_) => "WRITE_TOKEN_MALFORMED",
-            TokenError::Forged => "WRITE_TOKEN_FORGED",
-            TokenError::OtherPool { .. } => "WRITE_TOKEN_OTHER_POOL",
-            TokenError::OtherVdev { .. } => "WRITE_TOKEN_OTHER_VDEV",
-            TokenError::OlderGeneration { .. } => "WRITE_TOKEN_OLD_GENERATION",
-            TokenError::Expired { .. } => "WRITE_TOKEN_EXPIRED",
-            TokenError::OutOfRange { .. } => "WRITE_TOKEN_OUT_OF_RANGE",
+    /// The write's refusal: code, `WRITE_TOKEN_*` reason, the token's values.
+    pub fn refusal(&self) -> Refusal {
+        self.refusal_of(Access::Write)
+    }
+
+    /// The one table of token refusals, of writes and of reads: the same
+    /// code and values, each access its own reason.
+    fn refusal_of(&self, access: Access) -> Refusal {
+        use ErrorReason as R;
+        let reason = |write, read| match access {
+            Access::Write => write,
+            Access::Read => read,
+        };
+        let denied = |write, read| Refusal::new(Code::PermissionDenied, reason(write, read));
+        match *self {
+            TokenError::Missing => Refusal::new(
+                Code::Unauthenticated,
+                reason(R::WriteTokenMissing, R::ReadTokenMissing),
+            ),
+            TokenError::Malformed(len) => {
+                denied(R::WriteTokenMalformed, R::ReadTokenMalformed).with("len", len)
+            }
+            TokenError::Forged => denied(R::WriteTokenForged, R::ReadTokenForged),
+            TokenError::OtherPool { token, agent } => {
+                denied(R::WriteTokenOtherPool, R::ReadTokenOtherPool)
+                    .with("token_pool_guid", format!("{token:#x}"))
+                    .with("pool_guid", format!("{agent:#x}"))
+            }
+            TokenError::OtherVdev { token, agent } => {
+                denied(R::WriteTokenOtherVdev, R::ReadTokenOtherVdev)
+                    .with("token_vdev", token)
+                    .with("vdev", agent)
+            }
+            TokenError::OlderGeneration { token, known } => {
+                denied(R::WriteTokenOldGeneration, R::ReadTokenOldGeneration)
+                    .with("token_generation", token)
+                    .with("generation", known)
+            }
+            TokenError::Expired { expires_ms, now_ms } => {
+                denied(R::WriteTokenExpired, R::ReadTokenExpired)
+                    .with("expires_ms", expires_ms)
+                    .with("now_ms", now_ms)
+            }
+            TokenError::OutOfRange {
+                offset,
+                len,
+                token_offset,
+                token_size,
+            } => denied(R::WriteTokenOutOfRange, R::ReadTokenOutOfRange)
+                .with("offset", offset)
+                .with("len", len)
+                .with("token_offset", token_offset)
+                .with("token_size", token_size),
         }
     }
+}
+
+#[derive(Clone, Copy)]
+enum Access {
+    Write,
+    Read,
 }
 
 /// A read refused by the same checks: said of reads, with `READ_TOKEN_*`
@@ -151,18 +202,9 @@ impl TokenError {
 pub struct ReadTokenError(pub TokenError);
 
 impl ReadTokenError {
-    /// The ErrorInfo reason.
-    pub fn reason(&self) -> &'static str {
-        match self.0 {
-            TokenError::Missing => "READ_TOKEN_MISSING",
-            TokenError::Malformed(_) => "READ_TOKEN_MALFORMED",
-            TokenError::Forged => "READ_TOKEN_FORGED",
-            TokenError::OtherPool { .. } => "READ_TOKEN_OTHER_POOL",
-            TokenError::OtherVdev { .. } => "READ_TOKEN_OTHER_VDEV",
-            TokenError::OlderGeneration { .. } => "READ_TOKEN_OLD_GENERATION",
-            TokenError::Expired { .. } => "READ_TOKEN_EXPIRED",
-            TokenError::OutOfRange { .. } => "READ_TOKEN_OUT_OF_RANGE",
-        }
+    /// The read's refusal: as the write's, with `READ_TOKEN_*` reasons.
+    pub fn refusal(&self) -> Refusal {
+        self.0.refusal_of(Access::Read)
     }
 }
 

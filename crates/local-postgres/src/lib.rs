@@ -5,8 +5,12 @@
 //! `ALIQUOT_PG_BIN`, Debian's `/usr/lib/postgresql/<version>/bin`, or PATH
 //! (`.ci/run` installs Debian's `postgresql` package where they are
 //! missing). PostgreSQL refuses to run as root: as root the server runs as
-//! the `postgres` user (Debian's package creates it) or `nobody`.
+//! the `postgres` user (Debian's package creates it) or `nobody`, and
+//! reaches its directory through a handle root opened
+//! (`/proc/self/fd/N`), so a private parent folder (`mktemp -d`, `/root`)
+//! that user may not pass through is no obstacle.
 
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -33,6 +37,10 @@ pub struct Postgres {
     dir: Dir,
     bin: PathBuf,
     user: Option<(u32, u32)>,
+    /// With `user`: the directory opened by root, handed to initdb and the
+    /// server, which open their files beneath it by `/proc/self/fd/N`
+    /// (the kernel checks no parent directory's permissions on that way).
+    dir_fd: Option<OwnedFd>,
     child: Option<Child>,
     /// fsync off (tests only).
     fast: bool,
@@ -59,19 +67,30 @@ pub fn bin_dir() -> Option<PathBuf> {
     })
 }
 
-/// uid and gid of `name` from /etc/passwd.
+/// uid and gid of the user `name`, by the C library's user database
+/// (getpwnam_r: /etc/passwd, or whatever NSS the host configures).
 fn user_ids(name: &str) -> Option<(u32, u32)> {
-    let passwd = std::fs::read_to_string("/etc/passwd").ok()?;
-    passwd.lines().find_map(|l| {
-        let f: Vec<&str> = l.split(':').collect();
-        (f.len() > 3 && f[0] == name).then(|| Some((f[2].parse().ok()?, f[3].parse().ok()?)))?
-    })
+    let cname = std::ffi::CString::new(name).ok()?;
+    let mut buf = vec![0 as libc::c_char; 16 * 1024];
+    // SAFETY: all-zero is a valid `passwd` (null pointers, zero ids);
+    // getpwnam_r only writes through the pointers given, within `buf.len()`.
+    let mut pwd: libc::passwd = unsafe { std::mem::zeroed() };
+    let mut found: *mut libc::passwd = std::ptr::null_mut();
+    let rc = unsafe {
+        libc::getpwnam_r(
+            cname.as_ptr(),
+            &mut pwd,
+            buf.as_mut_ptr(),
+            buf.len(),
+            &mut found,
+        )
+    };
+    (rc == 0 && !found.is_null()).then_some((pwd.pw_uid, pwd.pw_gid))
 }
 
 fn is_root() -> bool {
-    std::fs::metadata("/proc/self")
-        .map(|m| std::os::unix::fs::MetadataExt::uid(&m) == 0)
-        .unwrap_or(false)
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() == 0 }
 }
 
 fn chown_tree(p: &Path, uid: u32, gid: u32) -> std::io::Result<()> {
@@ -101,6 +120,20 @@ impl Postgres {
             .expect("tempdir");
         let mut pg =
             Postgres::prepare(Dir::Temp(dir), free_port()).unwrap_or_else(|e| panic!("{e}"));
+        pg.launch_on_a_free_port().unwrap_or_else(|e| panic!("{e}"));
+        pg
+    }
+
+    /// [`Postgres::start`] with fsync on, as a pool's own server runs: for
+    /// benches whose figures must include the disk flush.
+    pub fn start_durable() -> Postgres {
+        let dir = tempfile::Builder::new()
+            .prefix("aliquot-pg-")
+            .tempdir()
+            .expect("tempdir");
+        let mut pg =
+            Postgres::prepare(Dir::Temp(dir), free_port()).unwrap_or_else(|e| panic!("{e}"));
+        pg.fast = false;
         pg.launch_on_a_free_port().unwrap_or_else(|e| panic!("{e}"));
         pg
     }
@@ -160,11 +193,20 @@ impl Postgres {
                 .map_err(|e| format!("cannot chown {}: {e}", dir.path().display()))?;
         }
         let fast = matches!(dir, Dir::Temp(_));
+        let dir_fd = match user {
+            Some(_) => Some(
+                std::fs::File::open(dir.path())
+                    .map_err(|e| format!("cannot open {}: {e}", dir.path().display()))?
+                    .into(),
+            ),
+            None => None,
+        };
         let pg = Postgres {
             port,
             dir,
             bin,
             user,
+            dir_fd,
             child: None,
             fast,
         };
@@ -172,7 +214,7 @@ impl Postgres {
             let out = pg
                 .command("initdb")
                 .args(["-D"])
-                .arg(pg.data())
+                .arg(pg.server_data())
                 .args(["-U", "aliquot", "--auth=trust", "-E", "UTF8", "--no-sync"])
                 .output()
                 .map_err(|e| format!("cannot run initdb: {e}"))?;
@@ -195,15 +237,53 @@ impl Postgres {
         self.dir.path().join("data")
     }
 
+    /// The data dir as initdb and the server name it: through the handle
+    /// when they run as another user.
+    fn server_data(&self) -> PathBuf {
+        self.server_dir().join("data")
+    }
+
+    /// The directory as initdb and the server name it.
+    fn server_dir(&self) -> PathBuf {
+        match &self.dir_fd {
+            Some(fd) => PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd())),
+            None => self.dir.path().to_path_buf(),
+        }
+    }
+
     fn log(&self) -> PathBuf {
         self.dir.path().join("postgres.log")
     }
 
     fn command(&self, prog: &str) -> Command {
         let mut c = Command::new(self.bin.join(prog));
-        c.current_dir(self.dir.path()).stdin(Stdio::null());
+        c.stdin(Stdio::null());
         if let Some((uid, gid)) = self.user {
             c.uid(uid).gid(gid);
+        }
+        match &self.dir_fd {
+            Some(fd) => {
+                let raw = fd.as_raw_fd();
+                // The child starts as the other user: "/" it may enter; the
+                // handle stays open across exec (std opens files CLOEXEC).
+                c.current_dir("/");
+                // SAFETY: fcntl is async-signal-safe and touches only the
+                // child's own descriptor table.
+                unsafe {
+                    c.pre_exec(move || {
+                        let flags = libc::fcntl(raw, libc::F_GETFD);
+                        if flags < 0
+                            || libc::fcntl(raw, libc::F_SETFD, flags & !libc::FD_CLOEXEC) < 0
+                        {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                        Ok(())
+                    });
+                }
+            }
+            None => {
+                c.current_dir(self.dir.path());
+            }
         }
         c
     }
@@ -233,13 +313,13 @@ impl Postgres {
         let child = self
             .command("postgres")
             .arg("-D")
-            .arg(self.data())
+            .arg(self.server_data())
             .args(["-p", &self.port.to_string()])
             .args(["-c", "listen_addresses=127.0.0.1"])
             .arg("-c")
             .arg(format!(
                 "unix_socket_directories={}",
-                self.dir.path().display()
+                self.server_dir().display()
             ))
             .args(["-c", "max_connections=200"])
             // A test machine does not lose power; crash safety of the
@@ -328,5 +408,15 @@ impl Drop for Postgres {
                 let _ = c.wait();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn user_ids_come_from_the_user_database() {
+        assert_eq!(super::user_ids("root"), Some((0, 0)));
+        assert_eq!(super::user_ids("no-such-user-aliquot"), None);
+        assert_eq!(super::user_ids("bad\0name"), None);
     }
 }

@@ -1,7 +1,9 @@
 //! Admission: a request becomes a ticket the throttle admits now or
-//! queues FIFO (unified: bytes against the class limit, §3.7–3.8; legacy:
-//! slots, §4.4), tickets leave the queue as space comes back, and whether
-//! the pool is busy (§3.5, the spec preface's dirty-data rule).
+//! queues FIFO (unified: bytes against the class limit,
+//! `metaslab_class_throttle_reserve@zfs-2.4.0`; legacy: slots, the same
+//! function at zfs-2.3.0), tickets leave the queue as space comes back, and
+//! whether the pool is busy (the dirty-data rule inside
+//! `metaslab.c:metaslab_class_rotate@zfs-2.4.0`).
 
 use crate::throttle::{legacy, unified};
 use crate::{
@@ -64,7 +66,8 @@ impl Pool {
             return Ok(Submitted::Ready(ticket));
         }
         if policy == ThrottlePolicy::Unified && req.size > c.alloc_io_size {
-            // A larger block raises the estimate and rebalances now (§3.4).
+            // A larger block raises the estimate and rebalances now
+            // (`metaslab_class_throttle_reserve@zfs-2.4.0`).
             c.alloc_io_size = req.size;
             self.metaslab_class_balance(NORMAL, false);
         }
@@ -111,7 +114,7 @@ impl Pool {
     }
 
     /// Admit waiters from the head of every allocator's queue while its
-    /// budget allows (§3.8).
+    /// budget allows (`zio.c:zio_allocate_dispatch@zfs-2.4.0`).
     pub(crate) fn dispatch(&mut self) {
         for lane in 0..self.classes[NORMAL].waiters.len() {
             self.dispatch_lane(lane);
@@ -279,7 +282,7 @@ impl Pool {
         self.classes[NORMAL].space.saturating_sub(nonallocating)
     }
 
-    /// Slop space (spec §5.6), raw bytes, on [`Self::rdspace`]
+    /// Slop space, raw bytes, on [`Self::rdspace`]
     /// (`spa_misc.c:spa_get_slop_space@zfs-2.4.0`).
     pub(crate) fn spa_get_slop_space(&self) -> u64 {
         let rd = self.rdspace();

@@ -3,9 +3,9 @@
 //! `ceph balancer eval`), and each vdev's VAR (`ceph osd df`).
 //!
 //! OpenZFS balances only at allocation time, by steering new blocks toward
-//! emptier vdevs (spec §3); this measures how far the space already
-//! allocated is from the balance that steering aims at: every vdev with the
-//! same used fraction.
+//! emptier vdevs (`metaslab.c:metaslab_class_balance@zfs-2.4.0`); this measures
+//! how far the space already allocated is from the balance that steering aims
+//! at: every vdev with the same used fraction.
 //!
 //! Definitions (in the proto and README too):
 //! * used fraction of a vdev: allocated / capacity; of the class: the sum of

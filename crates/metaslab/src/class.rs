@@ -1,9 +1,10 @@
-//! A metaslab class (spec §1.2): the ring of groups with the allocator's
-//! rotor and visit counter, the unified throttle's budget (`alloc_max`,
-//! `reserved`, `alloc_io_size`), the legacy throttle's slots, and the FIFO
-//! of waiting tickets. Each of the class's allocators (`spa_alloc_count`)
-//! has its own rotor position, visit counter, reservation and queue (a
-//! "lane"); every call that turns a rotor names its allocator.
+//! A metaslab class (`metaslab_class_t`, `metaslab_impl.h@zfs-2.4.0`): the ring
+//! of groups with the allocator's rotor and visit counter, the unified
+//! throttle's budget (`alloc_max`, `reserved`, `alloc_io_size`), the legacy
+//! throttle's slots, and the FIFO of waiting tickets. Each of the class's
+//! allocators (`spa_alloc_count`) has its own rotor position, visit counter,
+//! reservation and queue (a "lane"); every call that turns a rotor names its
+//! allocator.
 
 use std::collections::VecDeque;
 
@@ -37,8 +38,9 @@ pub struct Class {
     /// Bytes reserved, all allocators (`Σ mca_reserved`).
     pub reserved: u64,
     /// Per allocator (`mca_reserved`): `alloc_max` bounds each one, so the
-    /// class's in-flight bound is `spa_alloc_count × alloc_max` (spec §3.3,
-    /// §9 item 3).
+    /// class's in-flight bound is `spa_alloc_count × alloc_max`
+    /// (`metaslab.c:metaslab_class_balance@zfs-2.4.0`; not a bound on the
+    /// whole class).
     pub reserved_by: Vec<u64>,
     // Legacy throttle.
     pub slots_reserved: u64,
@@ -48,8 +50,8 @@ pub struct Class {
     pub max_slots_by: Vec<u64>,
     /// Bytes admitted under the legacy policy (for stats).
     pub legacy_bytes: u64,
-    /// Waiters, one FIFO per allocator (spec §4.6: one queue per class per
-    /// allocator).
+    /// Waiters, one FIFO per allocator (OpenZFS 2.4 keeps one queue per class
+    /// per allocator).
     pub waiters: Vec<VecDeque<Ticket>>,
     pub waiting_bytes: u64,
     // Scratch for balance.

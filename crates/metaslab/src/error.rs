@@ -3,6 +3,7 @@
 
 use std::fmt;
 
+use crate::vdev::Psize;
 use crate::{AllocationId, Extent, Ticket, Txg, VdevId};
 
 /// Every error leaves the pool exactly as it was.
@@ -79,6 +80,12 @@ pub enum Error {
          nowhere to allocate; add or bring online another vdev first"
     )]
     LastAllocatingVdev(VdevId),
+    /// Removal of the only normal vdev still taking allocations.
+    #[error(
+        "vdev {0} cannot be removed: it is the last normal vdev that takes allocations, so its \
+         blocks would have nowhere to go; add another vdev first"
+    )]
+    LastVdev(VdevId),
     /// A drain whose data the rest of the pool could not hold.
     #[error(
         "vdev {vdev} cannot start draining: the pool has {available} bytes available and the \
@@ -109,8 +116,9 @@ pub enum NoSpaceReason {
     Full,
     /// Free space exists but not in pieces this large: where OpenZFS would
     /// write a gang block, Aliquot (which has none) fails so the client can
-    /// retry smaller. `largest_free` is the largest free segment, bytes.
-    Fragmented { largest_free: u64 },
+    /// retry smaller. `largest_free` is the largest block (psize) one free
+    /// segment holds: a retry at that size fits.
+    Fragmented { largest_free: Psize },
 }
 
 impl fmt::Display for NoSpaceReason {
@@ -123,7 +131,7 @@ impl fmt::Display for NoSpaceReason {
             NoSpaceReason::Full => write!(f, "the pool is full"),
             NoSpaceReason::Fragmented { largest_free } => write!(
                 f,
-                "free space is fragmented: the largest free segment is {largest_free} bytes; retry with smaller blocks"
+                "free space is fragmented: the largest block a free segment holds is {largest_free} bytes; retry with smaller blocks"
             ),
         }
     }

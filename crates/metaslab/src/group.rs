@@ -1,8 +1,10 @@
 //! A metaslab group: the metaslabs one vdev contributes to one class,
 //! ordered for selection (inactive first, then primary, then secondary;
-//! by descending weight, ties by offset — spec §1.3), with the group's
-//! activation (§2.5), `find_valid_metaslab` (§2.6), eligibility state
-//! (§2.7) and the per-group throttle counters of both policies.
+//! by descending weight, ties by offset —
+//! `metaslab.c:metaslab_compare@zfs-2.4.0`), with the group's activation
+//! (`metaslab_group_alloc`), `find_valid_metaslab`, eligibility state
+//! (`metaslab_group_alloc_update`) and the per-group throttle counters of
+//! both policies.
 
 use std::cmp::Reverse;
 use std::collections::BTreeSet;
@@ -26,9 +28,9 @@ fn key(ms: &Metaslab) -> Key {
     (band(ms.role), Reverse(ms.weight), ms.id)
 }
 
-/// How a DVA binds to a metaslab (spec §2.5): PRIMARY when no copy of the
-/// block is on this vdev yet, SECONDARY when one is, CLAIM ("use any, bind
-/// nothing") when two or more are.
+/// How a DVA binds to a metaslab (`metaslab.c:metaslab_group_alloc@zfs-2.4.0`):
+/// PRIMARY when no copy of the block is on this vdev yet, SECONDARY when one
+/// is, CLAIM ("use any, bind nothing") when two or more are.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Activation {
     Primary,
@@ -67,7 +69,7 @@ pub struct AllocCtx<'a> {
     pub rotational: bool,
     pub ms_count: u64,
     pub min_alloc: u64,
-    /// The allocator placing this block (`spa_alloc_count` lanes, §3.1).
+    /// The allocator placing this block (`spa_alloc_count` lanes).
     pub allocator: usize,
     /// `spa_alloc_count`.
     pub allocators: usize,
@@ -88,22 +90,23 @@ pub struct Group {
     /// Bytes of members not allocatable (in flight, allocated, deferred).
     pub alloc: u64,
     pub ready: u32,
-    // Unified throttle (spec §3.3, §3.6).
+    // Unified throttle (`metaslab_class_balance`,
+    // `metaslab_group_alloc_increment_all`, zfs-2.4.0).
     pub aliquot: u64,
     pub queue_target: u64,
     /// Bytes placed by throttled allocations, not yet committed, per
     /// allocator (`mga_queue_depth@zfs-2.4.0`, what its rotor compares with
     /// the queue target).
     queue_depth_by: Vec<u64>,
-    // Legacy throttle (spec §4).
+    // Legacy throttle (zfs-2.3.0).
     /// Per allocator (requests in flight, `cur_max`): LEGACY counts queue
     /// depth and ramps it up per group per allocator (`mga_alloc_queue_depth`,
-    /// `mga_cur_max_alloc_queue_depth`, spec §4.3, §4.5).
+    /// `mga_cur_max_alloc_queue_depth`, `metaslab.c@zfs-2.3.0`).
     legacy_lanes: Vec<(u64, u64)>,
     pub legacy_max: u64,
     pub legacy_aliquot: u64,
     pub legacy_bias: i64,
-    // Eligibility (spec §2.7).
+    // Eligibility (`metaslab_group_alloc_update`).
     pub allocatable: bool,
     pub no_free_space: bool,
     pub fragmentation: Option<u64>,
@@ -160,10 +163,6 @@ impl Group {
 
     pub fn members(&self) -> impl Iterator<Item = u32> + '_ {
         self.tree.iter().map(|k| k.2)
-    }
-
-    pub fn member_count(&self) -> usize {
-        self.tree.len()
     }
 
     pub fn insert(&mut self, ms: &Metaslab) {
@@ -228,7 +227,9 @@ impl Group {
         }
     }
 
-    /// The per-txg reset (spec §4.3): `n` allocators, each at `cur_max`.
+    /// The per-txg reset
+    /// (`spa.c:spa_sync_adjust_vdev_max_queue_depth@zfs-2.3.0`): `n`
+    /// allocators, each at `cur_max`.
     pub fn legacy_reset(&mut self, n: usize, cur_max: u64) {
         if self.legacy_lanes.len() < n {
             self.legacy_lanes.resize(n, (0, 0));
@@ -249,13 +250,13 @@ impl Group {
     }
 
     /// The allocator slot allocator `allocator` of `allocators` uses here
-    /// (spec §2.5): its own while the group has at least three ready
-    /// metaslabs per slot up to it (`allocator < mg_ms_ready / 3`), else
-    /// slot 0, so a vdev with few metaslabs shares one pair among
-    /// allocators (`metaslab_group_alloc`,
-    /// module/zfs/metaslab.c@be7657e3f2:5055-5056). LEGACY shared slot 0
-    /// among all allocators until the group had three per allocator
-    /// (`mg_ms_ready < mg_allocators × 3`, @3862ebbf1f:4855-4856).
+    /// (`metaslab.c:metaslab_group_alloc@zfs-2.4.0`): its own while the group
+    /// has at least three ready metaslabs per slot up to it (`allocator <
+    /// mg_ms_ready / 3`), else slot 0, so a vdev with few metaslabs shares one
+    /// pair among allocators (`metaslab_group_alloc`,
+    /// module/zfs/metaslab.c@be7657e3f2:5055-5056). LEGACY shared slot 0 among
+    /// all allocators until the group had three per allocator (`mg_ms_ready <
+    /// mg_allocators × 3`, @3862ebbf1f:4855-4856).
     pub fn slot_index(&self, allocator: usize, allocators: usize, legacy: bool) -> usize {
         let ready = u64::from(self.ready);
         let shared = if legacy {
@@ -319,13 +320,15 @@ impl Group {
         self.note_changed(ms);
     }
 
-    /// `find_valid_metaslab` (spec §2.6). `holding` are the metaslabs of
-    /// this vdev that already hold a DVA of the block: a ditto copy lands in
+    /// `metaslab.c:find_valid_metaslab@zfs-2.4.0`. `holding` are the metaslabs
+    /// of this vdev that already hold a DVA of the block: a ditto copy lands in
     /// another one (`metaslab_is_unique`) unless it is the first copy on the
     /// vdev, the candidate is already active (OpenZFS is then "desperate
     /// enough" to use another allocator's metaslab and does not look at
-    /// distances), or the pass is trying hard
-    /// (`metaslab.c:find_valid_metaslab@zfs-2.4.0`).
+    /// distances), or the pass is trying hard: 2.3.0's rule
+    /// (`metaslab.c:find_valid_metaslab@zfs-2.3.0`, `want_unique =
+    /// !try_hard`); 2.4.0 takes only active metaslabs then and gangs the
+    /// rest, which Aliquot cannot (DESIGN.md, "Try-hard ditto copies").
     fn find_valid_metaslab(
         &self,
         ms: &[Metaslab],
@@ -362,12 +365,12 @@ impl Group {
         None
     }
 
-    /// `metaslab_group_alloc` (spec §2.5) for one DVA: use the metaslab
-    /// active in the slot of `activation`, else the best valid one; on
-    /// failure reweigh and move on. `holding`: metaslabs of this vdev that
-    /// hold other DVAs of the block. `selected` is told of (re)selections:
-    /// `(id, old selected txg, was loaded)`. A metaslab is chosen for
-    /// `asize`; it gives up to `max_asize` where one free segment holds it.
+    /// `metaslab.c:metaslab_group_alloc@zfs-2.4.0` for one DVA: use the
+    /// metaslab active in the slot of `activation`, else the best valid one; on
+    /// failure reweigh and move on. `holding`: metaslabs of this vdev that hold
+    /// other DVAs of the block. `selected` is told of (re)selections: `(id, old
+    /// selected txg, was loaded)`. A metaslab is chosen for `asize`; it gives
+    /// up to `max_asize` where one free segment holds it.
     #[allow(clippy::too_many_arguments)]
     pub fn alloc(
         &mut self,
@@ -459,7 +462,7 @@ impl Group {
     }
 
     /// Switch away from a segment-weighted metaslab whose best bucket has
-    /// dropped (spec §2.9).
+    /// dropped (`metaslab.c:metaslab_segment_may_passivate@zfs-2.4.0`).
     fn may_passivate(&mut self, ms: &mut [Metaslab], id: u32, ctx: &AllocCtx<'_>) {
         let m = &mut ms[id as usize];
         if weight_is_space(m.activation_weight) {
@@ -479,8 +482,10 @@ impl Group {
         }
     }
 
-    /// Refresh fragmentation (spec §2.4, group: weighted by free space in
-    /// 512-byte units) and the allocatable state (spec §2.7).
+    /// Refresh fragmentation
+    /// (`metaslab.c:metaslab_group_fragmentation@zfs-2.4.0`: weighted by free
+    /// space in 512-byte units) and the allocatable state
+    /// (`metaslab.c:metaslab_group_alloc_update@zfs-2.4.0`).
     pub fn refresh(&mut self, ms: &mut [Metaslab], vs_space: u64, vs_alloc: u64, t: &Tunables) {
         let share = |m: &Metaslab| {
             (
@@ -575,5 +580,47 @@ mod tests {
         }
         let head: Vec<usize> = (0..4).map(|k| g.slot_index(k, 4, false)).collect();
         assert_eq!(head, vec![0, 1, 2, 0]);
+    }
+
+    /// DESIGN.md, "Try-hard ditto copies: 2.3.0's rule": a second copy may
+    /// take an inactive metaslab that holds the first only when trying
+    /// hard; 2.4.0 would take neither inactive metaslab then.
+    #[test]
+    fn try_hard_ditto_copy_takes_an_inactive_metaslab_as_2_3_0() {
+        let t = Tunables::default();
+        let mut ms: Vec<Metaslab> = (0..2).map(|id| Metaslab::new(id, 24, 12, false)).collect();
+        let mut g = Group::new(0, ClassKind::Normal);
+        for m in &mut ms {
+            m.metaslab_weight(false, 2, &t);
+            g.insert(m);
+        }
+        let ctx = |try_hard| AllocCtx {
+            t: &t,
+            txg: 5,
+            now_ms: 0,
+            try_hard,
+            rotational: false,
+            ms_count: 2,
+            min_alloc: 4096,
+            allocator: 0,
+            allocators: 1,
+        };
+        let holding = [0, 1];
+        let find = |try_hard| {
+            g.find_valid_metaslab(
+                &ms,
+                None,
+                4096,
+                Activation::Secondary,
+                &holding,
+                &ctx(try_hard),
+            )
+        };
+        assert_eq!(find(false), None, "both hold a copy: not unique");
+        assert!(find(true).is_some(), "trying hard, uniqueness is waived");
+        // A first copy never asks.
+        let first =
+            g.find_valid_metaslab(&ms, None, 4096, Activation::Primary, &holding, &ctx(false));
+        assert!(first.is_some());
     }
 }

@@ -3,8 +3,7 @@
 //! arguments, so the allocator service and the simulator run the very same
 //! code. `DESIGN.md` beside this crate describes the policy as implemented,
 //! the OpenZFS function each rule comes from, and where Aliquot differs.
-//! Module docs also cite sections (§) of the project's allocation spec,
-//! which lives outside this repository; DESIGN.md stands without it.
+//! Comments cite OpenZFS as `file.c:function@tag`.
 //!
 //! The life of a data allocation:
 //! `submit` (admission by the throttle; may queue) → `take_admitted` tells the
@@ -85,10 +84,10 @@ pub enum LogTier {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum ThrottlePolicy {
-    /// OpenZFS #17020 (spec §3), the default.
+    /// OpenZFS #17020 (zfs-2.4.0), the default.
     #[default]
     Unified,
-    /// The request-based throttle it replaced (spec §4).
+    /// The request-based throttle it replaced (zfs-2.3.0).
     Legacy,
     /// No admission throttle: rotor and aliquot only.
     Off,
@@ -106,7 +105,8 @@ pub struct VdevSpec {
     pub rotational: bool,
     pub role: VdevRole,
     /// The metaslab shift chosen when the vdev was first added (persisted by
-    /// the store); `None` chooses it as OpenZFS does (spec §1.6).
+    /// the store); `None` chooses it as OpenZFS does
+    /// (`vdev.c:vdev_metaslab_set_size@zfs-2.4.0`).
     pub metaslab_shift: Option<u8>,
 }
 
@@ -182,11 +182,18 @@ pub struct TxgSync {
     /// Bytes whose deferral ended at this sync (allocatable again).
     pub undeferred_bytes: u64,
     /// Metaslabs `(vdev, metaslab id)` this sync queued for preload
-    /// (`metaslab_group_preload`, spec §2.10), in queue order. The crate
-    /// treats them as loaded at once; a caller with a clock may charge
+    /// (`metaslab.c:metaslab_group_preload@zfs-2.4.0`), in queue order. The
+    /// crate treats them as loaded at once; a caller with a clock may charge
     /// their load time (OpenZFS loads them on the preload taskq, and an
     /// allocation that picks one still loading waits for it).
     pub preloaded: Vec<(VdevId, u32)>,
+    /// The pool checked `changes` against its in-memory space maps as it
+    /// closed the txg ([`Pool::txg_changes_fit`]): every freed extent is in
+    /// this txg's freeing tree, no allocation overlaps allocatable or
+    /// deferred space or another allocation of the txg. A store may then
+    /// skip checking them against its own durable extents; false (a record
+    /// made by hand, or a check that failed) asks it to check.
+    pub checked: bool,
 }
 
 /// Description of one tunable.
@@ -200,22 +207,23 @@ pub struct TunableInfo {
 
 mod admission;
 pub mod balance_score;
-pub mod class;
-pub mod error;
-pub mod group;
+mod class;
+mod class_balance;
+mod error;
+mod group;
 mod hold;
 mod metaslab;
 pub mod move_plan;
 mod placement;
 pub mod pool;
-pub mod range_tree;
+mod range_tree;
 mod relocation;
 mod removal;
 mod space;
-pub mod stats;
-pub mod throttle;
-pub mod tunables;
-pub mod txg;
+mod stats;
+mod throttle;
+mod tunables;
+mod txg;
 mod txg_sync;
 pub mod vdev;
 
@@ -223,3 +231,4 @@ pub use error::{Error, NoSpaceReason, Result};
 pub use pool::Pool;
 pub use stats::{ClassStats, GroupStats, PoolStats, VdevStats};
 pub use tunables::Tunables;
+pub use vdev::{Asize, Psize};

@@ -1,7 +1,8 @@
 //! One metaslab: a fixed LBA range of a vdev with its free-space trees
 //! (allocatable, freeing in the open txg, two defer slots), the
-//! dynamic-fit block allocator (spec §2.8), weights (§2.1–2.3) and the
-//! fragmentation metric (§2.4).
+//! dynamic-fit block allocator (`metaslab.c:metaslab_df_alloc@zfs-2.4.0`),
+//! weights (`metaslab_weight`) and the fragmentation metric
+//! (`metaslab_set_fragmentation`).
 
 use crate::range_tree::{RangeTree, highbit};
 use crate::{TXG_DEFER_SIZE, Tunables, Txg};
@@ -13,12 +14,13 @@ pub const WEIGHT_TYPE: u64 = 1 << 60;
 pub const ACTIVE_MASK: u64 = WEIGHT_PRIMARY | WEIGHT_SECONDARY | WEIGHT_CLAIM;
 const SEG_INDEX_SHIFT: u32 = 54;
 const SEG_COUNT_MASK: u64 = (1 << SEG_INDEX_SHIFT) - 1;
-/// SPACE_MAP_HISTOGRAM_SIZE (spec §0).
+/// SPACE_MAP_HISTOGRAM_SIZE (`space_map.h@zfs-2.4.0`).
 const SPACE_MAP_HISTOGRAM_SIZE: u32 = 32;
 /// MAX_LBAS: one cursor per alignment class.
 const MAX_LBAS: usize = 64;
 
-/// Fragmentation table indexed by log2(segment size) − 9 (spec §2.4).
+/// Fragmentation table indexed by log2(segment size) − 9 (`zfs_frag_table`,
+/// `metaslab.c@zfs-2.4.0`).
 const FRAG_TABLE: [u64; 21] = [
     100, 99, 97, 93, 88, 83, 77, 71, 64, 57, 50, 43, 36, 29, 23, 17, 12, 7, 3, 1, 0,
 ];
@@ -164,12 +166,13 @@ impl Metaslab {
         None
     }
 
-    /// Fragmentation percent of the free space (spec §2.4), each segment
-    /// counted at its bucket's lower bound. The histogram is the space
-    /// map's, which OpenZFS rebuilds at each sync from the allocatable tree
-    /// plus the frees of the txg and both defer slots (`metaslab_sync`), so
-    /// deferred frees count as free space here. A metaslab that was never
-    /// allocated from has no space map and reads 0.
+    /// Fragmentation percent of the free space
+    /// (`metaslab.c:metaslab_set_fragmentation@zfs-2.4.0`), each segment
+    /// counted at its bucket's lower bound. The histogram is the space map's,
+    /// which OpenZFS rebuilds at each sync from the allocatable tree plus the
+    /// frees of the txg and both defer slots (`metaslab_sync`), so deferred
+    /// frees count as free space here. A metaslab that was never allocated from
+    /// has no space map and reads 0.
     pub fn metaslab_set_fragmentation(&mut self) {
         if !self.has_space_map {
             self.fragmentation = 0;
@@ -194,7 +197,8 @@ impl Metaslab {
         self.fragmentation = frag.checked_div(total).unwrap_or(0) as u64;
     }
 
-    /// Segment weight from the in-core tree (spec §2.3, loaded case).
+    /// Segment weight from the in-core tree
+    /// (`metaslab.c:metaslab_segment_weight@zfs-2.4.0`, loaded case).
     pub fn metaslab_segment_weight(&self) -> u64 {
         let max_idx = SPACE_MAP_HISTOGRAM_SIZE + self.ashift as u32 - 1;
         let hist = self.allocatable.histogram();
@@ -234,7 +238,7 @@ impl Metaslab {
         };
     }
 
-    /// Space-based weight (spec §2.2).
+    /// Space-based weight (`metaslab.c:metaslab_space_weight@zfs-2.4.0`).
     fn metaslab_space_weight(&self, rotational: bool, ms_count: u64, t: &Tunables) -> u64 {
         let mut w = self.allocatable.space();
         if t.metaslab_fragmentation_factor_enabled {
@@ -256,10 +260,10 @@ impl Metaslab {
         !self.new && self.allocatable.max_size() >= asize
     }
 
-    /// The dynamic-fit allocator (spec §2.8) for any size in
-    /// `[size, max_size]` (`metaslab_df_alloc@zfs-2.4.0`; equal for every
-    /// block but a ranged log block). Removes the range from `allocatable`
-    /// and returns its offset and size.
+    /// The dynamic-fit allocator (`metaslab.c:metaslab_df_alloc@zfs-2.4.0`) for
+    /// any size in `[size, max_size]` (`metaslab_df_alloc@zfs-2.4.0`; equal for
+    /// every block but a ranged log block). Removes the range from
+    /// `allocatable` and returns its offset and size.
     pub fn metaslab_df_alloc(
         &mut self,
         size: u64,
@@ -305,8 +309,9 @@ impl Metaslab {
         Some((off, got))
     }
 
-    /// Cursor first fit (`metaslab_block_picker`, spec §2.8): the first
-    /// segment from the cursor that holds `size`, taking up to `max_size`.
+    /// Cursor first fit (`metaslab.c:metaslab_block_picker@zfs-2.4.0`): the
+    /// first segment from the cursor that holds `size`, taking up to
+    /// `max_size`.
     fn metaslab_block_picker(
         &mut self,
         slot: usize,

@@ -1,15 +1,18 @@
 //! Placement and rotation: an admitted ticket's copies placed DVA by DVA
-//! over the class ring (§2.11), group eligibility (§2.7, legacy §4.5),
-//! metaslab selection within a group, the rotor and its aliquot (§3.5,
-//! §4.2), and the class balance that sets each group's share (§3.3).
+//! over the class ring (`metaslab_alloc_dva`), group eligibility
+//! (`metaslab_group_allocatable`, 2.4.0's and 2.3.0's), metaslab selection
+//! within a group, the rotor and its aliquot (`metaslab_class_rotate`;
+//! legacy `metaslab_alloc_dva@zfs-2.3.0`) and the legacy throttle's
+//! per-txg reset. The class balance that sets each group's share is in
+//! `class_balance.rs`.
 
 use crate::class::Class;
 use crate::group::{Activation, AllocCtx, Group};
 use crate::throttle::{legacy, unified};
-use crate::vdev::{asize_to_psize, psize_to_asize};
+use crate::vdev::{Asize, Psize, asize_to_psize, psize_to_asize};
 use crate::{
     AllocKind, Allocation, Error, Extent, Health, LogTier, NoSpaceReason, Result, SPA_MINBLOCKSIZE,
-    TXG_DEFER_SIZE, ThrottlePolicy, Ticket, Txg, VdevId,
+    TXG_DEFER_SIZE, ThrottlePolicy, Ticket, Txg, VdevId, VdevRole,
 };
 
 use crate::pool::*;
@@ -161,10 +164,11 @@ impl Pool {
         })
     }
 
-    /// Place `copies` DVAs of `psize` in class `ci` (spec §2.11); on failure
-    /// undo what was placed. With `max_psize` above `psize` (a ranged log
-    /// block) each copy may be larger, up to the smallest copy placed so
-    /// far (`metaslab_alloc_range@zfs-2.4.0`), so all hold the block given.
+    /// Place `copies` DVAs of `psize` in class `ci`
+    /// (`metaslab.c:metaslab_alloc@zfs-2.4.0`); on failure undo what was
+    /// placed. With `max_psize` above `psize` (a ranged log block) each copy
+    /// may be larger, up to the smallest copy placed so far
+    /// (`metaslab_alloc_range@zfs-2.4.0`), so all hold the block given.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn place(
         &mut self,
@@ -184,7 +188,8 @@ impl Pool {
                 Some((e, loads)) => {
                     if max_psize > psize {
                         let vd = &self.vdevs[e.vdev as usize];
-                        max_psize = max_psize.min(asize_to_psize(&vd.spec, e.size).max(psize));
+                        max_psize =
+                            max_psize.min(asize_to_psize(&vd.spec, Asize(e.size)).0.max(psize));
                     }
                     placed.extents[d] = e;
                     placed.n += 1;
@@ -202,11 +207,15 @@ impl Pool {
         Some(placed)
     }
 
-    /// `spa_min_alloc`: the smallest allocation any vdev can make.
+    /// `spa_min_alloc`: the smallest allocation a normal-class vdev can
+    /// make. Log vdevs do not count (`vdev.c:vdev_open@zfs-2.4.0` tracks it
+    /// only for `vdev_islog == 0`; `vdev_metaslab_group_create` only for the
+    /// normal class), so a small-ashift log device does not make a data
+    /// block look like one at the minimum size.
     pub(crate) fn spa_min_alloc(&self) -> u64 {
         self.vdevs
             .iter()
-            .filter(|v| v.vs_space() > 0)
+            .filter(|v| v.vs_space() > 0 && v.spec.role == VdevRole::Normal)
             .map(|v| v.min_alloc())
             .min()
             .unwrap_or(SPA_MINBLOCKSIZE)
@@ -217,7 +226,7 @@ impl Pool {
     pub(crate) fn fits_whole(&self, ci: usize, psize: u64, avoid: &[VdevId]) -> bool {
         self.classes[ci].ring.iter().any(|&v| {
             let vd = &self.vdevs[v as usize];
-            let asize = psize_to_asize(&vd.spec, psize);
+            let Asize(asize) = psize_to_asize(&vd.spec, Psize(psize));
             vd.vdev_allocatable()
                 && !avoid.contains(&v)
                 && vd.group(ci).is_some_and(|g| {
@@ -249,7 +258,11 @@ impl Pool {
         avoid: &[VdevId],
     ) -> NoSpaceReason {
         let mut any = false;
-        let mut largest_free = 0u64;
+        // Both in psize: the largest block one free segment holds, and
+        // what the free space holds in all. A segment's raw size is not a
+        // block size on RAIDZ (parity and padding come on top), so a hint
+        // given in raw bytes would fail again when the client retries at it.
+        let mut largest_free = Psize(0);
         let mut free = 0u64;
         for &ci in cis {
             for &v in &self.classes[ci].ring {
@@ -259,20 +272,23 @@ impl Pool {
                 }
                 any = true;
                 if let Some(g) = vd.group(ci) {
+                    let (mut largest, mut space) = (0u64, 0u64);
                     for m in g.members() {
                         let ms = &vd.ms[m as usize];
                         if ms.new {
                             continue;
                         }
-                        largest_free = largest_free.max(ms.allocatable.max_size());
-                        free += ms.allocatable.space();
+                        largest = largest.max(ms.allocatable.max_size());
+                        space += ms.allocatable.space();
                     }
+                    largest_free = largest_free.max(asize_to_psize(&vd.spec, Asize(largest)));
+                    free += asize_to_psize(&vd.spec, Asize(space)).0;
                 }
             }
         }
         if !any {
             NoSpaceReason::VdevsOffline
-        } else if largest_free == 0 || free < psize.saturating_mul(copies as u64) {
+        } else if largest_free.0 == 0 || free < psize.saturating_mul(copies as u64) {
             NoSpaceReason::Full
         } else {
             NoSpaceReason::Fragmented { largest_free }
@@ -293,8 +309,9 @@ impl Pool {
         }
     }
 
-    /// `metaslab_alloc_dva` (spec §2.11): copy `d` of a block over the ring
-    /// of class `ci` from allocator `k`'s rotor, never on a vdev of `avoid`.
+    /// `metaslab.c:metaslab_alloc_dva@zfs-2.4.0`: copy `d` of a block over the
+    /// ring of class `ci` from allocator `k`'s rotor, never on a vdev of
+    /// `avoid`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn metaslab_alloc_dva(
         &mut self,
@@ -316,10 +333,11 @@ impl Pool {
             // The try-hard pass (ignoring the group checks) is for blocks
             // OpenZFS cannot gang: intent-log blocks and blocks at the minimum
             // size, or every block with zfs_metaslab_try_hard_before_gang
-            // (spec §2.11). Any other block OpenZFS writes as a gang block
-            // whose members are placed trying hard: where one free segment
-            // still holds the whole block, Aliquot (no gang blocks) places it
-            // whole the same way; where none does, it fails as FRAGMENTED.
+            // (`metaslab.c:metaslab_alloc_dva_range@zfs-2.4.0`). Any other
+            // block OpenZFS writes as a gang block whose members are placed
+            // trying hard: where one free segment still holds the whole block,
+            // Aliquot (no gang blocks) places it whole the same way; where none
+            // does, it fails as FRAGMENTED.
             if try_hard
                 && !(zil
                     || self.tun.zfs_metaslab_try_hard_before_gang
@@ -337,7 +355,9 @@ impl Pool {
             };
             for i in 0..n {
                 // A vdev holding a copy already is not skipped: the copy goes
-                // to another of its metaslabs (spec §2.5, §2.6).
+                // to another of its metaslabs
+                // (`metaslab.c:metaslab_group_alloc@zfs-2.4.0`,
+                // `find_valid_metaslab`).
                 let v = self.classes[ci].ring[(start + i) % n];
                 if !self.metaslab_group_allocatable(ci, k, v, d, try_hard, zil, avoid) {
                     self.metaslab_class_rotate(ci, k, v, psize, 0, false, busy, zil);
@@ -355,8 +375,9 @@ impl Pool {
         None
     }
 
-    /// Group eligibility at allocation time for allocator `k` (spec §2.7;
-    /// legacy §4.5).
+    /// Group eligibility at allocation time for allocator `k`
+    /// (`metaslab.c:metaslab_group_allocatable@zfs-2.4.0`; legacy: the same
+    /// function at zfs-2.3.0).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn metaslab_group_allocatable(
         &self,
@@ -377,7 +398,7 @@ impl Pool {
             return true;
         }
         // Only a non-redundant (leaf) vdev below healthy is spared the first
-        // copy; a degraded RAIDZ or mirror still takes its share (§2.7 rule 3).
+        // copy; a degraded RAIDZ or mirror still takes its share.
         if d == 0 && vd.health == Health::Degraded && vd.spec.children <= 1 {
             return false;
         }
@@ -388,7 +409,7 @@ impl Pool {
         !(g.no_free_space || (!g.allocatable && c.alloc_groups > 0))
     }
 
-    /// LEGACY `metaslab_group_allocatable` (spec §4.5).
+    /// LEGACY `metaslab.c:metaslab_group_allocatable@zfs-2.3.0`.
     pub(crate) fn legacy_group_allocatable(
         &self,
         c: &Class,
@@ -412,7 +433,8 @@ impl Pool {
         if zil {
             return true;
         }
-        // Per allocator (spec §4.5: `depth[allocator]`, `cur_max[allocator]`).
+        // Per allocator (`mga_alloc_queue_depth[allocator]`,
+        // `cur_max[allocator]`).
         let (depth, cur_max) = g.legacy_lane(k);
         if depth < legacy::qmax(cur_max, d) || c.alloc_groups == 1 {
             return true;
@@ -459,7 +481,7 @@ impl Pool {
             ..
         } = self;
         let vd = &mut vdevs[v as usize];
-        let asize = psize_to_asize(&vd.spec, psize);
+        let Asize(asize) = psize_to_asize(&vd.spec, Psize(psize));
         let ctx = AllocCtx {
             t: tun,
             txg: *open_txg,
@@ -485,7 +507,7 @@ impl Pool {
         let (holding, n) = placed.holding(v, vd.shift);
         let activation = Activation::for_copies_on_vdev(n);
         let max_asize = if max_psize > psize {
-            psize_to_asize(&vd.spec, max_psize)
+            psize_to_asize(&vd.spec, Psize(max_psize)).0
         } else {
             asize
         };
@@ -512,7 +534,8 @@ impl Pool {
         ))
     }
 
-    /// The rotor rules: unified (§3.5), legacy (§4.2) or off (strict quota).
+    /// The rotor rules: unified (`metaslab_class_rotate`), legacy
+    /// (`metaslab_alloc_dva@zfs-2.3.0`) or off (strict quota).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn metaslab_class_rotate(
         &mut self,
@@ -584,99 +607,10 @@ impl Pool {
         }
     }
 
-    /// Recount `mc_groups` and `mc_alloc_groups` over the ring.
-    pub(crate) fn recount(&mut self, ci: usize) {
-        let c = &mut self.classes[ci];
-        let (mut groups, mut alloc_groups) = (0, 0);
-        for &v in &c.ring {
-            let vd = &self.vdevs[v as usize];
-            if vd.vs_space() > 0 {
-                groups += 1;
-            }
-            if vd.group(ci).is_some_and(|g| g.allocatable) {
-                alloc_groups += 1;
-            }
-        }
-        c.groups = groups;
-        c.alloc_groups = alloc_groups;
-    }
-
-    /// `metaslab_class_balance` (spec §3.3) over the ring; onsync also moves
-    /// `alloc_io_size` and refreshes the throttle flag.
-    pub(crate) fn metaslab_class_balance(&mut self, ci: usize, onsync: bool) {
-        let t = &self.tun;
-        let c = &mut self.classes[ci];
-        if onsync || (!c.throttle_initialized && c.groups > 0) {
-            if onsync {
-                c.alloc_io_size = unified::io_size_onsync(c.alloc_io_size, t.aliquot());
-            }
-            c.throttle_enabled = !c.is_log && t.zio_dva_throttle_enabled && c.groups > 0;
-            c.throttle_initialized = c.groups > 0;
-        }
-        let mut inputs = std::mem::take(&mut c.inputs);
-        let mut quotas = std::mem::take(&mut c.quotas);
-        inputs.clear();
-        let (mut space, mut alloc) = (0u64, 0u64);
-        for &v in &c.ring {
-            let vd = &self.vdevs[v as usize];
-            let vs_space = vd.vs_space();
-            inputs.push(unified::GroupInput {
-                data_children: vd.data_children,
-                vs_space,
-                vs_alloc: vd.vs_alloc(),
-            });
-            if let Some(g) = vd.group(ci)
-                && vs_space > 0
-            {
-                space += g.space;
-                alloc += g.alloc;
-            }
-        }
-        // Offline vdevs left the ring (OpenZFS passivates their groups, so
-        // they are not in `mc_groups`), but their metaslabs still count in
-        // the class's space until `metaslab_fini`
-        // (`metaslab.c:metaslab_group_passivate` and
-        // `metaslab_class_balance@zfs-2.4.0`): every group's share of the
-        // class is then smaller, as OpenZFS computes it.
-        for vd in &self.vdevs {
-            if vd.removed || vd.online || c.in_ring(vd.id) {
-                continue;
-            }
-            if let Some(g) = vd.group(ci)
-                && vd.vs_space() > 0
-            {
-                space += g.space;
-                alloc += g.alloc;
-            }
-        }
-        let mc = unified::ClassInput {
-            groups: c.groups,
-            space,
-            alloc,
-            alloc_io_size: c.alloc_io_size,
-            metaslab_aliquot: t.aliquot(),
-            bias_enabled: t.metaslab_bias_enabled,
-        };
-        c.alloc_max = unified::balance(&mc, &inputs, &mut quotas);
-        for (i, &v) in c.ring.iter().enumerate() {
-            let vd = &mut self.vdevs[v as usize];
-            let dc = vd.data_children;
-            if let Some(g) = vd.group_mut(ci) {
-                let q = quotas.get(i).copied().unwrap_or(unified::GroupQuota {
-                    aliquot: 0,
-                    queue_target: 0,
-                });
-                g.aliquot = q.aliquot;
-                g.queue_target = q.queue_target;
-                g.legacy_aliquot = legacy::group_aliquot(t.aliquot(), dc);
-            }
-        }
-        c.inputs = inputs;
-        c.quotas = quotas;
-    }
-
-    /// Legacy per-txg reset (spec §4.3): group limits back to the default
-    /// queue depth, class slots = that × initialized groups.
+    /// Legacy per-txg reset
+    /// (`spa.c:spa_sync_adjust_vdev_max_queue_depth@zfs-2.3.0`): group limits
+    /// back to the default queue depth, class slots = that × initialized
+    /// groups.
     pub(crate) fn legacy_reset(&mut self) {
         let t = &self.tun;
         let gmax = t.zfs_vdev_async_write_max_active * t.zfs_vdev_queue_depth_pct / 100;
@@ -696,5 +630,36 @@ impl Pool {
         for m in &mut c.max_slots_by {
             *m = t.zfs_vdev_def_queue_depth * groups;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{Pool, Tunables, VdevRole, VdevSpec};
+
+    fn spec(ashift: u8, role: VdevRole) -> VdevSpec {
+        VdevSpec {
+            capacity: 1 << 30,
+            ashift,
+            children: 1,
+            parity: 0,
+            rotational: false,
+            role,
+            metaslab_shift: None,
+        }
+    }
+
+    /// A 512-byte log device does not lower the pool's minimum allocation:
+    /// OpenZFS tracks `spa_min_alloc` over normal-class vdevs only.
+    #[test]
+    fn log_vdevs_do_not_set_the_minimum_allocation() {
+        let mut pool = Pool::new(Tunables::default());
+        pool.add_vdev(spec(12, VdevRole::Normal)).unwrap();
+        pool.add_vdev(spec(9, VdevRole::Log)).unwrap();
+        pool.sync();
+        assert_eq!(pool.spa_min_alloc(), 4096);
+        pool.add_vdev(spec(9, VdevRole::Normal)).unwrap();
+        pool.sync();
+        assert_eq!(pool.spa_min_alloc(), 512, "a normal one does");
     }
 }

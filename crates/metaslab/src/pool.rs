@@ -1,13 +1,12 @@
 //! The pool: vdevs with their metaslab groups, the three classes, the
 //! throttle (unified, legacy or off), tickets and in-flight allocations,
 //! and the open txg. This file holds the state and the vdevs' lifecycle
-//! (add, restore, grow, health, online; embedded log metaslabs, §5.2–5.3);
-//! the rest of `impl Pool` is one concern per module: `admission` (§3.7–3.8,
-//! §4.4, busy, rdspace and slop §5.6), `placement` (DVA placement over the
-//! ring §2.11, rotation §3.5/§4.2, queue depth §3.6/§4.3, class balance
-//! §3.3), `space`
-//! (commit, abort, expire, free, claim), `txg_sync` (§6.2, unload/preload
-//! §2.10) and `removal` (vdev removal).
+//! (add, restore, grow, health, online; embedded log metaslabs,
+//! `vdev_metaslab_init`); the rest of `impl Pool` is one concern per module:
+//! `admission` (throttle reservations, busy, rdspace and slop),
+//! `placement` (DVA placement over the ring, rotation, queue depth),
+//! `class_balance` (`metaslab_class_balance`), `space` (commit, abort, expire, free, claim), `txg_sync`
+//! (deferred frees, unload/preload) and `removal` (vdev removal).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
@@ -59,9 +58,9 @@ pub(crate) type IdMap<K, V> = HashMap<K, V, foldhash::fast::FixedState>;
 
 /// What a ticket keeps of its request: what placement reads, with the
 /// size range resolved once (`max_size` is `size` for a fixed block). The
-/// affinity key is spent at submit, when it picks the allocator. (Stop 36
-/// thought the whole request made the path ~5 % slower; stop 37's profile
-/// put that on SipHash and the `rdspace` scan instead.)
+/// affinity key is spent at submit, when it picks the allocator. (Copying the
+/// whole request was thought to make the path ~5 % slower; a profile put that
+/// on SipHash and the `rdspace` scan instead.)
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct TicketReq {
     pub kind: AllocKind,
@@ -490,9 +489,10 @@ impl Pool {
         })
     }
 
-    /// Embedded log selection (spec §5.2) among metaslabs `from..`: the
-    /// least-allocated one, lowest index on ties, when the vdev has more
-    /// than `zfs_embedded_slog_min_ms` metaslabs and none yet.
+    /// Embedded log selection (`vdev.c:vdev_metaslab_init@zfs-2.4.0`) among
+    /// metaslabs `from..`: the least-allocated one, lowest index on ties, when
+    /// the vdev has more than `zfs_embedded_slog_min_ms` metaslabs and none
+    /// yet.
     pub(crate) fn select_elog(&self, v: &mut Vdev, from: usize) {
         if v.spec.role != VdevRole::Normal
             || v.elog.is_some()

@@ -1,7 +1,7 @@
-//! Range trees (spec §1.5): disjoint half-open segments `[start, end)` kept
-//! in an offset-ordered map, with a size-ordered companion set and a
-//! 64-bucket power-of-two histogram, so both "what is at this offset" and
-//! "the smallest segment of at least this size" are O(log n).
+//! Range trees (`range_tree.c@zfs-2.4.0`): disjoint half-open segments `[start,
+//! end)` kept in an offset-ordered map, with a size-ordered companion set and a
+//! 64-bucket power-of-two histogram, so both "what is at this offset" and "the
+//! smallest segment of at least this size" are O(log n).
 //!
 //! A tree built with [`RangeTree::plain`] keeps only the offset map and the
 //! space total (the freeing and defer trees need nothing more).
@@ -63,12 +63,10 @@ impl RangeTree {
         self.space
     }
 
+    /// Segments in the tree (tests check coalescing with it).
+    #[cfg(test)]
     pub fn len(&self) -> usize {
         self.segs.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.segs.is_empty()
     }
 
     /// The segment-size histogram.
@@ -224,6 +222,7 @@ impl RangeTree {
     }
 
     /// Whether `[start, start+size)` lies entirely inside one segment.
+    #[cfg(test)]
     pub fn contains(&self, start: u64, size: u64) -> bool {
         match self.segs.range(..=start).next_back() {
             Some((_, &e)) => e >= start + size,
@@ -261,7 +260,7 @@ impl RangeTree {
     }
 
     /// The segment containing `offset`, else the first one after it
-    /// (spec §2.8 `block_find` with `size == max_size`).
+    /// (`metaslab.c:metaslab_block_find@zfs-2.4.0` with `size == max_size`).
     pub fn find_at_or_after(&self, offset: u64) -> Option<(u64, u64)> {
         if let Some((&s, &e)) = self.segs.range(..=offset).next_back()
             && e > offset

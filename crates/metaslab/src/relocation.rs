@@ -1,5 +1,7 @@
 //! Where a balancer move may place its new copy (`Relocate`): never on the
-//! source vdev or the block's other copies, and, while some allocatable
+//! source vdev or the block's other copies (a removal's move may use the
+//! other copies' vdevs only when no other vdev has room for it, or the
+//! removal could never end), and, while some allocatable
 //! vdev of the class is below the class's fill, only on such a vdev — a
 //! move onto another over-full vdev would only have to move again
 //! (measured: 1.5× the bytes for the same score without this rule). The
@@ -18,13 +20,13 @@ impl Pool {
     /// largest block `from`'s allocation can hold on its vdev
     /// ([`crate::vdev::asize_to_psize`]). Never the old asize itself: on
     /// RAIDZ that includes parity and padding, and a block moved with it
-    /// would grow at every move (issue 29, item 1). OpenZFS never meets
+    /// would grow at every move. OpenZFS never meets
     /// this: it refuses device removal with parity vdevs
     /// (`vdev_removal.c:spa_vdev_remove_top_check@zfs-2.4.0`).
     pub fn relocation_psize(&self, from: &Extent, psize: u64) -> Result<u64> {
         self.check_present(from.vdev)?;
         let spec = &self.vdevs[from.vdev as usize].spec;
-        let most = crate::vdev::asize_to_psize(spec, from.size);
+        let most = crate::vdev::asize_to_psize(spec, crate::vdev::Asize(from.size)).0;
         if psize > most || most == 0 {
             return Err(Error::PsizeTooLarge {
                 psize,
@@ -80,5 +82,36 @@ impl Pool {
         avoid.sort_unstable();
         avoid.dedup();
         Ok(avoid)
+    }
+
+    /// [`Self::relocation_avoid`] for a move that must happen (a vdev
+    /// removal's): the block's other copies `others` are avoided while an
+    /// allocatable vdev of the class other than `source` and them has
+    /// `need` bytes free; when none has, two copies of the block may share
+    /// a vdev (OpenZFS's removal does not keep ditto copies apart either,
+    /// `vdev_removal.c:spa_vdev_copy_segment@zfs-2.4.0`). Returns the
+    /// vdevs to avoid and whether the other copies are among them.
+    pub fn removal_avoid(
+        &self,
+        source: VdevId,
+        others: &[VdevId],
+        need: u64,
+    ) -> Result<(Vec<VdevId>, bool)> {
+        let kept_apart = self.relocation_avoid(source, others)?;
+        let c = &self.classes[NORMAL];
+        let room = self.vdevs.iter().any(|v| {
+            !v.removed
+                && v.id != source
+                && !others.contains(&v.id)
+                && v.group(NORMAL).is_some_and(|g| g.allocatable)
+                && c.in_ring(v.id)
+                && v.vdev_allocatable()
+                && v.vs_space().saturating_sub(v.vs_alloc()) >= need
+        });
+        if room || others.is_empty() {
+            Ok((kept_apart, !others.is_empty()))
+        } else {
+            Ok((self.relocation_avoid(source, &[])?, false))
+        }
     }
 }

@@ -1,8 +1,9 @@
 //! Vdev removal, the end of a drain: a vdev that is offline and holds
 //! nothing (no allocated, deferred or in-flight bytes, no metaslab waiting
-//! for a sync) leaves the pool. OpenZFS's device removal remaps what is
-//! still on the vdev; Aliquot's clients own the references, so the
-//! balancer's mover empties the vdev first and removal only forgets it.
+//! for a sync) leaves the pool. As OpenZFS's device removal does, the
+//! allocator's mover first copies what is on the vdev elsewhere behind a
+//! mapping (the room for that is [`Pool::evacuation_room`]); the vdev is
+//! forgotten here once nothing is left on it.
 //! The id stays as a tombstone (ids index `Pool::vdevs` and the store), so
 //! no id is ever reused and a new vdev gets the next one.
 
@@ -51,6 +52,38 @@ impl Pool {
             });
         }
         Ok(())
+    }
+
+    /// Where an evacuation of `vdev` can put its blocks: the free bytes of
+    /// the other normal vdevs that take allocations (online, not removed),
+    /// less the slop kept back from data. Refused when no such vdev is left
+    /// (the last vdev's blocks have nowhere to go).
+    pub fn evacuation_room(&self, vdev: VdevId) -> Result<u64> {
+        self.check_present(vdev)?;
+        let others: Vec<&crate::pool::Vdev> = self
+            .vdevs
+            .iter()
+            .enumerate()
+            .filter(|&(i, v)| {
+                i != vdev as usize && !v.removed && v.online && v.spec.role == VdevRole::Normal
+            })
+            .map(|(_, v)| v)
+            .collect();
+        if others.is_empty() {
+            return Err(Error::LastVdev(vdev));
+        }
+        let free: u64 = others
+            .iter()
+            .map(|v| v.vs_space().saturating_sub(v.vs_alloc()))
+            .sum();
+        Ok(free.saturating_sub(self.spa_get_slop_space()))
+    }
+
+    /// Allocations on `vdev` still in flight (placed, not committed).
+    pub fn inflight_on(&self, vdev: VdevId) -> usize {
+        self.vdevs
+            .get(vdev as usize)
+            .map_or(0, |v| v.inflight.len())
     }
 
     /// Forget an empty, offline vdev. Refused (nothing changed) while it is

@@ -8,11 +8,20 @@ use crate::{AllocationId, Error, Extent, Result, SpaceChange, SpaceChangeKind, T
 use crate::pool::*;
 
 impl Pool {
-    /// Release the throttle and queue depth of a finished allocation.
+    /// Release the throttle and queue depth of a finished allocation (none
+    /// left if `written` gave them back already).
     pub(crate) fn finish(&mut self, a: &Inflight) {
         for e in a.extents() {
+            self.vdevs[e.vdev as usize].inflight.remove(&e.offset);
+        }
+        self.release_throttle(a);
+    }
+
+    /// Give back an allocation's queue depth in each chosen group and its
+    /// reservation in the class.
+    fn release_throttle(&mut self, a: &Inflight) {
+        for e in a.extents() {
             let v = &mut self.vdevs[e.vdev as usize];
-            v.inflight.remove(&e.offset);
             match a.res {
                 Reservation::Bytes(_) => v.mg.sub_queue_depth(a.allocator, a.psize),
                 Reservation::Slots(..) => {
@@ -25,17 +34,11 @@ impl Pool {
         self.release(a.res, a.allocator);
     }
 
-    /// The writes finished: release throttle bytes and queue depth; the
-    /// allocation becomes part of the open txg, which is returned.
-    pub fn commit(&mut self, id: AllocationId) -> Result<Txg> {
-        let a = self
-            .inflight
-            .remove(&id)
-            .ok_or(Error::UnknownAllocation(id))?;
+    /// Legacy ramp-up: +1 per completed write up to the group max, for the
+    /// allocator that placed it (its group lane and its class slots,
+    /// `metaslab.c:metaslab_group_alloc_decrement@zfs-2.3.0`).
+    fn ramp_up(&mut self, a: &Inflight) {
         if let Reservation::Slots(..) = a.res {
-            // Legacy ramp-up: +1 per completed write up to the group max,
-            // for the allocator that placed it (its group lane and its
-            // class slots, spec §4.3).
             let lane = self.classes[NORMAL].lane(a.allocator);
             for e in a.extents() {
                 let g = &mut self.vdevs[e.vdev as usize].mg;
@@ -47,6 +50,36 @@ impl Pool {
                 }
             }
         }
+    }
+
+    /// Every copy of the block is written (its device acknowledged it):
+    /// its throttle reservation and queue depth end here, not at the
+    /// commit, as OpenZFS gives them back when a block's write is done
+    /// (`zio.c:zio_dva_throttle_done@zfs-2.4.0`), so a caller committing
+    /// many blocks together never waits on its own reservations. The space
+    /// stays placed, in flight, until `commit`, `abort` or `expire`.
+    /// Repeating it is a no-op.
+    pub fn written(&mut self, id: AllocationId) -> Result<()> {
+        let mut a = self
+            .inflight
+            .remove(&id)
+            .ok_or(Error::UnknownAllocation(id))?;
+        self.ramp_up(&a);
+        self.release_throttle(&a);
+        a.res = Reservation::None;
+        self.inflight.insert(id, a);
+        Ok(())
+    }
+
+    /// The block is to be kept: release throttle bytes and queue depth (if
+    /// `written` did not already); the allocation becomes part of the open
+    /// txg, which is returned.
+    pub fn commit(&mut self, id: AllocationId) -> Result<Txg> {
+        let a = self
+            .inflight
+            .remove(&id)
+            .ok_or(Error::UnknownAllocation(id))?;
+        self.ramp_up(&a);
         for e in a.extents() {
             self.txg.push(SpaceChange {
                 kind: SpaceChangeKind::Alloc,

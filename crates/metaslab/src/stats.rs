@@ -79,7 +79,7 @@ pub struct VdevStats {
 pub struct PoolStats {
     pub open_txg: Txg,
     pub policy: ThrottlePolicy,
-    /// Bytes kept back from data (spec §5.6).
+    /// Bytes kept back from data (`spa_misc.c:spa_get_slop_space@zfs-2.4.0`).
     pub slop: u64,
     pub classes: Vec<ClassStats>,
     pub vdevs: Vec<VdevStats>,

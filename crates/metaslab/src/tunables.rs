@@ -1,7 +1,8 @@
-//! OpenZFS's tunables by their OpenZFS names and defaults (spec §1.6, §2,
-//! §3.10, §4.1, §5.2, §5.6), settable by name from a string and validated
-//! against their ranges. Values accept integers, booleans (0/1/true/false)
-//! and sizes with a binary suffix ("2MiB", "128K").
+//! OpenZFS's tunables by their OpenZFS names and defaults (`metaslab.c`,
+//! `vdev.c`, `spa_misc.c` at zfs-2.4.0; the legacy throttle's at zfs-2.3.0),
+//! settable by name from a string and validated against their ranges. Values
+//! accept integers, booleans (0/1/true/false) and sizes with a binary suffix
+//! ("2MiB", "128K").
 
 use crate::{Error, Result, ThrottlePolicy, TunableInfo};
 

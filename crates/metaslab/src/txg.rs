@@ -1,11 +1,12 @@
-//! Transaction groups (spec §6.1–6.2): what the open txg has changed, the
-//! metaslabs it dirtied, and the defer pipeline run at sync: frees of txg
-//! T wait in `defer[T % 2]` and become allocatable at the end of T+2's sync,
-//! unless the class is within its slop, where deferral is shortened to one
-//! sync: `sync` runs before the store has the txg, so a free must not become
-//! allocatable in the very sync that closes its txg (OpenZFS's nodefer frees
-//! return in `metaslab_sync_done`, after the txg is on disk; here that is the
-//! next sync, which starts only once this one was persisted).
+//! Transaction groups (`txg.c@zfs-2.4.0`, `metaslab.c:metaslab_sync_done`):
+//! what the open txg has changed, the metaslabs it dirtied, and the defer
+//! pipeline run at sync: frees of txg T wait in `defer[T % 2]` and become
+//! allocatable at the end of T+2's sync, unless the class is within its slop,
+//! where deferral is shortened to one sync: `sync` runs before the store has
+//! the txg, so a free must not become allocatable in the very sync that closes
+//! its txg (OpenZFS's nodefer frees return in `metaslab_sync_done`, after the
+//! txg is on disk; here that is the next sync, which starts only once this one
+//! was persisted).
 
 use crate::metaslab::Metaslab;
 use crate::{SpaceChange, TXG_DEFER_SIZE, Txg, VdevId};

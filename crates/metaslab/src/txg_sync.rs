@@ -1,6 +1,7 @@
 //! The txg sync: close the open txg, move deferred frees on, reweigh the
 //! metaslabs that changed, unload idle ones after both delays and preload
-//! the best of each group (§2.10, §6.2), and return what changed.
+//! the best of each group (`metaslab_sync_done`, `metaslab_group_preload`),
+//! and return what changed.
 
 use crate::metaslab::Role;
 use crate::txg::sync_done;
@@ -24,6 +25,8 @@ impl Pool {
         self.now_ms = self.now_ms.max(now_ms);
         let txg = self.open_txg;
         let changes = std::mem::take(&mut self.txg.changes);
+        // Before the freeing trees move on: what the check reads.
+        let checked = self.txg_changes_fit(&changes).is_ok();
         self.txg.bytes = 0;
         let normal = &self.classes[NORMAL];
         let nodefer = normal.space.saturating_sub(normal.alloc) <= self.spa_get_slop_space();
@@ -77,7 +80,9 @@ impl Pool {
         if self.tun.throttle_policy == ThrottlePolicy::Legacy {
             self.legacy_reset();
         }
-        // Log classes are never balanced onsync (spec §9.20).
+        // Log classes are never balanced onsync (`metaslab_class_balance` is
+        // called for the normal, special and dedup classes only,
+        // `spa.c:spa_sync_adjust_vdev_max_queue_depth@zfs-2.4.0`).
         self.metaslab_class_balance(NORMAL, true);
         self.dispatch();
         TxgSync {
@@ -85,12 +90,57 @@ impl Pool {
             changes,
             undeferred_bytes: undeferred,
             preloaded,
+            checked,
+        }
+    }
+
+    /// Do a txg's `changes` fit the in-memory space maps as the txg closes
+    /// (before its frees move on to the defer trees)? Each freed extent must
+    /// lie in the freeing tree (where `free` put it, after refusing space
+    /// not allocated); each allocated extent must overlap neither
+    /// allocatable nor deferred space (`allocate` and `claim` took it out of
+    /// the allocatable tree, refusing space not there), nor another
+    /// allocation of the txg (freed space is not reusable within its txg),
+    /// and no two frees overlap.
+    /// Costs `O(changes · log)`, whatever the pool holds: what lets the
+    /// store append a txg to its log without reading its space maps. The
+    /// first change that does not fit is returned.
+    pub fn txg_changes_fit(&self, changes: &[crate::SpaceChange]) -> Result<(), crate::Extent> {
+        let (mut allocs, mut frees) = (Vec::new(), Vec::new());
+        for c in changes {
+            let e = c.extent;
+            let v = self.vdevs.get(e.vdev as usize).ok_or(e)?;
+            if e.size == 0 || e.offset.checked_add(e.size).is_none_or(|end| end > v.end()) {
+                return Err(e);
+            }
+            for (m, off, len) in pieces(v.shift, &e) {
+                let ms = v.ms.get(m as usize).ok_or(e)?;
+                let fits = match c.kind {
+                    crate::SpaceChangeKind::Free => ms.freeing.overlap_bytes(off, len) == len,
+                    crate::SpaceChangeKind::Alloc => {
+                        ms.allocatable.overlap_bytes(off, len) == 0
+                            && ms.defer.iter().all(|d| d.overlap_bytes(off, len) == 0)
+                    }
+                };
+                if !fits {
+                    return Err(e);
+                }
+            }
+            match c.kind {
+                crate::SpaceChangeKind::Alloc => allocs.push(e),
+                crate::SpaceChangeKind::Free => frees.push(e),
+            }
+        }
+        // Each range allocated at most once and freed at most once.
+        match Self::first_overlap(&allocs).or_else(|| Self::first_overlap(&frees)) {
+            Some((_, later)) => Err(later),
+            None => Ok(()),
         }
     }
 
     /// Unload metaslabs not selected for `metaslab_unload_delay` txgs *and*
-    /// `metaslab_unload_delay_ms` (spec §2.10; `metaslab_evict`); active
-    /// and embedded-log metaslabs stay loaded. The LRU is in selection
+    /// `metaslab_unload_delay_ms` (`metaslab.c:metaslab_evict@zfs-2.4.0`);
+    /// active and embedded-log metaslabs stay loaded. The LRU is in selection
     /// order, so the walk stops at the first one too young.
     pub(crate) fn unload(&mut self, txg: Txg) {
         let delay = self.tun.metaslab_unload_delay;
@@ -116,7 +166,7 @@ impl Pool {
         self.lru.extend(keep);
     }
 
-    /// `metaslab_group_preload` (spec §2.10): after a sync, the first
+    /// `metaslab.c:metaslab_group_preload@zfs-2.4.0`: after a sync, the first
     /// `metaslab_preload_limit` metaslabs of each group in tree order are
     /// loaded off the allocation path, so a data allocation rarely pays a
     /// load. They join the LRU as selected now. Returns the metaslabs it

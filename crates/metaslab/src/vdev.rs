@@ -1,12 +1,39 @@
-//! Vdev geometry (spec §1.6, §1.7): the metaslab size OpenZFS picks for a
-//! top-level vdev, psize → asize rounding (plain and RAIDZ), and the data
-//! children count that scales the aliquot.
+//! Vdev geometry (`vdev.c:vdev_metaslab_set_size@zfs-2.4.0`,
+//! `vdev_raidz.c:vdev_raidz_psize_to_asize@zfs-2.4.0`): the metaslab size
+//! OpenZFS picks for a top-level vdev, psize → asize rounding (plain and
+//! RAIDZ), and the data children count that scales the aliquot.
+
+use std::fmt;
 
 use crate::range_tree::highbit;
 use crate::{Tunables, VdevSpec};
 
+/// A block's logical size as written (OpenZFS's psize): what a client asks
+/// for and what a size hint must be given in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Psize(pub u64);
+
+/// Bytes a block takes on one vdev (OpenZFS's asize): its psize rounded to
+/// the vdev's sectors, with parity and padding on RAIDZ. Free segments and
+/// extents are in asize. The two differ on RAIDZ, so one is never passed
+/// where the other is meant.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Asize(pub u64);
+
+impl fmt::Display for Psize {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl fmt::Display for Asize {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
 /// The metaslab shift OpenZFS chooses for a vdev of `asize` bytes
-/// (`vdev_metaslab_set_size`, spec §1.6).
+/// (`vdev.c:vdev_metaslab_set_size@zfs-2.4.0`).
 pub fn metaslab_shift(asize: u64, t: &Tunables) -> u8 {
     let default_shift = t.zfs_vdev_default_ms_shift as u32;
     let count0 = asize >> default_shift;
@@ -36,25 +63,26 @@ pub fn metaslab_count(asize: u64, shift: u8) -> u64 {
     asize >> shift
 }
 
-/// Data children: children − parity, at least 1 (spec §1.7).
+/// Data children: children − parity, at least 1 (`vdev_raidz.c@zfs-2.4.0`).
 pub fn data_children(spec: &VdevSpec) -> u64 {
     (spec.children.saturating_sub(spec.parity)).max(1) as u64
 }
 
-/// psize → asize (spec §1.7). A vdev with one data child (plain disk or a
-/// mirror: children − parity = 1) rounds up to the sector; a RAIDZ-like vdev
-/// with parity adds parity sectors and rounds to a multiple of parity + 1.
-pub fn psize_to_asize(spec: &VdevSpec, psize: u64) -> u64 {
+/// psize → asize (`vdev_raidz.c:vdev_raidz_psize_to_asize@zfs-2.4.0`). A vdev
+/// with one data child (plain disk or a mirror: children − parity = 1) rounds
+/// up to the sector; a RAIDZ-like vdev with parity adds parity sectors and
+/// rounds to a multiple of parity + 1.
+pub fn psize_to_asize(spec: &VdevSpec, Psize(psize): Psize) -> Asize {
     let a = spec.ashift as u32;
     let p = spec.parity as u64;
     let cols = spec.children as u64;
     if p == 0 || cols <= p + 1 {
         let sector = 1u64 << a;
-        return psize.div_ceil(sector) * sector;
+        return Asize(psize.div_ceil(sector) * sector);
     }
     let mut s = psize.div_ceil(1 << a);
     s += p * s.div_ceil(cols - p);
-    (s.div_ceil(p + 1) * (p + 1)) << a
+    Asize((s.div_ceil(p + 1) * (p + 1)) << a)
 }
 
 /// The largest psize whose allocation on this vdev is `asize` bytes: the
@@ -63,13 +91,13 @@ pub fn psize_to_asize(spec: &VdevSpec, psize: u64) -> u64 {
 /// vdev only rounds to its sectors). A relocation that knows only the old
 /// extent sizes its new copy from this, not from the old asize, so a block
 /// moved off a RAIDZ vdev does not carry its parity along.
-pub fn asize_to_psize(spec: &VdevSpec, asize: u64) -> u64 {
+pub fn asize_to_psize(spec: &VdevSpec, Asize(asize): Asize) -> Psize {
     let a = spec.ashift as u32;
     let p = spec.parity as u64;
     let cols = spec.children as u64;
     let sectors = asize >> a;
     if p == 0 || cols <= p + 1 {
-        return sectors << a;
+        return Psize(sectors << a);
     }
     // Rows that hold data; a partial row made of padding only (the round
     // up to a multiple of parity + 1) holds none.
@@ -79,7 +107,7 @@ pub fn asize_to_psize(spec: &VdevSpec, asize: u64) -> u64 {
     } else {
         sectors
     };
-    (used - p * used.div_ceil(cols)) << a
+    Psize((used - p * used.div_ceil(cols)) << a)
 }
 
 #[cfg(test)]
@@ -104,10 +132,10 @@ mod tests {
                 .map(|k| k * 2048)
                 .chain([128 << 10, 1 << 20, 16 << 20])
             {
-                let asize = psize_to_asize(&s, psize);
+                let asize = psize_to_asize(&s, Psize(psize));
                 let most = asize_to_psize(&s, asize);
                 assert!(
-                    most >= psize,
+                    most >= Psize(psize),
                     "{children}/{parity}@{ashift}: {psize} -> {asize} -> {most}"
                 );
                 assert_eq!(
@@ -120,8 +148,8 @@ mod tests {
         // The case: 128K on a 5-wide RAIDZ1 at ashift 12 is 160K
         // allocated, and back to 128K, not 160K.
         let rz = spec(5, 1, 12);
-        assert_eq!(psize_to_asize(&rz, 128 << 10), 160 << 10);
-        assert_eq!(asize_to_psize(&rz, 160 << 10), 128 << 10);
+        assert_eq!(psize_to_asize(&rz, Psize(128 << 10)), Asize(160 << 10));
+        assert_eq!(asize_to_psize(&rz, Asize(160 << 10)), Psize(128 << 10));
     }
     use crate::VdevRole;
 
@@ -170,13 +198,16 @@ mod tests {
 
     #[test]
     fn asize_rounding() {
-        assert_eq!(psize_to_asize(&spec(1, 0, 12), 1), 4096);
-        assert_eq!(psize_to_asize(&spec(1, 0, 12), 4097), 8192);
-        assert_eq!(psize_to_asize(&spec(2, 1, 12), 4096), 4096); // mirror
+        assert_eq!(psize_to_asize(&spec(1, 0, 12), Psize(1)), Asize(4096));
+        assert_eq!(psize_to_asize(&spec(1, 0, 12), Psize(4097)), Asize(8192));
+        assert_eq!(psize_to_asize(&spec(2, 1, 12), Psize(4096)), Asize(4096)); // mirror
         // raidz1 of 5 (4 data): 128 KiB = 32 sectors + 8 parity = 40, round to 2 → 40.
-        assert_eq!(psize_to_asize(&spec(5, 1, 12), 128 << 10), 40 << 12);
+        assert_eq!(
+            psize_to_asize(&spec(5, 1, 12), Psize(128 << 10)),
+            Asize(40 << 12)
+        );
         // raidz2 of 6: 1 sector + 2 parity = 3, round up to 3 → 3 sectors.
-        assert_eq!(psize_to_asize(&spec(6, 2, 12), 4096), 3 << 12);
+        assert_eq!(psize_to_asize(&spec(6, 2, 12), Psize(4096)), Asize(3 << 12));
         assert_eq!(data_children(&spec(10, 2, 12)), 8);
         assert_eq!(data_children(&spec(1, 0, 12)), 1);
         assert_eq!(data_children(&spec(2, 1, 12)), 1);

@@ -194,3 +194,52 @@ fn pool_is_send() {
     fn is_send<T: Send>() {}
     is_send::<Pool>();
 }
+
+/// A txg's changes are checked against the in-memory space maps as it
+/// closes: the pool's own are marked checked; changes that do not fit them
+/// (what a store would refuse) are named.
+#[test]
+fn a_txg_s_changes_are_checked_against_the_space_maps() {
+    let mut pool = Pool::new(Tunables::default());
+    pool.add_vdev(spec(4 * GIB)).unwrap();
+    assert!(pool.sync().checked);
+    let x = alloc(&mut pool, data(128 << 10, 1)).unwrap();
+    pool.commit(x.id).unwrap();
+    let e = x.extents[0];
+    let s = pool.sync();
+    assert!(s.checked && s.changes.len() == 1);
+    let change = |kind, extent| SpaceChange { kind, extent };
+    use SpaceChangeKind::{Alloc, Free};
+    let next = Extent {
+        offset: e.offset + e.size,
+        ..e
+    };
+    // Space never allocated: neither allocated nor freed by a txg.
+    assert_eq!(pool.txg_changes_fit(&[change(Alloc, next)]), Err(next));
+    assert_eq!(pool.txg_changes_fit(&[change(Free, next)]), Err(next));
+    // Allocated space not freed in this txg cannot be freed by it.
+    assert_eq!(pool.txg_changes_fit(&[change(Free, e)]), Err(e));
+    // A vdev the pool does not have.
+    let elsewhere = Extent { vdev: 9, ..e };
+    assert_eq!(
+        pool.txg_changes_fit(&[change(Alloc, elsewhere)]),
+        Err(elsewhere)
+    );
+    // Freed in this txg: fits once, not twice; and it is not allocated
+    // again by the txg twice either.
+    pool.free(&x.extents).unwrap();
+    assert_eq!(pool.txg_changes_fit(&[change(Free, e)]), Ok(()));
+    assert_eq!(
+        pool.txg_changes_fit(&[change(Free, e), change(Free, e)]),
+        Err(e)
+    );
+    assert_eq!(
+        pool.txg_changes_fit(&[change(Alloc, e), change(Alloc, e)]),
+        Err(e)
+    );
+    let s = pool.sync();
+    assert!(s.checked && s.changes == vec![change(Free, e)]);
+    // Deferred now: neither allocatable nor freeable by a txg.
+    assert_eq!(pool.txg_changes_fit(&[change(Alloc, e)]), Err(e));
+    assert_eq!(pool.txg_changes_fit(&[change(Free, e)]), Err(e));
+}

@@ -1,4 +1,4 @@
-//! Behaviour from issue 2: capacity-proportional placement, free-fraction
+//! Behaviour the pool promises: capacity-proportional placement, free-fraction
 //! convergence after a vdev add, perf bias under load, embedded log
 //! metaslab selection and the log → embedded_log → normal order.
 
@@ -341,5 +341,77 @@ fn throttle_queues_and_admits_fifo() {
     // Cancelling an admitted ticket lets the next one in.
     pool.cancel(ready[1]).unwrap();
     assert_eq!(pool.take_admitted(), vec![queued[1]]);
+    pool.verify().unwrap();
+}
+
+#[test]
+fn a_written_block_gives_back_its_reservation_before_its_commit() {
+    let mut pool = Pool::new(Tunables::default());
+    pool.add_vdev(spec(16 * GIB)).unwrap();
+    pool.add_vdev(spec(16 * GIB)).unwrap();
+    pool.sync();
+    // Fill the class's budget with placed, uncommitted blocks (one batch
+    // that will be committed together), then queue one more.
+    let mut placed = vec![];
+    let waiter = loop {
+        match pool.submit(data(1 << 20)).unwrap() {
+            Submitted::Ready(t) => placed.push(pool.allocate(t, false).unwrap()),
+            Submitted::Queued(t) => break t,
+        }
+    };
+    let s = pool.stats();
+    assert!(s.classes[0].reserved > s.classes[0].alloc_max);
+    assert!(
+        s.classes[0]
+            .groups
+            .iter()
+            .map(|g| g.queue_depth)
+            .sum::<u64>()
+            > 0
+    );
+    // The first block's write is done: its bytes leave the class and the
+    // groups' queue depth at once, and the waiter is admitted though
+    // nothing was committed.
+    pool.written(placed[0].id).unwrap();
+    assert_eq!(pool.take_admitted(), vec![waiter]);
+    pool.verify().unwrap();
+    // Reporting it again changes nothing; unknown ids are refused.
+    let before = pool.stats().classes[0].reserved;
+    pool.written(placed[0].id).unwrap();
+    assert_eq!(pool.stats().classes[0].reserved, before);
+    assert_eq!(
+        pool.written(u64::MAX),
+        Err(Error::UnknownAllocation(u64::MAX))
+    );
+    // Every block written: nothing reserved but the admitted waiter's
+    // ticket, no queue depth; the batch's space is still in flight.
+    for a in &placed {
+        pool.written(a.id).unwrap();
+    }
+    let w = pool.allocate(waiter, false).unwrap();
+    pool.written(w.id).unwrap();
+    let s = pool.stats();
+    assert_eq!(s.classes[0].reserved, 0);
+    assert_eq!(
+        s.classes[0]
+            .groups
+            .iter()
+            .map(|g| g.queue_depth)
+            .sum::<u64>(),
+        0
+    );
+    pool.verify().unwrap();
+    // Commit and abort after the write release nothing twice.
+    for a in &placed[1..] {
+        pool.commit(a.id).unwrap();
+    }
+    pool.abort(placed[0].id).unwrap();
+    pool.commit(w.id).unwrap();
+    let s = pool.stats();
+    assert_eq!(s.classes[0].reserved, 0);
+    assert_eq!(
+        pool.stats().vdevs.iter().map(|v| v.alloc).sum::<u64>(),
+        placed.len() as u64 * (1 << 20)
+    );
     pool.verify().unwrap();
 }

@@ -1,5 +1,7 @@
-//! Issue 12: places where the policy used to decide differently from
-//! OpenZFS, each checked against what OpenZFS does (spec §2.5–§2.7, §2.11).
+//! Places where the policy used to decide differently from
+//! OpenZFS, each checked against what OpenZFS does (`metaslab.c@zfs-2.4.0`:
+//! `metaslab_group_alloc`, `find_valid_metaslab`, `metaslab_group_allocatable`,
+//! `metaslab_alloc_dva`).
 
 use metaslab::*;
 
@@ -52,7 +54,7 @@ fn metaslab_of(pool: &Pool, e: &Extent) -> u64 {
     e.offset >> pool.stats().vdevs[e.vdev as usize].metaslab_shift
 }
 
-/// Item 1: ditto copies on a one-vdev pool land on distinct metaslabs of
+/// Ditto copies on a one-vdev pool land on distinct metaslabs of
 /// vdev 0 (SECONDARY activation for the second, CLAIM for the third).
 #[test]
 fn copies_share_a_vdev_but_never_a_metaslab() {
@@ -74,7 +76,7 @@ fn copies_share_a_vdev_but_never_a_metaslab() {
     pool.verify().unwrap();
 }
 
-/// Issue 29 item 5: a ditto copy needs a metaslab of its own only while an
+/// A ditto copy needs a metaslab of its own only while an
 /// inactive one can take it. On a one-vdev pool whose only free space is in
 /// the metaslab the first copy went to (the allocator's active primary),
 /// OpenZFS places the second copy there too: `find_valid_metaslab` skips
@@ -115,7 +117,7 @@ fn a_ditto_copy_shares_the_active_metaslab_when_nothing_else_fits() {
     pool.verify().unwrap();
 }
 
-/// Item 1: with two vdevs, the second copy still goes to the other vdev
+/// With two vdevs, the second copy still goes to the other vdev
 /// while it can; with that vdev offline it shares vdev 0.
 #[test]
 fn copies_prefer_the_next_vdev_and_share_when_alone() {
@@ -137,7 +139,7 @@ fn copies_prefer_the_next_vdev_and_share_when_alone() {
     );
 }
 
-/// Item 2: a degraded RAIDZ still takes first copies (OpenZFS skips only a
+/// A degraded RAIDZ still takes first copies (OpenZFS skips only a
 /// degraded leaf); a degraded leaf takes none while another vdev can.
 #[test]
 fn degraded_redundant_vdev_keeps_its_share() {
@@ -162,7 +164,7 @@ fn degraded_redundant_vdev_keeps_its_share() {
     }
 }
 
-/// Item 3: legacy pools use the aliquot of the legacy code (1 MiB).
+/// Legacy pools use the aliquot of the legacy code (1 MiB).
 #[test]
 fn legacy_policy_defaults_to_a_1mib_aliquot() {
     let mut t = Tunables::default();
@@ -208,7 +210,7 @@ fn fragmented_pool(t: Tunables) -> Pool {
     pool
 }
 
-/// Item 4: without gang blocks, a 1 MiB data block that does not fit
+/// Without gang blocks, a 1 MiB data block that does not fit
 /// fails as FRAGMENTED with the largest free segment (no try-hard pass),
 /// while a log block and a minimum-size block are placed.
 #[test]
@@ -223,7 +225,7 @@ fn fragmented_pool_fails_large_data_as_fragmented() {
         Err(Error::NoSpace {
             reason: NoSpaceReason::Fragmented { largest_free },
             ..
-        }) => assert_eq!(largest_free, 12288),
+        }) => assert_eq!(largest_free, Psize(12288)),
         other => panic!("{other:?}"),
     }
     let log = place(&mut pool, req(AllocKind::Log, 4096, 1)).unwrap();
@@ -232,7 +234,7 @@ fn fragmented_pool_fails_large_data_as_fragmented() {
     pool.verify().unwrap();
 }
 
-/// Item 4: a block that fails the group checks but fits whole in a free
+/// A block that fails the group checks but fits whole in a free
 /// segment is placed trying hard (OpenZFS would gang it and place the
 /// members trying hard): a lone degraded leaf still takes data.
 #[test]
@@ -245,7 +247,7 @@ fn a_block_that_fits_whole_is_placed_trying_hard() {
     place(&mut pool, req(AllocKind::Data, 4096, 1)).unwrap();
 }
 
-/// Issue 10 item 8: no vdev allocatable says so. (The last normal vdev
+/// No vdev allocatable says so. (The last normal vdev
 /// cannot be taken offline by an admin, `vdev_passivate`; an unreachable
 /// one is not allocatable either.)
 #[test]
@@ -263,7 +265,7 @@ fn no_space_says_vdevs_offline() {
     }
 }
 
-/// Issue 10 item 6: a vdev the store could not bring back is refused when
+/// A vdev the store could not bring back is refused when
 /// it is added, not after a restart.
 #[test]
 fn huge_capacity_is_refused_at_add() {
@@ -275,7 +277,7 @@ fn huge_capacity_is_refused_at_add() {
     assert_eq!(pool.stats().vdevs.len(), 0);
 }
 
-/// Issue 10 item 3: an expired allocation's space is deferred like a free,
+/// An expired allocation's space is deferred like a free,
 /// so nothing else is placed there before TXG_DEFER_SIZE syncs.
 #[test]
 fn expired_space_is_deferred() {
@@ -314,7 +316,7 @@ fn expired_space_is_deferred() {
     pool.verify().unwrap();
 }
 
-/// Item 8: a metaslab never allocated from has no space map: 0 %
+/// A metaslab never allocated from has no space map: 0 %
 /// fragmented (it used to read 3–17 % for its one big free segment).
 #[test]
 fn a_fresh_metaslab_reads_zero_fragmentation() {
@@ -330,7 +332,7 @@ fn a_fresh_metaslab_reads_zero_fragmentation() {
     assert!(f <= 3, "{f}");
 }
 
-/// Item 8: frees still deferred count as free segments in the histogram
+/// Frees still deferred count as free segments in the histogram
 /// (OpenZFS adds the freed and both defer trees), so fragmentation moves
 /// as soon as the free syncs, not two txgs later.
 #[test]
@@ -357,7 +359,7 @@ fn deferred_frees_count_in_fragmentation() {
     );
 }
 
-/// Item 7: a faulted vdev stays in the ring and the class balance: its
+/// A faulted vdev stays in the ring and the class balance: its
 /// group keeps its aliquot and the class limit does not move; it is
 /// skipped at each allocation.
 #[test]
@@ -382,7 +384,7 @@ fn a_faulted_vdev_keeps_its_aliquot_and_is_skipped() {
     assert_ne!(pool.stats().classes[0].alloc_max, before.alloc_max);
 }
 
-/// Item 6: after a sync the best `metaslab_preload_limit` metaslabs of a
+/// After a sync the best `metaslab_preload_limit` metaslabs of a
 /// group are loaded; an inactive one unloads only once both 32 txgs and
 /// `metaslab_unload_delay_ms` (600 s of the caller's time) have passed.
 #[test]
@@ -415,7 +417,7 @@ fn metaslabs_preload_and_unload_only_after_600_seconds() {
     assert_eq!(loaded(&pool), 2, "only the active and embedded log stay");
 }
 
-/// Item 5: busy switches where OpenZFS's dirty-data rule says, at
+/// Busy switches where OpenZFS's dirty-data rule says, at
 /// `zfs_dirty_data_max × (30 + 60) / 200` = 45 % of it, or with a sync
 /// task pending; the percentages are the tunables of those names.
 #[test]
@@ -451,9 +453,9 @@ fn place_by(pool: &mut Pool, k: usize, size: u64, busy: bool) -> Allocation {
     place_busy(pool, r, busy).unwrap()
 }
 
-/// Item 9: `spa_alloc_count = max(1, min(spa_num_allocators, cpus /
+/// `spa_alloc_count = max(1, min(spa_num_allocators, cpus /
 /// spa_cpus_per_allocator))`; each allocator keeps its own rotor and
-/// aliquot counter. Issue 29 item 4: a group being activated becomes
+/// aliquot counter. A group being activated becomes
 /// allocator 0's rotor and the next allocators' rotors follow it round the
 /// ring (`metaslab.c:metaslab_group_activate@zfs-2.4.0`: `mca_rotor = mg;
 /// mg = mg->mg_next` per allocator), so allocators start on different
@@ -507,7 +509,7 @@ fn allocators_added_after_the_vdevs_start_spread() {
     pool.verify().unwrap();
 }
 
-/// Issue 29 item 4: queue depth is kept per allocator
+/// Queue depth is kept per allocator
 /// (`mga_queue_depth@zfs-2.4.0`, what `metaslab_class_rotate` compares with
 /// the group's queue target). Another allocator's bytes in flight on a
 /// group do not turn this allocator's rotor: on a busy pool allocator 1
@@ -564,7 +566,7 @@ fn another_allocators_queue_does_not_turn_this_rotor() {
     );
 }
 
-/// Spec §9 item 3: `mc_alloc_max` bounds each allocator's reservations
+/// `mc_alloc_max` bounds each allocator's reservations
 /// (`mca_reserved`), not the class total, and each allocator has its own
 /// queue: with 4 allocators the class admits about 4 × alloc_max before
 /// anything waits, and a full allocator's waiters do not hold back another's.
@@ -607,10 +609,11 @@ fn each_allocator_has_its_own_throttle_budget_and_queue() {
     let _ = pool.take_admitted();
 }
 
-/// Spec §2.5: each allocator has its own active metaslab per group while
-/// the group has enough ready metaslabs (`allocator < mg_ms_ready / 3`),
-/// so two allocators write two fronts on one vdev; with few metaslabs they
-/// share slot 0's. LEGACY shares until `ready ≥ allocators × 3`.
+/// `metaslab.c:metaslab_group_alloc@zfs-2.4.0`: each allocator has its own
+/// active metaslab per group while the group has enough ready metaslabs
+/// (`allocator < mg_ms_ready / 3`), so two allocators write two fronts on one
+/// vdev; with few metaslabs they share slot 0's. LEGACY shares until `ready ≥
+/// allocators × 3`.
 fn fronts(policy: ThrottlePolicy, capacity: u64, shift: Option<u8>) -> (u32, Vec<u64>, Vec<u64>) {
     let mut pool = Pool::new(Tunables {
         throttle_policy: policy,
@@ -666,9 +669,10 @@ fn allocators_share_one_front_on_a_vdev_with_few_metaslabs() {
     }
 }
 
-/// Spec §4.3: LEGACY ramps each allocator's slot limit by its own
-/// completions (`mca_alloc_max_slots` per allocator): writes completed by
-/// allocator 0 raise allocator 0's limit, not allocator 1's.
+/// `metaslab.c:metaslab_group_alloc_decrement@zfs-2.3.0`: LEGACY ramps each
+/// allocator's slot limit by its own completions (`mca_alloc_max_slots` per
+/// allocator): writes completed by allocator 0 raise allocator 0's limit, not
+/// allocator 1's.
 #[test]
 fn legacy_slots_ramp_up_per_allocator() {
     let mut pool = Pool::new(Tunables {
@@ -712,7 +716,7 @@ fn log_range(size: u64, max_size: u64) -> AllocRequest {
     }
 }
 
-/// Issue 29 item 6: an intent-log block may be any size in `[min, max]`
+/// An intent-log block may be any size in `[min, max]`
 /// (OpenZFS 2.4: `zio_alloc_zil` tries each class with
 /// `metaslab_alloc_range`; `metaslab_df_alloc` takes `MIN(segment, max)`
 /// from the first segment holding `min`, and the size tree gives the
@@ -781,7 +785,7 @@ fn a_log_block_with_a_size_range_stays_in_the_embedded_log_metaslab() {
     ));
 }
 
-/// Issue 29 item 5: a refusal's reason is the true one. FRAGMENTED means
+/// A refusal's reason is the true one. FRAGMENTED means
 /// the free bytes would hold the block cut in pieces (OpenZFS would gang
 /// it); when they would not, however cut, the pool is FULL, not fragmented.
 #[test]
@@ -811,7 +815,7 @@ fn a_refusal_says_full_when_the_free_bytes_cannot_hold_the_block() {
     assert_eq!(
         reason(&mut pool, 128 * K, 1),
         NoSpaceReason::Fragmented {
-            largest_free: 64 * K
+            largest_free: Psize(64 * K)
         }
     );
     // Two copies of 96K need 192K: more than is free.
@@ -820,5 +824,214 @@ fn a_refusal_says_full_when_the_free_bytes_cannot_hold_the_block() {
     pool.commit(a.id).unwrap();
     // 64K left: a 128K block does not fit however cut.
     assert_eq!(reason(&mut pool, 128 * K, 1), NoSpaceReason::Full);
+    pool.verify().unwrap();
+}
+
+/// A 64 MiB vdev of four 16 MiB metaslabs, all allocated in 64 KiB
+/// extents, nothing preloaded: every metaslab unloaded.
+fn full_unloaded_pool() -> (Pool, Vec<Extent>) {
+    let mut t = Tunables::default();
+    t.set("metaslab_preload_limit", "0").unwrap();
+    let spec = VdevSpec {
+        metaslab_shift: Some(24),
+        ..spec(64 * MIB)
+    };
+    let k64 = 64 << 10;
+    let extents: Vec<Extent> = (0..(64 * MIB / k64))
+        .map(|i| Extent {
+            vdev: 0,
+            offset: i * k64,
+            size: k64,
+        })
+        .collect();
+    let mut pool = Pool::restore_sorted(t, vec![(0, spec)], extents.clone(), 10).unwrap();
+    pool.sync();
+    assert_eq!(pool.stats().vdevs[0].loaded_metaslabs, 0);
+    (pool, extents)
+}
+
+/// The normal class's fragmentation once `freed` are free and synced.
+fn fragmentation_after_freeing(freed: &[Extent]) -> Option<u32> {
+    let (mut pool, _) = full_unloaded_pool();
+    pool.free(freed).unwrap();
+    for _ in 0..4 {
+        pool.sync();
+    }
+    assert_eq!(
+        pool.stats().vdevs[0].loaded_metaslabs,
+        0,
+        "frees do not load"
+    );
+    let s = pool.stats();
+    let normal = s
+        .classes
+        .iter()
+        .find(|c| c.kind == ClassKind::Normal)
+        .unwrap();
+    normal.fragmentation
+}
+
+/// Fragmentation comes from the in-core trees (DESIGN.md, "Fragmentation
+/// from the in-core trees, when reweighed"): two adjacent 64 KiB frees to
+/// an unloaded metaslab count as the one 128 KiB segment they make, not as
+/// two 64 KiB segments as OpenZFS's space map histogram counts them until
+/// the metaslab is loaded and synced.
+#[test]
+fn frees_to_an_unloaded_metaslab_coalesce_in_its_fragmentation() {
+    let (_, extents) = full_unloaded_pool();
+    let adjacent = fragmentation_after_freeing(&extents[0..2]);
+    // The same 128 KiB restored free from the start: one segment.
+    let one_128k = {
+        let (_, extents) = full_unloaded_pool();
+        let mut t = Tunables::default();
+        t.set("metaslab_preload_limit", "0").unwrap();
+        let spec = VdevSpec {
+            metaslab_shift: Some(24),
+            ..spec(64 * MIB)
+        };
+        let mut pool = Pool::restore_sorted(t, vec![(0, spec)], extents[2..].to_vec(), 10).unwrap();
+        for _ in 0..4 {
+            pool.sync();
+        }
+        let s = pool.stats();
+        s.classes
+            .iter()
+            .find(|c| c.kind == ClassKind::Normal)
+            .unwrap()
+            .fragmentation
+    };
+    let apart = fragmentation_after_freeing(&[extents[0], extents[2]]);
+    assert!(adjacent.is_some() && apart.is_some());
+    assert_eq!(adjacent, one_128k);
+    assert!(
+        adjacent < apart,
+        "one 128K segment ({adjacent:?}) is less fragmented than two 64K ({apart:?})"
+    );
+}
+
+/// An unloaded metaslab is judged by its largest free segment, as a loaded
+/// one (DESIGN.md, "Weights of unloaded metaslabs"): with every free
+/// segment 64 KiB, a 112 KiB block loads nothing and fails as FRAGMENTED.
+/// OpenZFS would let each such metaslab try it (112K < 2 × the 64K bucket)
+/// and load it to find out.
+#[test]
+fn an_unloaded_metaslab_too_fragmented_for_the_block_is_not_loaded() {
+    let mut t = Tunables::default();
+    t.set("metaslab_preload_limit", "0").unwrap();
+    // 1 GiB in 64 metaslabs of 16 MiB, every other 64 KiB allocated: 512 MiB
+    // free (above the 128 MiB slop) in 64 KiB segments.
+    let spec = VdevSpec {
+        metaslab_shift: Some(24),
+        ..spec(GIB)
+    };
+    let k64 = 64 << 10;
+    let extents: Vec<Extent> = (0..(GIB / k64))
+        .filter(|i| i % 2 == 1)
+        .map(|i| Extent {
+            vdev: 0,
+            offset: i * k64,
+            size: k64,
+        })
+        .collect();
+    let mut pool = Pool::restore_sorted(t, vec![(0, spec)], extents, 10).unwrap();
+    pool.sync();
+    assert_eq!(pool.stats().vdevs[0].loaded_metaslabs, 0);
+    match place(&mut pool, req(AllocKind::Data, 112 << 10, 1)) {
+        Err(Error::NoSpace {
+            reason: NoSpaceReason::Fragmented { largest_free },
+            ..
+        }) => assert_eq!(largest_free, Psize(k64)),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(pool.stats().vdevs[0].loaded_metaslabs, 0, "nothing loaded");
+    // A block that fits loads the one metaslab it lands in.
+    let a = place(&mut pool, req(AllocKind::Data, k64, 1)).unwrap();
+    assert_eq!(a.metaslab_loads, 1);
+}
+
+/// A block's allocator is its affinity key's hash, always (DESIGN.md,
+/// "Which allocator a data block uses"): no caller identity enters it, so
+/// two pools agree on every key, and the keys spread over every allocator.
+#[test]
+fn a_blocks_allocator_is_its_affinity_keys() {
+    let mut a = Pool::new(Tunables::default());
+    let mut b = Pool::new(Tunables::default());
+    assert_eq!(a.set_cpus(16), 4);
+    assert_eq!(b.set_cpus(16), 4);
+    let mut seen = [0u32; 4];
+    for key in 0..1000u64 {
+        let k = a.allocator_for(key);
+        assert_eq!(k, b.allocator_for(key), "key {key}");
+        seen[k] += 1;
+    }
+    assert!(seen.iter().all(|&n| n > 150), "{seen:?}");
+}
+
+/// Slop is a share of the raw space (DESIGN.md, "Raw, not deflated,
+/// bytes"): on RAIDZ1 of 5 it is `space >> spa_slop_shift` of the raw
+/// bytes, parity included, where OpenZFS takes it of the deflated 4/5.
+#[test]
+fn slop_is_a_share_of_raw_space_on_raidz() {
+    let mut t = Tunables::default();
+    // No embedded log metaslab, whose space would come off the slop.
+    t.set("zfs_embedded_slog_min_ms", "100000").unwrap();
+    let mut pool = Pool::new(t);
+    pool.add_vdev(raidz1(64 * GIB)).unwrap();
+    pool.sync();
+    let s = pool.stats();
+    let space = s
+        .classes
+        .iter()
+        .find(|c| c.kind == ClassKind::Normal)
+        .unwrap()
+        .space;
+    assert!(space > 60 * GIB, "{space}");
+    assert_eq!(s.slop, space >> 5);
+    assert_ne!(s.slop, (space / 5 * 4) >> 5, "not the deflated share");
+}
+
+/// The FRAGMENTED hint is a block size (psize), not a raw segment size: on
+/// RAIDZ1 of 5 at 4 KiB sectors a 40 KiB free segment holds a 32 KiB block
+/// (8 data + 2 parity sectors), and a 40 KiB block needs 56 KiB. A client
+/// that retries at the hint must fit; the hint once said 40 KiB, and the
+/// retry failed again.
+#[test]
+fn the_fragmented_hint_on_raidz_is_a_block_size_that_fits() {
+    let mut t = Tunables::default();
+    t.set("metaslab_preload_limit", "0").unwrap();
+    let spec = VdevSpec {
+        metaslab_shift: Some(24),
+        ..raidz1(GIB)
+    };
+    let k40 = 40 << 10;
+    // Every other 40 KiB allocated: 512 MiB free in 40 KiB segments.
+    let extents: Vec<Extent> = (0..(GIB / k40))
+        .filter(|i| i % 2 == 1)
+        .map(|i| Extent {
+            vdev: 0,
+            offset: i * k40,
+            size: k40,
+        })
+        .collect();
+    let mut pool = Pool::restore_sorted(t, vec![(0, spec.clone())], extents, 10).unwrap();
+    pool.sync();
+    let hint = match place(&mut pool, req(AllocKind::Data, MIB, 1)) {
+        Err(Error::NoSpace {
+            reason: NoSpaceReason::Fragmented { largest_free },
+            ..
+        }) => largest_free,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(hint, Psize(32 << 10));
+    assert_eq!(
+        vdev::psize_to_asize(&spec, hint),
+        Asize(k40),
+        "the hint fills one segment"
+    );
+    let a = place(&mut pool, req(AllocKind::Data, hint.0, 1)).expect("a retry at the hint fits");
+    assert_eq!(a.extents[0].size, k40);
+    pool.commit(a.id).unwrap();
+    // One sector more does not fit anywhere.
+    assert!(place(&mut pool, req(AllocKind::Data, hint.0 + 4096, 1)).is_err());
     pool.verify().unwrap();
 }

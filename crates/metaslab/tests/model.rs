@@ -439,6 +439,9 @@ impl Model {
         self.counts[7] += nodefer as u64;
         let s = self.pool.sync();
         assert_eq!(s.txg, txg);
+        // The pool's own txgs always fit its space maps: a store may take
+        // them unchecked.
+        assert!(s.checked, "txg {txg}'s changes do not fit the space maps");
         assert_eq!(
             s.changes,
             std::mem::take(&mut self.changes),

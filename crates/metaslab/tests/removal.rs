@@ -172,6 +172,34 @@ fn a_move_avoids_its_source_and_over_full_vdevs_while_an_emptier_one_takes_it() 
     assert_eq!(pool.relocation_avoid(7, &[]), Err(Error::UnknownVdev(7)));
 }
 
+#[test]
+fn a_removal_keeps_copies_apart_unless_no_other_vdev_has_room() {
+    let mut pool = Pool::new(Tunables::default());
+    for _ in 0..3 {
+        pool.add_vdev(spec(4 * GIB)).unwrap();
+    }
+    pool.sync();
+    // Vdev 2 is free: the copy on vdev 1 is avoided.
+    let (avoid, apart) = pool.removal_avoid(0, &[1], 1 << 20).unwrap();
+    assert!(avoid.contains(&0) && avoid.contains(&1) && !avoid.contains(&2));
+    assert!(apart);
+    // Vdev 2 cannot take it: offline, or too small for the move.
+    pool.set_online(0, false).unwrap();
+    pool.set_online(2, false).unwrap();
+    let (avoid, apart) = pool.removal_avoid(0, &[1], 1 << 20).unwrap();
+    assert_eq!(avoid, vec![0]);
+    assert!(!apart);
+    pool.set_online(2, true).unwrap();
+    let (avoid, apart) = pool.removal_avoid(0, &[1], 8 * GIB).unwrap();
+    assert_eq!(avoid, vec![0]);
+    assert!(!apart);
+    // A block of one copy: only the source.
+    assert_eq!(
+        pool.removal_avoid(0, &[], 1 << 20).unwrap(),
+        (vec![0], false)
+    );
+}
+
 /// OpenZFS refuses to passivate the last normal vdev that still takes
 /// allocations (`vdev_removal.c:vdev_passivate@zfs-2.4.0`, EINVAL): it
 /// counts only other concrete, not dead vdevs of the normal class that are
@@ -308,7 +336,7 @@ fn a_drain_needs_room_for_the_whole_vdev() {
     pool.check_drain_room(b).unwrap();
 }
 
-/// Issue 29 item 2, second half: an offline vdev leaves the rotor and
+/// An offline vdev leaves the rotor and
 /// `mc_groups`, but its space stays in the class's `mc_space` until
 /// `metaslab_fini` (`metaslab.c:metaslab_group_passivate`,
 /// `metaslab_group_alloc_update` and `metaslab_class_balance@zfs-2.4.0`).
@@ -345,4 +373,18 @@ fn an_offline_vdevs_space_stays_in_the_class_balance() {
     // Back online, as before.
     pool.set_online(2, true).unwrap();
     assert_eq!(aliquot_of(&pool, 0).0, Some(all3));
+}
+
+/// A vdev that cannot be read may still drain (DESIGN.md, "A faulted vdev
+/// may drain"): OpenZFS refuses to remove it (`EIO`), but Aliquot's mover
+/// copies each block through its client from a readable copy, so draining
+/// is how the blocks it held get a new copy elsewhere.
+#[test]
+fn a_faulted_vdev_may_drain() {
+    let mut pool = pool3();
+    for health in [Health::Faulted, Health::Unavailable] {
+        pool.set_health(1, health).unwrap();
+        pool.check_drain_room(1)
+            .unwrap_or_else(|e| panic!("{health:?}: {e}"));
+    }
 }

@@ -5,7 +5,8 @@
 //! crosses every gRPC hop: clients inject it with [`TraceInjector`], servers
 //! extract it in [`server_span`] (`Server::builder().trace_fn(server_span)`).
 //! [`sink`] is a small OTLP/gRPC receiver, for tests and for the compose test
-//! (the `aliquot-otlp-sink` binary) where Jaeger cannot be had.
+//! (the `aliquot-otlp-sink` binary) where Jaeger cannot be had. [`backoff`]
+//! is the one retry policy (exponential, with jitter) of every binary.
 
 use opentelemetry::global;
 use opentelemetry::propagation::{Extractor, Injector};
@@ -19,6 +20,7 @@ use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer, Registry};
 
+pub mod backoff;
 pub mod rpc_metrics;
 pub mod sink;
 

@@ -31,14 +31,16 @@ pub const TEXT_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 pub fn wants_openmetrics(accept: Option<&str>) -> bool {
     let Some(accept) = accept else { return false };
     let (mut om, mut text) = (0.0f32, 0.0f32);
-    for range in accept.split(',') {
-        let mut parts = range.split(';').map(str::trim);
-        let media = parts.next().unwrap_or("").to_ascii_lowercase();
-        let q = parts
-            .filter_map(|p| p.strip_prefix("q="))
-            .find_map(|q| q.parse::<f32>().ok())
+    // Media ranges as `mime` parses them; one it cannot parse is skipped.
+    for range in accept
+        .split(',')
+        .filter_map(|r| r.trim().parse::<mime::Mime>().ok())
+    {
+        let q = range
+            .get_param("q")
+            .and_then(|q| q.as_str().parse::<f32>().ok())
             .unwrap_or(1.0);
-        match media.as_str() {
+        match range.essence_str() {
             "application/openmetrics-text" => om = om.max(q),
             "text/plain" => text = text.max(q),
             _ => {}
@@ -525,5 +527,14 @@ mod tests {
         assert!(!wants_openmetrics(Some(
             "application/openmetrics-text;q=0.2,text/plain;q=0.9"
         )));
+        // Case and spaces as RFC 9110 allows them; a range that does not
+        // parse is skipped, not fatal.
+        assert!(wants_openmetrics(Some(
+            "Application/OpenMetrics-Text; version=1.0.0; q=0.9, text/plain; q=0.5"
+        )));
+        assert!(wants_openmetrics(Some(
+            "garbage;;;=, application/openmetrics-text"
+        )));
+        assert!(!wants_openmetrics(Some("application/openmetrics-text;q=0")));
     }
 }

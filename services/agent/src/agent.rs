@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use aliquot_proto::v1::{AgentReport, AgentStats, AgentTunables, VdevHealth};
 use tonic::codegen::Bytes;
@@ -42,6 +42,8 @@ struct Inner {
     tunables: std::sync::Mutex<()>,
     gate: WriteGate,
     uberblocks: Arc<crate::uberblock::Uberblocks>,
+    /// Device I/Os of moves (CopyFrom, ReadForCopy) queued or in flight.
+    move_ios: AtomicU64,
 }
 
 impl Agent {
@@ -79,6 +81,7 @@ impl Agent {
                 tunables: std::sync::Mutex::new(()),
                 gate: WriteGate::new(verifier),
                 uberblocks,
+                move_ios: AtomicU64::new(0),
             }),
         };
         let i = &agent.inner;
@@ -142,7 +145,7 @@ impl Agent {
     }
 
     /// Refuse empty, unaligned, oversized or out-of-device requests.
-    fn check_range(&self, what: &str, offset: u64, len: u64) -> Result<(), AgentError> {
+    pub(crate) fn check_range(&self, what: &str, offset: u64, len: u64) -> Result<(), AgentError> {
         let sector = self.sector();
         let ashift = self.inner.info.ashift;
         let cap = self.inner.info.capacity;
@@ -243,6 +246,25 @@ impl Agent {
             Done::Read(d) => Ok(d),
             other => unreachable!("a read completed as {other:?}"),
         }
+    }
+
+    /// A move's turn: wait while client I/O is queued here (at most
+    /// `limit`); returns the time waited (`crate::copy`).
+    pub async fn yield_to_clients(&self, limit: Duration, step: Duration) -> Duration {
+        let (stats, moves) = (&self.inner.stats, &self.inner.move_ios);
+        // Moves do not wait for each other: only I/O beyond theirs is a
+        // client's.
+        let clients_queued = || stats.queue_ios.load(Relaxed) > moves.load(Relaxed);
+        crate::copy::wait_idle(clients_queued, limit, step).await
+    }
+
+    /// Count a move's device I/O as such while `io` runs (see
+    /// [`Self::yield_to_clients`]).
+    pub async fn as_move<T>(&self, io: impl std::future::Future<Output = T>) -> T {
+        self.inner.move_ios.fetch_add(1, Relaxed);
+        let out = io.await;
+        self.inner.move_ios.fetch_sub(1, Relaxed);
+        out
     }
 
     pub async fn flush(&self) -> Result<(), AgentError> {

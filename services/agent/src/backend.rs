@@ -355,7 +355,7 @@ enum DirectIo {
     /// laid-out files whose pages are cached, agents 0.81-1.10x but
     /// throughput 0.80-0.99x (a direct write waits for the disk where a
     /// buffered one only copied into cached pages). Into holes only, new
-    /// space gains and overwrites keep the page cache (stop 42's note).
+    /// space gains and overwrites keep the page cache.
     LargeWrites {
         file: File,
         min: u64,
@@ -655,7 +655,7 @@ impl FileDevice {
 
 /// Where the file still has holes, for `--direct-large-writes holes`.
 /// Asking costs a `SEEK_DATA` per large write: on laid-out files, asking
-/// every time measured 0.96x the throughput of buffered agents (stop 42).
+/// every time measured 0.96x the throughput of buffered agents.
 /// Holes never come back (the agent punches none), so once a `SEEK_HOLE`
 /// over the whole data area finds none the question is never asked again:
 /// a file laid out in full, or filled, is all overwrites. That check runs

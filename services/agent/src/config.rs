@@ -17,7 +17,7 @@ pub const AGGREGATION_LIMIT_MAX: u64 = 16 << 20;
 /// OpenZFS `zio_taskq_batch_pct` default.
 pub const ZIO_TASKQ_BATCH_PCT_DEFAULT: u32 = 80;
 /// --direct-min-size's default: 1 MiB writes (the CLI's block) go direct,
-/// 4 KiB ones never (measured in the `data_path` bench, stop 38).
+/// 4 KiB ones never (measured in the `data_path` bench).
 pub const DIRECT_MIN_SIZE_DEFAULT: u64 = 256 << 10;
 
 /// Which large writes to a buffered file bypass the page cache.
@@ -280,7 +280,7 @@ impl Config {
     /// Checks everything that can be checked without touching the device.
     pub fn validate(&self) -> Result<(), AgentError> {
         let bad = |m: String| Err(AgentError::Config(m));
-        // Issue 27: TLS authenticates clients, but without tokens any client
+        // TLS authenticates clients, but without tokens any client
         // certificate could overwrite any block; say so rather than warn.
         if self.tls.files().is_some() && self.token_key.is_none() && !self.unchecked_writes {
             return bad(

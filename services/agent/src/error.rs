@@ -1,9 +1,12 @@
-//! The agent's one error type, mapped to `tonic::Status` once, here.
+//! The agent's one error type, mapped to `tonic::Status` once, here, by one
+//! table (`AgentError::refusal`) in the vocabulary every service shares
+//! (`ErrorReason` of the proto, see `aliquot_proto::error`).
 
-use std::collections::HashMap;
+use std::time::Duration;
 
+use aliquot_proto::error::Refusal;
+use aliquot_proto::v1::ErrorReason;
 use tonic::{Code, Status};
-use tonic_types::{ErrorDetails, StatusExt};
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -57,6 +60,12 @@ pub enum AgentError {
          it when it registers with that generation); retry"
     )]
     TokenKeyUnknown { generation: u64 },
+    /// CopyFrom: the source agent refused or failed the read.
+    #[error("copy from the source agent {endpoint}: {message}")]
+    CopySource { endpoint: String, message: String },
+    /// CopyFrom: length or checksum of the copied bytes differ.
+    #[error("copy: {0}; nothing is committed, the move is retried")]
+    CopyMismatch(String),
     /// One write of a WriteBatch was refused (so the whole batch was).
     #[error("write {index} of the batch (none written): {source}")]
     InBatch {
@@ -77,89 +86,90 @@ impl AgentError {
     }
 }
 
-impl From<AgentError> for Status {
-    fn from(e: AgentError) -> Status {
-        let msg = e.to_string();
-        match e {
-            // The refused write's own code and ErrorInfo, the message naming it.
-            AgentError::InBatch { source, .. } => {
-                let inner = Status::from(*source);
-                Status::with_details(inner.code(), msg, inner.details().to_vec().into())
+impl AgentError {
+    /// The one table: each error's code, reason, values and whether the
+    /// same call may be repeated (the message is `Display`).
+    pub fn refusal(&self) -> Refusal {
+        use crate::fence::Fenced as F;
+        use ErrorReason as R;
+        let r = Refusal::new;
+        match self {
+            // The refused write's own refusal, naming which it was.
+            AgentError::InBatch { index, source } => source.refusal().with("batch_index", index),
+            AgentError::InvalidArgument(_) => r(Code::InvalidArgument, R::InvalidArgument),
+            AgentError::Config(_) | AgentError::Label(_) => {
+                r(Code::FailedPrecondition, R::DeviceLabel)
             }
-            AgentError::InvalidArgument(_) => Status::invalid_argument(msg),
-            AgentError::Config(_) | AgentError::Label(_) => Status::failed_precondition(msg),
-            AgentError::Io { source, .. } if source.kind() == std::io::ErrorKind::StorageFull => {
-                Status::resource_exhausted(msg)
+            AgentError::Io { op, source } if source.kind() == std::io::ErrorKind::StorageFull => {
+                r(Code::ResourceExhausted, R::DeviceIo).with("op", op)
             }
             // The device itself failed: another copy or vdev may serve.
-            AgentError::Io { .. } => Status::unavailable(msg),
-            AgentError::ShuttingDown
-            | AgentError::Removed
-            | AgentError::NotRegistered
-            | AgentError::TokenKeyUnknown { .. } => Status::unavailable(msg),
-            AgentError::BodyTimeout(_) => Status::with_error_details(
-                Code::DeadlineExceeded,
-                msg,
-                ErrorDetails::with_error_info(
-                    "BODY_TIMEOUT",
-                    aliquot_auth::DOMAIN,
-                    HashMap::<String, String>::new(),
-                ),
-            ),
-            AgentError::Fenced(f) => Status::with_error_details(
-                Code::PermissionDenied,
-                msg,
-                ErrorDetails::with_error_info(
-                    match f {
-                        crate::fence::Fenced::Superseded { .. } => "WRITE_TOKEN_SUPERSEDED",
-                        crate::fence::Fenced::BeforeStart { .. } => {
-                            "WRITE_TOKEN_BEFORE_AGENT_START"
-                        }
-                        crate::fence::Fenced::Revoked { .. } => "WRITE_TOKEN_REVOKED",
-                        crate::fence::Fenced::ReadSuperseded { .. } => "READ_TOKEN_SUPERSEDED",
-                        crate::fence::Fenced::ReadBeforeStart { .. } => {
-                            "READ_TOKEN_BEFORE_AGENT_START"
-                        }
-                        // As the token check says it once the generation is
-                        // learned: the same for a client.
-                        crate::fence::Fenced::OlderGeneration { .. } => {
-                            "WRITE_TOKEN_OLD_GENERATION"
-                        }
-                    },
-                    aliquot_auth::DOMAIN,
-                    HashMap::<String, String>::new(),
-                ),
-            ),
-            AgentError::ReadToken(t) => {
-                let code = match t.0 {
-                    aliquot_auth::TokenError::Missing => Code::Unauthenticated,
-                    _ => Code::PermissionDenied,
-                };
-                Status::with_error_details(
-                    code,
-                    msg,
-                    ErrorDetails::with_error_info(
-                        t.reason(),
-                        aliquot_auth::DOMAIN,
-                        HashMap::<String, String>::new(),
-                    ),
-                )
+            AgentError::Io { op, .. } => r(Code::Unavailable, R::DeviceIo).with("op", op),
+            AgentError::ShuttingDown => r(Code::Unavailable, R::ShuttingDown),
+            AgentError::CopySource { endpoint, .. } => {
+                r(Code::Unavailable, R::CopySource).with("endpoint", endpoint)
             }
-            AgentError::Token(t) => {
-                let code = match t {
-                    aliquot_auth::TokenError::Missing => Code::Unauthenticated,
-                    _ => Code::PermissionDenied,
-                };
-                Status::with_error_details(
-                    code,
-                    msg,
-                    ErrorDetails::with_error_info(
-                        t.reason(),
-                        aliquot_auth::DOMAIN,
-                        HashMap::<String, String>::new(),
-                    ),
-                )
+            AgentError::CopyMismatch(_) => r(Code::DataLoss, R::CopyMismatch),
+            AgentError::Removed => r(Code::Unavailable, R::VdevRemoved),
+            AgentError::NotRegistered => {
+                r(Code::Unavailable, R::AgentNotRegistered).retry_after(RETRY_SOON)
             }
+            AgentError::TokenKeyUnknown { generation } => r(Code::Unavailable, R::TokenKeyUnknown)
+                .with("generation", generation)
+                .retry_after(RETRY_SOON),
+            AgentError::BodyTimeout(d) => r(Code::DeadlineExceeded, R::BodyTimeout)
+                .with("timeout_ms", d.as_millis())
+                .retry_after(Duration::ZERO),
+            AgentError::Token(t) => t.refusal(),
+            AgentError::ReadToken(t) => t.refusal(),
+            AgentError::Fenced(f) => match *f {
+                F::Superseded {
+                    mine,
+                    newer,
+                    offset,
+                    end,
+                } => r(Code::PermissionDenied, R::WriteTokenSuperseded)
+                    .with("allocation_id", mine)
+                    .with("newer_allocation_id", newer)
+                    .with("offset", offset)
+                    .with("end", end),
+                F::BeforeStart { mine, floor } => {
+                    r(Code::PermissionDenied, R::WriteTokenBeforeAgentStart)
+                        .with("allocation_id", mine)
+                        .with("floor", floor)
+                }
+                // As the token check says it once the generation is
+                // learned: the same for a client.
+                F::OlderGeneration { mine, generation } => {
+                    r(Code::PermissionDenied, R::WriteTokenOldGeneration)
+                        .with("allocation_id", mine)
+                        .with("generation", generation)
+                }
+                F::Revoked { mine } => {
+                    r(Code::PermissionDenied, R::WriteTokenRevoked).with("allocation_id", mine)
+                }
+                F::ReadSuperseded { newer, offset, end } => {
+                    r(Code::PermissionDenied, R::ReadTokenSuperseded)
+                        .with("newer_allocation_id", newer)
+                        .with("offset", offset)
+                        .with("end", end)
+                }
+                F::ReadBeforeStart { granted_at, floor } => {
+                    r(Code::PermissionDenied, R::ReadTokenBeforeAgentStart)
+                        .with("granted_at", granted_at)
+                        .with("floor", floor)
+                }
+            },
         }
+    }
+}
+
+/// The allocator hands keys and registrations out within a report or two
+/// (agents report once a second).
+const RETRY_SOON: Duration = Duration::from_secs(1);
+
+impl From<AgentError> for Status {
+    fn from(e: AgentError) -> Status {
+        e.refusal().status(e.to_string())
     }
 }

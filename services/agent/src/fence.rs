@@ -1,5 +1,5 @@
 //! The write fence: a token dies once a newer allocation has written over
-//! its bytes (issue 25, item 2). Allocation ids only grow (the generation is
+//! its bytes. Allocation ids only grow (the generation is
 //! in their high bits), and space is handed out again only after it was
 //! freed or aborted; so a write whose allocation id is older than one that
 //! already wrote any of the same bytes comes from an allocation that no
@@ -113,6 +113,34 @@ pub struct WriteFence {
     records_since: AtomicU64,
 }
 
+/// Put `x` at `[offset, x.end)` in `w`, replacing what it covers of the
+/// `overlapping` ranges and keeping their uncovered ends; then forget what
+/// no older token can reach any more (bounded work: a full sweep only when
+/// the map has doubled since the last one).
+fn remember(
+    w: &mut BTreeMap<u64, Written>,
+    overlapping: Vec<(u64, Written)>,
+    offset: u64,
+    x: Written,
+    keep_for: u64,
+    now_ms: u64,
+) {
+    let end = x.end;
+    for (o, old) in overlapping {
+        w.remove(&o);
+        if o < offset {
+            w.insert(o, Written { end: offset, ..old });
+        }
+        if old.end > end {
+            w.insert(end, old);
+        }
+    }
+    w.insert(offset, x);
+    if w.len() > 1024 && w.len().is_power_of_two() {
+        w.retain(|_, x| x.expires_ms.saturating_add(keep_for) > now_ms);
+    }
+}
+
 impl WriteFence {
     /// The first registration of this process sets the floor; later ones
     /// (the same process reconnecting) keep the history and the floor.
@@ -217,30 +245,49 @@ impl WriteFence {
                 end: x.end.min(end),
             });
         }
-        // Replace what this write covers, keeping the uncovered ends.
-        for (o, x) in overlapping {
-            w.remove(&o);
-            if o < offset {
-                w.insert(o, Written { end: offset, ..x });
-            }
-            if x.end > end {
-                w.insert(end, x);
-            }
-        }
-        w.insert(
+        remember(
+            &mut w,
+            overlapping,
             offset,
             Written {
                 end,
                 allocation_id,
                 expires_ms,
             },
+            keep_for,
+            now_ms,
         );
-        // Forget what no older token can reach any more. Bounded work: a
-        // full sweep only when the map has doubled since the last one.
-        if w.len() > 1024 && w.len().is_power_of_two() {
-            w.retain(|_, x| x.expires_ms.saturating_add(keep_for) > now_ms);
-        }
         Ok(())
+    }
+
+    /// A write admitted without a token (the agent checks none): nothing is
+    /// refused, but its range is remembered under the first allocation id
+    /// of `generation`, the allocator generation this agent had joined when
+    /// the write arrived, so that the next generation is told what older
+    /// ones wrote (`older_writes`), as for checked writes. What a writer of
+    /// an older generation sends after the agent joined a newer one cannot
+    /// be told apart without a token: it is remembered under the newer one.
+    pub fn record_unchecked(&self, generation: u64, offset: u64, len: u64, now_ms: u64) {
+        let end = offset.saturating_add(len);
+        if end == offset {
+            return;
+        }
+        let keep_for = self.max_lease_ms();
+        let mut w = self.written.lock().unwrap_or_else(|p| p.into_inner());
+        let first = w
+            .range(..offset)
+            .next_back()
+            .filter(|(_, x)| x.end > offset)
+            .map(|(o, _)| *o)
+            .unwrap_or(offset);
+        let overlapping: Vec<(u64, Written)> = w.range(first..end).map(|(o, x)| (*o, *x)).collect();
+        let written = Written {
+            end,
+            allocation_id: generation << ALLOCATION_ID_GENERATION_SHIFT,
+            // Kept as long as a token issued now could be used.
+            expires_ms: now_ms.saturating_add(keep_for),
+        };
+        remember(&mut w, overlapping, offset, written, keep_for, now_ms);
     }
 
     /// Admit a read of `[offset, offset+len)` with a read token granted
@@ -285,25 +332,29 @@ impl WriteFence {
     }
 
     /// Fence every generation older than `generation` (no write of theirs
-    /// is admitted any more) and name the ranges they wrote, coalesced, in
-    /// offset order; None when there are more than `OLDER_WRITES_MAX`.
-    /// Both under one lock: a write admitted before is named, one after is
-    /// refused.
-    pub fn older_writes(&self, generation: u64) -> Option<Vec<(u64, u64)>> {
+    /// is admitted any more) and name the ranges they wrote, in offset
+    /// order, each with the allocation id that wrote it last (adjacent
+    /// ranges are merged only when one allocation wrote both: the
+    /// allocator refuses a claim by any other); None when there are more
+    /// than `OLDER_WRITES_MAX`. Both under one lock: a write admitted
+    /// before is named, one after is refused.
+    pub fn older_writes(&self, generation: u64) -> Option<Vec<(u64, u64, u64)>> {
         let w = self.written.lock().unwrap_or_else(|p| p.into_inner());
         self.fenced_below.fetch_max(generation, Relaxed);
-        let mut out: Vec<(u64, u64)> = Vec::new();
+        let mut out: Vec<(u64, u64, u64)> = Vec::new();
         for (&offset, x) in w.iter() {
             if x.allocation_id >> ALLOCATION_ID_GENERATION_SHIFT >= generation {
                 continue;
             }
             match out.last_mut() {
-                Some(last) if last.1 >= offset => last.1 = last.1.max(x.end),
+                Some(last) if last.1 >= offset && last.2 == x.allocation_id => {
+                    last.1 = last.1.max(x.end)
+                }
                 _ => {
                     if out.len() == OLDER_WRITES_MAX {
                         return None;
                     }
-                    out.push((offset, x.end));
+                    out.push((offset, x.end, x.allocation_id));
                 }
             }
         }
@@ -324,6 +375,29 @@ impl WriteFence {
 mod tests {
     use super::*;
 
+    /// Without tokens, writes are remembered under the generation the
+    /// agent had joined: a new generation is told of those before it, and
+    /// nothing is refused.
+    #[test]
+    fn unchecked_writes_are_named_by_the_generation_they_arrived_in() {
+        let f = WriteFence::default();
+        f.record_unchecked(1, 0, 4096, 1000);
+        f.record_unchecked(1, 4096, 4096, 1000);
+        f.record_unchecked(2, 65536, 4096, 1000);
+        let g = |n: u64| n << ALLOCATION_ID_GENERATION_SHIFT;
+        assert_eq!(f.older_writes(2), Some(vec![(0, 8192, g(1))]));
+        // Still recorded after the fence moved on.
+        f.record_unchecked(2, 131072, 4096, 1000);
+        assert_eq!(
+            f.older_writes(3),
+            Some(vec![
+                (0, 8192, g(1)),
+                (65536, 69632, g(2)),
+                (131072, 135168, g(2))
+            ])
+        );
+    }
+
     /// A new generation learns what older ones wrote, coalesced, and from
     /// then on no older write is admitted.
     #[test]
@@ -336,7 +410,16 @@ mod tests {
         f.admit(g1(6), 4096, 4096, u64::MAX, 0).unwrap();
         f.admit(g1(7), 65536, 4096, u64::MAX, 0).unwrap();
         f.admit(g2(1), 8192, 4096, u64::MAX, 0).unwrap();
-        assert_eq!(f.older_writes(2), Some(vec![(0, 8192), (65536, 69632)]));
+        // Adjacent ranges of different allocations stay apart: each names
+        // its own last writer.
+        assert_eq!(
+            f.older_writes(2),
+            Some(vec![
+                (0, 4096, g1(5)),
+                (4096, 8192, g1(6)),
+                (65536, 69632, g1(7))
+            ])
+        );
         assert_eq!(
             f.admit(g1(8), 131072, 4096, u64::MAX, 0),
             Err(Fenced::OlderGeneration {

@@ -67,20 +67,18 @@ impl WriteGate {
     }
 
     /// Fill `report` with what generations older than `generation` wrote
-    /// (see `fence::WriteFence::older_writes`); without a token verifier
-    /// nothing is recorded, and the report says so.
+    /// (see `fence::WriteFence::older_writes`); without a token verifier,
+    /// every write this process took before it joined `generation`.
     pub fn name_older_writes(&self, generation: u64, report: &mut aliquot_proto::v1::AgentReport) {
         report.older_writes_sent = true;
-        if self.verifier.is_none() {
-            return;
-        }
         let vdev = report.vdev;
         if let Some(ranges) = self.fence.older_writes(generation) {
             report.older_writes_known = true;
             report.records_since_allocation_id = self.fence.records_since();
+            report.older_write_allocation_ids = ranges.iter().map(|r| r.2).collect();
             report.older_writes = ranges
                 .into_iter()
-                .map(|(offset, end)| aliquot_proto::v1::Extent {
+                .map(|(offset, end, _)| aliquot_proto::v1::Extent {
                     vdev,
                     offset,
                     size: end - offset,
@@ -105,7 +103,7 @@ impl WriteGate {
         self.generation.load(Relaxed)
     }
 
-    /// The MAC key the allocator handed over at registration (issue 28):
+    /// The MAC key the allocator handed over at registration:
     /// kept when it is of the newest generation seen.
     pub fn learn_key(&self, generation: u64, bytes: &[u8]) {
         let Some(k) = VdevKey::from_bytes(generation, bytes) else {
@@ -163,7 +161,7 @@ impl WriteGate {
     }
 
     /// Check a read of `len` bytes at `offset` of `vdev` against its read
-    /// token (issue 25: reads need a capability as writes do).
+    /// token (reads need a capability as writes do).
     pub fn check_read(
         &self,
         token: &[u8],
@@ -209,16 +207,21 @@ impl WriteGate {
         offset: u64,
         len: u64,
     ) -> Result<(), AgentError> {
+        let now_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
         let Some(verifier) = &self.verifier else {
+            // Nothing to check; the range is remembered so that a new
+            // allocator generation keeps out only what older ones wrote
+            // during its claim window, not the whole vdev.
+            self.fence
+                .record_unchecked(self.generation(), offset, len, now_ms);
             return Ok(());
         };
         let pool_guid = self.pool_guid.load(Relaxed);
         let (Some(vdev), true) = (vdev, pool_guid != 0) else {
             return Err(AgentError::NotRegistered);
         };
-        let now_ms = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64);
         let check = WriteCheck {
             pool_guid,
             vdev,

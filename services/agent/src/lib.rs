@@ -4,12 +4,13 @@
 //! per-device queue that aggregates contiguous writes, and registers with the
 //! allocator, reporting capacity, health, latency and queue depth every second.
 //!
-//! Library first: [`run`] is what `main.rs` and `aliquotctl serve agent`
-//! call; tests use [`Agent::open`] + [`serve`] on a port-0 listener.
+//! Library first: [`run`] is what `main.rs` (which `aliquotctl serve agent`
+//! execs) calls; tests use [`Agent::open`] + [`serve`] on a port-0 listener.
 
 pub mod agent;
 pub mod backend;
 pub mod config;
+pub mod copy;
 pub mod error;
 pub mod fastwrite;
 pub mod fence;
@@ -156,9 +157,12 @@ pub async fn serve(
     // Reflection (v1 and v1alpha) lists only what this binary serves.
     let (reflection, reflection_v1alpha) =
         aliquot_proto::reflection::services(&["aliquot.v1.VdevAgent"])?;
-    let svc = VdevAgentServer::new(service::VdevAgentService::new(agent.clone()))
-        .max_decoding_message_size(MAX_MESSAGE)
-        .max_encoding_message_size(MAX_MESSAGE);
+    let svc = VdevAgentServer::new(service::VdevAgentService::new(
+        agent.clone(),
+        crate::copy::Copier::new(config.tls.files()),
+    ))
+    .max_decoding_message_size(MAX_MESSAGE)
+    .max_encoding_message_size(MAX_MESSAGE);
 
     // Graceful stop, bounded: an idle client that never closes its
     // connection must not keep the agent (and its device) alive.
@@ -278,30 +282,9 @@ pub async fn serve(
     Ok(())
 }
 
-/// The process's tokio runtime: `worker_threads` network threads (one per
-/// core when None, tokio's default), every driver on.
-pub fn runtime(worker_threads: Option<u16>) -> std::io::Result<tokio::runtime::Runtime> {
-    let mut b = tokio::runtime::Builder::new_multi_thread();
-    if let Some(n) = worker_threads {
-        b.worker_threads(n.into());
-    }
-    b.enable_all().build()
-}
-
-/// Keep large I/O buffers in malloc's arenas instead of fresh `mmap`s: by
-/// default glibc maps (and on free, unmaps) every allocation above 128 KiB,
-/// so each 1 MiB write's decode buffers page-fault afresh, 256 faults per
-/// MiB. Measured with the seq_write bench: about 10x fewer page faults and a
-/// quarter less CPU per MiB. Call once at startup, before any threads.
-pub fn tune_allocator() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only adjusts allocator parameters; it is called before
-    // other threads allocate, and invalid values are rejected, not UB.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 64 << 20);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, 256 << 20);
-    }
-}
+// The runtime and malloc set-up every binary shares (the agent's main, and
+// benches that run an agent in process).
+pub use aliquot_process::{runtime, tune_allocator};
 
 /// Resolves on SIGINT or SIGTERM. The handlers are installed when this is
 /// called, not when the future is first polled: the server may answer calls
@@ -320,7 +303,7 @@ pub fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     }
 }
 
-/// Memory returns when the streams end (issue 27, item 2): freed request
+/// Memory returns when the streams end: freed request
 /// bodies go back to glibc's arenas, which keep them; once the body budget
 /// has been in use and is idle again, hand the free pages back to the
 /// kernel (`malloc_trim`). Checked every second; a no-op while idle.

@@ -6,6 +6,8 @@ use clap::Parser;
 
 fn main() -> ExitCode {
     aliquot_agent::tune_allocator();
+    // Started by `aliquotctl up`: stop when it goes.
+    aliquot_process::watch_parent();
     let config = aliquot_agent::Config::parse();
     let rt = match aliquot_agent::runtime(config.worker_threads) {
         Ok(rt) => rt,

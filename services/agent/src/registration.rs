@@ -52,9 +52,7 @@ impl From<String> for Ended {
 
 /// Whether a refusal says the vdev was removed from the pool.
 fn is_removed(s: &tonic::Status) -> bool {
-    use tonic_types::StatusExt;
-    s.get_details_error_info()
-        .is_some_and(|i| i.reason == "VDEV_REMOVED")
+    aliquot_proto::error::reason(s) == Some(aliquot_proto::v1::ErrorReason::VdevRemoved)
 }
 
 impl From<&str> for Ended {
@@ -65,10 +63,9 @@ impl From<&str> for Ended {
 
 /// The leader a NOT_LEADER refusal names (empty metadata: none known).
 fn leader_of(s: &tonic::Status) -> Option<String> {
-    use tonic_types::StatusExt;
-    let info = s.get_details_error_info()?;
-    (info.reason == "NOT_LEADER")
-        .then(|| info.metadata.get("leader").cloned())
+    use aliquot_proto::error::{metadata, reason};
+    (reason(s) == Some(aliquot_proto::v1::ErrorReason::NotLeader))
+        .then(|| metadata(s).remove("leader"))
         .flatten()
         .filter(|l| !l.is_empty())
 }
@@ -85,7 +82,12 @@ pub async fn run(
     removed: std::sync::Arc<tokio::sync::Notify>,
     refused: std::sync::Arc<watch::Sender<Option<String>>>,
 ) {
-    let mut backoff = BACKOFF_START;
+    let cap = if allocators.len() > 1 {
+        BACKOFF_MAX_SEVERAL
+    } else {
+        BACKOFF_MAX
+    };
+    let mut backoff = telemetry::backoff::Backoff::new(BACKOFF_START, cap);
     let mut failures: u32 = 0;
     let mut current = 0usize;
     let mut allocator = allocators.first().cloned().unwrap_or_default();
@@ -119,7 +121,7 @@ pub async fn run(
         if let Some(l) = leader.filter(|l| *l != allocator) {
             tracing::info!(from = %allocator, to = %l, "following NOT_LEADER to the leader");
             allocator = l;
-            backoff = BACKOFF_START;
+            backoff.reset();
             continue;
         }
         if allocators.len() > 1 {
@@ -129,7 +131,7 @@ pub async fn run(
         if registered {
             // A working session ended: start over with a short backoff.
             tracing::warn!(allocator = %allocator, error = %e, "lost the allocator, reconnecting");
-            backoff = BACKOFF_START;
+            backoff.reset();
             failures = 0;
         } else {
             failures += 1;
@@ -140,15 +142,9 @@ pub async fn run(
             }
         }
         tokio::select! {
-            _ = tokio::time::sleep(backoff) => {}
+            _ = tokio::time::sleep(backoff.next_delay()) => {}
             _ = stop.wait_for(|s| *s) => return,
         }
-        let cap = if allocators.len() > 1 {
-            BACKOFF_MAX_SEVERAL
-        } else {
-            BACKOFF_MAX
-        };
-        backoff = (backoff * 2).min(cap);
     }
 }
 

@@ -3,20 +3,64 @@
 
 use aliquot_proto::v1::vdev_agent_server::VdevAgent;
 use aliquot_proto::v1::{
-    AgentStats, AgentTunables, FlushReply, FlushRequest, GetStatsRequest, ReadReply, ReadRequest,
-    WriteBatchReply, WriteBatchRequest, WriteReply, WriteRequest,
+    AgentStats, AgentTunables, CopyFromReply, CopyFromRequest, FlushReply, FlushRequest,
+    GetStatsRequest, ReadReply, ReadRequest, WriteBatchReply, WriteBatchRequest, WriteReply,
+    WriteRequest,
 };
 use tonic::{Request, Response, Status};
 
 use crate::agent::Agent;
+use crate::copy::{Copier, Fletcher4};
 
 pub struct VdevAgentService {
     agent: Agent,
+    copier: Copier,
+}
+
+/// Who reads: a client, or another agent copying a block for a move.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Reader {
+    Client,
+    /// Yields to client I/O first, is counted as a move's I/O, and is
+    /// answered with the bytes' Fletcher-4 for the copier to check.
+    Move,
 }
 
 impl VdevAgentService {
-    pub fn new(agent: Agent) -> Self {
-        VdevAgentService { agent }
+    pub fn new(agent: Agent, copier: Copier) -> Self {
+        VdevAgentService { agent, copier }
+    }
+
+    /// Read and ReadForCopy: the read token checked against the range,
+    /// then the bytes read.
+    async fn checked_read(
+        &self,
+        req: ReadRequest,
+        reader: Reader,
+    ) -> Result<Response<ReadReply>, Status> {
+        let ReadRequest {
+            offset,
+            size,
+            token,
+        } = req;
+        self.agent
+            .gate()
+            .check_read(&token, self.agent.vdev(), offset, size)?;
+        let (data, fletcher4) = match reader {
+            Reader::Client => (self.agent.read(offset, size).await?, Vec::new()),
+            Reader::Move => {
+                self.agent
+                    .yield_to_clients(crate::copy::YIELD_AT_MOST, crate::copy::YIELD_STEP)
+                    .await;
+                let data = self.agent.as_move(self.agent.read(offset, size)).await?;
+                let sum = Fletcher4::of(&data).to_bytes();
+                (data, sum)
+            }
+        };
+        Ok(Response::new(ReadReply {
+            data: data.into(),
+            fletcher4,
+        }))
     }
 }
 
@@ -79,16 +123,34 @@ impl VdevAgent for VdevAgentService {
         size = req.get_ref().size,
     ))]
     async fn read(&self, req: Request<ReadRequest>) -> Result<Response<ReadReply>, Status> {
-        let ReadRequest {
-            offset,
-            size,
-            token,
-        } = req.into_inner();
-        self.agent
-            .gate()
-            .check_read(&token, self.agent.vdev(), offset, size)?;
-        let data = self.agent.read(offset, size).await?;
-        Ok(Response::new(ReadReply { data: data.into() }))
+        self.checked_read(req.into_inner(), Reader::Client).await
+    }
+
+    #[tracing::instrument(skip_all, fields(
+        vdev = self.agent.vdev(),
+        offset = req.get_ref().offset,
+        size = req.get_ref().size,
+    ))]
+    async fn read_for_copy(
+        &self,
+        req: Request<ReadRequest>,
+    ) -> Result<Response<ReadReply>, Status> {
+        self.checked_read(req.into_inner(), Reader::Move).await
+    }
+
+    #[tracing::instrument(skip_all, fields(
+        vdev = self.agent.vdev(),
+        source = %req.get_ref().source_endpoint,
+        offset = req.get_ref().offset,
+        size = req.get_ref().size,
+    ))]
+    async fn copy_from(
+        &self,
+        req: Request<CopyFromRequest>,
+    ) -> Result<Response<CopyFromReply>, Status> {
+        Ok(Response::new(
+            self.copier.copy(&self.agent, req.into_inner()).await?,
+        ))
     }
 
     #[tracing::instrument(skip_all, fields(vdev = self.agent.vdev()))]

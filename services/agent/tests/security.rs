@@ -2,27 +2,13 @@
 //! need a valid token for this pool, vdev, generation and range; reads need a
 //! client certificate; the agent's tunables need an admin.
 
-use std::time::{SystemTime, UNIX_EPOCH};
+mod common;
 
-use aliquot_agent::{Agent, BackendKind, Config};
-use aliquot_auth::{PoolCa, Role, TlsFiles, TokenSigner, WriteGrant};
+use aliquot_auth::{Role, TokenSigner, WriteGrant};
 use aliquot_proto::v1::vdev_agent_client::VdevAgentClient;
 use aliquot_proto::v1::{AgentTunables, ReadRequest, WriteRequest};
+use common::{EXTENT, GENERATION, POOL, SIZE, TlsAgent, VDEV, grant_of, now_ms, token_write};
 use tonic::Code;
-use tonic::transport::Channel;
-
-const POOL: u64 = 0xa11c;
-const VDEV: u32 = 4;
-const GENERATION: u64 = 6;
-const EXTENT: u64 = 1 << 20;
-const SIZE: u64 = 64 << 10;
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64
-}
 
 /// A read capability of the grant's extent, granted after the allocations
 /// of these tests wrote (a read token carries the first allocation id not
@@ -35,77 +21,24 @@ fn read_grant() -> WriteGrant {
 }
 
 fn grant() -> WriteGrant {
-    WriteGrant {
-        pool_guid: POOL,
-        generation: GENERATION,
-        vdev: VDEV,
-        offset: EXTENT,
-        size: SIZE,
-        allocation_id: 17,
-        expires_ms: now_ms() + 60_000,
-    }
-}
-
-async fn channel(dir: &std::path::Path, role: Role, name: &str, port: u16) -> Channel {
-    let files = TlsFiles::in_dir(dir, role, name);
-    Channel::from_shared(format!("https://127.0.0.1:{port}"))
-        .unwrap()
-        .tls_config(files.client_config(Role::Agent).unwrap())
-        .unwrap()
-        .connect()
-        .await
-        .unwrap()
-}
-
-fn write(offset: u64, len: usize, token: Vec<u8>) -> WriteRequest {
-    WriteRequest {
-        offset,
-        data: vec![0x5a; len].into(),
-        token,
-    }
+    grant_of(17)
 }
 
 #[tokio::test]
 async fn tokens_and_roles_over_tls() {
-    let dir = tempfile::tempdir().unwrap();
-    let ca = PoolCa::init(dir.path(), "tank").unwrap();
-    for (role, name) in [
-        (Role::Agent, "a0"),
+    let t = TlsAgent::start(&[
         (Role::Agent, "a1"),
         (Role::Client, "c0"),
         (Role::Admin, "root"),
-    ] {
-        ca.issue(role, name, &[]).unwrap();
-    }
-    let signer = TokenSigner::load(dir.path()).unwrap();
-
-    let mut cfg = Config::new(BackendKind::Sim);
-    cfg.capacity = Some(64 << 20);
-    let files = TlsFiles::in_dir(dir.path(), Role::Agent, "a0");
-    cfg.tls.tls_ca = Some(files.ca);
-    cfg.tls.tls_cert = Some(files.cert);
-    cfg.tls.tls_key = Some(files.key);
-    cfg.token_key = Some(dir.path().to_path_buf());
-    let agent = Agent::open(&cfg).unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let served = {
-        let agent = agent.clone();
-        tokio::spawn(async move {
-            aliquot_agent::serve(agent, &cfg, listener, async {
-                let _ = stopped.await;
-            })
-            .await
-        })
-    };
-
-    let mut client = VdevAgentClient::new(channel(dir.path(), Role::Client, "c0", port).await);
+    ])
+    .await;
+    let (agent, signer) = (&t.agent, &t.signer);
+    let mut client = VdevAgentClient::new(t.channel(Role::Client, "c0").await);
     let token = signer.sign(&grant());
 
     // Before registration the agent knows no pool or generation: no writes.
     let e = client
-        .write(write(EXTENT, 4096, token.clone()))
+        .write(token_write(EXTENT, 4096, token.clone()))
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::Unavailable, "{e:?}");
@@ -115,7 +48,7 @@ async fn tokens_and_roles_over_tls() {
 
     // A valid token: the whole extent, then read back.
     client
-        .write(write(EXTENT, SIZE as usize, token.clone()))
+        .write(token_write(EXTENT, SIZE as usize, token.clone()))
         .await
         .unwrap();
     // Reads need a read capability: none, or a write token, is refused.
@@ -153,7 +86,7 @@ async fn tokens_and_roles_over_tls() {
     assert_eq!(&back.data[..], &[0x5a; 4096][..]);
     // A read token does not write.
     let e = client
-        .write(write(EXTENT, 4096, signer.sign_read(&grant())))
+        .write(token_write(EXTENT, 4096, signer.sign_read(&grant())))
         .await
         .unwrap_err();
     assert_eq!(
@@ -173,21 +106,21 @@ async fn tokens_and_roles_over_tls() {
     };
     // No token.
     refused(
-        client.write(write(EXTENT, 4096, vec![])).await,
+        client.write(token_write(EXTENT, 4096, vec![])).await,
         Code::Unauthenticated,
         "WRITE_TOKEN_MISSING",
     );
     // Outside the token's range: past its end, and before it.
     refused(
         client
-            .write(write(EXTENT + SIZE, 4096, token.clone()))
+            .write(token_write(EXTENT + SIZE, 4096, token.clone()))
             .await,
         Code::PermissionDenied,
         "WRITE_TOKEN_OUT_OF_RANGE",
     );
     refused(
         client
-            .write(write(EXTENT - 4096, 8192, token.clone()))
+            .write(token_write(EXTENT - 4096, 8192, token.clone()))
             .await,
         Code::PermissionDenied,
         "WRITE_TOKEN_OUT_OF_RANGE",
@@ -195,7 +128,11 @@ async fn tokens_and_roles_over_tls() {
     // Forged: signed by another key, or a widened extent.
     refused(
         client
-            .write(write(EXTENT, 4096, TokenSigner::generate().sign(&grant())))
+            .write(token_write(
+                EXTENT,
+                4096,
+                TokenSigner::generate().sign(&grant()),
+            ))
             .await,
         Code::PermissionDenied,
         "WRITE_TOKEN_FORGED",
@@ -203,7 +140,7 @@ async fn tokens_and_roles_over_tls() {
     let mut widened = token.clone();
     widened[29..37].copy_from_slice(&(1u64 << 30).to_be_bytes());
     refused(
-        client.write(write(EXTENT, 4096, widened)).await,
+        client.write(token_write(EXTENT, 4096, widened)).await,
         Code::PermissionDenied,
         "WRITE_TOKEN_FORGED",
     );
@@ -213,7 +150,7 @@ async fn tokens_and_roles_over_tls() {
         ..grant()
     });
     refused(
-        client.write(write(EXTENT, 4096, late)).await,
+        client.write(token_write(EXTENT, 4096, late)).await,
         Code::PermissionDenied,
         "WRITE_TOKEN_EXPIRED",
     );
@@ -223,7 +160,7 @@ async fn tokens_and_roles_over_tls() {
         ..grant()
     });
     refused(
-        client.write(write(EXTENT, 4096, other)).await,
+        client.write(token_write(EXTENT, 4096, other)).await,
         Code::PermissionDenied,
         "WRITE_TOKEN_OTHER_VDEV",
     );
@@ -232,7 +169,7 @@ async fn tokens_and_roles_over_tls() {
     agent.gate().learn_generation(GENERATION + 1);
     agent.gate().learn_generation(GENERATION); // never moves back
     refused(
-        client.write(write(EXTENT, 4096, token.clone())).await,
+        client.write(token_write(EXTENT, 4096, token.clone())).await,
         Code::PermissionDenied,
         "WRITE_TOKEN_OLD_GENERATION",
     );
@@ -240,10 +177,13 @@ async fn tokens_and_roles_over_tls() {
         generation: GENERATION + 1,
         ..grant()
     });
-    client.write(write(EXTENT, 4096, fresh)).await.unwrap();
+    client
+        .write(token_write(EXTENT, 4096, fresh))
+        .await
+        .unwrap();
 
     // Roles: another agent cannot read; a client cannot set the tunables; an admin can.
-    let mut other_agent = VdevAgentClient::new(channel(dir.path(), Role::Agent, "a1", port).await);
+    let mut other_agent = VdevAgentClient::new(t.channel(Role::Agent, "a1").await);
     let e = other_agent
         .read(ReadRequest {
             offset: EXTENT,
@@ -260,12 +200,12 @@ async fn tokens_and_roles_over_tls() {
         .unwrap_err();
     assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
     assert!(e.message().contains("needs role admin"), "{e:?}");
-    let mut admin = VdevAgentClient::new(channel(dir.path(), Role::Admin, "root", port).await);
+    let mut admin = VdevAgentClient::new(t.channel(Role::Admin, "root").await);
     admin.set_tunables(AgentTunables::default()).await.unwrap();
 
     // Plaintext to the TLS port gets nothing.
     let plain = async {
-        VdevAgentClient::connect(format!("http://127.0.0.1:{port}"))
+        VdevAgentClient::connect(format!("http://127.0.0.1:{}", t.port))
             .await
             .map_err(|e| tonic::Status::unavailable(e.to_string()))?
             .read(ReadRequest {
@@ -277,8 +217,7 @@ async fn tokens_and_roles_over_tls() {
     };
     assert!(plain.await.is_err(), "plaintext read served");
 
-    stop.send(()).unwrap();
-    served.await.unwrap().unwrap();
+    t.stop().await;
 }
 
 /// WriteBatch over real TLS: every write checked against its own token, one
@@ -287,36 +226,11 @@ async fn tokens_and_roles_over_tls() {
 #[tokio::test]
 async fn batch_writes_check_every_token() {
     use aliquot_proto::v1::WriteBatchRequest;
-    let dir = tempfile::tempdir().unwrap();
-    let ca = PoolCa::init(dir.path(), "tank").unwrap();
-    for (role, name) in [
-        (Role::Agent, "a0"),
-        (Role::Agent, "a1"),
-        (Role::Client, "c0"),
-    ] {
-        ca.issue(role, name, &[]).unwrap();
-    }
-    let signer = TokenSigner::load(dir.path()).unwrap();
-    let mut cfg = Config::new(BackendKind::Sim);
-    cfg.capacity = Some(64 << 20);
-    let files = TlsFiles::in_dir(dir.path(), Role::Agent, "a0");
-    cfg.tls.tls_ca = Some(files.ca);
-    cfg.tls.tls_cert = Some(files.cert);
-    cfg.tls.tls_key = Some(files.key);
-    cfg.token_key = Some(dir.path().to_path_buf());
-    let agent = Agent::open(&cfg).unwrap();
-    agent.set_vdev(VDEV);
-    agent.gate().learn_pool(POOL, GENERATION);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let served = tokio::spawn(async move {
-        aliquot_agent::serve(agent, &cfg, listener, async {
-            let _ = stopped.await;
-        })
-        .await
-    });
-    let mut client = VdevAgentClient::new(channel(dir.path(), Role::Client, "c0", port).await);
+    let t = TlsAgent::start(&[(Role::Agent, "a1"), (Role::Client, "c0")]).await;
+    let signer = &t.signer;
+    t.agent.set_vdev(VDEV);
+    t.agent.gate().learn_pool(POOL, GENERATION);
+    let mut client = VdevAgentClient::new(t.channel(Role::Client, "c0").await);
 
     // Two extents, each with its own token.
     let second = EXTENT + 4 * SIZE;
@@ -437,7 +351,7 @@ async fn batch_writes_check_every_token() {
         .unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
     // Another agent may not write, batch or not (the role table).
-    let mut other = VdevAgentClient::new(channel(dir.path(), Role::Agent, "a1", port).await);
+    let mut other = VdevAgentClient::new(t.channel(Role::Agent, "a1").await);
     let e = other
         .write_batch(WriteBatchRequest {
             writes: vec![fill(EXTENT, 4096, 0x77, &ta)],
@@ -447,6 +361,5 @@ async fn batch_writes_check_every_token() {
     assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
     assert_eq!(&read(EXTENT, 4096).await[..], &[0x11; 4096][..]);
 
-    stop.send(()).unwrap();
-    served.await.unwrap().unwrap();
+    t.stop().await;
 }

@@ -1,4 +1,4 @@
-//! What a client freeing many blocks costs everyone else (issue 27, item 3):
+//! What a client freeing many blocks costs everyone else:
 //! 100 000 committed 4 KiB extents are freed in requests of the largest
 //! size the proto allows (4096 extents), while another client runs
 //! Allocate+Commit pairs. Prints each Free's time and the pairs' latency
@@ -123,6 +123,7 @@ fn main() {
                 .claim(pb::ClaimRequest {
                     extents: chunk.to_vec(),
                     per_extent: false,
+                    allocation_ids: Vec::new(),
                 })
                 .await
                 .expect("claim")

@@ -11,11 +11,19 @@
 //! i.e. what the allocator does before it serves. "live" is the RSS once the
 //! loaded rows are dropped and only the pool remains; the target is
 //! peak ≤ 1.5× live and restart ≤ 5 s.
-//! `ALIQUOT_BENCH_OWNERS=alternating` adds the worst case of extent owners
-//! (issue 25): every extent the other of two clients' than its neighbours.
+//! `ALIQUOT_BENCH_OWNERS=alternating` adds the worst case of extent owners:
+//! every extent the other of two clients' than its neighbours.
 //! Then the child frees `ALIQUOT_BENCH_FREES` (default 10^6) of the extents
 //! and times `Pool::sync` and `SqliteStore::persist` of that txg (target ≤ 1 s),
-//! then a second txg of as many frees spread over the remaining extents.
+//! then a second txg of as many frees spread over the remaining extents,
+//! five txgs of 1000 spread frees, and a restart (open + load) that replays
+//! what the log space map then holds. `ALIQUOT_BENCH_FLUSH_ALL=1` flushes
+//! every dirty metaslab each txg (the baseline without the log's deferral);
+//! `ALIQUOT_BENCH_LOG_BLOCK_MAX=N` bounds the log to N blocks of 8192
+//! changes (`zfs_unflushed_log_block_max`), so that the restart replays a
+//! full log. `ALIQUOT_BENCH_UNCHECKED=1` hands the store every txg as not
+//! checked by the pool (`TxgSync::checked` false): it checks the changes
+//! against the chunks they fall in, as before the pool's check.
 //! Before the frees, the store's exact-extent lookup (`allocated_overlapping`,
 //! asked per extent by Claim) is timed over 10^4 extents, and Free's batch
 //! form (`allocated_overlapping_many`) over requests of 1024 neighbouring
@@ -119,7 +127,7 @@ async fn build(path: &Path, n: u64, layout: &str) {
         .await
         .unwrap();
     }
-    // Owners (issue 25): `ALIQUOT_BENCH_OWNERS=alternating` gives every
+    // Owners: `ALIQUOT_BENCH_OWNERS=alternating` gives every
     // extent the other of two owners than its neighbours: one owner run per
     // extent, the worst case (one client per pool is one run per vdev).
     if std::env::var("ALIQUOT_BENCH_OWNERS").as_deref() == Ok("alternating") {
@@ -158,6 +166,21 @@ async fn build(path: &Path, n: u64, layout: &str) {
 async fn child(path: &Path, layout: &str) {
     let t = Instant::now();
     let store = SqliteStore::open(path, "bench", None).await.unwrap();
+    if let Ok(v) = std::env::var("ALIQUOT_BENCH_LOG_BLOCK_MAX") {
+        // A smaller replay bound: the log fills to it, and a restart
+        // replays a full log.
+        let mut t = store.log_tunables().expect("an SQL store");
+        t.zfs_unflushed_log_block_max = v.parse().expect("ALIQUOT_BENCH_LOG_BLOCK_MAX: a number");
+        store.set_log_tunables(t);
+    }
+    if std::env::var("ALIQUOT_BENCH_FLUSH_ALL").as_deref() == Ok("1") {
+        // The baseline: every dirty metaslab flushed each txg (a txg
+        // rewrites every chunk it touched, as before the log space map).
+        store.set_log_tunables(aliquot_allocator::spacemap_log::LogTunables {
+            zfs_min_metaslabs_to_flush: u64::MAX,
+            ..Default::default()
+        });
+    }
     let opened = t.elapsed();
     let p = store.load().await.unwrap().expect("a pool");
     let loaded = t.elapsed();
@@ -231,6 +254,7 @@ async fn child(path: &Path, layout: &str) {
         );
     }
 
+    let unchecked = std::env::var("ALIQUOT_BENCH_UNCHECKED").as_deref() == Ok("1");
     let frees = env_u64("ALIQUOT_BENCH_FREES", 1_000_000).min(rows);
     let ext: Vec<Extent> = (0..frees)
         .map(|k| Extent {
@@ -248,12 +272,13 @@ async fn child(path: &Path, layout: &str) {
     let t = Instant::now();
     let sync = pool.sync();
     let pool_sync = t.elapsed();
-    let rec = TxgRecord {
+    let mut rec = TxgRecord {
         sync,
         vdevs: Vec::new(),
         owners: owner_changes,
         ..Default::default()
     };
+    rec.sync.checked &= !unchecked;
     let t = Instant::now();
     store.persist(&rec).await.unwrap();
     let persist = t.elapsed();
@@ -290,22 +315,75 @@ async fn child(path: &Path, layout: &str) {
     let sync = pool.sync();
     let owner_changes = owners.take_changes();
     let pool_sync = t.elapsed();
-    let rec = TxgRecord {
+    let mut rec = TxgRecord {
         sync,
         vdevs: Vec::new(),
         owners: owner_changes,
         ..Default::default()
     };
+    rec.sync.checked &= !unchecked;
     let t = Instant::now();
     store.persist(&rec).await.unwrap();
     let persist = t.elapsed();
-    store.close().await;
     println!(
         "{layout:>6} txg of {n} spread frees | Pool::sync {:>7.3} s, persist {:>7.3} s, total {:>7.3} s",
         pool_sync.as_secs_f64(),
         persist.as_secs_f64(),
         (pool_sync + persist).as_secs_f64(),
     );
+
+    // Small txgs on the large store: 1000 frees spread over what is left
+    // (the log space map's flushes of earlier txgs go on meanwhile).
+    // Extents neither txg above freed: beside the spread frees, a step apart.
+    let step2 = ((rows - frees) / 1000).max(1);
+    let mut times = Vec::new();
+    for round in 0..5u64 {
+        let ext: Vec<Extent> = (0..1000u64)
+            .map(|j| frees + j * step2 + 1 + round)
+            .filter(|&k| k < rows && (k - frees) % step != 0)
+            .map(|k| Extent {
+                vdev: 0,
+                offset: k * st,
+                size: BLOCK,
+            })
+            .collect();
+        pool.free(&ext).unwrap();
+        owners.freed(&ext);
+        let sync = pool.sync();
+        let mut rec = TxgRecord {
+            sync,
+            owners: owners.take_changes(),
+            ..Default::default()
+        };
+        rec.sync.checked &= !unchecked;
+        let t = Instant::now();
+        store.persist(&rec).await.unwrap();
+        times.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    println!(
+        "{layout:>6} txg of 1000 spread frees: persist median {:.1} ms (of 5: {:?})",
+        times[2],
+        times
+            .iter()
+            .map(|t| (t * 10.0).round() / 10.0)
+            .collect::<Vec<_>>()
+    );
+    store.close().await;
+    // A restart now replays what the log holds.
+    let t = Instant::now();
+    let store = SqliteStore::open(path, "bench", None).await.unwrap();
+    let p = store.load().await.unwrap().unwrap();
+    let replayed = store.log_size().await.expect("loaded");
+    println!(
+        "{layout:>6} restart with the log: open + load {:.3} s ({} extents; the log {} changes in {} rows, {} blocks)",
+        t.elapsed().as_secs_f64(),
+        p.allocated.len(),
+        replayed.0,
+        replayed.1,
+        replayed.2,
+    );
+    store.close().await;
 }
 
 #[tokio::main(flavor = "current_thread")]

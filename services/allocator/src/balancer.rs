@@ -2,14 +2,15 @@
 //! move, whose commit frees the old extent in the same txg), BalancerStatus
 //! (plan progress, moves in flight and durable, drains, and the fate of
 //! given relocations for a mover resuming after a crash) and RemoveVdev
-//! (the end of a drain). The allocator plans and accounts; the client that
-//! owns the references copies the data.
+//! (the end of a drain, or the start of an evacuation by the allocator's
+//! own mover, `crate::mover`). For Relocate the allocator plans and
+//! accounts and the client that owns the references copies the data.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use aliquot_proto::v1 as pb;
-use metaslab::{AllocKind, AllocRequest, Allocation, ClassKind};
+use metaslab::{AllocKind, AllocRequest, Allocation, ClassKind, Extent};
 
 use crate::convert;
 use crate::error::{Error, Result};
@@ -22,6 +23,17 @@ pub async fn relocate(
     shared: &Arc<Shared>,
     req: &pb::RelocateRequest,
 ) -> Result<(Allocation, Vec<String>, std::time::Instant, Duration)> {
+    relocate_as(shared, req, false).await
+}
+
+/// [`relocate`]; `removal`: the move must happen (a vdev removal's), so
+/// the block's other copies' vdevs are avoided only while another vdev has
+/// room (`Pool::removal_avoid`).
+pub async fn relocate_as(
+    shared: &Arc<Shared>,
+    req: &pb::RelocateRequest,
+    removal: bool,
+) -> Result<(Allocation, Vec<String>, std::time::Instant, Duration)> {
     shared.check_serving()?;
     let from = req
         .extent
@@ -31,11 +43,38 @@ pub async fn relocate(
     let lease = shared.lease(req.lease_ms)?;
     // The crate's placement rule; it also refuses an unknown, removed or
     // log source vdev, before the store is asked about the extent.
-    let avoid = shared
+    shared
         .lock()
         .pool
         .relocation_avoid(from.vdev, &req.avoid_vdevs)?;
     crate::claim::check_relocatable(shared, &from).await?;
+    // A moved block's old address moves only after a Remap; its new home
+    // moves only keeping its address (the entry then points at the newest
+    // home: one hop of mapping, and no entry pointing at freed space).
+    shared.lock().check_movable(&from, req.keep_address)?;
+    // The block's other copies, wherever they are now: the new copy keeps
+    // off their vdevs (the caller's avoid_vdevs are added to them).
+    let mut others = copy_vdevs(shared, &from).await?;
+    others.extend(req.avoid_vdevs.iter().copied());
+    others.retain(|&v| v != from.vdev);
+    others.sort_unstable();
+    others.dedup();
+    let avoid = {
+        let g = shared.lock();
+        if removal {
+            let (avoid, apart) = g.pool.removal_avoid(from.vdev, &others, from.size)?;
+            if !apart && !others.is_empty() {
+                tracing::warn!(
+                    extent = %from,
+                    copies_on = ?others,
+                    "no other vdev has room: this copy may share a vdev with another copy of its block"
+                );
+            }
+            avoid
+        } else {
+            g.pool.relocation_avoid(from.vdev, &others)?
+        }
+    };
     // The block's logical size, not the old asize: sized again for the
     // new vdev, a block moved between RAIDZ and plain vdevs keeps its size.
     let psize = shared.lock().pool.relocation_psize(&from, req.psize)?;
@@ -43,15 +82,56 @@ pub async fn relocate(
         from,
         plan_id: req.plan_id,
         avoid,
+        keep_address: req.keep_address,
     };
+    if req.keep_address && req.psize != 0 {
+        return Err(Error::InvalidArgument(
+            "keep_address: the new extent is the old one's size (psize must be 0)".into(),
+        ));
+    }
+    let keep = intent.keep_address;
     let areq = AllocRequest {
         kind: AllocKind::Data,
         size: psize,
         copies: 1,
         max_size: None,
-        affinity: None,
+        affinity: req.affinity_key,
     };
-    shared.relocate(areq, lease, intent).await
+    let placed = shared.relocate(areq, lease, intent).await?;
+    if keep && placed.0.extents[0].size != from.size {
+        // Another ashift or layout sized it otherwise: an entry maps one
+        // size to the same size, so this move cannot keep its address.
+        let to = placed.0.extents[0];
+        let _ = shared.lock().abort(&[placed.0.id]);
+        return Err(Error::InvalidArgument(format!(
+            "keep_address: the new extent {to} would not be {from}'s size on that vdev"
+        )));
+    }
+    Ok(placed)
+}
+
+/// The vdevs of the other copies of the block whose copy is `from`: the
+/// store's links, each copy followed through its moves not yet persisted
+/// (and one in flight, both ends avoided).
+pub async fn copy_vdevs(shared: &Shared, from: &Extent) -> Result<Vec<metaslab::VdevId>> {
+    let at = (from.vdev, from.offset);
+    let pending = shared.lock().pending_copies.copies_of(at);
+    let copies = match pending {
+        Some(c) => c,
+        None => shared
+            .store
+            .copies_of(at)
+            .await
+            .map_err(|e| Error::Store(e.to_string()))?,
+    };
+    let g = shared.lock();
+    let mut out = Vec::with_capacity(copies.len());
+    for c in copies {
+        out.extend(g.relocations.homes(c));
+    }
+    out.sort_unstable();
+    out.dedup();
+    Ok(out)
 }
 
 /// BalancerStatus: what the balancer is doing, and the requested relocations.
@@ -158,12 +238,36 @@ pub async fn status(
     Ok(reply)
 }
 
-/// RemoveVdev: forget an empty offline vdev, durably.
+/// RemoveVdev: an empty offline vdev is forgotten at once; any other
+/// vdev is evacuated by the mover first (`crate::mover::start`).
 pub async fn remove_vdev(shared: &Shared, vdev: u32) -> Result<pb::RemoveVdevReply> {
+    shared.check_serving()?;
+    let empty_offline = {
+        let g = shared.lock();
+        if g.pool.is_removed(vdev) {
+            return Err(metaslab::Error::VdevRemoved(vdev).into());
+        }
+        let stats = g.pool.stats();
+        let v = stats
+            .vdevs
+            .iter()
+            .find(|v| v.id == vdev)
+            .ok_or(metaslab::Error::UnknownVdev(vdev))?;
+        v.alloc == 0 && !v.online
+    };
+    if empty_offline && shared.mover.evacuating().is_none() {
+        return forget_vdev(shared, vdev).await;
+    }
+    crate::mover::start(shared, vdev).await
+}
+
+/// Forget an empty offline vdev, durably.
+pub async fn forget_vdev(shared: &Shared, vdev: u32) -> Result<pb::RemoveVdevReply> {
     shared.check_serving()?;
     let (name, txg) = {
         let mut g = shared.lock();
         g.pool.remove_vdev(vdev)?;
+        shared.mover.forgotten(vdev);
         let name = g.vdevs.remove(&vdev).map(|i| i.name).unwrap_or_default();
         g.pending_vdev_states.push((vdev, AdminState::Removed));
         g.event("vdev_removed", vdev, "RemoveVdev".into());
@@ -178,5 +282,6 @@ pub async fn remove_vdev(shared: &Shared, vdev: u32) -> Result<pb::RemoveVdevRep
         name,
         txg: synced,
         generation: shared.fencing.generation,
+        ..Default::default()
     })
 }

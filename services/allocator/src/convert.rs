@@ -85,7 +85,7 @@ pub fn extent_from_pb(e: &pb::Extent) -> Result<Extent> {
     })
 }
 
-/// Extents one Free, Claim or ReadTokens may name (issue 27: one Free of
+/// Extents one Free, Claim or ReadTokens may name (one Free of
 /// 100 000 extents held the allocator for 13.7 s). Clients send more in
 /// several requests; the bound is stated in the proto.
 pub const MAX_EXTENTS_PER_REQUEST: usize = 4096;
@@ -212,6 +212,7 @@ pub fn pool_status(shared: &Shared, g: &Inner) -> pb::PoolStatus {
                 last_report_age_ms: info
                     .and_then(|i| i.last_report_at)
                     .map_or(0, |t| now.duration_since(t).as_millis() as u64),
+                mapping_entries: g.indirect.entries_on(v.id) as u64,
             }
         })
         .collect();
@@ -228,6 +229,10 @@ pub fn pool_status(shared: &Shared, g: &Inner) -> pb::PoolStatus {
         generation: shared.fencing.generation,
         claim_window_remaining_ms: shared.claim_window_remaining().as_millis() as u64,
         max_lease_ms: shared.settings.max_lease.as_millis() as u64,
+        mapping_entries: g.indirect.len() as u64,
+        mapping_bytes: g.indirect.mapped_bytes(),
+        mapping_memory_bytes: g.indirect.memory_bytes() as u64,
+        evacuation: shared.mover.status(g),
         leadership: Some(match shared.lease.get() {
             Some(l) => pb::Leadership {
                 store: "postgres".into(),
@@ -251,6 +256,11 @@ pub fn pool_status(shared: &Shared, g: &Inner) -> pb::PoolStatus {
                 since_ms: f.since_ms,
                 attempts: f.attempts,
             }),
+        pending_vdevs: g
+            .awaiting_admission
+            .values()
+            .map(|w| w.shown.clone())
+            .collect(),
     }
 }
 

@@ -1,17 +1,15 @@
-//! The allocator's errors, and their one mapping to `tonic::Status` at the
-//! gRPC edge: each code tells an operator what to do next, and each status
-//! carries a `google.rpc.ErrorInfo` whose reason (an `ErrorReason` name of
-//! the proto) a client can branch and retry on.
+//! The allocator's errors, and their one table (`Error::refusal`) mapping
+//! each to a `tonic::Status` at the gRPC edge: each code tells an operator
+//! what to do next, and each status carries a `google.rpc.ErrorInfo` whose
+//! reason (an `ErrorReason` of the proto) and values a client can branch on,
+//! with a `google.rpc.RetryInfo` when the same call may be repeated.
 
-use std::collections::HashMap;
+use std::time::Duration;
 
+use aliquot_proto::error::Refusal;
 use aliquot_proto::v1::ErrorReason;
 use metaslab::{NoSpaceReason, Txg};
 use tonic::{Code, Status};
-use tonic_types::{ErrorDetails, StatusExt};
-
-/// The ErrorInfo domain of every reason.
-pub const DOMAIN: &str = "aliquot.v1";
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -41,7 +39,7 @@ pub enum Error {
         quota: u64,
     },
     /// The normal class has no room for the request above its slop
-    /// reserve: a pool can be "full" well below 100 % (spec §5.6, OpenZFS's
+    /// reserve: a pool can be "full" well below 100 % (OpenZFS's
     /// spa_get_slop_space, which keeps at least 128 MiB or half the pool).
     #[error("{}", full_message(*.size, *.copies, *.space, *.alloc, *.slop, *.deferred))]
     PoolFull {
@@ -94,6 +92,38 @@ pub enum Error {
     ClaimOverwritten {
         requested: metaslab::Extent,
         committed: metaslab::Extent,
+    },
+    #[error(
+        "claim of {requested} for allocation {allocation_id}: that allocation is of generation \
+         {generation}, older than generation {previous} whose lost txgs this window serves (its \
+         space may have been committed to another block since); the block is lost"
+    )]
+    ClaimTooOld {
+        requested: metaslab::Extent,
+        allocation_id: u64,
+        generation: u64,
+        previous: u64,
+    },
+    #[error(
+        "claim of {requested} for allocation {allocation_id}: it was claimed in this generation \
+         for allocation {claimed_for} (another writer, perhaps with the same identity, was given \
+         the same extent); the block of allocation {allocation_id} is lost"
+    )]
+    ClaimedForAnother {
+        requested: metaslab::Extent,
+        allocation_id: u64,
+        claimed_for: u64,
+    },
+    #[error(
+        "claim of {requested} for allocation {allocation_id}: the vdev's agent says allocation \
+         {writer} wrote {written} last (the extent was given again after this allocation's lease \
+         ended); the block of allocation {allocation_id} is lost, its bytes are another block's"
+    )]
+    ClaimWrittenByAnother {
+        requested: metaslab::Extent,
+        allocation_id: u64,
+        written: metaslab::Extent,
+        writer: u64,
     },
     /// A standby, or a leader whose lease ran out or that was replaced.
     #[error("this allocator does not lead the pool ({why}){}", leader_hint(.leader))]
@@ -159,6 +189,13 @@ pub enum Error {
     },
     #[error("{message}")]
     NotOwnerDevice { device: u64, message: String },
+    /// A new device registered by an agent certificate no operator admitted.
+    #[error("{message}")]
+    VdevPending {
+        device: u64,
+        name: String,
+        message: String,
+    },
     #[error(
         "extent {extent} was committed by {owner}; {caller} may not {action} it (only its owner \
          or an admin may)"
@@ -184,6 +221,37 @@ pub enum Error {
     RelocationConflict {
         extent: metaslab::Extent,
         allocation: u64,
+    },
+    #[error(
+        "extent {0} is not the old address of a moved block (nothing to remap: it was never \
+         moved, already remapped, or freed)"
+    )]
+    NotMapped(metaslab::Extent),
+    #[error(
+        "extent {0} is a moved block's old address, or its new home moved by a Relocate that \
+         would free it: Remap it (or free it) before moving it, or move the new home with \
+         keep_address"
+    )]
+    MappedExtent(metaslab::Extent),
+    /// RemoveVdev while the mover evacuates another vdev.
+    #[error(
+        "vdev {running} is being removed (its blocks are being moved): one removal at a time; \
+         remove vdev {asked} once `aliquotctl status` shows vdev {running}'s evacuation done"
+    )]
+    EvacuationRunning { running: u32, asked: u32 },
+    /// RemoveVdev of a vdev whose blocks the other vdevs cannot hold.
+    #[error(
+        "vdev {vdev} cannot be removed: its {} of blocks do not fit on the other vdevs, which \
+         can take {} more (slop kept back): {} missing; add a vdev or free blocks first \
+         (nothing was moved)",
+        units::format_bytes(*need),
+        units::format_bytes(*available),
+        units::format_bytes(need - available)
+    )]
+    NoRoomToEvacuate {
+        vdev: u32,
+        need: u64,
+        available: u64,
     },
     #[error("store: {0}")]
     Store(String),
@@ -252,68 +320,17 @@ fn full_message(size: u64, copies: u8, space: u64, alloc: u64, slop: u64, deferr
     m
 }
 
-impl Error {
-    pub fn code(&self) -> Code {
-        use metaslab::Error as M;
-        match self {
-            Error::Pool(e) => match e {
-                M::ZeroSize
-                | M::TooLarge(_)
-                | M::BadCopies(_)
-                | M::PsizeTooLarge { .. }
-                | M::BadSizeRange { .. }
-                | M::Misaligned(_)
-                | M::OutOfRange(_)
-                | M::BadTunableValue { .. }
-                | M::BadVdev(_) => Code::InvalidArgument,
-                M::UnknownVdev(_)
-                | M::UnknownAllocation(_)
-                | M::UnknownTicket(_)
-                | M::UnknownTunable(_) => Code::NotFound,
-                M::NotAllocated(_) | M::PartlyAllocated(_) | M::ClaimConflict { .. } => {
-                    Code::FailedPrecondition
-                }
-                M::NoSpace {
-                    reason: NoSpaceReason::VdevsOffline,
-                    ..
-                } => Code::Unavailable,
-                M::NoSpace { .. } => Code::ResourceExhausted,
-                M::TxgWaitRequired { .. } => Code::Unavailable,
-                M::NotAdmitted(_) | M::Inconsistent(_) => Code::Internal,
-                M::VdevRemoved(_)
-                | M::VdevNotEmpty { .. }
-                | M::LastAllocatingVdev(_)
-                | M::NoRoomToDrain { .. } => Code::FailedPrecondition,
-            },
-            Error::InvalidArgument(_) => Code::InvalidArgument,
-            Error::NotFound(_) => Code::NotFound,
-            Error::VdevConflict(_)
-            | Error::ClaimOverlaps { .. }
-            | Error::FreeNotExact { .. }
-            | Error::ReadNotCommitted { .. }
-            | Error::ReadNotExact { .. } => Code::FailedPrecondition,
-            Error::LeaseExpired(_) | Error::AllocatorRestarted { .. } => Code::Aborted,
-            Error::LeaseLifetime { .. } => Code::FailedPrecondition,
-            Error::LeaseQuota { .. } => Code::ResourceExhausted,
-            Error::GenerationAhead { .. } => Code::FailedPrecondition,
-            Error::NotOwnerAllocation { .. }
-            | Error::NotOwnerDevice { .. }
-            | Error::NotOwnerExtent { .. } => Code::PermissionDenied,
-            Error::ShuttingDown | Error::NotLeader { .. } | Error::NoVdevs => Code::Unavailable,
-            Error::PoolFull { .. } => Code::ResourceExhausted,
-            Error::NoStandby | Error::ClaimGivenOut(_) | Error::ClaimOverwritten { .. } => {
-                Code::FailedPrecondition
-            }
-            Error::PoolDegraded(_) | Error::RelocationConflict { .. } => Code::FailedPrecondition,
-            Error::Store(_) => Code::Internal,
-            Error::SyncPending { .. } => Code::Unavailable,
-            Error::PoolMismatch { .. } | Error::StoreRolledBack { .. } => Code::FailedPrecondition,
-        }
-    }
+/// Agents report once a second: a vdev back online, a new leader or a
+/// finished sync is known within about this long.
+const RETRY_SOON: Duration = Duration::from_secs(1);
 
-    /// The machine-readable reason and the values a client needs.
-    pub fn reason(&self) -> (ErrorReason, Vec<(&'static str, String)>) {
+impl Error {
+    /// The one table: each error's code, reason, values and whether the
+    /// same call may be repeated (the message is `Display`).
+    pub fn refusal(&self) -> Refusal {
+        use ErrorReason as R;
         use metaslab::Error as M;
+        let r = Refusal::new;
         match self {
             Error::Pool(e) => match e {
                 M::ZeroSize
@@ -324,250 +341,239 @@ impl Error {
                 | M::Misaligned(_)
                 | M::OutOfRange(_)
                 | M::BadTunableValue { .. }
-                | M::BadVdev(_) => (ErrorReason::InvalidArgument, vec![]),
-                M::UnknownAllocation(id) => (
-                    ErrorReason::UnknownAllocation,
-                    vec![("allocation_id", id.to_string())],
-                ),
+                | M::BadVdev(_) => r(Code::InvalidArgument, R::InvalidArgument),
+                M::UnknownAllocation(id) => {
+                    r(Code::NotFound, R::UnknownAllocation).with("allocation_id", id)
+                }
                 M::UnknownVdev(_) | M::UnknownTicket(_) | M::UnknownTunable(_) => {
-                    (ErrorReason::NotFound, vec![])
+                    r(Code::NotFound, R::NotFound)
                 }
                 M::NotAllocated(e) | M::PartlyAllocated(e) => {
-                    (ErrorReason::NotAllocated, vec![("extent", e.to_string())])
+                    r(Code::FailedPrecondition, R::NotAllocated).with("extent", e)
                 }
                 M::ClaimConflict {
                     requested,
                     conflicting,
-                } => (
-                    ErrorReason::ClaimConflict,
-                    vec![
-                        ("requested", requested.to_string()),
-                        ("conflicting", conflicting.to_string()),
-                    ],
-                ),
+                } => r(Code::FailedPrecondition, R::ClaimConflict)
+                    .with("requested", requested)
+                    .with("conflicting", conflicting),
                 M::NoSpace { reason, .. } => match reason {
-                    NoSpaceReason::VdevsOffline => (ErrorReason::VdevsOffline, vec![]),
-                    NoSpaceReason::Full => (ErrorReason::NoSpace, vec![]),
-                    NoSpaceReason::Fragmented { largest_free } => (
-                        ErrorReason::Fragmented,
-                        vec![("largest_free", largest_free.to_string())],
-                    ),
+                    NoSpaceReason::VdevsOffline => {
+                        r(Code::Unavailable, R::VdevsOffline).retry_after(RETRY_SOON)
+                    }
+                    NoSpaceReason::Full => r(Code::ResourceExhausted, R::NoSpace),
+                    NoSpaceReason::Fragmented { largest_free } => {
+                        r(Code::ResourceExhausted, R::Fragmented).with("largest_free", largest_free)
+                    }
                 },
+                // Not a plain retry: SyncTxg(until) first.
                 M::TxgWaitRequired { until } => {
-                    (ErrorReason::TxgWait, vec![("until", until.to_string())])
+                    r(Code::Unavailable, R::TxgWait).with("until", until)
                 }
-                M::NotAdmitted(_) | M::Inconsistent(_) => (ErrorReason::Internal, vec![]),
-                M::VdevRemoved(v) => (ErrorReason::VdevRemoved, vec![("vdev", v.to_string())]),
-                M::LastAllocatingVdev(v) => (
-                    ErrorReason::LastAllocatingVdev,
-                    vec![("vdev", v.to_string())],
-                ),
+                M::NotAdmitted(_) | M::Inconsistent(_) => r(Code::Internal, R::Internal),
+                M::VdevRemoved(v) => r(Code::FailedPrecondition, R::VdevRemoved).with("vdev", v),
+                M::LastVdev(v) => r(Code::FailedPrecondition, R::LastVdev).with("vdev", v),
+                M::LastAllocatingVdev(v) => {
+                    r(Code::FailedPrecondition, R::LastAllocatingVdev).with("vdev", v)
+                }
                 M::NoRoomToDrain {
                     vdev,
                     need,
                     available,
-                } => (
-                    ErrorReason::NoRoomToDrain,
-                    vec![
-                        ("vdev", vdev.to_string()),
-                        ("need", need.to_string()),
-                        ("available", available.to_string()),
-                    ],
-                ),
+                } => r(Code::FailedPrecondition, R::NoRoomToDrain)
+                    .with("vdev", vdev)
+                    .with("need", need)
+                    .with("available", available),
                 M::VdevNotEmpty {
                     vdev,
                     alloc,
                     online,
                     ..
-                } => (
-                    ErrorReason::VdevNotEmpty,
-                    vec![
-                        ("vdev", vdev.to_string()),
-                        ("alloc", alloc.to_string()),
-                        ("online", online.to_string()),
-                    ],
-                ),
+                } => r(Code::FailedPrecondition, R::VdevNotEmpty)
+                    .with("vdev", vdev)
+                    .with("alloc", alloc)
+                    .with("online", online),
             },
-            Error::InvalidArgument(_) => (ErrorReason::InvalidArgument, vec![]),
-            Error::NotFound(_) => (ErrorReason::NotFound, vec![]),
-            Error::VdevConflict(_) => (ErrorReason::VdevConflict, vec![]),
+            Error::InvalidArgument(_) => r(Code::InvalidArgument, R::InvalidArgument),
+            Error::NotFound(_) => r(Code::NotFound, R::NotFound),
+            Error::VdevConflict(_) => r(Code::FailedPrecondition, R::VdevConflict),
             Error::ClaimOverlaps {
                 requested,
                 overlapping,
-            } => (
-                ErrorReason::ClaimConflict,
-                vec![
-                    ("requested", requested.to_string()),
-                    ("conflicting", fmt_extents(overlapping)),
-                ],
-            ),
+            } => r(Code::FailedPrecondition, R::ClaimConflict)
+                .with("requested", requested)
+                .with("conflicting", fmt_extents(overlapping)),
             Error::FreeNotExact {
                 requested,
                 overlapping,
-            } => (
-                ErrorReason::NotAllocated,
-                vec![
-                    ("requested", requested.to_string()),
-                    ("overlapping", fmt_extents(overlapping)),
-                ],
-            ),
-            Error::ReadNotCommitted { extent, freed_txg } => (
-                ErrorReason::ReadTokenNotCommitted,
-                std::iter::once(("extent", extent.to_string()))
-                    .chain(freed_txg.map(|t| ("freed_txg", t.to_string())))
-                    .collect(),
-            ),
+            } => r(Code::FailedPrecondition, R::NotAllocated)
+                .with("requested", requested)
+                .with("overlapping", fmt_extents(overlapping)),
+            Error::ReadNotCommitted { extent, freed_txg } => {
+                let x =
+                    r(Code::FailedPrecondition, R::ReadTokenNotCommitted).with("extent", extent);
+                match freed_txg {
+                    Some(t) => x.with("freed_txg", t),
+                    None => x,
+                }
+            }
             Error::ReadNotExact {
                 requested,
                 overlapping,
-            } => (
-                ErrorReason::ReadTokenNotExact,
-                vec![
-                    ("requested", requested.to_string()),
-                    ("overlapping", fmt_extents(overlapping)),
-                ],
-            ),
-            Error::LeaseExpired(id) => (
-                ErrorReason::LeaseExpired,
-                vec![("allocation_id", id.to_string())],
-            ),
+            } => r(Code::FailedPrecondition, R::ReadTokenNotExact)
+                .with("requested", requested)
+                .with("overlapping", fmt_extents(overlapping)),
+            Error::LeaseExpired(id) => r(Code::Aborted, R::LeaseExpired).with("allocation_id", id),
             Error::AllocatorRestarted {
                 seen,
                 current,
                 txg,
                 synced,
                 window_ms,
-            } => (
-                ErrorReason::AllocatorRestarted,
-                vec![
-                    ("seen_generation", seen.to_string()),
-                    ("generation", current.to_string()),
-                    ("txg", txg.to_string()),
-                    ("synced_txg", synced.to_string()),
-                    ("claim_window_remaining_ms", window_ms.to_string()),
-                ],
-            ),
-            Error::GenerationAhead { current, .. } => (
-                ErrorReason::GenerationMismatch,
-                vec![("generation", current.to_string())],
-            ),
-            Error::NotOwnerAllocation { id, .. } => {
-                (ErrorReason::NotOwner, vec![("allocation", id.to_string())])
+            } => r(Code::Aborted, R::AllocatorRestarted)
+                .with("seen_generation", seen)
+                .with("generation", current)
+                .with("txg", txg)
+                .with("synced_txg", synced)
+                .with("claim_window_remaining_ms", window_ms),
+            Error::LeaseLifetime { id, lifetime_ms } => {
+                r(Code::FailedPrecondition, R::LeaseLifetime)
+                    .with("allocation_id", id)
+                    .with("lifetime_ms", lifetime_ms)
             }
-            Error::NotOwnerExtent { extent, .. } => {
-                (ErrorReason::NotOwner, vec![("extent", extent.to_string())])
-            }
-            Error::NotOwnerDevice { device, .. } => (
-                ErrorReason::NotOwner,
-                vec![("device", format!("{device:#x}"))],
-            ),
-            Error::ShuttingDown => (ErrorReason::ShuttingDown, vec![]),
-            Error::NoStandby => (ErrorReason::NoStandby, vec![]),
-            Error::NoVdevs => (ErrorReason::VdevsOffline, vec![("vdevs", "0".into())]),
-            Error::PoolFull {
-                space, alloc, slop, ..
-            } => (
-                ErrorReason::NoSpace,
-                vec![
-                    ("space", space.to_string()),
-                    ("alloc", alloc.to_string()),
-                    ("slop", slop.to_string()),
-                    (
-                        "usable",
-                        space
-                            .saturating_sub(*alloc)
-                            .saturating_sub(*slop)
-                            .to_string(),
-                    ),
-                ],
-            ),
-            Error::LeaseLifetime { id, lifetime_ms } => (
-                ErrorReason::LeaseLifetime,
-                vec![
-                    ("allocation_id", id.to_string()),
-                    ("lifetime_ms", lifetime_ms.to_string()),
-                ],
-            ),
             Error::LeaseQuota {
                 held, asked, quota, ..
-            } => (
-                ErrorReason::LeaseQuota,
-                vec![
-                    ("held", held.to_string()),
-                    ("asked", asked.to_string()),
-                    ("quota", quota.to_string()),
-                ],
-            ),
-            Error::ClaimGivenOut(e) => (
-                ErrorReason::ClaimConflict,
-                vec![("requested", e.to_string()), ("conflicting", e.to_string())],
-            ),
+            } => r(Code::ResourceExhausted, R::LeaseQuota)
+                .with("held", held)
+                .with("asked", asked)
+                .with("quota", quota),
+            Error::GenerationAhead { current, .. } => {
+                r(Code::FailedPrecondition, R::GenerationMismatch).with("generation", current)
+            }
+            Error::NotOwnerAllocation { id, .. } => {
+                r(Code::PermissionDenied, R::NotOwner).with("allocation", id)
+            }
+            Error::NotOwnerExtent { extent, .. } => {
+                r(Code::PermissionDenied, R::NotOwner).with("extent", extent)
+            }
+            Error::NotOwnerDevice { device, .. } => {
+                r(Code::PermissionDenied, R::NotOwner).with("device", format!("{device:#x}"))
+            }
+            Error::VdevPending { device, name, .. } => r(Code::FailedPrecondition, R::VdevPending)
+                .with("device_guid", format!("{device:#x}"))
+                .with("name", name),
+            Error::ShuttingDown => r(Code::Unavailable, R::ShuttingDown).retry_after(RETRY_SOON),
+            Error::NoStandby => r(Code::FailedPrecondition, R::NoStandby),
+            Error::NoVdevs => r(Code::Unavailable, R::VdevsOffline)
+                .with("vdevs", 0)
+                .retry_after(RETRY_SOON),
+            Error::PoolFull {
+                space, alloc, slop, ..
+            } => r(Code::ResourceExhausted, R::NoSpace)
+                .with("space", space)
+                .with("alloc", alloc)
+                .with("slop", slop)
+                .with("usable", space.saturating_sub(*alloc).saturating_sub(*slop)),
+            Error::ClaimGivenOut(e) => r(Code::FailedPrecondition, R::ClaimConflict)
+                .with("requested", e)
+                .with("conflicting", e),
             Error::ClaimOverwritten {
                 requested,
                 committed,
-            } => (
-                ErrorReason::ClaimConflict,
-                vec![
-                    ("requested", requested.to_string()),
-                    ("conflicting", committed.to_string()),
-                ],
-            ),
+            } => r(Code::FailedPrecondition, R::ClaimConflict)
+                .with("requested", requested)
+                .with("conflicting", committed),
+            Error::ClaimTooOld {
+                requested,
+                allocation_id,
+                generation,
+                previous,
+            } => r(Code::FailedPrecondition, R::ClaimConflict)
+                .with("requested", requested)
+                .with("allocation_id", allocation_id)
+                .with("allocation_generation", generation)
+                .with("oldest_claimable_generation", previous),
+            Error::ClaimedForAnother {
+                requested,
+                allocation_id,
+                claimed_for,
+            } => r(Code::FailedPrecondition, R::ClaimConflict)
+                .with("requested", requested)
+                .with("conflicting", requested)
+                .with("allocation_id", allocation_id)
+                .with("claimed_for", claimed_for),
+            Error::ClaimWrittenByAnother {
+                requested,
+                allocation_id,
+                written,
+                writer,
+            } => r(Code::FailedPrecondition, R::ClaimConflict)
+                .with("requested", requested)
+                .with("conflicting", written)
+                .with("allocation_id", allocation_id)
+                .with("writer", writer),
+            // At the leader at once; without one, once its lease runs out.
             Error::NotLeader {
                 leader,
                 generation,
                 lease_left_ms,
                 ..
-            } => (
-                ErrorReason::NotLeader,
-                vec![
-                    ("leader", leader.clone()),
-                    ("generation", generation.to_string()),
-                    ("lease_left_ms", lease_left_ms.to_string()),
-                ],
-            ),
-            Error::PoolDegraded(v) => (ErrorReason::PoolDegraded, vec![("vdevs", v.join("; "))]),
-            Error::RelocationConflict { extent, allocation } => (
-                ErrorReason::RelocationConflict,
-                vec![
-                    ("extent", extent.to_string()),
-                    ("allocation", allocation.to_string()),
-                ],
-            ),
-            Error::Store(_) => (ErrorReason::Store, vec![]),
-            Error::SyncPending { waited_ms } => (
-                ErrorReason::Store,
-                vec![("waited_ms", waited_ms.to_string())],
-            ),
+            } => r(Code::Unavailable, R::NotLeader)
+                .with("leader", leader)
+                .with("generation", generation)
+                .with("lease_left_ms", lease_left_ms)
+                .retry_after(if leader.is_empty() {
+                    Duration::from_millis(*lease_left_ms).max(RETRY_SOON)
+                } else {
+                    Duration::ZERO
+                }),
+            Error::PoolDegraded(v) => {
+                r(Code::FailedPrecondition, R::PoolDegraded).with("vdevs", v.join("; "))
+            }
+            Error::RelocationConflict { extent, allocation } => {
+                r(Code::FailedPrecondition, R::RelocationConflict)
+                    .with("extent", extent)
+                    .with("allocation", allocation)
+            }
+            Error::NotMapped(e) => r(Code::FailedPrecondition, R::NotMapped).with("extent", e),
+            Error::MappedExtent(e) => {
+                r(Code::FailedPrecondition, R::MappedExtent).with("extent", e)
+            }
+            Error::EvacuationRunning { running, asked } => {
+                r(Code::FailedPrecondition, R::EvacuationRunning)
+                    .with("vdev", running)
+                    .with("asked", asked)
+            }
+            Error::NoRoomToEvacuate {
+                vdev,
+                need,
+                available,
+            } => r(Code::FailedPrecondition, R::NoRoomToDrain)
+                .with("vdev", vdev)
+                .with("need", need)
+                .with("available", available)
+                .with("missing", need.saturating_sub(*available)),
+            Error::Store(_) => r(Code::Internal, R::Store),
+            Error::SyncPending { waited_ms } => r(Code::Unavailable, R::Store)
+                .with("waited_ms", waited_ms)
+                .retry_after(RETRY_SOON),
             Error::PoolMismatch {
                 label_pool_guid,
                 pool_guid,
                 ..
-            } => (
-                ErrorReason::PoolMismatch,
-                vec![
-                    ("label_pool_guid", format!("{label_pool_guid:#x}")),
-                    ("pool_guid", format!("{pool_guid:#x}")),
-                ],
-            ),
+            } => r(Code::FailedPrecondition, R::PoolMismatch)
+                .with("label_pool_guid", format!("{label_pool_guid:#x}"))
+                .with("pool_guid", format!("{pool_guid:#x}")),
             Error::StoreRolledBack {
                 vdev,
                 label_txg,
                 store_txg,
                 ..
-            } => (
-                ErrorReason::StoreRolledBack,
-                vec![
-                    ("vdev", vdev.to_string()),
-                    ("label_txg", label_txg.to_string()),
-                    ("store_txg", store_txg.to_string()),
-                ],
-            ),
+            } => r(Code::FailedPrecondition, R::StoreRolledBack)
+                .with("vdev", vdev)
+                .with("label_txg", label_txg)
+                .with("store_txg", store_txg),
         }
-    }
-
-    /// The reason's proto name (ErrorInfo.reason, StreamError.reason).
-    pub fn reason_name(&self) -> &'static str {
-        self.reason().0.as_str_name()
     }
 }
 
@@ -581,16 +587,7 @@ fn leader_hint(leader: &str) -> String {
 
 impl From<Error> for Status {
     fn from(e: Error) -> Status {
-        let (reason, meta) = e.reason();
-        let metadata: HashMap<String, String> = meta
-            .into_iter()
-            .map(|(k, v)| (k.to_string(), clip(v, METADATA_MAX)))
-            .collect();
-        Status::with_error_details(
-            e.code(),
-            clip(e.to_string(), MESSAGE_MAX),
-            ErrorDetails::with_error_info(reason.as_str_name(), DOMAIN, metadata),
-        )
+        e.refusal().status(e.to_string())
     }
 }
 
@@ -613,27 +610,6 @@ fn restarted_message(seen: u64, current: u64, txg: Txg, synced: Txg, window_ms: 
     }
 }
 
-/// Bytes of a message, and of one ErrorInfo value, sent back: errors echo
-/// input (a tunable's name, an endpoint), and an echo of a megabyte would
-/// overflow the response's metadata limit and hide the real error.
-const MESSAGE_MAX: usize = 2048;
-const METADATA_MAX: usize = 256;
-
-/// `s` cut to at most `max` bytes (at a character boundary), marked.
-fn clip(mut s: String, max: usize) -> String {
-    if s.len() <= max {
-        return s;
-    }
-    let mut end = max;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    let dropped = s.len() - end;
-    s.truncate(end);
-    s.push_str(&format!("… ({dropped} more bytes)"));
-    s
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -651,14 +627,5 @@ mod tests {
         assert!(!m.contains("txg 0"), "{m}");
         assert!(m.contains("allocate again"), "{m}");
         assert!(m.contains("txg 7"), "{m}");
-    }
-
-    #[test]
-    fn echoed_input_is_clipped() {
-        let long = "é".repeat(5000);
-        let c = clip(long.clone(), MESSAGE_MAX);
-        assert!(c.len() < MESSAGE_MAX + 40, "{}", c.len());
-        assert!(c.ends_with("more bytes)"));
-        assert_eq!(clip("short".into(), 10), "short");
     }
 }

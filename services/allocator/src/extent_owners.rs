@@ -1,4 +1,4 @@
-//! Who owns each committed extent (issue 25, item 3): the certificate
+//! Who owns each committed extent: the certificate
 //! identity that committed it. Free and Relocate of an extent are allowed
 //! to its owner and to admins only (PERMISSION_DENIED, reason NOT_OWNER); a
 //! relocation keeps the block's owner. Without mutual TLS there are no
@@ -237,6 +237,16 @@ impl ExtentOwners {
         let owner = self.owners_of(from).into_iter().next();
         self.set(from.vdev, from.offset, from.offset + from.size, None);
         if let Some(o) = owner {
+            for e in to {
+                self.set(e.vdev, e.offset, e.offset + e.size, Some(o));
+            }
+        }
+    }
+
+    /// A move that keeps its old address: `to` gets `from`'s owner, and
+    /// `from` keeps it (its address still answers for the block).
+    pub fn copied(&mut self, from: &Extent, to: &[Extent]) {
+        if let Some(o) = self.owners_of(from).into_iter().next() {
             for e in to {
                 self.set(e.vdev, e.offset, e.offset + e.size, Some(o));
             }

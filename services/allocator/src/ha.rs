@@ -1,4 +1,4 @@
-//! Several allocators on one PostgreSQL store (issue 26): exactly one leads
+//! Several allocators on one PostgreSQL store: exactly one leads
 //! the pool, the others stand by. The process keeps one listener for its
 //! whole life; each accepted connection goes to the server of the current
 //! role. A standby answers every Allocator and AgentRegistry call with
@@ -18,6 +18,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use futures_util::future::BoxFuture;
+use telemetry::backoff::Backoff;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::codegen::{Service, http};
@@ -105,7 +106,11 @@ async fn serve_roles(
     mut signals: ShutdownSignal,
 ) -> anyhow::Result<()> {
     // Poll often enough that a handover (lease cleared) is taken quickly.
+    // The shared backoff with min = max = poll only jitters each pause
+    // within [poll/2, poll]: standbys started together spread their polls,
+    // and none waits longer than poll, so takeover stays within lease + poll.
     let poll = (lease / 10).clamp(Duration::from_millis(100), Duration::from_millis(500));
+    let mut poll_pause = Backoff::new(poll, poll);
     let mut hold_until = Instant::now();
     loop {
         // Standing by.
@@ -138,7 +143,7 @@ async fn serve_roles(
                     standby.stop().await;
                     return Ok(());
                 }
-                _ = tokio::time::sleep(poll) => {}
+                _ = tokio::time::sleep(poll_pause.next_delay()) => {}
             }
         };
         let (generation, sent) = generation;

@@ -1,4 +1,4 @@
-//! The leader's side of leadership (issue 26): the lease this allocator
+//! The leader's side of leadership: the lease this allocator
 //! holds on the pool, checked before every call. The lease's local deadline
 //! is measured from the moment a renewal was *sent* (by the monotonic
 //! clock), so it ends no later than the database's: a leader paused past it

@@ -2,21 +2,25 @@
 //!
 //! `Config` is the one clap struct (every flag also an `ALIQUOT_*` env var);
 //! [`start`] validates, binds and serves in the background (tests use it on
-//! port 0); [`run`] is what the binary and `aliquotctl serve allocator` call:
+//! port 0); [`run`] is what the binary (also `aliquotctl serve allocator`) calls:
 //! start, print `LISTEN grpc <addr>`, serve until SIGINT/SIGTERM.
 //! The policy lives in `crates/metaslab`; this crate waits, wakes and times.
 
+pub mod admission;
 pub mod balancer;
 pub mod binding;
+pub mod block_copies;
 pub mod claim;
 pub mod convert;
 pub mod error;
 pub mod extent_owners;
 pub mod gen_space;
 pub mod ha;
+pub mod indirect;
 pub mod leadership;
-pub mod lock;
 pub mod metrics_push;
+pub mod migrate_cmd;
+pub mod mover;
 pub mod owner_map;
 pub mod ownership;
 pub mod pg_store;
@@ -27,12 +31,14 @@ pub mod registry;
 pub mod relocation;
 pub mod service;
 pub mod spacemap;
+pub mod spacemap_log;
 pub mod sql_store;
 pub mod sqlite_store;
 pub mod state;
 pub mod store;
 pub mod takeover;
 pub mod txg;
+pub mod verify_cmd;
 
 use std::io::Write;
 use std::net::SocketAddr;
@@ -46,6 +52,8 @@ use aliquot_proto::v1::allocator_server::AllocatorServer;
 use metaslab::{Pool, ThrottlePolicy, Tunables};
 use tokio::task::JoinHandle;
 
+// The data dir's one-owner lock (shared with `aliquotctl up`).
+pub use aliquot_process::lock;
 pub use error::Error;
 pub use pg_store::PgStore;
 pub use sqlite_store::SqliteStore;
@@ -120,6 +128,11 @@ pub struct Config {
     /// busy past 45 % of it in the open and syncing txgs.
     #[arg(long, env = "ALIQUOT_TXG_DIRTY_MAX", default_value = "1GiB", value_parser = units::size_arg)]
     pub txg_dirty_max: u64,
+    /// The allocator's mover (vdev removal) copies at most this many bytes
+    /// a second (e.g. 64MiB/s; 0 pauses it). Also the run-time tunable
+    /// `move_rate` (SetTunable), which a restart keeps.
+    #[arg(long, env = "ALIQUOT_MOVE_RATE", default_value = "64MiB/s", value_parser = units::rate_arg)]
+    pub move_rate: f64,
     /// Close the open txg after this long (OpenZFS zfs_txg_timeout).
     #[arg(long, env = "ALIQUOT_ZFS_TXG_TIMEOUT", default_value = "5s", value_parser = units::duration_arg)]
     pub zfs_txg_timeout: Duration,
@@ -175,6 +188,15 @@ pub struct Config {
     /// kept in the store: later starts do not need the flag.
     #[arg(long, env = "ALIQUOT_REWIND_TO", value_name = "TXG")]
     pub rewind_to: Option<u64>,
+    /// Under mutual TLS, a device new to the pool joins only when an
+    /// operator admits it (`aliquotctl vdev add NAME`); until then it waits
+    /// in `status` as pending. NAME[:SIZE] admits ahead the first device the
+    /// agent certificate NAME registers, of at most SIZE bytes when given
+    /// (repeatable; the env var takes a comma-separated list). Devices
+    /// already in the pool re-register without it.
+    #[arg(long = "admit-agent", env = "ALIQUOT_ADMIT_AGENTS", value_delimiter = ',',
+          value_name = "NAME[:SIZE]", value_parser = admission::parse_admit)]
+    pub admit_agents: Vec<(String, Option<u64>)>,
 
     /// Mutual TLS: the pool CA and the allocator's certificate (role allocator).
     #[command(flatten)]
@@ -221,7 +243,11 @@ pub struct ConfigError(pub String);
 /// A validated configuration.
 struct Validated {
     tunables: Tunables,
+    /// The log space map's flush bounds (`spacemap_log`), set by --tunable.
+    log_tunables: spacemap_log::LogTunables,
     txg_timeout: Duration,
+    /// `--move-rate` (bytes/s), or its tunable.
+    move_rate: u64,
     /// Names given with --tunable: they win over values in the store.
     explicit: Vec<String>,
 }
@@ -232,6 +258,8 @@ fn validate(c: &Config) -> Result<Validated, ConfigError> {
         ..Tunables::default()
     };
     let mut txg_timeout = c.zfs_txg_timeout;
+    let mut log_tunables = spacemap_log::LogTunables::default();
+    let mut move_rate = c.move_rate as u64;
     let mut explicit = Vec::new();
     for t in &c.tunables {
         let Some((name, value)) = t.split_once('=') else {
@@ -242,6 +270,13 @@ fn validate(c: &Config) -> Result<Validated, ConfigError> {
         if name == service::ZFS_TXG_TIMEOUT {
             txg_timeout = service::parse_txg_timeout(value)
                 .map_err(|e| ConfigError(format!("--tunable {t}: {e}")))?;
+        } else if log_tunables
+            .set(name, value)
+            .map_err(|e| ConfigError(format!("--tunable {t}: {e}")))?
+        {
+        } else if name == mover::MOVE_RATE {
+            move_rate =
+                mover::parse_rate(value).map_err(|e| ConfigError(format!("--tunable {t}: {e}")))?;
         } else {
             tunables
                 .set(name, value)
@@ -280,7 +315,9 @@ fn validate(c: &Config) -> Result<Validated, ConfigError> {
     }
     Ok(Validated {
         tunables,
+        log_tunables,
         txg_timeout,
+        move_rate,
         explicit,
     })
 }
@@ -359,7 +396,9 @@ where
         + 'static,
 {
     let mut v = validate(&config)?;
+    store.set_log_tunables(v.log_tunables);
     let mut owners = extent_owners::ExtentOwners::default();
+    let mut mappings = indirect::IndirectMap::default();
     let mut state_digest = 0;
     let (pool, guid, synced) = match store.load().await? {
         Some(p) => {
@@ -386,6 +425,9 @@ where
                 "pool recovered from the store"
             );
             owners = extent_owners::ExtentOwners::restore(p.owner_identities, p.owner_runs);
+            mappings = indirect::IndirectMap::from_sorted(p.mappings).map_err(|e| {
+                anyhow::anyhow!("refusing to start: the store's indirect mapping: {e}")
+            })?;
             state_digest = p.state_digest;
             (pool, Some((p.pool_guid, p.vdevs)), p.synced_txg)
         }
@@ -477,6 +519,9 @@ where
     }
     // Agents are told which allocations ended only when there are tokens.
     shared.lock().revoke_tokens = shared.settings.token_signer.is_some();
+    shared.mover.set_rate(v.move_rate);
+    // The mover asks agents to copy as the allocator (its certificate).
+    shared.mover.set_tls(config.tls.files().into());
     *shared
         .synced_state
         .lock()
@@ -493,10 +538,11 @@ where
         // before it sends its first report, so a report proves that it will
         // refuse the previous generation's tokens. Allocating before that
         // would let a late write of the old generation land on an extent
-        // already given to a client of this one (issue 25, item 5).
+        // already given to a client of this one.
         let now = Instant::now();
         let mut g = shared.lock();
         g.extent_owners = std::mem::take(&mut owners);
+        g.indirect = std::mem::take(&mut mappings);
         for r in vdevs {
             g.by_guid.insert(r.guid, r.id);
             // A removed vdev keeps its guid (its device cannot rejoin
@@ -543,6 +589,7 @@ where
     let mut background = vec![
         tokio::spawn(txg::run(shared.clone())),
         tokio::spawn(housekeeping(shared.clone())),
+        tokio::spawn(mover::run(shared.clone())),
     ];
     if let Some(url) = &config.metrics {
         // Pushed over mutual TLS with the allocator's own certificate: the
@@ -563,15 +610,18 @@ where
         shared.clone(),
         health_reporter.clone(),
     )));
+    let bindings = Arc::new(binding::AgentBindings::from_store(
+        shared.store.agent_bindings().await?,
+    ));
     let alloc_svc = service::AllocatorService {
         shared: shared.clone(),
         rpc: rpc.clone(),
+        bindings: bindings.clone(),
     };
     let reg_svc = registry::RegistryService {
         shared: shared.clone(),
-        bindings: Arc::new(binding::AgentBindings::from_store(
-            shared.store.agent_bindings().await?,
-        )),
+        bindings,
+        admit: Arc::new(admission::AdmitList::new(config.admit_agents.clone())),
     };
     let stop = shared.clone();
     let builder = tonic::transport::Server::builder();
@@ -629,6 +679,10 @@ fn restore_tunables(v: &mut Validated, stored: &[(String, String)]) {
         let r = if name == service::ZFS_TXG_TIMEOUT {
             service::parse_txg_timeout(value)
                 .map(|d| v.txg_timeout = d)
+                .map_err(|e| e.to_string())
+        } else if name == mover::MOVE_RATE {
+            mover::parse_rate(value)
+                .map(|r| v.move_rate = r)
                 .map_err(|e| e.to_string())
         } else {
             v.tunables.set(name, value).map_err(|e| e.to_string())
@@ -781,7 +835,20 @@ pub async fn run(config: Config) -> anyhow::Result<()> {
     }
     signals.recv().await;
     tracing::info!("shutting down");
+    let shared = running.shared.clone();
+    let quiet = shared.claim_window_remaining().is_zero();
     let r = running.shutdown().await;
+    // As a PostgreSQL leader handing over: a shutdown whose last txg synced
+    // with nothing dirty and no claim window open leaves nothing to claim,
+    // and the next start opens no claim window.
+    if quiet && r.is_ok() && shared.nothing_unsynced() {
+        match store.hand_over_cleanly(shared.fencing.generation).await {
+            Ok(()) => {
+                tracing::info!("clean shutdown recorded: the next start opens no claim window")
+            }
+            Err(e) => tracing::warn!(error = %e, "could not record the clean shutdown"),
+        }
+    }
     store.close().await;
     r
 }

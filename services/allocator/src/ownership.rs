@@ -46,7 +46,7 @@ impl Caller {
 pub struct Owners {
     by_id: Mutex<HashMap<AllocationId, Arc<str>>>,
     /// Bytes each identity holds in flight, and each allocation's share
-    /// (issue 27, item 7: `--max-leased-per-client`).
+    /// (`--max-leased-per-client`).
     leased: Mutex<Leased>,
     /// Owners of allocations whose lease expired, for a while: a call on
     /// such an id by anyone else is refused NOT_OWNER before its state

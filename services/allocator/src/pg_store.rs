@@ -45,8 +45,6 @@ mod sql {
         TRY_ACQUIRE = "try_acquire.sql";
         FORGET_STANDBY = "forget_standby.sql";
         RENEW = "renew.sql";
-        RELEASE = "release.sql";
-        LEADER_ID = "leader_id.sql";
         STAND_BY = "stand_by.sql";
         STANDBYS = "standbys.sql";
         LEADER = "leader.sql";
@@ -239,11 +237,6 @@ impl Dialect for PgDialect {
     }
 }
 
-/// The holder id a leader leaves in the `leaders` row when it hands over
-/// cleanly: its last txg synced and it had no claim window open, so the
-/// next leader has nothing to wait for claims of.
-const HANDED_OVER_CLEANLY: &str = "(handed over cleanly)";
-
 /// The lease `PgStore::open` bounds its sessions by (tools and tests that
 /// lead no pool under a lease of their own).
 const DEFAULT_SESSION_LEASE: Duration = Duration::from_secs(10);
@@ -385,11 +378,15 @@ impl SqlStore<PgDialect> {
         let mut tx = self.db.begin().await.map_err(db)?;
         // Read before the row is taken over: did the last leader leave it
         // cleanly?
-        let mut before = PgDialect::fetch(&mut tx, sql::LEADER_ID, args![&self.pool_name])
-            .await
-            .map_err(db)?;
+        let mut before = PgDialect::fetch(
+            &mut tx,
+            crate::sql_store::q::LEADER_ID,
+            args![&self.pool_name],
+        )
+        .await
+        .map_err(db)?;
         let clean_before = match before.first_mut() {
-            Some(r) => r.text(0).map_err(StoreError)? == HANDED_OVER_CLEANLY,
+            Some(r) => r.text(0).map_err(StoreError)? == crate::sql_store::HANDED_OVER_CLEANLY,
             None => false,
         };
         let a = args![&self.pool_name, me, &address, lease.as_millis() as i64];
@@ -467,9 +464,9 @@ impl SqlStore<PgDialect> {
             i(mine),
             &self.dialect.me,
             clean as i64,
-            HANDED_OVER_CLEANLY
+            crate::sql_store::HANDED_OVER_CLEANLY
         ];
-        self.exec_one(sql::RELEASE, a)
+        self.exec_one(crate::sql_store::q::RELEASE, a)
             .await
             .map_err(|e| StoreError(format!("step down: {e}")))?;
         Ok(())

@@ -5,7 +5,7 @@
 //! whole, gather candidates, convert.
 
 use metaslab::balance_score::VdevFill;
-use metaslab::move_plan::{PlanLimits, PlanVdev, plan};
+use metaslab::move_plan::{PlanLimits, PlanVdev, plan_with_copies};
 use metaslab::{ClassKind, Extent, Health};
 
 use crate::error::{Error, Result};
@@ -100,22 +100,42 @@ pub async fn plan_rebalance(
     };
     let fills: Vec<VdevFill> = vdevs.iter().map(|v| v.fill).collect();
     let mut candidates = Vec::new();
+    // The blocks of several copies among them: a move never joins another
+    // copy of its block (the copies as the store links them, each followed
+    // through moves not yet persisted).
+    let mut copies = Vec::new();
     for v in &vdevs {
         let over = metaslab::balance_score::cmp_to_class(&v.fill, &fills).is_gt();
         if over || v.drain {
+            let store_err = |e: crate::store::StoreError| Error::Store(e.to_string());
             candidates.extend(
                 shared
                     .store
                     .largest_extents(v.id, CANDIDATES_PER_VDEV)
                     .await
-                    .map_err(|e| Error::Store(e.to_string()))?,
+                    .map_err(store_err)?,
             );
+            copies.extend(shared.store.copies_on(v.id).await.map_err(store_err)?);
         }
     }
     candidates.retain(|e| !frees.contains(e));
-    let p = plan(
+    {
+        let g = shared.lock();
+        for set in &mut copies {
+            // A copy on its way elsewhere: where it goes counts too (as a
+            // copy no candidate is: offset u64::MAX).
+            let elsewhere: Vec<(u32, u64)> = set
+                .iter()
+                .flat_map(|&c| g.relocations.homes(c).into_iter().skip(1))
+                .map(|v| (v, u64::MAX))
+                .collect();
+            set.extend(elsewhere);
+        }
+    }
+    let p = plan_with_copies(
         &vdevs,
         &candidates,
+        &copies,
         PlanLimits {
             max_misplaced,
             byte_budget: req.byte_budget,

@@ -29,6 +29,8 @@ const LABEL_CHECK_WAIT: std::time::Duration = std::time::Duration::from_secs(10)
 pub struct RegistryService {
     pub shared: Arc<Shared>,
     pub bindings: Arc<crate::binding::AgentBindings>,
+    /// Agent certificates admitted ahead to add their device (`--admit-agent`).
+    pub admit: Arc<crate::admission::AdmitList>,
 }
 
 /// Grow vdev `vdev` to `capacity` (ExpandVdev): refused beyond what the
@@ -210,7 +212,7 @@ fn stall_check(g: &mut Inner, id: VdevId) {
         info.stalled_reports = 0;
     }
     let hung = info.stalled_reports >= STALLED_REPORTS;
-    // An agent whose device met ENOSPC (issue 27 item 4): every write
+    // An agent whose device met ENOSPC: every write
     // placed there fails until its file system has room again.
     let full = last.out_of_space;
     let stalled = hung || full;
@@ -247,6 +249,85 @@ fn stall_check(g: &mut Inner, id: VdevId) {
     }
 }
 
+/// A new device where a known vdev (live or silent, e.g. just recovered
+/// from the store) was last seen is refused: its extents would be read from
+/// the wrong device. The known device frees the endpoint by re-registering
+/// from elsewhere.
+pub(crate) fn endpoint_free(g: &Inner, endpoint: &str, device_guid: u64) -> Result<()> {
+    if let Some((&owner, v)) = g.vdevs.iter().find(|(_, v)| v.endpoint == endpoint) {
+        let state = if v.silent { "silent" } else { "live" };
+        return Err(Error::VdevConflict(format!(
+            "endpoint {endpoint} belongs to {state} vdev {owner} (device guid {:#x}); a different device (guid {:#x}) cannot take it over",
+            v.guid, device_guid
+        )));
+    }
+    Ok(())
+}
+
+/// Add device `r` to the pool as a new vdev (admitted: by an operator, or
+/// registered where admission is not needed); returns the txg its record
+/// joins (usable once that txg synced).
+pub(crate) fn add_device(
+    g: &mut Inner,
+    r: &pb::RegisterRequest,
+    endpoint: &str,
+    now: Instant,
+) -> Result<(VdevId, metaslab::Txg)> {
+    let spec = VdevSpec {
+        capacity: r.capacity,
+        ashift: r.ashift as u8,
+        children: r.children.max(1),
+        parity: r.parity,
+        rotational: r.rotational,
+        role: if r.log {
+            VdevRole::Log
+        } else {
+            VdevRole::Normal
+        },
+        metaslab_shift: None,
+    };
+    let id = g.pool.add_vdev(spec)?;
+    g.vdevs.insert(
+        id,
+        VdevInfo {
+            guid: r.device_guid,
+            name: r.name.clone(),
+            endpoint: endpoint.to_string(),
+            backend: r.backend.clone(),
+            last_report: None,
+            last_seen: now,
+            prev_report: None,
+            last_report_at: None,
+            silent: false,
+            // A device new to the pool has no token of an older
+            // generation to fear.
+            generation_acked: true,
+            reported_health: Health::Healthy,
+            stalled_reports: 0,
+            stalled: false,
+            device_capacity: r.capacity,
+            window_out: false,
+        },
+    );
+    g.by_guid.insert(r.device_guid, id);
+    if let Some(rec) = record_of(g, id) {
+        g.pending_vdevs.push(rec);
+    }
+    g.event(
+        "vdev_add",
+        id,
+        format!(
+            "{} {} at {endpoint}",
+            r.name,
+            units::format_bytes(r.capacity)
+        ),
+    );
+    let txg = g.pool.open_txg();
+    tracing::info!(vdev = id, name = %r.name, endpoint = %endpoint, capacity = r.capacity,
+        guid = r.device_guid, "vdev added");
+    Ok((id, txg))
+}
+
 impl RegistryService {
     /// `may_grow`: a re-registration with a larger capacity grows the vdev
     /// (plaintext pools). Under mutual TLS an agent certificate cannot grow
@@ -256,8 +337,9 @@ impl RegistryService {
         &self,
         r: pb::RegisterRequest,
         may_grow: bool,
+        needs_admission: Option<String>,
     ) -> Result<pb::RegisterReply> {
-        let (reply, wait_for) = self.register_locked(r, may_grow)?;
+        let (reply, wait_for) = self.register_locked(r, may_grow, needs_admission)?;
         if let Some(txg) = wait_for {
             // Its metaslabs are usable once the txg it joined in has synced.
             self.shared.wait_synced(txg).await?;
@@ -267,7 +349,7 @@ impl RegistryService {
 
     /// An agent certificate (so: over mutual TLS, bound to this device) gets
     /// its vdev's MAC token key of this generation; from then on its tokens
-    /// are MACs under that key (issue 28). Nobody else gets a key.
+    /// are MACs under that key. Nobody else gets a key.
     fn hand_token_key(
         &self,
         id: Option<&aliquot_auth::Identity>,
@@ -458,6 +540,7 @@ impl RegistryService {
         &self,
         r: pb::RegisterRequest,
         may_grow: bool,
+        needs_admission: Option<String>,
     ) -> Result<(pb::RegisterReply, Option<metaslab::Txg>)> {
         self.shared.check_serving()?;
         if r.device_guid == 0 {
@@ -570,70 +653,14 @@ impl RegistryService {
             tracing::info!(vdev = id, endpoint = %endpoint, guid = r.device_guid, "vdev re-registered");
             return Ok((reply(id), None));
         }
-        // A new device where a known vdev (live or silent, e.g. just
-        // recovered from the store) was last seen is refused: its extents
-        // would be read from the wrong device. The known device frees the
-        // endpoint by re-registering from elsewhere.
-        if let Some((&owner, v)) = g.vdevs.iter().find(|(_, v)| v.endpoint == endpoint) {
-            let state = if v.silent { "silent" } else { "live" };
-            return Err(Error::VdevConflict(format!(
-                "endpoint {endpoint} belongs to {state} vdev {owner} (device guid {:#x}); a different device (guid {:#x}) cannot take it over",
-                v.guid, r.device_guid
-            )));
+        endpoint_free(&g, &endpoint, r.device_guid)?;
+        // A device new to the pool joins only when an operator said so.
+        if let Some(agent) = needs_admission {
+            return Err(crate::admission::hold(&mut g, &agent, &r, &self.admit));
         }
-        let spec = VdevSpec {
-            capacity: r.capacity,
-            ashift: r.ashift as u8,
-            children: r.children.max(1),
-            parity: r.parity,
-            rotational: r.rotational,
-            role: if r.log {
-                VdevRole::Log
-            } else {
-                VdevRole::Normal
-            },
-            metaslab_shift: None,
-        };
-        let id = g.pool.add_vdev(spec)?;
-        g.vdevs.insert(
-            id,
-            VdevInfo {
-                guid: r.device_guid,
-                name: r.name.clone(),
-                endpoint: endpoint.clone(),
-                backend: r.backend.clone(),
-                last_report: None,
-                last_seen: now,
-                prev_report: None,
-                last_report_at: None,
-                silent: false,
-                // A device new to the pool has no token of an older
-                // generation to fear.
-                generation_acked: true,
-                reported_health: Health::Healthy,
-                stalled_reports: 0,
-                stalled: false,
-                device_capacity: r.capacity,
-                window_out: false,
-            },
-        );
-        g.by_guid.insert(r.device_guid, id);
-        if let Some(rec) = record_of(&g, id) {
-            g.pending_vdevs.push(rec);
-        }
-        g.event(
-            "vdev_add",
-            id,
-            format!(
-                "{} {} at {endpoint}",
-                r.name,
-                units::format_bytes(r.capacity)
-            ),
-        );
-        let txg = g.pool.open_txg();
+        g.awaiting_admission.remove(&r.device_guid);
+        let (id, txg) = add_device(&mut g, &r, &endpoint, now)?;
         drop(g);
-        tracing::info!(vdev = id, name = %r.name, endpoint = %endpoint, capacity = r.capacity,
-            guid = r.device_guid, "vdev added");
         Ok((reply(id), Some(txg)))
     }
 
@@ -774,7 +801,11 @@ impl AgentRegistry for RegistryService {
             .bindings
             .claim(id.as_ref(), req.get_ref().device_guid)?;
         let device_guid = req.get_ref().device_guid;
-        match self.register_inner(req.into_inner(), id.is_none()).await {
+        let needs_admission = self.admit.needs_admission(id.as_ref(), req.get_ref());
+        match self
+            .register_inner(req.into_inner(), id.is_none(), needs_admission)
+            .await
+        {
             Ok(mut reply) => {
                 self.bindings
                     .persist(self.shared.store.as_ref(), claim)

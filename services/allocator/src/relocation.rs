@@ -19,6 +19,7 @@ struct Moving {
     from: Extent,
     to: Extent,
     plan_id: u64,
+    keep_address: bool,
 }
 
 /// What a Relocate asks of the placement of its new extent.
@@ -28,6 +29,9 @@ pub struct RelocateIntent {
     pub plan_id: u64,
     /// Vdevs the new extent must not use: the source's and the caller's.
     pub avoid: Vec<metaslab::VdevId>,
+    /// The commit keeps `from` allocated behind an indirect mapping entry
+    /// instead of freeing it (`crate::indirect`).
+    pub keep_address: bool,
 }
 
 /// The last plan made by this start and how much of it is committed.
@@ -76,9 +80,10 @@ impl Relocations {
         self.inflight.contains_key(&id)
     }
 
-    /// The source extent of in-flight relocation `id`.
-    pub fn source(&self, id: AllocationId) -> Option<Extent> {
-        self.inflight.get(&id).map(|m| m.from)
+    /// The source extent of in-flight relocation `id`, and whether its
+    /// commit keeps the old address.
+    pub fn source(&self, id: AllocationId) -> Option<(Extent, bool)> {
+        self.inflight.get(&id).map(|m| (m.from, m.keep_address))
     }
 
     pub fn start(&mut self, id: AllocationId, intent: &RelocateIntent, to: Extent) {
@@ -89,6 +94,7 @@ impl Relocations {
                 from: intent.from,
                 to,
                 plan_id: intent.plan_id,
+                keep_address: intent.keep_address,
             },
         );
     }
@@ -157,6 +163,29 @@ impl Relocations {
             .map(|r| Known::Committed(*r))
     }
 
+    /// The vdevs where the copy at `at` is or is about to be: its own, and
+    /// the target of a relocation of it in flight or committed but not yet
+    /// persisted (then its own vdev no longer holds it, or soon not).
+    pub fn homes(&self, at: (metaslab::VdevId, u64)) -> Vec<metaslab::VdevId> {
+        let mut out = vec![at.0];
+        let is_at = |e: &Extent| (e.vdev, e.offset) == at;
+        for m in self.inflight.values().filter(|m| is_at(&m.from)) {
+            out.push(m.to.vdev);
+        }
+        // A copy moved again is followed through each hop, in txg order.
+        let mut done: Vec<&RelocationRecord> =
+            self.committed.values().chain(self.syncing.iter()).collect();
+        done.sort_by_key(|r| r.txg);
+        let mut cur = at;
+        for r in done {
+            if (r.from.vdev, r.from.offset) == cur {
+                cur = (r.to.vdev, r.to.offset);
+                out.push(cur.0);
+            }
+        }
+        out
+    }
+
     pub fn in_flight(&self) -> (u32, u64) {
         (
             self.inflight.len() as u32,
@@ -208,6 +237,7 @@ mod tests {
             from: ext(0, 0),
             plan_id: plan,
             avoid: vec![0],
+            keep_address: false,
         };
         r.start(7, &intent, ext(1, 4096));
         assert_eq!(r.moving(&ext(0, 0)), Some(7));
@@ -232,6 +262,7 @@ mod tests {
             from: ext(0, 0),
             plan_id: 0,
             avoid: vec![],
+            keep_address: false,
         };
         r.start(1, &intent, ext(1, 0));
         r.forget(1);

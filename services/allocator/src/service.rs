@@ -23,6 +23,10 @@ use crate::ownership::Caller;
 use crate::state::{Begun, Shared};
 use crate::store::AdminState;
 
+/// How long a claim naming an allocation waits for its vdev's agent to
+/// report in a new generation (see `claim`): under clients' 10 s deadline.
+const CLAIM_AWAITS_REPORT: Duration = Duration::from_secs(5);
+
 type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
 
 /// Service tunables (not policy): owned here, listed beside the pool's.
@@ -33,6 +37,8 @@ pub struct AllocatorService {
     pub shared: Arc<Shared>,
     /// The server's gRPC metrics: AllocateStream counts each message.
     pub rpc: Arc<telemetry::rpc_metrics::RpcMetrics>,
+    /// Agent certificates bound to devices (AdmitVdev binds one).
+    pub bindings: Arc<crate::binding::AgentBindings>,
 }
 
 /// [`parse_request`], then the caller's leased-bytes quota.
@@ -67,7 +73,7 @@ fn parse_request(shared: &Shared, r: &pb::AllocateRequest) -> Result<(AllocReque
 
 /// Tokens for `extents`: a MAC under the vdev's key where its agent holds
 /// one (about a microsecond), an Ed25519 signature otherwise (~20 µs).
-fn mint_tokens(
+pub(crate) fn mint_tokens(
     shared: &Shared,
     id: u64,
     extents: &[metaslab::Extent],
@@ -274,6 +280,25 @@ impl AllocatorService {
         Ok(pb::AbortReply {})
     }
 
+    /// The client's writes of `ids` are done: their throttle reservations
+    /// end here rather than at Commit.
+    fn written_inner(
+        &self,
+        r: &pb::WrittenRequest,
+        caller: Option<&Caller>,
+    ) -> Result<pb::WrittenReply> {
+        self.shared.check_serving()?;
+        self.shared.check_generation(r.generation, 0)?;
+        let mut g = self.shared.lock();
+        self.shared
+            .owners
+            .check(&g, caller, &r.allocation_ids, "report written")?;
+        g.written(&r.allocation_ids)?;
+        Ok(pb::WrittenReply {
+            generation: self.shared.fencing.generation,
+        })
+    }
+
     /// Run-time tunables survive restarts: durable before the reply.
     async fn persist_tunable(&self, name: &str, value: &str) -> Result<()> {
         self.shared
@@ -295,7 +320,11 @@ impl AllocatorService {
 
 /// Commit under the pool lock after the ownership check; the ids leave the
 /// owner table once committed.
-fn commit_locked(shared: &Shared, ids: &[u64], caller: Option<&Caller>) -> Result<metaslab::Txg> {
+pub(crate) fn commit_locked(
+    shared: &Shared,
+    ids: &[u64],
+    caller: Option<&Caller>,
+) -> Result<metaslab::Txg> {
     let txg = {
         let mut g = shared.lock();
         shared.owners.check(&g, caller, ids, "commit")?;
@@ -321,16 +350,13 @@ async fn stream_op(
         request_id: id,
         result: Some(result),
     };
+    // The same google.rpc.Status as the unary call's, details and all.
     let err = |e: Error| {
-        pb::stream_reply::Result::Error(pb::StreamError {
-            code: e.code() as i32,
-            message: e.to_string(),
-            reason: e.reason_name().to_string(),
-        })
+        pb::stream_reply::Result::Error(aliquot_proto::error::stream_error(&Status::from(e)))
     };
     use pb::stream_request::Op;
-    // The block's own trace, when the client sent its context (issue 31
-    // item 5): its messages' spans join it, not the stream's trace.
+    // The block's own trace, when the client sent its context:
+    // its messages' spans join it, not the stream's trace.
     let req_trace = req.trace_context;
     let result = match req.op {
         None => err(Error::InvalidArgument(format!(
@@ -514,6 +540,16 @@ async fn stream_op(
             Ok(a) => pb::stream_reply::Result::Renew(a),
             Err(e) => err(e),
         },
+        Some(Op::Written(r)) => match tracing::info_span!(
+            "stream.written",
+            request_id = id,
+            ids = r.allocation_ids.len()
+        )
+        .in_scope(|| svc.written_inner(&r, caller))
+        {
+            Ok(a) => pb::stream_reply::Result::Written(a),
+            Err(e) => err(e),
+        },
     };
     let _ = out.send(Ok(reply(result))).await;
 }
@@ -574,6 +610,7 @@ impl Allocator for AllocatorService {
                                 Some(Op::Commit(_)) => "commit",
                                 Some(Op::Abort(_)) => "abort",
                                 Some(Op::Renew(_)) => "renew",
+                                Some(Op::Written(_)) => "written",
                                 None => "none",
                             };
                             seen.lock()
@@ -646,15 +683,28 @@ impl Allocator for AllocatorService {
         ))
     }
 
+    #[tracing::instrument(skip_all, fields(ids = req.get_ref().allocation_ids.len()))]
+    async fn written(
+        &self,
+        req: Request<pb::WrittenRequest>,
+    ) -> Result<Response<pb::WrittenReply>, Status> {
+        Ok(Response::new(
+            self.written_inner(req.get_ref(), caller(&req).as_ref())?,
+        ))
+    }
+
     #[tracing::instrument(skip_all, fields(extents = req.get_ref().extents.len(), txg))]
     async fn free(&self, req: Request<pb::FreeRequest>) -> Result<Response<pb::FreeReply>, Status> {
         self.shared.check_serving()?;
         let extents = convert::extents_from_pb(&req.get_ref().extents)?;
-        crate::claim::check_free_exact(&self.shared, &extents).await?;
+        // A moved block's old address frees its new extent too (and the
+        // reverse): what is checked and freed is the resolved list.
+        let resolved = self.shared.lock().resolve_free(&extents);
+        crate::claim::check_free_exact(&self.shared, &resolved.0).await?;
         let txg = {
             let mut g = self.shared.lock();
             check_extent_owner(&g, caller(&req).as_ref(), &extents, "free")?;
-            let txg = g.free(&extents)?;
+            let txg = g.free_resolved(&extents, &resolved)?;
             self.shared.kick_if_dirty(&g);
             txg
         };
@@ -675,16 +725,31 @@ impl Allocator for AllocatorService {
         // Whatever writes over these bytes after a Free is of an allocation
         // at or above this id: the agent then refuses the token there.
         let watermark = crate::read_grant::watermark(&self.shared);
-        // Exactly committed blocks, of the caller (or an admin).
-        crate::read_grant::check_committed(&self.shared, &extents).await?;
-        check_extent_owner(&self.shared.lock(), caller(&req).as_ref(), &extents, "read")?;
+        // A moved block's old address reads at its new extent.
+        let locations: Vec<metaslab::Extent> = {
+            let g = self.shared.lock();
+            extents
+                .iter()
+                .map(|e| g.indirect.get(e).unwrap_or(*e))
+                .collect()
+        };
+        // Exactly committed blocks, of the caller (or an admin): the new
+        // extent carries the old one's owner.
+        crate::read_grant::check_committed(&self.shared, &locations).await?;
+        check_extent_owner(
+            &self.shared.lock(),
+            caller(&req).as_ref(),
+            &locations,
+            "read",
+        )?;
         let deadline = Instant::now() + self.shared.settings.max_lease;
         let expires_ms = convert::deadline_unix_ms(deadline);
-        let tokens = mint_tokens(&self.shared, watermark, &extents, expires_ms, true);
+        let tokens = mint_tokens(&self.shared, watermark, &locations, expires_ms, true);
         Ok(Response::new(pb::ReadTokensReply {
             tokens,
             expires_ms,
             generation: self.shared.fencing.generation,
+            locations: locations.iter().map(convert::extent_to_pb).collect(),
         }))
     }
 
@@ -696,6 +761,36 @@ impl Allocator for AllocatorService {
         self.shared.check_serving()?;
         let extents = convert::extents_from_pb(&req.get_ref().extents)?;
         let per_extent = req.get_ref().per_extent;
+        // The allocation each extent was given by (0 or none: unknown).
+        let ids = &req.get_ref().allocation_ids;
+        if !ids.is_empty() && ids.len() != extents.len() {
+            return Err(Error::InvalidArgument(format!(
+                "{} allocation ids for {} extents: name one per extent (0: unknown), or none",
+                ids.len(),
+                extents.len()
+            ))
+            .into());
+        }
+        let id_of = |i: usize| ids.get(i).copied().unwrap_or(0);
+        let previous = crate::takeover::previous_generation(&self.shared.fencing);
+        // The last-writer rule needs each vdev's older writes, which its
+        // agent names in its first report of this generation: while the
+        // window is open, a claim naming an allocation on a vdev not yet
+        // heard from waits for that report (agents re-register within about
+        // a report interval), at most `CLAIM_AWAITS_REPORT`, after which
+        // only the other rules apply (its agent is away).
+        let waited = Instant::now();
+        while !self.shared.claim_window_remaining().is_zero()
+            && waited.elapsed() < CLAIM_AWAITS_REPORT
+            && {
+                let g = self.shared.lock();
+                extents.iter().enumerate().any(|(i, e)| {
+                    id_of(i) != 0 && g.vdevs.get(&e.vdev).is_some_and(|v| !v.generation_acked)
+                })
+            }
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         // Free space is claimed; space allocated as exactly that extent is
         // already theirs; anything else is refused naming what it overlaps.
         let mut checked = crate::claim::check_each(&self.shared, &extents).await?;
@@ -706,8 +801,9 @@ impl Allocator for AllocatorService {
             let mut g = self.shared.lock();
             let txg = if per_extent {
                 let mut txg = 0;
-                for (e, pre) in extents.iter().zip(checked) {
-                    let r = pre.and_then(|()| g.claim_one(*e, claimant.as_deref()));
+                for (i, (e, pre)) in extents.iter().zip(checked).enumerate() {
+                    let r =
+                        pre.and_then(|()| g.claim_one(*e, claimant.as_deref(), id_of(i), previous));
                     results.push(match r {
                         Ok(t) => {
                             txg = txg.max(t);
@@ -722,7 +818,7 @@ impl Allocator for AllocatorService {
                             pb::ClaimResult {
                                 extent: Some(convert::extent_to_pb(e)),
                                 claimed: false,
-                                reason: err.reason().0 as i32,
+                                reason: err.refusal().reason as i32,
                                 message: err.to_string(),
                             }
                         }
@@ -734,7 +830,9 @@ impl Allocator for AllocatorService {
                 if let Some(i) = checked.iter().position(Result::is_err) {
                     return Err(checked.swap_remove(i).unwrap_err().into());
                 }
-                for e in &extents {
+                for (i, e) in extents.iter().enumerate() {
+                    crate::claim::check_allocation(&g, previous, e, id_of(i))
+                        .map_err(Status::from)?;
                     if let Some(committed) = g.gen_committed.overlapping(e) {
                         return Err(Error::ClaimOverwritten {
                             requested: *e,
@@ -748,7 +846,11 @@ impl Allocator for AllocatorService {
                 {
                     return Err(Error::ClaimGivenOut(extent).into());
                 }
-                g.claim(&extents, claimant.as_deref())?
+                let txg = g.claim(&extents, claimant.as_deref())?;
+                for (i, e) in extents.iter().enumerate() {
+                    g.gen_claims.entry(*e).or_insert(id_of(i));
+                }
+                txg
             };
             self.shared.kick_if_dirty(&g);
             txg
@@ -802,6 +904,27 @@ impl Allocator for AllocatorService {
         Ok(Response::new(self.status()))
     }
 
+    #[tracing::instrument(skip_all, fields(extents = req.get_ref().extents.len(), txg))]
+    async fn remap(
+        &self,
+        req: Request<pb::RemapRequest>,
+    ) -> Result<Response<pb::RemapReply>, Status> {
+        self.shared.check_serving()?;
+        let extents = convert::extents_from_pb(&req.get_ref().extents)?;
+        let (to, txg) = {
+            let mut g = self.shared.lock();
+            check_extent_owner(&g, caller(&req).as_ref(), &extents, "remap")?;
+            let r = g.remap(&extents)?;
+            self.shared.kick_if_dirty(&g);
+            r
+        };
+        Span::current().record("txg", txg);
+        Ok(Response::new(pb::RemapReply {
+            locations: to.iter().map(convert::extent_to_pb).collect(),
+            txg,
+            generation: self.shared.fencing.generation,
+        }))
+    }
     #[tracing::instrument(skip_all)]
     async fn step_down(
         &self,
@@ -882,6 +1005,25 @@ impl Allocator for AllocatorService {
             description: "seconds (or a duration such as 500ms) after which the open txg is synced"
                 .into(),
         });
+        drop(g);
+        // The log space map's bounds: the store's, set at start (--tunable).
+        if let Some(t) = self.shared.store.log_tunables() {
+            for (name, value, default, description) in t.list() {
+                tunables.push(pb::Tunable {
+                    name: name.into(),
+                    value,
+                    default,
+                    description: description.into(),
+                });
+            }
+        }
+        tunables.push(pb::Tunable {
+            name: crate::mover::MOVE_RATE.into(),
+            value: crate::mover::format_rate(self.shared.mover.rate()),
+            default: crate::mover::format_rate(crate::mover::DEFAULT_MOVE_RATE),
+            description: "bytes/s the allocator's mover (vdev removal) copies at most; 0 pauses it"
+                .into(),
+        });
         tunables.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(Response::new(pb::TunableList { tunables }))
     }
@@ -907,6 +1049,20 @@ impl Allocator for AllocatorService {
                 name,
                 value: format_txg_timeout(d),
                 default: "5".into(),
+                description: String::new(),
+            }));
+        }
+        if name == crate::mover::MOVE_RATE {
+            let r = crate::mover::parse_rate(&value)?;
+            let old = self.shared.mover.rate();
+            self.shared.mover.set_rate(r);
+            let shown = crate::mover::format_rate(r);
+            self.persist_tunable(&name, &shown).await?;
+            tracing::info!(name = %name, old = %crate::mover::format_rate(old), new = %shown, "tunable changed");
+            return Ok(Response::new(pb::Tunable {
+                name,
+                value: shown,
+                default: crate::mover::format_rate(crate::mover::DEFAULT_MOVE_RATE),
                 description: String::new(),
             }));
         }
@@ -1058,6 +1214,64 @@ impl Allocator for AllocatorService {
         Ok(Response::new(
             crate::balancer::status(&self.shared, req.get_ref()).await?,
         ))
+    }
+
+    #[tracing::instrument(skip_all, fields(name = %req.get_ref().name, guid = req.get_ref().device_guid))]
+    async fn admit_vdev(
+        &self,
+        req: Request<pb::AdmitVdevRequest>,
+    ) -> Result<Response<pb::VdevStatus>, Status> {
+        self.shared.check_serving()?;
+        let r = req.into_inner();
+        let (id, txg, claim) = {
+            let mut g = self.shared.lock();
+            let w = crate::admission::take(&mut g, &r.name, r.device_guid)?;
+            let reg = w.request;
+            if let Some(&known) = g.by_guid.get(&reg.device_guid) {
+                return Err(Error::VdevConflict(format!(
+                    "device {:#x} is vdev {known} already",
+                    reg.device_guid
+                ))
+                .into());
+            }
+            let endpoint = reg.endpoint.trim().to_string();
+            crate::registry::endpoint_free(&g, &endpoint, reg.device_guid)?;
+            // Bound to the certificate that registered it: no other agent
+            // certificate may register the admitted device.
+            let agent = aliquot_auth::Identity {
+                role: aliquot_auth::Role::Agent,
+                name: w.shown.agent.clone(),
+            };
+            let claim = self.bindings.claim(Some(&agent), reg.device_guid)?;
+            let (id, txg) =
+                match crate::registry::add_device(&mut g, &reg, &endpoint, Instant::now()) {
+                    Ok(v) => v,
+                    Err(e) => {
+                        self.bindings.release(claim);
+                        return Err(e.into());
+                    }
+                };
+            // Nothing is placed there until its agent registers again and
+            // learns this generation (its next try, within seconds).
+            if let Some(info) = g.vdevs.get_mut(&id) {
+                info.silent = true;
+            }
+            let _ = g.pool.set_health(id, metaslab::Health::Unavailable);
+            (id, txg, claim)
+        };
+        self.bindings
+            .persist(self.shared.store.as_ref(), claim)
+            .await?;
+        // Durable before the reply, as a Register's new vdev is.
+        self.shared.wait_synced(txg).await?;
+        tracing::info!(vdev = id, name = %r.name, txg, "pending device admitted by an operator");
+        let status = convert::pool_status(&self.shared, &self.shared.lock());
+        status
+            .vdevs
+            .into_iter()
+            .find(|v| v.vdev == id)
+            .map(Response::new)
+            .ok_or_else(|| Error::Pool(metaslab::Error::UnknownVdev(id)).into())
     }
 
     #[tracing::instrument(skip_all, fields(vdev = req.get_ref().vdev))]

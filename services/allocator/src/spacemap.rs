@@ -270,10 +270,14 @@ impl Largest {
 
     pub fn push_chunk(&mut self, c: &Chunk) {
         for (offset, size) in c.iter() {
-            self.best.push((std::cmp::Reverse(size), offset));
-            if self.best.len() > self.limit {
-                self.best.pop();
-            }
+            self.push(offset, size);
+        }
+    }
+
+    pub fn push(&mut self, offset: u64, size: u64) {
+        self.best.push((std::cmp::Reverse(size), offset));
+        if self.best.len() > self.limit {
+            self.best.pop();
         }
     }
 
@@ -318,6 +322,25 @@ impl<'a> Loading<'a> {
     /// Extents counted outside chunks (an older layout's rows).
     pub fn count(&mut self, vdev: u32, bytes: u64) {
         *self.sums.entry(vdev).or_default() += bytes;
+    }
+
+    /// Replay log changes of `vdev` (in order) onto the chunks pushed so
+    /// far (`crate::spacemap_log`): the chunks they fall in are rewritten,
+    /// with [`apply`]'s checks, and the vdev's sum moves by what they
+    /// allocated and freed.
+    pub fn replay(&mut self, vdev: u32, changes: &[Change]) -> Result<(), String> {
+        if !self.recorded.contains_key(&vdev) {
+            return Err(format!("space map log: no vdev {vdev}"));
+        }
+        self.extents.apply_vdev(vdev, changes)?;
+        let sum = self.sums.entry(vdev).or_default();
+        for &(kind, _, size) in changes {
+            match kind {
+                SpaceChangeKind::Alloc => *sum += size,
+                SpaceChangeKind::Free => *sum = sum.wrapping_sub(size),
+            }
+        }
+        Ok(())
     }
 
     /// Check the sums; the extents on success.
@@ -373,6 +396,42 @@ impl Extents {
     /// Every extent, chunk by chunk (the store's `(vdev, offset)` order).
     pub fn iter(&self) -> impl Iterator<Item = Extent> + '_ {
         self.chunks.iter().flat_map(Chunk::extents)
+    }
+
+    /// Apply changes of `vdev` (in order) to its chunks, rewriting only
+    /// the runs they fall in ([`plan_runs`], [`apply`]); chunks stay in
+    /// `(vdev, start)` order.
+    pub fn apply_vdev(&mut self, vdev: u32, changes: &[Change]) -> Result<(), String> {
+        if changes.is_empty() {
+            return Ok(());
+        }
+        let lo = self.chunks.partition_point(|c| c.vdev < vdev);
+        let hi = self.chunks.partition_point(|c| c.vdev <= vdev);
+        let keys: Vec<u64> = self.chunks[lo..hi].iter().map(|c| c.start).collect();
+        let mut out: Vec<Chunk> = Vec::with_capacity(keys.len());
+        if keys.is_empty() {
+            out = rechunk(vdev, &apply(Vec::new(), changes)?);
+        } else {
+            let mine = &self.chunks[lo..hi];
+            let mut k = 0;
+            for ((first, last), ch) in plan_runs(&keys, changes) {
+                while keys[k] < first {
+                    out.push(mine[k].clone());
+                    k += 1;
+                }
+                let mut cur = Vec::new();
+                while k < keys.len() && keys[k] <= last {
+                    cur.extend(mine[k].iter());
+                    k += 1;
+                }
+                out.extend(rechunk(vdev, &apply(cur, &ch)?));
+            }
+            out.extend(mine[k..].iter().cloned());
+        }
+        let old: usize = self.chunks[lo..hi].iter().map(Chunk::len).sum();
+        self.len = self.len - old + out.iter().map(Chunk::len).sum::<usize>();
+        self.chunks.splice(lo..hi, out);
+        Ok(())
     }
 
     /// Bytes the chunks take (what a restart holds besides the pool).

@@ -22,8 +22,10 @@ use metaslab::{Extent, SpaceChangeKind, Txg, VdevRole};
 
 use crate::owner_map;
 use crate::spacemap::{self, Chunk, Extents};
+use crate::spacemap_log;
 use crate::store::{
-    Persisted, RelocationRecord, Store, StoreError, TxgRecord, VdevChanges, VdevRow,
+    AdminState, Evacuation, Mapping, MappingChange, Persisted, RelocationRecord, Store, StoreError,
+    TxgRecord, VdevChanges, VdevRow,
 };
 
 /// The statements both dialects run.
@@ -70,12 +72,40 @@ pub(crate) mod q {
         GENERATION_HISTORY = "generation_history.sql";
         INSERT_GENERATION = "insert_generation.sql";
         POOL_SYNCED_OF_NAME = "pool_synced_of_name.sql";
+        RELEASE = "release.sql";
+        LEADER_ID = "leader_id.sql";
+        INSERT_MAPPING = "insert_mapping.sql";
+        DELETE_MAPPING = "delete_mapping.sql";
+        MAPPINGS = "mappings.sql";
+        INSERT_LOG = "insert_log.sql";
+        METASLAB_LOG = "metaslab_log.sql";
+        DELETE_LOG = "delete_log.sql";
+        SET_FLUSHED = "set_flushed.sql";
+        LOG_OF_POOL = "log_of_pool.sql";
+        LOG_METASLABS_OF_VDEV = "log_metaslabs_of_vdev.sql";
+        STALE_LOG_ROWS = "stale_log_rows.sql";
+        EVACUATIONS = "evacuations.sql";
+        LEADER_ROW = "leader_row.sql";
+        IMPORT_LEADER = "import_leader.sql";
+        RELOCATIONS_OF_POOL = "relocations_of_pool.sql";
+        INSERT_EVACUATION = "insert_evacuation.sql";
+        DELETE_EVACUATION = "delete_evacuation.sql";
     }
 }
 
+/// The holder id a leader leaves in the `leaders` row when it hands over
+/// cleanly (a PostgreSQL step-down or shutdown, a SQLite shutdown): its last
+/// txg synced and it had no claim window open, so the next leader has
+/// nothing to wait for claims of.
+pub(crate) const HANDED_OVER_CLEANLY: &str = "(handed over cleanly)";
+
+mod copies;
 mod dialect;
+mod log;
+mod transfer;
 pub(crate) use dialect::args;
 pub use dialect::{Conn, Dialect, EachRow, Row, Val};
+pub use transfer::PoolImage;
 
 /// The store of one pool in an SQL database.
 pub struct SqlStore<D: Dialect> {
@@ -86,6 +116,12 @@ pub struct SqlStore<D: Dialect> {
     /// The pool row's id once it exists (0: not yet created).
     pub(crate) pool_id: AtomicI64,
     pub(crate) dialect: D,
+    /// The log's unflushed changes as of the last synced txg (`None`: not
+    /// read yet, or unknown after a failed txg). Lookups hold it shared
+    /// while they read chunks; a txg holds it exclusively across its commit,
+    /// so a lookup sees chunks and log of the same txg.
+    pub(crate) unflushed: tokio::sync::RwLock<Option<crate::spacemap_log::Unflushed>>,
+    pub(crate) log_tunables: std::sync::Mutex<crate::spacemap_log::LogTunables>,
 }
 
 pub(crate) fn u(v: i64) -> u64 {
@@ -140,6 +176,8 @@ impl<D: Dialect> SqlStore<D> {
             pool_name: pool_name.to_string(),
             pool_id: AtomicI64::new(0),
             dialect,
+            unflushed: Default::default(),
+            log_tunables: Default::default(),
         }
     }
 
@@ -150,6 +188,13 @@ impl<D: Dialect> SqlStore<D> {
     /// Close the connections (SQLite: the WAL is checkpointed into the file).
     pub async fn close(&self) {
         self.db.close().await;
+    }
+
+    /// The log space map as a restart would replay it, as of the last
+    /// load or txg: `(changes, rows, blocks)` (`None`: not read yet).
+    pub async fn log_size(&self) -> Option<(u64, u64, u64)> {
+        let g = self.unflushed.read().await;
+        g.as_ref().map(|u| (u.entries(), u.rows(), u.blocks()))
     }
 
     pub(crate) fn pool_id(&self) -> Result<i64, StoreError> {
@@ -258,6 +303,18 @@ impl<D: Dialect> SqlStore<D> {
         c: &mut Conn<D>,
         pool: i64,
     ) -> Result<Option<Persisted>, String> {
+        Ok(Self::load_with_log(c, pool).await?.map(|(p, _)| p))
+    }
+
+    /// [`Self::load_state`], and the log's unflushed changes: the chunks
+    /// as flushed, then the log rows newer than their metaslab's flush txg
+    /// replayed onto them with the space maps' own checks (an allocation
+    /// over an extent, a free of space not allocated, a log row a flush
+    /// should have deleted: the store is inconsistent).
+    pub(crate) async fn load_with_log(
+        c: &mut Conn<D>,
+        pool: i64,
+    ) -> Result<Option<(Persisted, crate::spacemap_log::Unflushed)>, String> {
         let db = |e: sqlx::Error| e.to_string();
         let row = D::fetch(c, q::POOL_ROW, args![pool]).await.map_err(db)?;
         let Some(row) = row.first() else {
@@ -292,6 +349,16 @@ impl<D: Dialect> SqlStore<D> {
                 legacy.push(e);
             }
         }
+        let shifts = vdevs
+            .iter()
+            .map(|v| (v.id, v.spec.metaslab_shift.unwrap_or(0)))
+            .collect();
+        let (replay, unflushed) = Self::read_log(c, pool, &shifts, u(synced_txg)).await?;
+        for (vdev, changes) in &replay {
+            loading
+                .replay(*vdev, changes)
+                .map_err(|e| format!("space map log of vdev {vdev}: {e}"))?;
+        }
         let mut allocated = loading.finish()?;
         if !legacy.is_empty() {
             legacy.extend(allocated.iter());
@@ -307,17 +374,37 @@ impl<D: Dialect> SqlStore<D> {
             owner_identities.push((r.int(0)? as u32, r.text(1)?));
         }
         let owner_runs = Self::read_owner_runs(c, pool).await?;
-        Ok(Some(Persisted {
-            pool_guid: u(guid),
-            synced_txg: u(synced_txg),
-            vdevs,
-            allocated,
-            tunables,
-            vdev_states,
-            owner_identities,
-            owner_runs,
-            state_digest: u(state_digest),
-        }))
+        let mut mappings = Vec::new();
+        D::each(c, q::MAPPINGS, args![pool], &mut |r| {
+            let c = |k| r.int(k).map(u);
+            let ext = |v: u64, o, s| Extent {
+                vdev: v as u32,
+                offset: o,
+                size: s,
+            };
+            mappings.push(Mapping {
+                from: ext(c(0)?, c(1)?, c(2)?),
+                to: ext(c(3)?, c(4)?, c(5)?),
+                txg: c(6)?,
+            });
+            Ok(())
+        })
+        .await?;
+        Ok(Some((
+            Persisted {
+                pool_guid: u(guid),
+                synced_txg: u(synced_txg),
+                vdevs,
+                allocated,
+                tunables,
+                vdev_states,
+                owner_identities,
+                owner_runs,
+                state_digest: u(state_digest),
+                mappings,
+            },
+            unflushed,
+        )))
     }
 
     /// Every owner run of `pool`, in order: the owner maps' rows decoded,
@@ -511,6 +598,14 @@ impl<D: Dialect> SqlStore<D> {
             .ok_or_else(|| StoreError("persist before create".into()))?
             .int(0)
             .map_err(err)?);
+        // The log's unflushed changes, current at the synced txg (read on
+        // this transaction when not: after a takeover, or a commit whose
+        // outcome was not known).
+        let mut w = self.unflushed.write().await;
+        if w.as_ref().is_none_or(|x| x.synced != synced) {
+            *w = Some(Self::read_unflushed(&mut *tx, pool).await.map_err(err)?);
+        }
+        let unflushed = w.downgrade();
         if txg <= synced {
             if txg == synced {
                 // A retry of a txg whose commit did land: nothing to do.
@@ -521,38 +616,35 @@ impl<D: Dialect> SqlStore<D> {
             )));
         }
         for v in &rec.vdevs {
-            let shift = v.spec.metaslab_shift.ok_or_else(|| {
-                StoreError(format!("vdev {}: no metaslab shift to persist", v.id))
-            })?;
-            let class = match v.spec.role {
-                VdevRole::Normal => "normal",
-                VdevRole::Log => "log",
-            };
-            let a = args![
-                pool,
-                v.id as i64,
-                i(v.guid),
-                &v.name,
-                &v.endpoint,
-                i(v.spec.capacity),
-                v.spec.ashift as i64,
-                shift as i64,
-                1i64 << shift,
-                v.spec.children as i64,
-                v.spec.parity as i64,
-                v.spec.rotational as i64,
-                class,
-                i(txg),
-            ];
-            D::exec(&mut *tx, q::UPSERT_VDEV, a).await.map_err(db)?;
+            Self::upsert_vdev(&mut *tx, pool, v, txg).await?;
         }
-        // Each vdev's changes, in order, applied to the chunks they fall in.
+        // Each vdev's changes, in order: checked, appended to the log; a
+        // few metaslabs flushed.
         let VdevChanges { by_vdev, delta } = VdevChanges::of(rec).map_err(StoreError)?;
-        for (vdev, changes) in &by_vdev {
-            Self::persist_vdev(&mut *tx, pool, *vdev, changes)
+        let new_shifts: BTreeMap<u32, u8> = rec
+            .vdevs
+            .iter()
+            .filter_map(|v| v.spec.metaslab_shift.map(|s| (v.id, s)))
+            .collect();
+        let tunables = *self.log_tunables.lock().unwrap_or_else(|p| p.into_inner());
+        let log = unflushed
+            .as_ref()
+            .ok_or_else(|| StoreError(format!("txg {txg}: the space map log is not read")))?;
+        // The pool checked its own txg against its in-memory space maps
+        // (`Pool::txg_changes_fit`): reading every chunk the changes fall
+        // in again would make the txg cost what the pool holds. A record
+        // the pool did not vouch for is checked against the chunks. Either
+        // way a flush applies the changes to the chunks with the same
+        // refusals, and a restart's replay too.
+        if !rec.sync.checked {
+            Self::check_changes(&mut *tx, pool, log, &by_vdev)
                 .await
-                .map_err(|e| StoreError(format!("txg {txg}: vdev {vdev}: {e}")))?;
+                .map_err(err)?;
         }
+        let (appended, flushed) =
+            Self::log_and_flush(&mut *tx, pool, txg, log, &new_shifts, &by_vdev, &tunables)
+                .await
+                .map_err(err)?;
         for (vdev, d) in delta {
             if d != 0 {
                 D::exec(&mut *tx, q::ADD_ALLOCATED, args![d, pool, vdev as i64])
@@ -563,26 +655,32 @@ impl<D: Dialect> SqlStore<D> {
         for &(vdev, state) in &rec.vdev_states {
             let a = args![state.as_str(), i(txg), pool, vdev as i64];
             D::exec(&mut *tx, q::SET_ADMIN_STATE, a).await.map_err(db)?;
+            if state == AdminState::Removed {
+                // Its removal (if one moved its blocks) ends with it.
+                let a = args![pool, vdev as i64];
+                D::exec(&mut *tx, q::DELETE_EVACUATION, a)
+                    .await
+                    .map_err(db)?;
+            }
         }
         let ms = now_ms();
         for r in &rec.relocations {
-            let a = args![
-                pool,
-                i(r.allocation_id),
-                i(r.plan_id),
-                r.from.vdev as i64,
-                i(r.from.offset),
-                i(r.from.size),
-                r.to.vdev as i64,
-                i(r.to.offset),
-                i(r.to.size),
-                i(r.txg),
-                ms,
-            ];
-            D::exec(&mut *tx, q::INSERT_RELOCATION, a)
+            D::exec(&mut *tx, q::INSERT_RELOCATION, relocation_args(pool, r, ms))
                 .await
                 .map_err(db)?;
         }
+        for c in &rec.mappings {
+            let (sql, a) = match c {
+                MappingChange::Add(m) => (q::INSERT_MAPPING, mapping_args(pool, m)),
+                MappingChange::Drop(e) => {
+                    (q::DELETE_MAPPING, args![pool, e.vdev as i64, i(e.offset)])
+                }
+            };
+            D::exec(&mut *tx, sql, a).await.map_err(db)?;
+        }
+        Self::persist_copies(&mut *tx, pool, rec)
+            .await
+            .map_err(db)?;
         for (idx, name) in &rec.owners.identities {
             D::exec(&mut *tx, q::INSERT_OWNER, args![pool, *idx as i64, name])
                 .await
@@ -595,7 +693,63 @@ impl<D: Dialect> SqlStore<D> {
         }
         let a = args![i(txg), i(rec.state_digest), pool];
         D::exec(&mut *tx, q::SET_SYNCED, a).await.map_err(db)?;
-        tx.commit().await.map_err(db)?;
+        // The commit and the log's new state at once, for lookups.
+        drop(unflushed);
+        let mut w = self.unflushed.write().await;
+        if let Err(e) = tx.commit().await {
+            *w = None;
+            return Err(db(e));
+        }
+        if let Some(u) = w.as_mut() {
+            for (v, s) in new_shifts {
+                u.set_shift(v, s);
+            }
+            for (v, m, ch) in appended {
+                u.record(v, m, txg, &ch);
+            }
+            for (v, m) in flushed {
+                u.flushed(v, m);
+            }
+            u.synced = txg;
+        }
+        Ok(())
+    }
+
+    /// Write vdev `v` (added, or its endpoint or capacity changed, in txg
+    /// `txg`) into its row.
+    async fn upsert_vdev(
+        c: &mut Conn<D>,
+        pool: i64,
+        v: &crate::store::VdevRecord,
+        txg: Txg,
+    ) -> Result<(), StoreError> {
+        let shift = v
+            .spec
+            .metaslab_shift
+            .ok_or_else(|| StoreError(format!("vdev {}: no metaslab shift to persist", v.id)))?;
+        let class = match v.spec.role {
+            VdevRole::Normal => "normal",
+            VdevRole::Log => "log",
+        };
+        let a = args![
+            pool,
+            v.id as i64,
+            i(v.guid),
+            &v.name,
+            &v.endpoint,
+            i(v.spec.capacity),
+            v.spec.ashift as i64,
+            shift as i64,
+            1i64 << shift,
+            v.spec.children as i64,
+            v.spec.parity as i64,
+            v.spec.rotational as i64,
+            class,
+            i(txg),
+        ];
+        D::exec(c, q::UPSERT_VDEV, a)
+            .await
+            .map_err(|e| StoreError(format!("txg {txg}: vdev {}: {e}", v.id)))?;
         Ok(())
     }
 
@@ -605,7 +759,7 @@ impl<D: Dialect> SqlStore<D> {
         D::fetch(&mut *c, sql, a).await
     }
 
-    async fn exec(&self, sql: &'static str, a: Vec<Val>) -> Result<u64, sqlx::Error> {
+    pub(crate) async fn exec(&self, sql: &'static str, a: Vec<Val>) -> Result<u64, sqlx::Error> {
         let mut c = self.db.acquire().await?;
         D::exec(&mut *c, sql, a).await
     }
@@ -651,11 +805,21 @@ impl<D: Dialect> Store for SqlStore<D> {
             if let Some(snapshot) = D::SNAPSHOT {
                 D::exec(&mut *tx, snapshot, args![]).await.map_err(se)?;
             }
-            let r = Self::load_state(&mut *tx, id).await.map_err(|e| {
+            let mut overlay = self.unflushed.write().await;
+            let r = Self::load_with_log(&mut *tx, id).await.map_err(|e| {
                 StoreError(format!("the store at {} is inconsistent: {e}", self.shown))
             });
             let _ = tx.commit().await;
-            r
+            Ok(match r? {
+                Some((p, u)) => {
+                    *overlay = Some(u);
+                    Some(p)
+                }
+                None => {
+                    *overlay = None;
+                    None
+                }
+            })
         })
     }
 
@@ -696,6 +860,14 @@ impl<D: Dialect> Store for SqlStore<D> {
 
     fn fenced(&self) -> bool {
         D::fenced(self)
+    }
+
+    fn log_tunables(&self) -> Option<spacemap_log::LogTunables> {
+        Some(*self.log_tunables.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    fn set_log_tunables(&self, t: spacemap_log::LogTunables) {
+        *self.log_tunables.lock().unwrap_or_else(|p| p.into_inner()) = t;
     }
 
     fn handed_over_cleanly(&self) -> bool {
@@ -776,6 +948,79 @@ impl<D: Dialect> Store for SqlStore<D> {
         })
     }
 
+    fn evacuations(&self) -> BoxFuture<'_, Result<Vec<Evacuation>, StoreError>> {
+        Box::pin(async move {
+            let e = |e: String| StoreError(format!("read vdev evacuations: {e}"));
+            let pool = self.pool_id.load(Ordering::Acquire);
+            let rows = self
+                .fetch(q::EVACUATIONS, args![pool])
+                .await
+                .map_err(|x| e(x.to_string()))?;
+            rows.into_iter()
+                .map(|r| {
+                    Ok(Evacuation {
+                        vdev: r.int(0).map_err(e)? as u32,
+                        bytes: u(r.int(1).map_err(e)?),
+                        extents: u(r.int(2).map_err(e)?),
+                        started_ms: u(r.int(3).map_err(e)?),
+                    })
+                })
+                .collect()
+        })
+    }
+
+    fn copies_of(
+        &self,
+        at: (metaslab::VdevId, u64),
+    ) -> BoxFuture<'_, Result<Vec<(metaslab::VdevId, u64)>, StoreError>> {
+        Box::pin(async move {
+            let pool = self.pool_id.load(Ordering::Acquire);
+            self.copies_of_at(pool, at)
+                .await
+                .map_err(|e| StoreError(format!("read the copies of {}:{}: {e}", at.0, at.1)))
+        })
+    }
+
+    fn copies_on(
+        &self,
+        vdev: metaslab::VdevId,
+    ) -> BoxFuture<'_, Result<crate::block_copies::CopySets, StoreError>> {
+        Box::pin(async move {
+            let pool = self.pool_id.load(Ordering::Acquire);
+            self.copies_on_vdev(pool, vdev)
+                .await
+                .map_err(|e| StoreError(format!("read the copies on vdev {vdev}: {e}")))
+        })
+    }
+
+    fn set_evacuation(
+        &self,
+        vdev: metaslab::VdevId,
+        ev: Option<Evacuation>,
+    ) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(async move {
+            let pool = self.pool_id()?;
+            let r = match ev {
+                Some(ev) => {
+                    let a = args![
+                        pool,
+                        vdev as i64,
+                        i(ev.bytes),
+                        i(ev.extents),
+                        i(ev.started_ms)
+                    ];
+                    self.exec(q::INSERT_EVACUATION, a).await
+                }
+                None => {
+                    self.exec(q::DELETE_EVACUATION, args![pool, vdev as i64])
+                        .await
+                }
+            };
+            r.map_err(|e| StoreError(format!("record the evacuation of vdev {vdev}: {e}")))?;
+            Ok(())
+        })
+    }
+
     fn agent_bindings(&self) -> BoxFuture<'_, Result<BTreeMap<String, u64>, StoreError>> {
         Box::pin(async move {
             let e = |e: String| StoreError(format!("read agent bindings: {e}"));
@@ -813,19 +1058,24 @@ impl<D: Dialect> Store for SqlStore<D> {
         Box::pin(async move {
             let err = |err: String| StoreError(format!("largest extents of vdev {vdev}: {err}"));
             let pool = self.pool_id()?;
-            let mut best = spacemap::Largest::new(limit);
             let mut c = self.db.acquire().await.map_err(|e| err(e.to_string()))?;
+            let log = self.unflushed_on(&mut c).await?;
+            let mut best = spacemap::Largest::new(limit);
+            // Each chunk's extents, and the unflushed changes between its key
+            // and the next, as of the synced txg (`spacemap_log`).
+            let mut at = spacemap_log::AsSynced::new(log.as_ref(), vdev);
             D::each(
                 &mut *c,
                 q::SPACEMAPS_OF_VDEV,
                 args![pool, vdev as i64],
                 &mut |r| {
-                    best.push_chunk(&chunk_of_row(r)?);
+                    at.push_chunk(chunk_of_row(r)?, &mut best);
                     Ok(())
                 },
             )
             .await
             .map_err(err)?;
+            at.finish(&mut best);
             Ok(best.into_extents(vdev))
         })
     }
@@ -834,13 +1084,22 @@ impl<D: Dialect> Store for SqlStore<D> {
         Box::pin(async move {
             let (off, end) = crate::store::sql_span(&e);
             let pool = self.pool_id()?;
+            let mut c = self
+                .db
+                .acquire()
+                .await
+                .map_err(|err| crate::store::overlap_error(e, err))?;
+            let log = self.unflushed_on(&mut c).await?;
             let a = args![pool, e.vdev as i64, i(off), i(end), i64::MAX];
-            let rows = self
-                .fetch(q::SPAN_ROWS, a)
+            let rows = D::fetch(&mut *c, q::SPAN_ROWS, a)
                 .await
                 .map_err(|err| crate::store::overlap_error(e, err))?;
             let rows = span_refs(&rows).map_err(|err| crate::store::overlap_error(e, err))?;
-            crate::store::overlapping_in_rows(&e, rows.into_iter())
+            let stored = crate::store::overlapping_in_rows(&e, rows.into_iter())?;
+            Ok(match log.as_ref() {
+                Some(l) => l.adjust(e.vdev, off, end, stored),
+                None => stored,
+            })
         })
     }
 
@@ -848,23 +1107,27 @@ impl<D: Dialect> Store for SqlStore<D> {
         &'a self,
         extents: &'a [Extent],
     ) -> BoxFuture<'a, Result<Vec<Vec<Extent>>, StoreError>> {
-        let fetch = move |vdev: u32, off: u64, end: u64, limit: usize| async move {
-            let what = format!("{off}..{end} of vdev {vdev}");
+        Box::pin(async move {
             let pool = self.pool_id()?;
-            let limit = limit.min(i64::MAX as usize) as i64;
-            let a = args![pool, vdev as i64, i(off), i(end), limit];
-            let rows = self
-                .fetch(q::SPAN_ROWS, a)
+            let mut c = self
+                .db
+                .acquire()
                 .await
-                .map_err(|err| crate::store::overlap_error(&what, err))?;
-            let rows = span_refs(&rows).map_err(|err| crate::store::overlap_error(&what, err))?;
-            Ok(crate::store::span_rows(rows.into_iter()))
-        };
-        Box::pin(crate::store::overlapping_batched(
-            extents,
-            crate::store::SPAN_ROWS,
-            fetch,
-        ))
+                .map_err(|err| crate::store::overlap_error("a batch", err))?;
+            let log = self.unflushed_on(&mut c).await?;
+            let stored = Self::stored_overlapping(&mut c, pool, extents).await?;
+            let Some(l) = log.as_ref() else {
+                return Ok(stored);
+            };
+            Ok(extents
+                .iter()
+                .zip(stored)
+                .map(|(e, s)| {
+                    let (off, end) = crate::store::sql_span(e);
+                    l.adjust(e.vdev, off, end, s)
+                })
+                .collect())
+        })
     }
 }
 
@@ -876,4 +1139,36 @@ fn span_refs(rows: &[Row]) -> Result<Vec<SpanRef<'_>>, String> {
     rows.iter()
         .map(|r| Ok((r.int(0)?, r.int(1)?, r.blob_ref(2)?)))
         .collect()
+}
+
+/// The arguments of `INSERT_MAPPING` for entry `m` (a txg's persist and a
+/// store import write the same row).
+pub(crate) fn mapping_args(pool: i64, m: &crate::store::Mapping) -> Vec<Val> {
+    args![
+        pool,
+        m.from.vdev as i64,
+        i(m.from.offset),
+        i(m.from.size),
+        m.to.vdev as i64,
+        i(m.to.offset),
+        i(m.to.size),
+        i(m.txg),
+    ]
+}
+
+/// The arguments of `INSERT_RELOCATION` for `r`, recorded at `ms`.
+pub(crate) fn relocation_args(pool: i64, r: &crate::store::RelocationRecord, ms: i64) -> Vec<Val> {
+    args![
+        pool,
+        i(r.allocation_id),
+        i(r.plan_id),
+        r.from.vdev as i64,
+        i(r.from.offset),
+        i(r.from.size),
+        r.to.vdev as i64,
+        i(r.to.offset),
+        i(r.to.size),
+        i(r.txg),
+        ms,
+    ]
 }

@@ -51,6 +51,11 @@ const OUR_TABLES: &[&str] = &[
     "owners",
     "owner_runs",
     "owner_maps",
+    "indirect_mappings",
+    "spacemap_log",
+    "metaslab_flushes",
+    "vdev_evacuations",
+    "block_copies",
 ];
 
 mod sql {
@@ -103,6 +108,10 @@ pub struct Identity {
 /// SQLite: one file, one pool, one writer.
 pub struct SqliteDialect {
     path: PathBuf,
+    /// The allocator before this one shut down cleanly
+    /// ([`SqliteStore::hand_over_cleanly`]), as read when this one opened
+    /// its generation.
+    clean_before: std::sync::atomic::AtomicBool,
 }
 
 /// The SQLite store of one pool.
@@ -243,6 +252,16 @@ impl Dialect for SqliteDialect {
                 .map_err(|_| StoreError("open_generation before create".into()))?;
             // The bump and its history row in one transaction.
             let mut tx = s.db.begin().await.map_err(db)?;
+            // Read before the bump clears it: did the last allocator shut
+            // down cleanly?
+            let mut before =
+                Self::fetch(&mut tx, crate::sql_store::q::LEADER_ID, args![&s.pool_name])
+                    .await
+                    .map_err(db)?;
+            let clean_before = match before.first_mut() {
+                Some(r) => r.text(0).map_err(StoreError)? == crate::sql_store::HANDED_OVER_CLEANLY,
+                None => false,
+            };
             let rows = Self::fetch(&mut tx, sql::OPEN_GENERATION, args![&s.pool_name])
                 .await
                 .map_err(db)?;
@@ -253,6 +272,9 @@ impl Dialect for SqliteDialect {
                 .map_err(StoreError)?;
             s.record_generation(&mut tx, g, "", "").await.map_err(db)?;
             tx.commit().await.map_err(db)?;
+            s.dialect
+                .clean_before
+                .store(clean_before, std::sync::atomic::Ordering::Release);
             Ok(u(g))
         })
     }
@@ -261,11 +283,13 @@ impl Dialect for SqliteDialect {
         false
     }
 
-    // One allocator serves a SQLite store, and nothing records how it
-    // stopped: a restart opens a claim window (new allocations do not wait
-    // for it).
-    fn handed_over_cleanly(_: &SqlStore<Self>) -> bool {
-        false
+    // One allocator serves a SQLite store; one that shut down with its
+    // last txg synced and no claim window open says so in the `leaders`
+    // row, as a PostgreSQL leader handing over does.
+    fn handed_over_cleanly(s: &SqlStore<Self>) -> bool {
+        s.dialect
+            .clean_before
+            .load(std::sync::atomic::Ordering::Acquire)
     }
 }
 
@@ -469,6 +493,25 @@ pub async fn repair_vdev(path: &Path, vdev: u32, capacity: Option<u64>) -> Resul
 }
 
 impl SqlStore<SqliteDialect> {
+    /// At a clean shutdown (the last txg synced, nothing dirty, no claim
+    /// window open): say so in the `leaders` row, so that the next start
+    /// opens no claim window (there is nothing to claim). Generation
+    /// `generation` must still be the row's (a later one never marks an
+    /// earlier one's shutdown).
+    pub async fn hand_over_cleanly(&self, generation: u64) -> Result<(), StoreError> {
+        let a = args![
+            &self.pool_name,
+            generation as i64,
+            "",
+            1i64,
+            crate::sql_store::HANDED_OVER_CLEANLY
+        ];
+        self.exec(crate::sql_store::q::RELEASE, a)
+            .await
+            .map_err(|e| StoreError(format!("mark the clean shutdown: {e}")))?;
+        Ok(())
+    }
+
     /// Open (creating it if absent) the store at `path` for pool
     /// `pool_name`; `expect_guid` refuses a store of another guid.
     pub async fn open(
@@ -534,6 +577,7 @@ impl SqlStore<SqliteDialect> {
             pool_name,
             SqliteDialect {
                 path: path.to_path_buf(),
+                clean_before: Default::default(),
             },
         );
         let refused = |reason| OpenError::Refused {
@@ -569,6 +613,14 @@ impl SqlStore<SqliteDialect> {
             .first()
             .ok_or_else(|| format!("the store has no vdev {vdev}"))?;
         let (old_cap, old_shift, old_alloc) = (u(row.int(0)?), row.int(1)?, u(row.int(2)?));
+        // The log's rows of this vdev into its chunks first: they are keyed
+        // by the metaslab shift this may change, and the recount reads the
+        // chunks.
+        let synced = SqliteDialect::fetch(&mut tx, crate::sql_store::q::SYNCED_TXG, args![pool])
+            .await
+            .map_err(db)?;
+        let synced = u(synced.first().ok_or("the store has no pool row")?.int(0)?);
+        Self::flush_vdev(&mut tx, pool, vdev, synced).await?;
         let (mut sum, mut end) = (0i64, 0i64);
         for (off, size) in Self::read_run(&mut tx, pool, vdev, 0, i64::MAX as u64).await? {
             sum += size as i64;

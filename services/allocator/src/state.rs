@@ -5,7 +5,7 @@
 //! asked, never second-guessed: this module only waits, wakes and times.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, HashMap};
+use std::collections::{BTreeMap, BinaryHeap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -17,7 +17,9 @@ use metaslab::{
 use tokio::sync::{oneshot, watch};
 
 use crate::error::{Error, Result};
+use crate::indirect::Mapping;
 use crate::relocation::{RelocateIntent, Relocations};
+use crate::store::MappingChange;
 use crate::store::{AdminState, Store, VdevRecord};
 
 /// Revocations queued for one vdev's agent at most (see `Inner::revoke`).
@@ -52,7 +54,7 @@ pub struct VdevInfo {
     /// Made unavailable because its queue does not drain.
     pub stalled: bool,
     /// The device's size as its agent last said it (registration or
-    /// report): ExpandVdev grows the vdev no further (issue 27, item 7).
+    /// report): ExpandVdev grows the vdev no further.
     pub device_capacity: u64,
     /// Kept out of allocation until the claim window ends: its agent could
     /// not name every write of the older generation (`crate::takeover`).
@@ -105,6 +107,8 @@ pub struct Inner {
     pub by_guid: HashMap<u64, VdevId>,
     /// Vdev records to persist with the next txg.
     pub pending_vdevs: Vec<VdevRecord>,
+    /// New devices waiting for an operator to admit them, by device guid.
+    pub awaiting_admission: BTreeMap<u64, crate::admission::Waiting>,
     /// Administrative state changes to persist with the next txg.
     pub pending_vdev_states: Vec<(VdevId, AdminState)>,
     /// The balancer's moves (Relocate) and plan progress.
@@ -117,8 +121,16 @@ pub struct Inner {
     /// tests that build the state alone).
     pub rpc: Option<std::sync::Arc<telemetry::rpc_metrics::RpcMetrics>>,
     /// Committed ids → their txg, kept until that txg synced plus
-    /// `COMMIT_MEMORY_TXGS`, so a repeated Commit gets the first answer.
+    /// `COMMIT_MEMORY_TXGS` and at least `COMMIT_MEMORY` ago, so a repeated
+    /// Commit gets the first answer.
     committed: HashMap<AllocationId, Txg>,
+    /// The same ids by txg, so each sync forgets the oldest txgs' ids
+    /// without walking the whole memory (a minute of commits).
+    committed_by_txg: BTreeMap<Txg, Vec<AllocationId>>,
+    /// Txgs synced within `COMMIT_MEMORY`, oldest first, with when.
+    recent_syncs: VecDeque<(Txg, Instant)>,
+    /// The last txg that synced `COMMIT_MEMORY` ago or more.
+    synced_long_ago: Txg,
     /// Ids whose lease expired → when, so a late Commit is told so.
     expired: HashMap<AllocationId, Instant>,
     /// Extents freed in txgs not yet synced → the txg, so a repeated Free
@@ -129,12 +141,25 @@ pub struct Inner {
     /// looks here too, and refuses to take an extent an Allocate of this
     /// generation committed for the lost block of an older one.
     pub recent_allocs: BTreeMap<(VdevId, u64), (u64, Txg, bool)>,
+    /// The largest size in `recent_allocs` (at least; exact after each
+    /// sync): an entry overlapping an offset starts at most this far below
+    /// it, so an overlap lookup reads that window, not the vdev from 0.
+    pub recent_alloc_max: u64,
     /// Space committed in this generation (by Allocate+Commit or a move),
     /// freed since or not. A block of an older generation whose txg was lost
     /// may have been written over there: its late Claim must be refused even
     /// when the store holds the new block in exactly the same shape, for the
     /// same client.
     pub gen_committed: crate::gen_space::GenSpace,
+    /// Ranges the agents named as written under older generations' tokens
+    /// (`crate::takeover`), (vdev, offset) → (end, the allocation id that
+    /// wrote it last), for this generation: a claim by another allocation
+    /// is refused (`claim::check_allocation`).
+    pub older_writers: BTreeMap<(VdevId, u64), (u64, u64)>,
+    /// Extents claimed in this generation → the allocation id they were
+    /// claimed for (0: unknown): a claim of the same extent for another
+    /// allocation is refused, a repeat for the same one is a retry.
+    pub gen_claims: HashMap<Extent, u64>,
     /// Bytes of the txg being persisted (dirty until the store has them).
     pub syncing_bytes: u64,
     /// `--txg-dirty-max`: plays `zfs_dirty_data_max` for the busy rule.
@@ -146,10 +171,22 @@ pub struct Inner {
     /// its newest token, unix ms)`. Only when tokens are signed.
     pub revoked: HashMap<u32, Vec<(AllocationId, u64)>>,
     pub revoke_tokens: bool,
+    /// Moved blocks whose old address still answers (`crate::indirect`).
+    pub indirect: crate::indirect::IndirectMap,
+    /// Mapping changes with their txg, until that txg's record takes them.
+    pending_mappings: Vec<(Txg, MappingChange)>,
+    /// Blocks of several copies committed, until their txg's record.
+    pub pending_copies: crate::block_copies::PendingCopies,
 }
 
 /// Txgs after its sync that a committed id is still remembered.
 const COMMIT_MEMORY_TXGS: Txg = 4;
+/// And how long at least: a client repeats a Commit whose reply it missed
+/// (its deadline passed while the store was away) a client timeout and a
+/// back-off later, while txgs may sync many a second once the store is
+/// back; forgotten by then, the repeat would hear "unknown allocation"
+/// for a block that is durable.
+const COMMIT_MEMORY: Duration = Duration::from_secs(60);
 /// How long an expired lease is remembered (and at most how many).
 const EXPIRED_MEMORY: Duration = Duration::from_secs(600);
 const EXPIRED_MEMORY_MAX: usize = 1 << 20;
@@ -165,21 +202,31 @@ impl Inner {
             vdevs: BTreeMap::new(),
             by_guid: HashMap::new(),
             pending_vdevs: Vec::new(),
+            awaiting_admission: BTreeMap::new(),
             pending_vdev_states: Vec::new(),
             relocations: Relocations::default(),
             rpc: None,
             reloc_tickets: HashMap::new(),
             events: Vec::new(),
             committed: HashMap::new(),
+            committed_by_txg: BTreeMap::new(),
+            recent_syncs: VecDeque::new(),
+            synced_long_ago: 0,
             expired: HashMap::new(),
             recent_frees: HashMap::new(),
             recent_allocs: BTreeMap::new(),
+            recent_alloc_max: 0,
             gen_committed: Default::default(),
+            older_writers: BTreeMap::new(),
+            gen_claims: HashMap::new(),
             syncing_bytes: 0,
             dirty_max: u64::MAX,
             extent_owners: Default::default(),
             revoked: HashMap::new(),
             revoke_tokens: false,
+            indirect: Default::default(),
+            pending_mappings: Vec::new(),
+            pending_copies: Default::default(),
         }
     }
 
@@ -340,10 +387,49 @@ impl Inner {
         let open = self.pool.open_txg();
         // A relocation's commit frees its source in the same (open) txg:
         // first, so that if the source cannot be freed nothing changes.
-        let sources: Vec<(AllocationId, Extent)> = ids
+        let all_sources: Vec<(AllocationId, Extent, bool)> = ids
             .iter()
             .filter(|id| !self.committed.contains_key(id))
-            .filter_map(|id| self.relocations.source(*id).map(|e| (*id, e)))
+            .filter_map(|id| self.relocations.source(*id).map(|(e, k)| (*id, e, k)))
+            .collect();
+        // A move that keeps its old address leaves the source allocated
+        // (the mapping entry holds it); the others free it. A move of a
+        // moved block's new home (a removal of the vdev it was moved to)
+        // points the block's entry at the newest home and frees the one it
+        // leaves: the old address stays one hop from the data.
+        let mut kept: HashMap<AllocationId, Mapping> = HashMap::new();
+        let mut rehomed: HashMap<AllocationId, Extent> = HashMap::new();
+        for &(id, from, keep) in &all_sources {
+            if !keep {
+                continue;
+            }
+            let to = self.pool.extents_of(id)?[0];
+            if to.size != from.size {
+                return Err(Error::InvalidArgument(format!(
+                    "move of {from} to {to}: a move that keeps its address needs a new \
+                     extent of the same size"
+                )));
+            }
+            if self.indirect.get(&from).is_some() {
+                return Err(Error::MappedExtent(from));
+            }
+            let old = self.indirect.source_of(&from);
+            let m = Mapping {
+                from: old.unwrap_or(from),
+                to,
+                txg: open,
+            };
+            crate::indirect::IndirectMap::check(&m)
+                .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+            if old.is_some() {
+                rehomed.insert(id, from);
+            }
+            kept.insert(id, m);
+        }
+        let sources: Vec<(AllocationId, Extent)> = all_sources
+            .iter()
+            .filter(|&&(id, _, keep)| !keep || rehomed.contains_key(&id))
+            .map(|&(id, e, _)| (id, e))
             .collect();
         if !sources.is_empty() {
             let extents: Vec<Extent> = sources.iter().map(|(_, e)| *e).collect();
@@ -362,8 +448,28 @@ impl Inner {
             let extents = self.pool.extents_of(*id)?;
             let t = self.pool.commit(*id)?;
             self.count_space(&extents, false);
+            if let Some(m) = kept.get(id) {
+                let m = Mapping { txg: t, ..*m };
+                if rehomed.contains_key(id) && self.indirect.remove(&m.from).is_some() {
+                    self.pending_mappings.push((t, MappingChange::Drop(m.from)));
+                }
+                // Checked above; the new extent was just placed, so it is
+                // no other entry's target.
+                if let Err(e) = self.indirect.insert(m) {
+                    tracing::error!(error = %e, "mapping entry not recorded");
+                } else {
+                    self.pending_mappings.push((t, MappingChange::Add(m)));
+                }
+                if !rehomed.contains_key(id) {
+                    self.extent_owners.copied(&m.from, &extents);
+                }
+            }
+            if !moved.contains_key(id) && !kept.contains_key(id) {
+                self.pending_copies.committed(t, *id, &extents);
+            }
             match (moved.get(id), owner) {
                 (Some(from), _) => self.extent_owners.moved(from, &extents),
+                (None, _) if kept.contains_key(id) => {}
                 (None, Some(o)) => self.extent_owners.committed(o, &extents),
                 (None, None) => {}
             }
@@ -374,11 +480,13 @@ impl Inner {
                 self.revoke(*id, &extents, d);
             }
             self.committed.insert(*id, t);
+            self.committed_by_txg.entry(t).or_default().push(*id);
             self.relocations.committed(*id, t);
             self.gen_committed.committed(&extents);
             for e in extents {
                 self.recent_allocs
                     .insert((e.vdev, e.offset), (e.size, t, false));
+                self.recent_alloc_max = self.recent_alloc_max.max(e.size);
             }
         }
         if fresh {
@@ -430,7 +538,7 @@ impl Inner {
     /// the new deadline. Committed ids are left as they are (nothing to
     /// renew), expired ones fail.
     /// Renew the leases of `ids` by `lease`, but never past `lifetime`
-    /// after an allocation was placed (issue 27, item 7: renewals without
+    /// after an allocation was placed (renewals without
     /// end let one client hold space for ever). Returns the earliest new
     /// deadline (what the tokens carry).
     pub fn renew(
@@ -471,6 +579,86 @@ impl Inner {
         Ok(earliest)
     }
 
+    /// The mapping changes of txgs up to `txg`, for its record.
+    pub fn take_mappings(&mut self, txg: Txg) -> Vec<MappingChange> {
+        let (now, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.pending_mappings)
+            .into_iter()
+            .partition(|(t, _)| *t <= txg);
+        self.pending_mappings = later;
+        now.into_iter().map(|(_, c)| c).collect()
+    }
+
+    /// Refuse to move a moved block's old address, or its new home unless
+    /// the move keeps the address (the commit then repoints the entry).
+    pub fn check_movable(&self, e: &Extent, keep_address: bool) -> Result<()> {
+        if self.indirect.get(e).is_some() || (!keep_address && self.indirect.is_target(e)) {
+            return Err(Error::MappedExtent(*e));
+        }
+        Ok(())
+    }
+
+    /// What a Free of `extents` frees: each moved block's old extent also
+    /// frees its new one (or, freed at its new home, its held old one),
+    /// with the entries dropped. Returns the extents to free and the old
+    /// extents whose entries go.
+    pub fn resolve_free(&self, extents: &[Extent]) -> (Vec<Extent>, Vec<Extent>) {
+        let mut out = Vec::with_capacity(extents.len());
+        let mut dropped = Vec::new();
+        for e in extents {
+            out.push(*e);
+            if let Some(to) = self.indirect.get(e) {
+                out.push(to);
+                dropped.push(*e);
+            } else if let Some(from) = self.indirect.source_of(e) {
+                out.push(from);
+                dropped.push(from);
+            }
+        }
+        (out, dropped)
+    }
+
+    /// Free what [`Self::resolve_free`] resolved `asked` to, if the mapping
+    /// has not changed since; the entries are dropped in the same txg.
+    pub fn free_resolved(
+        &mut self,
+        asked: &[Extent],
+        resolved: &(Vec<Extent>, Vec<Extent>),
+    ) -> Result<Txg> {
+        if self.resolve_free(asked) != *resolved {
+            return Err(Error::InvalidArgument(
+                "the blocks were moved or remapped during this Free: send it again".into(),
+            ));
+        }
+        let txg = self.free(&resolved.0)?;
+        self.drop_mappings(&resolved.1, txg);
+        Ok(txg)
+    }
+
+    fn drop_mappings(&mut self, from: &[Extent], txg: Txg) {
+        for e in from {
+            if self.indirect.remove(e).is_some() {
+                self.pending_mappings.push((txg, MappingChange::Drop(*e)));
+            }
+        }
+    }
+
+    /// Remap: drop the entries of old extents `from` (each mapped), freeing
+    /// them; returns their new extents and the txg.
+    pub fn remap(&mut self, from: &[Extent]) -> Result<(Vec<Extent>, Txg)> {
+        let mut to = Vec::with_capacity(from.len());
+        for (i, e) in from.iter().enumerate() {
+            if from[..i].contains(e) {
+                return Err(Error::InvalidArgument(format!(
+                    "extent {e} is listed twice"
+                )));
+            }
+            to.push(self.indirect.get(e).ok_or(Error::NotMapped(*e))?);
+        }
+        let txg = self.free(from)?;
+        self.drop_mappings(from, txg);
+        Ok((to, txg))
+    }
+
     /// Free committed extents; a retry of a Free whose txg has not synced
     /// answers that txg.
     pub fn free(&mut self, extents: &[Extent]) -> Result<Txg> {
@@ -486,6 +674,7 @@ impl Inner {
             Ok(txg) => {
                 self.count_space(extents, true);
                 self.extent_owners.freed(extents);
+                self.pending_copies.freed(extents);
                 for e in extents {
                     self.recent_frees.insert(*e, txg);
                 }
@@ -519,16 +708,26 @@ impl Inner {
         for e in extents {
             self.recent_allocs
                 .insert((e.vdev, e.offset), (e.size, txg, true));
+            self.recent_alloc_max = self.recent_alloc_max.max(e.size);
         }
         Ok(txg)
     }
 
-    /// Claim one extent that passed `claim::check_each`: refused when
-    /// anything committed in this generation overlaps it (its bytes were
-    /// given out again after its txg was lost), or when it is exactly an
-    /// extent another identity owns (a claim says "this block is mine", not
-    /// an override: admins too).
-    pub fn claim_one(&mut self, e: Extent, claimant: Option<&str>) -> Result<Txg> {
+    /// Claim one extent that passed `claim::check_each`, for allocation
+    /// `allocation_id` (0: unknown) of a client that saw generation
+    /// `previous` at the latest: refused when the allocation may not claim
+    /// it (`claim::check_allocation`), when anything committed in this
+    /// generation overlaps it (its bytes were given out again after its txg
+    /// was lost), or when it is exactly an extent another identity owns (a
+    /// claim says "this block is mine", not an override: admins too).
+    pub fn claim_one(
+        &mut self,
+        e: Extent,
+        claimant: Option<&str>,
+        allocation_id: u64,
+        previous: u64,
+    ) -> Result<Txg> {
+        crate::claim::check_allocation(self, previous, &e, allocation_id)?;
         if let Some(committed) = self.gen_committed.overlapping(&e) {
             return Err(Error::ClaimOverwritten {
                 requested: e,
@@ -540,16 +739,38 @@ impl Inner {
         {
             return Err(Error::ClaimGivenOut(extent));
         }
-        self.claim(&[e], claimant)
+        let txg = self.claim(&[e], claimant)?;
+        self.gen_claims.entry(e).or_insert(allocation_id);
+        Ok(txg)
     }
 
     /// After txg `synced` persisted: forget what retries no longer need.
     pub fn synced(&mut self, synced: Txg, now: Instant) {
         self.relocations.persisted(synced);
-        self.committed
-            .retain(|_, t| *t + COMMIT_MEMORY_TXGS > synced);
+        self.recent_syncs.push_back((synced, now));
+        while let Some(&(t, at)) = self.recent_syncs.front() {
+            if now.duration_since(at) < COMMIT_MEMORY {
+                break;
+            }
+            self.synced_long_ago = self.synced_long_ago.max(t);
+            self.recent_syncs.pop_front();
+        }
+        // Forgotten: txgs `COMMIT_MEMORY_TXGS` behind this sync that also
+        // synced `COMMIT_MEMORY` ago.
+        let forget_to = synced
+            .checked_sub(COMMIT_MEMORY_TXGS)
+            .map(|t| t.min(self.synced_long_ago));
+        while let Some(e) = self.committed_by_txg.first_entry() {
+            if forget_to.is_none_or(|to| *e.key() > to) {
+                break;
+            }
+            for id in e.remove() {
+                self.committed.remove(&id);
+            }
+        }
         self.recent_frees.retain(|_, t| *t > synced);
         self.recent_allocs.retain(|_, (_, t, _)| *t > synced);
+        self.recent_alloc_max = self.recent_allocs.values().map(|v| v.0).max().unwrap_or(0);
         if self.expired.len() > EXPIRED_MEMORY_MAX {
             self.expired.clear();
         }
@@ -567,6 +788,28 @@ impl Inner {
                 self.revoke(*id, &extents, d);
             }
             self.relocations.forget(*id);
+        }
+        self.wake_admitted();
+        Ok(())
+    }
+
+    /// Every copy of `ids` is written: end their throttle reservations
+    /// and queue depth now (the space stays in flight until commit, abort
+    /// or expiry) and admit whom that lets in. All or nothing; committed
+    /// ids, and ids reported before, are a no-op.
+    pub fn written(&mut self, ids: &[AllocationId]) -> Result<()> {
+        if ids.is_empty() {
+            return Err(Error::InvalidArgument("no allocation ids given".into()));
+        }
+        for id in ids {
+            if !self.inflight.contains_key(id) && !self.committed.contains_key(id) {
+                return Err(self.not_inflight(*id));
+            }
+        }
+        for id in ids {
+            if self.inflight.contains_key(id) {
+                self.pool.written(*id)?;
+            }
         }
         self.wake_admitted();
         Ok(())
@@ -713,7 +956,7 @@ pub struct Shared {
     pub owners: crate::ownership::Owners,
     /// Vdevs whose agent holds its MAC token key of this generation
     /// (handed over in its RegisterReply): their tokens are MACs, the
-    /// others' Ed25519 signatures (issue 28).
+    /// others' Ed25519 signatures.
     pub mac_keys: std::sync::RwLock<HashMap<u32, aliquot_auth::VdevKey>>,
     /// Set when a device's label proved the store older than the pool:
     /// from then on nothing is served (see `refuse_rolled_back`).
@@ -736,6 +979,8 @@ pub struct Shared {
     pub lease: std::sync::OnceLock<Arc<crate::leadership::Lease>>,
     /// Set while the store refuses a txg (GetPool, health, metrics).
     pub persist_failure: watch::Sender<Option<crate::txg::PersistFailure>>,
+    /// The allocator's own mover (vdev removal).
+    pub mover: crate::mover::Mover,
 }
 
 /// What proved the store older than the pool.
@@ -802,6 +1047,7 @@ impl Shared {
             labels_vouched: watch::Sender::new(false),
             lease: std::sync::OnceLock::new(),
             persist_failure: watch::Sender::new(None),
+            mover: Default::default(),
         })
     }
 
@@ -873,7 +1119,7 @@ impl Shared {
     /// an older generation and never synced there. `seen` is required: with
     /// 0 ("whatever generation this is") a txg lost in a restart and reused
     /// by the new generation would be reported synced to a client that never
-    /// had it durable (issue 25, item 5).
+    /// had it durable.
     pub fn check_generation(&self, seen: u64, txg: Txg) -> Result<()> {
         let current = self.fencing.generation;
         if seen == 0 {
@@ -1187,3 +1433,7 @@ impl Drop for CancelOnDrop<'_> {
         }
     }
 }
+
+#[cfg(test)]
+#[path = "state_tests.rs"]
+pub(crate) mod tests;

@@ -13,6 +13,7 @@ use std::sync::Mutex;
 use futures_util::future::BoxFuture;
 use metaslab::{Extent, SpaceChangeKind, Txg, TxgSync, VdevId, VdevRole, VdevSpec};
 
+pub use crate::indirect::Mapping;
 use crate::spacemap::Extents;
 
 /// A vdev as the store keeps it (the identity that survives restarts).
@@ -150,6 +151,15 @@ pub struct RelocationRecord {
     pub txg: Txg,
 }
 
+/// A change of the indirect mapping (`crate::indirect`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MappingChange {
+    /// A move committed: the block at `from` lives at `to`.
+    Add(Mapping),
+    /// The entry of old extent `from` is gone (remapped or freed).
+    Drop(Extent),
+}
+
 /// Everything one txg sync persists.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct TxgRecord {
@@ -162,6 +172,12 @@ pub struct TxgRecord {
     pub relocations: Vec<RelocationRecord>,
     /// Owners of committed extents changed in this txg.
     pub owners: crate::extent_owners::OwnerChanges,
+    /// Indirect mapping entries added (moves committed) and dropped in
+    /// this txg, in order.
+    pub mappings: Vec<MappingChange>,
+    /// Blocks committed with several copies in this txg: their copies'
+    /// link (`crate::block_copies`).
+    pub copies: Vec<crate::block_copies::CopyLink>,
     /// The store's state digest after this txg: [`state_digest`] of the
     /// previous one and this record. Devices' labels keep it beside the
     /// txg, so a store of another history at the same txg is caught.
@@ -268,6 +284,8 @@ pub struct Persisted {
     pub owner_runs: Vec<(u32, u64, u64, u32)>,
     /// The state digest at `synced_txg` (0: not known).
     pub state_digest: u64,
+    /// Live indirect mapping entries, in `(from.vdev, from.offset)` order.
+    pub mappings: Vec<Mapping>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -436,6 +454,11 @@ pub trait Store: Send + Sync + 'static {
         &'a self,
         extents: &'a [Extent],
     ) -> BoxFuture<'a, Result<Vec<Vec<Extent>>, StoreError>>;
+    /// The log space map's flush bounds (`crate::spacemap_log`); `None`: a
+    /// store that keeps no log.
+    fn log_tunables(&self) -> Option<crate::spacemap_log::LogTunables>;
+    /// Set them (from --tunable at start); a store without a log ignores it.
+    fn set_log_tunables(&self, t: crate::spacemap_log::LogTunables);
     /// Up to `limit` durable extents of `vdev`, largest first (ties by
     /// offset): the candidates of a rebalance plan.
     fn largest_extents(
@@ -459,6 +482,39 @@ pub trait Store: Send + Sync + 'static {
         name: &'a str,
         device_guid: u64,
     ) -> BoxFuture<'a, Result<(), StoreError>>;
+    /// The vdev removals under way (`crate::mover`), by vdev.
+    fn evacuations(&self) -> BoxFuture<'_, Result<Vec<Evacuation>, StoreError>>;
+    /// Record a removal under way (replacing the vdev's row), or with
+    /// `None` end it; durable when this returns (outside any txg: what is
+    /// left to move is what the synced txgs leave on the vdev). The txg
+    /// that records the vdev removed deletes its row too.
+    fn set_evacuation(
+        &self,
+        vdev: VdevId,
+        e: Option<Evacuation>,
+    ) -> BoxFuture<'_, Result<(), StoreError>>;
+    /// The other copies `(vdev, offset)` of the block whose copy starts at
+    /// `at` (durable links, `crate::block_copies`), in order; empty for a
+    /// block of one copy or committed before copies were linked.
+    fn copies_of(&self, at: (VdevId, u64))
+    -> BoxFuture<'_, Result<Vec<(VdevId, u64)>, StoreError>>;
+    /// The copies `(vdev, offset)` of every linked block with a copy on
+    /// `vdev`, each set in order (its copy on `vdev` included), the sets by
+    /// that copy's offset: a plan's fact of which vdevs each candidate's
+    /// block already uses.
+    fn copies_on(
+        &self,
+        vdev: VdevId,
+    ) -> BoxFuture<'_, Result<crate::block_copies::CopySets, StoreError>>;
+}
+
+/// A vdev removal under way: the vdev and what it held when it started.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Evacuation {
+    pub vdev: VdevId,
+    pub bytes: u64,
+    pub extents: u64,
+    pub started_ms: u64,
 }
 
 /// Keeps the persisted state in memory (for tests and until the SQLite
@@ -485,6 +541,9 @@ struct MemState {
     owner_identities: BTreeMap<u32, String>,
     owner_runs: BTreeMap<(u32, u64), (u64, u32)>,
     state_digest: u64,
+    mappings: BTreeMap<(u32, u64), Mapping>,
+    evacuations: BTreeMap<VdevId, Evacuation>,
+    copies: crate::block_copies::MemCopies,
 }
 
 impl MemStore {
@@ -504,7 +563,10 @@ impl MemStore {
     /// Persist `record` as the SQL stores do: everything checked before
     /// anything changes (a refused txg leaves nothing), with the same
     /// refusals (an allocation over a stored extent, a free of space not
-    /// stored, a relocation or owner number recorded twice).
+    /// stored, a relocation or owner number recorded twice). The space
+    /// changes are checked even when the pool vouched for them
+    /// (`TxgSync::checked`): here the extents are in memory, and an SQL
+    /// store refuses the same txg at its flush or its replay.
     fn apply(&self, record: &TxgRecord) -> Result<(), StoreError> {
         let mut g = self.state.lock().unwrap();
         let st = g
@@ -541,6 +603,27 @@ impl MemStore {
                 )));
             }
         }
+        // Entries added and dropped in order, checked on a copy of the keys
+        // touched: an entry added twice is refused (the tables' key).
+        let mut mapped: BTreeMap<(u32, u64), bool> = BTreeMap::new();
+        for c in &record.mappings {
+            match c {
+                MappingChange::Add(m) => {
+                    let k = (m.from.vdev, m.from.offset);
+                    let there = *mapped.get(&k).unwrap_or(&st.mappings.contains_key(&k));
+                    if there {
+                        return Err(StoreError(format!(
+                            "txg {txg}: extent {} mapped twice",
+                            m.from
+                        )));
+                    }
+                    mapped.insert(k, true);
+                }
+                MappingChange::Drop(e) => {
+                    mapped.insert((e.vdev, e.offset), false);
+                }
+            }
+        }
         for (i, name) in &record.owners.identities {
             if st.owner_identities.contains_key(i)
                 || st.owner_identities.values().any(|n| n == name)
@@ -573,6 +656,9 @@ impl MemStore {
                 );
         }
         for &(v, a) in &record.vdev_states {
+            if a == AdminState::Removed {
+                st.evacuations.remove(&v);
+            }
             if !st.vdevs.contains_key(&v) {
                 continue; // as an UPDATE of no row
             }
@@ -585,6 +671,17 @@ impl MemStore {
         for r in &record.relocations {
             st.relocations.insert(r.allocation_id, *r);
         }
+        for c in &record.mappings {
+            match c {
+                MappingChange::Add(m) => {
+                    st.mappings.insert((m.from.vdev, m.from.offset), *m);
+                }
+                MappingChange::Drop(e) => {
+                    st.mappings.remove(&(e.vdev, e.offset));
+                }
+            }
+        }
+        st.copies.apply(record);
         for (i, name) in &record.owners.identities {
             st.owner_identities.insert(*i, name.clone());
         }
@@ -625,6 +722,12 @@ fn vdev_range(vdev: u32) -> std::ops::RangeInclusive<Extent> {
 }
 
 impl Store for MemStore {
+    fn log_tunables(&self) -> Option<crate::spacemap_log::LogTunables> {
+        None
+    }
+
+    fn set_log_tunables(&self, _: crate::spacemap_log::LogTunables) {}
+
     fn load(&self) -> BoxFuture<'_, Result<Option<Persisted>, StoreError>> {
         let out = self.state.lock().unwrap().as_ref().map(|s| Persisted {
             pool_guid: s.pool_guid,
@@ -644,6 +747,7 @@ impl Store for MemStore {
                 .map(|(&(v, st), &(e, o))| (v, st, e, o))
                 .collect(),
             state_digest: s.state_digest,
+            mappings: s.mappings.values().copied().collect(),
         });
         Box::pin(async move { Ok(out) })
     }
@@ -778,6 +882,48 @@ impl Store for MemStore {
             st.bindings.insert(name.to_owned(), device_guid);
             Ok(())
         });
+        Box::pin(async move { r })
+    }
+
+    fn evacuations(&self) -> BoxFuture<'_, Result<Vec<Evacuation>, StoreError>> {
+        let e = self
+            .state
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map(|s| s.evacuations.values().copied().collect())
+            .unwrap_or_default();
+        Box::pin(async move { Ok(e) })
+    }
+
+    fn set_evacuation(
+        &self,
+        vdev: VdevId,
+        e: Option<Evacuation>,
+    ) -> BoxFuture<'_, Result<(), StoreError>> {
+        let r = self.created(|st| {
+            match e {
+                Some(e) => st.evacuations.insert(vdev, e),
+                None => st.evacuations.remove(&vdev),
+            };
+            Ok(())
+        });
+        Box::pin(async move { r })
+    }
+
+    fn copies_of(
+        &self,
+        at: (VdevId, u64),
+    ) -> BoxFuture<'_, Result<Vec<(VdevId, u64)>, StoreError>> {
+        let r = self.created(|st| Ok(st.copies.copies_of(at)));
+        Box::pin(async move { r })
+    }
+
+    fn copies_on(
+        &self,
+        vdev: VdevId,
+    ) -> BoxFuture<'_, Result<crate::block_copies::CopySets, StoreError>> {
+        let r = self.created(|st| Ok(st.copies.copies_on(vdev)));
         Box::pin(async move { r })
     }
 

@@ -28,14 +28,20 @@ pub fn first_allocation_id(generation: u64) -> u64 {
     (generation << ALLOCATION_ID_GENERATION_SHIFT) | 1
 }
 
-/// Whether an agent's records cover every write the lost txgs can hold:
-/// those of the generation before this one, from its first allocation.
-pub fn records_cover(fencing: &Fencing, r: &pb::AgentReport) -> bool {
-    let previous = fencing
+/// The generation before this one: the one whose txgs may be lost, and
+/// the oldest whose blocks a claim may name.
+pub fn previous_generation(fencing: &Fencing) -> u64 {
+    fencing
         .history
         .range(..fencing.generation)
         .next_back()
-        .map_or(fencing.generation.saturating_sub(1), |(g, _)| *g);
+        .map_or(fencing.generation.saturating_sub(1), |(g, _)| *g)
+}
+
+/// Whether an agent's records cover every write the lost txgs can hold:
+/// those of the generation before this one, from its first allocation.
+pub fn records_cover(fencing: &Fencing, r: &pb::AgentReport) -> bool {
+    let previous = previous_generation(fencing);
     r.older_writes_sent
         && r.older_writes_known
         && r.records_since_allocation_id <= first_allocation_id(previous)
@@ -57,12 +63,25 @@ pub fn first_report(g: &mut Inner, fencing: &Fencing, vdev: u32, r: &pb::AgentRe
         return false;
     }
     let (mut ranges, mut bytes) = (0u64, 0u64);
-    for w in &r.older_writes {
+    // A report names every older write the agent knows, so it replaces
+    // what an earlier one (before a re-registration) said: the ranges of a
+    // vdev then never overlap, which `claim::check_allocation` relies on.
+    g.older_writers.retain(|(v, _), _| *v != vdev);
+    for (i, w) in r.older_writes.iter().enumerate() {
         let e = Extent {
             vdev,
             offset: w.offset,
             size: w.size,
         };
+        // Who wrote it last, when the agent says (a claim by another
+        // allocation is refused); an agent that does not is checked by
+        // identity only.
+        if let Some(&writer) = r.older_write_allocation_ids.get(i)
+            && w.size > 0
+        {
+            g.older_writers
+                .insert((vdev, w.offset), (w.offset.saturating_add(w.size), writer));
+        }
         match g.pool.hold(&e) {
             Ok(b) => {
                 ranges += 1;

@@ -142,12 +142,16 @@ pub async fn sync_once(shared: &Shared) -> Synced {
         let vdev_states = std::mem::take(&mut g.pending_vdev_states);
         let relocations = g.relocations.take_committed(sync.txg);
         let owners = g.extent_owners.take_changes();
+        let mappings = g.take_mappings(sync.txg);
+        let copies = g.pending_copies.take(sync.txg);
         let mut rec = TxgRecord {
             sync,
             vdevs,
             vdev_states,
             relocations,
             owners,
+            mappings,
+            copies,
             state_digest: 0,
         };
         // Syncs run one at a time: the pair holds the previous txg's digest.
@@ -168,7 +172,10 @@ pub async fn sync_once(shared: &Shared) -> Synced {
         duration_us = tracing::field::Empty,
     );
     let persisted = async {
-        let mut backoff = Duration::from_millis(50);
+        // Capped low: a file system that has room again is used within
+        // seconds, and a refusing one costs one attempt every 2 s or so.
+        let mut backoff =
+            telemetry::backoff::Backoff::new(Duration::from_millis(50), Duration::from_secs(2));
         let mut stop = shared.stop.subscribe();
         let mut after_stop = 0u32;
         loop {
@@ -208,19 +215,17 @@ pub async fn sync_once(shared: &Shared) -> Synced {
                     return Synced::GaveUp;
                 }
             }
-            tracing::error!(txg, error = %e, attempts, retry_in_ms = backoff.as_millis() as u64,
+            let delay = backoff.next_delay();
+            tracing::error!(txg, error = %e, attempts, retry_in_ms = delay.as_millis() as u64,
                 "txg persist failed: nothing waiting on it is answered until the store takes it");
             if stopping {
-                tokio::time::sleep(backoff.min(Duration::from_millis(200))).await;
+                tokio::time::sleep(delay.min(Duration::from_millis(200))).await;
             } else {
                 tokio::select! {
-                    _ = tokio::time::sleep(backoff) => {}
+                    _ = tokio::time::sleep(delay) => {}
                     _ = stop.wait_for(|s| *s) => {}
                 }
             }
-            // Capped low: a file system that has room again is used within
-            // seconds, and a refusing one costs one attempt every 2 s.
-            backoff = (backoff * 2).min(Duration::from_secs(2));
         }
         let mut was = None;
         shared.persist_failure.send_if_modified(|f| {

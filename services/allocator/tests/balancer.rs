@@ -3,7 +3,9 @@
 //! Commit frees the source in the same txg, a second move or a Free of a
 //! moving extent is refused, BalancerStatus tells a resuming mover what
 //! became of its relocations (across a restart too, on SQLite), and
-//! RemoveVdev forgets an empty offline vdev durably.
+//! RemoveVdev of a vdev holding blocks records its evacuation (one at a
+//! time; refused for the last vdev and when the blocks do not fit), which
+//! forgets the vdev durably once it is empty.
 
 mod common;
 
@@ -132,7 +134,7 @@ async fn a_relocation_commit_swaps_the_extents_in_one_txg() {
         .expect("the new extent frees exactly");
 }
 
-/// Issue 29 item 1: a move sizes the new copy for the block's logical size
+/// A move sizes the new copy for the block's logical size
 /// on its own vdev, not from the old extent's asize (which on RAIDZ holds
 /// parity and padding). A 128K block moved RAIDZ1(5) → plain → RAIDZ1(3)
 /// → RAIDZ1(5), three laps: 160K, 128K, 192K, 160K every time (it grew
@@ -357,14 +359,22 @@ fn restart_config() -> aliquot_allocator::Config {
     c
 }
 
-/// Drain then remove, on SQLite across restarts: offline persists, a vdev
-/// holding data (or deferring a free) is not removed, an empty one is and
-/// stays removed; its device cannot rejoin unnoticed, and a relocation's
-/// fate is still known after the restart.
+/// Drain then remove, on SQLite across restarts: offline persists; RemoveVdev
+/// of a vdev holding data records its evacuation (durably: another removal
+/// is refused across the restart), and once the blocks are moved (here by
+/// hand, the allocator's mover paused by `move_rate` 0) and their frees
+/// synced, the vdev is forgotten and stays removed; its device cannot
+/// rejoin unnoticed, and a relocation's fate is still known after the
+/// restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn drain_and_remove_survive_restarts() {
     let dir = tempfile::tempdir().unwrap();
-    let mut h = start_with(restart_config(), open(dir.path()).await).await;
+    let paused = || {
+        let mut c = restart_config();
+        c.tunables.push("move_rate=0".into());
+        c
+    };
+    let mut h = start_with(paused(), open(dir.path()).await).await;
     let a = h.add_vdev(1, GIB).await;
     let b = h.add_vdev(2, GIB).await;
     let blocks = written(&mut h, 16, MIB).await;
@@ -376,19 +386,40 @@ async fn drain_and_remove_survive_restarts() {
         })
         .await
         .unwrap();
-    let e = h
+    let on_a: u64 = blocks.iter().filter(|e| e.vdev == a).map(|e| e.size).sum();
+    let r = h
         .alloc
         .remove_vdev(pb::RemoveVdevRequest { vdev: a })
         .await
+        .unwrap()
+        .into_inner();
+    assert!(r.evacuating, "{r:?}");
+    assert_eq!(r.bytes, on_a, "{r:?}");
+    let e = h
+        .alloc
+        .remove_vdev(pb::RemoveVdevRequest { vdev: b })
+        .await
         .unwrap_err();
-    assert_eq!(reason(&e), "VDEV_NOT_EMPTY", "{e:?}");
+    assert_eq!(reason(&e), "EVACUATION_RUNNING", "{e:?}");
     // Restart: still offline.
     h.server.shutdown().await.unwrap();
-    let mut h = start_with(restart_config(), open(dir.path()).await).await;
+    let mut h = start_with(paused(), open(dir.path()).await).await;
     assert_eq!(h.rejoin(1, GIB).await, a);
     assert_eq!(h.rejoin(2, GIB).await, b);
     let p = h.pool().await;
     assert!(!p.vdevs.iter().find(|v| v.vdev == a).unwrap().online);
+    let e = h
+        .alloc
+        .remove_vdev(pb::RemoveVdevRequest { vdev: b })
+        .await
+        .unwrap_err();
+    assert_eq!(reason(&e), "EVACUATION_RUNNING", "after a restart: {e:?}");
+    let ev = h.pool().await.evacuation.expect("the evacuation, restored");
+    assert_eq!(
+        (ev.vdev, ev.total_bytes, ev.move_rate),
+        (a, on_a, 0),
+        "{ev:?}"
+    );
     // Move everything off a.
     let mut ids = Vec::new();
     for from in blocks.iter().filter(|e| e.vdev == a) {
@@ -403,29 +434,23 @@ async fn drain_and_remove_survive_restarts() {
         ids.push(r.allocation_id);
     }
     assert!(!ids.is_empty());
-    // Frees defer: not removable until they synced twice more.
-    let e = h
-        .alloc
-        .remove_vdev(pb::RemoveVdevRequest { vdev: a })
-        .await
-        .unwrap_err();
-    assert_eq!(reason(&e), "VDEV_NOT_EMPTY", "{e:?}");
+    // Frees defer: the vdev is forgotten once they synced twice more.
     let mut tries = 0;
-    let removed = loop {
+    while h.pool().await.vdevs.iter().any(|v| v.vdev == a) {
         h.sync().await;
-        match h.alloc.remove_vdev(pb::RemoveVdevRequest { vdev: a }).await {
-            Ok(r) => break r.into_inner(),
-            Err(e) => assert_eq!(reason(&e), "VDEV_NOT_EMPTY", "{e:?}"),
-        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
         tries += 1;
-        assert!(tries < 8, "never removable");
-    };
-    assert_eq!(removed.vdev, a);
-    assert_eq!(removed.name, "fake1");
+        assert!(
+            tries < 40,
+            "never forgotten: {:?}",
+            h.pool().await.evacuation
+        );
+    }
+    assert_eq!(h.pool().await.evacuation, None);
     assert!(h.pool().await.vdevs.iter().all(|v| v.vdev != a));
     h.server.shutdown().await.unwrap();
 
-    let mut h = start_with(restart_config(), open(dir.path()).await).await;
+    let mut h = start_with(paused(), open(dir.path()).await).await;
     let p = h.pool().await;
     assert_eq!(p.vdevs.iter().map(|v| v.vdev).collect::<Vec<_>>(), vec![b]);
     for id in ids {
@@ -446,5 +471,48 @@ async fn drain_and_remove_survive_restarts() {
         .await
         .unwrap_err();
     assert_eq!(reason(&e), "VDEV_REMOVED", "{e:?}");
+    h.server.shutdown().await.unwrap();
+}
+
+/// RemoveVdev refusals, before anything moves: the last vdev (its blocks
+/// would have nowhere to go), and a vdev whose blocks do not fit on the
+/// others (saying how much is missing). The vdev stays online, no
+/// evacuation is recorded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removal_that_cannot_finish_is_refused_before_anything_moves() {
+    let mut h = start(config()).await;
+    let a = h.add_vdev(1, GIB).await;
+    let blocks = written(&mut h, 24, 16 * MIB).await;
+    let e = h
+        .alloc
+        .remove_vdev(pb::RemoveVdevRequest { vdev: a })
+        .await
+        .unwrap_err();
+    assert_eq!(reason(&e), "LAST_VDEV", "{e:?}");
+    assert!(e.message().contains("nowhere to go"), "{e:?}");
+    // A small second vdev cannot take a's 384 MiB.
+    let b = h.add_vdev(2, 128 * MIB).await;
+    let e = h
+        .alloc
+        .remove_vdev(pb::RemoveVdevRequest { vdev: a })
+        .await
+        .unwrap_err();
+    assert_eq!(reason(&e), "NO_ROOM_TO_DRAIN", "{e:?}");
+    assert!(e.message().contains("missing"), "{e:?}");
+    let info = tonic_types::StatusExt::get_details_error_info(&e).expect("error info");
+    let meta = |k: &str| info.metadata[k].parse::<u64>().unwrap();
+    assert_eq!(meta("need"), blocks.len() as u64 * 16 * MIB);
+    assert_eq!(meta("missing"), meta("need") - meta("available"));
+    let p = h.pool().await;
+    assert!(p.vdevs.iter().all(|v| v.online), "{p:?}");
+    assert_eq!(p.evacuation, None);
+    // b, nearly empty, fits on a: its removal starts.
+    let r = h
+        .alloc
+        .remove_vdev(pb::RemoveVdevRequest { vdev: b })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(r.evacuating || r.bytes == 0, "{r:?}");
     h.server.shutdown().await.unwrap();
 }

@@ -96,6 +96,25 @@ impl Harness {
         vdev
     }
 
+    /// An AllocateStream: the sender of its requests (`depth` buffered)
+    /// and its replies.
+    pub async fn stream(
+        &mut self,
+        depth: usize,
+    ) -> (
+        mpsc::Sender<pb::StreamRequest>,
+        tonic::Streaming<pb::StreamReply>,
+    ) {
+        let (tx, rx) = mpsc::channel(depth);
+        let replies = self
+            .alloc
+            .allocate_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        (tx, replies)
+    }
+
     pub async fn pool(&mut self) -> pb::PoolStatus {
         self.alloc
             .get_pool(pb::GetPoolRequest {})

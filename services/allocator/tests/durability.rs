@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use aliquot_allocator::spacemap::Chunk;
 use aliquot_allocator::sqlite_store::{self, OpenError};
-use aliquot_allocator::store::{Persisted, StoreError, TxgRecord};
+use aliquot_allocator::store::{Evacuation, Persisted, StoreError, TxgRecord};
 use aliquot_allocator::{Config, MemStore, SqliteStore, Store};
 use aliquot_proto::v1 as pb;
 use common::*;
@@ -44,6 +44,7 @@ async fn claim(h: &mut Harness, extents: Vec<pb::Extent>) -> Result<u64, tonic::
         .claim(pb::ClaimRequest {
             extents,
             per_extent: false,
+            allocation_ids: Vec::new(),
         })
         .await
         .map(|r| r.into_inner().txg)
@@ -72,7 +73,10 @@ fn vdev_alloc(s: &pb::PoolStatus) -> Vec<(u32, u64)> {
 /// committed-but-unsynced one; shut down cleanly. Returns (kept, freed).
 async fn populated(dir: &Path) -> (Vec<pb::Extent>, Vec<pb::Extent>) {
     let store = open(&db_path(dir)).await;
-    let mut h = start_with(config(), store.clone()).await;
+    // Every metaslab flushed each txg: the tests below edit the chunks.
+    let mut c = config();
+    c.tunables.push("zfs_min_metaslabs_to_flush=1000000".into());
+    let mut h = start_with(c, store.clone()).await;
     h.add_vdev(11, 2 * GIB).await;
     h.add_vdev(12, 2 * GIB).await;
     let mut kept = Vec::new();
@@ -472,7 +476,10 @@ async fn run_time_tunables_survive_restarts_unless_overridden() {
     // An explicit --tunable at start wins over the stored value.
     let store = open(&path).await;
     let mut c = config();
-    c.tunables = vec!["zfs_txg_timeout=9".into()];
+    c.tunables = vec![
+        "zfs_txg_timeout=9".into(),
+        "zfs_unflushed_log_txg_max=50".into(),
+    ];
     let mut h = start_with(c, store.clone()).await;
     let list = h
         .alloc
@@ -481,6 +488,13 @@ async fn run_time_tunables_survive_restarts_unless_overridden() {
         .unwrap()
         .into_inner();
     assert_eq!(get(&list, "zfs_txg_timeout"), "9");
+    // The log space map's bounds, the store's: set at start, listed.
+    assert_eq!(get(&list, "zfs_unflushed_log_txg_max"), "50");
+    assert_eq!(
+        get(&list, "zfs_unflushed_max_mem_amt"),
+        (1u64 << 30).to_string()
+    );
+    assert_eq!(store.log_tunables().unwrap().zfs_unflushed_log_txg_max, 50);
     h.server.shutdown().await.unwrap();
     store.close().await;
 }
@@ -567,6 +581,12 @@ impl Store for GateStore {
     fn fenced(&self) -> bool {
         self.inner.fenced()
     }
+    fn log_tunables(&self) -> Option<aliquot_allocator::spacemap_log::LogTunables> {
+        self.inner.log_tunables()
+    }
+    fn set_log_tunables(&self, t: aliquot_allocator::spacemap_log::LogTunables) {
+        self.inner.set_log_tunables(t)
+    }
     fn handed_over_cleanly(&self) -> bool {
         self.inner.handed_over_cleanly()
     }
@@ -594,6 +614,15 @@ impl Store for GateStore {
     ) -> BoxFuture<'_, Result<Vec<metaslab::Extent>, StoreError>> {
         self.inner.largest_extents(vdev, limit)
     }
+    fn copies_of(&self, at: (u32, u64)) -> BoxFuture<'_, Result<Vec<(u32, u64)>, StoreError>> {
+        self.inner.copies_of(at)
+    }
+    fn copies_on(
+        &self,
+        vdev: u32,
+    ) -> BoxFuture<'_, Result<aliquot_allocator::block_copies::CopySets, StoreError>> {
+        self.inner.copies_on(vdev)
+    }
     fn relocation(
         &self,
         id: u64,
@@ -610,6 +639,16 @@ impl Store for GateStore {
     }
     fn bind_agent<'a>(&'a self, n: &'a str, g: u64) -> BoxFuture<'a, Result<(), StoreError>> {
         self.inner.bind_agent(n, g)
+    }
+    fn evacuations(&self) -> BoxFuture<'_, Result<Vec<Evacuation>, StoreError>> {
+        self.inner.evacuations()
+    }
+    fn set_evacuation(
+        &self,
+        v: u32,
+        e: Option<Evacuation>,
+    ) -> BoxFuture<'_, Result<(), StoreError>> {
+        self.inner.set_evacuation(v, e)
     }
 }
 
@@ -811,6 +850,66 @@ async fn frees_split_stored_extents_in_one_transaction() {
     store.close().await;
 }
 
+/// A txg the pool vouched for (`TxgSync::checked`: its changes fit the
+/// pool's in-memory space maps) is appended to the log without reading the
+/// chunks. Were a pool wrong, what it vouched for could not get past the
+/// next restart: the replay of the log onto the chunks refuses the store as
+/// inconsistent, naming the bad change, as a flush would refuse its txg.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vouched_txg_that_does_not_fit_is_refused_by_the_replay() {
+    use metaslab::{Extent, SpaceChange, SpaceChangeKind, TxgSync, VdevRole, VdevSpec};
+    let dir = tempfile::tempdir().unwrap();
+    let path = db_path(dir.path());
+    let store = open(&path).await;
+    store.create(5).await.unwrap();
+    let e = |offset: u64, size: u64| Extent {
+        vdev: 0,
+        offset,
+        size,
+    };
+    let rec = |txg, changes, checked| TxgRecord {
+        sync: TxgSync {
+            txg,
+            changes,
+            checked,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let alloc = |x| SpaceChange {
+        kind: SpaceChangeKind::Alloc,
+        extent: x,
+    };
+    let mut first = rec(4, vec![alloc(e(0, 16384))], false);
+    first.vdevs.push(aliquot_allocator::store::VdevRecord {
+        id: 0,
+        guid: 9,
+        name: "v".into(),
+        endpoint: "http://127.0.0.1:1".into(),
+        spec: VdevSpec {
+            capacity: GIB,
+            ashift: 12,
+            children: 1,
+            parity: 0,
+            rotational: false,
+            role: VdevRole::Normal,
+            metaslab_shift: Some(27),
+        },
+    });
+    store.persist(&first).await.unwrap();
+    // Unvouched, the overlap is refused at once (the chunks are read).
+    let over = |checked| rec(5, vec![alloc(e(4096, 4096))], checked);
+    assert!(store.persist(&over(false)).await.is_err());
+    // Vouched, it goes into the log (no metaslab is flushed yet) ...
+    store.persist(&over(true)).await.unwrap();
+    store.close().await;
+    // ... and the restart that replays it refuses the store.
+    let store = open(&path).await;
+    let err = store.load().await.unwrap_err().to_string();
+    assert!(err.contains("inconsistent"), "{err}");
+    store.close().await;
+}
+
 /// ExpandVdev (the operator's `zpool online -e`): grows a vdev, durable when
 /// it answers (a crash right after keeps the new capacity), never shrinks,
 /// never beyond what the store reopens.
@@ -822,7 +921,7 @@ async fn expand_vdev_grows_durably_and_refuses_shrinking_and_oversize() {
     let mut h = start_with(config(), store.clone()).await;
     let v = h.add_vdev(21, 256 * MIB).await;
     let expand = |vdev, capacity| pb::ExpandVdevRequest { vdev, capacity };
-    // Past the device its agent reported: refused (issue 27, item 7).
+    // Past the device its agent reported: refused.
     let e = h.alloc.expand_vdev(expand(v, GIB)).await.unwrap_err();
     assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
     assert!(e.message().contains("grow the device first"), "{e:?}");
@@ -915,6 +1014,22 @@ async fn space_maps_match_the_reference_store() {
             metaslab_shift: Some(30),
         },
     };
+    // Vdev 0 in 16 MiB metaslabs: its changes spread over ~10 of them, a
+    // few flushed into their chunks each txg, the rest only in the log.
+    let vdev = |id| {
+        let mut v = vdev(id);
+        if id == 0 {
+            v.spec.metaslab_shift = Some(24);
+        }
+        v
+    };
+    let mut store = store;
+    // OpenZFS's policy: a metaslab or more flushed each txg.
+    let one = aliquot_allocator::spacemap_log::LogTunables {
+        zfs_min_metaslabs_to_flush: 1,
+        ..Default::default()
+    };
+    store.set_log_tunables(one);
     let mut rng = SmallRng::seed_from_u64(14);
     // What is allocated, per vdev: offset -> size.
     let mut live: [BTreeMap<u64, u64>; 2] = [BTreeMap::new(), BTreeMap::new()];
@@ -1094,7 +1209,42 @@ async fn space_maps_match_the_reference_store() {
                 mem.largest_extents(v, 7).await.unwrap()
             );
         }
+        if txg % 6 == 0 {
+            // A restart mid-way through flushing: some metaslabs flushed,
+            // others only in the log, which the load replays.
+            let (logged, flushed) = log_rows(&path).await;
+            assert!(
+                logged > 0 && flushed > 0,
+                "txg {txg}: {logged} log rows, {flushed} flushed"
+            );
+            store.close().await;
+            store = open(&path).await;
+            store.set_log_tunables(one);
+            let (_, a) = sqlite_store::read_only(&path).await.unwrap().unwrap();
+            assert_eq!(a.allocated, b.allocated, "txg {txg}, read only");
+            assert_eq!(
+                store.load().await.unwrap().unwrap().allocated,
+                b.allocated,
+                "txg {txg}, after a restart"
+            );
+        }
     }
+    // Everything flushed in one txg: the log empties, the maps stay.
+    let all = aliquot_allocator::spacemap_log::LogTunables {
+        zfs_min_metaslabs_to_flush: u64::MAX,
+        ..Default::default()
+    };
+    store.set_log_tunables(all);
+    let last = TxgRecord {
+        sync: TxgSync {
+            txg: 24,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    store.persist(&last).await.unwrap();
+    mem.persist(&last).await.unwrap();
+    assert_eq!(log_rows(&path).await.0, 0, "all flushed");
     let want = mem.load().await.unwrap().unwrap();
     aliquot_allocator::recovery::verify(&want).expect("consistent");
     store.close().await;
@@ -1105,13 +1255,17 @@ async fn space_maps_match_the_reference_store() {
     );
     store.close().await;
 
-    // The same content in the old layout: one row per extent.
+    // The same content in the old layout: one row per extent (and no log:
+    // an old binary kept none).
     {
         let mut c = rw(&path).await;
-        sqlx::query("DELETE FROM spacemaps")
-            .execute(&mut c)
-            .await
-            .unwrap();
+        for sql in [
+            "DELETE FROM spacemaps",
+            "DELETE FROM spacemap_log",
+            "DELETE FROM metaslab_flushes",
+        ] {
+            sqlx::query(sql).execute(&mut c).await.unwrap();
+        }
         for e in want.allocated.iter() {
             sqlx::query(
                 "INSERT INTO extents (pool, vdev, offset, size, txg) VALUES (1, ?, ?, ?, 1)",
@@ -1148,7 +1302,20 @@ async fn space_maps_match_the_reference_store() {
     c.close().await.unwrap();
 }
 
-/// Issue 25: a device's label keeps the store's state digest beside the
+/// Rows of the log space map, and metaslabs with a flush txg recorded.
+async fn log_rows(path: &Path) -> (i64, i64) {
+    let mut c = rw(path).await;
+    let r = sqlx::query_as(
+        "SELECT (SELECT COUNT(*) FROM spacemap_log), (SELECT COUNT(*) FROM metaslab_flushes)",
+    )
+    .fetch_one(&mut c)
+    .await
+    .unwrap();
+    c.close().await.unwrap();
+    r
+}
+
+/// A device's label keeps the store's state digest beside the
 /// synced txg; at the same txg a different digest means the store is of
 /// another history (a copy that went its own way): refused, and sticky.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1260,6 +1427,7 @@ async fn a_late_claim_over_space_committed_in_this_generation_is_refused() {
         .claim(pb::ClaimRequest {
             extents: vec![x, free, sub],
             per_extent: true,
+            allocation_ids: Vec::new(),
         })
         .await
         .expect("a per-extent claim answers each extent")

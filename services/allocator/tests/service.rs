@@ -223,7 +223,7 @@ async fn sync_txg_and_commit_wait_synced() {
     assert_eq!(s1.synced_txg, synced);
     assert!(s1.open_txg > open);
     // An old txg answers at once; one too far ahead is refused.
-    // A txg names the generation it was seen in (issue 25 item 5).
+    // A txg names the generation it was seen in.
     let e = h
         .alloc
         .sync_txg(pb::SyncTxgRequest {
@@ -400,13 +400,7 @@ async fn stream_replies_come_back_out_of_order_by_id() {
     let mut h = start(config()).await;
     h.add_vdev(1, 4 * GIB).await;
     let held = h.fill_throttle(MIB).await;
-    let (tx, rx) = tokio::sync::mpsc::channel(16);
-    let mut replies = h
-        .alloc
-        .allocate_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
-        .await
-        .unwrap()
-        .into_inner();
+    let (tx, mut replies) = h.stream(16).await;
     use pb::stream_request::Op;
     tx.send(pb::StreamRequest {
         request_id: 1,
@@ -591,7 +585,7 @@ async fn bad_input_gets_a_precise_status_and_changes_nothing() {
         Code::InvalidArgument,
         "class 9",
     );
-    // Commit names its generation (issue 25 item 5): without it, refused.
+    // Commit names its generation: without it, refused.
     let commit = c
         .commit(pb::CommitRequest {
             allocation_ids: vec![a.allocation_id],
@@ -617,7 +611,7 @@ async fn bad_input_gets_a_precise_status_and_changes_nothing() {
         .await
         .map(|_| ());
     expect(abort, Code::NotFound, "987654");
-    // One request names at most 4096 extents (issue 27, item 3).
+    // One request names at most 4096 extents.
     let many = c
         .free(pb::FreeRequest {
             extents: (0..4097u64)
@@ -695,6 +689,7 @@ async fn bad_input_gets_a_precise_status_and_changes_nothing() {
         .claim(pb::ClaimRequest {
             extents: vec![],
             per_extent: false,
+            allocation_ids: Vec::new(),
         })
         .await
         .map(|_| ());
@@ -726,7 +721,7 @@ async fn a_log_block_may_ask_for_a_size_range() {
     assert_eq!(r.psize, 128 * 1024, "the reply says what the block holds");
 }
 
-/// Issue 29 item 4 over gRPC: with two allocators (one per CPU here), a
+/// Allocators over gRPC: with two allocators (one per CPU here), a
 /// request's `affinity_key` picks the allocator its hash names, and a newly
 /// activated vdev is the first allocator's rotor while the second starts on
 /// the next (`metaslab_group_activate@zfs-2.4.0`): keys of the two
@@ -876,6 +871,7 @@ async fn a_restart_reloads_what_was_synced() {
         .claim(pb::ClaimRequest {
             extents: vec![e0, b.extents[0]],
             per_extent: false,
+            allocation_ids: Vec::new(),
         })
         .await
         .unwrap();
@@ -890,6 +886,7 @@ async fn a_restart_reloads_what_was_synced() {
         .claim(pb::ClaimRequest {
             extents: vec![overlap],
             per_extent: false,
+            allocation_ids: Vec::new(),
         })
         .await
         .unwrap_err();
@@ -902,6 +899,108 @@ async fn a_restart_reloads_what_was_synced() {
         .unwrap()
         .into_inner();
     assert_eq!(r.vdev, v);
+}
+
+/// Over gRPC after a restart: a claim names its allocation per extent; an
+/// extent claimed for one allocation is refused to another of the same
+/// identity, the first one's retry is answered, an allocation older than
+/// the previous generation is refused, and ids that do not match the
+/// extents one for one are an invalid argument.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_names_its_allocation() {
+    let store = Arc::new(MemStore::new());
+    let mut h = start_with(config(), store.clone()).await;
+    let v = h.add_vdev(1, GIB).await;
+    let a = h.allocate(MIB).await.unwrap();
+    let b = h.allocate(MIB).await.unwrap();
+    h.server.shutdown().await.unwrap();
+    let h2 = start_with(config(), store.clone()).await;
+    // Space of the old generation whose txg was lost: one extent, two
+    // allocations of the old generation that (say) were both given it.
+    let x = pb::Extent {
+        vdev: v,
+        offset: 512 * MIB,
+        size: MIB,
+    };
+    let claim = |ids: Vec<u64>| {
+        let mut c = h2.alloc.clone();
+        async move {
+            c.claim(pb::ClaimRequest {
+                extents: vec![x],
+                per_extent: true,
+                allocation_ids: ids,
+            })
+            .await
+        }
+    };
+    // Until the vdev's agent reports in this generation (naming which
+    // allocation last wrote its older ranges), a claim naming an
+    // allocation there waits for that report.
+    let waiting = tokio::spawn(claim(vec![a.allocation_id]));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !waiting.is_finished(),
+        "a claim was answered before the report"
+    );
+    let r = h2
+        .registry
+        .clone()
+        .register(register_req(1, GIB))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.vdev, v);
+    let _rep = reporter(&h2.registry, v, GIB, Duration::from_millis(50));
+    let first = waiting.await.unwrap().unwrap().into_inner();
+    assert!(first.results[0].claimed, "{first:?}");
+    let other = claim(vec![b.allocation_id]).await.unwrap().into_inner();
+    assert!(!other.results[0].claimed, "{other:?}");
+    assert_eq!(
+        other.results[0].reason,
+        pb::ErrorReason::ClaimConflict as i32
+    );
+    assert!(
+        other.results[0].message.contains(&format!(
+            "claimed in this generation for allocation {}",
+            a.allocation_id
+        )),
+        "{other:?}"
+    );
+    let retry = claim(vec![a.allocation_id]).await.unwrap().into_inner();
+    assert!(retry.results[0].claimed, "{retry:?}");
+    // Older than the generation before this one.
+    let old = (a.generation - 1) << 40 | 1;
+    let y = pb::Extent {
+        offset: 600 * MIB,
+        ..x
+    };
+    let r = h2
+        .alloc
+        .clone()
+        .claim(pb::ClaimRequest {
+            extents: vec![y],
+            per_extent: true,
+            allocation_ids: vec![old],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!r.results[0].claimed, "{r:?}");
+    assert!(
+        r.results[0].message.contains("older than generation"),
+        "{r:?}"
+    );
+    let e = h2
+        .alloc
+        .clone()
+        .claim(pb::ClaimRequest {
+            extents: vec![x, y],
+            per_extent: true,
+            allocation_ids: vec![a.allocation_id],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -981,10 +1080,17 @@ async fn a_free_names_exactly_one_committed_extent() {
         size: lo.size / 2,
         ..lo
     };
+    // Inside a block, not at its start: found by the block that starts
+    // below it.
+    let middle = pb::Extent {
+        offset: lo.offset + lo.size / 2,
+        size: lo.size / 4,
+        ..lo
+    };
     for round in ["not yet persisted", "persisted"] {
         // Alone, or after an exact one in the same request (checked as a
         // batch): the whole request is refused.
-        for bad in [vec![span], vec![part], vec![hi, part]] {
+        for bad in [vec![span], vec![part], vec![middle], vec![hi, part]] {
             let e = h
                 .alloc
                 .free(pb::FreeRequest { extents: bad })
@@ -1147,7 +1253,7 @@ async fn a_drain_plans_every_extent_off_an_offline_vdev() {
     assert!(p.bytes <= p.limit_bytes && p.bytes < on_a, "{p:?}");
 }
 
-/// Issue 27, item 8: errors that say what is wrong.
+/// Errors that say what is wrong.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn errors_name_the_true_cause() {
     let mut h = start(config()).await;
@@ -1189,7 +1295,7 @@ async fn errors_name_the_true_cause() {
     assert!(e.message().len() < 4096, "{} bytes", e.message().len());
 }
 
-/// Issue 27, item 8: a re-Register that changes the vdev's role is refused.
+/// A re-Register that changes the vdev's role is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reregister_cannot_change_the_role() {
     let mut h = start(config()).await;
@@ -1210,7 +1316,7 @@ async fn a_reregister_cannot_change_the_role() {
         .expect("the same registration again");
 }
 
-/// Issue 29 item 3: the last normal vdev taking allocations cannot go
+/// The last normal vdev taking allocations cannot go
 /// offline (OpenZFS `vdev_passivate`), refused with its reason code.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_last_allocating_vdev_stays_online() {
@@ -1249,7 +1355,7 @@ async fn the_last_allocating_vdev_stays_online() {
     h.allocate(4096).await.expect("still allocating");
 }
 
-/// Issue 29 item 3: `drain` asks for room for the whole vdev first.
+/// `drain` asks for room for the whole vdev first.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drain_without_room_is_refused() {
     let mut h = start(config()).await;
@@ -1279,4 +1385,117 @@ async fn a_drain_without_room_is_refused() {
         })
         .await
         .expect("offline");
+}
+
+/// `Written` (unary and on the stream) ends a block's throttle reservation
+/// before its Commit: a waiter behind a full throttle is admitted though
+/// nothing was committed, the space stays in flight until the Commit, and
+/// a report of another generation, an unknown id, or none is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn written_blocks_give_back_their_reservation_before_the_commit() {
+    let mut h = start(config()).await;
+    h.add_vdev(1, 4 * GIB).await;
+    h.add_vdev(2, 4 * GIB).await;
+    let held = h.fill_throttle(MIB).await;
+    let generation = h.pool().await.generation;
+    let mut c = h.alloc.clone();
+    let waiter = tokio::spawn(async move { c.allocate(data(MIB)).await });
+    let mut probe = h.alloc.clone();
+    eventually("waiter queued", Duration::from_secs(5), || {
+        let mut p = probe.clone();
+        async move {
+            let s = p
+                .get_pool(pb::GetPoolRequest {})
+                .await
+                .unwrap()
+                .into_inner();
+            s.classes
+                .iter()
+                .any(|c| c.name == "normal" && c.waiting == 1)
+        }
+    })
+    .await;
+    let _ = &mut probe;
+
+    // Refused: no ids, an unknown id, a generation not this one's.
+    let written = |ids: Vec<u64>, generation: u64| pb::WrittenRequest {
+        allocation_ids: ids,
+        generation,
+    };
+    let e = h
+        .alloc
+        .written(written(vec![], generation))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    let e = h
+        .alloc
+        .written(written(vec![u64::MAX], generation))
+        .await
+        .unwrap_err();
+    assert_eq!(reason(&e), "UNKNOWN_ALLOCATION", "{e:?}");
+    let e = h
+        .alloc
+        .written(written(vec![held[0]], 0))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    assert_eq!(
+        h.normal().await.waiting,
+        1,
+        "a refused report releases nothing"
+    );
+
+    // Half the held blocks reported over the stream, the rest unary: the
+    // waiter gets in with nothing committed, and no reservation is left
+    // once it too is reported.
+    let half = held.len() / 2;
+    let (tx, rx) = tokio::sync::mpsc::channel(16);
+    let mut replies = h
+        .alloc
+        .allocate_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    tx.send(pb::StreamRequest {
+        request_id: 7,
+        op: Some(pb::stream_request::Op::Written(written(
+            held[..half].to_vec(),
+            generation,
+        ))),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let r = replies.message().await.unwrap().unwrap();
+    assert_eq!(r.request_id, 7);
+    assert!(
+        matches!(r.result, Some(pb::stream_reply::Result::Written(_))),
+        "{r:?}"
+    );
+    h.alloc
+        .written(written(held[half..].to_vec(), generation))
+        .await
+        .unwrap();
+    let w = tokio::time::timeout(Duration::from_secs(5), waiter)
+        .await
+        .expect("admitted once the held blocks are written")
+        .unwrap()
+        .unwrap()
+        .into_inner();
+    // Repeating a report is a no-op.
+    h.alloc
+        .written(written(vec![held[0], w.allocation_id], generation))
+        .await
+        .unwrap();
+    let n = h.normal().await;
+    assert_eq!((n.reserved, n.waiting), (0, 0), "{n:?}");
+    assert!(n.groups.iter().all(|g| g.queue_depth == 0), "{n:?}");
+    // Still in flight: the commit makes them part of a txg, once.
+    let mut all = held.clone();
+    all.push(w.allocation_id);
+    h.commit(all.clone()).await.unwrap();
+    h.alloc.written(written(all, generation)).await.unwrap();
+    let n = h.normal().await;
+    assert_eq!(n.reserved, 0, "{n:?}");
 }

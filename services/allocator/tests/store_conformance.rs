@@ -9,7 +9,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use aliquot_allocator::extent_owners::{OwnerChanges, OwnerWindow};
-use aliquot_allocator::store::{AdminState, RelocationRecord, TxgRecord, VdevRecord, state_digest};
+use aliquot_allocator::store::{
+    AdminState, Evacuation, Mapping, MappingChange, RelocationRecord, TxgRecord, VdevRecord,
+    state_digest,
+};
 use aliquot_allocator::{MemStore, PgStore, SqliteStore, Store, sqlite_store};
 use metaslab::{Extent, SpaceChange, SpaceChangeKind, TxgSync, VdevRole, VdevSpec};
 
@@ -228,6 +231,7 @@ fn history() -> (Vec<TxgRecord>, Vec<Extent>) {
 }
 
 mod suite {
+    pub use super::mapping::*;
     use super::*;
 
     /// Before `create`: nothing to load, nothing written; `create` once.
@@ -385,6 +389,46 @@ mod suite {
         let p = s.load().await.unwrap().unwrap();
         assert_eq!(p.synced_txg, 2);
         assert_eq!(p.vdevs.len(), 3);
+        b.close(s).await;
+    }
+
+    /// A txg the pool checked against its in-memory space maps
+    /// (`TxgSync::checked`) is not checked against the chunks again, but
+    /// the flush that applies it to them still refuses what does not fit:
+    /// here every metaslab is flushed in its own txg, so the txg is refused
+    /// whole. Checked and fitting, it persists (into the log) and loads.
+    pub async fn a_pool_checked_txg_still_meets_the_flush<B: Backend>(b: &mut B) {
+        let s = b.open().await;
+        s.create(7).await.unwrap();
+        let (txgs, allocated) = history();
+        persist(&*s, &txgs[0]).await;
+        let before = s.load().await.unwrap().unwrap();
+        let flush_all = aliquot_allocator::spacemap_log::LogTunables {
+            zfs_min_metaslabs_to_flush: u64::MAX,
+            ..Default::default()
+        };
+        s.set_log_tunables(flush_all);
+        let checked = |changes| {
+            let mut r = txg(2, before.state_digest, changes);
+            r.sync.checked = true;
+            r.state_digest = state_digest(before.state_digest, &r);
+            r
+        };
+        let over = checked(vec![alloc(ext(0, MIB, MIB))]);
+        assert!(s.persist(&over).await.is_err(), "allocated over an extent");
+        let unallocated = checked(vec![free(ext(0, 5 * MIB, MIB))]);
+        assert!(s.persist(&unallocated).await.is_err(), "freed free space");
+        b.close(s).await;
+        let s = b.open().await;
+        assert_eq!(s.load().await.unwrap().unwrap(), before);
+        let mut t2 = txgs[1].clone();
+        t2.sync.checked = true;
+        persist(&*s, &t2).await;
+        b.close(s).await;
+        let s = b.open().await;
+        let p = s.load().await.unwrap().unwrap();
+        assert_eq!(p.synced_txg, 2);
+        assert_eq!(p.allocated.iter().collect::<Vec<_>>(), allocated);
         b.close(s).await;
     }
 
@@ -591,6 +635,222 @@ mod suite {
     }
 }
 
+mod mapping {
+    use super::*;
+
+    /// Entries added in a move's txg are loaded after a restart, in
+    /// `(vdev, offset)` order; a drop in a later txg removes exactly its
+    /// entry; an entry added twice refuses the whole txg (nothing of it
+    /// lands); a torn txg's entries are not there.
+    pub async fn indirect_mappings_live_from_their_move_to_their_drop<B: Backend>(b: &mut B) {
+        let s = b.open().await;
+        s.create(9).await.unwrap();
+        let m = |from: Extent, to: Extent, txg| Mapping { from, to, txg };
+        let a = m(ext(1, 8 * MIB, MIB), ext(0, 0, MIB), 1);
+        let c = m(ext(1, 0, 2 * MIB), ext(0, 4 * MIB, 2 * MIB), 1);
+        let mut t1 = txg(
+            1,
+            0,
+            vec![alloc(ext(0, 0, 8 * MIB)), alloc(ext(1, 0, 16 * MIB))],
+        );
+        t1.vdevs = vec![vdev(0), vdev(1)];
+        t1.mappings = vec![MappingChange::Add(a), MappingChange::Add(c)];
+        t1.state_digest = state_digest(0, &t1);
+        persist(&*s, &t1).await;
+        b.close(s).await;
+        let s = b.open().await;
+        let p = s.load().await.unwrap().unwrap();
+        assert_eq!(p.mappings, vec![c, a], "in (vdev, offset) order");
+        // Txg 2 adds one and drops one.
+        let d = m(ext(1, 12 * MIB, MIB), ext(0, 6 * MIB, MIB), 2);
+        let mut t2 = txg(2, t1.state_digest, vec![]);
+        t2.mappings = vec![MappingChange::Drop(c.from), MappingChange::Add(d)];
+        t2.state_digest = state_digest(t1.state_digest, &t2);
+        persist(&*s, &t2).await;
+        // Txg 3 maps `a`'s old extent again: refused, and its other change
+        // (a drop of `d`) does not land either.
+        let mut t3 = txg(3, t2.state_digest, vec![]);
+        t3.mappings = vec![
+            MappingChange::Drop(d.from),
+            MappingChange::Add(m(a.from, ext(0, 7 * MIB, MIB), 3)),
+        ];
+        t3.state_digest = state_digest(t2.state_digest, &t3);
+        assert!(s.persist(&t3).await.is_err(), "an entry mapped twice");
+        b.close(s).await;
+        let s = b.open().await;
+        let p = s.load().await.unwrap().unwrap();
+        assert_eq!(p.synced_txg, 2);
+        assert_eq!(p.mappings, vec![a, d]);
+        // Dropped and added again in one txg: the new target stands.
+        let mut t3 = txg(3, t2.state_digest, vec![]);
+        let a2 = m(a.from, ext(0, 7 * MIB, MIB), 3);
+        t3.mappings = vec![MappingChange::Drop(a.from), MappingChange::Add(a2)];
+        t3.state_digest = state_digest(t2.state_digest, &t3);
+        persist(&*s, &t3).await;
+        b.close(s).await;
+        let s = b.open().await;
+        let p = s.load().await.unwrap().unwrap();
+        assert_eq!(p.mappings, vec![a2, d]);
+        b.close(s).await;
+    }
+
+    /// A vdev removal's row: recorded (replaced when recorded again), kept
+    /// across a restart, gone when ended.
+    pub async fn a_removal_is_recorded_until_it_ends<B: Backend>(b: &mut B) {
+        let s = b.open().await;
+        s.create(7).await.unwrap();
+        assert_eq!(s.evacuations().await.unwrap(), vec![]);
+        let ev = |bytes| Evacuation {
+            vdev: 2,
+            bytes,
+            extents: 3,
+            started_ms: 1_700_000_000_000,
+        };
+        s.set_evacuation(2, Some(ev(MIB))).await.unwrap();
+        s.set_evacuation(2, Some(ev(3 * MIB))).await.unwrap();
+        b.close(s).await;
+        let s = b.open().await;
+        s.load().await.unwrap().unwrap();
+        assert_eq!(s.evacuations().await.unwrap(), vec![ev(3 * MIB)]);
+        s.set_evacuation(2, None).await.unwrap();
+        b.close(s).await;
+        let s = b.open().await;
+        s.load().await.unwrap().unwrap();
+        assert_eq!(s.evacuations().await.unwrap(), vec![]);
+        b.close(s).await;
+    }
+
+    /// The txg that records a vdev removed deletes its removal's row (the
+    /// removal is over with it), and only that vdev's.
+    pub async fn a_removal_ends_in_the_txg_that_removes_its_vdev<B: Backend>(b: &mut B) {
+        let s = b.open().await;
+        s.create(8).await.unwrap();
+        let mut t1 = txg(1, 0, vec![]);
+        t1.vdevs = vec![vdev(0), vdev(1), vdev(2)];
+        t1.state_digest = state_digest(0, &t1);
+        persist(&*s, &t1).await;
+        let ev = |vdev| Evacuation {
+            vdev,
+            bytes: MIB,
+            extents: 1,
+            started_ms: 1_700_000_000_000,
+        };
+        s.set_evacuation(1, Some(ev(1))).await.unwrap();
+        s.set_evacuation(2, Some(ev(2))).await.unwrap();
+        let mut t2 = txg(2, t1.state_digest, vec![]);
+        t2.vdev_states = vec![(1, AdminState::Offline), (2, AdminState::Removed)];
+        t2.state_digest = state_digest(t1.state_digest, &t2);
+        persist(&*s, &t2).await;
+        b.close(s).await;
+        let s = b.open().await;
+        s.load().await.unwrap().unwrap();
+        assert_eq!(s.evacuations().await.unwrap(), vec![ev(1)]);
+        b.close(s).await;
+    }
+
+    /// A block's copies are linked by the txg that commits them; a link
+    /// follows its copy's relocation (one that frees its source and one
+    /// that keeps its address alike), goes with its copy's free, survives
+    /// a restart, and a refused txg links nothing.
+    pub async fn copies_are_linked_until_freed_and_follow_their_moves<B: Backend>(b: &mut B) {
+        use aliquot_allocator::block_copies::CopyLink;
+        let s = b.open().await;
+        s.create(6).await.unwrap();
+        let (a0, a1) = (ext(0, 0, MIB), ext(1, 0, MIB));
+        let (b0, b1, b2) = (ext(0, MIB, MIB), ext(1, MIB, MIB), ext(2, 0, MIB));
+        let single = ext(2, 4 * MIB, MIB);
+        let mut t1 = txg(
+            1,
+            0,
+            [a0, a1, b0, b1, b2, single]
+                .into_iter()
+                .map(alloc)
+                .collect(),
+        );
+        t1.vdevs = vec![vdev(0), vdev(1), vdev(2)];
+        t1.copies = vec![
+            CopyLink {
+                block: (1 << 40) | 7,
+                extents: vec![a0, a1],
+            },
+            CopyLink {
+                block: (1 << 40) | 8,
+                extents: vec![b2, b0, b1],
+            },
+        ];
+        t1.state_digest = state_digest(0, &t1);
+        persist(&*s, &t1).await;
+        let of = |e: Extent| (e.vdev, e.offset);
+        assert_eq!(s.copies_of(of(a0)).await.unwrap(), vec![of(a1)]);
+        assert_eq!(s.copies_of(of(b1)).await.unwrap(), vec![of(b0), of(b2)]);
+        assert_eq!(s.copies_of(of(single)).await.unwrap(), vec![]);
+        assert_eq!(s.copies_of((0, 12 * MIB)).await.unwrap(), vec![]);
+        assert_eq!(
+            s.copies_on(1).await.unwrap(),
+            vec![vec![of(a0), of(a1)], vec![of(b0), of(b1), of(b2)]]
+        );
+        assert_eq!(
+            s.copies_on(2).await.unwrap(),
+            vec![vec![of(b0), of(b1), of(b2)]]
+        );
+        b.close(s).await;
+        let s = b.open().await;
+        s.load().await.unwrap().unwrap();
+        assert_eq!(s.copies_of(of(a1)).await.unwrap(), vec![of(a0)]);
+        // Txg 2: a1 relocated to vdev 2 (freed), b0 moved to vdev 1
+        // keeping its address (b0 stays allocated behind an entry).
+        let (a1n, b0n) = (ext(2, 8 * MIB, MIB), ext(1, 8 * MIB, MIB));
+        let mut t2 = txg(2, t1.state_digest, vec![alloc(a1n), free(a1), alloc(b0n)]);
+        let reloc = |id, from, to| RelocationRecord {
+            allocation_id: id,
+            plan_id: 0,
+            from,
+            to,
+            txg: 2,
+        };
+        t2.relocations = vec![
+            reloc((1 << 40) | 20, a1, a1n),
+            reloc((1 << 40) | 21, b0, b0n),
+        ];
+        t2.mappings = vec![MappingChange::Add(Mapping {
+            from: b0,
+            to: b0n,
+            txg: 2,
+        })];
+        t2.state_digest = state_digest(t1.state_digest, &t2);
+        persist(&*s, &t2).await;
+        assert_eq!(s.copies_of(of(a0)).await.unwrap(), vec![of(a1n)]);
+        assert_eq!(s.copies_of(of(a1)).await.unwrap(), vec![]);
+        assert_eq!(s.copies_of(of(b2)).await.unwrap(), vec![of(b1), of(b0n)]);
+        assert_eq!(s.copies_of(of(b0)).await.unwrap(), vec![]);
+        assert_eq!(
+            s.copies_on(2).await.unwrap(),
+            vec![vec![of(b1), of(b0n), of(b2)], vec![of(a0), of(a1n)]]
+        );
+        // Txg 3 links a block over a freed range and frees twice what is
+        // allocated: refused whole, nothing of it linked.
+        let mut t3 = txg(3, t2.state_digest, vec![free(ext(0, 32 * MIB, MIB))]);
+        t3.copies = vec![CopyLink {
+            block: (1 << 40) | 30,
+            extents: vec![single, ext(0, 32 * MIB, MIB)],
+        }];
+        t3.state_digest = state_digest(t2.state_digest, &t3);
+        assert!(s.persist(&t3).await.is_err(), "a free of free space");
+        assert_eq!(s.copies_of(of(single)).await.unwrap(), vec![]);
+        // Txg 3: a0 and b2 freed.
+        let mut t3 = txg(3, t2.state_digest, vec![free(a0), free(b2)]);
+        t3.state_digest = state_digest(t2.state_digest, &t3);
+        persist(&*s, &t3).await;
+        assert_eq!(s.copies_of(of(a1n)).await.unwrap(), vec![]);
+        assert_eq!(s.copies_of(of(b1)).await.unwrap(), vec![of(b0n)]);
+        b.close(s).await;
+        let s = b.open().await;
+        s.load().await.unwrap().unwrap();
+        assert_eq!(s.copies_of(of(b0n)).await.unwrap(), vec![of(b1)]);
+        assert_eq!(s.copies_of(of(a0)).await.unwrap(), vec![]);
+        b.close(s).await;
+    }
+}
 /// Instantiates every test of [`suite`] for one store.
 macro_rules! store_test_suite {
     ($store:ident, $backend:expr) => {
@@ -601,11 +861,16 @@ macro_rules! store_test_suite {
                 everything_persisted_is_loaded_after_a_restart,
                 txgs_persist_in_order_and_a_retry_is_a_no_op,
                 a_torn_txg_leaves_nothing,
+                a_pool_checked_txg_still_meets_the_flush,
                 lookups_answer_from_the_durable_extents,
                 generations_and_their_history_survive_restarts,
                 owner_windows_are_replaced_whole,
                 an_agent_binds_one_device_and_a_device_one_agent,
                 concurrent_writers_all_land,
+                indirect_mappings_live_from_their_move_to_their_drop,
+                a_removal_is_recorded_until_it_ends,
+                a_removal_ends_in_the_txg_that_removes_its_vdev,
+                copies_are_linked_until_freed_and_follow_their_moves,
             );
         }
     };
@@ -704,4 +969,206 @@ async fn postgres_a_clean_handover_is_said_to_the_next_leader_only() {
     first.close().await;
     second.close().await;
     third.close().await;
+}
+
+/// SQLite's clean-shutdown mark, the same `leaders` row mark as a
+/// PostgreSQL handover: a shutdown marked clean is said to the next start
+/// only; a start that ends otherwise (a crash: no mark) leaves nothing
+/// that says "clean", and a mark of an older generation is ignored.
+#[tokio::test]
+async fn sqlite_a_clean_shutdown_is_said_to_the_next_start_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(sqlite_store::DB_FILE);
+    let open = || async {
+        let s = SqliteStore::open(&path, POOL, None).await.unwrap();
+        let g = s.open_generation().await.unwrap();
+        (s, g)
+    };
+    let s = SqliteStore::open(&path, POOL, None).await.unwrap();
+    s.create(7).await.unwrap();
+    let g1 = s.open_generation().await.unwrap();
+    assert!(!s.handed_over_cleanly(), "nobody ran before");
+    s.hand_over_cleanly(g1).await.unwrap();
+    s.close().await;
+    let (s, g2) = open().await;
+    assert!(s.handed_over_cleanly(), "the first shut down cleanly");
+    // Crashes (closes without the mark).
+    s.close().await;
+    let (s, g3) = open().await;
+    assert!(
+        !s.handed_over_cleanly(),
+        "the second did not shut down cleanly"
+    );
+    // A mark for a generation that is not the row's changes nothing.
+    s.hand_over_cleanly(g2).await.unwrap();
+    s.close().await;
+    let (s, _) = open().await;
+    assert!(
+        !s.handed_over_cleanly(),
+        "generation {g2}'s mark under {g3}"
+    );
+    s.close().await;
+}
+
+/// A SQLite pool moved into PostgreSQL (`export`, then `import`: what
+/// `aliquot-allocator migrate-store` runs): the next leader there loads the
+/// same pool and answers every question the SQLite store answered the same,
+/// opening the generation after the source's, told of its clean shutdown. A
+/// second import into the same pool is refused; an import that fails part
+/// way (a binding the schema refuses, after every extent was written)
+/// leaves no pool behind.
+#[tokio::test]
+async fn a_sqlite_pool_moves_into_postgres_whole_or_not_at_all() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(sqlite_store::DB_FILE);
+    let src = SqliteStore::open(&path, POOL, None).await.unwrap();
+    src.create(0xfeed).await.unwrap();
+    let g = src.open_generation().await.unwrap();
+    let (records, _) = history();
+    for r in &records {
+        persist(&src, r).await;
+    }
+    // A block of two copies: its link moves with the pool.
+    let (c0, c1) = (ext(0, 30 * MIB, MIB), ext(1, 30 * MIB, MIB));
+    let mut linked = txg(3, records[1].state_digest, vec![alloc(c0), alloc(c1)]);
+    linked.copies = vec![aliquot_allocator::block_copies::CopyLink {
+        block: 5,
+        extents: vec![c0, c1],
+    }];
+    linked.state_digest = state_digest(records[1].state_digest, &linked);
+    persist(&src, &linked).await;
+    src.set_tunable("zfs_txg_timeout", "3s").await.unwrap();
+    src.bind_agent("agent/a", 0xabc).await.unwrap();
+    let ev = Evacuation {
+        vdev: 1,
+        bytes: 2 * MIB,
+        extents: 1,
+        started_ms: 1234,
+    };
+    src.set_evacuation(1, Some(ev)).await.unwrap();
+    src.hand_over_cleanly(g).await.unwrap();
+    let img = src.export().await.unwrap().expect("a pool");
+    let want = src.load().await.unwrap().expect("a pool");
+    let history_before = src.generation_history().await.unwrap();
+    src.close().await;
+    assert_eq!(img.generation, g);
+
+    let pg = local_postgres::Postgres::start();
+    let url = pg.url();
+    let dst = PgStore::open(&url, POOL, None, "migrate-store")
+        .await
+        .unwrap();
+    let mut steps = Vec::new();
+    dst.import(&img, &mut |s: String| steps.push(s))
+        .await
+        .unwrap();
+    assert!(!steps.is_empty(), "no progress said");
+    let again = dst
+        .import(&img, &mut |_: String| {})
+        .await
+        .expect_err("a second import into the pool");
+    assert!(again.0.contains("already holds a pool"), "{again}");
+    dst.close().await;
+
+    let mut pgb = Pg {
+        server: pg,
+        opened: 0,
+    };
+    let s = pgb.leader().await;
+    assert!(s.handed_over_cleanly(), "the source shut down cleanly");
+    assert_eq!(s.open_generation().await.unwrap(), g + 1);
+    assert_eq!(s.load().await.unwrap().expect("the pool"), want);
+    let mut history_after = s.generation_history().await.unwrap();
+    history_after.remove(&(g + 1));
+    assert_eq!(history_after, history_before);
+    assert_eq!(
+        s.agent_bindings().await.unwrap(),
+        BTreeMap::from([("agent/a".to_string(), 0xabc)])
+    );
+    assert_eq!(s.evacuations().await.unwrap(), vec![ev]);
+    assert_eq!(
+        s.relocation(77).await.unwrap(),
+        Some(records[1].relocations[0])
+    );
+    assert_eq!(s.relocation_totals().await.unwrap(), (1, 2 * MIB));
+    assert_eq!(
+        s.copies_of((0, 30 * MIB)).await.unwrap(),
+        vec![(1, 30 * MIB)]
+    );
+    // The pool goes on from the source's synced txg.
+    let t4 = txg(4, want.state_digest, vec![alloc(ext(0, 20 * MIB, MIB))]);
+    persist(&s, &t4).await;
+    s.release(true).await.unwrap();
+    s.close().await;
+
+    // Two bindings of one device: refused by the schema after the extents
+    // are written; nothing of the pool stays.
+    let mut bad = img.clone();
+    bad.bindings.insert("agent/b".into(), 0xabc);
+    let other = PgStore::open(&url, "other", None, "migrate-store")
+        .await
+        .unwrap();
+    other
+        .import(&bad, &mut |_: String| {})
+        .await
+        .expect_err("a binding the schema refuses");
+    assert_eq!(
+        aliquot_allocator::pg_store::read_only(&url, "other")
+            .await
+            .unwrap(),
+        None,
+        "a failed import left a pool"
+    );
+    other.import(&img, &mut |_: String| {}).await.unwrap();
+    other.close().await;
+    let moved = aliquot_allocator::pg_store::read_only(&url, "other")
+        .await
+        .unwrap()
+        .expect("the pool");
+    assert_eq!(moved, want);
+}
+
+/// `migrate-store` refuses a source that does not verify (a vdev's row
+/// says less capacity than its extents need): nothing is written to the
+/// destination and the SQLite file stays where it was.
+#[tokio::test]
+async fn migrate_store_refuses_an_inconsistent_source() {
+    use sqlx::Connection;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(sqlite_store::DB_FILE);
+    let src = SqliteStore::open(&path, POOL, None).await.unwrap();
+    src.create(0xfeed).await.unwrap();
+    src.open_generation().await.unwrap();
+    for r in &history().0 {
+        persist(&src, r).await;
+    }
+    src.close().await;
+    let mut c = sqlx::SqliteConnection::connect(&format!("sqlite://{}", path.display()))
+        .await
+        .unwrap();
+    sqlx::query("UPDATE vdevs SET capacity = 4096 WHERE id = 0")
+        .execute(&mut c)
+        .await
+        .unwrap();
+    c.close().await.unwrap();
+    let pg = local_postgres::Postgres::start();
+    let args = aliquot_allocator::migrate_cmd::MigrateArgs {
+        from: dir.path().display().to_string(),
+        to: pg.url(),
+    };
+    let e = aliquot_allocator::migrate_cmd::run(args)
+        .await
+        .expect_err("an inconsistent source");
+    assert!(
+        e.to_string().to_lowercase().contains("inconsistent"),
+        "{e:#}"
+    );
+    assert!(path.exists(), "the refused source was renamed");
+    assert!(
+        !matches!(
+            aliquot_allocator::pg_store::read_only(&pg.url(), POOL).await,
+            Ok(Some(_))
+        ),
+        "a refused move wrote the pool"
+    );
 }

@@ -24,7 +24,7 @@ async fn allocate_replies_carry_verifiable_tokens() {
     let mut req = data(256 << 10);
     req.copies = 2;
     let unary = h.alloc.allocate(req).await.unwrap().into_inner();
-    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    let (tx, mut replies) = h.stream(1).await;
     tx.send(pb::StreamRequest {
         request_id: 1,
         op: Some(pb::stream_request::Op::Allocate(req)),
@@ -32,12 +32,6 @@ async fn allocate_replies_carry_verifiable_tokens() {
     })
     .await
     .unwrap();
-    let mut replies = h
-        .alloc
-        .allocate_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
-        .await
-        .unwrap()
-        .into_inner();
     let streamed = match replies.message().await.unwrap().unwrap().result {
         Some(pb::stream_reply::Result::Allocate(a)) => a,
         other => panic!("stream reply {other:?}"),

@@ -69,6 +69,7 @@ async fn start_pool(name: &'static str, certs: Option<&std::path::Path>, tokens:
     if let Some(d) = certs {
         ac.tls = TlsArgs::with_files(files(Role::Allocator, "allocator").unwrap());
         ac.token_key = tokens.then(|| d.to_owned());
+        ac.admit_agents = vec![("sim0".into(), None), ("sim1".into(), None)];
     }
     let allocator = aliquot_allocator::start(ac, Arc::new(aliquot_allocator::MemStore::new()))
         .await
@@ -84,7 +85,7 @@ async fn start_pool(name: &'static str, certs: Option<&std::path::Path>, tokens:
         if let Some(d) = certs {
             gc.tls = TlsArgs::with_files(files(Role::Agent, &format!("sim{i}")).unwrap());
             gc.token_key = tokens.then(|| d.to_owned());
-            // mTLS without tokens must say so (issue 27, item 5).
+            // mTLS without tokens must say so.
             gc.unchecked_writes = !tokens;
         }
         let agent = aliquot_agent::Agent::open(&gc).expect("open sim agent");

@@ -1,5 +1,5 @@
-//! Administrative commands: tunables (list / get / set) and vdev online /
-//! offline / expand. Each is one RPC; the allocator validates, and its
+//! Administrative commands: tunables (list / get / set) and vdev add /
+//! online / offline / expand. Each is one RPC; the allocator validates, and its
 //! message is passed on to the operator unchanged. Vdevs are named as
 //! `status` shows them (name or id); a mistyped name gets a suggestion.
 
@@ -154,6 +154,20 @@ pub struct VdevArgs {
 
 #[derive(Clone, Debug, clap::Subcommand)]
 pub enum VdevCmd {
+    /// Admit a device waiting to join the pool (`status` lists pending
+    /// devices): its agent registered it with a certificate no operator
+    /// admitted, so it holds no space until this (like `zpool add`). NAME is
+    /// the name its agent registered (or its certificate's name).
+    Add {
+        name: String,
+        /// The device guid, when two pending devices share NAME.
+        #[arg(long, value_parser = parse_guid)]
+        guid: Option<u64>,
+        /// How long to wait for NAME's agent to register first (it may
+        /// still be starting), and then for it to report as a vdev.
+        #[arg(long, default_value = "15s", value_parser = units::duration_arg)]
+        wait: std::time::Duration,
+    },
     /// Make a vdev allocatable again. VDEV is its name (file0) or id.
     Online { vdev: String },
     /// Stop allocating on a vdev (its data stays readable). VDEV is its
@@ -185,14 +199,97 @@ pub enum VdevCmd {
     },
 }
 
+fn parse_guid(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    match t.strip_prefix("0x").or_else(|| t.strip_prefix("0X")) {
+        Some(h) => u64::from_str_radix(h, 16),
+        None => t.parse::<u64>(),
+    }
+    .map_err(|e| format!("{s:?} is not a device guid: {e}"))
+}
+
+/// `vdev add`: wait for NAME to be pending, admit it, then wait for its
+/// agent to register again and the vdev to take allocations.
+async fn vdev_add(
+    c: &mut client::Allocator,
+    name: &str,
+    guid: Option<u64>,
+    wait: std::time::Duration,
+) -> anyhow::Result<()> {
+    use std::time::{Duration, Instant};
+    let until = Instant::now() + wait;
+    let get = |c: &mut client::Allocator| {
+        let mut c = c.clone();
+        async move {
+            c.get_pool(GetPoolRequest {})
+                .await
+                .map_err(|s| client::status_msg("get pool", &s))
+                .map(|r| r.into_inner())
+        }
+    };
+    loop {
+        let pool = get(c).await?;
+        let pending = pool.pending_vdevs.iter().any(|p| match guid {
+            Some(g) => p.device_guid == g,
+            None => p.name == name || p.agent == name,
+        });
+        if pending || Instant::now() >= until {
+            break;
+        }
+        if pool.vdevs.iter().any(|v| v.name == name) && guid.is_none() {
+            anyhow::bail!("{name} is a vdev of the pool already (`status` shows it)");
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let v = c
+        .admit_vdev(aliquot_proto::v1::AdmitVdevRequest {
+            name: name.to_owned(),
+            device_guid: guid.unwrap_or(0),
+        })
+        .await
+        .map_err(|s| client::status_msg(&format!("vdev add {name}"), &s))?
+        .into_inner();
+    let label = vdev_label(v.vdev, &v.name);
+    println!(
+        "vdev {label} added: {} ({} metaslabs of {}), durable",
+        units::format_bytes(v.capacity),
+        v.metaslab_count,
+        units::format_bytes(v.metaslab_size)
+    );
+    // Its agent registers again within its backoff (at most 5 s) and
+    // then takes allocations.
+    let until = Instant::now() + wait;
+    loop {
+        let pool = get(c).await?;
+        let now = pool.vdevs.iter().find(|x| x.vdev == v.vdev);
+        if let Some(x) = now
+            && x.health == aliquot_proto::v1::VdevHealth::Healthy as i32
+        {
+            println!("vdev {label} is {}", health_name(x.health, x.online));
+            return Ok(());
+        }
+        if Instant::now() >= until {
+            println!(
+                "vdev {label} waits for its agent to register again (it takes allocations once it does)"
+            );
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
 pub async fn vdev(args: VdevArgs) -> anyhow::Result<()> {
     let mut c = args.conn.connect().await?;
+    if let VdevCmd::Add { name, guid, wait } = &args.cmd {
+        return vdev_add(&mut c, name, *guid, *wait).await;
+    }
     let pool = c
         .get_pool(GetPoolRequest {})
         .await
         .map_err(|s| client::status_msg("get pool", &s))?
         .into_inner();
     let spec = match &args.cmd {
+        VdevCmd::Add { name, .. } => name.clone(),
         VdevCmd::Online { vdev }
         | VdevCmd::Offline { vdev }
         | VdevCmd::Expand { vdev, .. }
@@ -203,7 +300,7 @@ pub async fn vdev(args: VdevArgs) -> anyhow::Result<()> {
     let label = vdev_label(vdev, &name);
     let online = match args.cmd {
         VdevCmd::Online { .. } => true,
-        VdevCmd::Offline { .. } => false,
+        VdevCmd::Offline { .. } | VdevCmd::Add { .. } => false,
         VdevCmd::Drain { max_misplaced, .. } => {
             c.set_vdev_state(SetVdevStateRequest {
                 vdev,
@@ -244,11 +341,22 @@ pub async fn vdev(args: VdevArgs) -> anyhow::Result<()> {
                 .await
                 .map_err(|s| client::status_msg(&format!("vdev remove {label}"), &s))?
                 .into_inner();
-            println!(
-                "vdev {} removed from the pool (durable in txg {}); stop its agent",
-                vdev_label(r.vdev, &r.name),
-                r.txg
-            );
+            if r.evacuating {
+                println!(
+                    "vdev {} is being removed: the allocator moves its {} ({} blocks) to the \
+                     other vdevs; `aliquotctl status` shows the progress, and its agent may be \
+                     stopped once it says done",
+                    vdev_label(r.vdev, &r.name),
+                    units::format_bytes(r.bytes),
+                    r.extents
+                );
+            } else {
+                println!(
+                    "vdev {} removed from the pool (durable in txg {}); stop its agent",
+                    vdev_label(r.vdev, &r.name),
+                    r.txg
+                );
+            }
             return Ok(());
         }
         VdevCmd::Expand { capacity, .. } => {

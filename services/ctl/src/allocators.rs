@@ -36,25 +36,18 @@ pub async fn run(args: AllocatorCmdArgs) -> anyhow::Result<()> {
     let mut c = args.conn.connect().await?;
     match args.cmd {
         AllocatorCmd::Status => {
-            // A standby answers NOT_LEADER and the channel moves to the
-            // leader: ask again (once per allocator given).
-            let tries = args.conn.allocator.split(',').count() + 1;
-            let mut last = None;
-            let mut st = None;
-            for _ in 0..tries {
-                match c.get_pool(GetPoolRequest {}).await {
-                    Ok(r) => {
-                        st = Some(r.into_inner());
-                        break;
-                    }
-                    Err(s) => last = Some(s),
-                }
-            }
-            let st = match (st, last) {
-                (Some(st), _) => st,
-                (None, Some(s)) => return Err(client::status_msg("get pool", &s)),
-                (None, None) => anyhow::bail!("get pool: no allocator answered"),
-            };
+            // A standby answers NOT_LEADER (retryable at once) and the
+            // channel moves to the leader: ask again.
+            let st = aliquot_client::retry_transient(
+                &aliquot_client::Retry::within(args.conn.leader_wait),
+                || {
+                    let mut c = c.clone();
+                    async move { c.get_pool(GetPoolRequest {}).await }
+                },
+            )
+            .await
+            .map_err(|s| client::status_msg("get pool", &s))?
+            .into_inner();
             let l = st.leadership.unwrap_or_default();
             println!("pool        {} (guid {:#x})", st.name, st.guid);
             println!("store       {}", l.store);

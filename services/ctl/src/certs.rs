@@ -182,7 +182,7 @@ mod tests {
         v
     }
 
-    /// Issue 27, item 6: each holder gets its own certificate and key and
+    /// Each holder gets its own certificate and key and
     /// ca.pem; only the allocator the token key; nobody ca.key.
     #[test]
     fn export_gives_each_holder_only_what_it_needs() {

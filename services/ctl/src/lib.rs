@@ -1,21 +1,25 @@
 //! aliquotctl: the operator's tool for an Aliquot pool. It starts a local
 //! pool of real processes (`up`, `demo`), shows the pool as `zpool list -v`
 //! would (`status`), drives the write path end to end (`write`), changes
-//! tunables and vdev states, and embeds every service (`serve`) so one
-//! binary is enough to run the whole system.
+//! tunables and vdev states. It is a client: it links no server, and runs
+//! the service binaries (`aliquot-allocator`, `aliquot-agent`,
+//! `aliquot-metrics`, found beside it or on PATH) for `up`, `demo`, `serve`
+//! and `verify`, `migrate-store`.
 
 pub mod admin;
 pub mod allocators;
 pub mod balancer;
+pub mod binaries;
 pub mod certs;
 pub mod client;
 pub mod demo;
+pub mod evacuation;
 pub mod free;
 pub mod health;
 pub mod history;
-pub mod leader;
 pub mod local;
 pub mod manifest;
+pub mod migrate;
 pub mod mover;
 pub mod names;
 pub mod pattern;
@@ -43,12 +47,10 @@ pub struct Cli {
     pub command: Cmd,
 }
 
-// Parsed once per process: the size of the largest variant (a service's
-// whole config) costs nothing worth a Box.
-#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum Cmd {
-    /// Run one service in this process (what `up` starts as children).
+    /// Run one service: exec its binary (aliquot-agent, aliquot-allocator,
+    /// aliquot-metrics) with the arguments given.
     #[command(subcommand)]
     Serve(serve::ServeCmd),
     /// Start a local pool: allocator, metrics and file (and sim) agents, until Ctrl-C.
@@ -75,6 +77,8 @@ pub enum Cmd {
     Allocator(allocators::AllocatorCmdArgs),
     /// Check the allocator's store (stopped or running pool), like `zdb -b`.
     Verify(verify::VerifyArgs),
+    /// Move a stopped pool from its SQLite store into PostgreSQL (for `--store`, HA).
+    MigrateStore(migrate::MigrateArgs),
     /// The pool CA: `certs init`, `certs issue --role ROLE NAME`.
     Certs(certs::CertsArgs),
     /// How balanced the pool is and how to rebalance it: `eval`, `plan`, `execute --manifest`
@@ -82,45 +86,12 @@ pub enum Cmd {
     Balancer(balancer::BalancerArgs),
 }
 
-impl Cli {
-    /// `service.name` for telemetry: the embedded service's own for `serve`.
-    pub fn service_name(&self) -> &'static str {
-        match &self.command {
-            Cmd::Serve(s) => s.service_name(),
-            _ => "aliquotctl",
-        }
-    }
-
-    /// The runtime's network threads: a served agent's or allocator's
-    /// `--worker-threads`; tokio's default (one per core) otherwise.
-    pub fn worker_threads(&self) -> Option<u16> {
-        match &self.command {
-            Cmd::Serve(serve::ServeCmd::Agent(c)) => c.worker_threads,
-            Cmd::Serve(serve::ServeCmd::Allocator(c)) => c.worker_threads,
-            _ => None,
-        }
-    }
-
-    /// The telemetry flags that apply: for `serve`, the service's own, but
-    /// `aliquotctl --log-format json serve X` is honoured too (either place
-    /// asking for JSON gets JSON).
-    pub fn telemetry_args(&self) -> telemetry::TelemetryArgs {
-        match &self.command {
-            Cmd::Serve(s) => {
-                let mut t = s.telemetry().clone();
-                if self.telemetry.log_format != telemetry::LogFormat::default() {
-                    t.log_format = self.telemetry.log_format;
-                }
-                t
-            }
-            _ => self.telemetry.clone(),
-        }
-    }
-}
-
 pub async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
-        Cmd::Serve(s) => serve::run(s).await,
+        Cmd::Serve(s) => Err(serve::exec(
+            &s,
+            cli.telemetry.log_format == telemetry::LogFormat::Json,
+        )),
         Cmd::Up(a) => local::up(a).await,
         Cmd::Status(a) => status::run(a).await,
         Cmd::Write(a) => write::run(a).await,
@@ -130,6 +101,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::Demo(a) => demo::run(a).await,
         Cmd::Health(a) => health::run(a).await,
         Cmd::Verify(a) => verify::run(a).await,
+        Cmd::MigrateStore(a) => migrate::run(a).await,
         Cmd::Allocator(a) => allocators::run(a).await,
         Cmd::Certs(a) => certs::run(a),
         Cmd::Balancer(a) => balancer::run(a).await,
@@ -141,6 +113,11 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 pub struct UsageError(pub String);
+
+/// A failure that is bad usage or configuration (exit code 2).
+pub fn is_usage_error(e: &anyhow::Error) -> bool {
+    e.downcast_ref::<UsageError>().is_some()
+}
 
 #[cfg(test)]
 mod tests {

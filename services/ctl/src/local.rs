@@ -1,6 +1,7 @@
 //! A local pool as child processes: `aliquotctl up` and `demo`. Each child
-//! is this same binary (`current_exe() serve agent|allocator|metrics ...`),
-//! in its own process group (so a terminal's Ctrl-C reaches only us and we
+//! is a service binary (`aliquot-metrics`, `aliquot-allocator`,
+//! `aliquot-agent`, found by [`crate::binaries::find`]), in its own process
+//! group (so a terminal's Ctrl-C reaches only us and we
 //! stop the children in order: agents, allocator, metrics), with its stdin
 //! a pipe from us: if we die without stopping them, they see EOF and shut
 //! themselves down. Addresses come from the children's `LISTEN` lines.
@@ -21,10 +22,13 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{ChildStdin, Command};
 use tokio::sync::{mpsc, watch};
 
+use aliquot_process::SUPERVISED_ENV;
+
 use crate::client;
 
-/// Set in a child's environment: watch stdin, stop at EOF.
-pub const SUPERVISED_ENV: &str = "ALIQUOTCTL_SUPERVISED";
+/// How long `up --ha` waits for a leader after it restarted an allocator:
+/// a lease (5 s by default) and a takeover, with room to spare.
+const LEADER_KNOWN_WITHIN: Duration = Duration::from_secs(60);
 
 #[derive(Clone, Debug, clap::Args)]
 pub struct PoolArgs {
@@ -172,6 +176,16 @@ enum Role {
     Metrics,
 }
 
+impl Role {
+    fn binary(self) -> &'static str {
+        match self {
+            Role::Agent => crate::binaries::AGENT,
+            Role::Allocator => crate::binaries::ALLOCATOR,
+            Role::Metrics => crate::binaries::METRICS,
+        }
+    }
+}
+
 struct Child {
     name: String,
     role: Role,
@@ -221,7 +235,7 @@ pub struct LocalPool {
     /// ALIQUOT_WORKER_THREADS, which the children inherit.
     worker_threads: Option<u16>,
     /// Held while the pool runs (see `DataDirLock`).
-    _lock: aliquot_allocator::lock::DataDirLock,
+    _lock: aliquot_process::lock::DataDirLock,
 }
 
 /// Network threads per server when `servers` servers share this machine:
@@ -230,7 +244,7 @@ pub struct LocalPool {
 /// nothing: on 2 cores (3 agents and the allocator), one thread each cost
 /// the agents 0.86x and the allocator 0.83x their CPU per MiB at 1.06x the
 /// throughput, plaintext, and the agents 0.92x under mutual TLS (the
-/// `data_path` bench, stop 42).
+/// `data_path` bench).
 fn servers_worker_threads(servers: usize) -> u16 {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     (cores / servers.max(1)).clamp(1, u16::MAX as usize) as u16
@@ -259,7 +273,7 @@ impl LocalPool {
         }
         // One `up` per data dir: a second one on a running pool would start
         // a second allocator and metrics service on the same files.
-        let lock = aliquot_allocator::lock::DataDirLock::acquire_named(
+        let lock = aliquot_process::lock::DataDirLock::acquire_named(
             &args.data_dir,
             "up.lock",
             "aliquotctl up",
@@ -323,7 +337,6 @@ impl LocalPool {
             let l = pick(args.metrics_listen, args.ephemeral);
             let h = pick(args.metrics_http_listen, args.ephemeral);
             let mut margs: Vec<String> = vec![
-                "metrics".into(),
                 "--listen".into(),
                 l.to_string(),
                 "--http-listen".into(),
@@ -340,7 +353,6 @@ impl LocalPool {
         }
         let l = pick(args.allocator_listen, args.ephemeral);
         let mut aargs: Vec<String> = vec![
-            "allocator".into(),
             "--listen".into(),
             l.to_string(),
             "--pool".into(),
@@ -374,6 +386,25 @@ impl LocalPool {
                 "--tunable".into(),
                 format!("zfs_vdev_min_ms_count={LOCAL_MIN_MS_COUNT}"),
             ]);
+        }
+        // `up` is the operator of the agents it starts: their devices join
+        // the pool without a `vdev add` each (names as given below).
+        if self.tls.is_tls() {
+            let (mut nh, mut ns) = (0, 0);
+            let sims = args.sim.iter().map(|s| {
+                let n = if s.rotational { &mut nh } else { &mut ns };
+                *n += 1;
+                let kind = if s.rotational { "hdd" } else { "ssd" };
+                (format!("{kind}{}", *n - 1), s.capacity)
+            });
+            let files = args
+                .agents
+                .iter()
+                .enumerate()
+                .map(|(i, c)| (format!("file{i}"), *c));
+            for (name, cap) in files.chain(sims).collect::<Vec<_>>() {
+                aargs.extend(["--admit-agent".into(), format!("{name}:{cap}")]);
+            }
         }
         aargs.extend(self.security_flags(aliquot_auth::Role::Allocator, "allocator")?);
         // Listener n of --prometheus-listen: 0 the allocator, 1 the --ha
@@ -494,7 +525,6 @@ impl LocalPool {
         let mut starts = Vec::new();
         for (name, kind, cap, path, extra, prom_n) in specs {
             let mut fa: Vec<String> = vec![
-                "agent".into(),
                 "--listen".into(),
                 "127.0.0.1:0".into(),
                 "--allocator".into(),
@@ -533,50 +563,37 @@ impl LocalPool {
 
     /// Names of the vdevs the pool's store says were removed (`vdev
     /// remove`) and that no vdev in the pool has taken since, read
-    /// read-only; nothing when the store is new or cannot be read (then
-    /// the allocator's refusal, shown at once, says why an agent left).
+    /// read-only (`aliquot-allocator verify`); nothing when the store is new
+    /// or cannot be read (then the allocator's refusal, shown at once, says
+    /// why an agent left).
     async fn removed_vdevs(&self) -> Vec<String> {
-        let read = match &self.postgres {
-            Some((_, url)) => aliquot_allocator::pg_store::read_only(url, &self.pool)
-                .await
-                .map_err(|e| e.to_string()),
-            None => {
-                let db = self
-                    .data_dir
-                    .join("allocator")
-                    .join(aliquot_allocator::sqlite_store::DB_FILE);
-                if !db.exists() {
-                    return Vec::new();
-                }
-                aliquot_allocator::sqlite_store::read_only(&db)
-                    .await
-                    .map(|o| o.map(|(_, p)| p))
-                    .map_err(|e| e.to_string())
-            }
+        let args: Vec<String> = match &self.postgres {
+            Some(_) => vec!["--pool".into(), self.pool.clone()],
+            None => vec![
+                "--data-dir".into(),
+                self.data_dir.join("allocator").display().to_string(),
+            ],
         };
-        let persisted = match read {
-            Ok(Some(p)) => p,
-            Ok(None) => return Vec::new(),
+        let report = match crate::verify::store_report(
+            &args,
+            self.postgres.as_ref().map(|(_, u)| u.as_str()),
+        )
+        .await
+        {
+            Ok(crate::verify::Stored::Pool(r)) => r,
+            Ok(crate::verify::Stored::Empty(_)) => return Vec::new(),
             Err(e) => {
                 eprintln!("aliquotctl: cannot read which vdevs were removed from the store: {e}");
                 return Vec::new();
             }
         };
-        let is_removed = |id| {
-            persisted.vdev_states.get(&id) == Some(&aliquot_allocator::store::AdminState::Removed)
-        };
-        let mut names: Vec<String> = persisted
+        let mut names: Vec<String> = report
             .vdevs
             .iter()
-            .filter(|v| is_removed(v.id))
+            .filter(|v| v.removed)
             .map(|v| v.name.clone())
             .collect();
-        names.retain(|n| {
-            !persisted
-                .vdevs
-                .iter()
-                .any(|v| &v.name == n && !is_removed(v.id))
-        });
+        names.retain(|n| !report.vdevs.iter().any(|v| &v.name == n && !v.removed));
         names
     }
 
@@ -624,7 +641,7 @@ impl LocalPool {
         Ok(addrs)
     }
 
-    /// Start `current_exe() serve ARGS`, return once it printed a LISTEN
+    /// Start `role`'s binary with ARGS, return once it printed a LISTEN
     /// line for each of `kinds` (addresses in that order).
     async fn spawn_child(
         &self,
@@ -633,7 +650,7 @@ impl LocalPool {
         args: &[String],
         kinds: &[&str],
     ) -> anyhow::Result<(Child, Vec<SocketAddr>)> {
-        let exe = std::env::current_exe()?;
+        let exe = crate::binaries::find(role.binary())?;
         let log = self.data_dir.join("logs").join(format!("{name}.log"));
         let logf = std::fs::OpenOptions::new()
             .create(true)
@@ -668,8 +685,7 @@ impl LocalPool {
         if let Some(n) = self.worker_threads {
             cmd.env("ALIQUOT_WORKER_THREADS", n.to_string());
         }
-        cmd.arg("serve")
-            .args(args)
+        cmd.args(args)
             .env(SUPERVISED_ENV, "1")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -677,9 +693,9 @@ impl LocalPool {
             .process_group(0)
             .kill_on_drop(false);
         tracing::debug!(child = name, args = ?args, "starting");
-        let mut child = cmd.spawn().map_err(|e| {
-            anyhow::anyhow!("cannot start {} serve {}: {e}", exe.display(), args[0])
-        })?;
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| anyhow::anyhow!("cannot start {} for {name}: {e}", exe.display()))?;
         let pid = child.id().map(|p| p as i32).unwrap_or(-1);
         let stdin = child.stdin.take();
         let stdout = child.stdout.take().expect("piped stdout");
@@ -1073,29 +1089,6 @@ fn tail_note(log: &Path) -> String {
     }
 }
 
-/// `serve` side of supervision: when the parent's pipe closes, SIGTERM
-/// ourselves so the service shuts down by its usual path.
-pub fn watch_parent() {
-    if std::env::var_os(SUPERVISED_ENV).is_none() {
-        return;
-    }
-    std::thread::spawn(|| {
-        use std::io::Read;
-        let mut buf = [0u8; 64];
-        let mut stdin = std::io::stdin();
-        loop {
-            match stdin.read(&mut buf) {
-                Ok(0) | Err(_) => break,
-                Ok(_) => {}
-            }
-        }
-        // SAFETY: as in `signal`; getpid cannot fail.
-        unsafe {
-            libc::kill(libc::getpid(), libc::SIGTERM);
-        }
-    });
-}
-
 /// `aliquotctl up`: start, print where everything is, supervise until
 /// Ctrl-C or SIGTERM.
 pub async fn up(args: PoolArgs) -> anyhow::Result<()> {
@@ -1166,11 +1159,16 @@ pub async fn up(args: PoolArgs) -> anyhow::Result<()> {
                             eprintln!("aliquotctl: {name} started again (--ha); asking who leads");
                             // Whichever leads now (the restarted one may
                             // take the pool back before the other does):
-                            // said once an allocator answers as the leader.
+                            // said once an allocator answers as the leader
+                            // (the client's leader channel waits for one, and
+                            // sends the call again if the one it found loses
+                            // the lease before answering).
                             let (tls, urls) = (pool.tls.clone(), pool.allocator_url.clone());
                             tokio::spawn(async move {
                                 let leader = async {
-                                    let mut c = client::allocator(&tls, &urls).await?;
+                                    let mut c =
+                                        client::allocator_waiting(&tls, &urls, LEADER_KNOWN_WITHIN)
+                                            .await?;
                                     let st = c.get_pool(GetPoolRequest {}).await?;
                                     anyhow::Ok(st.into_inner())
                                 };
@@ -1180,7 +1178,11 @@ pub async fn up(args: PoolArgs) -> anyhow::Result<()> {
                                         st.leadership.unwrap_or_default().leader,
                                         st.generation
                                     ),
-                                    Err(e) => eprintln!("aliquotctl: no allocator leads yet: {e:#}"),
+                                    Err(e) => eprintln!(
+                                        "aliquotctl: who leads after the restart is not known \
+                                         (waited up to {} s): {e:#}",
+                                        LEADER_KNOWN_WITHIN.as_secs()
+                                    ),
                                 }
                             });
                             continue;

@@ -1,5 +1,6 @@
-//! `aliquotctl` binary: parse, init telemetry (as the embedded service for
-//! `serve`), run; exit 2 for bad usage or configuration, 1 for failures.
+//! `aliquotctl` binary: parse; `serve` execs the service's binary at once;
+//! anything else inits telemetry and runs. Exit 2 for bad usage, 1 for
+//! failures.
 
 use std::process::ExitCode;
 
@@ -7,10 +8,16 @@ use clap::Parser;
 
 fn main() -> ExitCode {
     // Before any thread: large RPC buffers stay in malloc's arenas instead of
-    // a fresh mmap (256 page faults per MiB) each; for `write` and `serve agent` alike.
-    aliquot_agent::tune_allocator();
+    // a fresh mmap (256 page faults per MiB) each, for `write`.
+    aliquot_process::tune_allocator();
     let cli = aliquotctl::Cli::parse();
-    let rt = match aliquot_agent::runtime(cli.worker_threads()) {
+    if let aliquotctl::Cmd::Serve(s) = &cli.command {
+        // Nothing started yet that the service's process would inherit.
+        let json = cli.telemetry.log_format == telemetry::LogFormat::Json;
+        eprintln!("aliquotctl: {:#}", aliquotctl::serve::exec(s, json));
+        return ExitCode::from(1);
+    }
+    let rt = match aliquot_process::runtime(None) {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("aliquotctl: cannot start the runtime: {e}");
@@ -18,18 +25,13 @@ fn main() -> ExitCode {
         }
     };
     rt.block_on(async {
-        let guard = telemetry::init(cli.service_name(), &cli.telemetry_args());
-        let name = cli.service_name();
+        let guard = telemetry::init("aliquotctl", &cli.telemetry);
         let result = aliquotctl::run(cli).await;
         let code = match &result {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
-                eprintln!("{name}: {e:#}");
-                ExitCode::from(if aliquotctl::serve::is_usage_error(e) {
-                    2
-                } else {
-                    1
-                })
+                eprintln!("aliquotctl: {e:#}");
+                ExitCode::from(if aliquotctl::is_usage_error(e) { 2 } else { 1 })
             }
         };
         guard.shutdown().await;

@@ -12,6 +12,13 @@
 //! says exactly which relocations may have been committed; a torn last line
 //! is ignored. `compact` rewrites the file (temp file, fsync, rename, fsync
 //! of the directory) with the moves folded in.
+//!
+//! `free` journals its progress in the same way in the `.freeing` file it
+//! renames the manifest to: `free_sent` (the Frees of the extents up to
+//! there may have taken effect) before it sends them, `freed` once their
+//! txg synced, so a rerun after a crash or a takeover knows which extents
+//! are certainly still the manifest's, which are certainly freed, and which
+//! (at most one chunk) it must look at before freeing them again.
 
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
@@ -131,6 +138,17 @@ pub enum Record {
         #[serde(with = "string")]
         allocation: u64,
     },
+    /// `free`: the Frees of the first `to` extents (of [`Manifest::extents`])
+    /// are about to be sent: from here on they may have taken effect.
+    FreeSent {
+        #[serde(with = "string")]
+        to: u64,
+    },
+    /// `free`: the first `to` extents are freed, in a synced txg.
+    Freed {
+        #[serde(with = "string")]
+        to: u64,
+    },
 }
 
 /// A relocation the journal cannot settle by itself.
@@ -190,6 +208,10 @@ pub struct Manifest {
     pub blocks: BTreeMap<u64, Vec<Copy>>,
     /// Relocations written but not known to be committed or dropped.
     pub pending: BTreeMap<u64, Pending>,
+    /// `free`'s progress: the first `freed` extents are free for certain;
+    /// the Frees of those up to `free_sent` may have taken effect.
+    pub freed: u64,
+    pub free_sent: u64,
     journal: Option<File>,
 }
 
@@ -231,6 +253,8 @@ impl Manifest {
             header,
             blocks: BTreeMap::new(),
             pending: BTreeMap::new(),
+            freed: 0,
+            free_sent: 0,
             journal: None,
         };
         while let Some((i, l)) = lines.next() {
@@ -274,6 +298,17 @@ impl Manifest {
                     Err(format!("move {allocation} was never pending"))
                 }
             }
+            // A Free is sent from where the certainly freed extents end,
+            // and a batch is freed only once sent.
+            Record::FreeSent { to } if *to < self.free_sent => Err(format!(
+                "free sent up to {to}, less than the {} already sent",
+                self.free_sent
+            )),
+            Record::Freed { to } if *to > self.free_sent || *to < self.freed => Err(format!(
+                "freed up to {to}, but sent up to {} and freed up to {}",
+                self.free_sent, self.freed
+            )),
+            Record::FreeSent { .. } | Record::Freed { .. } => Ok(()),
         }
     }
 
@@ -315,6 +350,8 @@ impl Manifest {
             Record::Dropped { allocation } => {
                 self.pending.remove(&allocation);
             }
+            Record::FreeSent { to } => self.free_sent = to,
+            Record::Freed { to } => self.freed = to,
         }
         Ok(())
     }
@@ -372,9 +409,25 @@ impl Manifest {
             })
         });
         let pending = self.pending.values().map(Pending::record);
-        let body = render(&self.header, blocks.chain(pending));
+        let progress = (self.free_sent > 0).then_some([
+            Record::FreeSent { to: self.free_sent },
+            Record::Freed { to: self.freed },
+        ]);
+        let body = render(
+            &self.header,
+            blocks.chain(pending).chain(progress.into_iter().flatten()),
+        );
         self.journal = None;
         replace_file(&self.path, body.as_bytes())
+    }
+
+    /// Every copy, in the order `free` frees them (by block, then copy):
+    /// what its `free_sent` and `freed` marks count.
+    pub fn extents(&self) -> Vec<(u64, Copy)> {
+        self.blocks
+            .iter()
+            .flat_map(|(&b, copies)| copies.iter().map(move |c| (b, *c)))
+            .collect()
     }
 
     /// Extent → (block, copy) for every copy.
@@ -643,6 +696,29 @@ mod tests {
         std::fs::write(&path, broken).unwrap();
         let e = Manifest::load(&path).unwrap_err();
         assert!(e.to_string().contains("line 3"), "{e}");
+    }
+
+    /// `free`'s progress replays, survives compaction, and only moves on:
+    /// nothing is marked freed that was not sent first.
+    #[test]
+    fn free_progress_replays_and_is_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = sample(dir.path());
+        let mut m = Manifest::load(&path).unwrap();
+        assert_eq!(m.extents().len(), 3);
+        let e = m.append(Record::Freed { to: 1 }).unwrap_err();
+        assert!(e.to_string().contains("sent up to 0"), "{e}");
+        m.append(Record::FreeSent { to: 2 }).unwrap();
+        m.append(Record::Freed { to: 2 }).unwrap();
+        m.append(Record::FreeSent { to: 3 }).unwrap();
+        let e = m.append(Record::FreeSent { to: 1 }).unwrap_err();
+        assert!(e.to_string().contains("less than"), "{e}");
+        let mut m = Manifest::load(&path).unwrap();
+        assert_eq!((m.freed, m.free_sent), (2, 3));
+        m.compact().unwrap();
+        let m = Manifest::load(&path).unwrap();
+        assert_eq!((m.freed, m.free_sent), (2, 3), "kept by compaction");
+        assert_eq!(m.extents()[2], (2, m.blocks[&2][0]));
     }
 
     #[test]

@@ -10,16 +10,16 @@
 //! abort; not committed: dropped), so no block is lost or moved twice and
 //! no space leaks. `balancer verify --manifest` reads every block back.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use aliquot_proto::v1::{
-    AbortRequest, BalancerStatusRequest, CommitRequest, ErrorReason, FlushRequest, GetPoolRequest,
+    AbortRequest, BalancerStatusRequest, CommitRequest, ErrorReason, GetPoolRequest,
     PlanRebalanceRequest, PoolStatus, ReadRequest, RelocateRequest, RelocationState,
-    RenewLeaseRequest, SyncTxgRequest, WriteRequest,
+    SyncTxgRequest,
 };
 use futures_util::StreamExt;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
@@ -28,7 +28,7 @@ use units::format_bytes_short as short;
 
 use crate::client::{self, Agents, Allocator, AllocatorArgs};
 use crate::manifest::{Ext, Manifest, Pending, Record};
-use crate::write::reason;
+use aliquot_proto::error::reason;
 
 /// Which manifests a command works on (execute, verify, free, drain).
 #[derive(Clone, Debug, Default, clap::Args)]
@@ -168,7 +168,12 @@ struct Failpoint {
 
 impl Failpoint {
     fn from_env() -> Failpoint {
-        let spec = std::env::var("ALIQUOT_FAILPOINT").unwrap_or_default();
+        // Without the `failpoints` feature the variable is not read.
+        let spec = if cfg!(feature = "failpoints") {
+            std::env::var("ALIQUOT_FAILPOINT").unwrap_or_default()
+        } else {
+            String::new()
+        };
         let at = |name: &str| {
             spec.strip_prefix(name)
                 .and_then(|n| n.strip_prefix(':'))
@@ -182,6 +187,7 @@ impl Failpoint {
         }
     }
 
+    #[cfg(feature = "failpoints")]
     fn hit(limit: Option<u64>, count: &AtomicU64, what: &str) {
         if let Some(n) = limit
             && count.fetch_add(1, Ordering::SeqCst) + 1 == n
@@ -190,6 +196,9 @@ impl Failpoint {
             std::process::abort();
         }
     }
+
+    #[cfg(not(feature = "failpoints"))]
+    fn hit(_: Option<u64>, _: &AtomicU64, _: &str) {}
 }
 
 struct Mover {
@@ -207,10 +216,11 @@ struct Mover {
     stop: Arc<AtomicBool>,
     bar: ProgressBar,
     /// Relocations made and not yet committed or aborted: their leases are
-    /// renewed while this mover lives ([`renew_held`]).
-    held: Mutex<BTreeSet<u64>>,
-    /// The allocator's lease as the last Relocate reply gave it, in ms.
-    lease_ms: AtomicU64,
+    /// renewed while this mover lives. A batch of moves is copied, flushed
+    /// and journaled before its one Commit; on a loaded machine that took
+    /// longer than a short `--lease` (2 s in the tests: every Commit of a
+    /// plan refused LEASE_EXPIRED).
+    held: aliquot_client::Leases,
 }
 
 enum Outcome {
@@ -447,6 +457,13 @@ impl Mover {
                 // behind). A manifest's length is the extent's size, which
                 // on RAIDZ includes parity: not a block size to send.
                 psize: 0,
+                // The key `aliquotctl write` placed the block with (its run's
+                // nonce and 2^20-block region): the new copy goes through
+                // the allocator that holds the block's neighbours.
+                affinity_key: Some(nonce ^ (block >> 20)),
+                // The manifest is rewritten to the new extent: the old
+                // address need not keep answering.
+                keep_address: false,
             })
             .await
         {
@@ -491,34 +508,19 @@ impl Mover {
     /// A relocation to keep alive until [`Self::release`]; `deadline_ms`
     /// (unix ms) tells the allocator's lease.
     fn hold(&self, id: u64, deadline_ms: u64) {
-        let now_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64);
-        if deadline_ms > now_ms {
-            self.lease_ms.store(deadline_ms - now_ms, Ordering::Relaxed);
-        }
-        self.held.lock().expect("held lock").insert(id);
+        self.held.hold(id, deadline_ms);
     }
 
     /// Relocations committed, settled or aborted: no longer renewed.
     fn release(&self, ids: &[u64]) {
-        let mut held = self.held.lock().expect("held lock");
-        for id in ids {
-            held.remove(id);
-        }
+        self.held.release(ids);
     }
 
     async fn abort(&self, ids: &[u64]) {
-        for &id in ids {
-            // Best effort: an allocation that cannot be aborted expires.
-            let _ = self
-                .alloc
-                .clone()
-                .abort(AbortRequest {
-                    allocation_ids: vec![id],
-                })
-                .await;
-        }
+        // Best effort: an allocation that cannot be aborted expires.
+        aliquot_client::Ops::unary(self.alloc.clone())
+            .abort(ids.to_vec())
+            .await;
     }
 
     /// Second half, for a batch of written moves: flush each agent written
@@ -544,20 +546,10 @@ impl Mover {
         let mut eps: Vec<&String> = ready.iter().map(|(_, _, ep)| ep).collect();
         eps.sort();
         eps.dedup();
-        let t = self.timeout;
-        let flushes = eps.iter().map(|ep| async move {
-            let mut d = self.agents.get(ep).await?;
-            tokio::time::timeout(t, d.flush(FlushRequest {}))
-                .await
-                .map_err(|_| anyhow::anyhow!("flush {ep}: no answer in {t:?}"))?
-                .map_err(|s| client::status_msg(&format!("flush {ep}"), &s))?;
-            anyhow::Ok(())
-        });
-        for r in futures_util::future::join_all(flushes).await {
-            if let Err(e) = r {
-                self.abort(&ids).await;
-                return Err(e);
-            }
+        let eps = eps.into_iter().cloned();
+        if let Err(e) = aliquot_client::flush_agents(&self.agents, eps, self.timeout).await {
+            self.abort(&ids).await;
+            return Err(e.into());
         }
         let mut records: BTreeMap<usize, Vec<Record>> = BTreeMap::new();
         for (mi, p, _) in &ready {
@@ -652,31 +644,11 @@ impl Mover {
             .await?
             .remove(&(at.vdev, at.offset))
             .unwrap_or_default();
-        let mut c = self.agents.get(src).await?;
-        let data = tokio::time::timeout(
-            t,
-            c.read(ReadRequest {
-                offset: from.offset,
-                size: from.size,
-                token,
-            }),
-        )
-        .await
-        .map_err(|_| {
-            anyhow::anyhow!(
-                "read block {block} from vdev {}: no answer in {t:?}",
-                from.vdev
-            )
-        })?
-        .map_err(|s| {
-            client::status_msg(&format!("read block {block} from vdev {}", from.vdev), &s)
-        })?
-        .into_inner()
-        .data;
+        let data = aliquot_client::read::read_extent(&self.alloc, &self.agents, src, at, token, t)
+            .await
+            .map_err(|e| anyhow::anyhow!("read block {block}: {e}"))?;
         let n = (len as usize).min(data.len());
-        if data.len() as u64 != from.size
-            || crate::pattern::first_mismatch(&data[..n], nonce, block).is_some()
-        {
+        if crate::pattern::first_mismatch(&data[..n], nonce, block).is_some() {
             // Never spread a bad copy: the operator must look at it.
             anyhow::bail!(
                 "block {block} at {from} does not hold what the manifest says (read {} bytes); \
@@ -689,26 +661,27 @@ impl Mover {
             .first()
             .ok_or_else(|| anyhow::anyhow!("relocate block {block}: no endpoint in the reply"))?;
         let to = r.extents[0];
-        let mut d = self.agents.get(ep).await?;
-        tokio::time::timeout(
-            t,
-            d.write(WriteRequest {
-                offset: to.offset,
-                // The new extent is sized for the block on its own vdev: off
-                // a RAIDZ vdev it is smaller than the old (parity), and the
-                // block's bytes are the first `len` of what was read.
-                data: data.slice(..(to.size as usize).min(data.len())),
-                token: r.tokens.first().cloned().unwrap_or_default(),
-            }),
-        )
-        .await
-        .map_err(|_| {
-            anyhow::anyhow!(
-                "write block {block} to vdev {}: no answer in {t:?}",
-                to.vdev
-            )
-        })?
-        .map_err(|s| client::status_msg(&format!("write block {block} to vdev {}", to.vdev), &s))?;
+        let ch = self.agents.channel(ep).await?;
+        let w = aliquot_client::data::DataWrite {
+            offset: to.offset,
+            // The new extent is sized for the block on its own vdev: off a
+            // RAIDZ vdev it is smaller than the old (parity), and the
+            // block's bytes are the first `len` of what was read.
+            len: (to.size as usize).min(data.len()),
+            data,
+            token: r.tokens.first().cloned().unwrap_or_default(),
+        };
+        tokio::time::timeout(t, aliquot_client::data::DataWriter::new(ch).write(w))
+            .await
+            .map_err(|_| {
+                anyhow::anyhow!(
+                    "write block {block} to vdev {}: no answer in {t:?}",
+                    to.vdev
+                )
+            })?
+            .map_err(|s| {
+                client::status_msg(&format!("write block {block} to vdev {}", to.vdev), &s)
+            })?;
         Ok(())
     }
 }
@@ -780,12 +753,9 @@ pub async fn execute(conn: &AllocatorArgs, args: &ExecuteArgs) -> anyhow::Result
         admitted: AtomicU64::new(0),
         stop: stop.clone(),
         bar: bar.clone(),
-        held: Mutex::new(BTreeSet::new()),
-        lease_ms: AtomicU64::new(0),
+        // Dropped (and so stopped) when execute returns, however it returns.
+        held: aliquot_client::Leases::start(alloc.clone()),
     });
-    // Dropped (and so stopped) when execute returns, however it returns.
-    let _renewer =
-        tokio_util::task::AbortOnDropHandle::new(tokio::spawn(renew_held(mover.clone())));
     let mut report = ExecuteReport {
         score_start: pool_score(&st),
         ..Default::default()
@@ -1354,54 +1324,6 @@ pub async fn verify(
         }
     }
     Ok(report)
-}
-
-/// Renew the leases of the relocations the mover holds, every third of the
-/// allocator's lease. A batch of moves is copied, flushed and journaled
-/// before its one Commit; on a loaded machine that took longer than a short
-/// `--lease` (2 s in the tests: every Commit of a plan refused
-/// LEASE_EXPIRED). A mover that dies stops renewing, so what it held is
-/// still released one lease after its death.
-async fn renew_held(mover: Arc<Mover>) {
-    loop {
-        let lease = mover.lease_ms.load(Ordering::Relaxed);
-        let period = if lease == 0 {
-            Duration::from_millis(500)
-        } else {
-            Duration::from_millis(lease / 3)
-                .clamp(Duration::from_millis(100), Duration::from_secs(10))
-        };
-        tokio::time::sleep(period).await;
-        let ids: Vec<u64> = mover
-            .held
-            .lock()
-            .expect("held lock")
-            .iter()
-            .copied()
-            .collect();
-        if ids.is_empty() {
-            continue;
-        }
-        let renew = |ids: Vec<u64>| {
-            let mut alloc = mover.alloc.clone();
-            async move {
-                alloc
-                    .renew_lease(RenewLeaseRequest {
-                        allocation_ids: ids,
-                        lease_ms: 0,
-                    })
-                    .await
-            }
-        };
-        if let Err(e) = renew(ids.clone()).await {
-            // One expired or committed id refuses the whole request: the
-            // others one at a time. Their Commit reports what was lost.
-            tracing::debug!(error = %e, "renewing the mover's relocations; one by one");
-            for id in ids {
-                let _ = renew(vec![id]).await;
-            }
-        }
-    }
 }
 
 #[cfg(test)]

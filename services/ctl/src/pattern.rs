@@ -84,6 +84,26 @@ pub fn make(len: usize, nonce: u64, block: u64) -> Vec<u8> {
     v
 }
 
+/// Block `block` of run `nonce`, `size` bytes long, as the client library
+/// writes it: its pattern generated straight into each copy's request
+/// (the whole extent, which may exceed the block by the sector rounding,
+/// so reads compare whole).
+#[derive(Clone, Copy, Debug)]
+pub struct Block {
+    pub nonce: u64,
+    pub block: u64,
+    pub size: u64,
+}
+
+impl aliquot_client::BlockData for Block {
+    fn len(&self) -> u64 {
+        self.size
+    }
+    fn put<B: BufMut>(&self, dst: &mut B, len: usize) {
+        put(dst, len, self.nonce, self.block)
+    }
+}
+
 /// The first byte offset where `data` differs from the block's pattern.
 pub fn first_mismatch(data: &[u8], nonce: u64, block: u64) -> Option<usize> {
     let base = base(nonce, block);

@@ -1,50 +1,63 @@
-//! `aliquotctl serve agent|allocator|metrics`: each service's own `Config`
-//! and `run`, in this binary, so `up` and `demo` need nothing but
-//! `cargo run -p aliquotctl`. Flags, env variables and behaviour are exactly
-//! those of the service's own binary.
+//! `aliquotctl serve agent|allocator|metrics ARGS`: replaces this process
+//! with the service's own binary and ARGS (exec: same pid, stdin, stdout
+//! and signals), found as [`crate::binaries::find`] says. Flags, env
+//! variables, exit codes and behaviour are exactly the binary's own; its
+//! `--help` lists them.
+
+use std::ffi::OsString;
+
+use crate::binaries;
 
 #[derive(Debug, clap::Subcommand)]
 pub enum ServeCmd {
-    /// One vdev: aliquot-agent.
-    Agent(aliquot_agent::Config),
-    /// The pool's allocator: aliquot-allocator.
-    Allocator(aliquot_allocator::Config),
-    /// Balance history, charts: aliquot-metrics.
-    Metrics(aliquot_metrics::Config),
+    /// One vdev: runs aliquot-agent with these arguments.
+    #[command(disable_help_flag = true)]
+    Agent(Passthrough),
+    /// The pool's allocator: runs aliquot-allocator with these arguments.
+    #[command(disable_help_flag = true)]
+    Allocator(Passthrough),
+    /// Balance history, charts: runs aliquot-metrics with these arguments.
+    #[command(disable_help_flag = true)]
+    Metrics(Passthrough),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct Passthrough {
+    /// The service's own flags (`--help` shows them).
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, num_args = 0..)]
+    pub args: Vec<OsString>,
 }
 
 impl ServeCmd {
-    pub fn service_name(&self) -> &'static str {
+    /// The binary this runs.
+    pub fn binary(&self) -> &'static str {
         match self {
-            ServeCmd::Agent(_) => "aliquot-agent",
-            ServeCmd::Allocator(_) => "aliquot-allocator",
-            ServeCmd::Metrics(_) => "aliquot-metrics",
+            ServeCmd::Agent(_) => binaries::AGENT,
+            ServeCmd::Allocator(_) => binaries::ALLOCATOR,
+            ServeCmd::Metrics(_) => binaries::METRICS,
         }
     }
 
-    pub fn telemetry(&self) -> &telemetry::TelemetryArgs {
+    fn args(&self) -> &[OsString] {
         match self {
-            ServeCmd::Agent(c) => &c.telemetry,
-            ServeCmd::Allocator(c) => &c.telemetry,
-            ServeCmd::Metrics(c) => &c.telemetry,
+            ServeCmd::Agent(p) | ServeCmd::Allocator(p) | ServeCmd::Metrics(p) => &p.args,
         }
     }
 }
 
-pub async fn run(cmd: ServeCmd) -> anyhow::Result<()> {
-    crate::local::watch_parent();
-    match cmd {
-        ServeCmd::Agent(c) => aliquot_agent::run(c).await,
-        ServeCmd::Allocator(c) => aliquot_allocator::run(c).await,
-        ServeCmd::Metrics(c) => aliquot_metrics::run(c).await,
+/// Exec the service; returns only if that failed. `json_logs`: aliquotctl's
+/// own `--log-format json` was given, and the service logs JSON too.
+pub fn exec(cmd: &ServeCmd, json_logs: bool) -> anyhow::Error {
+    use std::os::unix::process::CommandExt;
+    let bin = match binaries::find(cmd.binary()) {
+        Ok(b) => b,
+        Err(e) => return e.into(),
+    };
+    let mut c = std::process::Command::new(&bin);
+    c.args(cmd.args());
+    if json_logs {
+        c.env("ALIQUOT_LOG_FORMAT", "json");
     }
-}
-
-/// A service's configuration error (exit code 2), as its own main decides.
-pub fn is_usage_error(e: &anyhow::Error) -> bool {
-    e.downcast_ref::<aliquot_agent::AgentError>()
-        .is_some_and(|e| e.is_usage())
-        || e.downcast_ref::<aliquot_allocator::ConfigError>().is_some()
-        || aliquot_metrics::exit_code(e) == 2
-        || e.downcast_ref::<crate::UsageError>().is_some()
+    let e = c.exec();
+    anyhow::anyhow!("cannot run {}: {e}", bin.display())
 }

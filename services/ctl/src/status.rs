@@ -135,6 +135,20 @@ fn print_status(st: &PoolStatus, json: bool, clear: bool, style: Style) -> anyho
     }
 }
 
+/// The indirect mapping, as `zpool status` shows a removal's: entries of
+/// moved blocks whose old address still answers, and their bytes.
+pub fn mapping_line(st: &PoolStatus) -> Option<String> {
+    if st.mapping_entries == 0 {
+        return None;
+    }
+    Some(format!(
+        "mapping: {} entries for {} of moved blocks' old addresses, {} of mapping in memory",
+        st.mapping_entries,
+        short(st.mapping_bytes),
+        short(st.mapping_memory_bytes)
+    ))
+}
+
 /// The store refuses a txg: one line no operator can miss.
 pub fn persist_failure_line(st: &PoolStatus, f: &aliquot_proto::v1::PersistFailure) -> String {
     let secs = st.time_ms.saturating_sub(f.since_ms) as f64 / 1000.0;
@@ -231,6 +245,9 @@ pub fn pool_health(st: &PoolStatus) -> (&'static str, Vec<String>) {
     let why: Vec<String> = st
         .vdevs
         .iter()
+        // A vdev being removed was taken offline on purpose (and its
+        // agent may be gone once it is indirect): not a fault.
+        .filter(|v| st.evacuation.as_ref().is_none_or(|e| e.vdev != v.vdev))
         .filter_map(|v| {
             let h = health_name(v.health, v.online);
             (h != "healthy").then(|| format!("{} {h}", vdev_label(st, v.vdev)))
@@ -305,6 +322,26 @@ pub fn balance(c: &ClassStatus) -> Option<Balance> {
 }
 
 /// `zpool list -v`-like: the pool, each class, each vdev of the class.
+/// One line per device waiting for an operator to admit it.
+pub fn pending_lines(st: &PoolStatus) -> Vec<String> {
+    st.pending_vdevs
+        .iter()
+        .map(|p| {
+            format!(
+                "pending: {} ({}{}, device {:#x} at {}, agent certificate {}) waits to join: \
+                 `aliquotctl vdev add {}` adds it",
+                p.name,
+                units::format_bytes(p.capacity),
+                if p.log { " log" } else { "" },
+                p.device_guid,
+                p.endpoint,
+                p.agent,
+                p.name
+            )
+        })
+        .collect()
+}
+
 pub fn render_table(st: &PoolStatus) -> String {
     render_table_with(st, Style::default())
 }
@@ -498,6 +535,15 @@ pub fn render_table_with(st: &PoolStatus, style: Style) -> String {
             l.lease_ms as f64 / 1000.0
         );
     }
+    for l in pending_lines(st) {
+        let _ = writeln!(out, "{l}");
+    }
+    if let Some(m) = mapping_line(st) {
+        let _ = writeln!(out, "{m}");
+    }
+    if let Some(e) = crate::evacuation::evacuation_line(st) {
+        let _ = writeln!(out, "{e}");
+    }
     if st.claim_window_remaining_ms > 0 {
         let _ = writeln!(
             out,
@@ -648,8 +694,40 @@ pub struct PoolJson {
     /// Set (else null) while the store refuses a txg: nothing committed
     /// after `synced_txg` is durable until it takes it.
     pub persist_failure: Option<PersistFailureJson>,
+    /// Devices whose agents registered and wait for `vdev add`.
+    pub pending_vdevs: Vec<PendingJson>,
+    /// The indirect mapping: live entries, the bytes of their old
+    /// extents, and the bytes the allocator holds for them.
+    pub mapping: MappingJson,
+    /// A vdev removal under way (else null): what the mover copied.
+    pub evacuation: Option<crate::evacuation::EvacuationJson>,
     pub classes: Vec<ClassJson>,
     pub vdevs: Vec<VdevJson>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct PendingJson {
+    pub name: String,
+    #[serde(serialize_with = "as_string")]
+    pub device_guid: u64,
+    #[serde(serialize_with = "as_string")]
+    pub capacity: u64,
+    pub log: bool,
+    pub endpoint: String,
+    /// The name in the agent's certificate.
+    pub agent: String,
+    #[serde(serialize_with = "as_string")]
+    pub since_ms: u64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct MappingJson {
+    #[serde(serialize_with = "as_string")]
+    pub entries: u64,
+    #[serde(serialize_with = "as_string")]
+    pub bytes: u64,
+    #[serde(serialize_with = "as_string")]
+    pub memory_bytes: u64,
 }
 
 #[derive(Debug, Serialize)]
@@ -812,6 +890,25 @@ impl From<&PoolStatus> for PoolJson {
                 since_ms: f.since_ms,
                 attempts: f.attempts,
             }),
+            pending_vdevs: st
+                .pending_vdevs
+                .iter()
+                .map(|p| PendingJson {
+                    name: p.name.clone(),
+                    device_guid: p.device_guid,
+                    capacity: p.capacity,
+                    log: p.log,
+                    endpoint: p.endpoint.clone(),
+                    agent: p.agent.clone(),
+                    since_ms: p.since_ms,
+                })
+                .collect(),
+            mapping: MappingJson {
+                entries: st.mapping_entries,
+                bytes: st.mapping_bytes,
+                memory_bytes: st.mapping_memory_bytes,
+            },
+            evacuation: st.evacuation.as_ref().map(Into::into),
             name: st.name.clone(),
             guid: st.guid,
             open_txg: st.open_txg,
@@ -934,6 +1031,22 @@ mod tests {
         }
     }
 
+    #[test]
+    fn the_mapping_line_shows_only_with_entries() {
+        let mut st = sample();
+        assert_eq!(mapping_line(&st), None);
+        assert!(!render_table(&st).contains("mapping:"));
+        st.mapping_entries = 3;
+        st.mapping_bytes = 3 * MIB;
+        st.mapping_memory_bytes = 96;
+        let line = mapping_line(&st).unwrap();
+        assert!(line.starts_with("mapping: 3 entries for 3"), "{line}");
+        assert!(render_table(&st).contains(&line));
+        let j = serde_json::to_value(PoolJson::from(&st)).unwrap();
+        assert_eq!(j["mapping"]["entries"], "3");
+        assert_eq!(j["mapping"]["memory_bytes"], "96");
+    }
+
     fn sample() -> PoolStatus {
         let vdev = |id: u32, name: &str, cap: u64, alloc: u64, online: bool| VdevStatus {
             vdev: id,
@@ -954,6 +1067,7 @@ mod tests {
             alloc,
             last_report: None,
             last_report_age_ms: 300,
+            mapping_entries: 0,
         };
         let groups = vec![
             group(0, GIB, 100 * MIB),
@@ -963,6 +1077,11 @@ mod tests {
         PoolStatus {
             leadership: None,
             persist_failure: None,
+            pending_vdevs: vec![],
+            mapping_entries: 0,
+            mapping_bytes: 0,
+            mapping_memory_bytes: 0,
+            evacuation: None,
             name: "aliquot".into(),
             guid: 0x1234,
             open_txg: 42,

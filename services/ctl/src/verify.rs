@@ -1,123 +1,126 @@
 //! `aliquotctl verify`: the allocator's consistency check on its store, like
-//! `zdb -b`. The SQLite file is opened read-only (WAL readers see the last
-//! synced txg, so this works on a stopped or a running pool); the pool is
-//! rebuilt from it exactly as the allocator does at start, and the first
-//! inconsistency (overlap, extent outside its vdev, per-vdev sums that do
-//! not match) is named. With `--allocator` the running allocator is also
+//! `zdb -b`. The check itself is the allocator binary's (`aliquot-allocator
+//! verify`, which owns the store: opened read-only, so this works on a
+//! stopped or a running pool; the pool rebuilt from it exactly as the
+//! allocator does at start, the first inconsistency named); this reads its
+//! JSON and prints it. With `--allocator` the running allocator is also
 //! asked (GetPool) and must be the same pool with the same vdevs.
 
-use std::path::PathBuf;
+use std::process::Stdio;
 
-use aliquot_allocator::recovery::{self, VerifyReport};
-use aliquot_allocator::sqlite_store::{self, Identity};
+use aliquot_process::verify_args::StoreArgs;
 use aliquot_proto::v1::GetPoolRequest;
 
 use crate::client;
 
+/// What `aliquot-allocator verify` found in a consistent store.
+#[derive(Clone, Debug, serde::Deserialize)]
+pub struct StoreReport {
+    pub path: String,
+    pub pool: String,
+    pub guid: u64,
+    pub synced_txg: u64,
+    pub extents: u64,
+    pub allocated: u64,
+    pub vdevs: Vec<StoreVdev>,
+}
+
+#[derive(Clone, Debug, serde::Deserialize, serde::Serialize)]
+pub struct StoreVdev {
+    pub vdev: u32,
+    pub guid: u64,
+    pub name: String,
+    pub endpoint: String,
+    pub capacity: u64,
+    pub metaslab_size: u64,
+    pub extents: u64,
+    pub allocated: u64,
+    pub removed: bool,
+    pub embedded_log_metaslab: Option<u32>,
+}
+
+/// A store as `aliquot-allocator verify` read it.
+pub enum Stored {
+    Pool(StoreReport),
+    /// It holds no pool yet (the store's path or redacted URL).
+    Empty(String),
+}
+
+/// Run `aliquot-allocator verify ARGS` (with `store`, a PostgreSQL URL:
+/// passed in its environment, never on a command line `ps` shows, as its
+/// password may be in it); an error says why the store is inconsistent or
+/// could not be read (the allocator's own words).
+pub async fn store_report(args: &[String], store: Option<&str>) -> anyhow::Result<Stored> {
+    let bin = crate::binaries::find(crate::binaries::ALLOCATOR)?;
+    let mut cmd = tokio::process::Command::new(&bin);
+    cmd.arg("verify").args(args).stdin(Stdio::null());
+    // The flags given are the whole request: nothing from our environment.
+    for v in ["ALIQUOT_DATA_DIR", "ALIQUOT_STORE", "ALIQUOT_POOL"] {
+        cmd.env_remove(v);
+    }
+    if let Some(url) = store {
+        cmd.env("ALIQUOT_STORE", url);
+    }
+    let out = cmd
+        .output()
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot run {} verify: {e}", bin.display()))?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() {
+        let said = stderr.trim();
+        let said = said
+            .strip_prefix("aliquot-allocator verify: ")
+            .unwrap_or(said);
+        anyhow::bail!("{said}");
+    }
+    // What it says besides the report (a repair done) is for the operator.
+    eprint!("{stderr}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+        .map_err(|e| anyhow::anyhow!("{} verify printed no report ({e})", bin.display()))?;
+    if v.get("empty").and_then(|e| e.as_bool()) == Some(true) {
+        let path = v
+            .get("path")
+            .and_then(|p| p.as_str())
+            .unwrap_or("the store");
+        return Ok(Stored::Empty(path.to_string()));
+    }
+    Ok(Stored::Pool(serde_json::from_value(v)?))
+}
+
 #[derive(Clone, Debug, clap::Args)]
 pub struct VerifyArgs {
-    /// The allocator's --data-dir (the store is <data-dir>/pool.db), or
-    /// `up`'s --data-dir (its allocator's store is <data-dir>/allocator/pool.db).
-    #[arg(
-        long,
-        env = "ALIQUOT_DATA_DIR",
-        default_value = "./aliquot-data/allocator"
-    )]
-    pub data_dir: PathBuf,
-    /// The store file itself, instead of --data-dir.
-    #[arg(long)]
-    pub db: Option<PathBuf>,
-    /// A PostgreSQL store (the allocators' --store postgres://…), instead
-    /// of --data-dir; read in one read-only snapshot, the allocators may run.
-    #[arg(long, env = "ALIQUOT_STORE", value_name = "URL", conflicts_with_all = ["db", "repair_vdev"])]
-    pub store: Option<String>,
-    /// With --store: the pool to verify (a database may hold several).
-    #[arg(long, env = "ALIQUOT_POOL", default_value = "aliquot")]
-    pub pool: String,
+    /// The store and repair: `aliquot-allocator verify`'s own arguments,
+    /// forwarded to it.
+    #[command(flatten)]
+    pub store: StoreArgs,
     /// Also cross-check a running allocator (same guid, vdevs, txgs).
     #[arg(long)]
     pub allocator: Option<String>,
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
-    /// Repair this vdev's row of a STOPPED pool's store so it opens again
-    /// (its allocated sum recounted from its extents; with --capacity, its
-    /// capacity and metaslab shift reset), then verify. Takes the data dir's
-    /// lock: refused while an allocator runs.
-    #[arg(long, value_name = "VDEV")]
-    pub repair_vdev: Option<u32>,
-    /// With --repair-vdev: the vdev's true capacity (e.g. 4GiB); it must
-    /// hold every extent of the vdev.
-    #[arg(long, value_parser = units::size_arg, requires = "repair_vdev")]
-    pub capacity: Option<u64>,
     /// How to reach --allocator.
     #[command(flatten)]
     pub tls: aliquot_auth::ClientTlsArgs,
 }
 
-/// The store under `data_dir`: the allocator's data dir, or `up`'s (whose
-/// allocator keeps its store in `<data-dir>/allocator`), whichever holds one.
-fn store_path(data_dir: &std::path::Path) -> PathBuf {
-    let direct = data_dir.join(sqlite_store::DB_FILE);
-    let under_up = data_dir.join("allocator").join(sqlite_store::DB_FILE);
-    if !direct.exists() && under_up.exists() {
-        under_up
-    } else {
-        direct
-    }
-}
-
 pub async fn run(args: VerifyArgs) -> anyhow::Result<()> {
-    let path = args
-        .db
-        .clone()
-        .unwrap_or_else(|| store_path(&args.data_dir));
-    if let Some(vdev) = args.repair_vdev {
-        let dir = path.parent().unwrap_or(std::path::Path::new("."));
-        let _lock = aliquot_allocator::lock::DataDirLock::acquire(dir)?;
-        let changed = sqlite_store::repair_vdev(&path, vdev, args.capacity)
-            .await
-            .map_err(|e| anyhow::anyhow!("{}: repair refused: {e}", path.display()))?;
-        eprintln!("repaired {}: {changed}", path.display());
-    }
-    let (id, persisted) = match &args.store {
-        Some(url) => {
-            let shown = aliquot_allocator::pg_store::redact(url);
-            let p = aliquot_allocator::pg_store::read_only(url, &args.pool)
-                .await
-                .map_err(|e| anyhow::anyhow!("{e}"))?
-                .ok_or_else(|| anyhow::anyhow!("{shown}: it holds no pool {:?}", args.pool))?;
-            let id = Identity {
-                guid: p.pool_guid,
-                name: args.pool.clone(),
-                synced_txg: p.synced_txg,
-            };
-            (id, p)
-        }
-        None => sqlite_store::read_only(&path)
-            .await?
-            .ok_or_else(|| anyhow::anyhow!("{}: no pool has been created in it", path.display()))?,
+    let a = args.store.forward();
+    let report = match store_report(&a, args.store.store.as_deref()).await? {
+        Stored::Pool(r) => r,
+        Stored::Empty(path) => match &args.store.store {
+            Some(_) => anyhow::bail!("{path}: it holds no pool {:?}", args.store.pool),
+            None => anyhow::bail!("{path}: no pool has been created in it"),
+        },
     };
-    let path = match &args.store {
-        Some(url) => PathBuf::from(aliquot_allocator::pg_store::redact(url)),
-        None => path,
-    };
-    let report = recovery::verify(&persisted).map_err(|e| {
-        anyhow::anyhow!(
-            "{}: pool {:?} at txg {} is INCONSISTENT: {e}",
-            path.display(),
-            id.name,
-            id.synced_txg
-        )
-    })?;
     let running = match &args.allocator {
-        Some(url) => Some(cross_check(&args.tls.resolve()?, url, &id, &report).await?),
+        Some(url) => Some(cross_check(&args.tls.resolve()?, url, &report).await?),
         None => None,
     };
     if args.json {
-        println!("{}", json(&path, &id, &report, running));
+        println!("{}", json(&report, running));
     } else {
-        print!("{}", table(&path, &id, &report, running));
+        print!("{}", table(&report, running));
     }
     Ok(())
 }
@@ -127,8 +130,7 @@ pub async fn run(args: VerifyArgs) -> anyhow::Result<()> {
 async fn cross_check(
     tls: &aliquot_auth::ClientTls,
     url: &str,
-    id: &Identity,
-    r: &VerifyReport,
+    r: &StoreReport,
 ) -> anyhow::Result<u64> {
     let mut c = client::allocator(tls, url).await?;
     let s = c
@@ -136,13 +138,13 @@ async fn cross_check(
         .await
         .map_err(|e| client::status_msg("get pool", &e))?
         .into_inner();
-    if s.guid != id.guid || s.name != id.name {
+    if s.guid != r.guid || s.name != r.pool {
         anyhow::bail!(
             "{url} serves pool {:?} (guid {:#x}), but the store holds {:?} (guid {:#x})",
             s.name,
             s.guid,
-            id.name,
-            id.guid
+            r.pool,
+            r.guid
         );
     }
     if s.synced_txg < r.synced_txg {
@@ -153,16 +155,16 @@ async fn cross_check(
         );
     }
     for v in r.vdevs.iter().filter(|v| !v.removed) {
-        let Some(live) = s.vdevs.iter().find(|x| x.vdev == v.id) else {
+        let Some(live) = s.vdevs.iter().find(|x| x.vdev == v.vdev) else {
             anyhow::bail!(
                 "{url} does not know vdev {} of the store",
-                crate::names::vdev_label(v.id, &v.name)
+                crate::names::vdev_label(v.vdev, &v.name)
             );
         };
         if live.guid != v.guid || live.capacity < v.capacity {
             anyhow::bail!(
                 "{url}: vdev {} is guid {:#x} with {} bytes, the store has guid {:#x} with {}",
-                crate::names::vdev_label(v.id, &v.name),
+                crate::names::vdev_label(v.vdev, &v.name),
                 live.guid,
                 live.capacity,
                 v.guid,
@@ -173,16 +175,13 @@ async fn cross_check(
     Ok(s.synced_txg)
 }
 
-fn table(path: &std::path::Path, id: &Identity, r: &VerifyReport, running: Option<u64>) -> String {
+fn table(r: &StoreReport, running: Option<u64>) -> String {
     use std::fmt::Write;
     let mut o = String::new();
     let _ = writeln!(
         o,
         "pool {} guid {:#x} synced txg {} ({}): OK",
-        id.name,
-        id.guid,
-        r.synced_txg,
-        path.display()
+        r.pool, r.guid, r.synced_txg, r.path
     );
     let names: Vec<String> = r
         .vdevs
@@ -211,13 +210,13 @@ fn table(path: &std::path::Path, id: &Identity, r: &VerifyReport, running: Optio
         let _ = writeln!(
             o,
             "{:>4}  {:<18}  {:<nw$}  {:>9}  {:>8}  {:>9}  {:>5}  {:>7}",
-            v.id,
+            v.vdev,
             format!("{:#x}", v.guid),
             name,
             units::format_bytes_short(v.capacity),
             v.extents,
             units::format_bytes_short(v.allocated),
-            units::format_bytes_short(1u64 << v.metaslab_shift),
+            units::format_bytes_short(v.metaslab_size),
             v.embedded_log_metaslab
                 .map_or("-".to_string(), |m| m.to_string()),
         );
@@ -234,32 +233,16 @@ fn table(path: &std::path::Path, id: &Identity, r: &VerifyReport, running: Optio
     o
 }
 
-fn json(
-    path: &std::path::Path,
-    id: &Identity,
-    r: &VerifyReport,
-    running: Option<u64>,
-) -> serde_json::Value {
+fn json(r: &StoreReport, running: Option<u64>) -> serde_json::Value {
     serde_json::json!({
         "ok": true,
-        "path": path.display().to_string(),
-        "pool": id.name,
-        "guid": id.guid,
+        "path": r.path,
+        "pool": r.pool,
+        "guid": r.guid,
         "synced_txg": r.synced_txg,
         "extents": r.extents,
         "allocated": r.allocated,
         "running_synced_txg": running,
-        "vdevs": r.vdevs.iter().map(|v| serde_json::json!({
-            "vdev": v.id,
-            "guid": v.guid,
-            "name": v.name,
-            "endpoint": v.endpoint,
-            "capacity": v.capacity,
-            "metaslab_size": 1u64 << v.metaslab_shift,
-            "extents": v.extents,
-            "allocated": v.allocated,
-            "removed": v.removed,
-            "embedded_log_metaslab": v.embedded_log_metaslab,
-        })).collect::<Vec<_>>(),
+        "vdevs": r.vdevs,
     })
 }

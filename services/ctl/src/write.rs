@@ -1,6 +1,9 @@
-//! `aliquotctl write`: a load generator that does the whole write path.
-//! Per block: Allocate (unary, or pipelined over AllocateStream), write the
-//! block's pattern to every extent's agent, Commit. At the end: Flush every
+//! `aliquotctl write`: a load generator that does the whole write path
+//! through the client library (`aliquot_client::Writer`). Per block:
+//! Allocate (unary, or pipelined over AllocateStream), write the block's
+//! pattern to every extent's agent, Commit. This file adds what a load
+//! generator does: workers, rate, statistics, the progress bar, the
+//! manifest and the report. At the end: Flush every
 //! agent used and SyncTxg, so the figures are for durable data; `--verify`
 //! then reads every copy back. Traces: the command is an `aliquotctl.write`
 //! root span (streams, flushes, sync, verify); each block is a trace of its
@@ -13,20 +16,18 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use aliquot_proto::v1::stream_reply::Result as StreamResult;
-use aliquot_proto::v1::stream_request::Op;
+use aliquot_client::{Claims, Observe, Ops, WriteOptions, Writer};
 use aliquot_proto::v1::{
-    AbortRequest, AllocateReply, AllocateRequest, AllocationClass, ClaimRequest, CommitReply,
-    CommitRequest, ErrorReason, Extent, FlushRequest, FreeRequest, GetPoolRequest, LogTier,
-    ReadRequest, StreamReply, StreamRequest, SyncTxgRequest,
+    AllocateReply, AllocationClass, CommitReply, Extent, FlushRequest, FreeRequest, GetPoolRequest,
+    LogTier,
 };
 use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::Serialize;
-use tokio::sync::{mpsc, oneshot};
 use tracing::Instrument;
 
-use crate::client::{self, Agents, Allocator, AllocatorArgs, PatternWrite};
+use crate::client::{self, Agents, Allocator, AllocatorArgs};
+use crate::pattern;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -76,7 +77,7 @@ pub struct WriteArgs {
     #[arg(long, env = "ALIQUOT_WRITE_FREE")]
     pub free: bool,
     /// How allocations reach the allocator: `stream` (the default, 1.36×
-    /// the unary throughput in issue 14's measurements) or `unary`.
+    /// the unary throughput in the `data_path` bench) or `unary`.
     #[arg(long, env = "ALIQUOT_WRITE_API", value_enum, default_value_t = Api::Stream)]
     pub api: Api,
     /// Agent writes per request: 1 sends a Write per copy; N > 1 gathers
@@ -241,6 +242,8 @@ struct Placed {
     block: u64,
     extents: Vec<Extent>,
     endpoints: Vec<String>,
+    /// The allocation id a claim of its extents names (`Block::claim_id`).
+    claim_id: u64,
 }
 
 fn hist() -> Histogram<u64> {
@@ -251,255 +254,27 @@ fn micros(d: Duration) -> u64 {
     (d.as_micros() as u64).max(1)
 }
 
-/// Allocate/commit, unary or over a pipelined stream.
-#[derive(Clone)]
-enum Ops {
-    Unary(Allocator),
-    Stream(Arc<ReStream>),
-}
-
-/// An AllocateStream that is opened again after the allocator went away
-/// (killed, restarted, or a takeover): the calls in flight fail as
-/// UNAVAILABLE and the next call opens a new stream.
-struct ReStream {
-    alloc: Allocator,
-    cur: tokio::sync::Mutex<Arc<StreamOps>>,
-}
-
-impl ReStream {
-    async fn open(alloc: Allocator) -> anyhow::Result<ReStream> {
-        // An allocator away at the start (restarting, or a takeover under
-        // way) is waited for like one lost later: the first call reopens.
-        let s = match StreamOps::open(alloc.clone()).await {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!(error = %e, "allocate stream: the allocator is away; blocks wait for it (--allocator-wait)");
-                StreamOps::closed()
-            }
-        };
-        Ok(ReStream {
-            alloc,
-            cur: tokio::sync::Mutex::new(Arc::new(s)),
-        })
-    }
-
-    async fn call(&self, op: Op) -> Result<StreamResult, tonic::Status> {
-        let s = {
-            let mut g = self.cur.lock().await;
-            if g.closed.load(Ordering::Relaxed) {
-                let fresh = StreamOps::open(self.alloc.clone())
-                    .await
-                    .map_err(|e| tonic::Status::unavailable(format!("{e:#}")))?;
-                *g = Arc::new(fresh);
-            }
-            g.clone()
-        };
-        s.call(op).await
-    }
-}
-
-struct StreamOps {
-    tx: mpsc::Sender<StreamRequest>,
-    pending: Arc<std::sync::Mutex<HashMap<u64, oneshot::Sender<StreamReply>>>>,
-    next: AtomicU64,
-    /// The allocator ended the stream (or it broke): open another.
-    closed: Arc<AtomicBool>,
-}
-
-impl StreamOps {
-    /// A stream already ended: the next call opens a real one.
-    fn closed() -> StreamOps {
-        let (tx, _) = mpsc::channel(1);
-        StreamOps {
-            tx,
-            pending: Default::default(),
-            next: AtomicU64::new(1),
-            closed: Arc::new(AtomicBool::new(true)),
+/// `WorkerOut` as the client library's observer: each step's latency.
+impl Observe for WorkerOut {
+    fn allocated(&mut self, took: Duration, reply: &AllocateReply) {
+        self.allocate.saturating_record(micros(took));
+        self.wait.saturating_record(reply.throttle_wait_us);
+        if self.log {
+            *self.tiers.entry(reply.tier).or_insert(0) += 1;
         }
     }
-
-    async fn open(mut c: Allocator) -> anyhow::Result<StreamOps> {
-        let (tx, rx) = mpsc::channel::<StreamRequest>(1024);
-        let mut replies = c
-            .allocate_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
-            .await
-            .map_err(|s| client::status_msg("allocate stream", &s))?
-            .into_inner();
-        let pending: Arc<std::sync::Mutex<HashMap<u64, oneshot::Sender<StreamReply>>>> =
-            Default::default();
-        let p = pending.clone();
-        let closed = Arc::new(AtomicBool::new(false));
-        let done = closed.clone();
-        tokio::spawn(async move {
-            while let Ok(Some(r)) = replies.message().await {
-                if let Some(w) = p.lock().expect("pending lock").remove(&r.request_id) {
-                    let _ = w.send(r);
-                }
-            }
-            done.store(true, Ordering::Relaxed);
-            // Dropping the senders fails every request still waiting.
-            p.lock().expect("pending lock").clear();
-        });
-        Ok(StreamOps {
-            tx,
-            pending,
-            next: AtomicU64::new(1),
-            closed,
-        })
+    fn wrote(&mut self, took: Duration) {
+        self.write.saturating_record(micros(took));
     }
-
-    async fn call(&self, op: Op) -> Result<StreamResult, tonic::Status> {
-        let id = self.next.fetch_add(1, Ordering::Relaxed);
-        let (w, r) = oneshot::channel();
-        self.pending.lock().expect("pending lock").insert(id, w);
-        self.tx
-            .send(StreamRequest {
-                request_id: id,
-                op: Some(op),
-                // The caller's span is this message's block's: the
-                // allocator's span for it joins the block's trace.
-                trace_context: telemetry::context_map(),
-            })
-            .await
-            .map_err(|_| tonic::Status::unavailable("allocate stream closed"))?;
-        let reply = r
-            .await
-            .map_err(|_| tonic::Status::unavailable("allocate stream closed by the allocator"))?;
-        match reply.result {
-            Some(StreamResult::Error(e)) => Err(with_reason(
-                tonic::Status::new(tonic::Code::from_i32(e.code), e.message),
-                &e.reason,
-            )),
-            Some(r) => Ok(r),
-            None => Err(tonic::Status::internal("empty stream reply")),
-        }
+    fn committed(&mut self, took: Duration, _: &CommitReply) {
+        self.commit.saturating_record(micros(took));
     }
-}
-
-impl Ops {
-    async fn allocate(&self, req: AllocateRequest) -> Result<AllocateReply, tonic::Status> {
-        match self {
-            Ops::Unary(c) => Ok(c.clone().allocate(req).await?.into_inner()),
-            // A span of the block's own trace for its stream message: the
-            // stream itself is the command's (one per 8 workers).
-            Ops::Stream(s) => match s
-                .call(Op::Allocate(req))
-                .instrument(tracing::info_span!(
-                    "aliquotctl.stream.allocate",
-                    otel.kind = "client"
-                ))
-                .await?
-            {
-                StreamResult::Allocate(a) => Ok(a),
-                _ => Err(tonic::Status::internal(
-                    "allocate stream: reply of the wrong kind",
-                )),
-            },
-        }
+    fn retried(&mut self, _: &aliquot_client::Error) {
+        self.retries += 1;
     }
-
-    async fn commit(&self, id: u64, generation: u64) -> Result<CommitReply, tonic::Status> {
-        let req = CommitRequest {
-            allocation_ids: vec![id],
-            wait_synced: false,
-            generation,
-        };
-        match self {
-            Ops::Unary(c) => Ok(c.clone().commit(req).await?.into_inner()),
-            Ops::Stream(s) => match s
-                .call(Op::Commit(req))
-                .instrument(tracing::info_span!(
-                    "aliquotctl.stream.commit",
-                    otel.kind = "client"
-                ))
-                .await?
-            {
-                StreamResult::Commit(r) => Ok(r),
-                _ => Err(tonic::Status::internal(
-                    "allocate stream: reply of the wrong kind",
-                )),
-            },
-        }
+    fn timed_out(&mut self) {
+        self.timeouts += 1;
     }
-
-    async fn abort(&self, id: u64) {
-        let req = AbortRequest {
-            allocation_ids: vec![id],
-        };
-        let _ = match self {
-            Ops::Unary(c) => c.clone().abort(req).await.map(|_| ()),
-            Ops::Stream(s) => s.call(Op::Abort(req)).await.map(|_| ()),
-        };
-    }
-}
-
-/// The `ErrorReason` of a status (from its ErrorInfo, or a stream error's
-/// reason carried in metadata by `with_reason`).
-pub fn reason(s: &tonic::Status) -> Option<ErrorReason> {
-    use tonic_types::StatusExt;
-    let name = s.get_details_error_info().map(|i| i.reason).or_else(|| {
-        s.metadata()
-            .get("aliquot-reason")
-            .and_then(|v| v.to_str().ok().map(str::to_string))
-    })?;
-    ErrorReason::from_str_name(&name)
-}
-
-fn with_reason(mut s: tonic::Status, reason: &str) -> tonic::Status {
-    if let Ok(v) = reason.parse() {
-        s.metadata_mut().insert("aliquot-reason", v);
-    }
-    s
-}
-
-/// Failures after which the block is simply written again (new
-/// allocation): its space was given back or will be by its lease.
-fn retry_block(s: &tonic::Status) -> bool {
-    matches!(
-        reason(s),
-        Some(ErrorReason::LeaseExpired | ErrorReason::AllocatorRestarted)
-    )
-}
-
-/// An agent's answer to a write after which the block is written again
-/// with a new allocation: the agent is gone or restarting (transport
-/// errors), its device is full (ENOSPC), or it no longer honours the
-/// allocation's token (it restarted, or the allocator did).
-fn rewrite_elsewhere(s: &tonic::Status) -> bool {
-    use tonic::Code;
-    match s.code() {
-        Code::Unavailable | Code::DeadlineExceeded | Code::Unknown | Code::Cancelled => true,
-        Code::Aborted | Code::ResourceExhausted => true,
-        Code::PermissionDenied => matches!(
-            token_reason(s).as_deref(),
-            Some("WRITE_TOKEN_BEFORE_AGENT_START" | "WRITE_TOKEN_OLD_GENERATION")
-        ),
-        _ => false,
-    }
-}
-
-/// The ErrorInfo reason of an agent's refusal (its reasons are strings,
-/// not the allocator's enum).
-fn token_reason(s: &tonic::Status) -> Option<String> {
-    use tonic_types::StatusExt;
-    s.get_details_error_info().map(|i| i.reason)
-}
-
-/// The allocator cannot place anything right now but will (it is down,
-/// restarting, or no vdev is allocatable yet): wait, not an attempt.
-fn allocator_away(s: &tonic::Status) -> bool {
-    matches!(
-        s.code(),
-        tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::Unknown
-    ) || reason(s) == Some(ErrorReason::VdevsOffline)
-}
-
-/// Failures of a retry-safe call worth repeating as they are.
-fn transient(s: &tonic::Status) -> bool {
-    matches!(
-        s.code(),
-        tonic::Code::Unavailable | tonic::Code::DeadlineExceeded
-    ) && !matches!(reason(s), Some(ErrorReason::VdevsOffline))
 }
 
 struct WorkerOut {
@@ -507,20 +282,17 @@ struct WorkerOut {
     write: Histogram<u64>,
     commit: Histogram<u64>,
     wait: Histogram<u64>,
+    /// LOG blocks: count the tier that served each.
+    log: bool,
     vdev_bytes: HashMap<u32, u64>,
     tiers: HashMap<i32, u64>,
     placed: Vec<Placed>,
     retries: u64,
+    /// Block writes given up at the deadline.
+    timeouts: u64,
     /// Why this worker stopped early (the run then fails, after recording
     /// what was placed).
     failed: Option<anyhow::Error>,
-}
-
-/// A block's commit: the generation and txg it joined, and its extents.
-struct Committed {
-    generation: u64,
-    txg: u64,
-    extents: Vec<Extent>,
 }
 
 struct Shared {
@@ -532,283 +304,44 @@ struct Shared {
     start: Instant,
     agents: Agents,
     bar: ProgressBar,
-    /// The allocator's generation in the last reply (0 before any).
-    generation: AtomicU64,
-    /// The allocator (unary), for the restart check.
+    /// The allocator (unary), for the report, the manifest and verify.
     alloc: Allocator,
-    /// Blocks committed, by the generation that committed them, not yet
-    /// re-asserted in a later one: if that generation ended before their
-    /// txg synced, they must be claimed in the next one's claim window,
-    /// before its Allocate may hand their space to anyone (our own next
-    /// blocks included).
-    committed: std::sync::Mutex<Vec<Committed>>,
-    /// Poked when the allocator was away (an error reaching it, or
-    /// ALLOCATOR_RESTARTED): the restart watcher then probes it until it
-    /// answers, and claims at once (see `claim_if_restarted`).
-    away: tokio::sync::Notify,
-    /// One restart check at a time.
-    restart_check: tokio::sync::Mutex<()>,
-    /// Blocks a late claim could not re-assert (their space was given out):
-    /// the run fails naming them.
-    lost: std::sync::Mutex<Vec<Extent>>,
+    /// Blocks committed and not yet known synced: claimed back after an
+    /// allocator restart (the client library's).
+    claims: Arc<Claims>,
     /// The pool's guid, asked once at the start.
     pool_guid: AtomicU64,
     /// Micros from `start` to the last block completed, and the longest
     /// gap between completions so far.
     last_done_us: AtomicU64,
     max_stall_us: AtomicU64,
-    timeouts: AtomicU64,
     /// The command's root span: each block is a trace of its own, linked
     /// to it (a GiB of blocks under one root is too big a trace to read).
     run: tracing::Span,
     /// Its trace id, recorded on every block span.
     run_trace: String,
-    /// `--batch` > 1: each agent's batcher, started on first use.
-    batchers: std::sync::Mutex<HashMap<String, Batcher>>,
 }
 
 /// Bytes of one WriteBatch at most (the agent takes 16 MiB + 64 KiB a
 /// message; extents may exceed the block by the ashift rounding).
 const MAX_BATCH_BYTES: u64 = 8 << 20;
-/// WriteBatch requests in flight per agent: while they are out, the next
-/// batch fills.
-const BATCHES_IN_FLIGHT: usize = 4;
-
-type BatchItem = (
-    aliquot_proto::v1::WriteRequest,
-    oneshot::Sender<Result<(), tonic::Status>>,
-);
-
-/// One agent's write batcher (`--batch N`): workers hand it their writes,
-/// a task sends whatever is queued (up to N) as one WriteBatch, without
-/// waiting for more (batches form while earlier ones are in flight).
-#[derive(Clone)]
-struct Batcher {
-    tx: mpsc::Sender<BatchItem>,
-}
-
-impl Batcher {
-    fn start(agents: Agents, ep: String, max: usize) -> Batcher {
-        let (tx, mut rx) = mpsc::channel::<BatchItem>(4 * max);
-        tokio::spawn(
-            async move {
-                let slots = Arc::new(tokio::sync::Semaphore::new(BATCHES_IN_FLIGHT));
-                while let Some(first) = rx.recv().await {
-                    let mut items = vec![first];
-                    while items.len() < max {
-                        match rx.try_recv() {
-                            Ok(it) => items.push(it),
-                            Err(_) => break,
-                        }
-                    }
-                    let slot = slots.clone().acquire_owned().await.expect("never closed");
-                    let agents = agents.clone();
-                    let ep = ep.clone();
-                    tokio::spawn(async move {
-                        let (writes, waiters): (Vec<_>, Vec<_>) = items.into_iter().unzip();
-                        let r = match agents.get(&ep).await {
-                            Ok(mut c) => c
-                                .write_batch(aliquot_proto::v1::WriteBatchRequest { writes })
-                                .await
-                                .map(|_| ()),
-                            Err(e) => Err(tonic::Status::unavailable(format!("{e:#}"))),
-                        };
-                        for w in waiters {
-                            let _ = w.send(r.clone());
-                        }
-                        drop(slot);
-                    });
-                }
-            }
-            .in_current_span(),
-        );
-        Batcher { tx }
-    }
-
-    async fn write(&self, w: aliquot_proto::v1::WriteRequest) -> Result<(), tonic::Status> {
-        let (done, wait) = oneshot::channel();
-        self.tx
-            .send((w, done))
-            .await
-            .map_err(|_| tonic::Status::unavailable("write batcher stopped"))?;
-        wait.await
-            .unwrap_or_else(|_| Err(tonic::Status::unavailable("write batcher stopped")))
-    }
-}
 
 impl Shared {
-    /// The batcher of agent `ep` (`--batch` > 1).
-    fn batcher(&self, ep: &str) -> Batcher {
-        let mut m = self.batchers.lock().expect("batchers lock");
-        m.entry(ep.to_string())
-            .or_insert_with(|| {
-                Batcher::start(
-                    self.agents.clone(),
-                    ep.to_string(),
-                    self.args.batch as usize,
-                )
-            })
-            .clone()
-    }
-
-    /// Remember the generation of a reply; a change means the allocator
-    /// restarted (or another one took the store over): say so.
-    fn saw_generation(&self, generation: u64) {
-        if generation == 0 {
-            return;
-        }
-        let old = self.generation.swap(generation, Ordering::Relaxed);
-        if old != 0 && old != generation {
-            tracing::warn!(from = old, to = generation, "allocator generation changed");
-            self.bar.suspend(|| {
-                eprintln!(
-                    "aliquotctl write: allocator generation {old} -> {generation} (it restarted)"
-                )
-            });
-        }
-    }
-
-    /// The allocator was away: if it came back in a new generation (a
-    /// restart, or another allocator took the pool over), re-assert every
-    /// block committed in an older one. Inside the new generation's claim
-    /// window (its Allocate waits meanwhile) that is a Claim of each (those
-    /// that did sync claim as no-ops). After the window the space of an
-    /// unsynced block may already be someone else's — even ours, in the
-    /// very same shape, which a Claim would take for a no-op — so then the
-    /// allocator is asked which of the older generation's txgs synced
-    /// (SyncTxg names the last), and the blocks of later txgs are lost: the
-    /// run fails naming them. False: the allocator did not answer.
-    async fn claim_if_restarted(&self) -> bool {
-        let _one = self.restart_check.lock().await;
-        let mut c = self.alloc.clone();
-        let st = match tokio::time::timeout(Duration::from_secs(5), c.get_pool(GetPoolRequest {}))
-            .await
-        {
-            Ok(Ok(st)) => st.into_inner(),
-            _ => return false,
-        };
-        let now = st.generation;
-        let older: Vec<Committed> = {
-            let mut g = self.committed.lock().unwrap_or_else(|p| p.into_inner());
-            let (old, cur): (Vec<Committed>, Vec<Committed>) =
-                g.drain(..).partition(|b| b.generation != now);
-            *g = cur;
-            old
-        };
-        self.saw_generation(now);
-        if older.is_empty() {
-            return true;
-        }
-        let mut retry: Vec<Committed> = Vec::new();
-        if st.claim_window_remaining_ms > 0 {
-            tracing::warn!(
-                generation = now,
-                blocks = older.len(),
-                "the allocator changed generation: claiming what older ones committed"
-            );
-            let mut it = older.into_iter().peekable();
-            while it.peek().is_some() {
-                let chunk: Vec<Committed> = it.by_ref().take(512).collect();
-                let extents: Vec<Extent> = chunk
-                    .iter()
-                    .flat_map(|b| b.extents.iter().cloned())
-                    .collect();
-                match claim_each(&mut c, extents).await {
-                    Ok(refused) if refused.is_empty() => {}
-                    Ok(refused) => {
-                        // Only what the allocator refused is lost: the rest
-                        // of the chunk is claimed.
-                        tracing::error!(
-                            extents = refused.len(),
-                            why = %refused[0].1,
-                            "claim refused"
-                        );
-                        self.lose(refused.into_iter().map(|(e, _)| e));
-                    }
-                    Err(s) if transient(&s) => retry.extend(chunk),
-                    Err(s) => {
-                        tracing::error!(error = %s, "claim refused");
-                        self.lose(chunk.iter().flat_map(|b| b.extents.iter().cloned()));
-                    }
-                }
-            }
-        } else {
-            // Which txgs of each older generation synced?
-            let mut by_gen: BTreeMap<u64, Vec<Committed>> = BTreeMap::new();
-            for b in older {
-                by_gen.entry(b.generation).or_default().push(b);
-            }
-            for (g, blocks) in by_gen {
-                let max = blocks.iter().map(|b| b.txg).max().unwrap_or(0);
-                let synced = match c
-                    .sync_txg(SyncTxgRequest {
-                        txg: max,
-                        generation: g,
-                    })
-                    .await
-                {
-                    Ok(_) => max,
-                    Err(s) if reason(&s) == Some(ErrorReason::AllocatorRestarted) => {
-                        use tonic_types::StatusExt;
-                        s.get_details_error_info()
-                            .and_then(|i| i.metadata.get("synced_txg")?.parse().ok())
-                            .unwrap_or(0)
-                    }
-                    Err(_) => {
-                        retry.extend(blocks);
-                        continue;
-                    }
-                };
-                let (kept, lost): (Vec<Committed>, Vec<Committed>) =
-                    blocks.into_iter().partition(|b| b.txg <= synced);
-                drop(kept);
-                if !lost.is_empty() {
-                    tracing::error!(
-                        generation = g,
-                        synced,
-                        blocks = lost.len(),
-                        "the claim window closed before these blocks could be claimed"
-                    );
-                    self.lose(lost.iter().flat_map(|b| b.extents.iter().cloned()));
-                }
-            }
-        }
-        let answered = retry.is_empty();
-        self.committed
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .extend(retry);
-        answered
-    }
-
-    fn lose(&self, extents: impl Iterator<Item = Extent>) {
-        self.lost
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .extend(extents);
-    }
-
-    /// The restart watcher: each time the allocator was away, probe it
-    /// (every 100 ms, for up to --allocator-wait) until it answers, and
-    /// claim at once: GetPool is served during the claim window while
-    /// Allocate waits, so the claims land before anyone can be given the
-    /// space.
-    async fn watch_restarts(self: Arc<Self>) {
-        loop {
-            self.away.notified().await;
-            let since = Instant::now();
-            while !self.claim_if_restarted().await && since.elapsed() < self.args.allocator_wait {
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        }
-    }
-
     /// A block completed: track the longest gap in progress.
     fn block_done(&self) {
         let now = micros(self.start.elapsed());
         let prev = self.last_done_us.fetch_max(now, Ordering::Relaxed);
         self.max_stall_us
             .fetch_max(now.saturating_sub(prev), Ordering::Relaxed);
+    }
+
+    /// Every extent placed and the allocation id a claim of each names,
+    /// for a claim or a sync.
+    fn extents(placed: &[Placed]) -> (Vec<Extent>, Vec<u64>) {
+        placed
+            .iter()
+            .flat_map(|p| p.extents.iter().map(|e| (*e, p.claim_id)))
+            .unzip()
     }
 }
 
@@ -862,6 +395,21 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
         );
         b
     };
+    let claims = {
+        let bar = bar.clone();
+        Arc::new(
+            Claims::new(alloc.clone(), args.allocator_wait).on_generation_change(
+                move |old, generation| {
+                    bar.suspend(|| {
+                        eprintln!(
+                            "aliquotctl write: allocator generation {old} -> {generation} (it restarted)"
+                        )
+                    })
+                },
+            ),
+        )
+    };
+    let agents = args.conn.agents()?;
     let shared = Arc::new(Shared {
         args: args.clone(),
         blocks,
@@ -869,14 +417,10 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
         stop: AtomicBool::new(false),
         nonce: rand::random(),
         start: Instant::now(),
-        agents: args.conn.agents()?,
+        agents: agents.clone(),
         bar,
-        generation: AtomicU64::new(0),
         alloc: alloc.clone(),
-        committed: Default::default(),
-        away: tokio::sync::Notify::new(),
-        restart_check: Default::default(),
-        lost: Default::default(),
+        claims: claims.clone(),
         // For the manifest, even if the allocator is gone at the end.
         pool_guid: AtomicU64::new(
             alloc
@@ -887,27 +431,44 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
         ),
         last_done_us: AtomicU64::new(0),
         max_stall_us: AtomicU64::new(0),
-        timeouts: AtomicU64::new(0),
         run: tracing::Span::current(),
         run_trace: telemetry::trace_id(&tracing::Span::current()).unwrap_or_default(),
-        batchers: Default::default(),
     });
-    let watcher = tokio::spawn(shared.clone().watch_restarts().in_current_span());
+    let watcher = claims.watch();
+    let base = Writer::new(
+        Ops::unary(alloc.clone()),
+        agents,
+        claims.clone(),
+        WriteOptions {
+            class: match args.class {
+                ClassArg::Data => AllocationClass::Data,
+                ClassArg::Log => AllocationClass::Log,
+            },
+            copies: args.copies,
+            lease: args.lease,
+            timeout: args.timeout,
+            attempts: args.attempts,
+            allocator_wait: args.allocator_wait,
+            agent_batch: args.batch,
+        },
+    );
     let mut tasks = Vec::new();
     // A stream per 8 workers: enough pipelining, without one HTTP/2 stream
     // becoming the bottleneck.
-    let mut stream: Option<Ops> = None;
+    let mut writer: Option<Arc<Writer>> = None;
     for w in 0..args.concurrency {
-        let ops = match args.api {
-            Api::Unary => Ops::Unary(alloc.clone()),
+        let wr = match args.api {
+            Api::Unary => writer.get_or_insert_with(|| Arc::new(base.with_ops(base.ops.clone()))),
             Api::Stream => {
-                if w % 8 == 0 || stream.is_none() {
-                    stream = Some(Ops::Stream(Arc::new(ReStream::open(alloc.clone()).await?)));
+                if w % 8 == 0 || writer.is_none() {
+                    writer = Some(Arc::new(base.with_ops(Ops::stream(alloc.clone()).await)));
                 }
-                stream.clone().expect("stream opened")
+                writer.as_ref().expect("stream opened")
             }
         };
-        tasks.push(tokio::spawn(worker(shared.clone(), ops).in_current_span()));
+        tasks.push(tokio::spawn(
+            worker(shared.clone(), wr.clone()).in_current_span(),
+        ));
     }
     // Ctrl-C or SIGTERM: stop taking blocks, finish those in flight, and
     // record what was written (as for any failure) instead of vanishing
@@ -969,6 +530,7 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
     let mut tiers = BTreeMap::new();
     let mut placed = Vec::new();
     let outs_retries: u64 = outs.iter().map(|o| o.retries).sum();
+    let timeouts: u64 = outs.iter().map(|o| o.timeouts).sum();
     for o in outs {
         allocate.add(&o.allocate).expect("same bounds");
         writeh.add(&o.write).expect("same bounds");
@@ -991,47 +553,28 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
     }
 
     // Durable: data on stable storage at every agent, then the txg synced.
+    // A failure here fails the run as a worker's does: what is durable is
+    // recorded in the manifest first (`salvage`).
     let t_sync = Instant::now();
     let mut synced_txg = None;
     if !args.no_sync {
-        let mut flushes = Vec::new();
-        for ep in shared.agents.endpoints() {
-            let agents = shared.agents.clone();
-            let deadline = args.timeout.max(Duration::from_secs(30));
-            flushes.push(async move {
-                let mut c = agents.get(&ep).await?;
-                tokio::time::timeout(deadline, c.flush(FlushRequest {}))
-                    .await
-                    .map_err(|_| anyhow::anyhow!("flush {ep}: no answer in {deadline:?}"))?
-                    .map_err(|s| client::status_msg(&format!("flush {ep}"), &s))?;
-                anyhow::Ok(())
-            });
-        }
-        for r in futures_util::future::join_all(flushes).await {
-            r?;
+        let flushed =
+            aliquot_client::flush_agents(&shared.agents, shared.agents.endpoints(), args.timeout)
+                .await;
+        if let Err(e) = flushed {
+            return Err(salvage(&alloc, &shared, placed, e.into()).await);
         }
         // A restart seen only now (no worker was waiting when it
         // happened): claim before the final sync.
-        shared.claim_if_restarted().await;
-        watcher.abort();
-        synced_txg = Some(sync_or_claim(&alloc, &shared, &placed).await?);
-        let lost = shared
-            .lost
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        if !lost.is_empty() {
-            anyhow::bail!(
-                "{} extents committed before the allocator changed generation could not be \
-                 claimed in the new one (their space was given out first): those blocks are \
-                 lost; first: {}",
-                lost.len(),
-                lost.iter()
-                    .take(4)
-                    .map(|e| format!("{}:{}+{}", e.vdev, e.offset, e.size))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            );
+        claims.claim_if_restarted().await;
+        drop(watcher);
+        let (extents, ids) = Shared::extents(&placed);
+        match claims.sync_or_claim(&extents, &ids).await {
+            Ok(t) => synced_txg = Some(t),
+            Err(e) => return Err(salvage(&alloc, &shared, placed, e.into()).await),
+        }
+        if let Err(e) = claims.check_lost() {
+            return Err(salvage(&alloc, &shared, placed, e.into()).await);
         }
     }
     let sync_secs = t_sync.elapsed().as_secs_f64();
@@ -1105,9 +648,9 @@ pub async fn write(args: &WriteArgs) -> anyhow::Result<WriteReport> {
         freed_blocks,
         manifest: args.manifest.as_ref().map(|m| m.display().to_string()),
         retries,
-        generation: shared.generation.load(Ordering::Relaxed),
+        generation: claims.generation(),
         max_stall_us: shared.max_stall_us.load(Ordering::Relaxed),
-        timeouts: shared.timeouts.load(Ordering::Relaxed),
+        timeouts,
     })
 }
 
@@ -1149,30 +692,58 @@ async fn salvage(
             }
         }
         if flushed {
-            match sync_or_claim(alloc, sh, &placed).await {
+            let (extents, ids) = Shared::extents(&placed);
+            match sh.claims.sync_or_claim(&extents, &ids).await {
                 Ok(_) => durable = true,
                 Err(e) => why_not = format!("{e:#}"),
             }
         }
     }
+    // Extents a claim could not re-assert may be someone else's now: their
+    // blocks are lost, and a manifest listing them would have `free` free
+    // another's block. The manifest keeps every other copy.
+    let lost: std::collections::HashSet<(u32, u64, u64)> = sh
+        .claims
+        .lost()
+        .iter()
+        .map(|e| (e.vdev, e.offset, e.size))
+        .collect();
+    let mut kept = placed;
+    for p in &mut kept {
+        p.extents
+            .retain(|e| !lost.contains(&(e.vdev, e.offset, e.size)));
+    }
+    kept.retain(|p| !p.extents.is_empty());
+    let listed = kept.len() as u64;
     let mut recorded = String::new();
+    if n > listed {
+        recorded = format!(
+            "; {} blocks are lost (every copy's space was given out before a claim could \
+             take it back)",
+            n - listed
+        );
+    }
     if let Some(path) = &args.manifest {
-        match write_manifest(alloc, sh, &placed, path).await {
+        match write_manifest(alloc, sh, &kept, path).await {
             Ok(()) => {
-                recorded = format!(
-                    "; all {n} are listed in the manifest {} (`aliquotctl free --manifest {}` \
-                     frees them)",
+                recorded += &format!(
+                    "; the {listed} {} listed in the manifest {} (`aliquotctl free \
+                     --manifest {}` frees them)",
+                    if n > listed {
+                        "others are"
+                    } else {
+                        "blocks are"
+                    },
                     path.display(),
                     path.display()
                 )
             }
-            Err(e) => recorded = format!("; the manifest could not be written: {e:#}"),
+            Err(e) => recorded += &format!("; the manifest could not be written: {e:#}"),
         }
     }
     if args.manifest.is_none() && !args.free {
-        recorded = "; no manifest lists them (--no-manifest, --no-sync, or no pool data dir \
-                    here), so aliquotctl cannot move or free them"
-            .into();
+        recorded += "; no manifest lists them (--no-manifest, --no-sync, or no pool data dir \
+                    here), so aliquotctl cannot move or free them";
     }
     let state = if durable {
         "durable".to_string()
@@ -1235,108 +806,21 @@ async fn write_manifest(
     Ok(())
 }
 
-/// Claim `extents`, each answered on its own: the ones refused, with why.
-async fn claim_each(
-    c: &mut Allocator,
-    extents: Vec<Extent>,
-) -> Result<Vec<(Extent, String)>, tonic::Status> {
-    claim_each_gen(c, extents).await.map(|(refused, _)| refused)
-}
-
-/// [`claim_each`], and the generation that answered.
-async fn claim_each_gen(
-    c: &mut Allocator,
-    extents: Vec<Extent>,
-) -> Result<(Vec<(Extent, String)>, u64), tonic::Status> {
-    let r = c
-        .claim(ClaimRequest {
-            extents,
-            per_extent: true,
-        })
-        .await?
-        .into_inner();
-    // An allocator that does not answer per extent answers all or nothing:
-    // an Ok without results claimed everything.
-    let refused = r
-        .results
-        .into_iter()
-        .filter(|x| !x.claimed)
-        .filter_map(|x| Some((x.extent?, x.message)))
-        .collect();
-    Ok((refused, r.generation))
-}
-
-/// Sync the txg holding this run's commits. If the allocator restarted
-/// before that txg synced (reason ALLOCATOR_RESTARTED), re-assert every
-/// block written with Claim (those that did sync are allocated exactly so
-/// and claim as no-ops) and sync again in the new generation.
-async fn sync_or_claim(alloc: &Allocator, sh: &Shared, placed: &[Placed]) -> anyhow::Result<u64> {
-    let mut c = alloc.clone();
-    for attempt in 0..3 {
-        let generation = sh.generation.load(Ordering::Relaxed);
-        match c.sync_txg(SyncTxgRequest { txg: 0, generation }).await {
-            Ok(r) => return Ok(r.into_inner().synced_txg),
-            Err(s) if reason(&s) == Some(ErrorReason::AllocatorRestarted) && attempt < 2 => {
-                tracing::warn!(
-                    blocks = placed.len(),
-                    "allocator restarted before the txg synced: claiming what was written"
-                );
-                let mut new_gen = 0;
-                let mut lost: Vec<(Extent, String)> = Vec::new();
-                for chunk in placed.chunks(512) {
-                    let extents = chunk
-                        .iter()
-                        .flat_map(|p| p.extents.iter().cloned())
-                        .collect();
-                    let (refused, generation) = claim_each_gen(&mut c, extents)
-                        .await
-                        .map_err(|s| client::status_msg("claim after an allocator restart", &s))?;
-                    lost.extend(refused);
-                    new_gen = generation;
-                }
-                if !lost.is_empty() {
-                    anyhow::bail!(
-                        "claim after an allocator restart: {} extents were refused (their \
-                         blocks are lost; the others were claimed); first: {}:{}+{} ({})",
-                        lost.len(),
-                        lost[0].0.vdev,
-                        lost[0].0.offset,
-                        lost[0].0.size,
-                        lost[0].1
-                    );
-                }
-                sh.saw_generation(new_gen);
-            }
-            Err(s) if transient(&s) && attempt < 2 => {
-                tokio::time::sleep(Duration::from_millis(500)).await;
-            }
-            Err(s) => return Err(client::status_msg("sync txg", &s)),
-        }
-    }
-    anyhow::bail!("sync txg: the allocator kept restarting")
-}
-
-async fn worker(sh: Arc<Shared>, ops: Ops) -> anyhow::Result<WorkerOut> {
+async fn worker(sh: Arc<Shared>, writer: Arc<Writer>) -> anyhow::Result<WorkerOut> {
+    let a = &sh.args;
     let mut out = WorkerOut {
         allocate: hist(),
         write: hist(),
         commit: hist(),
         wait: hist(),
+        log: a.class == ClassArg::Log,
         vdev_bytes: HashMap::new(),
         tiers: HashMap::new(),
         placed: Vec::new(),
         retries: 0,
+        timeouts: 0,
         failed: None,
     };
-    let a = &sh.args;
-    let class = match a.class {
-        ClassArg::Data => AllocationClass::Data,
-        ClassArg::Log => AllocationClass::Log,
-    };
-    let lease_ms = a
-        .lease
-        .map(|d| d.as_millis().clamp(1, u32::MAX as u128) as u32)
-        .unwrap_or(0);
     loop {
         if sh.stop.load(Ordering::Relaxed) {
             break;
@@ -1362,268 +846,37 @@ async fn worker(sh: Arc<Shared>, ops: Ops) -> anyhow::Result<WorkerOut> {
             txg = tracing::field::Empty,
         );
         telemetry::link(&span, &sh.run);
-        let mut attempt = 1;
-        let mut waiting_since: Option<Instant> = None;
-        let r = loop {
-            match one_block(&sh, &ops, &mut out, block, class, lease_ms)
-                .instrument(span.clone())
-                .await
-            {
-                Err(BlockError::Wait(why))
-                    if waiting_since.get_or_insert_with(Instant::now).elapsed()
-                        < a.allocator_wait =>
-                {
-                    let waited = waiting_since.map_or(Duration::ZERO, |t| t.elapsed());
-                    if waited < Duration::from_millis(200) {
-                        tracing::info!(block, %why, "waiting for the allocator");
-                    }
-                    sh.away.notify_one();
-                    // 100 ms, doubling, at most 1 s between tries.
-                    let n = (waited.as_millis() / 100).min(10) as u64;
-                    tokio::time::sleep(Duration::from_millis((100 + n * 100).min(1000))).await;
-                }
-                Err(BlockError::Wait(e)) => {
-                    break Err(e.context(format!(
-                        "the allocator did not place block {block} within --allocator-wait {:?}",
-                        a.allocator_wait
-                    )));
-                }
-                Err(BlockError::Retry(why)) | Err(BlockError::Abandon(why))
-                    if attempt < a.attempts =>
-                {
-                    tracing::info!(block, attempt, %why, "writing the block again");
-                    out.retries += 1;
-                    attempt += 1;
-                    tokio::time::sleep(Duration::from_millis(100 * attempt as u64)).await;
-                }
-                Err(BlockError::Retry(e))
-                | Err(BlockError::Abandon(e))
-                | Err(BlockError::Fatal(e)) => break Err(e),
-                Ok(()) => break Ok(()),
-            }
+        let data = pattern::Block {
+            nonce: sh.nonce,
+            block,
+            size: a.block_size,
         };
-        if let Err(e) = r {
-            sh.stop.store(true, Ordering::Relaxed);
-            // What this worker placed is still reported (and recorded).
-            out.failed = Some(e.context(format!("block {block}")));
-            return Ok(out);
+        // This run is one object: its blocks keep one allocator per
+        // 2^20-block region, as OpenZFS's spa_select_allocator does.
+        let key = Some(sh.nonce ^ (block >> 20));
+        match writer.put(&data, key, &mut out).instrument(span).await {
+            Ok(b) => {
+                for e in &b.extents {
+                    *out.vdev_bytes.entry(e.vdev).or_insert(0) += e.size;
+                }
+                out.placed.push(Placed {
+                    block,
+                    claim_id: b.claim_id(),
+                    extents: b.extents,
+                    endpoints: b.endpoints,
+                });
+            }
+            Err(e) => {
+                sh.stop.store(true, Ordering::Relaxed);
+                // What this worker placed is still reported (and recorded).
+                out.failed = Some(anyhow::Error::new(e).context(format!("block {block}")));
+                return Ok(out);
+            }
         }
         sh.block_done();
         sh.bar.inc(a.block_size);
     }
     Ok(out)
-}
-
-/// How one attempt at a block failed.
-enum BlockError {
-    /// Write it again with a new allocation.
-    Retry(anyhow::Error),
-    /// The allocator is away: try again when it is back, without counting
-    /// an attempt (bounded by --allocator-wait).
-    Wait(anyhow::Error),
-    /// Write it again, but leave this allocation to its lease: a write that
-    /// timed out may still land when the agent wakes, so its space must not
-    /// be reusable before the allocator's lease expiry defers it.
-    Abandon(anyhow::Error),
-    Fatal(anyhow::Error),
-}
-
-impl From<anyhow::Error> for BlockError {
-    fn from(e: anyhow::Error) -> Self {
-        BlockError::Fatal(e)
-    }
-}
-
-async fn one_block(
-    sh: &Shared,
-    ops: &Ops,
-    out: &mut WorkerOut,
-    block: u64,
-    class: AllocationClass,
-    lease_ms: u32,
-) -> Result<(), BlockError> {
-    let a = &sh.args;
-    let t0 = Instant::now();
-    let reply = ops
-        .allocate(AllocateRequest {
-            class: class as i32,
-            size: a.block_size,
-            copies: a.copies,
-            lease_ms,
-            max_size: 0,
-            // This run is one object: its blocks keep one allocator per
-            // 2^20-block region, as OpenZFS's spa_select_allocator does.
-            affinity_key: Some(sh.nonce ^ (block >> 20)),
-        })
-        .await
-        .map_err(|s| {
-            let e = client::status_msg(&format!("allocate block {block}"), &s);
-            // The allocator is away or restarting, or no vdev is placeable
-            // right now: wait for it (bounded by --allocator-wait).
-            if allocator_away(&s) {
-                BlockError::Wait(e)
-            } else {
-                BlockError::Fatal(e)
-            }
-        })?;
-    sh.saw_generation(reply.generation);
-    out.allocate.saturating_record(micros(t0.elapsed()));
-    out.wait.saturating_record(reply.throttle_wait_us);
-    tracing::Span::current().record("allocation", reply.allocation_id);
-    if reply.extents.len() != reply.endpoints.len() || reply.extents.is_empty() {
-        ops.abort(reply.allocation_id).await;
-        return Err(anyhow::anyhow!(
-            "allocate block {block}: the reply has {} extents but {} endpoints",
-            reply.extents.len(),
-            reply.endpoints.len()
-        )
-        .into());
-    }
-    if class == AllocationClass::Log {
-        *out.tiers.entry(reply.tier).or_insert(0) += 1;
-    }
-
-    let t1 = Instant::now();
-    let mut writes = Vec::with_capacity(reply.extents.len());
-    for (i, (e, ep)) in reply.extents.iter().zip(&reply.endpoints).enumerate() {
-        let agents = sh.agents.clone();
-        // Every copy's pattern is generated into its own request as it is
-        // encoded (cheaper than copying one buffer into each). The extent
-        // may exceed the block (ashift rounding): it is written whole, so
-        // reads compare whole.
-        let w = PatternWrite {
-            offset: e.offset,
-            len: e.size as usize,
-            nonce: sh.nonce,
-            block,
-            token: reply.tokens.get(i).cloned().unwrap_or_default(),
-        };
-        let (offset, vdev) = (e.offset, e.vdev);
-        let deadline = a.timeout;
-        let batcher = (a.batch > 1).then(|| sh.batcher(ep));
-        writes.push(async move {
-            let what = || format!("write block {block} to vdev {vdev} at {offset}");
-            let r = tokio::time::timeout(deadline, async {
-                let sent = match batcher {
-                    // Batched: the pattern is materialised (the batch is
-                    // encoded by prost, not by the pattern codec).
-                    Some(b) => {
-                        b.write(aliquot_proto::v1::WriteRequest {
-                            offset: w.offset,
-                            data: crate::pattern::make(w.len, w.nonce, w.block).into(),
-                            token: w.token,
-                        })
-                        .await
-                    }
-                    None => {
-                        let mut c = agents.pattern_writer(ep).await.map_err(|e| {
-                            if e.downcast_ref::<client::Unresolvable>().is_some() {
-                                BlockError::Fatal(e)
-                            } else {
-                                BlockError::Retry(e)
-                            }
-                        })?;
-                        c.write(w).await.map(|_| ())
-                    }
-                };
-                sent.map_err(|s| {
-                    let e = client::status_msg(&what(), &s);
-                    if rewrite_elsewhere(&s) {
-                        BlockError::Retry(e)
-                    } else {
-                        BlockError::Fatal(e)
-                    }
-                })?;
-                Ok::<(), BlockError>(())
-            })
-            .await;
-            match r {
-                Ok(r) => r,
-                // A hung agent: this block goes elsewhere.
-                Err(_) => Err(BlockError::Abandon(anyhow::anyhow!(
-                    "{}: no answer in {deadline:?}",
-                    what()
-                ))),
-            }
-        });
-    }
-    let results = futures_util::future::join_all(writes).await;
-    let mut failed = None;
-    for r in results {
-        // One timed-out copy decides: the allocation is abandoned.
-        if let Err(e) = r
-            && (failed.is_none() || matches!(e, BlockError::Abandon(_)))
-        {
-            failed = Some(e);
-        }
-    }
-    match failed {
-        None => {}
-        Some(e @ BlockError::Abandon(_)) => {
-            // Aborting would make the space reusable at once, and the hung
-            // agent may still apply the write when it resumes (the request
-            // may be in its socket buffers): another client's block would
-            // be overwritten. The lease expiry defers the space instead.
-            sh.timeouts.fetch_add(1, Ordering::Relaxed);
-            return Err(e);
-        }
-        Some(e) => {
-            // The agents answered (with an error): nothing is in flight,
-            // give the space back now rather than at the lease.
-            ops.abort(reply.allocation_id).await;
-            return Err(e);
-        }
-    }
-    out.write.saturating_record(micros(t1.elapsed()));
-
-    let t2 = Instant::now();
-    // Commit is retry-safe: a repeat answers the first txg.
-    // The allocator may be restarting: keep asking (bounded by
-    // --allocator-wait); once it is back, a Commit of the old generation's
-    // allocation answers ALLOCATOR_RESTARTED and the block is written again.
-    let mut tries = 0u32;
-    let since = Instant::now();
-    let c = loop {
-        match ops.commit(reply.allocation_id, reply.generation).await {
-            Ok(c) => break c,
-            Err(s) if transient(&s) && since.elapsed() < a.allocator_wait => {
-                sh.away.notify_one();
-                tries += 1;
-                tokio::time::sleep(Duration::from_millis(100 << tries.min(4))).await;
-            }
-            Err(s) => {
-                if reason(&s) == Some(ErrorReason::AllocatorRestarted) {
-                    sh.away.notify_one();
-                }
-                let e = client::status_msg(&format!("commit block {block}"), &s);
-                return Err(if retry_block(&s) {
-                    BlockError::Retry(e)
-                } else {
-                    BlockError::Fatal(e)
-                });
-            }
-        }
-    };
-    out.commit.saturating_record(micros(t2.elapsed()));
-    tracing::Span::current().record("txg", c.txg);
-
-    sh.committed
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .push(Committed {
-            generation: reply.generation,
-            txg: c.txg,
-            extents: reply.extents.clone(),
-        });
-    for e in &reply.extents {
-        *out.vdev_bytes.entry(e.vdev).or_insert(0) += e.size;
-    }
-    out.placed.push(Placed {
-        block,
-        extents: reply.extents,
-        endpoints: reply.endpoints,
-    });
-    Ok(())
 }
 
 async fn verify(
@@ -1636,82 +889,35 @@ async fn verify(
     let mut tasks = Vec::new();
     for _ in 0..sh.args.concurrency.min(64) {
         let (sh, next, placed, tokens) = (sh.clone(), next.clone(), placed.clone(), tokens.clone());
-        tasks.push(tokio::spawn(async move {
-            let mut n = 0u64;
-            loop {
-                let i = next.fetch_add(1, Ordering::Relaxed) as usize;
-                let Some(p) = placed.get(i) else { break };
-                for (e, ep) in p.extents.iter().zip(&p.endpoints) {
-                    let mut c = sh.agents.get(ep).await?;
-                    let deadline = sh.args.timeout.max(Duration::from_secs(30));
-                    let mut token = tokens.get(&(e.vdev, e.offset)).cloned().unwrap_or_default();
-                    let mut asked_again = false;
-                    let data = loop {
-                        let r = tokio::time::timeout(
-                            deadline,
-                            c.read(ReadRequest {
-                                offset: e.offset,
-                                size: e.size,
-                                token: token.clone(),
-                            }),
+        tasks.push(tokio::spawn(
+            async move {
+                let mut n = 0u64;
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed) as usize;
+                    let Some(p) = placed.get(i) else { break };
+                    for (e, ep) in p.extents.iter().zip(&p.endpoints) {
+                        let deadline = sh.args.timeout.max(Duration::from_secs(30));
+                        let token = tokens.get(&(e.vdev, e.offset)).cloned().unwrap_or_default();
+                        let data = aliquot_client::read::read_extent(
+                            &sh.alloc, &sh.agents, ep, *e, token, deadline,
                         )
                         .await
-                        .map_err(|_| {
-                            anyhow::anyhow!(
-                                "read block {} from vdev {}: no answer in {deadline:?}",
+                        .map_err(|err| anyhow::anyhow!("verify: block {}: {err}", p.block))?;
+                        if let Some(at) = pattern::first_mismatch(&data, sh.nonce, p.block) {
+                            anyhow::bail!(
+                                "verify: block {} on vdev {} at offset {}: data differs at byte {at}",
                                 p.block,
-                                e.vdev
-                            )
-                        })?;
-                        // An agent that restarted since the token was
-                        // granted refuses it (it cannot know what was
-                        // written meanwhile): ask for the block's token again.
-                        match r {
-                            Err(s)
-                                if !asked_again
-                                    && token_reason(&s).as_deref()
-                                        == Some("READ_TOKEN_BEFORE_AGENT_START") =>
-                            {
-                                asked_again = true;
-                                token = client::read_tokens(&sh.alloc, [*e])
-                                    .await?
-                                    .remove(&(e.vdev, e.offset))
-                                    .unwrap_or_default();
-                            }
-                            r => break r,
+                                e.vdev,
+                                e.offset
+                            );
                         }
                     }
-                    .map_err(|s| {
-                        client::status_msg(
-                            &format!("read block {} from vdev {}", p.block, e.vdev),
-                            &s,
-                        )
-                    })?
-                    .into_inner()
-                    .data;
-                    if data.len() as u64 != e.size {
-                        anyhow::bail!(
-                            "verify: block {} on vdev {} at offset {}: read {} bytes, expected {}",
-                            p.block,
-                            e.vdev,
-                            e.offset,
-                            data.len(),
-                            e.size
-                        );
-                    }
-                    if let Some(at) = crate::pattern::first_mismatch(&data, sh.nonce, p.block) {
-                        anyhow::bail!(
-                            "verify: block {} on vdev {} at offset {}: data differs at byte {at}",
-                            p.block,
-                            e.vdev,
-                            e.offset
-                        );
-                    }
+                    n += 1;
                 }
-                n += 1;
+                anyhow::Ok(n)
             }
-            anyhow::Ok(n)
-        }.in_current_span()));
+            .in_current_span(),
+        ));
     }
     let mut total = 0;
     for t in tasks {

@@ -49,23 +49,7 @@ async fn prometheus(
     ([(header::CONTENT_TYPE, ct)], body).into_response()
 }
 
-/// `since`/`until` as given on a URL or the command line: unix ms, `now`,
-/// or `-<duration>` relative to `now_ms` (`-1h`, `-30m`, `-7d`).
-pub fn parse_time(s: &str, now_ms: i64) -> Result<i64, String> {
-    let t = s.trim();
-    if t == "now" {
-        return Ok(now_ms);
-    }
-    if let Some(rel) = t.strip_prefix('-')
-        && rel.starts_with(|c: char| c.is_ascii_digit())
-        && !rel.chars().all(|c| c.is_ascii_digit())
-    {
-        let d = units::parse_duration(rel).map_err(|e| format!("bad time {s:?}: {e}"))?;
-        return Ok(now_ms - d.as_millis() as i64);
-    }
-    t.parse::<i64>()
-        .map_err(|_| format!("bad time {s:?}: want unix ms, `now` or a relative time like -1h"))
-}
+use crate::charts::parse_time;
 
 fn range(q: &HashMap<String, String>) -> Result<(Option<i64>, Option<i64>), String> {
     let now = now_ms();
@@ -80,8 +64,8 @@ fn range(q: &HashMap<String, String>) -> Result<(Option<i64>, Option<i64>), Stri
 
 fn error_response(e: MetricsError) -> Response {
     let code = match e {
-        MetricsError::InvalidArgument(_) => StatusCode::BAD_REQUEST,
-        MetricsError::NotFound(_) => StatusCode::NOT_FOUND,
+        MetricsError::InvalidArgument { .. } => StatusCode::BAD_REQUEST,
+        MetricsError::NoPool { .. } | MetricsError::NoVdev { .. } => StatusCode::NOT_FOUND,
         _ => StatusCode::SERVICE_UNAVAILABLE,
     };
     (code, format!("{e}\n")).into_response()
@@ -136,13 +120,6 @@ async fn chart(
     }
 }
 
-fn escape_html(s: &str) -> String {
-    s.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-        .replace('"', "&quot;")
-}
-
 /// Everything but RFC 3986's unreserved characters.
 const COMPONENT: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
     .remove(b'-')
@@ -188,7 +165,8 @@ async fn index(
         html.push_str("<p>No pool has reported yet.</p>");
     }
     for s in &summaries {
-        let name = escape_html(&s.pool);
+        // Text and the alt attribute: `&`, `<`, `>` and `"` escaped.
+        let name = html_escape::encode_double_quoted_attribute(&s.pool);
         let seg = encode_component(&s.pool);
         let dur = |ms: Option<i64>| {
             ms.map(|m| format!("{:.1} s", m as f64 / 1000.0))
@@ -237,11 +215,6 @@ mod tests {
 
     #[test]
     fn times() {
-        assert_eq!(parse_time("1234", 10_000), Ok(1234));
-        assert_eq!(parse_time("now", 10_000), Ok(10_000));
-        assert_eq!(parse_time("-1h", 7_200_000), Ok(3_600_000));
-        assert_eq!(parse_time("-5", 100), Ok(-5));
-        assert!(parse_time("yesterday", 0).is_err());
         assert_eq!(encode_component("a b/c"), "a%20b%2Fc");
     }
 }

@@ -3,12 +3,12 @@
 //! The allocator pushes a snapshot of its pool every few seconds (through
 //! [`pusher::SnapshotPusher`]); this service stores it ([`store`]), answers
 //! `History`/`Summary` over gRPC ([`service`]) and draws the charts over HTTP
-//! ([`http`], [`charts`]) with a Prometheus `/metrics` ([`exposition`]). [`cli`] is `aliquotctl history`.
+//! ([`http`], [`charts`]) with a Prometheus `/metrics` ([`exposition`]).
 
 #![forbid(unsafe_code)]
 
-pub mod charts;
-pub mod cli;
+// The charts (a crate the CLI shares), under their old path.
+pub use aliquot_charts as charts;
 pub mod error;
 pub mod exposition;
 pub mod http;

@@ -4,6 +4,8 @@ use clap::Parser;
 
 #[tokio::main]
 async fn main() {
+    // Started by `aliquotctl up`: stop when it goes.
+    aliquot_process::watch_parent();
     let config = aliquot_metrics::Config::parse();
     let guard = telemetry::init("aliquot-metrics", &config.telemetry);
     let code = match aliquot_metrics::run(config).await {

@@ -171,7 +171,7 @@ async fn connect(
 
 async fn send_loop(endpoint: String, tls: aliquot_auth::ClientTls, shared: Arc<Shared>) {
     let mut client = None;
-    let mut backoff = BACKOFF_MIN;
+    let mut backoff = telemetry::backoff::Backoff::new(BACKOFF_MIN, BACKOFF_MAX);
     let mut down_logged = false;
     loop {
         // Wait for work; `notify_one` keeps a permit, so no wake-up is lost.
@@ -200,8 +200,7 @@ async fn send_loop(endpoint: String, tls: aliquot_auth::ClientTls, shared: Arc<S
                         tracing::warn!(endpoint = %endpoint, error = %e, "metrics service unreachable, buffering snapshots");
                         down_logged = true;
                     }
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(BACKOFF_MAX);
+                    tokio::time::sleep(backoff.next_delay()).await;
                     continue;
                 }
             }
@@ -226,7 +225,7 @@ async fn send_loop(endpoint: String, tls: aliquot_auth::ClientTls, shared: Arc<S
                 shared.sent.fetch_add(n, Ordering::AcqRel);
                 shared.in_flight.store(0, Ordering::Release);
                 shared.connected.store(true, Ordering::Release);
-                backoff = BACKOFF_MIN;
+                backoff.reset();
             }
             Err(status) if status.code() == tonic::Code::InvalidArgument => {
                 shared.rejected.fetch_add(n, Ordering::AcqRel);
@@ -253,8 +252,7 @@ async fn send_loop(endpoint: String, tls: aliquot_auth::ClientTls, shared: Arc<S
                     down_logged = true;
                 }
                 client = None;
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(BACKOFF_MAX);
+                tokio::time::sleep(backoff.next_delay()).await;
             }
         }
     }

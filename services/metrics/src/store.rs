@@ -321,13 +321,15 @@ impl Store {
         let mut by_pool: BTreeMap<&str, Vec<&PoolSnapshot>> = BTreeMap::new();
         for s in snaps {
             if s.pool.is_empty() {
-                return Err(MetricsError::InvalidArgument(
-                    "snapshot without a pool name".into(),
+                return Err(MetricsError::invalid(
+                    "pool",
+                    "snapshot without a pool name",
                 ));
             }
             if s.pool.len() > 256 {
-                return Err(MetricsError::InvalidArgument(
-                    "pool name longer than 256 bytes".into(),
+                return Err(MetricsError::invalid(
+                    "pool",
+                    "pool name longer than 256 bytes",
                 ));
             }
             by_pool.entry(s.pool.as_str()).or_default().push(s);
@@ -362,19 +364,21 @@ impl Store {
     /// Per-vdev series over `[since, until]`, at most `max_points` per vdev.
     pub async fn history(&self, req: &HistoryRequest) -> Result<HistoryReply> {
         if req.pool.is_empty() {
-            return Err(MetricsError::InvalidArgument("pool is required".into()));
+            return Err(MetricsError::invalid("pool", "pool is required"));
         }
         if req.max_points == 0 {
-            return Err(MetricsError::InvalidArgument(
-                "max_points must be at least 1".into(),
+            return Err(MetricsError::invalid(
+                "max_points",
+                "max_points must be at least 1",
             ));
         }
         if let (Some(s), Some(u)) = (req.since_ms, req.until_ms)
             && s > u
         {
-            return Err(MetricsError::InvalidArgument(format!(
-                "since ({s} ms) is after until ({u} ms)"
-            )));
+            return Err(MetricsError::invalid(
+                "since_ms",
+                format!("since ({s} ms) is after until ({u} ms)"),
+            ));
         }
         let mut conn = self.reader.acquire().await?;
         let pool = sqlx::query(
@@ -383,7 +387,9 @@ impl Store {
         .bind(&req.pool)
         .fetch_optional(&mut *conn)
         .await?
-        .ok_or_else(|| MetricsError::NotFound(format!("no history for pool {:?}", req.pool)))?;
+        .ok_or_else(|| MetricsError::NoPool {
+            pool: req.pool.clone(),
+        })?;
         let pool_id: i64 = pool.try_get(0)?;
         let first_ms: i64 = pool.try_get(1)?;
         let last_ms: i64 = pool.try_get(2)?;
@@ -403,10 +409,10 @@ impl Store {
                 match known.iter().find(|(k, _)| *k == i64::from(*v)) {
                     Some(k) => w.push(k.clone()),
                     None => {
-                        return Err(MetricsError::NotFound(format!(
-                            "pool {:?} has no vdev {v}",
-                            req.pool
-                        )));
+                        return Err(MetricsError::NoVdev {
+                            pool: req.pool.clone(),
+                            vdev: *v,
+                        });
                     }
                 }
             }
@@ -553,9 +559,9 @@ impl Store {
             .fetch_all(&self.reader)
             .await?;
         if rows.is_empty() && !pool.is_empty() {
-            return Err(MetricsError::NotFound(format!(
-                "no history for pool {pool:?}"
-            )));
+            return Err(MetricsError::NoPool {
+                pool: pool.to_string(),
+            });
         }
         let mut out = Vec::with_capacity(rows.len());
         for r in rows {

@@ -113,8 +113,23 @@ async fn charts_have_one_series_per_vdev() {
         "T0 is not within the last hour"
     );
 
+    // A pool name with HTML's special characters: escaped in the page's
+    // text and attributes, percent-encoded in its links.
+    c.record_batch(SnapshotBatch {
+        snapshots: vec![snap("a<b&\"c>", T0, &[0.5])],
+    })
+    .await
+    .unwrap();
+
     // The page: auto-refresh, the pool and its three charts.
     let (status, ctype, page) = http_get(svc.http_addr, "/?since=-7d").await;
+    assert!(
+        page.contains("pool a&lt;b&amp;&quot;c&gt;</h2>")
+            && page.contains("alt=\"a&lt;b&amp;&quot;c&gt; balance\"")
+            && page.contains("/pools/a%3Cb%26%22c%3E/balance.svg")
+            && !page.contains("a<b"),
+        "{page}"
+    );
     assert_eq!(status, 200);
     assert!(ctype.starts_with("text/html"));
     assert!(page.contains("http-equiv=\"refresh\""));

@@ -213,28 +213,62 @@ async fn bad_queries_are_refused() {
     .await
     .unwrap();
 
+    use aliquot_proto::error::{metadata, reason, retry_after};
+    use aliquot_proto::v1::ErrorReason;
     let code = |r: Result<tonic::Response<_>, tonic::Status>| match r {
         Ok::<tonic::Response<aliquot_proto::v1::HistoryReply>, _>(_) => panic!("accepted"),
-        Err(s) => (s.code(), s.message().to_string()),
+        Err(s) => s,
     };
-    let (k, m) = code(c.history(req("tank", 0)).await);
-    assert_eq!(k, Code::InvalidArgument);
-    assert!(m.contains("max_points"), "{m}");
+    // Each refusal carries the one table's reason (ErrorInfo) and the values
+    // involved; none of these is worth repeating (no RetryInfo).
+    let refused = |s: &tonic::Status, k: Code, r: ErrorReason, values: &[(&str, &str)]| {
+        assert_eq!(s.code(), k, "{s:?}");
+        assert_eq!(reason(s), Some(r), "{s:?}");
+        let m = metadata(s);
+        for (key, v) in values {
+            assert_eq!(m.get(*key).map(String::as_str), Some(*v), "{key} of {s:?}");
+        }
+        assert_eq!(retry_after(s), None, "{s:?}");
+    };
+    let s = code(c.history(req("tank", 0)).await);
+    refused(
+        &s,
+        Code::InvalidArgument,
+        ErrorReason::InvalidArgument,
+        &[("field", "max_points")],
+    );
+    assert!(s.message().contains("max_points"), "{s:?}");
 
     let mut r = req("tank", 10);
     r.since_ms = Some(T0 + 10);
     r.until_ms = Some(T0);
-    let (k, m) = code(c.history(r).await);
-    assert_eq!(k, Code::InvalidArgument);
-    assert!(m.contains("since"), "{m}");
+    let s = code(c.history(r).await);
+    refused(
+        &s,
+        Code::InvalidArgument,
+        ErrorReason::InvalidArgument,
+        &[("field", "since_ms")],
+    );
+    assert!(s.message().contains("since"), "{s:?}");
 
-    let (k, m) = code(c.history(req("nosuchpool", 10)).await);
-    assert_eq!(k, Code::NotFound);
-    assert!(m.contains("nosuchpool"), "{m}");
+    let s = code(c.history(req("nosuchpool", 10)).await);
+    refused(
+        &s,
+        Code::NotFound,
+        ErrorReason::NotFound,
+        &[("pool", "nosuchpool")],
+    );
+    assert!(s.message().contains("nosuchpool"), "{s:?}");
 
     let mut r = req("tank", 10);
     r.vdevs = vec![7];
-    assert_eq!(code(c.history(r).await).0, Code::NotFound);
+    let s = code(c.history(r).await);
+    refused(
+        &s,
+        Code::NotFound,
+        ErrorReason::NotFound,
+        &[("pool", "tank"), ("vdev", "7")],
+    );
 
     let s = c
         .summary(SummaryRequest {
@@ -242,7 +276,12 @@ async fn bad_queries_are_refused() {
         })
         .await
         .unwrap_err();
-    assert_eq!(s.code(), Code::NotFound);
+    refused(
+        &s,
+        Code::NotFound,
+        ErrorReason::NotFound,
+        &[("pool", "nosuchpool")],
+    );
 
     let s = c
         .record_batch(SnapshotBatch {
@@ -250,7 +289,12 @@ async fn bad_queries_are_refused() {
         })
         .await
         .unwrap_err();
-    assert_eq!(s.code(), Code::InvalidArgument);
+    refused(
+        &s,
+        Code::InvalidArgument,
+        ErrorReason::InvalidArgument,
+        &[("field", "pool")],
+    );
 
     drop(c);
     svc.shutdown().await.unwrap();

@@ -57,7 +57,8 @@
 //! whose size and policy vary by drive and would need constants to be
 //! chosen. Non-rotational leaves serve in arrival order (nothing to
 //! position). Served nearest-offset first (shortest seek, no angle) the
-//! disks did worse than in arrival order (README, issue 13).
+//! disks did worse than in arrival order (README, "Per-leaf device queues, load
+//! cost, metadata").
 
 use std::collections::BTreeMap;
 

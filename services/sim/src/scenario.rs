@@ -216,6 +216,9 @@ struct RawScenario {
     /// The machine's CPUs: `spa_alloc_count` (default: one allocator).
     #[serde(default)]
     cpus: Option<u64>,
+    /// `pool` (one preload taskq, 2.2 on) or `vdev` (one per vdev, 2.0–2.1).
+    #[serde(default)]
+    preload_taskq: Option<String>,
     #[serde(default)]
     vdev: Vec<RawVdev>,
     #[serde(default)]
@@ -390,6 +393,8 @@ pub struct Scenario {
     /// CPUs of the modelled machine, from which the pool derives
     /// `spa_alloc_count` (`Pool::set_cpus`); None = one allocator.
     pub cpus: Option<u64>,
+    /// Who loads the metaslabs a sync preloads.
+    pub preload_taskq: PreloadTaskq,
     pub vdevs: Vec<VdevModel>,
     pub events: Vec<Event>,
     /// In file order; sim-level names (see [`SIM_TUNABLES`]) included.
@@ -413,6 +418,19 @@ pub enum DeviceModel {
     /// OpenZFS's vdev queue per leaf: dirty-scaled active writes, seeks,
     /// RAIDZ children on their own (`leaf.rs`).
     Leaf,
+}
+
+/// The preload taskqs (`preload_taskq`), each with `metaslab_preload_pct`
+/// (50) % of `cpus` threads, at least 1.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PreloadTaskq {
+    /// One for the pool (`spa.c:spa_activate@zfs-2.4.0`, `spa_metaslab_taskq`).
+    #[default]
+    Pool,
+    /// One per top-level vdev, as each metaslab group had its own
+    /// (`metaslab.c:metaslab_group_create@zfs-2.1.0`, `mg_taskq` with
+    /// `metaslab_load_pct` 50 %): the OpenZFS the ZIL-metaslab seed measured.
+    Vdev,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -888,6 +906,16 @@ impl Scenario {
                 ));
             }
         };
+        let preload_taskq = match raw.preload_taskq.as_deref() {
+            None | Some("pool") => PreloadTaskq::Pool,
+            Some("vdev") => PreloadTaskq::Vdev,
+            Some(other) => {
+                return Err(invalid(
+                    "preload_taskq",
+                    format!("unknown taskq {other:?} (expected \"pool\" or \"vdev\")"),
+                ));
+            }
+        };
         let metadata = match raw.metadata {
             None => None,
             Some(m) => {
@@ -985,6 +1013,7 @@ impl Scenario {
                 Some(0) => return Err(invalid("cpus", "must be at least 1")),
                 c => c,
             },
+            preload_taskq,
             vdevs,
             events,
             tunables,
@@ -1272,7 +1301,7 @@ write_bandwidth = "500MiB/s"
             "mode = \"full\"",
             "mode = \"rate\"\nrate = \"1MiB/s\"\nallocate = \"sync\"",
         );
-        // Rate loads go through the txg pipeline too (issue 30 item 2).
+        // Rate loads go through the txg pipeline too.
         assert!(
             Scenario::from_toml(&rate)
                 .unwrap()
@@ -1324,6 +1353,11 @@ write_bandwidth = "500MiB/s"
         assert_eq!(s.metaslab_load_cost, 1_000_000_000);
         let e = err(&top("device_model = \"quantum\""));
         assert!(e.starts_with("device_model:"), "{e}");
+        assert_eq!(s.preload_taskq, PreloadTaskq::Pool);
+        let t = Scenario::from_toml(&top("preload_taskq = \"vdev\"")).unwrap();
+        assert_eq!(t.preload_taskq, PreloadTaskq::Vdev);
+        let e = err(&top("preload_taskq = \"cpu\""));
+        assert!(e.starts_with("preload_taskq:"), "{e}");
         assert_eq!(
             Scenario::from_toml(&top("cpus = 16")).unwrap().cpus,
             Some(16)

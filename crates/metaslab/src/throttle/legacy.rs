@@ -1,14 +1,16 @@
-//! Legacy (request-based) throttle arithmetic (spec §4): the per-visit
-//! space bias, the class slot test (a true ceiling) and group skipping.
+//! Legacy (request-based) throttle arithmetic (`metaslab.c@zfs-2.3.0`): the
+//! per-visit space bias, the class slot test (a true ceiling) and group
+//! skipping.
 
 /// `mg_aliquot` at activation: `metaslab_aliquot × max(1, data children)`.
 pub fn group_aliquot(metaslab_aliquot: u64, data_children: u64) -> u64 {
     metaslab_aliquot * data_children.max(1)
 }
 
-/// The space bias computed at the first block of a visit (spec §4.2):
-/// `ratio = vs_free × alloc_groups × 100 / (mc_free + 1)` in percent,
-/// `bias = (ratio − 100) × aliquot / 100`. Absolute free bytes, signed.
+/// The space bias computed at the first block of a visit
+/// (`metaslab.c:metaslab_alloc_dva@zfs-2.3.0`): `ratio = vs_free × alloc_groups
+/// × 100 / (mc_free + 1)` in percent, `bias = (ratio − 100) × aliquot / 100`.
+/// Absolute free bytes, signed.
 pub fn space_bias(vs_free: u64, mc_free: u64, alloc_groups: u64, aliquot: u64) -> i64 {
     let ratio = (vs_free as i128 * alloc_groups as i128 * 100) / (mc_free as i128 + 1);
     ((ratio - 100) * aliquot as i128 / 100) as i64

@@ -1,4 +1,4 @@
-//! Unified throttle arithmetic (spec §3.3–3.7): class balance with
+//! Unified throttle arithmetic (`metaslab.c@zfs-2.4.0`): class balance with
 //! OpenZFS's integer order of operations, the rotate rule, and the
 //! byte reservation test (before the add).
 
@@ -30,9 +30,9 @@ pub struct GroupQuota {
     pub queue_target: u64,
 }
 
-/// `metaslab_class_balance` without the onsync part (spec §3.3): quotas per
-/// ring group, in ring order, and `mc_alloc_max`. With no initialized group
-/// alloc_max is unlimited and no quotas are produced.
+/// `metaslab_class_balance` without the onsync part (`metaslab.c@zfs-2.4.0`):
+/// quotas per ring group, in ring order, and `mc_alloc_max`. With no
+/// initialized group alloc_max is unlimited and no quotas are produced.
 pub fn balance(mc: &ClassInput, ring: &[GroupInput], out: &mut Vec<GroupQuota>) -> u64 {
     out.clear();
     if mc.groups == 0 {
@@ -72,7 +72,8 @@ pub fn balance(mc: &ClassInput, ring: &[GroupInput], out: &mut Vec<GroupQuota>) 
 }
 
 /// The onsync move of `mc_alloc_io_size` a quarter of the way to
-/// `metaslab_aliquot / 8` (spec §3.4).
+/// `metaslab_aliquot / 8` (`mc_alloc_io_size` in
+/// `metaslab.c:metaslab_class_balance@zfs-2.4.0`).
 pub fn io_size_onsync(alloc_io_size: u64, metaslab_aliquot: u64) -> u64 {
     (3 * alloc_io_size + metaslab_aliquot / 8) / 4
 }
@@ -92,8 +93,8 @@ pub struct RotateInput {
     pub busy: bool,
 }
 
-/// `metaslab_class_rotate` (spec §3.5) once the caller has checked that
-/// the class has ≥ 2 groups and `mg` is the rotor: true = rotate.
+/// `metaslab.c:metaslab_class_rotate@zfs-2.4.0` once the caller has checked
+/// that the class has ≥ 2 groups and `mg` is the rotor: true = rotate.
 pub fn should_rotate(r: &RotateInput) -> bool {
     if !r.success || r.is_log {
         return true;
@@ -115,8 +116,9 @@ pub fn should_rotate(r: &RotateInput) -> bool {
     }
 }
 
-/// `reserve` (spec §3.7): admitted when `must` or `reserved <= alloc_max`
-/// before the add. Returns (granted, more).
+/// `reserve` (`metaslab.c:metaslab_class_throttle_reserve@zfs-2.4.0`): admitted
+/// when `must` or `reserved <= alloc_max` before the add. Returns (granted,
+/// more).
 pub fn reserve(reserved: &mut u64, alloc_max: u64, bytes: u64, must: bool) -> (bool, bool) {
     if must || *reserved <= alloc_max {
         *reserved += bytes;

@@ -1,4 +1,4 @@
-//! The Write fast path (issue 14): a tower layer in front of the tonic
+//! The Write fast path: a tower layer in front of the tonic
 //! router that takes unary `/aliquot.v1.VdevAgent/Write` calls off the wire
 //! itself. The body's HTTP/2 frames are collected as received, the
 //! `WriteRequest` is parsed over them ([`parse`]) and the payload goes to the
@@ -15,7 +15,7 @@
 //! replayed to tonic frame by frame, so tonic gives its own answer.
 //! `--no-fast-write` turns the layer into a pass-through.
 //!
-//! Memory is bounded (issue 27, item 2): before a body is read past its
+//! Memory is bounded: before a body is read past its
 //! gRPC length prefix, the whole message's bytes are reserved from the
 //! connection's budget (`aliquot_auth::listen::PeerInfo::budget`) and the
 //! agent's (`--max-buffered`), all or nothing, so that streams waiting for

@@ -1,10 +1,13 @@
-//! An in-process agent on a port-0 loopback listener, driven over real gRPC.
+//! An in-process agent on a port-0 loopback listener, driven over real gRPC
+//! (plaintext: `start`; over mutual TLS with a pool CA and token key:
+//! `TlsAgent`).
 
 #![allow(dead_code)]
 
 use std::net::SocketAddr;
 
 use aliquot_agent::{Agent, BackendKind, Config};
+use aliquot_auth::{PoolCa, Role, TlsFiles, TokenSigner};
 use aliquot_proto::v1::vdev_agent_client::VdevAgentClient;
 use aliquot_proto::v1::{AgentStats, GetStatsRequest, ReadRequest, WriteRequest};
 use tokio::sync::oneshot;
@@ -113,4 +116,113 @@ pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
             x as u8
         })
         .collect()
+}
+
+/// An agent served over mutual TLS: a pool CA in a temporary directory with
+/// the certificates asked for, the agent's own as "a0", and the allocator's
+/// token key the agent verifies with.
+pub struct TlsAgent {
+    pub dir: tempfile::TempDir,
+    pub agent: Agent,
+    pub signer: TokenSigner,
+    pub port: u16,
+    stop: oneshot::Sender<()>,
+    served: JoinHandle<anyhow::Result<()>>,
+}
+
+impl TlsAgent {
+    /// A 64 MiB simulated device, not registered yet; `certs` are issued
+    /// beside the agent's own.
+    pub async fn start(certs: &[(Role, &str)]) -> TlsAgent {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = PoolCa::init(dir.path(), "tank").unwrap();
+        ca.issue(Role::Agent, "a0", &[]).unwrap();
+        for (role, name) in certs {
+            ca.issue(*role, name, &[]).unwrap();
+        }
+        let signer = TokenSigner::load(dir.path()).unwrap();
+        let mut cfg = Config::new(BackendKind::Sim);
+        cfg.capacity = Some(64 << 20);
+        let files = TlsFiles::in_dir(dir.path(), Role::Agent, "a0");
+        cfg.tls.tls_ca = Some(files.ca);
+        cfg.tls.tls_cert = Some(files.cert);
+        cfg.tls.tls_key = Some(files.key);
+        cfg.token_key = Some(dir.path().to_path_buf());
+        let agent = Agent::open(&cfg).unwrap();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let served = {
+            let agent = agent.clone();
+            tokio::spawn(async move {
+                aliquot_agent::serve(agent, &cfg, listener, async {
+                    let _ = stopped.await;
+                })
+                .await
+            })
+        };
+        TlsAgent {
+            dir,
+            agent,
+            signer,
+            port,
+            stop,
+            served,
+        }
+    }
+
+    /// A channel to the agent with the certificate of `role`/`name`.
+    pub async fn channel(&self, role: Role, name: &str) -> Channel {
+        let files = TlsFiles::in_dir(self.dir.path(), role, name);
+        Channel::from_shared(format!("https://127.0.0.1:{}", self.port))
+            .unwrap()
+            .tls_config(files.client_config(Role::Agent).unwrap())
+            .unwrap()
+            .connect()
+            .await
+            .unwrap()
+    }
+
+    /// Stops serving; the server must end cleanly.
+    pub async fn stop(self) {
+        self.stop.send(()).unwrap();
+        self.served.await.unwrap().unwrap();
+    }
+}
+
+/// The pool, vdev and generation a `TlsAgent`'s tests sign tokens for, and
+/// the extent they write.
+pub const POOL: u64 = 0xa11c;
+pub const VDEV: u32 = 4;
+pub const GENERATION: u64 = 6;
+pub const EXTENT: u64 = 1 << 20;
+pub const SIZE: u64 = 64 << 10;
+
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+/// A write capability of the extent for `allocation_id`, valid a minute.
+pub fn grant_of(allocation_id: u64) -> aliquot_auth::WriteGrant {
+    aliquot_auth::WriteGrant {
+        pool_guid: POOL,
+        generation: GENERATION,
+        vdev: VDEV,
+        offset: EXTENT,
+        size: SIZE,
+        allocation_id,
+        expires_ms: now_ms() + 60_000,
+    }
+}
+
+/// A write of `len` bytes of 0x5a at `offset`.
+pub fn token_write(offset: u64, len: usize, token: Vec<u8>) -> WriteRequest {
+    WriteRequest {
+        offset,
+        data: vec![0x5a; len].into(),
+        token,
+    }
 }

@@ -104,6 +104,8 @@ impl<P: SimPool> Sim<'_, P> {
             data_load_stall: self.data_load_stall,
             metadata_blocks: self.meta_blocks,
             metadata_bytes: self.meta_bytes,
+            write_delays: self.write_delays,
+            write_delay_ns: self.write_delay_ns,
             cpu_busy: self.cpu.as_ref().map(|c| c.busy),
             spec_cpus: self.cpu.as_ref().map(|c| c.model.count),
             spec: self.spec.clone(),

@@ -8,7 +8,7 @@ pub(super) const LOG_RECORD_HEADER: u64 = 192;
 
 pub(super) const LOG_BLOCK_HEADER: u64 = 256;
 
-/// ELOG-era ZIL block buckets (spec §5.4).
+/// ELOG-era ZIL block buckets (`zil.c:zil_lwb_plan@zfs-2.4.0`).
 pub(super) const LOG_BUCKETS: [u64; 5] = [4 << 10, 12 << 10, 36 << 10, 68 << 10, 128 << 10];
 
 /// Log block sizes remembered for the next choice.

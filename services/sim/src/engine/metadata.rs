@@ -10,8 +10,9 @@ use super::*;
 pub(super) enum MetaKey {
     /// A stream's (object's) level-1 indirect block number `span`.
     L1(u32, u32),
-    /// A stream's level-2 indirect block (it maps 128 GiB at 128K records).
-    L2(u32),
+    /// A stream's indirect block at a level of 2 or more (one per level:
+    /// a sequential writer dirties one span of each level a txg).
+    Upper(u32, u8),
     /// The dataset's dnode block.
     Dnode,
     /// The MOS's `i`-th block of the txg (space maps, MOS dnodes, DSL).
@@ -23,7 +24,7 @@ impl MetaKey {
     /// per-txg blocks (the dnode block, the MOS).
     pub(super) fn object(&self) -> Option<u32> {
         match *self {
-            MetaKey::L1(s, _) | MetaKey::L2(s) => Some(s),
+            MetaKey::L1(s, _) | MetaKey::Upper(s, _) => Some(s),
             MetaKey::Dnode | MetaKey::Mos(_) => None,
         }
     }
@@ -49,6 +50,25 @@ pub(super) const BLKPTR_SIZE: u64 = 128;
 /// Smallest metadata block written (one 4K sector at ashift 12).
 pub(super) const META_MIN: u64 = 4096;
 
+/// Block pointers in a dnode without a bonus buffer (`dn_nblkptr`: the
+/// calibration driver's objects, `dmu_object_alloc` with `bonuslen` 0).
+pub(super) const DN_NBLKPTR: u64 = 3;
+
+/// Levels of an object whose highest block is `blocks - 1`, with `per`
+/// block pointers per indirect block: the dnode points at its data
+/// directly while it has at most `DN_NBLKPTR` blocks, and gains a level
+/// each time the top level's span is outgrown (`dnode.c:dnode_new_blkid`,
+/// `dnode_increase_indirection`, zfs-2.3.9 and zfs-2.4.4).
+pub(super) fn dnode_levels(blocks: u64, per: u64) -> u32 {
+    let mut levels = 1;
+    let mut span = DN_NBLKPTR;
+    while span < blocks {
+        span = span.saturating_mul(per);
+        levels += 1;
+    }
+    levels
+}
+
 /// `spa_max_replication`: the MOS's copies.
 pub(super) const MOS_COPIES: u8 = 3;
 
@@ -72,9 +92,17 @@ impl<P: SimPool> Sim<'_, P> {
         let copies = |level1: bool| (data_copies + extra(level1)).min(3);
         // (stream, span) → the highest block index in the span written.
         let mut spans: Vec<(u32, u32, u32)> = Vec::new();
+        // stream → its object's size in blocks when this txg syncs.
+        let mut sizes: Vec<(u32, u64)> = Vec::new();
         for r in reqs {
             let st = &d.streams[r.stream as usize];
             let i = r.block - st.first;
+            // Past its first pass an object has its full size.
+            let size = if st.pass > 0 { st.count } else { i + 1 } as u64;
+            match sizes.iter_mut().find(|(s, _)| *s == r.stream) {
+                Some(e) => e.1 = e.1.max(size),
+                None => sizes.push((r.stream, size)),
+            }
             let span = i / per_l1;
             let last = i % per_l1;
             match spans
@@ -85,9 +113,17 @@ impl<P: SimPool> Sim<'_, P> {
                 None => spans.push((r.stream, span, last)),
             }
         }
+        let levels = |s: u32| {
+            let size = sizes.iter().find(|(x, _)| *x == s).map_or(1, |e| e.1);
+            dnode_levels(size, per_l1 as u64)
+        };
         let mut out = Vec::new();
-        let mut streams: Vec<u32> = Vec::new();
         for &(s, span, last) in &spans {
+            // An object of at most `DN_NBLKPTR` blocks has no indirect
+            // block: the dnode holds its block pointers.
+            if levels(s) < 2 {
+                continue;
+            }
             // A level-1 block holds the pointers written so far in its
             // span (sequential writers: up to the last one); the rest are
             // holes that compress away.
@@ -101,18 +137,22 @@ impl<P: SimPool> Sim<'_, P> {
                 size: size.min(md.indirect_block),
                 copies: copies(true),
             });
-            if !streams.contains(&s) {
-                streams.push(s);
+        }
+        // The levels above 1, as many as the object has (a level-2 block
+        // only once it outgrew `DN_NBLKPTR` level-1 spans: 384 MiB at 128K
+        // records and 128K indirect blocks). Each such ditto block can
+        // move the legacy rotor, so writing one where OpenZFS writes none
+        // added rotor restarts (calibration t1a legacy with many writers).
+        for &(s, _) in &sizes {
+            for level in 2..levels(s) {
+                out.push(MetaReq {
+                    key: MetaKey::Upper(s, level as u8),
+                    size: META_MIN,
+                    copies: copies(false),
+                });
             }
         }
-        for s in streams {
-            out.push(MetaReq {
-                key: MetaKey::L2(s),
-                size: META_MIN,
-                copies: copies(false),
-            });
-        }
-        if !out.is_empty() {
+        if !reqs.is_empty() {
             out.push(MetaReq {
                 key: MetaKey::Dnode,
                 size: META_MIN,

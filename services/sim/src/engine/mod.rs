@@ -27,8 +27,8 @@ use crate::device::{AGGREGATION_LIMIT, AGGREGATION_LIMIT_NON_ROTATING, Device};
 use crate::leaf::{LeafDevice, LeafEvent, QueueLimits};
 use crate::pool::{PoolView, SimPool};
 use crate::scenario::{
-    Action, Amount, DeviceModel, LoadMode, Metadata, RedundantMetadata, RunSpec, Scenario, Trigger,
-    VdevModel,
+    Action, Amount, DeviceModel, LoadMode, Metadata, PreloadTaskq, RedundantMetadata, RunSpec,
+    Scenario, Trigger, VdevModel,
 };
 
 mod cpu;
@@ -64,7 +64,7 @@ const MAX_SAMPLES: usize = 2000;
 /// First sampling interval: 1 ms of virtual time.
 const FIRST_SAMPLE_INTERVAL: u64 = 1_000_000;
 /// `metaslab_preload_pct`: the preload taskq's threads as a percentage of
-/// the CPUs (module/zfs/spa.c@be7657e3f2:196, 1915-1917; spec §2.10). A
+/// the CPUs (`spa.c:spa_activate@zfs-2.4.0`). A
 /// machine fact for the simulator's clock, not a policy decision.
 const METASLAB_PRELOAD_PCT: u64 = 50;
 
@@ -175,8 +175,9 @@ struct Sim<'a, P: SimPool> {
     ms_shift: Vec<u8>,
     /// Virtual time at which each queued preload finishes.
     preload_done: HashMap<(metaslab::VdevId, u32), u64>,
-    /// When each preload taskq thread is next free.
-    preload_threads: Vec<u64>,
+    /// Per preload taskq (one, or one per vdev: `preload_taskq`), when
+    /// each of its threads is next free.
+    preload_threads: Vec<Vec<u64>>,
     preloads: u64,
     meta_tickets: TicketMap<MetaReq>,
     meta_live: HashMap<MetaKey, Vec<Extent>>,
@@ -234,6 +235,9 @@ struct Sim<'a, P: SimPool> {
     last_wakeup: u64,
     delay_served: bool,
     delay_waiting: bool,
+    /// Writes that waited `dmu_tx_delay`, and the virtual ns they waited.
+    write_delays: u64,
+    write_delay_ns: u64,
     dirty_sync_pending: bool,
     /// Pipeline: each vdev's allocated bytes as of the last sync, which is
     /// what OpenZFS reports (`vs_alloc` moves only in
@@ -402,8 +406,15 @@ pub fn run<P: SimPool>(
         ms_shift: Vec::new(),
         preload_done: HashMap::new(),
         preload_threads: vec![
-            0;
-            (sc.cpus.unwrap_or(1) * METASLAB_PRELOAD_PCT / 100).max(1) as usize
+            vec![
+                0;
+                (sc.cpus.unwrap_or(1) * METASLAB_PRELOAD_PCT / 100).max(1)
+                    as usize
+            ];
+            match sc.preload_taskq {
+                PreloadTaskq::Pool => 1,
+                PreloadTaskq::Vdev => sc.vdevs.len().max(1),
+            }
         ],
         preloads: 0,
         meta_tickets: TicketMap::default(),
@@ -448,6 +459,8 @@ pub fn run<P: SimPool>(
         last_wakeup: 0,
         delay_served: false,
         delay_waiting: false,
+        write_delays: 0,
+        write_delay_ns: 0,
         dirty_max: sc.load.as_ref().map(|l| l.dirty_max).unwrap_or(4 << 30),
         dirty_sync_bytes: sc.load.as_ref().map(|l| l.dirty_max).unwrap_or(4 << 30)
             * ZFS_DIRTY_DATA_SYNC_PERCENT

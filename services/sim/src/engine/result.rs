@@ -109,6 +109,10 @@ pub struct RunResult {
     pub cpu_busy: Option<u64>,
     /// `[cpu]`: how many CPUs.
     pub spec_cpus: Option<u32>,
+    /// Writes that waited OpenZFS's write-throttle delay (`dmu_tx_delay`,
+    /// pipeline only), and the virtual nanoseconds they waited in all.
+    pub write_delays: u64,
+    pub write_delay_ns: u64,
 }
 
 impl RunResult {

@@ -35,21 +35,29 @@ pub fn write_delay(dirty: u64, dirty_max: u64) -> u64 {
 impl<P: SimPool> Sim<'_, P> {
     /// The crate treats preloaded metaslabs as loaded at once; OpenZFS loads
     /// them on the preload taskq (`metaslab_load_cost` each, as many at a
-    /// time as the taskq has threads), in the order queued.
+    /// time as the taskq has threads), in the order queued; with one
+    /// taskq per vdev, each on its vdev's.
     pub(super) fn queue_preloads(&mut self, preloaded: &[(metaslab::VdevId, u32)]) {
         let cost = self.log.as_ref().map(|l| l.load_cost).unwrap_or(0);
         if cost == 0 {
             return;
         }
+        let per_vdev = self.sc.preload_taskq == PreloadTaskq::Vdev;
         for &key in preloaded {
-            let (i, &free) = self
-                .preload_threads
+            let q = if per_vdev { key.0 as usize } else { 0 };
+            if q >= self.preload_threads.len() {
+                // A vdev added during the run brings its taskq.
+                let threads = self.preload_threads[0].len();
+                self.preload_threads.resize(q + 1, vec![0; threads]);
+            }
+            let taskq = &mut self.preload_threads[q];
+            let (i, &free) = taskq
                 .iter()
                 .enumerate()
                 .min_by_key(|&(_, &t)| t)
                 .expect("at least one preload thread");
             let done = free.max(self.now) + cost;
-            self.preload_threads[i] = done;
+            taskq[i] = done;
             self.preload_done.insert(key, done);
             self.preloads += 1;
         }

@@ -1,2 +1,4 @@
--- The bump (the data dir's lock makes this the only writer).
-UPDATE leaders SET generation = generation + 1 WHERE pool = $1 RETURNING generation
+-- The bump (the data dir's lock makes this the only writer); it clears a
+-- clean-shutdown mark, which speaks only of the generation before.
+UPDATE leaders SET generation = generation + 1, leader_id = '' WHERE pool = $1
+RETURNING generation

@@ -1,13 +1,21 @@
-//! A channel to whichever of several allocators leads the pool (issue 26).
+//! A channel to whichever of several allocators leads the pool.
 //! `--allocator a,b,c` names allocators sharing one PostgreSQL store: one
 //! leads, the others stand by and answer UNAVAILABLE / `NOT_LEADER` naming
 //! the leader. Each call goes to the allocator believed to lead; a call
 //! refused with NOT_LEADER, or that cannot reach it, moves the belief (to
 //! the leader named, else the next allocator) for the calls that follow.
-//! The refused call itself returns its error, so the caller's own retry
-//! rules (the write's `--allocator-wait`, reopening its stream, claiming
-//! after ALLOCATOR_RESTARTED) decide what to do, exactly as for one
-//! allocator restarting.
+//! A call refused with NOT_LEADER was not acted on (a standby refuses
+//! before anything is done), so the channel sends it again, at once to the
+//! leader named, else to the next allocator after a short pause, until one
+//! answers as the leader or the leader wait ends: every command sees the
+//! leader's answer, not a standby's refusal, across a takeover. Only a
+//! call whose request is a stream (AllocateStream, Report) cannot be sent
+//! again: it returns the refusal, and the caller's own rules (reopening its
+//! stream, claiming after ALLOCATOR_RESTARTED) decide, exactly as for one
+//! allocator restarting. A call that failed on the way (a connection reset
+//! by an allocator restarting) may have been acted on: only the calls that
+//! change nothing (GetPool, GetTunables, WatchPool) are sent again then;
+//! the others return the error to their caller.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -16,8 +24,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use aliquot_proto::error::reason;
+use aliquot_proto::v1::ErrorReason;
+use http_body_util::{BodyExt, Full};
 use tonic::body::Body;
-use tonic::codegen::{Service, http};
+use tonic::codegen::{Bytes, Service, http};
 use tonic::transport::Channel;
 use tonic_types::StatusExt;
 use tower::ServiceExt;
@@ -33,15 +44,37 @@ struct Inner {
     /// (url as given, channel), in the order given.
     allocators: Vec<(String, Channel)>,
     current: AtomicUsize,
+    /// How long a call refused with NOT_LEADER is sent again.
+    leader_wait: Duration,
+}
+
+/// Calls whose request is a stream of messages: never buffered, never
+/// sent again (see the module docs).
+fn streams_requests(path: &str) -> bool {
+    use aliquot_proto::v1::{agent_registry_server, allocator_server};
+    let method = |service: &str, m: &str| path.strip_prefix('/') == Some(&format!("{service}/{m}"));
+    method(allocator_server::SERVICE_NAME, "AllocateStream")
+        || method(agent_registry_server::SERVICE_NAME, "Report")
+}
+
+/// Calls that change nothing: sent again after a transport failure too.
+fn reads_only(path: &str) -> bool {
+    use aliquot_proto::v1::allocator_server::SERVICE_NAME;
+    ["GetPool", "GetTunables", "WatchPool"]
+        .iter()
+        .any(|m| path.strip_prefix('/') == Some(&format!("{SERVICE_NAME}/{m}")))
 }
 
 impl LeaderChannel {
-    pub fn new(allocators: Vec<(String, Channel)>) -> LeaderChannel {
+    /// The allocators, in the order given; a call refused with NOT_LEADER
+    /// is sent again for up to `leader_wait`.
+    pub fn new(allocators: Vec<(String, Channel)>, leader_wait: Duration) -> LeaderChannel {
         assert!(!allocators.is_empty(), "at least one allocator");
         LeaderChannel {
             inner: Arc::new(Inner {
                 allocators,
                 current: AtomicUsize::new(0),
+                leader_wait,
             }),
         }
     }
@@ -56,13 +89,20 @@ impl LeaderChannel {
     /// and the first that answers as the leader is taken. While none does
     /// (a takeover under way: the leader stopped or cut off, its lease not
     /// yet ended), wait up to `wait`, saying on stderr what the standbys
-    /// say of the lease, instead of failing on the first refusal.
-    pub async fn find_leader(&self, wait: Duration) -> anyhow::Result<()> {
+    /// say of the lease (an operator waiting wants to know why), instead
+    /// of failing on the first refusal.
+    pub async fn find_leader(&self, wait: Duration) -> crate::Result<()> {
         use aliquot_proto::v1::GetPoolRequest;
         use aliquot_proto::v1::allocator_client::AllocatorClient;
         let t0 = Instant::now();
         let mut last_said = Instant::now() - Duration::from_secs(60);
         let mut waited = false;
+        // Every client of a pool that lost its leader polls at once: jitter
+        // spreads them; capped so a new leader is seen within ~a second.
+        let mut poll = telemetry::backoff::Backoff::new(
+            Duration::from_millis(100),
+            Duration::from_millis(1000),
+        );
         loop {
             // The live lease a standby names, and what the others said.
             let mut holder: Option<(String, u64)> = None;
@@ -81,7 +121,7 @@ impl LeaderChannel {
                 };
                 let info = s.as_ref().and_then(|s| {
                     s.get_details_error_info()
-                        .filter(|e| e.reason == "NOT_LEADER")
+                        .filter(|_| reason(s) == Some(ErrorReason::NotLeader))
                 });
                 match (s, info) {
                     // It answered, as the leader or with a refusal of its
@@ -90,7 +130,7 @@ impl LeaderChannel {
                         self.inner.current.store(i, Ordering::Release);
                         if waited {
                             eprintln!(
-                                "aliquotctl: {url} leads ({:.1} s later)",
+                                "aliquot: {url} leads ({:.1} s later)",
                                 t0.elapsed().as_secs_f64()
                             );
                         }
@@ -128,14 +168,16 @@ impl LeaderChannel {
                 None => format!("no leader answers yet ({})", others.join("; ")),
             };
             if t0.elapsed() >= wait {
-                anyhow::bail!("{msg}; gave up after --leader-wait {wait:?}");
+                return Err(crate::Error::Connect(format!(
+                    "{msg}; gave up after --leader-wait {wait:?}"
+                )));
             }
             if last_said.elapsed() >= Duration::from_secs(1) {
-                eprintln!("aliquotctl: {msg}; waiting");
+                eprintln!("aliquot: {msg}; waiting");
                 last_said = Instant::now();
             }
             waited = true;
-            tokio::time::sleep(Duration::from_millis(250)).await;
+            tokio::time::sleep(poll.next_delay()).await;
         }
     }
 }
@@ -185,7 +227,7 @@ fn not_leader(headers: &http::HeaderMap) -> Option<Option<String>> {
         return None;
     }
     let info = status.get_details_error_info()?;
-    (info.reason == "NOT_LEADER").then(|| {
+    (reason(&status) == Some(ErrorReason::NotLeader)).then(|| {
         info.metadata
             .get("leader")
             .filter(|l| !l.is_empty())
@@ -205,25 +247,95 @@ impl Service<http::Request<Body>> for LeaderChannel {
 
     fn call(&mut self, req: http::Request<Body>) -> Self::Future {
         let inner = self.inner.clone();
-        let idx = inner.current.load(Ordering::Acquire);
-        let ch = inner.allocators[idx].1.clone();
         Box::pin(async move {
-            match ch.oneshot(req).await {
-                Ok(resp) => {
-                    if let Some(leader) = not_leader(resp.headers()) {
-                        inner.move_from(idx, leader.as_deref());
+            if inner.allocators.len() == 1 || streams_requests(req.uri().path()) {
+                let idx = inner.current.load(Ordering::Acquire);
+                return inner.send(idx, req).await;
+            }
+            // Kept, to be sent again after a NOT_LEADER.
+            let (parts, body) = req.into_parts();
+            let body = body.collect().await?.to_bytes();
+            let t0 = Instant::now();
+            // Between rounds of standbys that name no leader (a takeover
+            // under way): short, as a handover takes well under a second.
+            let mut pause = telemetry::backoff::Backoff::new(
+                Duration::from_millis(50),
+                Duration::from_millis(250),
+            );
+            let reads = reads_only(parts.uri.path());
+            loop {
+                let idx = inner.current.load(Ordering::Acquire);
+                let resp = match inner.send(idx, again(&parts, body.clone())?).await {
+                    Ok(resp) => resp,
+                    Err(e) if reads && t0.elapsed() < inner.leader_wait => {
+                        tracing::debug!(
+                            allocator = %inner.allocators[idx].0,
+                            error = %e,
+                            "a read failed on the way: sending it again"
+                        );
+                        tokio::time::sleep(pause.next_delay()).await;
+                        continue;
                     }
-                    Ok(resp)
+                    Err(e) => return Err(e),
+                };
+                let Some(named) = not_leader(resp.headers()) else {
+                    return Ok(resp);
+                };
+                if t0.elapsed() >= inner.leader_wait {
+                    return Ok(resp);
                 }
-                Err(e) => {
-                    if inner.allocators.len() > 1 {
-                        inner.move_from(idx, None);
-                    }
-                    Err(e.into())
+                // Sent at once to a leader it named; else after a pause.
+                let next = inner.current.load(Ordering::Acquire);
+                let to_named = named.is_some_and(|l| same_endpoint(&inner.allocators[next].0, &l));
+                if !to_named || next == idx {
+                    tokio::time::sleep(pause.next_delay()).await;
                 }
+                tracing::debug!(
+                    from = %inner.allocators[idx].0,
+                    to = %inner.allocators[next].0,
+                    "a standby refused the call: sending it again"
+                );
             }
         })
     }
+}
+
+impl Inner {
+    /// Send `req` to allocator `idx`; a NOT_LEADER answer, or no answer,
+    /// moves the belief for the calls that follow.
+    async fn send(
+        &self,
+        idx: usize,
+        req: http::Request<Body>,
+    ) -> Result<http::Response<Body>, BoxError> {
+        let ch = self.allocators[idx].1.clone();
+        match ch.oneshot(req).await {
+            Ok(resp) => {
+                if let Some(leader) = not_leader(resp.headers()) {
+                    self.move_from(idx, leader.as_deref());
+                }
+                Ok(resp)
+            }
+            Err(e) => {
+                if self.allocators.len() > 1 {
+                    self.move_from(idx, None);
+                }
+                Err(e.into())
+            }
+        }
+    }
+}
+
+/// The request of `parts` with `body`, to send again.
+fn again(parts: &http::request::Parts, body: Bytes) -> Result<http::Request<Body>, BoxError> {
+    let mut b = http::Request::builder()
+        .method(parts.method.clone())
+        .uri(parts.uri.clone())
+        .version(parts.version);
+    if let Some(h) = b.headers_mut() {
+        *h = parts.headers.clone();
+    }
+    Ok(b.body(Body::new(Full::new(body)))?)
 }
 
 #[cfg(test)]
@@ -244,15 +356,10 @@ mod tests {
 
     #[test]
     fn a_not_leader_status_names_its_leader() {
-        let s = tonic::Status::with_error_details(
-            tonic::Code::Unavailable,
-            "standby",
-            tonic_types::ErrorDetails::with_error_info(
-                "NOT_LEADER",
-                "aliquot.v1",
-                [("leader".to_string(), "http://b:7000".to_string())],
-            ),
-        );
+        let s =
+            aliquot_proto::error::Refusal::new(tonic::Code::Unavailable, ErrorReason::NotLeader)
+                .with("leader", "http://b:7000")
+                .status("standby");
         let resp: http::Response<Body> = s.into_http();
         assert_eq!(
             not_leader(resp.headers()),

@@ -1,7 +1,8 @@
 //! SVG line charts of a pool's history (plotters, SVG backend): one coloured
 //! line per vdev with a legend, vdev events as vertical lines, axes labelled
 //! with their units. Takes plain series, so the HTTP server and
-//! `aliquotctl history --svg` draw the very same chart.
+//! `aliquotctl history --svg` draw the very same chart (a crate of its own:
+//! the CLI links no server). Also the time range both take ([`parse_time`]).
 
 use aliquot_proto::v1::HistoryReply;
 use plotters::prelude::*;
@@ -158,7 +159,6 @@ fn civil(ms: i64) -> (i32, u8, u8, u8, u8, u8) {
     )
 }
 
-/// A UTC timestamp: `2026-12-02 10:04:05`.
 /// `file2 (2)` for vdev 2 of the reply's series, or `vdev 2` when unnamed.
 pub fn vdev_name(reply: &HistoryReply, vdev: u32) -> String {
     match reply
@@ -171,6 +171,7 @@ pub fn vdev_name(reply: &HistoryReply, vdev: u32) -> String {
     }
 }
 
+/// A UTC timestamp: `2026-12-02 10:04:05`.
 pub fn format_time(ms: i64) -> String {
     let (y, mo, d, h, mi, s) = civil(ms);
     format!("{y:04}-{mo:02}-{d:02} {h:02}:{mi:02}:{s:02}")
@@ -340,9 +341,36 @@ fn draw<'a>(chart: &Chart, buf: &'a mut String) -> Result<(), Box<dyn std::error
     Ok(())
 }
 
+/// `since`/`until` as given on a URL or the command line: unix ms, `now`,
+/// or `-<duration>` relative to `now_ms` (`-1h`, `-30m`, `-7d`).
+pub fn parse_time(s: &str, now_ms: i64) -> Result<i64, String> {
+    let t = s.trim();
+    if t == "now" {
+        return Ok(now_ms);
+    }
+    if let Some(rel) = t.strip_prefix('-')
+        && rel.starts_with(|c: char| c.is_ascii_digit())
+        && !rel.chars().all(|c| c.is_ascii_digit())
+    {
+        let d = units::parse_duration(rel).map_err(|e| format!("bad time {s:?}: {e}"))?;
+        return Ok(now_ms - d.as_millis() as i64);
+    }
+    t.parse::<i64>()
+        .map_err(|_| format!("bad time {s:?}: want unix ms, `now` or a relative time like -1h"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn times() {
+        assert_eq!(parse_time("1234", 10_000), Ok(1234));
+        assert_eq!(parse_time("now", 10_000), Ok(10_000));
+        assert_eq!(parse_time("-1h", 7_200_000), Ok(3_600_000));
+        assert_eq!(parse_time("-5", 100), Ok(-5));
+        assert!(parse_time("yesterday", 0).is_err());
+    }
 
     #[test]
     fn byte_ticks_are_binary() {

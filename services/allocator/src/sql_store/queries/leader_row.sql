@@ -1,0 +1,1 @@
+SELECT generation, leader_id FROM leaders WHERE pool = $1

@@ -696,7 +696,11 @@ async fn allocated(pg: &Postgres) -> BTreeSet<(u32, u64, u64)> {
 async fn a_write_given_both_allocators_finishes_across_a_leader_kill() {
     let _serial = SERIAL.lock().await;
     let dir = tempfile::tempdir().unwrap();
-    let mut ha = Ha::start(dir.path());
+    // The default claim window (10 s): the writer claims what the lost txg
+    // held once it has found the new leader. A 500 ms window is shorter
+    // than that search on a loaded machine (the lost txg's blocks were then
+    // given out again, rightly, and the writer reported them lost).
+    let mut ha = Ha::start_with(dir.path(), LEASE, "10s", "1s");
     let (leader, _) = ha.leader(Duration::from_secs(30)).await;
     let manifest = dir.path().join("run.manifest");
     let w = spawn_write(&ha, &manifest);

@@ -41,20 +41,14 @@ fn ext(e: &pb::Extent) -> pb::Extent {
 
 /// A vdev as a txg record adds it to the store (no agent behind it).
 fn vdev_record(id: u32, capacity: u64, metaslab_shift: u8) -> VdevRecord {
-    use metaslab::{VdevRole, VdevSpec};
     VdevRecord {
         id,
         guid: 9 + u64::from(id),
         name: format!("v{id}"),
         endpoint: "http://127.0.0.1:1".into(),
-        spec: VdevSpec {
-            capacity,
-            ashift: 12,
-            children: 1,
-            parity: 0,
-            rotational: false,
-            role: VdevRole::Normal,
+        spec: metaslab::VdevSpec {
             metaslab_shift: Some(metaslab_shift),
+            ..metaslab::testing::disk(capacity)
         },
     }
 }

@@ -450,7 +450,10 @@ def claim(extents: Sequence[common_pb2.Extent], allocation_ids: Sequence[int] = 
     `allocation_ids`, parallel to `extents`, names the allocation that gave
     each: the allocator then refuses the claim of a writer whose extent was
     given to and written by another (empty: unknown, checked by identity
-    only, unsafe when writers share one identity)."""
+    only, unsafe when writers share one identity). Blocks are claimed here
+    only right after their own allocation's Commit, never once claimed into
+    a later generation, so the id is always the one to name (the rule is
+    stated with ClaimRequest.allocation_ids in allocator.proto)."""
     try:
         cl = yield Call(
             "claim", "Claim",

@@ -42,11 +42,9 @@ const ALLOCATION_ID_GENERATION_SHIFT: u32 = 40;
 
 impl Committed {
     /// The allocation id a claim of this block names: its allocation's,
-    /// while the block is of that allocation's generation. A block claimed
-    /// back into a later generation is that one's, and the allocator
-    /// refuses ids older than the generation before its own, so such a
-    /// block is claimed again as of unknown allocation (0: checked by
-    /// identity only).
+    /// while the block is of that allocation's generation, else 0 (the
+    /// rule every client follows, stated with `ClaimRequest.allocation_ids`
+    /// in `allocator.proto`).
     pub fn claim_id(&self) -> u64 {
         claim_id(self.allocation_id, self.generation)
     }

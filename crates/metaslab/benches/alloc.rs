@@ -7,26 +7,13 @@
 use std::hint::black_box;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use metaslab::testing::pool_of;
 use metaslab::*;
 
 const GIB: u64 = 1 << 30;
 
 fn pool(vdevs: usize, capacity: u64) -> Pool {
-    let mut pool = Pool::new(Tunables::default());
-    for _ in 0..vdevs {
-        pool.add_vdev(VdevSpec {
-            capacity,
-            ashift: 12,
-            children: 1,
-            parity: 0,
-            rotational: false,
-            role: VdevRole::Normal,
-            metaslab_shift: None,
-        })
-        .unwrap();
-    }
-    pool.sync();
-    pool
+    pool_of(&vec![capacity; vdevs])
 }
 
 fn cycle(pool: &mut Pool, size: u64, n: &mut u64) {

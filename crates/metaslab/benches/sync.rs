@@ -10,6 +10,7 @@
 
 use std::time::{Duration, Instant};
 
+use metaslab::testing::pool_of;
 use metaslab::*;
 
 const TIB: u64 = 1 << 40;
@@ -19,20 +20,7 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(400);
-    let mut pool = Pool::new(Tunables::default());
-    for _ in 0..8 {
-        pool.add_vdev(VdevSpec {
-            capacity: 128 * TIB,
-            ashift: 12,
-            children: 1,
-            parity: 0,
-            rotational: false,
-            role: VdevRole::Normal,
-            metaslab_shift: None,
-        })
-        .unwrap();
-    }
-    pool.sync();
+    let mut pool = pool_of(&[128 * TIB; 8]);
     let metaslabs: usize = pool
         .stats()
         .vdevs

@@ -150,28 +150,15 @@ fn overlapping(held: &BTreeMap<u64, u64>, off: u64, size: u64) -> Vec<(u64, u64)
 mod tests {
     use crate::*;
 
+    use crate::testing::{data, place, pool_of};
+
     fn pool() -> Pool {
-        let mut p = Pool::new(Tunables::default());
-        p.add_vdev(VdevSpec {
-            capacity: 1 << 30,
-            ashift: 12,
-            children: 1,
-            parity: 0,
-            rotational: false,
-            role: VdevRole::Normal,
-            metaslab_shift: None,
-        })
-        .unwrap();
-        p.sync();
-        p
+        pool_of(&[1 << 30])
     }
 
+    /// On the one vdev of [`pool`].
     fn ext(offset: u64, size: u64) -> Extent {
-        Extent {
-            vdev: 0,
-            offset,
-            size,
-        }
+        crate::testing::ext(0, offset, size)
     }
 
     #[test]
@@ -183,17 +170,7 @@ mod tests {
         p.verify().unwrap();
         // Allocations land elsewhere.
         for _ in 0..8 {
-            let req = AllocRequest {
-                kind: AllocKind::Data,
-                size: 128 << 10,
-                copies: 1,
-                max_size: None,
-                affinity: None,
-            };
-            let Submitted::Ready(t) = p.submit(req).unwrap() else {
-                panic!("queued");
-            };
-            let got = p.allocate(t, false).unwrap();
+            let got = place(&mut p, data(128 << 10, 1)).unwrap();
             for e in &got.extents {
                 assert!(p.held_overlap(e).is_none(), "{e} placed in held space");
                 assert!(e.offset >= a.offset + a.size, "{e}");

@@ -221,6 +221,8 @@ mod relocation;
 mod removal;
 mod space;
 mod stats;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
 mod throttle;
 mod tunables;
 mod txg;

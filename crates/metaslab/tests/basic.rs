@@ -1,54 +1,26 @@
 //! End-to-end behaviour of the simple path: add vdevs, submit, allocate,
 //! commit, free, sync, stats, restore.
 
+use metaslab::testing::{data, disk, place};
 use metaslab::*;
 
 const GIB: u64 = 1 << 30;
 
-fn spec(capacity: u64) -> VdevSpec {
-    VdevSpec {
-        capacity,
-        ashift: 12,
-        children: 1,
-        parity: 0,
-        rotational: false,
-        role: VdevRole::Normal,
-        metaslab_shift: None,
-    }
-}
-
-fn data(size: u64, copies: u8) -> AllocRequest {
-    AllocRequest {
-        kind: AllocKind::Data,
-        size,
-        copies,
-        max_size: None,
-        affinity: None,
-    }
-}
-
-fn alloc(pool: &mut Pool, req: AllocRequest) -> Result<Allocation> {
-    match pool.submit(req)? {
-        Submitted::Ready(t) => pool.allocate(t, false),
-        Submitted::Queued(t) => panic!("ticket {t} queued"),
-    }
-}
-
 #[test]
 fn simple_path() {
     let mut pool = Pool::new(Tunables::default());
-    let a = pool.add_vdev(spec(4 * GIB)).unwrap();
-    let b = pool.add_vdev(spec(4 * GIB)).unwrap();
+    let a = pool.add_vdev(disk(4 * GIB)).unwrap();
+    let b = pool.add_vdev(disk(4 * GIB)).unwrap();
     assert_eq!((a, b), (0, 1));
     // New metaslabs are unusable until the next sync.
     assert!(matches!(
-        alloc(&mut pool, data(4096, 1)),
+        place(&mut pool, data(4096, 1)),
         Err(Error::NoSpace { .. })
     ));
     let s = pool.sync();
     assert_eq!(s.txg, TXG_INITIAL);
     assert!(s.changes.is_empty());
-    let x = alloc(&mut pool, data(128 << 10, 2)).unwrap();
+    let x = place(&mut pool, data(128 << 10, 2)).unwrap();
     assert_eq!(x.extents.len(), 2);
     assert_ne!(x.extents[0].vdev, x.extents[1].vdev);
     assert_eq!(x.txg, TXG_INITIAL + 1);
@@ -81,7 +53,7 @@ fn simple_path() {
 #[test]
 fn errors_leave_state_unchanged() {
     let mut pool = Pool::new(Tunables::default());
-    pool.add_vdev(spec(4 * GIB)).unwrap();
+    pool.add_vdev(disk(4 * GIB)).unwrap();
     pool.sync();
     assert_eq!(pool.submit(data(0, 1)), Err(Error::ZeroSize));
     assert_eq!(
@@ -90,10 +62,10 @@ fn errors_leave_state_unchanged() {
     );
     assert_eq!(pool.submit(data(4096, 4)), Err(Error::BadCopies(4)));
     // One vdev: ditto copies go to distinct metaslabs of it (OpenZFS).
-    let d = alloc(&mut pool, data(4096, 2)).unwrap();
+    let d = place(&mut pool, data(4096, 2)).unwrap();
     assert_eq!(d.extents[0].vdev, d.extents[1].vdev);
     pool.abort(d.id).unwrap();
-    let x = alloc(&mut pool, data(8192, 1)).unwrap();
+    let x = place(&mut pool, data(8192, 1)).unwrap();
     pool.commit(x.id).unwrap();
     let e = x.extents[0];
     let bad = Extent {
@@ -132,9 +104,9 @@ fn errors_leave_state_unchanged() {
 #[test]
 fn restore_rebuilds_and_rejects_overlaps() {
     let mut pool = Pool::new(Tunables::default());
-    pool.add_vdev(spec(4 * GIB)).unwrap();
+    pool.add_vdev(disk(4 * GIB)).unwrap();
     pool.sync();
-    let x = alloc(&mut pool, data(1 << 20, 1)).unwrap();
+    let x = place(&mut pool, data(1 << 20, 1)).unwrap();
     pool.commit(x.id).unwrap();
     pool.sync();
     let vdevs: Vec<_> = pool
@@ -171,7 +143,7 @@ fn restore_rebuilds_and_rejects_overlaps() {
 #[test]
 fn log_allocations_fall_back() {
     let mut pool = Pool::new(Tunables::default());
-    pool.add_vdev(spec(4 * GIB)).unwrap();
+    pool.add_vdev(disk(4 * GIB)).unwrap();
     pool.sync();
     let log = AllocRequest {
         kind: AllocKind::Log,
@@ -201,9 +173,9 @@ fn pool_is_send() {
 #[test]
 fn a_txg_s_changes_are_checked_against_the_space_maps() {
     let mut pool = Pool::new(Tunables::default());
-    pool.add_vdev(spec(4 * GIB)).unwrap();
+    pool.add_vdev(disk(4 * GIB)).unwrap();
     assert!(pool.sync().checked);
-    let x = alloc(&mut pool, data(128 << 10, 1)).unwrap();
+    let x = place(&mut pool, data(128 << 10, 1)).unwrap();
     pool.commit(x.id).unwrap();
     let e = x.extents[0];
     let s = pool.sync();

@@ -4,48 +4,14 @@
 
 use std::collections::VecDeque;
 
+use metaslab::testing::{data, disk, place, place_busy, req};
 use metaslab::*;
 
 const GIB: u64 = 1 << 30;
 const K128: u64 = 128 << 10;
 
-fn spec(capacity: u64) -> VdevSpec {
-    VdevSpec {
-        capacity,
-        ashift: 12,
-        children: 1,
-        parity: 0,
-        rotational: false,
-        role: VdevRole::Normal,
-        metaslab_shift: None,
-    }
-}
-
-fn data(size: u64) -> AllocRequest {
-    AllocRequest {
-        kind: AllocKind::Data,
-        size,
-        copies: 1,
-        max_size: None,
-        affinity: None,
-    }
-}
-
 fn log(size: u64) -> AllocRequest {
-    AllocRequest {
-        kind: AllocKind::Log,
-        size,
-        copies: 1,
-        max_size: None,
-        affinity: None,
-    }
-}
-
-fn place(pool: &mut Pool, req: AllocRequest, busy: bool) -> Result<Allocation> {
-    match pool.submit(req)? {
-        Submitted::Ready(t) => pool.allocate(t, busy),
-        Submitted::Queued(t) => panic!("ticket {t} queued"),
-    }
+    req(AllocKind::Log, size, 1)
 }
 
 fn vdev_alloc(pool: &Pool, v: VdevId) -> u64 {
@@ -55,11 +21,11 @@ fn vdev_alloc(pool: &Pool, v: VdevId) -> u64 {
 #[test]
 fn idle_pool_places_bytes_by_capacity() {
     let mut pool = Pool::new(Tunables::default());
-    pool.add_vdev(spec(16 * GIB)).unwrap();
-    pool.add_vdev(spec(32 * GIB)).unwrap();
+    pool.add_vdev(disk(16 * GIB)).unwrap();
+    pool.add_vdev(disk(32 * GIB)).unwrap();
     pool.sync();
     for _ in 0..3000 {
-        let a = place(&mut pool, data(K128), false).unwrap();
+        let a = place(&mut pool, data(K128, 1)).unwrap();
         pool.commit(a.id).unwrap();
     }
     let (a0, a1) = (vdev_alloc(&pool, 0), vdev_alloc(&pool, 1));
@@ -72,14 +38,14 @@ fn idle_pool_places_bytes_by_capacity() {
 #[test]
 fn fuller_vdev_is_cut_until_free_fractions_meet() {
     let mut pool = Pool::new(Tunables::default());
-    pool.add_vdev(spec(4 * GIB)).unwrap();
+    pool.add_vdev(disk(4 * GIB)).unwrap();
     pool.sync();
     // Fill the first vdev to 60 %, then add an empty one and overwrite the
     // data (each new block frees the oldest), as the seed's test 5.
     let mut live: VecDeque<Extent> = VecDeque::new();
     let mut n = 0u64;
     let mut write = |pool: &mut Pool, live: &mut VecDeque<Extent>, overwrite: bool| {
-        let a = place(pool, data(1 << 20), false).unwrap();
+        let a = place(pool, data(1 << 20, 1)).unwrap();
         pool.commit(a.id).unwrap();
         live.push_back(a.extents[0]);
         if overwrite {
@@ -95,7 +61,7 @@ fn fuller_vdev_is_cut_until_free_fractions_meet() {
     while vdev_alloc(&pool, 0) < 4 * GIB / 10 * 6 {
         write(&mut pool, &mut live, false);
     }
-    pool.add_vdev(spec(4 * GIB)).unwrap();
+    pool.add_vdev(disk(4 * GIB)).unwrap();
     pool.sync();
     let mut counts = [0u64; 2];
     for _ in 0..256 {
@@ -129,13 +95,13 @@ fn fast_share(perf_bias: &str, busy: bool) -> f64 {
     let mut t = Tunables::default();
     t.set("metaslab_perf_bias", perf_bias).unwrap();
     let mut pool = Pool::new(t);
-    pool.add_vdev(spec(32 * GIB)).unwrap();
-    pool.add_vdev(spec(32 * GIB)).unwrap();
+    pool.add_vdev(disk(32 * GIB)).unwrap();
+    pool.add_vdev(disk(32 * GIB)).unwrap();
     pool.sync();
     let mut slow: VecDeque<AllocationId> = VecDeque::new();
     let mut bytes = [0u64; 2];
     for _ in 0..4000 {
-        let a = place(&mut pool, data(K128), busy).unwrap();
+        let a = place_busy(&mut pool, data(K128, 1), busy).unwrap();
         let v = a.extents[0].vdev as usize;
         bytes[v] += a.extents[0].size;
         if v == 0 {
@@ -166,9 +132,9 @@ fn perf_bias_favours_the_faster_vdev_only_when_busy() {
 fn embedded_log_metaslab_selection() {
     let mut pool = Pool::new(Tunables::default());
     // 32 GiB: 64 × 512 MiB metaslabs, not more than 64: none.
-    pool.add_vdev(spec(32 * GIB)).unwrap();
+    pool.add_vdev(disk(32 * GIB)).unwrap();
     // 32.5 GiB: 65 metaslabs: metaslab 0 of a fresh vdev.
-    pool.add_vdev(spec(32 * GIB + GIB / 2)).unwrap();
+    pool.add_vdev(disk(32 * GIB + GIB / 2)).unwrap();
     let s = pool.stats();
     assert_eq!(s.vdevs[0].metaslab_count, 64);
     assert_eq!(s.vdevs[0].embedded_log_metaslab, None);
@@ -188,7 +154,7 @@ fn embedded_log_metaslab_selection() {
         0,
         VdevSpec {
             metaslab_shift: Some(29),
-            ..spec(50 * GIB)
+            ..disk(50 * GIB)
         },
     )];
     let mut extents = vec![];
@@ -210,11 +176,11 @@ fn data_never_lands_in_the_embedded_log_metaslab() {
     let mut t = Tunables::default();
     t.set("zfs_embedded_slog_min_ms", "4").unwrap();
     let mut pool = Pool::new(t);
-    pool.add_vdev(spec(GIB)).unwrap(); // 8 × 128 MiB, metaslab 0 for the log
+    pool.add_vdev(disk(GIB)).unwrap(); // 8 × 128 MiB, metaslab 0 for the log
     pool.sync();
     let ms = 128u64 << 20;
     loop {
-        match place(&mut pool, data(1 << 20), false) {
+        match place(&mut pool, data(1 << 20, 1)) {
             Ok(a) => {
                 assert!(a.extents[0].offset >= ms, "{:?}", a.extents);
                 pool.commit(a.id).unwrap();
@@ -234,21 +200,21 @@ fn log_order_log_then_embedded_then_normal() {
     let mut t = Tunables::default();
     t.set("zfs_embedded_slog_min_ms", "4").unwrap();
     let mut pool = Pool::new(t);
-    pool.add_vdev(spec(GIB)).unwrap();
+    pool.add_vdev(disk(GIB)).unwrap();
     pool.add_vdev(VdevSpec {
         role: VdevRole::Log,
-        ..spec(GIB)
+        ..disk(GIB)
     })
     .unwrap();
     pool.sync();
-    let a = place(&mut pool, log(16 << 20), false).unwrap();
+    let a = place(&mut pool, log(16 << 20)).unwrap();
     assert_eq!(a.tier, Some(LogTier::Log));
     assert_eq!(a.extents[0].vdev, 1);
     // Without the slog: the embedded log metaslab (128 MiB = 8 blocks) …
     pool.set_online(1, false).unwrap();
     let mut tiers = vec![];
     for _ in 0..9 {
-        let a = place(&mut pool, log(16 << 20), false).unwrap();
+        let a = place(&mut pool, log(16 << 20)).unwrap();
         tiers.push(a.tier.unwrap());
         pool.commit(a.id).unwrap();
     }
@@ -259,7 +225,7 @@ fn log_order_log_then_embedded_then_normal() {
     // the answer is no space, not "wait for a txg" forever.
     let mut last = None;
     let err = loop {
-        match place(&mut pool, log(16 << 20), false) {
+        match place(&mut pool, log(16 << 20)) {
             Ok(a) => {
                 assert_eq!(a.tier, Some(LogTier::Normal));
                 pool.commit(a.id).unwrap();
@@ -283,7 +249,7 @@ fn log_order_log_then_embedded_then_normal() {
     pool.sync();
     pool.free(&[last.unwrap()]).unwrap();
     assert_eq!(
-        place(&mut pool, log(16 << 20), false).unwrap_err(),
+        place(&mut pool, log(16 << 20)).unwrap_err(),
         Error::TxgWaitRequired {
             until: pool.open_txg() + 2
         }
@@ -294,13 +260,13 @@ fn log_order_log_then_embedded_then_normal() {
 #[test]
 fn throttle_queues_and_admits_fifo() {
     let mut pool = Pool::new(Tunables::default());
-    pool.add_vdev(spec(16 * GIB)).unwrap();
-    pool.add_vdev(spec(16 * GIB)).unwrap();
+    pool.add_vdev(disk(16 * GIB)).unwrap();
+    pool.add_vdev(disk(16 * GIB)).unwrap();
     pool.sync();
     // The first 1 MiB block raises alloc_io_size and so the quotas.
     let mut ready = vec![];
     let mut queued = vec![];
-    let Submitted::Ready(t) = pool.submit(data(1 << 20)).unwrap() else {
+    let Submitted::Ready(t) = pool.submit(data(1 << 20, 1)).unwrap() else {
         panic!()
     };
     ready.push(t);
@@ -314,7 +280,7 @@ fn throttle_queues_and_admits_fifo() {
     );
     // Admit until the budget is exceeded (test before add), then queue.
     for _ in 0..200 {
-        match pool.submit(data(1 << 20)).unwrap() {
+        match pool.submit(data(1 << 20, 1)).unwrap() {
             Submitted::Ready(t) => ready.push(t),
             Submitted::Queued(t) => queued.push(t),
         }
@@ -347,14 +313,14 @@ fn throttle_queues_and_admits_fifo() {
 #[test]
 fn a_written_block_gives_back_its_reservation_before_its_commit() {
     let mut pool = Pool::new(Tunables::default());
-    pool.add_vdev(spec(16 * GIB)).unwrap();
-    pool.add_vdev(spec(16 * GIB)).unwrap();
+    pool.add_vdev(disk(16 * GIB)).unwrap();
+    pool.add_vdev(disk(16 * GIB)).unwrap();
     pool.sync();
     // Fill the class's budget with placed, uncommitted blocks (one batch
     // that will be committed together), then queue one more.
     let mut placed = vec![];
     let waiter = loop {
-        match pool.submit(data(1 << 20)).unwrap() {
+        match pool.submit(data(1 << 20, 1)).unwrap() {
             Submitted::Ready(t) => placed.push(pool.allocate(t, false).unwrap()),
             Submitted::Queued(t) => break t,
         }

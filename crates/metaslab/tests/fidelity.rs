@@ -3,50 +3,17 @@
 //! `metaslab_group_alloc`, `find_valid_metaslab`, `metaslab_group_allocatable`,
 //! `metaslab_alloc_dva`).
 
+use metaslab::testing::{disk, place, place_busy, req};
 use metaslab::*;
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
 
-fn spec(capacity: u64) -> VdevSpec {
-    VdevSpec {
-        capacity,
-        ashift: 12,
-        children: 1,
-        parity: 0,
-        rotational: false,
-        role: VdevRole::Normal,
-        metaslab_shift: None,
-    }
-}
-
 fn raidz1(capacity: u64) -> VdevSpec {
     VdevSpec {
         children: 5,
         parity: 1,
-        ..spec(capacity)
-    }
-}
-
-fn req(kind: AllocKind, size: u64, copies: u8) -> AllocRequest {
-    AllocRequest {
-        kind,
-        size,
-        copies,
-        max_size: None,
-        affinity: None,
-    }
-}
-
-fn place(pool: &mut Pool, r: AllocRequest) -> Result<Allocation> {
-    place_busy(pool, r, false)
-}
-
-/// Submit and place at once (`busy` as the caller would pass it).
-fn place_busy(pool: &mut Pool, r: AllocRequest, busy: bool) -> Result<Allocation> {
-    match pool.submit(r)? {
-        Submitted::Ready(t) => pool.allocate(t, busy),
-        Submitted::Queued(t) => panic!("ticket {t} queued"),
+        ..disk(capacity)
     }
 }
 
@@ -59,7 +26,7 @@ fn metaslab_of(pool: &Pool, e: &Extent) -> u64 {
 #[test]
 fn copies_share_a_vdev_but_never_a_metaslab() {
     let mut pool = Pool::new(Tunables::default());
-    pool.add_vdev(spec(4 * GIB)).unwrap();
+    pool.add_vdev(disk(4 * GIB)).unwrap();
     pool.sync();
     for copies in [2u8, 3] {
         for _ in 0..50 {
@@ -88,7 +55,7 @@ fn copies_share_a_vdev_but_never_a_metaslab() {
 #[test]
 fn a_ditto_copy_shares_the_active_metaslab_when_nothing_else_fits() {
     let mut pool = Pool::new(Tunables::default());
-    pool.add_vdev(spec(4 * GIB)).unwrap();
+    pool.add_vdev(disk(4 * GIB)).unwrap();
     pool.sync();
     let shift = pool.stats().vdevs[0].metaslab_shift;
     let count = (4 * GIB) >> shift;
@@ -122,8 +89,8 @@ fn a_ditto_copy_shares_the_active_metaslab_when_nothing_else_fits() {
 #[test]
 fn copies_prefer_the_next_vdev_and_share_when_alone() {
     let mut pool = Pool::new(Tunables::default());
-    pool.add_vdev(spec(4 * GIB)).unwrap();
-    pool.add_vdev(spec(4 * GIB)).unwrap();
+    pool.add_vdev(disk(4 * GIB)).unwrap();
+    pool.add_vdev(disk(4 * GIB)).unwrap();
     pool.sync();
     for _ in 0..100 {
         let a = place(&mut pool, req(AllocKind::Data, 128 << 10, 2)).unwrap();
@@ -143,7 +110,7 @@ fn copies_prefer_the_next_vdev_and_share_when_alone() {
 /// degraded leaf); a degraded leaf takes none while another vdev can.
 #[test]
 fn degraded_redundant_vdev_keeps_its_share() {
-    for (make, expect_even) in [(raidz1 as fn(u64) -> VdevSpec, true), (spec, false)] {
+    for (make, expect_even) in [(raidz1 as fn(u64) -> VdevSpec, true), (disk, false)] {
         let mut pool = Pool::new(Tunables::default());
         pool.add_vdev(make(16 * GIB)).unwrap();
         pool.add_vdev(make(16 * GIB)).unwrap();
@@ -182,7 +149,7 @@ fn legacy_policy_defaults_to_a_1mib_aliquot() {
 /// free segment is 12 KiB (88 % fragmented), 3/4 of the pool free.
 fn fragmented_pool(t: Tunables) -> Pool {
     let mut pool = Pool::new(t);
-    pool.add_vdev(spec(256 * MIB)).unwrap();
+    pool.add_vdev(disk(256 * MIB)).unwrap();
     pool.sync();
     let mut blocks = vec![];
     loop {
@@ -240,7 +207,7 @@ fn fragmented_pool_fails_large_data_as_fragmented() {
 #[test]
 fn a_block_that_fits_whole_is_placed_trying_hard() {
     let mut pool = Pool::new(Tunables::default());
-    pool.add_vdev(spec(4 * GIB)).unwrap();
+    pool.add_vdev(disk(4 * GIB)).unwrap();
     pool.sync();
     pool.set_health(0, Health::Degraded).unwrap();
     place(&mut pool, req(AllocKind::Data, 128 << 10, 1)).unwrap();
@@ -253,7 +220,7 @@ fn a_block_that_fits_whole_is_placed_trying_hard() {
 #[test]
 fn no_space_says_vdevs_offline() {
     let mut pool = Pool::new(Tunables::default());
-    pool.add_vdev(spec(4 * GIB)).unwrap();
+    pool.add_vdev(disk(4 * GIB)).unwrap();
     pool.sync();
     pool.set_health(0, Health::Unavailable).unwrap();
     match place(&mut pool, req(AllocKind::Data, 128 << 10, 1)) {
@@ -271,7 +238,7 @@ fn no_space_says_vdevs_offline() {
 fn huge_capacity_is_refused_at_add() {
     let mut pool = Pool::new(Tunables::default());
     assert!(matches!(
-        pool.add_vdev(spec(1 << 63)),
+        pool.add_vdev(disk(1 << 63)),
         Err(Error::BadVdev(_))
     ));
     assert_eq!(pool.stats().vdevs.len(), 0);
@@ -285,7 +252,7 @@ fn expired_space_is_deferred() {
     // Fill without the throttle queueing the in-flight allocations.
     t.set("zio_dva_throttle_enabled", "0").unwrap();
     let mut pool = Pool::new(t);
-    pool.add_vdev(spec(256 * MIB)).unwrap();
+    pool.add_vdev(disk(256 * MIB)).unwrap();
     pool.sync();
     let a = place(&mut pool, req(AllocKind::Data, 128 << 10, 1)).unwrap();
     let e = a.extents[0];
@@ -321,7 +288,7 @@ fn expired_space_is_deferred() {
 #[test]
 fn a_fresh_metaslab_reads_zero_fragmentation() {
     let mut pool = Pool::new(Tunables::default());
-    pool.add_vdev(spec(GIB)).unwrap();
+    pool.add_vdev(disk(GIB)).unwrap();
     pool.sync();
     assert_eq!(pool.stats().classes[0].groups[0].fragmentation, Some(0));
     // One block: its metaslab now has a space map, the others still none.
@@ -338,7 +305,7 @@ fn a_fresh_metaslab_reads_zero_fragmentation() {
 #[test]
 fn deferred_frees_count_in_fragmentation() {
     let mut pool = Pool::new(Tunables::default());
-    pool.add_vdev(spec(256 * MIB)).unwrap();
+    pool.add_vdev(disk(256 * MIB)).unwrap();
     pool.sync();
     let mut blocks = vec![];
     for _ in 0..2000 {
@@ -365,8 +332,8 @@ fn deferred_frees_count_in_fragmentation() {
 #[test]
 fn a_faulted_vdev_keeps_its_aliquot_and_is_skipped() {
     let mut pool = Pool::new(Tunables::default());
-    pool.add_vdev(spec(4 * GIB)).unwrap();
-    pool.add_vdev(spec(4 * GIB)).unwrap();
+    pool.add_vdev(disk(4 * GIB)).unwrap();
+    pool.add_vdev(disk(4 * GIB)).unwrap();
     pool.sync();
     let before = pool.stats().classes[0].clone();
     pool.set_health(1, Health::Faulted).unwrap();
@@ -390,7 +357,7 @@ fn a_faulted_vdev_keeps_its_aliquot_and_is_skipped() {
 #[test]
 fn metaslabs_preload_and_unload_only_after_600_seconds() {
     let mut pool = Pool::new(Tunables::default());
-    pool.add_vdev(spec(64 * GIB)).unwrap();
+    pool.add_vdev(disk(64 * GIB)).unwrap();
     pool.sync_at(0);
     pool.sync_at(1000);
     let loaded = |p: &Pool| p.stats().vdevs[0].loaded_metaslabs;
@@ -466,8 +433,8 @@ fn allocators_start_staggered_and_keep_their_own_rotors() {
     assert_eq!(pool.set_cpus(2), 1, "2 CPUs: one allocator");
     assert_eq!(pool.set_cpus(64), 4, "at most spa_num_allocators");
     assert_eq!(pool.set_cpus(8), 2);
-    pool.add_vdev(spec(16 * GIB)).unwrap();
-    pool.add_vdev(spec(16 * GIB)).unwrap();
+    pool.add_vdev(disk(16 * GIB)).unwrap();
+    pool.add_vdev(disk(16 * GIB)).unwrap();
     pool.sync();
     let first = |pool: &mut Pool, k: usize| {
         let a = place_by(pool, k, 128 << 10, false);
@@ -499,8 +466,8 @@ fn allocators_start_staggered_and_keep_their_own_rotors() {
 #[test]
 fn allocators_added_after_the_vdevs_start_spread() {
     let mut pool = Pool::new(Tunables::default());
-    pool.add_vdev(spec(16 * GIB)).unwrap();
-    pool.add_vdev(spec(16 * GIB)).unwrap();
+    pool.add_vdev(disk(16 * GIB)).unwrap();
+    pool.add_vdev(disk(16 * GIB)).unwrap();
     pool.sync();
     assert_eq!(pool.set_cpus(8), 2);
     let a = place_by(&mut pool, 0, 128 << 10, false);
@@ -520,8 +487,8 @@ fn another_allocators_queue_does_not_turn_this_rotor() {
     let run = |others_first: bool| {
         let mut pool = Pool::new(Tunables::default());
         pool.set_cpus(8);
-        pool.add_vdev(spec(16 * GIB)).unwrap();
-        pool.add_vdev(spec(16 * GIB)).unwrap();
+        pool.add_vdev(disk(16 * GIB)).unwrap();
+        pool.add_vdev(disk(16 * GIB)).unwrap();
         pool.sync();
         if others_first {
             // Allocator 0 (starting on vdev 1) goes on to vdev 0 and fills
@@ -575,8 +542,8 @@ fn each_allocator_has_its_own_throttle_budget_and_queue() {
     let admitted_before_waiting = |cpus: u64| {
         let mut pool = Pool::new(Tunables::default());
         pool.set_cpus(cpus);
-        pool.add_vdev(spec(64 * GIB)).unwrap();
-        pool.add_vdev(spec(64 * GIB)).unwrap();
+        pool.add_vdev(disk(64 * GIB)).unwrap();
+        pool.add_vdev(disk(64 * GIB)).unwrap();
         pool.sync();
         let max = pool.stats().classes[0].alloc_max;
         let mut ready = 0u64;
@@ -621,7 +588,7 @@ fn fronts(policy: ThrottlePolicy, capacity: u64, shift: Option<u8>) -> (u32, Vec
     });
     pool.add_vdev(VdevSpec {
         metaslab_shift: shift,
-        ..spec(capacity)
+        ..disk(capacity)
     })
     .unwrap();
     assert_eq!(pool.set_cpus(8), 2, "8 CPUs, 4 per allocator");
@@ -679,7 +646,7 @@ fn legacy_slots_ramp_up_per_allocator() {
         throttle_policy: ThrottlePolicy::Legacy,
         ..Tunables::default()
     });
-    pool.add_vdev(spec(4 * GIB)).unwrap();
+    pool.add_vdev(disk(4 * GIB)).unwrap();
     assert_eq!(pool.set_cpus(8), 2);
     pool.sync();
     let def = Tunables::default().zfs_vdev_def_queue_depth;
@@ -728,7 +695,7 @@ fn log_range(size: u64, max_size: u64) -> AllocRequest {
 fn a_log_block_with_a_size_range_stays_in_the_embedded_log_metaslab() {
     const K: u64 = 1024;
     let mut pool = Pool::new(Tunables::default());
-    pool.add_vdev(spec(64 * GIB)).unwrap();
+    pool.add_vdev(disk(64 * GIB)).unwrap();
     pool.sync();
     // Fill the embedded log metaslab with 128K log blocks.
     let mut elog = Vec::new();
@@ -792,7 +759,7 @@ fn a_log_block_with_a_size_range_stays_in_the_embedded_log_metaslab() {
 fn a_refusal_says_full_when_the_free_bytes_cannot_hold_the_block() {
     const K: u64 = 1024;
     let mut pool = Pool::new(Tunables::default());
-    pool.add_vdev(spec(GIB)).unwrap();
+    pool.add_vdev(disk(GIB)).unwrap();
     pool.sync();
     let mut blocks = Vec::new();
     while let Ok(a) = place(&mut pool, req(AllocKind::Log, 64 * K, 1)) {
@@ -834,7 +801,7 @@ fn full_unloaded_pool() -> (Pool, Vec<Extent>) {
     t.set("metaslab_preload_limit", "0").unwrap();
     let spec = VdevSpec {
         metaslab_shift: Some(24),
-        ..spec(64 * MIB)
+        ..disk(64 * MIB)
     };
     let k64 = 64 << 10;
     let extents: Vec<Extent> = (0..(64 * MIB / k64))
@@ -887,7 +854,7 @@ fn frees_to_an_unloaded_metaslab_coalesce_in_its_fragmentation() {
         t.set("metaslab_preload_limit", "0").unwrap();
         let spec = VdevSpec {
             metaslab_shift: Some(24),
-            ..spec(64 * MIB)
+            ..disk(64 * MIB)
         };
         let mut pool = Pool::restore_sorted(t, vec![(0, spec)], extents[2..].to_vec(), 10).unwrap();
         for _ in 0..4 {
@@ -922,7 +889,7 @@ fn an_unloaded_metaslab_too_fragmented_for_the_block_is_not_loaded() {
     // free (above the 128 MiB slop) in 64 KiB segments.
     let spec = VdevSpec {
         metaslab_shift: Some(24),
-        ..spec(GIB)
+        ..disk(GIB)
     };
     let k64 = 64 << 10;
     let extents: Vec<Extent> = (0..(GIB / k64))

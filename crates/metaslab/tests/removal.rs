@@ -2,47 +2,21 @@
 //! (a move's new copy never lands on its source or the block's other
 //! copies) and removal of an empty, offline vdev (the end of a drain).
 
+use metaslab::testing::{data, disk, pool_of};
 use metaslab::*;
 
 const GIB: u64 = 1 << 30;
 const K128: u64 = 128 << 10;
 
-fn spec(capacity: u64) -> VdevSpec {
-    VdevSpec {
-        capacity,
-        ashift: 12,
-        children: 1,
-        parity: 0,
-        rotational: false,
-        role: VdevRole::Normal,
-        metaslab_shift: None,
-    }
-}
-
-fn data(size: u64) -> AllocRequest {
-    AllocRequest {
-        kind: AllocKind::Data,
-        size,
-        copies: 1,
-        max_size: None,
-        affinity: None,
-    }
-}
-
 fn place_avoiding(pool: &mut Pool, avoid: &[VdevId]) -> Result<Allocation> {
-    match pool.submit(data(K128))? {
+    match pool.submit(data(K128, 1))? {
         Submitted::Ready(t) => pool.allocate_avoiding(t, false, avoid),
         Submitted::Queued(t) => panic!("ticket {t} queued"),
     }
 }
 
 fn pool3() -> Pool {
-    let mut pool = Pool::new(Tunables::default());
-    for _ in 0..3 {
-        pool.add_vdev(spec(4 * GIB)).unwrap();
-    }
-    pool.sync();
-    pool
+    pool_of(&[4 * GIB; 3])
 }
 
 #[test]
@@ -144,7 +118,7 @@ fn a_removed_vdev_is_forgotten_and_its_id_never_reused() {
         assert_ne!(a.extents[0].vdev, 1);
         pool.commit(a.id).unwrap();
     }
-    assert_eq!(pool.add_vdev(spec(4 * GIB)).unwrap(), 3);
+    assert_eq!(pool.add_vdev(disk(4 * GIB)).unwrap(), 3);
     pool.sync();
     pool.verify().unwrap();
 }
@@ -152,14 +126,14 @@ fn a_removed_vdev_is_forgotten_and_its_id_never_reused() {
 #[test]
 fn a_move_avoids_its_source_and_over_full_vdevs_while_an_emptier_one_takes_it() {
     let mut pool = Pool::new(Tunables::default());
-    pool.add_vdev(spec(4 * GIB)).unwrap();
-    pool.add_vdev(spec(4 * GIB)).unwrap();
+    pool.add_vdev(disk(4 * GIB)).unwrap();
+    pool.add_vdev(disk(4 * GIB)).unwrap();
     pool.sync();
     for _ in 0..64 {
         let a = place_avoiding(&mut pool, &[]).unwrap();
         pool.commit(a.id).unwrap();
     }
-    pool.add_vdev(spec(4 * GIB)).unwrap();
+    pool.add_vdev(disk(4 * GIB)).unwrap();
     pool.sync();
     assert_eq!(pool.relocation_avoid(0, &[]).unwrap(), vec![0, 1]);
     // The only emptier vdev holds another copy: no vdev below the fill is
@@ -176,7 +150,7 @@ fn a_move_avoids_its_source_and_over_full_vdevs_while_an_emptier_one_takes_it() 
 fn a_removal_keeps_copies_apart_unless_no_other_vdev_has_room() {
     let mut pool = Pool::new(Tunables::default());
     for _ in 0..3 {
-        pool.add_vdev(spec(4 * GIB)).unwrap();
+        pool.add_vdev(disk(4 * GIB)).unwrap();
     }
     pool.sync();
     // Vdev 2 is free: the copy on vdev 1 is avoided.
@@ -208,11 +182,11 @@ fn a_removal_keeps_copies_apart_unless_no_other_vdev_has_room() {
 #[test]
 fn the_last_allocating_normal_vdev_cannot_go_offline() {
     let mut pool = Pool::new(Tunables::default());
-    let a = pool.add_vdev(spec(4 * GIB)).unwrap();
+    let a = pool.add_vdev(disk(4 * GIB)).unwrap();
     let log = pool
         .add_vdev(VdevSpec {
             role: VdevRole::Log,
-            ..spec(GIB)
+            ..disk(GIB)
         })
         .unwrap();
     pool.sync();
@@ -225,8 +199,8 @@ fn the_last_allocating_normal_vdev_cannot_go_offline() {
     pool.set_online(log, false).unwrap();
     pool.set_online(log, true).unwrap();
 
-    let b = pool.add_vdev(spec(4 * GIB)).unwrap();
-    let c = pool.add_vdev(spec(4 * GIB)).unwrap();
+    let b = pool.add_vdev(disk(4 * GIB)).unwrap();
+    let c = pool.add_vdev(disk(4 * GIB)).unwrap();
     pool.sync();
     // With others taking allocations, one goes offline...
     pool.set_online(a, false).unwrap();
@@ -246,7 +220,7 @@ fn the_last_allocating_normal_vdev_cannot_go_offline() {
     // Offline again of an offline vdev changes nothing and is no error.
     pool.set_online(a, false).unwrap();
     // Allocations still succeed: nothing was passivated by a refusal.
-    assert!(pool.submit(data(K128)).is_ok());
+    assert!(pool.submit(data(K128, 1)).is_ok());
 }
 
 /// An offline (non-allocating) vdev's space leaves the space writes are
@@ -258,14 +232,14 @@ fn the_last_allocating_normal_vdev_cannot_go_offline() {
 #[test]
 fn an_offline_vdevs_space_is_not_writable_space() {
     let mut pool = Pool::new(Tunables::default());
-    let a = pool.add_vdev(spec(GIB)).unwrap();
-    let b = pool.add_vdev(spec(GIB)).unwrap();
+    let a = pool.add_vdev(disk(GIB)).unwrap();
+    let b = pool.add_vdev(disk(GIB)).unwrap();
     pool.sync();
     pool.set_online(b, false).unwrap();
     let mib = 1u64 << 20;
     let mut placed = 0u64;
     loop {
-        let t = match pool.submit(data(mib)) {
+        let t = match pool.submit(data(mib, 1)) {
             Ok(Submitted::Ready(t)) => t,
             Ok(Submitted::Queued(t)) => panic!("ticket {t} queued"),
             Err(e) => panic!("{e}"),
@@ -301,15 +275,15 @@ fn an_offline_vdevs_space_is_not_writable_space() {
 #[test]
 fn a_drain_needs_room_for_the_whole_vdev() {
     let mut pool = Pool::new(Tunables::default());
-    let a = pool.add_vdev(spec(GIB)).unwrap();
-    let b = pool.add_vdev(spec(GIB)).unwrap();
+    let a = pool.add_vdev(disk(GIB)).unwrap();
+    let b = pool.add_vdev(disk(GIB)).unwrap();
     pool.sync();
     // Empty: 2 GiB less 128 MiB slop available, room for either vdev.
     pool.check_drain_room(a).unwrap();
     // Fill to about half: the other vdev alone no longer holds a whole one.
     let mut placed = 0u64;
     while placed < 900 << 20 {
-        let t = match pool.submit(data(1 << 20)).unwrap() {
+        let t = match pool.submit(data(1 << 20, 1)).unwrap() {
             Submitted::Ready(t) => t,
             Submitted::Queued(t) => panic!("ticket {t} queued"),
         };

@@ -2,11 +2,13 @@
 //! gives a data dir one owner ([`lock`]), supervision by a parent that
 //! started it ([`watch_parent`]: `aliquotctl up` starts the service
 //! binaries as children), the runtime and malloc set-up of `main`, and
-//! the store check's arguments ([`verify_args`]: `aliquot-allocator
-//! verify` and `aliquotctl verify`, which forwards to it, parse the same).
+//! the arguments of the store tools the CLI forwards to the allocator
+//! binary, which owns the stores ([`verify_args`] for `verify`,
+//! [`migrate_args`] for `migrate-store`: both binaries parse the same).
 //! Small on purpose: the CLI links this, never a server.
 
 pub mod lock;
+pub mod migrate_args;
 pub mod verify_args;
 
 /// Set in a child's environment by the process that supervises it (`up`):

@@ -274,6 +274,8 @@ pub async fn forget_vdev(shared: &Shared, vdev: u32) -> Result<pb::RemoveVdevRep
         g.wake_admitted();
         (name, g.pool.open_txg())
     };
+    // A claim waiting for its report waits no more.
+    shared.vdev_acked.notify_waiters();
     // Durable before the reply: after a crash it must stay removed.
     let synced = shared.wait_synced(txg).await?;
     tracing::info!(vdev, name = %name, txg, "vdev removed");

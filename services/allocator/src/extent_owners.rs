@@ -321,11 +321,9 @@ impl ExtentOwners {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use metaslab::testing::ext;
 
-    fn ext(vdev: u32, offset: u64, size: u64) -> Extent {
-        Extent { vdev, offset, size }
-    }
+    use super::*;
 
     /// The in-place path and the general one agree with a naive owner per
     /// byte, over random commits and frees of several owners.

@@ -66,11 +66,9 @@ impl GenSpace {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use metaslab::testing::ext;
 
-    fn ext(vdev: VdevId, offset: u64, size: u64) -> Extent {
-        Extent { vdev, offset, size }
-    }
+    use super::*;
 
     #[test]
     fn overlap_is_found_exactly_in_a_sub_range_and_straddling() {

@@ -63,11 +63,14 @@ fn verify() -> std::process::ExitCode {
 /// `aliquot-allocator migrate-store ARGS`: progress on stderr, the summary
 /// on stdout; exit 1 (the reason on stderr) when refused or failed.
 fn migrate_store() -> std::process::ExitCode {
-    let args = aliquot_allocator::migrate_cmd::MigrateArgs::parse_from(
+    let cmd = aliquot_allocator::migrate_cmd::MigrateCmd::parse_from(
         std::iter::once(std::ffi::OsString::from("aliquot-allocator migrate-store"))
             .chain(std::env::args_os().skip(2)),
     );
-    tool("migrate-store", aliquot_allocator::migrate_cmd::run(args))
+    tool(
+        "migrate-store",
+        aliquot_allocator::migrate_cmd::run(cmd.args),
+    )
 }
 
 /// Run a store tool `name` on a runtime of its own: what it returns on

@@ -11,6 +11,8 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use aliquot_process::migrate_args::{self, MigrateArgs};
+
 use crate::pg_store::{self, PgStore};
 use crate::recovery;
 use crate::sqlite_store::{self, SqliteStore};
@@ -26,30 +28,12 @@ const IMPORT_BOUND: Duration = Duration::from_secs(3600);
 #[command(
     name = "aliquot-allocator migrate-store",
     about = "Move a stopped pool from its SQLite store into PostgreSQL",
-    long_about = "Move a stopped pool from its SQLite store into PostgreSQL.\n\n\
-        Stop the pool's allocator first (its data dir's lock is taken: a running \
-        allocator is refused). The source must verify (as `aliquot-allocator verify`). \
-        The destination may hold other pools, never one of this pool's name (refused). \
-        Everything is written in one transaction: on any failure the destination holds \
-        nothing of the pool. The copy is then read back and compared, and the SQLite \
-        file is renamed to pool.db.moved so no allocator serves the pool from it again. \
-        Then start the allocators with --store URL --pool NAME; the agents keep their \
-        devices (same pool guid, txg and generation)."
+    long_about = migrate_args::LONG_ABOUT
 )]
-pub struct MigrateArgs {
-    /// The SQLite store: the allocator's --data-dir, `aliquotctl up`'s
-    /// --data-dir, the pool.db file itself, or sqlite://PATH.
-    #[arg(
-        long,
-        env = "ALIQUOT_DATA_DIR",
-        value_name = "PATH",
-        default_value = "./aliquot-data/allocator"
-    )]
-    pub from: String,
-    /// The PostgreSQL store (postgres://user:password@host:port/database),
-    /// as the allocators' --store will be.
-    #[arg(long, env = "ALIQUOT_STORE", value_name = "URL")]
-    pub to: String,
+pub struct MigrateCmd {
+    /// Declared once for this and `aliquotctl migrate-store`, which runs it.
+    #[command(flatten)]
+    pub args: MigrateArgs,
 }
 
 /// The SQLite file `from` names.

@@ -696,6 +696,10 @@ impl RegistryService {
         info.last_report_at = Some(now);
         let was_silent = info.silent;
         info.generation_acked = true;
+        if first {
+            // Claims waiting for this vdev's older writes re-check now.
+            self.shared.vdev_acked.notify_waiters();
+        }
         info.window_out |= kept_out;
         if was_silent && info.window_out && window_open {
             // Heard from, but kept out until the claim window ends.

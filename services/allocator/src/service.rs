@@ -779,17 +779,27 @@ impl Allocator for AllocatorService {
         // heard from waits for that report (agents re-register within about
         // a report interval), at most `CLAIM_AWAITS_REPORT`, after which
         // only the other rules apply (its agent is away).
-        let waited = Instant::now();
-        while !self.shared.claim_window_remaining().is_zero()
-            && waited.elapsed() < CLAIM_AWAITS_REPORT
-            && {
+        let given_up = Instant::now() + CLAIM_AWAITS_REPORT;
+        loop {
+            // Listening before the check: a report landing in between
+            // still wakes this claim.
+            let acked = self.shared.vdev_acked.notified();
+            tokio::pin!(acked);
+            acked.as_mut().enable();
+            let left = self
+                .shared
+                .claim_window_remaining()
+                .min(given_up.saturating_duration_since(Instant::now()));
+            let waits = !left.is_zero() && {
                 let g = self.shared.lock();
                 extents.iter().enumerate().any(|(i, e)| {
                     id_of(i) != 0 && g.vdevs.get(&e.vdev).is_some_and(|v| !v.generation_acked)
                 })
+            };
+            if !waits {
+                break;
             }
-        {
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            let _ = tokio::time::timeout(left, acked).await;
         }
         // Free space is claimed; space allocated as exactly that extent is
         // already theirs; anything else is refused naming what it overlaps.

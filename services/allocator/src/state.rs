@@ -947,6 +947,10 @@ pub struct Shared {
     pub shutting_down: AtomicBool,
     /// Wakes the txg clock when `zfs_txg_timeout` changed.
     pub txg_timeout_changed: tokio::sync::Notify,
+    /// Wakes the claims that wait for a vdev's first report of this
+    /// generation (`VdevInfo::generation_acked`), when one arrives or a vdev
+    /// is forgotten.
+    pub vdev_acked: tokio::sync::Notify,
     /// Turns true when shutdown starts: streams end, the txg clock does
     /// its last sync.
     pub stop: watch::Sender<bool>,
@@ -1037,6 +1041,7 @@ impl Shared {
             wanted: watch::Sender::new(synced_txg),
             shutting_down: AtomicBool::new(false),
             txg_timeout_changed: tokio::sync::Notify::new(),
+            vdev_acked: tokio::sync::Notify::new(),
             stop: watch::Sender::new(false),
             closed: watch::Sender::new(false),
             owners: Default::default(),

@@ -4,36 +4,17 @@
 
 use std::time::{Duration, Instant};
 
-use metaslab::{AllocKind, Tunables, VdevRole, VdevSpec};
+use metaslab::testing::{data, pool_of};
 
 use super::*;
 
 pub(crate) fn inner() -> Inner {
-    let mut p = Pool::new(Tunables::default());
-    p.add_vdev(VdevSpec {
-        capacity: 1 << 30,
-        ashift: 12,
-        children: 1,
-        parity: 0,
-        rotational: false,
-        role: VdevRole::Normal,
-        metaslab_shift: None,
-    })
-    .unwrap();
-    p.sync();
-    Inner::new(p)
+    Inner::new(pool_of(&[1 << 30]))
 }
 
 /// One block allocated and committed in the open txg, which then closes.
 fn commit_one(g: &mut Inner) -> (AllocationId, Txg) {
-    let req = AllocRequest {
-        kind: AllocKind::Data,
-        size: 4096,
-        copies: 1,
-        max_size: None,
-        affinity: None,
-    };
-    let Submitted::Ready(t) = g.pool.submit(req).unwrap() else {
+    let Submitted::Ready(t) = g.pool.submit(data(4096, 1)).unwrap() else {
         panic!("queued")
     };
     let (a, _) = g.place(t, Duration::from_secs(600)).unwrap();

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use aliquot_allocator::spacemap::Chunk;
 use aliquot_allocator::sqlite_store::{self, OpenError};
-use aliquot_allocator::store::{Evacuation, Persisted, StoreError, TxgRecord};
+use aliquot_allocator::store::{Evacuation, Persisted, StoreError, TxgRecord, VdevRecord};
 use aliquot_allocator::{Config, MemStore, SqliteStore, Store};
 use aliquot_proto::v1 as pb;
 use common::*;
@@ -37,6 +37,20 @@ async fn open(path: &Path) -> Arc<SqliteStore> {
 
 fn ext(e: &pb::Extent) -> pb::Extent {
     *e
+}
+
+/// A vdev as a txg record adds it to the store (no agent behind it).
+fn vdev_record(id: u32, capacity: u64, metaslab_shift: u8) -> VdevRecord {
+    VdevRecord {
+        id,
+        guid: 9 + u64::from(id),
+        name: format!("v{id}"),
+        endpoint: "http://127.0.0.1:1".into(),
+        spec: metaslab::VdevSpec {
+            metaslab_shift: Some(metaslab_shift),
+            ..metaslab::testing::disk(capacity)
+        },
+    }
 }
 
 async fn claim(h: &mut Harness, extents: Vec<pb::Extent>) -> Result<u64, tonic::Status> {
@@ -777,7 +791,7 @@ async fn a_free_is_not_reusable_before_its_txg_is_durable() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn frees_split_stored_extents_in_one_transaction() {
-    use metaslab::{Extent, SpaceChange, SpaceChangeKind, TxgSync, VdevRole, VdevSpec};
+    use metaslab::{Extent, SpaceChange, SpaceChangeKind, TxgSync};
     let dir = tempfile::tempdir().unwrap();
     let path = db_path(dir.path());
     let store = open(&path).await;
@@ -788,21 +802,6 @@ async fn frees_split_stored_extents_in_one_transaction() {
         size,
     };
     let ch = |kind, extent| SpaceChange { kind, extent };
-    let vdev = aliquot_allocator::store::VdevRecord {
-        id: 0,
-        guid: 9,
-        name: "v".into(),
-        endpoint: "http://127.0.0.1:1".into(),
-        spec: VdevSpec {
-            capacity: GIB,
-            ashift: 12,
-            children: 1,
-            parity: 0,
-            rotational: false,
-            role: VdevRole::Normal,
-            metaslab_shift: Some(27),
-        },
-    };
     let rec = |txg, changes| TxgRecord {
         sync: TxgSync {
             txg,
@@ -820,7 +819,7 @@ async fn frees_split_stored_extents_in_one_transaction() {
             ch(SpaceChangeKind::Alloc, e(65536, 4096)),
         ],
     );
-    first.vdevs.push(vdev);
+    first.vdevs.push(vdev_record(0, GIB, 27));
     store.persist(&first).await.unwrap();
     // A run of frees: two split the first extent (the one-pass merge of
     // exact frees gives up, the change-by-change path splits), one removes
@@ -857,7 +856,7 @@ async fn frees_split_stored_extents_in_one_transaction() {
 /// inconsistent, naming the bad change, as a flush would refuse its txg.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vouched_txg_that_does_not_fit_is_refused_by_the_replay() {
-    use metaslab::{Extent, SpaceChange, SpaceChangeKind, TxgSync, VdevRole, VdevSpec};
+    use metaslab::{Extent, SpaceChange, SpaceChangeKind, TxgSync};
     let dir = tempfile::tempdir().unwrap();
     let path = db_path(dir.path());
     let store = open(&path).await;
@@ -881,21 +880,7 @@ async fn a_vouched_txg_that_does_not_fit_is_refused_by_the_replay() {
         extent: x,
     };
     let mut first = rec(4, vec![alloc(e(0, 16384))], false);
-    first.vdevs.push(aliquot_allocator::store::VdevRecord {
-        id: 0,
-        guid: 9,
-        name: "v".into(),
-        endpoint: "http://127.0.0.1:1".into(),
-        spec: VdevSpec {
-            capacity: GIB,
-            ashift: 12,
-            children: 1,
-            parity: 0,
-            rotational: false,
-            role: VdevRole::Normal,
-            metaslab_shift: Some(27),
-        },
-    });
+    first.vdevs.push(vdev_record(0, GIB, 27));
     store.persist(&first).await.unwrap();
     // Unvouched, the overlap is refused at once (the chunks are read).
     let over = |checked| rec(5, vec![alloc(e(4096, 4096))], checked);
@@ -988,7 +973,7 @@ async fn expand_vdev_grows_durably_and_refuses_shrinking_and_oversize() {
 async fn space_maps_match_the_reference_store() {
     use std::collections::BTreeMap;
 
-    use metaslab::{Extent, SpaceChange, SpaceChangeKind, TxgSync, VdevRole, VdevSpec};
+    use metaslab::{Extent, SpaceChange, SpaceChangeKind, TxgSync};
     use rand::rngs::SmallRng;
     use rand::{Rng, SeedableRng};
 
@@ -999,30 +984,9 @@ async fn space_maps_match_the_reference_store() {
     let mem = MemStore::new();
     store.create(5).await.unwrap();
     mem.create(5).await.unwrap();
-    let vdev = |id| aliquot_allocator::store::VdevRecord {
-        id,
-        guid: 9 + id as u64,
-        name: format!("v{id}"),
-        endpoint: "http://127.0.0.1:1".into(),
-        spec: VdevSpec {
-            capacity: 64 * GIB,
-            ashift: 12,
-            children: 1,
-            parity: 0,
-            rotational: false,
-            role: VdevRole::Normal,
-            metaslab_shift: Some(30),
-        },
-    };
     // Vdev 0 in 16 MiB metaslabs: its changes spread over ~10 of them, a
     // few flushed into their chunks each txg, the rest only in the log.
-    let vdev = |id| {
-        let mut v = vdev(id);
-        if id == 0 {
-            v.spec.metaslab_shift = Some(24);
-        }
-        v
-    };
+    let vdev = |id| vdev_record(id, 64 * GIB, if id == 0 { 24 } else { 30 });
     let mut store = store;
     // OpenZFS's policy: a metaslab or more flushed each txg.
     let one = aliquot_allocator::spacemap_log::LogTunables {

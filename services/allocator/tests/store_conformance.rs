@@ -1152,7 +1152,7 @@ async fn migrate_store_refuses_an_inconsistent_source() {
         .unwrap();
     c.close().await.unwrap();
     let pg = local_postgres::Postgres::start();
-    let args = aliquot_allocator::migrate_cmd::MigrateArgs {
+    let args = aliquot_process::migrate_args::MigrateArgs {
         from: dir.path().display().to_string(),
         to: pg.url(),
     };

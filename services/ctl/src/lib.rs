@@ -78,7 +78,8 @@ pub enum Cmd {
     /// Check the allocator's store (stopped or running pool), like `zdb -b`.
     Verify(verify::VerifyArgs),
     /// Move a stopped pool from its SQLite store into PostgreSQL (for `--store`, HA).
-    MigrateStore(migrate::MigrateArgs),
+    #[command(long_about = aliquot_process::migrate_args::LONG_ABOUT)]
+    MigrateStore(aliquot_process::migrate_args::MigrateArgs),
     /// The pool CA: `certs init`, `certs issue --role ROLE NAME`.
     Certs(certs::CertsArgs),
     /// How balanced the pool is and how to rebalance it: `eval`, `plan`, `execute --manifest`

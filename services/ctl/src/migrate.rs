@@ -7,36 +7,19 @@
 //! shows, as its password may be in it), its progress and summary shown as
 //! they come.
 
-use std::path::PathBuf;
 use std::process::Stdio;
 
-#[derive(Clone, Debug, clap::Args)]
-pub struct MigrateArgs {
-    /// The SQLite store: the allocator's --data-dir, `up`'s --data-dir
-    /// (its allocator's store is <data-dir>/allocator/pool.db), or the
-    /// pool.db file. Stop the allocator first.
-    #[arg(
-        long,
-        env = "ALIQUOT_DATA_DIR",
-        default_value = "./aliquot-data/allocator"
-    )]
-    pub from: PathBuf,
-    /// The PostgreSQL store (postgres://user:password@host:port/database)
-    /// the allocators will be given as --store; it must not hold the pool.
-    #[arg(long, env = "ALIQUOT_STORE", value_name = "URL")]
-    pub to: String,
-}
+use aliquot_process::migrate_args::{DATA_DIR_ENV, MigrateArgs, STORE_ENV};
 
 pub async fn run(args: MigrateArgs) -> anyhow::Result<()> {
     let bin = crate::binaries::find(crate::binaries::ALLOCATOR)?;
     let mut cmd = tokio::process::Command::new(&bin);
     cmd.arg("migrate-store")
-        .arg("--from")
-        .arg(&args.from)
+        .args(args.forward())
         .stdin(Stdio::null());
     // The flags given are the whole request: nothing from our environment.
-    cmd.env_remove("ALIQUOT_DATA_DIR");
-    cmd.env("ALIQUOT_STORE", &args.to);
+    cmd.env_remove(DATA_DIR_ENV);
+    cmd.env(STORE_ENV, &args.to);
     let status = cmd
         .status()
         .await

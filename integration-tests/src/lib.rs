@@ -24,7 +24,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::OnceLock;
 use std::sync::mpsc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 pub use pool::{FilePool, Security, start_agent, start_allocator};
 
@@ -308,7 +308,9 @@ pub fn ctl(args: &[String]) -> Output {
     if wants_plaintext(args, &[]) {
         cmd.env(INSECURE_ENV, "1");
     }
-    cmd.output().expect("run aliquotctl")
+    // Bounded (10 min, far past any command a test runs): a command that
+    // hangs fails its test, saying so, instead of stalling the suite.
+    compose::run(cmd, Duration::from_secs(600))
 }
 
 pub fn ok_stdout(o: &Output, what: &str) -> String {
@@ -482,6 +484,20 @@ impl Drop for TermOnDrop {
         let _ = Command::new("kill")
             .args(["-TERM", &self.0.id().to_string()])
             .status();
+        // Bounded: a child whose shutdown hangs is killed (and the test that
+        // dropped it ends) rather than holding the suite forever.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        eprintln!(
+            "pid {} did not exit within 60 s of SIGTERM: killed",
+            self.0.id()
+        );
+        let _ = self.0.kill();
         let _ = self.0.wait();
     }
 }

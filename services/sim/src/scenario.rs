@@ -350,6 +350,8 @@ struct RawCpu {
     after_throttle: Option<f64>,
     #[serde(default)]
     dispatch: Option<Dur>,
+    #[serde(default)]
+    writer_cost: Option<Dur>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -595,6 +597,12 @@ pub struct Metadata {
 /// throttle queued costs `dispatch` more in that work, once admitted:
 /// `zio_allocate_dispatch` hands it to the issue taskq again (`TQ_FRONT`,
 /// zio.c@zfs-2.3.9 and zfs-2.4.4).
+///
+/// `writer_cost` is the writers' own work on the same CPUs: each block a
+/// writer writes (`dmu_tx_assign`, the copy into the ARC) costs that much
+/// before it is dirty, so a pool whose writers keep up with its syncs
+/// shares the CPUs between both, while one whose writers wait at the
+/// dirty limit (a slow device holding the syncs) leaves the sync its CPUs.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Cpu {
     pub count: u32,
@@ -606,6 +614,9 @@ pub struct Cpu {
     pub after_throttle: f64,
     /// Nanoseconds of CPU to hand a throttled block to a taskq again.
     pub dispatch: u64,
+    /// Nanoseconds of CPU a writer spends writing a block into the open
+    /// txg (0: writers are free).
+    pub writer_cost: u64,
 }
 
 impl Cpu {
@@ -993,6 +1004,7 @@ impl Scenario {
                     bandwidth,
                     after_throttle,
                     dispatch: c.dispatch.map(|d| d.0).unwrap_or(0),
+                    writer_cost: c.writer_cost.map(|d| d.0).unwrap_or(0),
                 })
             }
         };
@@ -1316,17 +1328,18 @@ write_bandwidth = "500MiB/s"
         let sync = MIN.replace("mode = \"full\"", "mode = \"full\"\nallocate = \"sync\"");
         let cpu = |extra: &str| format!("{sync}[cpu]\ncount = 2\nblock_cost = \"100us\"\n{extra}");
         let c = Scenario::from_toml(&cpu("")).unwrap().cpu.unwrap();
-        // Defaults: all of the work before the throttle, no dispatch.
-        assert_eq!((c.after_throttle, c.dispatch), (0.0, 0));
+        // Defaults: all of the work before the throttle, no dispatch, free
+        // writers.
+        assert_eq!((c.after_throttle, c.dispatch, c.writer_cost), (0.0, 0, 0));
         assert_eq!(c.before_throttle_cost(4096), 100_000);
         assert_eq!(c.after_throttle_cost(4096), 0);
         let c = Scenario::from_toml(&cpu(
-            "bandwidth = \"1GB/s\"\nafter_throttle = 0.25\ndispatch = \"3us\"",
+            "bandwidth = \"1GB/s\"\nafter_throttle = 0.25\ndispatch = \"3us\"\nwriter_cost = \"80us\"",
         ))
         .unwrap()
         .cpu
         .unwrap();
-        assert_eq!(c.dispatch, 3_000);
+        assert_eq!((c.dispatch, c.writer_cost), (3_000, 80_000));
         // 100 us + 1 ms: a quarter after the throttle, the rest before.
         assert_eq!(c.after_throttle_cost(1_000_000), 275_000);
         assert_eq!(c.before_throttle_cost(1_000_000), 825_000);

@@ -351,7 +351,7 @@ struct RawCpu {
     #[serde(default)]
     dispatch: Option<Dur>,
     #[serde(default)]
-    writer_cost: Option<Dur>,
+    writer_bandwidth: Option<Rate>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -598,9 +598,10 @@ pub struct Metadata {
 /// `zio_allocate_dispatch` hands it to the issue taskq again (`TQ_FRONT`,
 /// zio.c@zfs-2.3.9 and zfs-2.4.4).
 ///
-/// `writer_cost` is the writers' own work on the same CPUs: each block a
-/// writer writes (`dmu_tx_assign`, the copy into the ARC) costs that much
-/// before it is dirty, so a pool whose writers keep up with its syncs
+/// `writer_bandwidth` is the writers' own work on the same CPUs: each block
+/// a writer writes (`dmu_tx_assign`, the copy into the ARC) costs
+/// `size / writer_bandwidth` of a CPU before it is dirty (per byte: the
+/// real writers' CPU a MiB is nearly the same at 16K, 128K and 1M blocks), so a pool whose writers keep up with its syncs
 /// shares the CPUs between both, while one whose writers wait at the
 /// dirty limit (a slow device holding the syncs) leaves the sync its CPUs.
 #[derive(Clone, Debug, PartialEq)]
@@ -614,9 +615,9 @@ pub struct Cpu {
     pub after_throttle: f64,
     /// Nanoseconds of CPU to hand a throttled block to a taskq again.
     pub dispatch: u64,
-    /// Nanoseconds of CPU a writer spends writing a block into the open
-    /// txg (0: writers are free).
-    pub writer_cost: u64,
+    /// Bytes per second one CPU's writer work takes into the open txg
+    /// (0: writers are free).
+    pub writer_bandwidth: f64,
 }
 
 impl Cpu {
@@ -633,6 +634,15 @@ impl Cpu {
     /// The part of `cost(size)` before the throttle.
     pub fn before_throttle_cost(&self, size: u64) -> u64 {
         self.cost(size) - self.after_throttle_cost(size)
+    }
+
+    /// One CPU's nanoseconds for a writer to write a block of `size` bytes.
+    pub fn writer_cost(&self, size: u64) -> u64 {
+        if self.writer_bandwidth > 0.0 {
+            (size as f64 * 1e9 / self.writer_bandwidth) as u64
+        } else {
+            0
+        }
     }
 
     /// The part of `cost(size)` after the throttle.
@@ -994,6 +1004,13 @@ impl Scenario {
                         "block_cost and bandwidth are both zero: leave [cpu] out instead",
                     ));
                 }
+                let writer_bandwidth = c.writer_bandwidth.map(|r| r.0).unwrap_or(0.0);
+                if !(writer_bandwidth.is_finite() && writer_bandwidth >= 0.0) {
+                    return Err(invalid(
+                        "cpu.writer_bandwidth",
+                        "must be a rate of 0 or more",
+                    ));
+                }
                 let after_throttle = c.after_throttle.unwrap_or(0.0);
                 if !(0.0..=1.0).contains(&after_throttle) {
                     return Err(invalid("cpu.after_throttle", "must be a share from 0 to 1"));
@@ -1004,7 +1021,7 @@ impl Scenario {
                     bandwidth,
                     after_throttle,
                     dispatch: c.dispatch.map(|d| d.0).unwrap_or(0),
-                    writer_cost: c.writer_cost.map(|d| d.0).unwrap_or(0),
+                    writer_bandwidth,
                 })
             }
         };
@@ -1330,16 +1347,19 @@ write_bandwidth = "500MiB/s"
         let c = Scenario::from_toml(&cpu("")).unwrap().cpu.unwrap();
         // Defaults: all of the work before the throttle, no dispatch, free
         // writers.
-        assert_eq!((c.after_throttle, c.dispatch, c.writer_cost), (0.0, 0, 0));
+        assert_eq!((c.after_throttle, c.dispatch), (0.0, 0));
+        assert_eq!(c.writer_cost(1 << 20), 0);
         assert_eq!(c.before_throttle_cost(4096), 100_000);
         assert_eq!(c.after_throttle_cost(4096), 0);
         let c = Scenario::from_toml(&cpu(
-            "bandwidth = \"1GB/s\"\nafter_throttle = 0.25\ndispatch = \"3us\"\nwriter_cost = \"80us\"",
+            "bandwidth = \"1GB/s\"\nafter_throttle = 0.25\ndispatch = \"3us\"\nwriter_bandwidth = \"2GB/s\"",
         ))
         .unwrap()
         .cpu
         .unwrap();
-        assert_eq!((c.dispatch, c.writer_cost), (3_000, 80_000));
+        assert_eq!(c.dispatch, 3_000);
+        // 128K at 2 GB/s.
+        assert_eq!(c.writer_cost(131_072), 65_536);
         // 100 us + 1 ms: a quarter after the throttle, the rest before.
         assert_eq!(c.after_throttle_cost(1_000_000), 275_000);
         assert_eq!(c.before_throttle_cost(1_000_000), 825_000);

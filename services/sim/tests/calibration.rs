@@ -95,7 +95,7 @@ fn t1a_legacy_cpu_bound_matches_openzfs_2_3() {
 /// t1a's throughput, both policies, within the range of the real runs whose
 /// per-txg timings are in `t1a-writers/txg/` (4 and 16 writers, both
 /// versions, one day on the shared 2-core machine): the sync and the
-/// writers share the CPUs (`[cpu] writer_cost`); with free writers the
+/// writers share the CPUs (`[cpu] writer_bandwidth`); with free writers the
 /// simulated pool ran at the sync's burst rate, above every real run.
 #[test]
 fn t1a_throughput_is_within_the_real_runs() {

@@ -104,7 +104,7 @@ impl CpuState {
         match w {
             CpuWork::Data(_) | CpuWork::Meta(_) => self.last.1,
             CpuWork::Issue(_, _, held) => self.last.2 + if *held { self.model.dispatch } else { 0 },
-            CpuWork::Write(_) => self.model.writer_cost,
+            CpuWork::Write(r) => self.model.writer_cost(r.size),
         }
     }
 }

@@ -593,7 +593,7 @@ fn cpu_model_bounds_a_full_load_by_its_cpus() {
     assert!(fast.cpu_utilisation().is_none());
 }
 
-/// `[cpu] writer_cost`: the writers' own work shares the CPUs with the
+/// `[cpu] writer_bandwidth`: the writers' own work shares the CPUs with the
 /// sync's. A CPU-bound load slows by that share (each block's writer work
 /// is spent, on top of the sync's), a device-bound one, whose CPUs idle,
 /// hardly moves.
@@ -608,10 +608,11 @@ fn writers_work_shares_the_cpus_with_the_sync() {
     };
     let ratio = |a: &RunResult, b: &RunResult| a.end_time as f64 / b.end_time as f64;
     // One CPU at 50 MB/s: 2.62 ms of sync work a 128K block; its writer's
-    // half of that makes every block cost 1.5 times as much.
+    // work at 100 MB/s, half of that, makes every block cost 1.5 times as
+    // much.
     let slow = "[cpu]\ncount = 1\nblock_cost = \"0\"\nbandwidth = \"50MB/s\"\n";
     let base = run_with(load, slow);
-    let shared = run_with(load, &format!("{slow}writer_cost = \"1310720ns\"\n"));
+    let shared = run_with(load, &format!("{slow}writer_bandwidth = \"100MB/s\"\n"));
     assert_eq!(shared.bytes_committed, base.bytes_committed);
     let writer_busy = shared.cpu_busy.unwrap() - base.cpu_busy.unwrap();
     assert_eq!(writer_busy, base.allocations * 1_310_720);
@@ -623,7 +624,7 @@ fn writers_work_shares_the_cpus_with_the_sync() {
     let fast = "[cpu]\ncount = 2\nblock_cost = \"0\"\nbandwidth = \"2GB/s\"\n";
     let load = load.replace("100MB", "1000MB");
     let base = run_with(&load, fast);
-    let shared = run_with(&load, &format!("{fast}writer_cost = \"100us\"\n"));
+    let shared = run_with(&load, &format!("{fast}writer_bandwidth = \"1300MB/s\"\n"));
     assert_eq!(shared.bytes_committed, base.bytes_committed);
     let r = ratio(&shared, &base);
     assert!((1.0..1.05).contains(&r), "{r}");

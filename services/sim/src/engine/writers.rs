@@ -63,12 +63,17 @@ impl<P: SimPool> Sim<'_, P> {
         tag
     }
 
-    /// A writer writes a block: with `[cpu] writer_cost` (the pipeline)
+    /// A writer writes a block: with `[cpu] writer_bandwidth` (the pipeline)
     /// the writer's own work on the CPUs comes first (`dmu_tx_assign`, the
     /// copy into the ARC in `dmu_write`), and the block is dirty once it
     /// is done; the writer has no other block meanwhile.
     fn write_block(&mut self, req: Req) -> anyhow::Result<()> {
-        if !self.alloc_at_sync || self.cpu.as_ref().is_none_or(|c| c.model.writer_cost == 0) {
+        if !self.alloc_at_sync
+            || self
+                .cpu
+                .as_ref()
+                .is_none_or(|c| c.model.writer_bandwidth <= 0.0)
+        {
             return self.submit_data(req);
         }
         let d = self.data.as_mut().expect("a writer's block");

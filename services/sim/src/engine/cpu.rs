@@ -37,23 +37,30 @@ pub(super) enum CpuWork {
     /// A placed block's work after the throttle (slot tag, bytes, whether
     /// the throttle queued it): its writes are queued when it is done.
     Issue(u32, u64, bool),
+    /// A writer's work writing a block into the open txg.
+    Write(Req),
 }
 
 impl CpuWork {
     fn size(&self) -> u64 {
         match self {
-            CpuWork::Data(r) => r.size,
+            CpuWork::Data(r) | CpuWork::Write(r) => r.size,
             CpuWork::Meta(m) => m.bytes(),
             CpuWork::Issue(_, size, _) => *size,
         }
     }
 }
 
-/// The CPUs: a FIFO of work and one slot per CPU.
+/// The CPUs: a FIFO of work and one slot per CPU. Writers' work has a
+/// FIFO of its own, served first: a writer thread woken by the write
+/// throttle runs beside the sync's taskq threads rather than behind a
+/// whole txg of their queued blocks, as the kernel's scheduler shares
+/// the CPUs among threads (at most one block per writer waits here).
 #[derive(Debug)]
 pub(super) struct CpuState {
     pub(super) model: Cpu,
     pub(super) queue: VecDeque<CpuWork>,
+    pub(super) writes: VecDeque<CpuWork>,
     pub(super) running: Vec<Option<CpuWork>>,
     /// Nanoseconds of CPU spent, over all CPUs.
     pub(super) busy: u64,
@@ -72,6 +79,7 @@ impl CpuState {
         CpuState {
             model: model.clone(),
             queue: VecDeque::new(),
+            writes: VecDeque::new(),
             running: vec![None; model.count as usize],
             busy: 0,
             due: vec![None; model.count as usize],
@@ -96,6 +104,7 @@ impl CpuState {
         match w {
             CpuWork::Data(_) | CpuWork::Meta(_) => self.last.1,
             CpuWork::Issue(_, _, held) => self.last.2 + if *held { self.model.dispatch } else { 0 },
+            CpuWork::Write(r) => self.model.writer_cost(r.size),
         }
     }
 }
@@ -107,7 +116,10 @@ impl<P: SimPool> Sim<'_, P> {
         let Some(c) = &mut self.cpu else {
             return self.cpu_finish(w);
         };
-        c.queue.push_back(w);
+        match w {
+            CpuWork::Write(_) => c.writes.push_back(w),
+            _ => c.queue.push_back(w),
+        }
         self.cpu_start();
         Ok(())
     }
@@ -148,7 +160,9 @@ impl<P: SimPool> Sim<'_, P> {
             if c.running[i].is_some() {
                 continue;
             }
-            let Some(w) = c.queue.pop_front() else { break };
+            let Some(w) = c.writes.pop_front().or_else(|| c.queue.pop_front()) else {
+                break;
+            };
             let cost = c.cost(&w);
             c.busy += cost;
             c.running[i] = Some(w);
@@ -195,6 +209,7 @@ impl<P: SimPool> Sim<'_, P> {
                 self.enqueue_slot(tag, false);
                 Ok(())
             }
+            CpuWork::Write(r) => self.written(r),
         }
     }
 }

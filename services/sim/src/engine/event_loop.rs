@@ -136,10 +136,11 @@ impl<P: SimPool> Sim<'_, P> {
     }
 
     pub(super) fn finished(&self) -> bool {
-        let data_done = self
-            .data
-            .as_ref()
-            .is_none_or(|d| d.streams.iter().all(|s| s.finished && s.outstanding == 0));
+        let data_done = self.data.as_ref().is_none_or(|d| {
+            d.streams
+                .iter()
+                .all(|s| s.finished && s.outstanding == 0 && !s.writing)
+        });
         let log_done = self.log.as_ref().is_none_or(|l| {
             self.now >= l.end_at
                 && l.pending.is_empty()

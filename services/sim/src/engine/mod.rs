@@ -144,6 +144,9 @@ struct Stream {
     finished: bool,
     /// Rate mode: waiting for outstanding bytes to fall before its next write.
     blocked: bool,
+    /// `[cpu] writer_bandwidth`: its block is on (or waiting for) a CPU, not
+    /// yet dirty; a writer writes one block at a time.
+    writing: bool,
 }
 
 #[derive(Debug)]

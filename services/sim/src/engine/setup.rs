@@ -75,6 +75,7 @@ impl<P: SimPool> Sim<'_, P> {
                     outstanding: 0,
                     finished: count == 0,
                     blocked: false,
+                    writing: false,
                 });
                 first += count;
             }

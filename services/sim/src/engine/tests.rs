@@ -593,6 +593,43 @@ fn cpu_model_bounds_a_full_load_by_its_cpus() {
     assert!(fast.cpu_utilisation().is_none());
 }
 
+/// `[cpu] writer_bandwidth`: the writers' own work shares the CPUs with the
+/// sync's. A CPU-bound load slows by that share (each block's writer work
+/// is spent, on top of the sync's), a device-bound one, whose CPUs idle,
+/// hardly moves.
+#[test]
+fn writers_work_shares_the_cpus_with_the_sync() {
+    let load = "[load]\nmode = \"full\"\nsize = \"100MB\"\nstreams = 4\n\
+                dirty_max = \"64MiB\"\nallocate = \"sync\"\n";
+    let run_with = |load: &str, cpu: &str| {
+        let r = go(&scenario(&format!("{load}{cpu}")), Fake::default());
+        assert_eq!(r.stop_reason, "done", "{cpu}");
+        r
+    };
+    let ratio = |a: &RunResult, b: &RunResult| a.end_time as f64 / b.end_time as f64;
+    // One CPU at 50 MB/s: 2.62 ms of sync work a 128K block; its writer's
+    // work at 100 MB/s, half of that, makes every block cost 1.5 times as
+    // much.
+    let slow = "[cpu]\ncount = 1\nblock_cost = \"0\"\nbandwidth = \"50MB/s\"\n";
+    let base = run_with(load, slow);
+    let shared = run_with(load, &format!("{slow}writer_bandwidth = \"100MB/s\"\n"));
+    assert_eq!(shared.bytes_committed, base.bytes_committed);
+    let writer_busy = shared.cpu_busy.unwrap() - base.cpu_busy.unwrap();
+    assert_eq!(writer_busy, base.allocations * 1_310_720);
+    let r = ratio(&shared, &base);
+    assert!((1.4..1.6).contains(&r), "{r}");
+    // Two CPUs at 2 GB/s behind devices of 1000 MB/s in all: the writers'
+    // work fits in the CPUs' idle time (over 1 GB: the first txg, which
+    // the writers now take a while to fill, is a small part of the run).
+    let fast = "[cpu]\ncount = 2\nblock_cost = \"0\"\nbandwidth = \"2GB/s\"\n";
+    let load = load.replace("100MB", "1000MB");
+    let base = run_with(&load, fast);
+    let shared = run_with(&load, &format!("{fast}writer_bandwidth = \"1300MB/s\"\n"));
+    assert_eq!(shared.bytes_committed, base.bytes_committed);
+    let r = ratio(&shared, &base);
+    assert!((1.0..1.05).contains(&r), "{r}");
+}
+
 /// `[cpu] after_throttle`: the work after the throttle is queued behind
 /// the CPUs' other work while the block holds its slot, so a slot
 /// throttle that never filled when all the work came before it now holds

@@ -214,7 +214,7 @@ impl<P: SimPool> Sim<'_, P> {
         let done = self
             .data
             .as_ref()
-            .is_some_and(|d| d.streams.iter().all(|s| s.finished));
+            .is_some_and(|d| d.streams.iter().all(|s| s.finished && !s.writing));
         if done && !self.open_reqs.is_empty() {
             self.push_txg()?;
         }

@@ -63,6 +63,32 @@ impl<P: SimPool> Sim<'_, P> {
         tag
     }
 
+    /// A writer writes a block: with `[cpu] writer_bandwidth` (the pipeline)
+    /// the writer's own work on the CPUs comes first (`dmu_tx_assign`, the
+    /// copy into the ARC in `dmu_write`), and the block is dirty once it
+    /// is done; the writer has no other block meanwhile.
+    fn write_block(&mut self, req: Req) -> anyhow::Result<()> {
+        if !self.alloc_at_sync
+            || self
+                .cpu
+                .as_ref()
+                .is_none_or(|c| c.model.writer_bandwidth <= 0.0)
+        {
+            return self.submit_data(req);
+        }
+        let d = self.data.as_mut().expect("a writer's block");
+        d.streams[req.stream as usize].writing = true;
+        self.cpu_issue(CpuWork::Write(req))
+    }
+
+    /// A writer's block is written: dirty data of the open txg.
+    pub(super) fn written(&mut self, req: Req) -> anyhow::Result<()> {
+        let d = self.data.as_mut().expect("a writer's block");
+        d.streams[req.stream as usize].writing = false;
+        self.pump_wanted = true;
+        self.submit_data(req)
+    }
+
     pub(super) fn submit_data(&mut self, req: Req) -> anyhow::Result<()> {
         self.block_busy[req.block as usize] = true;
         self.inflight += req.size;
@@ -299,7 +325,7 @@ impl<P: SimPool> Sim<'_, P> {
         if !d.active || st.finished || full {
             return None;
         }
-        if self.block_busy[st.cursor as usize] {
+        if st.writing || self.block_busy[st.cursor as usize] {
             return None;
         }
         let block = st.cursor;
@@ -344,7 +370,7 @@ impl<P: SimPool> Sim<'_, P> {
                     match self.next_block(s) {
                         Some(req) => {
                             self.delay_served = false;
-                            self.submit_data(req)?;
+                            self.write_block(req)?;
                             idle = 0;
                             s = self.rng.random_range(0..n);
                         }
@@ -376,7 +402,7 @@ impl<P: SimPool> Sim<'_, P> {
                         d.streams[s].blocked = false;
                         let at = self.now + d.interval;
                         self.push(at, Ev::Tick(s as u32));
-                        self.submit_data(req)?;
+                        self.write_block(req)?;
                     }
                 }
                 if self.alloc_at_sync {
@@ -427,7 +453,7 @@ impl<P: SimPool> Sim<'_, P> {
                 self.delay_served = false;
                 let at = self.now + self.data.as_ref().unwrap().interval;
                 self.push(at, Ev::Tick(s));
-                self.submit_data(req)
+                self.write_block(req)
             }
             None => {
                 let d = self.data.as_mut().unwrap();

@@ -3,8 +3,9 @@
 //! entry as the allocator's heap sees them (a counting global allocator,
 //! after the map is built and the build's garbage freed), entries added in
 //! random order (moves of a balancer) and loaded sorted (a restart), and
-//! lookups of mapped and unmapped extents. `ALIQUOT_BENCH_ENTRIES=1000000`
-//! runs one size only.
+//! lookups of mapped and unmapped extents, by old extent (`get`) and by new
+//! extent (`source_of`, what a Free or a removal asks of a moved block's new
+//! home). `ALIQUOT_BENCH_ENTRIES=100000` runs one size only.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -95,6 +96,27 @@ fn main() {
         assert_eq!(hits, probes);
         println!(
             "entries {n}: lookups {:.0} ns each (half mapped, half not)",
+            t.elapsed().as_secs_f64() * 1e9 / (2 * probes) as f64
+        );
+        // By new extent: up to 10^6 probes or about a second, whichever
+        // comes first (a scan of every entry per probe would take ~n times
+        // a lookup).
+        let t = Instant::now();
+        let (mut probes, mut hits) = (0u64, 0u64);
+        while probes < 1_000_000 && (probes % 64 != 0 || t.elapsed().as_secs_f64() < 1.0) {
+            let k = rng.random_range(0..n);
+            let to = mapping(k).to;
+            hits += map.source_of(&to).is_some() as u64;
+            let miss = Extent {
+                offset: to.offset + 4096,
+                ..to
+            };
+            hits += map.source_of(&miss).is_some() as u64;
+            probes += 1;
+        }
+        assert_eq!(hits, probes);
+        println!(
+            "entries {n}: source_of {:.0} ns each (half mapped, half not; {probes} probes)",
             t.elapsed().as_secs_f64() * 1e9 / (2 * probes) as f64
         );
         let all: Vec<Mapping> = map.iter().collect();

@@ -167,10 +167,16 @@ impl MemCopies {
         }
     }
 
-    pub fn copies_on(&self, vdev: VdevId) -> CopySets {
-        self.block_of
-            .range((vdev, 0)..=(vdev, u64::MAX))
-            .map(|(_, b)| self.copies[b].iter().copied().collect())
+    /// `crate::store::Store::copies_on`: the sets of the copies on `vdev`
+    /// at `starts`, by start.
+    pub fn copies_on(&self, vdev: VdevId, starts: &[u64]) -> CopySets {
+        let mut starts = starts.to_vec();
+        starts.sort_unstable();
+        starts.dedup();
+        starts
+            .into_iter()
+            .filter_map(|s| self.block_of.get(&(vdev, s)))
+            .map(|b| self.copies[b].iter().copied().collect())
             .collect()
     }
 

@@ -8,12 +8,15 @@
 //!
 //! Compact: per source vdev, one sorted `Vec` of 24-byte entries (offsets
 //! and sizes in 512-byte sectors, the smallest ashift; the target's vdev in
-//! the top 16 bits of its offset), plus one sorted `Vec<u64>` of the
-//! targets' packed starts: 32 bytes a live entry. Each vector is rebuilt at
-//! its exact length when a batch of new entries is merged in; dropped
-//! entries are tombstones until an eighth of a vector is dead. New entries
-//! wait in small ordered buffers, so moves in any order cost one merge per
-//! [`MERGE_AT`] entries instead of a shift of the whole vector per move.
+//! the top 16 bits of its offset), plus a reverse index, one sorted `Vec`
+//! of (target start, source start) packed the same way: 40 bytes a live
+//! entry. The reverse index answers a lookup by new extent (a Free or move
+//! of a block at its new home) without a scan of every entry. Each vector
+//! is rebuilt at its exact length when a batch of new entries is merged in;
+//! dropped entries are tombstones until an eighth of a vector is dead. New
+//! entries wait in small ordered buffers, so moves in any order cost one
+//! merge per [`MERGE_AT`] entries instead of a shift of the whole vector
+//! per move.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -52,10 +55,26 @@ fn sectors(v: u64) -> Option<u64> {
     (v & ((1 << SECTOR_SHIFT) - 1) == 0).then_some(v >> SECTOR_SHIFT)
 }
 
-/// `e`'s start packed as a target key, if it fits one.
+/// `e`'s start packed as `vdev << TO_BITS | sector`, if it fits: the key of
+/// a target, and a source as the reverse index holds it.
 fn target_key(e: &Extent) -> Option<u64> {
     let sec = sectors(e.offset).filter(|&s| s < 1 << TO_BITS)?;
     (e.vdev < 1 << (64 - TO_BITS)).then_some(((e.vdev as u64) << TO_BITS) | sec)
+}
+
+/// A packed start as an extent of one sector (what an error names).
+fn key_extent(k: u64) -> Extent {
+    let (vdev, sec) = unpack(k);
+    Extent {
+        vdev,
+        offset: sec << SECTOR_SHIFT,
+        size: 1 << SECTOR_SHIFT,
+    }
+}
+
+/// A packed start's vdev and sector.
+fn unpack(k: u64) -> (VdevId, u64) {
+    ((k >> TO_BITS) as VdevId, k & ((1 << TO_BITS) - 1))
 }
 
 impl Entry {
@@ -65,6 +84,8 @@ impl Entry {
                 .and_then(|s| u32::try_from(s).ok())
                 .filter(|&s| s > 0)
         };
+        // The source must pack too: the reverse index holds it so.
+        target_key(&m.from)?;
         Some(Entry {
             from_sec: sectors(m.from.offset)?,
             to: target_key(&m.to)?,
@@ -84,6 +105,7 @@ impl Entry {
     fn mapping(&self, from_vdev: VdevId) -> Mapping {
         let (from_sec, to) = (self.from_sec, self.to);
         let (from_len, to_len) = (self.from_len, self.to_len);
+        let (to_vdev, to_sec) = unpack(to);
         Mapping {
             from: Extent {
                 vdev: from_vdev,
@@ -91,8 +113,8 @@ impl Entry {
                 size: (from_len as u64) << SECTOR_SHIFT,
             },
             to: Extent {
-                vdev: (to >> TO_BITS) as u32,
-                offset: (to & ((1 << TO_BITS) - 1)) << SECTOR_SHIFT,
+                vdev: to_vdev,
+                offset: to_sec << SECTOR_SHIFT,
                 size: (to_len as u64) << SECTOR_SHIFT,
             },
             // The txg is the store's (kept there for the record); memory
@@ -155,24 +177,39 @@ impl VdevMap {
     }
 }
 
-/// The targets' packed starts: a sorted vector, the ones dropped from it,
-/// and new ones not merged yet.
+/// The reverse index: each live entry's target start -> its source start,
+/// both packed ([`target_key`]). A vector sorted by target, the targets
+/// dropped from it, and new pairs not merged yet. Target starts are unique
+/// (a second entry to the same start is refused), so the start alone keys
+/// it; the source's entry then gives the sizes.
 #[derive(Debug, Default)]
-struct Targets {
-    sorted: Vec<u64>,
+struct Reverse {
+    sorted: Vec<(u64, u64)>,
     gone: BTreeSet<u64>,
-    pending: BTreeSet<u64>,
+    pending: BTreeMap<u64, u64>,
 }
 
-impl Targets {
-    fn contains(&self, k: u64) -> bool {
-        self.pending.contains(&k)
-            || (self.sorted.binary_search(&k).is_ok() && !self.gone.contains(&k))
+impl Reverse {
+    fn get(&self, k: u64) -> Option<u64> {
+        if let Some(&src) = self.pending.get(&k) {
+            return Some(src);
+        }
+        let i = self.sorted.binary_search_by_key(&k, |p| p.0).ok()?;
+        (!self.gone.contains(&k)).then_some(self.sorted[i].1)
     }
 
-    fn insert(&mut self, k: u64) {
-        if !self.gone.remove(&k) {
-            self.pending.insert(k);
+    fn contains(&self, k: u64) -> bool {
+        self.get(k).is_some()
+    }
+
+    fn insert(&mut self, k: u64, src: u64) {
+        if self.gone.remove(&k) {
+            // Its dropped pair is still in the vector: reuse the slot.
+            if let Ok(i) = self.sorted.binary_search_by_key(&k, |p| p.0) {
+                self.sorted[i].1 = src;
+            }
+        } else {
+            self.pending.insert(k, src);
         }
         if self.pending.len() >= MERGE_AT {
             self.rebuild();
@@ -180,7 +217,7 @@ impl Targets {
     }
 
     fn remove(&mut self, k: u64) {
-        if !self.pending.remove(&k) {
+        if self.pending.remove(&k).is_none() {
             self.gone.insert(k);
             if self.gone.len() * 8 > self.sorted.len() {
                 self.rebuild();
@@ -195,10 +232,10 @@ impl Targets {
         );
         let live = self.sorted.len() - gone.len() + pending.len();
         self.sorted = merge_exact(
-            self.sorted.iter().copied().filter(|k| !gone.contains(k)),
+            self.sorted.iter().copied().filter(|p| !gone.contains(&p.0)),
             pending.into_iter(),
             live,
-            |k| *k,
+            |p| p.0,
         );
     }
 }
@@ -217,11 +254,11 @@ pub enum MappingError {
     OutOfRange { from: Extent, to: Extent },
 }
 
-/// Every live mapping entry, per source vdev, and their targets.
+/// Every live mapping entry, per source vdev, and the reverse index.
 #[derive(Debug, Default)]
 pub struct IndirectMap {
     vdevs: BTreeMap<VdevId, VdevMap>,
-    targets: Targets,
+    reverse: Reverse,
     live: usize,
     bytes: u64,
 }
@@ -244,26 +281,21 @@ impl IndirectMap {
                 continue;
             }
             v.sorted.push(e);
-            targets.push(e.to);
+            // `Entry::of` checked that the source packs.
+            targets.push((e.to, target_key(&m.from).unwrap_or_default()));
             map.live += 1;
             map.bytes += m.from.size;
         }
+        // Entries added out of order (above) are in the index already.
+        let r = std::mem::take(&mut map.reverse);
+        targets.extend(r.sorted);
+        targets.extend(r.pending);
         targets.sort_unstable();
-        if let Some(w) = targets.windows(2).find(|w| w[0] == w[1]) {
-            let to = Entry {
-                from_sec: 0,
-                to: w[0],
-                from_len: 1,
-                to_len: 1,
-            }
-            .mapping(0)
-            .to;
-            return Err(MappingError::AlreadyTarget(to));
+        if let Some(w) = targets.windows(2).find(|w| w[0].0 == w[1].0) {
+            return Err(MappingError::AlreadyTarget(key_extent(w[0].0)));
         }
-        for k in targets {
-            map.targets.pending.insert(k);
-        }
-        map.targets.rebuild();
+        targets.shrink_to_fit();
+        map.reverse.sorted = targets;
         for v in map.vdevs.values_mut() {
             v.rebuild();
         }
@@ -284,7 +316,7 @@ impl IndirectMap {
             from: m.from,
             to: m.to,
         })?;
-        if self.targets.contains(e.to) {
+        if self.reverse.contains(e.to) {
             return Err(MappingError::AlreadyTarget(m.to));
         }
         let v = self.vdevs.entry(m.from.vdev).or_default();
@@ -295,7 +327,8 @@ impl IndirectMap {
         if v.pending.len() >= MERGE_AT {
             v.rebuild();
         }
-        self.targets.insert(e.to);
+        self.reverse
+            .insert(e.to, target_key(&m.from).unwrap_or_default());
         self.live += 1;
         self.bytes += m.from.size;
         Ok(())
@@ -312,17 +345,16 @@ impl IndirectMap {
     /// Whether some entry's new extent starts where `e` does (a moved
     /// block's new home, or a part of one).
     pub fn is_target(&self, e: &Extent) -> bool {
-        target_key(e).is_some_and(|k| self.targets.contains(k))
+        target_key(e).is_some_and(|k| self.reverse.contains(k))
     }
 
-    /// The old extent of the entry whose new extent is exactly `to`: a scan
-    /// (the reverse index holds only the starts), for the rare Free or move
-    /// of a block at its new address.
+    /// The old extent of the entry whose new extent is exactly `to` (a Free
+    /// or move of a block at its new address): the reverse index names the
+    /// source, whose entry says whether the sizes match.
     pub fn source_of(&self, to: &Extent) -> Option<Extent> {
-        if !self.is_target(to) {
-            return None;
-        }
-        self.iter().find(|m| m.to == *to).map(|m| m.from)
+        let (vdev, sec) = unpack(self.reverse.get(target_key(to)?)?);
+        let m = self.vdevs.get(&vdev)?.find(sec)?.mapping(vdev);
+        (m.to == *to).then_some(m.from)
     }
 
     /// Drop the entry of exactly `from`; returns where the block was mapped.
@@ -342,7 +374,7 @@ impl IndirectMap {
             self.vdevs.remove(&from.vdev);
         }
         if let Some(k) = target_key(&to) {
-            self.targets.remove(k);
+            self.reverse.remove(k);
         }
         self.live -= 1;
         self.bytes -= from.size;
@@ -375,13 +407,13 @@ impl IndirectMap {
     /// they take once merged (the buffers are bounded by [`MERGE_AT`]).
     pub fn memory_bytes(&self) -> usize {
         let entry = std::mem::size_of::<Entry>();
-        let key = std::mem::size_of::<u64>();
+        let key = std::mem::size_of::<(u64, u64)>();
         let entries: usize = self
             .vdevs
             .values()
             .map(|v| (v.sorted.capacity() + v.pending.len()) * entry)
             .sum();
-        entries + (self.targets.sorted.capacity() + self.targets.pending.len()) * key
+        entries + (self.reverse.sorted.capacity() + self.reverse.pending.len()) * key
     }
 
     /// Every live mapping, in `(from.vdev, from.offset)` order.
@@ -482,6 +514,74 @@ mod tests {
         let again = IndirectMap::from_sorted(map.iter()).unwrap();
         assert_eq!(again.len(), map.len());
         assert_eq!(again.mapped_bytes(), map.mapped_bytes());
-        assert_eq!(again.memory_bytes(), again.len() * 32);
+        assert_eq!(again.memory_bytes(), again.len() * 40);
+    }
+
+    /// The reverse index agrees with a scan of every entry through random
+    /// inserts and removes: targets are reused after their entry goes (a
+    /// dropped pair given a new source), merges and tombstone rebuilds
+    /// happen, and a probe of the right start but another size is no hit.
+    #[test]
+    fn the_reverse_index_agrees_with_a_scan() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::SmallRng::seed_from_u64(11);
+        let mut map = IndirectMap::default();
+        let mut live: Vec<Extent> = Vec::new();
+        // Few target slots, many sources: a target start comes back often.
+        let slots = 3 * MERGE_AT as u64;
+        let slot = |k: u64| ext(5 + (k % 2) as u32, (k / 2) * 65536, 4096);
+        let mut next_from = 0u64;
+        for _ in 0..6 {
+            for _ in 0..4 * MERGE_AT {
+                if !live.is_empty() && rng.random_bool(0.45) {
+                    let i = rng.random_range(0..live.len());
+                    let from = live.swap_remove(i);
+                    assert!(map.remove(&from).is_some());
+                } else {
+                    let to = slot(rng.random_range(0..slots));
+                    let from = ext((next_from % 3) as u32, next_from * 8192, 4096);
+                    next_from += 1;
+                    match map.insert(m(from, to)) {
+                        Ok(()) => live.push(from),
+                        Err(e) => assert_eq!(e, MappingError::AlreadyTarget(to)),
+                    }
+                }
+            }
+            // Every slot, and each at another size, against one scan of
+            // every entry.
+            let scan: BTreeMap<Extent, Extent> = map.iter().map(|m| (m.to, m.from)).collect();
+            for to in (0..slots).map(slot) {
+                assert_eq!(map.source_of(&to), scan.get(&to).copied(), "{to}");
+                let other = Extent { size: 8192, ..to };
+                assert_eq!(map.source_of(&other), None);
+            }
+            assert_eq!(map.len(), live.len());
+        }
+        let again = IndirectMap::from_sorted(map.iter()).unwrap();
+        for k in 0..slots {
+            assert_eq!(again.source_of(&slot(k)), map.source_of(&slot(k)));
+        }
+        assert!(
+            live.iter()
+                .all(|f| map.source_of(&map.get(f).unwrap()) == Some(*f))
+        );
+    }
+
+    /// Rows loaded out of order, or naming one target twice, are checked
+    /// against the rest of the load.
+    #[test]
+    fn a_load_refuses_a_target_named_twice() {
+        let rows = [
+            m(ext(0, 65536, 4096), ext(3, 0, 4096)),
+            m(ext(0, 0, 4096), ext(3, 8192, 4096)),
+            m(ext(1, 0, 4096), ext(3, 8192, 4096)),
+        ];
+        assert!(matches!(
+            IndirectMap::from_sorted(rows),
+            Err(MappingError::AlreadyTarget(e)) if (e.vdev, e.offset) == (3, 8192)
+        ));
+        let map = IndirectMap::from_sorted(rows[..2].iter().copied()).unwrap();
+        assert_eq!(map.source_of(&ext(3, 8192, 4096)), Some(ext(0, 0, 4096)));
+        assert_eq!(map.source_of(&ext(3, 0, 4096)), Some(ext(0, 65536, 4096)));
     }
 }

@@ -40,6 +40,7 @@ mod sql {
     sql! {
         INSERT_SPACEMAP = "insert_spacemap.sql";
         INSERT_OWNER_MAP = "insert_owner_map.sql";
+        COPIES_ON = "copies_on.sql";
         FENCE = "fence.sql";
         SNAPSHOT = "snapshot.sql";
         TRY_ACQUIRE = "try_acquire.sql";
@@ -141,6 +142,7 @@ impl Dialect for PgDialect {
     type Db = Postgres;
     const INSERT_SPACEMAP: &'static str = sql::INSERT_SPACEMAP;
     const INSERT_OWNER_MAP: &'static str = sql::INSERT_OWNER_MAP;
+    const COPIES_ON: &'static str = sql::COPIES_ON;
     const ARRAYS: bool = true;
     const LEGACY_EXTENTS: Option<(&'static str, &'static str)> = None;
     const SNAPSHOT: Option<&'static str> = Some(sql::SNAPSHOT);

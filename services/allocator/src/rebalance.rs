@@ -108,14 +108,16 @@ pub async fn plan_rebalance(
         let over = metaslab::balance_score::cmp_to_class(&v.fill, &fills).is_gt();
         if over || v.drain {
             let store_err = |e: crate::store::StoreError| Error::Store(e.to_string());
-            candidates.extend(
-                shared
-                    .store
-                    .largest_extents(v.id, CANDIDATES_PER_VDEV)
-                    .await
-                    .map_err(store_err)?,
-            );
-            copies.extend(shared.store.copies_on(v.id).await.map_err(store_err)?);
+            let mine = shared
+                .store
+                .largest_extents(v.id, CANDIDATES_PER_VDEV)
+                .await
+                .map_err(store_err)?;
+            // Only the candidates' blocks: the plan moves nothing else.
+            let starts: Vec<u64> = mine.iter().map(|e| e.offset).collect();
+            let sets = shared.store.copies_on(v.id, &starts).await;
+            copies.extend(sets.map_err(store_err)?);
+            candidates.extend(mine);
         }
     }
     candidates.retain(|e| !frees.contains(e));

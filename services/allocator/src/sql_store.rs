@@ -981,13 +981,14 @@ impl<D: Dialect> Store for SqlStore<D> {
         })
     }
 
-    fn copies_on(
-        &self,
+    fn copies_on<'a>(
+        &'a self,
         vdev: metaslab::VdevId,
-    ) -> BoxFuture<'_, Result<crate::block_copies::CopySets, StoreError>> {
+        starts: &'a [u64],
+    ) -> BoxFuture<'a, Result<crate::block_copies::CopySets, StoreError>> {
         Box::pin(async move {
             let pool = self.pool_id.load(Ordering::Acquire);
-            self.copies_on_vdev(pool, vdev)
+            self.copies_on_vdev(pool, vdev, starts)
                 .await
                 .map_err(|e| StoreError(format!("read the copies on vdev {vdev}: {e}")))
         })

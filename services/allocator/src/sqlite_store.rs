@@ -67,6 +67,7 @@ mod sql {
     sql! {
         INSERT_SPACEMAP = "insert_spacemap.sql";
         INSERT_OWNER_MAP = "insert_owner_map.sql";
+        COPIES_ON = "copies_on.sql";
         LEGACY_EXTENTS = "legacy_extents.sql";
         DELETE_LEGACY_EXTENTS = "delete_legacy_extents.sql";
         OPEN_GENERATION = "open_generation.sql";
@@ -165,6 +166,7 @@ impl Dialect for SqliteDialect {
     type Db = Sqlite;
     const INSERT_SPACEMAP: &'static str = sql::INSERT_SPACEMAP;
     const INSERT_OWNER_MAP: &'static str = sql::INSERT_OWNER_MAP;
+    const COPIES_ON: &'static str = sql::COPIES_ON;
     const ARRAYS: bool = false;
     const LEGACY_EXTENTS: Option<(&'static str, &'static str)> =
         Some((sql::LEGACY_EXTENTS, sql::DELETE_LEGACY_EXTENTS));

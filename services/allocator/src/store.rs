@@ -499,13 +499,16 @@ pub trait Store: Send + Sync + 'static {
     fn copies_of(&self, at: (VdevId, u64))
     -> BoxFuture<'_, Result<Vec<(VdevId, u64)>, StoreError>>;
     /// The copies `(vdev, offset)` of every linked block with a copy on
-    /// `vdev`, each set in order (its copy on `vdev` included), the sets by
-    /// that copy's offset: a plan's fact of which vdevs each candidate's
-    /// block already uses.
-    fn copies_on(
-        &self,
+    /// `vdev` starting at one of `starts` (any order), each set in order
+    /// (its copy on `vdev` included), the sets by that copy's offset: a
+    /// plan's fact of which vdevs each candidate's block already uses.
+    /// Asked for the candidates only, so a vdev of many linked blocks costs
+    /// what the plan looks at.
+    fn copies_on<'a>(
+        &'a self,
         vdev: VdevId,
-    ) -> BoxFuture<'_, Result<crate::block_copies::CopySets, StoreError>>;
+        starts: &'a [u64],
+    ) -> BoxFuture<'a, Result<crate::block_copies::CopySets, StoreError>>;
 }
 
 /// A vdev removal under way: the vdev and what it held when it started.
@@ -919,11 +922,12 @@ impl Store for MemStore {
         Box::pin(async move { r })
     }
 
-    fn copies_on(
-        &self,
+    fn copies_on<'a>(
+        &'a self,
         vdev: VdevId,
-    ) -> BoxFuture<'_, Result<crate::block_copies::CopySets, StoreError>> {
-        let r = self.created(|st| Ok(st.copies.copies_on(vdev)));
+        starts: &'a [u64],
+    ) -> BoxFuture<'a, Result<crate::block_copies::CopySets, StoreError>> {
+        let r = self.created(|st| Ok(st.copies.copies_on(vdev, starts)));
         Box::pin(async move { r })
     }
 

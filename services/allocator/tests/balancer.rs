@@ -305,6 +305,59 @@ async fn a_relocation_avoids_the_blocks_other_copies_and_offline_vdevs() {
     assert_eq!(reason(&e), "VDEVS_OFFLINE", "{e:?}");
 }
 
+/// A plan never puts two copies of a block on one vdev: the store gives
+/// the copy sets of the plan's candidates (and only theirs), and the plan
+/// keeps each block's copies apart. Blocks of two copies on two vdevs, a
+/// third vdev added: moves come from both, never both copies of a block.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plan_keeps_the_copies_of_a_block_apart() {
+    use std::collections::HashMap;
+    let mut h = start(config()).await;
+    let a = h.add_vdev(1, GIB).await;
+    let b = h.add_vdev(2, GIB).await;
+    // Each copy's (vdev, offset) -> its block's copies.
+    let mut block_of: HashMap<(u32, u64), usize> = HashMap::new();
+    let mut blocks: Vec<Vec<(u32, u64)>> = Vec::new();
+    for _ in 0..48 {
+        let r = h
+            .alloc
+            .allocate(pb::AllocateRequest {
+                copies: 2,
+                ..data(MIB)
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        h.commit(vec![r.allocation_id]).await.unwrap();
+        let homes: Vec<(u32, u64)> = r.extents.iter().map(|e| (e.vdev, e.offset)).collect();
+        assert!(homes.len() == 2 && homes[0].0 != homes[1].0, "{homes:?}");
+        for &k in &homes {
+            block_of.insert(k, blocks.len());
+        }
+        blocks.push(homes);
+    }
+    h.sync().await;
+    let c = h.add_vdev(3, GIB).await;
+    let p = h
+        .alloc
+        .plan_rebalance(pb::PlanRebalanceRequest::default())
+        .await
+        .unwrap()
+        .into_inner();
+    let from: Vec<u32> = p.moves.iter().map(|m| m.extent.unwrap().vdev).collect();
+    assert!(from.contains(&a) && from.contains(&b), "{p:?}");
+    for m in &p.moves {
+        let e = m.extent.unwrap();
+        let b = block_of[&(e.vdev, e.offset)];
+        let copy = blocks[b].iter_mut().find(|k| **k == (e.vdev, e.offset));
+        copy.unwrap().0 = m.to_vdev;
+        assert_eq!(m.to_vdev, c);
+    }
+    for homes in &blocks {
+        assert_ne!(homes[0].0, homes[1].0, "two copies on one vdev: {p:?}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn plan_progress_counts_the_plans_relocations() {
     let mut h = start(config()).await;

@@ -631,11 +631,12 @@ impl Store for GateStore {
     fn copies_of(&self, at: (u32, u64)) -> BoxFuture<'_, Result<Vec<(u32, u64)>, StoreError>> {
         self.inner.copies_of(at)
     }
-    fn copies_on(
-        &self,
+    fn copies_on<'a>(
+        &'a self,
         vdev: u32,
-    ) -> BoxFuture<'_, Result<aliquot_allocator::block_copies::CopySets, StoreError>> {
-        self.inner.copies_on(vdev)
+        starts: &'a [u64],
+    ) -> BoxFuture<'a, Result<aliquot_allocator::block_copies::CopySets, StoreError>> {
+        self.inner.copies_on(vdev, starts)
     }
     fn relocation(
         &self,

@@ -785,12 +785,19 @@ mod mapping {
         assert_eq!(s.copies_of(of(b1)).await.unwrap(), vec![of(b0), of(b2)]);
         assert_eq!(s.copies_of(of(single)).await.unwrap(), vec![]);
         assert_eq!(s.copies_of((0, 12 * MIB)).await.unwrap(), vec![]);
+        // The sets of the copies asked for, by start: a start of no link
+        // (or of no extent) adds none.
         assert_eq!(
-            s.copies_on(1).await.unwrap(),
+            s.copies_on(1, &[MIB, 7 * MIB, 0, MIB]).await.unwrap(),
             vec![vec![of(a0), of(a1)], vec![of(b0), of(b1), of(b2)]]
         );
         assert_eq!(
-            s.copies_on(2).await.unwrap(),
+            s.copies_on(1, &[MIB]).await.unwrap(),
+            vec![vec![of(b0), of(b1), of(b2)]]
+        );
+        assert_eq!(s.copies_on(1, &[]).await.unwrap(), Vec::<Vec<_>>::new());
+        assert_eq!(
+            s.copies_on(2, &[single.offset, b2.offset]).await.unwrap(),
             vec![vec![of(b0), of(b1), of(b2)]]
         );
         b.close(s).await;
@@ -824,7 +831,7 @@ mod mapping {
         assert_eq!(s.copies_of(of(b2)).await.unwrap(), vec![of(b1), of(b0n)]);
         assert_eq!(s.copies_of(of(b0)).await.unwrap(), vec![]);
         assert_eq!(
-            s.copies_on(2).await.unwrap(),
+            s.copies_on(2, &[a1n.offset, b2.offset]).await.unwrap(),
             vec![vec![of(b1), of(b0n), of(b2)], vec![of(a0), of(a1n)]]
         );
         // Txg 3 links a block over a freed range and frees twice what is

@@ -13,11 +13,13 @@ const MOVE_COPY: &str = include_str!("queries/move_copy.sql");
 const DELETE_COPIES: &str = include_str!("queries/delete_copies.sql");
 const ANY_COPY: &str = include_str!("queries/any_copy.sql");
 const COPIES_OF: &str = include_str!("queries/copies_of.sql");
-const COPIES_ON: &str = include_str!("queries/copies_on.sql");
 const COPIES_OF_POOL: &str = include_str!("queries/copies_of_pool.sql");
 
 /// One link row: the copy's (vdev, offset) and its block.
 pub type CopyRow = (VdevId, u64, u64);
+
+/// Starts a `copies_on` statement asks for at most (its JSON list bounded).
+const STARTS_PER_QUERY: usize = 4096;
 
 impl<D: Dialect> SqlStore<D> {
     /// Apply `rec`'s changes to the links, in `crate::block_copies`' order.
@@ -80,26 +82,35 @@ impl<D: Dialect> SqlStore<D> {
         Ok(())
     }
 
-    /// [`crate::store::Store::copies_on`].
+    /// [`crate::store::Store::copies_on`]: a query per [`STARTS_PER_QUERY`]
+    /// starts, in order, so the sets come by start.
     pub(crate) async fn copies_on_vdev(
         &self,
         pool: i64,
         vdev: VdevId,
+        starts: &[u64],
     ) -> Result<crate::block_copies::CopySets, String> {
-        let rows = self
-            .fetch(COPIES_ON, args![pool, vdev as i64])
-            .await
-            .map_err(|e| e.to_string())?;
+        // Starts as stored (u64 bit patterns in i64), in stored order.
+        let mut starts: Vec<i64> = starts.iter().map(|&s| i(s)).collect();
+        starts.sort_unstable();
+        starts.dedup();
         let mut out: crate::block_copies::CopySets = Vec::new();
-        let mut at = None;
-        for r in rows {
-            let me = r.int(0)?;
-            if at != Some(me) {
-                out.push(Vec::new());
-                at = Some(me);
-            }
-            if let Some(set) = out.last_mut() {
-                set.push((r.int(1)? as VdevId, u(r.int(2)?)));
+        for batch in starts.chunks(STARTS_PER_QUERY) {
+            let list = serde_json::to_string(batch).map_err(|e| e.to_string())?;
+            let rows = self
+                .fetch(D::COPIES_ON, args![pool, vdev as i64, list])
+                .await
+                .map_err(|e| e.to_string())?;
+            let mut at = None;
+            for r in rows {
+                let me = r.int(0)?;
+                if at != Some(me) {
+                    out.push(Vec::new());
+                    at = Some(me);
+                }
+                if let Some(set) = out.last_mut() {
+                    set.push((r.int(1)? as VdevId, u(r.int(2)?)));
+                }
             }
         }
         Ok(out)

@@ -117,6 +117,10 @@ pub trait Dialect: Send + Sync + Sized + 'static {
     const INSERT_SPACEMAP: &'static str;
     /// Insert owner maps `($1 pool, $2 vdev, $3 start, $4 data)`.
     const INSERT_OWNER_MAP: &'static str;
+    /// The copies `($1 pool, $2 vdev, $3 starts)` of the blocks with a copy
+    /// on the vdev at one of the starts, a JSON array (the one list form
+    /// both databases read): rows `(start, vdev, offset)` by start.
+    const COPIES_ON: &'static str;
     /// The two inserts above take arrays (one statement per run) rather
     /// than one row.
     const ARRAYS: bool;

@@ -55,6 +55,14 @@ async fn status(h: &mut Harness, ids: Vec<u64>) -> pb::BalancerStatusReply {
         .into_inner()
 }
 
+async fn plan(h: &mut Harness) -> pb::RebalancePlan {
+    h.alloc
+        .plan_rebalance(pb::PlanRebalanceRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+}
+
 async fn balancer(h: &mut Harness) -> pb::BalancerStatusReply {
     status(h, vec![]).await
 }
@@ -515,4 +523,41 @@ async fn a_removal_that_cannot_finish_is_refused_before_anything_moves() {
         .into_inner();
     assert!(r.evacuating || r.bytes == 0, "{r:?}");
     h.server.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plan_never_names_a_moved_blocks_old_address() {
+    let mut h = start(config()).await;
+    h.add_vdev(1, GIB).await;
+    h.add_vdev(2, GIB).await;
+    written(&mut h, 64, MIB).await;
+    h.add_vdev(3, GIB).await;
+    let p = plan(&mut h).await;
+    assert!(p.moves.len() >= 2, "{p:?}");
+    // Moved keeping their addresses: the old extents stay allocated behind
+    // their entries, and cannot move again until remapped.
+    let mut moved = Vec::new();
+    for m in p.moves.iter().take(2) {
+        let r = h
+            .alloc
+            .relocate(pb::RelocateRequest {
+                extent: m.extent,
+                keep_address: true,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        h.commit(vec![r.allocation_id]).await.unwrap();
+        moved.push(m.extent.unwrap());
+    }
+    h.sync().await;
+    let again = plan(&mut h).await;
+    assert!(!again.moves.is_empty(), "{again:?}");
+    for m in &again.moves {
+        assert!(
+            !moved.contains(&m.extent.unwrap()),
+            "the plan names a moved block's old address: {again:?}"
+        );
+    }
 }

@@ -166,5 +166,6 @@ pub async fn plan_rebalance(
         generation: shared.fencing.generation,
         // Given by the caller once the plan is recorded.
         plan_id: 0,
+        lower_bound_bytes: p.lower_bound,
     })
 }

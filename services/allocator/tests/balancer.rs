@@ -327,6 +327,14 @@ async fn plan_progress_counts_the_plans_relocations() {
         .unwrap()
         .into_inner();
     assert_ne!(p.plan_id, 0);
+    // Three equal vdevs, the new one empty and the others each over their
+    // third: the least that must move is the new vdev's third of it all.
+    let all = total_alloc(&h.pool().await);
+    assert!(
+        p.lower_bound_bytes.abs_diff(all / 3) <= 1,
+        "lower bound {} of {all} allocated: {p:?}",
+        p.lower_bound_bytes
+    );
     assert!(p.moves.len() >= 2, "{p:?}");
     for m in p.moves.iter().take(2) {
         let r = h

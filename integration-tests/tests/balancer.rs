@@ -176,6 +176,16 @@ fn report(out: &std::process::Output) -> serde_json::Value {
     serde_json::from_slice(&out.stdout).expect("execute json")
 }
 
+/// The normal class's misplaced bytes in `balancer eval --json`.
+fn misplaced(eval: &serde_json::Value) -> u64 {
+    eval["classes"]
+        .as_array()
+        .and_then(|c| c.iter().find(|c| c["class"] == "normal"))
+        .and_then(|c| c["misplaced"].as_str())
+        .and_then(|m| m.parse().ok())
+        .expect("normal class misplaced")
+}
+
 /// Write 96 MiB to two vdevs with a manifest, then add an empty third.
 fn filled(dir: &Path) -> Pool {
     let mut p = Pool::start(dir);
@@ -212,6 +222,7 @@ fn execute_balances_a_new_vdev_within_bounds_and_every_block_survives() {
         "a new empty vdev is a bad score: {before}"
     );
     let allocated = p.allocated();
+    let misplaced = misplaced(&p.json(&args!["balancer", "eval"]));
     let m = p.manifest();
     let r = p.json(&args![
         "balancer",
@@ -247,13 +258,22 @@ fn execute_balances_a_new_vdev_within_bounds_and_every_block_survives() {
     let after = p.score();
     assert!(after < GOOD_SCORE, "score {before} → {after}: {r}");
     assert!(r["moved_bytes"].as_u64().unwrap() > 16 * MIB, "{r}");
+    // The plan's lower bound is eval's misplaced bytes (both the excess of
+    // the over-full vdevs over their shares; eval rounds each share down).
+    let bound = r["lower_bound_bytes"].as_u64().unwrap();
+    assert!(
+        bound.abs_diff(misplaced) <= 8,
+        "bound {bound}, eval {misplaced}: {r}"
+    );
     p.verify_exclusive();
     let st = p.json(&args!["balancer", "status"]);
     let durable: u64 = st["durable_moves"].as_str().unwrap().parse().unwrap();
     assert_eq!(durable, r["moved"].as_u64().unwrap(), "{st}");
     eprintln!(
-        "balancer figures: score {before:.4} → {after:.4}, {} moved in {:.2} s over {} plans",
+        "balancer figures: score {before:.4} → {after:.4}, {} moved ({:.2} × the lower bound \
+         {bound}) in {:.2} s over {} plans",
         r["moved_bytes"],
+        r["moved_bytes"].as_u64().unwrap() as f64 / bound as f64,
         r["secs"].as_f64().unwrap(),
         plans.len()
     );

@@ -123,6 +123,9 @@ pub async fn plan_rebalance(
     candidates.retain(|e| !frees.contains(e));
     {
         let g = shared.lock();
+        // A moved block's old address (its mapping entry holds it) is no
+        // block to move: Relocate refuses it until it is remapped.
+        candidates.retain(|e| g.indirect.get(e).is_none());
         for set in &mut copies {
             // A copy on its way elsewhere: where it goes counts too (as a
             // copy no candidate is: offset u64::MAX).
@@ -165,5 +168,6 @@ pub async fn plan_rebalance(
         generation: shared.fencing.generation,
         // Given by the caller once the plan is recorded.
         plan_id: 0,
+        lower_bound_bytes: p.lower_bound,
     })
 }

@@ -55,6 +55,14 @@ async fn status(h: &mut Harness, ids: Vec<u64>) -> pb::BalancerStatusReply {
         .into_inner()
 }
 
+async fn plan(h: &mut Harness) -> pb::RebalancePlan {
+    h.alloc
+        .plan_rebalance(pb::PlanRebalanceRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+}
+
 async fn balancer(h: &mut Harness) -> pb::BalancerStatusReply {
     status(h, vec![]).await
 }
@@ -372,6 +380,14 @@ async fn plan_progress_counts_the_plans_relocations() {
         .unwrap()
         .into_inner();
     assert_ne!(p.plan_id, 0);
+    // Three equal vdevs, the new one empty and the others each over their
+    // third: the least that must move is the new vdev's third of it all.
+    let all = total_alloc(&h.pool().await);
+    assert!(
+        p.lower_bound_bytes.abs_diff(all / 3) <= 1,
+        "lower bound {} of {all} allocated: {p:?}",
+        p.lower_bound_bytes
+    );
     assert!(p.moves.len() >= 2, "{p:?}");
     for m in p.moves.iter().take(2) {
         let r = h
@@ -568,4 +584,41 @@ async fn a_removal_that_cannot_finish_is_refused_before_anything_moves() {
         .into_inner();
     assert!(r.evacuating || r.bytes == 0, "{r:?}");
     h.server.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plan_never_names_a_moved_blocks_old_address() {
+    let mut h = start(config()).await;
+    h.add_vdev(1, GIB).await;
+    h.add_vdev(2, GIB).await;
+    written(&mut h, 64, MIB).await;
+    h.add_vdev(3, GIB).await;
+    let p = plan(&mut h).await;
+    assert!(p.moves.len() >= 2, "{p:?}");
+    // Moved keeping their addresses: the old extents stay allocated behind
+    // their entries, and cannot move again until remapped.
+    let mut moved = Vec::new();
+    for m in p.moves.iter().take(2) {
+        let r = h
+            .alloc
+            .relocate(pb::RelocateRequest {
+                extent: m.extent,
+                keep_address: true,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        h.commit(vec![r.allocation_id]).await.unwrap();
+        moved.push(m.extent.unwrap());
+    }
+    h.sync().await;
+    let again = plan(&mut h).await;
+    assert!(!again.moves.is_empty(), "{again:?}");
+    for m in &again.moves {
+        assert!(
+            !moved.contains(&m.extent.unwrap()),
+            "the plan names a moved block's old address: {again:?}"
+        );
+    }
 }

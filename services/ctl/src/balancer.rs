@@ -366,6 +366,7 @@ fn plan_json(p: &RebalancePlan) -> serde_json::Value {
     serde_json::json!({
         "bytes": p.bytes.to_string(),
         "limit_bytes": p.limit_bytes.to_string(),
+        "lower_bound_bytes": p.lower_bound_bytes.to_string(),
         "score_before": p.score_before,
         "score_after": p.score_after,
         "predicted_ms": p.predicted_ms.to_string(),
@@ -405,10 +406,11 @@ pub fn render_plan(st: &PoolStatus, p: &RebalancePlan, show: usize) -> String {
     }
     let _ = writeln!(
         out,
-        "plan: {} moves, {} (bound {}), score {:.3} -> {:.3}{}",
+        "plan: {} moves, {} (bound {}; {} must move to balance), score {:.3} -> {:.3}{}",
         p.moves.len(),
         short(p.bytes),
         short(p.limit_bytes),
+        short(p.lower_bound_bytes),
         p.score_before,
         p.score_after,
         if p.predicted_ms > 0 {

@@ -147,6 +147,9 @@ pub struct ExecuteReport {
     pub moved_bytes: u64,
     pub score_start: f64,
     pub score_end: f64,
+    /// The first plan's lower bound: the fewest bytes any rebalance from
+    /// the starting pool must move (`moved_bytes` is compared with it).
+    pub lower_bound_bytes: u64,
     pub secs: f64,
     pub stopped: String,
     /// Drained vdevs that still hold bytes (the command then fails).
@@ -811,6 +814,9 @@ pub async fn execute(conn: &AllocatorArgs, args: &ExecuteArgs) -> anyhow::Result
             .await
             .map_err(|s| client::status_msg("plan rebalance", &s))?
             .into_inner();
+        if report.plans.is_empty() {
+            report.lower_bound_bytes = plan.lower_bound_bytes;
+        }
         if plan.moves.is_empty() {
             break if drain.is_empty() {
                 format!("no move lowers the score ({score:.4}) further")
@@ -1081,11 +1087,25 @@ async fn drain_left(
     Ok(out)
 }
 
+/// `"; 1.08 × the lower bound of 24.0M"`, or nothing when the start was
+/// balanced already (nothing had to move).
+fn against_bound(moved: u64, bound: u64) -> String {
+    if bound == 0 {
+        return String::new();
+    }
+    format!(
+        "; {:.2} × the lower bound of {}",
+        moved as f64 / bound as f64,
+        short(bound)
+    )
+}
+
 pub fn render_execute(r: &ExecuteReport) -> String {
     let mut out = format!(
-        "moved {} blocks ({}) in {:.1} s over {} plans; score {:.4} → {:.4}\nstopped: {}\n",
+        "moved {} blocks ({}{}) in {:.1} s over {} plans; score {:.4} → {:.4}\nstopped: {}\n",
         r.moved,
         short(r.moved_bytes),
+        against_bound(r.moved_bytes, r.lower_bound_bytes),
         r.secs,
         r.plans.len(),
         r.score_start,
@@ -1346,5 +1366,23 @@ mod tests {
             "every move was skipped (NO_SPACE 3, VDEVS_OFFLINE 21); \
              VDEVS_OFFLINE: vdev 1 missed its report"
         );
+    }
+
+    #[test]
+    fn the_report_compares_what_moved_with_the_lower_bound() {
+        let mib = 1u64 << 20;
+        let mut r = ExecuteReport {
+            moved: 27,
+            moved_bytes: 27 * mib,
+            lower_bound_bytes: 24 * mib,
+            stopped: "score 0.0100 is at or below the target 0.01".into(),
+            ..Default::default()
+        };
+        let t = render_execute(&r);
+        assert!(t.contains("27.0M; 1.12 × the lower bound of 24.0M"), "{t}");
+        // Balanced from the start: no ratio to a bound of nothing.
+        r.lower_bound_bytes = 0;
+        let t = render_execute(&r);
+        assert!(!t.contains("lower bound"), "{t}");
     }
 }

@@ -16,30 +16,12 @@ use std::time::{Duration, Instant};
 use aliquot_allocator::store::{Store, TxgRecord, VdevRecord};
 use aliquot_allocator::{Config, SqliteStore};
 use aliquot_proto::v1 as pb;
-use metaslab::{AllocKind, AllocRequest, Pool, Submitted, Tunables, VdevRole, VdevSpec};
+use metaslab::{AllocRequest, Pool, Submitted, Tunables};
 
 const GIB: u64 = 1 << 30;
 
-fn spec(capacity: u64) -> VdevSpec {
-    VdevSpec {
-        capacity,
-        ashift: 12,
-        children: 1,
-        parity: 0,
-        rotational: false,
-        role: VdevRole::Normal,
-        metaslab_shift: None,
-    }
-}
-
 fn req() -> AllocRequest {
-    AllocRequest {
-        kind: AllocKind::Data,
-        size: 4096,
-        copies: 1,
-        max_size: None,
-        affinity: None,
-    }
+    metaslab::testing::data(4096, 1)
 }
 
 /// Allocate and commit `n` 4 KiB blocks in the open txg.
@@ -65,7 +47,7 @@ async fn part1(n: usize) {
         .unwrap();
     store.create(7).await.unwrap();
     let mut pool = Pool::new(Tunables::default());
-    let id = pool.add_vdev(spec(64 * GIB)).unwrap();
+    let id = pool.add_vdev(metaslab::testing::disk(64 * GIB)).unwrap();
     let stats = pool.stats();
     let mut s = stats.vdevs[0].spec.clone();
     s.metaslab_shift = Some(stats.vdevs[0].metaslab_shift);

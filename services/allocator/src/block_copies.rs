@@ -196,12 +196,9 @@ impl MemCopies {
 mod tests {
     use super::*;
 
+    /// A 4 KiB extent: these tests are about which blocks, not sizes.
     fn ext(vdev: u32, offset: u64) -> Extent {
-        Extent {
-            vdev,
-            offset,
-            size: 4096,
-        }
+        metaslab::testing::ext(vdev, offset, 4096)
     }
 
     #[test]

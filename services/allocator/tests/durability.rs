@@ -792,16 +792,12 @@ async fn a_free_is_not_reusable_before_its_txg_is_durable() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn frees_split_stored_extents_in_one_transaction() {
-    use metaslab::{Extent, SpaceChange, SpaceChangeKind, TxgSync};
+    use metaslab::{SpaceChange, SpaceChangeKind, TxgSync};
     let dir = tempfile::tempdir().unwrap();
     let path = db_path(dir.path());
     let store = open(&path).await;
     store.create(5).await.unwrap();
-    let e = |offset: u64, size: u64| Extent {
-        vdev: 0,
-        offset,
-        size,
-    };
+    let e = |offset: u64, size: u64| metaslab::testing::ext(0, offset, size);
     let ch = |kind, extent| SpaceChange { kind, extent };
     let rec = |txg, changes| TxgRecord {
         sync: TxgSync {
@@ -857,16 +853,12 @@ async fn frees_split_stored_extents_in_one_transaction() {
 /// inconsistent, naming the bad change, as a flush would refuse its txg.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_vouched_txg_that_does_not_fit_is_refused_by_the_replay() {
-    use metaslab::{Extent, SpaceChange, SpaceChangeKind, TxgSync};
+    use metaslab::{SpaceChange, SpaceChangeKind, TxgSync};
     let dir = tempfile::tempdir().unwrap();
     let path = db_path(dir.path());
     let store = open(&path).await;
     store.create(5).await.unwrap();
-    let e = |offset: u64, size: u64| Extent {
-        vdev: 0,
-        offset,
-        size,
-    };
+    let e = |offset: u64, size: u64| metaslab::testing::ext(0, offset, size);
     let rec = |txg, changes, checked| TxgRecord {
         sync: TxgSync {
             txg,

@@ -33,7 +33,7 @@
 //! a transaction for three leases: the standby takes over meanwhile, and the
 //! old leader, its path back, persists nothing and answers NOT_LEADER.
 //!
-//! A fourth vdev is also removed mid-run (RemoveVdev): the allocator's
+//! In the removal runs a fourth vdev is removed (RemoveVdev): the allocator's
 //! mover copies its blocks agent to agent while the leader, that vdev's
 //! agent and the agents receiving its blocks are killed (on PostgreSQL, the
 //! leader taken over). The model learns each move from the store's mapping

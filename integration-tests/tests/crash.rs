@@ -33,6 +33,16 @@
 //! a transaction for three leases: the standby takes over meanwhile, and the
 //! old leader, its path back, persists nothing and answers NOT_LEADER.
 //!
+//! In the removal runs a fourth vdev is removed (RemoveVdev): the allocator's
+//! mover copies its blocks agent to agent while the leader, that vdev's
+//! agent and the agents receiving its blocks are killed (on PostgreSQL, the
+//! leader taken over). The model learns each move from the store's mapping
+//! entries and from ReadTokens: an entry's old extent stays allocated
+//! behind it, its new one is allocated on another vdev over nobody's block,
+//! and nothing else is allocated (one live copy per block). At the end,
+//! that agent dead and its file deleted, every durable block reads back,
+//! byte for byte, through its original address.
+//!
 //! The seed is printed; `ALIQUOT_CRASH_SEED=<n>` replays a run's choices;
 //! `ALIQUOT_CRASH_SCALE=<n>` multiplies the PostgreSQL run's faults (a long
 //! run: its figures are printed at the end).
@@ -212,6 +222,17 @@ struct Model {
     replays_on_free_space: u64,
     moves: u64,
     moves_resolved_by_crash: u64,
+    /// Blocks the allocator's mover moved off a removed vdev, keeping
+    /// their address: old (vdev, offset) -> new extent. The new extent is
+    /// in `index` too (held by the same block), so nothing else may land on
+    /// it.
+    moved: BTreeMap<(u32, u64), pb::Extent>,
+    /// The most mapping entries one check of the store saw, and the moved
+    /// blocks read back through their old address.
+    store_mappings: usize,
+    read_through_mapping: u64,
+    /// Blocks of two copies whose moved copy joined the other's vdev.
+    copies_joined: u64,
 }
 
 impl Model {
@@ -296,10 +317,55 @@ impl Model {
         }
     }
 
+    /// The mover moved `from` (an extent the writer holds) to `to`, as the
+    /// store's mapping entry or ReadTokens says: `to` must be space nobody
+    /// else holds (a block whose free may have synced aside).
+    fn learn_move(&mut self, from: &pb::Extent, to: &pb::Extent) {
+        let Some(&(_, key)) = self.index.get(&(from.vdev, from.offset)) else {
+            panic!("a mapping entry for {from:?}, which the writer does not hold");
+        };
+        assert_eq!(from.size, to.size, "{from:?} moved to {to:?}");
+        if self.moved.get(&(from.vdev, from.offset)) == Some(to) {
+            return;
+        }
+        assert!(
+            !self.moved.contains_key(&(from.vdev, from.offset)),
+            "{from:?} moved again, to {to:?} (was {:?})",
+            self.moved[&(from.vdev, from.offset)]
+        );
+        let others: Vec<u64> = self
+            .holders(to)
+            .into_iter()
+            .filter(|k| *k != key && self.blocks[k].st != St::Freeing)
+            .collect();
+        assert!(
+            others.is_empty(),
+            "block {key} moved from {from:?} onto {to:?}, held by blocks {others:?}"
+        );
+        // A move that must happen keeps off the other copies' vdevs only
+        // while another vdev can take it (`Pool::removal_avoid`): with an
+        // agent down, or not yet reported after a restart, the copy may
+        // join its other copy. Counted, not refused (vdev_removal.rs checks
+        // the fault-free case).
+        if self.blocks[&key]
+            .extents
+            .iter()
+            .any(|e| e != from && e.vdev == to.vdev)
+        {
+            self.copies_joined += 1;
+        }
+        self.index
+            .insert((to.vdev, to.offset), (to.offset + to.size, key));
+        self.moved.insert((from.vdev, from.offset), *to);
+    }
+
     fn remove(&mut self, key: u64) {
         if let Some(b) = self.blocks.remove(&key) {
             for e in &b.extents {
                 self.index.remove(&(e.vdev, e.offset));
+                if let Some(to) = self.moved.remove(&(e.vdev, e.offset)) {
+                    self.index.remove(&(to.vdev, to.offset));
+                }
             }
             if let Some(mv) = b.moving {
                 self.index.remove(&(mv.to.vdev, mv.to.offset));
@@ -368,17 +434,20 @@ struct Cluster {
     /// meanwhile), and when agents will have heard every revocation.
     away: Option<u32>,
     settled_at: Instant,
+    /// The vdev being removed (RemoveVdev) and its agent: its blocks move
+    /// to the other vdevs while the faults hit.
+    removing: Option<(u32, usize)>,
 }
 
 impl Cluster {
     /// With `ha`, two allocators on a private PostgreSQL server; with
     /// `secure`, mutual TLS and tokens.
-    async fn start_with(dir: &Path, ha: bool, secure: bool) -> Cluster {
+    async fn start_with(dir: &Path, ha: bool, secure: bool, n_agents: usize) -> Cluster {
         let certs = secure.then(|| {
             let d = dir.join("certs");
             let ca = PoolCa::init(&d, "crash").expect("CA");
             ca.issue(Role::Allocator, "allocator", &[]).unwrap();
-            for i in 0..AGENTS {
+            for i in 0..n_agents {
                 ca.issue(Role::Agent, &format!("v{i}"), &[]).unwrap();
             }
             ca.issue(Role::Client, "writer", &[]).unwrap();
@@ -410,7 +479,7 @@ impl Cluster {
         if let Some(d) = &certs {
             alloc_args.extend(tls_args(d, Role::Allocator, "allocator"));
             alloc_args.extend(args!["--token-key", d.display()]);
-            for i in 0..AGENTS {
+            for i in 0..n_agents {
                 alloc_args.extend(args!["--admit-agent", format!("v{i}")]);
             }
         }
@@ -462,7 +531,7 @@ impl Cluster {
             None => alloc_url.clone(),
         };
         let mut agents = Vec::new();
-        for i in 0..AGENTS {
+        for i in 0..n_agents {
             let name = format!("v{i}");
             let security = certs.as_deref().map_or(Security::Plaintext, Security::Tls);
             let device = file_device(&dir.join(format!("{name}.img")), "256MiB");
@@ -514,6 +583,7 @@ impl Cluster {
             mallory: None,
             away: None,
             settled_at: Instant::now(),
+            removing: None,
         };
         c.connect_actors();
         let deadline = Instant::now() + Duration::from_secs(20);
@@ -523,7 +593,7 @@ impl Cluster {
             // A vdev shows in GetPool as soon as it joins the open txg, and
             // is the pool's only once that txg syncs (its agent's Register
             // returns then); a takeover before that rightly forgets it.
-            if s.vdevs.len() == AGENTS && joined_by.is_none() {
+            if s.vdevs.len() == n_agents && joined_by.is_none() {
                 joined_by = Some(s.open_txg);
             }
             if joined_by.is_some_and(|t| s.synced_txg >= t) {
@@ -716,7 +786,14 @@ impl Cluster {
         // Same pool, same vdevs, same ids.
         let s = self.pool().await;
         let guids: Vec<(u32, u64)> = s.vdevs.iter().map(|v| (v.vdev, v.guid)).collect();
-        assert_eq!(guids, self.guids, "vdevs recovered with their ids");
+        // A removed vdev leaves the pool once its last moved block is freed.
+        let kept: Vec<(u32, u64)> = self
+            .guids
+            .iter()
+            .filter(|g| guids.contains(g) || Some(g.0) != self.removing.map(|r| r.0))
+            .copied()
+            .collect();
+        assert_eq!(guids, kept, "vdevs recovered with their ids");
     }
 
     async fn wait_vdevs_reported(&mut self) {
@@ -770,12 +847,9 @@ async fn step(c: &mut Cluster, m: &mut Model, rng: &mut Rng) -> StepResult {
         let key = durable[rng.below(durable.len() as u64) as usize];
         m.blocks.get_mut(&key).unwrap().st = St::Freeing;
         let extents = m.blocks[&key].extents.clone();
-        let f = c
-            .client
-            .free(pb::FreeRequest { extents })
+        let f = free_after_moves(&mut c.client, extents)
             .await
-            .map_err(|e| format!("free: {e}"))?
-            .into_inner();
+            .map_err(|e| format!("free: {e}"))?;
         let s = c
             .client
             .sync_txg(pb::SyncTxgRequest {
@@ -933,6 +1007,28 @@ async fn step(c: &mut Cluster, m: &mut Model, rng: &mut Rng) -> StepResult {
         b.st = St::Committed(r.txg);
     }
     Ok(())
+}
+
+/// Free as a client does while the allocator's mover copies one of the
+/// extents (RELOCATION_CONFLICT): wait for that move, then free.
+async fn free_after_moves(
+    client: &mut AllocatorClient<Channel>,
+    extents: Vec<pb::Extent>,
+) -> Result<pb::FreeReply, tonic::Status> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let r = client
+            .free(pb::FreeRequest {
+                extents: extents.clone(),
+            })
+            .await;
+        match r {
+            Err(e) if reason(&e) == "RELOCATION_CONFLICT" && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            r => return r.map(tonic::Response::into_inner),
+        }
+    }
 }
 
 /// A durable block that is not being moved, at random.
@@ -1278,6 +1374,63 @@ async fn check_store(c: &mut Cluster, m: &mut Model) {
         m.finish_move(key, moved);
         m.moves_resolved_by_crash += 1;
     }
+    if let Some((gone, _)) = c.removing {
+        let pbx = |e: &metaslab::Extent| pb::Extent {
+            vdev: e.vdev,
+            offset: e.offset,
+            size: e.size,
+        };
+        let olds: HashSet<(u32, u64)> = p
+            .mappings
+            .iter()
+            .map(|mp| (mp.from.vdev, mp.from.offset))
+            .collect();
+        let has = |e: &pb::Extent| exact.contains(&(e.vdev, e.offset, e.size));
+        for mp in &p.mappings {
+            let (from, to) = (pbx(&mp.from), pbx(&mp.to));
+            assert_eq!(
+                from.vdev, gone,
+                "a mapping entry off the removed vdev: {from:?}"
+            );
+            assert_ne!(
+                to.vdev, gone,
+                "{from:?} mapped onto the removed vdev: {to:?}"
+            );
+            // The old extent stays allocated behind its entry.
+            assert!(
+                has(&from),
+                "entry {from:?} -> {to:?}: the old extent is not held"
+            );
+            assert!(
+                has(&to),
+                "entry {from:?} -> {to:?}: the new extent is not allocated"
+            );
+            assert!(!olds.contains(&(to.vdev, to.offset)), "a chain at {to:?}");
+            m.learn_move(&from, &to);
+        }
+        // Exactly one live copy of each block: every allocated extent is
+        // one the writer holds, or the new home of one it holds.
+        for e in &p.allocated {
+            let held = m
+                .index
+                .get(&(e.vdev, e.offset))
+                .is_some_and(|&(end, _)| end == e.offset + e.size);
+            assert!(
+                held,
+                "{e:?} is allocated in the store but held by no block (a second copy of a moved block?)"
+            );
+        }
+        // And every move the writer learned is still recorded (unless
+        // its block's free may have synced).
+        for (&(v, o), to) in &m.moved {
+            let (_, key) = m.index[&(v, o)];
+            assert!(
+                olds.contains(&(v, o)) || m.blocks[&key].st == St::Freeing,
+                "the entry of moved block {v}:{o:#x} -> {to:?} is gone from the store"
+            );
+        }
+        m.store_mappings = m.store_mappings.max(p.mappings.len());
+    }
     // The operator's tool on the stopped pool says the same.
     let mut verify = std::process::Command::new(bin("aliquotctl"));
     match &c.pg {
@@ -1330,12 +1483,7 @@ async fn resolve(c: &mut Cluster, m: &mut Model) {
         let freed = retry_transient(&THROUGH_LAPSES, || {
             let mut client = client.clone();
             let extents = extents.clone();
-            async move {
-                client
-                    .free(pb::FreeRequest { extents })
-                    .await
-                    .map(tonic::Response::into_inner)
-            }
+            async move { free_after_moves(&mut client, extents).await }
         })
         .await;
         match freed {
@@ -1385,9 +1533,12 @@ async fn check_patterns(c: &mut Cluster, m: &mut Model, only: Option<u32>) {
         .flat_map(|b| b.ids.iter().copied().zip(b.extents.iter().copied()))
         .filter(|(_, e)| only.is_none_or(|v| v == e.vdev))
         .collect();
-    // Reads need the owner's read tokens when the pool signs tokens.
+    // Reads need the owner's read tokens when the pool signs tokens; a
+    // moved block's old address reads where ReadTokens says it is now.
     let mut tokens: Vec<Vec<u8>> = Vec::new();
-    if c.secure() {
+    let mut at: Vec<pb::Extent> = wanted.iter().map(|(_, e)| *e).collect();
+    if c.secure() || c.removing.is_some() {
+        at.clear();
         for chunk in wanted.chunks(4096) {
             let client = c.client.clone();
             let extents: Vec<pb::Extent> = chunk.iter().map(|(_, e)| *e).collect();
@@ -1404,11 +1555,23 @@ async fn check_patterns(c: &mut Cluster, m: &mut Model, only: Option<u32>) {
             .await
             .unwrap_or_else(|e| panic!("read tokens of the writer's own blocks: {e}"));
             tokens.extend(r.tokens);
+            assert_eq!(r.locations.len(), extents.len(), "a location per extent");
+            at.extend(r.locations);
         }
     }
-    for (k, (id, e)) in wanted.iter().enumerate() {
+    for ((_, e), to) in wanted.iter().zip(&at) {
+        if to != e {
+            assert_eq!(
+                c.removing.map(|r| r.0),
+                Some(e.vdev),
+                "{e:?} reads at {to:?}: only the removed vdev's blocks move"
+            );
+            m.learn_move(e, to);
+        }
+    }
+    for (k, (id, asked)) in wanted.iter().enumerate() {
         {
-            let ep = c.endpoints[&e.vdev].clone();
+            let mut e = at[k];
             // An agent just restarted checks read tokens only once it has
             // registered again, and until then says UNAVAILABLE, retry: a
             // client retries, and so does the test.
@@ -1416,6 +1579,7 @@ async fn check_patterns(c: &mut Cluster, m: &mut Model, only: Option<u32>) {
             // (it cannot know what was written meanwhile): ask again.
             let deadline = Instant::now() + Duration::from_secs(20);
             let data = loop {
+                let ep = c.endpoints[&e.vdev].clone();
                 let r = c
                     .agent(&ep)
                     .read(pb::ReadRequest {
@@ -1435,27 +1599,182 @@ async fn check_patterns(c: &mut Cluster, m: &mut Model, only: Option<u32>) {
                     {
                         let t = c
                             .client
-                            .read_tokens(pb::ReadTokensRequest { extents: vec![*e] })
+                            .read_tokens(pb::ReadTokensRequest {
+                                extents: vec![*asked],
+                            })
                             .await
                             .unwrap_or_else(|e| panic!("read token again: {e}"))
-                            .into_inner()
-                            .tokens;
-                        tokens[k] = t.into_iter().next().unwrap_or_default();
+                            .into_inner();
+                        // The mover may have moved it meanwhile.
+                        let loc = t.locations.first().copied().unwrap_or(*asked);
+                        if loc != e {
+                            assert_eq!(e, *asked, "{asked:?} moved twice");
+                            m.learn_move(asked, &loc);
+                            e = loc;
+                        }
+                        tokens[k] = t.tokens.into_iter().next().unwrap_or_default();
                     }
                     Err(err) => panic!("read {e:?} from {ep}: {err}"),
                 }
             };
             assert!(
                 data == pattern(*id, e.size as usize),
-                "extent {}:{:#x}+{:#x} (pattern {id}) lost its data",
-                e.vdev,
-                e.offset,
-                e.size,
+                "extent {}:{:#x}+{:#x} (pattern {id}, read at {e:?}) lost its data",
+                asked.vdev,
+                asked.offset,
+                asked.size,
             );
+            if e != *asked {
+                m.read_through_mapping += 1;
+            }
             n += 1;
         }
     }
     m.verified_extents += n;
+}
+
+/// Set the mover's pace (bytes/s), as an operator does at run time.
+async fn set_move_rate(c: &mut Cluster, rate: u64) {
+    let client = c.client.clone();
+    retry_transient(&THROUGH_LAPSES, || {
+        let mut client = client.clone();
+        async move {
+            client
+                .set_tunable(pb::SetTunableRequest {
+                    name: "move_rate".into(),
+                    value: rate.to_string(),
+                })
+                .await
+                .map(tonic::Response::into_inner)
+        }
+    })
+    .await
+    .unwrap_or_else(|e| panic!("set move_rate: {e}"));
+}
+
+/// Write a while on every vdev, then remove the extra agent's vdev: its
+/// blocks move, slowly enough that the faults to come land mid-evacuation.
+async fn start_removal(c: &mut Cluster, m: &mut Model, rng: &mut Rng) {
+    let source = AGENTS;
+    let vdev = vdev_of(c, source);
+    // Until it holds blocks enough for the faults to land mid-evacuation
+    // (a vdev just joined may take a report or two to be given any).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        write_until(c, m, rng, Instant::now() + Duration::from_millis(500)).await;
+        let on_it = m
+            .blocks
+            .values()
+            .filter(|b| b.extents.iter().any(|e| e.vdev == vdev))
+            .count();
+        if on_it >= 40 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{on_it} blocks on vdev {vdev}");
+    }
+    // Nothing left in flight on it: its removal would wait for the lease.
+    abort_inflight(c, m).await;
+    let s = c.pool().await;
+    let alloc = s
+        .vdevs
+        .iter()
+        .find(|v| v.vdev == vdev)
+        .map_or(0, |v| v.alloc);
+    // About eight seconds of moves.
+    set_move_rate(c, (alloc / 8).max(64 << 10)).await;
+    let r = c
+        .client
+        .remove_vdev(pb::RemoveVdevRequest { vdev })
+        .await
+        .unwrap_or_else(|e| panic!("remove vdev {vdev}: {e}"))
+        .into_inner();
+    assert!(r.evacuating, "{r:?}");
+    // Every commit acknowledged so far is in the txg that took it offline.
+    m.synced(r.txg);
+    c.removing = Some((vdev, source));
+    eprintln!(
+        "removal of vdev {vdev}: {} blocks, {} bytes to move",
+        r.extents, r.bytes
+    );
+}
+
+/// Let the evacuation finish, then check with the allocator dead: every
+/// block of the removed vdev moved exactly once; with its agent gone and
+/// its file deleted, every durable block reads back through its original
+/// address.
+async fn finish_removal(c: &mut Cluster, m: &mut Model, mid_evacuation: usize) {
+    let (vdev, source) = c.removing.expect("a removal");
+    set_move_rate(c, 256 << 20).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = c.pool().await;
+        if s.evacuation
+            .as_ref()
+            .is_some_and(|e| e.vdev == vdev && e.done)
+            || !s.vdevs.iter().any(|v| v.vdev == vdev)
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the evacuation of vdev {vdev} never finished: {:?}",
+            s.evacuation
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    abort_inflight(c, m).await;
+    c.kill_allocator();
+    check_store(c, m).await;
+    c.restart_allocator().await;
+    resolve(c, m).await;
+    let left: Vec<pb::Extent> = m
+        .blocks
+        .values()
+        .flat_map(|b| b.extents.iter().copied())
+        .filter(|e| e.vdev == vdev && !m.moved.contains_key(&(e.vdev, e.offset)))
+        .collect();
+    assert!(
+        left.is_empty(),
+        "blocks never moved off vdev {vdev}: {left:?}"
+    );
+    c.agents[source].kill9();
+    std::fs::remove_file(c.dir.join(format!("v{source}.img"))).expect("remove its file");
+    let before = m.read_through_mapping;
+    check_patterns(c, m, None).await;
+    // Each copy that joined its other copy's vdev was a move the allocator
+    // said it could not keep apart (its logs, every allocator's).
+    let warned: usize = ["allocator", "allocator-b"]
+        .iter()
+        .map(|n| {
+            std::fs::read_to_string(c.dir.join(format!("{n}.log")))
+                .unwrap_or_default()
+                .matches("this copy may share a vdev with another copy")
+                .count()
+        })
+        .sum();
+    assert!(
+        m.copies_joined <= warned as u64,
+        "{} copies joined their block's other copy, {warned} such moves announced",
+        m.copies_joined
+    );
+    eprintln!(
+        "crash test (removal): {} blocks moved off vdev {vdev} ({} entries at most in one \
+         store check), {} faults mid-evacuation; {} reads through an old address, {} of \
+         them with its agent gone; {} copies moved onto their block's other copy's vdev \
+         ({} such moves announced: no other vdev could take them)",
+        m.moved.len(),
+        m.store_mappings,
+        mid_evacuation,
+        m.read_through_mapping,
+        m.read_through_mapping - before,
+        m.copies_joined,
+        warned
+    );
+    assert!(
+        m.read_through_mapping > before,
+        "no block read through a mapping"
+    );
+    assert!(mid_evacuation > 0, "no fault hit the evacuation");
 }
 
 /// Abort what was left uncommitted (rounds without an allocator crash).
@@ -1499,6 +1818,9 @@ enum Kill {
     /// the old leader, its path back, persists nothing and answers
     /// NOT_LEADER before it is restarted as the standby.
     PgPause,
+    /// kill -9 of the agent of the vdev being removed (the mover's source),
+    /// then its restart.
+    SourceAgent,
 }
 
 fn copy_store(from: &Path, to: &Path) {
@@ -1541,6 +1863,11 @@ struct Faults {
     ha: bool,
     /// Mutual TLS, tokens and owners; the other actors attack (module docs).
     secure: bool,
+    /// One more agent, whose vdev is removed (RemoveVdev) before the
+    /// faults: they hit while the allocator's mover evacuates it.
+    removal: bool,
+    /// kill -9 of the removed vdev's agent (needs `removal`).
+    source_kills: usize,
 }
 
 async fn crash_run(f: Faults) {
@@ -1555,7 +1882,13 @@ async fn crash_run(f: Faults) {
         pg_pauses,
         ha,
         secure,
+        removal,
+        source_kills,
     } = f;
+    assert!(
+        removal || source_kills == 0,
+        "a source agent needs a removal"
+    );
     assert!(!(ha && rollbacks > 0), "rollbacks copy the SQLite store");
     assert!(
         ha || leader_stops + pg_pauses == 0,
@@ -1574,7 +1907,7 @@ async fn crash_run(f: Faults) {
     eprintln!("crash test seed {seed} (ALIQUOT_CRASH_SEED={seed} replays it)");
     let mut rng = Rng(seed);
     let tmp = tempfile::tempdir().unwrap();
-    let mut c = Cluster::start_with(tmp.path(), ha, secure).await;
+    let mut c = Cluster::start_with(tmp.path(), ha, secure, AGENTS + usize::from(removal)).await;
     let mut m = Model::default();
     let mut plan: Vec<Kill> = std::iter::repeat_n(Kill::Allocator, allocator_kills)
         .chain(std::iter::repeat_n(Kill::Agent, agent_kills))
@@ -1587,6 +1920,7 @@ async fn crash_run(f: Faults) {
         .chain(std::iter::repeat_n(Kill::Rollback, rollbacks))
         .chain(std::iter::repeat_n(Kill::LeaderStop, leader_stops))
         .chain(std::iter::repeat_n(Kill::PgPause, pg_pauses))
+        .chain(std::iter::repeat_n(Kill::SourceAgent, source_kills))
         .collect();
     let mut refused_placements = 0u64;
     let mut rollbacks_refused = 0u64;
@@ -1595,8 +1929,28 @@ async fn crash_run(f: Faults) {
         plan.swap(i, j);
     }
     let started = Instant::now();
+    if removal {
+        start_removal(&mut c, &mut m, &mut rng).await;
+    }
+    // Faults that hit while the mover was copying, with some blocks moved.
+    let mut mid_evacuation = 0;
     for (round, kill) in plan.iter().enumerate() {
         let run_for = Duration::from_millis(100 + rng.below(500));
+        let evac = match c.removing {
+            Some(_) => c.pool().await.evacuation,
+            None => None,
+        };
+        if let Some(e) = &evac {
+            if !e.done && e.copied_extents > 0 {
+                mid_evacuation += 1;
+            }
+            eprintln!(
+                "round {round:>3}: evacuation {} of {} blocks copied{}",
+                e.copied_extents,
+                e.total_extents,
+                if e.done { ", done" } else { "" }
+            );
+        }
         match kill {
             Kill::Allocator | Kill::Both => {
                 tokio::select! {
@@ -1640,9 +1994,14 @@ async fn crash_run(f: Faults) {
                 resolve(&mut c, &mut m).await;
                 check_patterns(&mut c, &mut m, None).await;
             }
-            Kill::Agent => {
+            Kill::Agent | Kill::SourceAgent => {
                 write_until(&mut c, &mut m, &mut rng, Instant::now() + run_for).await;
-                let victim = rng.below(AGENTS as u64) as usize;
+                // The removed vdev's agent only when asked for: a target of
+                // the moves otherwise.
+                let victim = match (kill, c.removing) {
+                    (Kill::SourceAgent, Some((_, source))) => source,
+                    _ => rng.below(AGENTS as u64) as usize,
+                };
                 let vdev = vdev_of(&c, victim);
                 c.agents[victim].kill9();
                 c.away = Some(vdev);
@@ -1767,10 +2126,19 @@ async fn crash_run(f: Faults) {
             m.allocations
         );
     }
-    // Let agents re-register everywhere: still the same three vdevs.
+    if removal {
+        finish_removal(&mut c, &mut m, mid_evacuation).await;
+    }
+    // Let agents re-register everywhere: still the same three vdevs (and
+    // the removed one, until its last moved block is freed).
     tokio::time::sleep(Duration::from_millis(500)).await;
     let s = c.pool().await;
-    assert_eq!(s.vdevs.len(), AGENTS, "no device became a second vdev");
+    let removed = c.removing.map(|r| r.0);
+    assert_eq!(
+        s.vdevs.iter().filter(|v| Some(v.vdev) != removed).count(),
+        AGENTS,
+        "no device became a second vdev"
+    );
     let elapsed = started.elapsed();
     eprintln!(
         "crash test: {} kills ({allocator_kills} allocator, {agent_kills} agent, {both_kills} both, {hangs} hung agents) in {:.1} s; \
@@ -1900,6 +2268,37 @@ async fn takeovers_on_postgres_lose_nothing_durable() {
         both_kills: 2 * n,
         hangs: n,
         hangs_across_restarts: 2 * n,
+        ha: true,
+        ..Faults::default()
+    })
+    .await;
+}
+
+/// A vdev removed (its blocks moved by the allocator's mover) while the
+/// leader, the removed vdev's agent and the agents receiving its blocks are
+/// killed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn removal_under_kills_moves_every_block_once() {
+    crash_run(Faults {
+        allocator_kills: 4,
+        agent_kills: 2,
+        both_kills: 1,
+        source_kills: 2,
+        removal: true,
+        ..Faults::default()
+    })
+    .await;
+}
+
+/// The same on PostgreSQL: the mover resumes in the leader that takes over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn removal_under_takeovers_on_postgres_moves_every_block_once() {
+    crash_run(Faults {
+        allocator_kills: 3,
+        leader_stops: 1,
+        agent_kills: 1,
+        source_kills: 1,
+        removal: true,
         ha: true,
         ..Faults::default()
     })

@@ -121,6 +121,9 @@ pub trait Dialect: Send + Sync + Sized + 'static {
     /// on the vdev at one of the starts, a JSON array (the one list form
     /// both databases read): rows `(start, vdev, offset)` by start.
     const COPIES_ON: &'static str;
+    /// Delete the owner maps `($1 pool)` in any of the spans `$2`, a JSON
+    /// array of `[vdev, start, end]` (one statement for a txg's windows).
+    const DELETE_OWNER_WINDOWS: &'static str;
     /// The two inserts above take arrays (one statement per run) rather
     /// than one row.
     const ARRAYS: bool;

@@ -450,28 +450,37 @@ impl<D: Dialect> SqlStore<D> {
             .collect();
         let list = serde_json::to_string(&list).map_err(|e| sqlx::Error::Encode(e.into()))?;
         D::exec(c, D::DELETE_OWNER_WINDOWS, args![pool, list]).await?;
+        // The new rows, as many a statement as fit its bounds.
+        let mut rows: Vec<(u32, i64, usize, usize)> = Vec::new();
+        let mut data: Vec<u8> = Vec::new();
         for &(vdev, _, _, runs) in spans {
-            let v = vdev as i64;
-            let rows = owner_map::rows(runs);
-            if rows.is_empty() {
-                continue;
-            }
-            if D::ARRAYS {
-                let (windows, data): (Vec<i64>, Vec<Vec<u8>>) =
-                    rows.into_iter().map(|(w, d)| (i(w), d)).unzip();
-                let a = vec![
-                    Val::Int(pool),
-                    Val::Int(v),
-                    Val::Ints(windows),
-                    Val::Blobs(data),
-                ];
-                D::exec(c, D::INSERT_OWNER_MAP, a).await?;
-            } else {
-                for (window, data) in rows {
-                    D::exec(c, D::INSERT_OWNER_MAP, args![pool, v, i(window), data]).await?;
+            for (window, d) in owner_map::rows(runs) {
+                if rows.len() >= OWNER_ROWS_PER_INSERT
+                    || (!rows.is_empty() && data.len() + d.len() > OWNER_BYTES_PER_INSERT)
+                {
+                    Self::insert_owner_maps(c, pool, &rows, std::mem::take(&mut data)).await?;
+                    rows.clear();
                 }
+                rows.push((vdev, i(window), data.len() + 1, d.len()));
+                data.extend_from_slice(&d);
             }
         }
+        if !rows.is_empty() {
+            Self::insert_owner_maps(c, pool, &rows, data).await?;
+        }
+        Ok(())
+    }
+
+    /// One [`Dialect::INSERT_OWNER_MAP`]: `rows` (vdev, start, 1-based
+    /// offset and length in `data`).
+    async fn insert_owner_maps(
+        c: &mut Conn<D>,
+        pool: i64,
+        rows: &[(u32, i64, usize, usize)],
+        data: Vec<u8>,
+    ) -> Result<(), sqlx::Error> {
+        let list = serde_json::to_string(rows).map_err(|e| sqlx::Error::Encode(e.into()))?;
+        D::exec(c, D::INSERT_OWNER_MAP, args![pool, list, data]).await?;
         Ok(())
     }
 
@@ -1145,6 +1154,11 @@ impl<D: Dialect> Store for SqlStore<D> {
         })
     }
 }
+
+/// Owner-map rows an insert statement carries at most, and their data's
+/// bytes (a single larger row still goes, alone).
+const OWNER_ROWS_PER_INSERT: usize = 4096;
+const OWNER_BYTES_PER_INSERT: usize = 16 << 20;
 
 /// Owner maps to rewrite: vdev, `[start, end)` (whole windows), the runs
 /// in it.

@@ -41,6 +41,7 @@ mod sql {
         INSERT_SPACEMAP = "insert_spacemap.sql";
         INSERT_OWNER_MAP = "insert_owner_map.sql";
         COPIES_ON = "copies_on.sql";
+        DELETE_OWNER_WINDOWS = "delete_owner_windows.sql";
         FENCE = "fence.sql";
         SNAPSHOT = "snapshot.sql";
         TRY_ACQUIRE = "try_acquire.sql";
@@ -143,6 +144,7 @@ impl Dialect for PgDialect {
     const INSERT_SPACEMAP: &'static str = sql::INSERT_SPACEMAP;
     const INSERT_OWNER_MAP: &'static str = sql::INSERT_OWNER_MAP;
     const COPIES_ON: &'static str = sql::COPIES_ON;
+    const DELETE_OWNER_WINDOWS: &'static str = sql::DELETE_OWNER_WINDOWS;
     const ARRAYS: bool = true;
     const LEGACY_EXTENTS: Option<(&'static str, &'static str)> = None;
     const SNAPSHOT: Option<&'static str> = Some(sql::SNAPSHOT);

@@ -62,7 +62,6 @@ pub(crate) mod q {
         DELETE_OWNER_RUNS = "delete_owner_runs.sql";
         DELETE_ALL_OWNER_MAPS = "delete_all_owner_maps.sql";
         OWNER_MAPS = "owner_maps.sql";
-        DELETE_OWNER_MAPS = "delete_owner_maps.sql";
         TUNABLES = "tunables.sql";
         UPSERT_TUNABLE = "upsert_tunable.sql";
         AGENT_BINDINGS = "agent_bindings.sql";
@@ -285,11 +284,14 @@ impl<D: Dialect> SqlStore<D> {
             for sql in [q::DELETE_ALL_OWNER_MAPS, q::DELETE_OWNER_RUNS] {
                 D::exec(&mut *tx, sql, args![pool]).await.map_err(dbe)?;
             }
-            for (vdev, runs) in owner_map::by_vdev(&all) {
-                Self::write_owner_maps(&mut *tx, pool, vdev, 0, u64::MAX, &runs)
-                    .await
-                    .map_err(dbe)?;
-            }
+            let by_vdev = owner_map::by_vdev(&all);
+            let spans: Vec<OwnerSpan> = by_vdev
+                .iter()
+                .map(|(vdev, runs)| (*vdev, 0, u64::MAX, runs.as_slice()))
+                .collect();
+            Self::write_owner_maps(&mut *tx, pool, &spans)
+                .await
+                .map_err(dbe)?;
             moved += n as u64;
         }
         tx.commit().await.map_err(dbe)?;
@@ -430,38 +432,55 @@ impl<D: Dialect> SqlStore<D> {
         owner_map::load_runs(rows, legacy)
     }
 
-    /// Replace the owner-map rows of `vdev` in `[start, end)` (whole
-    /// windows) by `runs`.
-    async fn write_owner_maps(
+    /// Replace the owner-map rows in each span `(vdev, start, end)` (whole
+    /// windows) by that span's runs. One statement deletes every span's
+    /// rows: a txg of spread frees rewrites a window per free, and a
+    /// statement each made the txg cost a round trip per window.
+    pub(crate) async fn write_owner_maps(
         c: &mut Conn<D>,
         pool: i64,
-        vdev: u32,
-        start: u64,
-        end: u64,
-        runs: &[(u64, u64, u32)],
+        spans: &[OwnerSpan<'_>],
     ) -> Result<(), sqlx::Error> {
-        let v = vdev as i64;
-        let span = args![pool, v, i(start), i(end.min(i64::MAX as u64))];
-        D::exec(c, q::DELETE_OWNER_MAPS, span).await?;
-        let rows = owner_map::rows(runs);
-        if rows.is_empty() {
+        if spans.is_empty() {
             return Ok(());
         }
-        if D::ARRAYS {
-            let (windows, data): (Vec<i64>, Vec<Vec<u8>>) =
-                rows.into_iter().map(|(w, d)| (i(w), d)).unzip();
-            let a = vec![
-                Val::Int(pool),
-                Val::Int(v),
-                Val::Ints(windows),
-                Val::Blobs(data),
-            ];
-            D::exec(c, D::INSERT_OWNER_MAP, a).await?;
-        } else {
-            for (window, data) in rows {
-                D::exec(c, D::INSERT_OWNER_MAP, args![pool, v, i(window), data]).await?;
+        let list: Vec<(u32, i64, i64)> = spans
+            .iter()
+            .map(|&(v, start, end, _)| (v, i(start), i(end.min(i64::MAX as u64))))
+            .collect();
+        let list = serde_json::to_string(&list).map_err(|e| sqlx::Error::Encode(e.into()))?;
+        D::exec(c, D::DELETE_OWNER_WINDOWS, args![pool, list]).await?;
+        // The new rows, as many a statement as fit its bounds.
+        let mut rows: Vec<(u32, i64, usize, usize)> = Vec::new();
+        let mut data: Vec<u8> = Vec::new();
+        for &(vdev, _, _, runs) in spans {
+            for (window, d) in owner_map::rows(runs) {
+                if rows.len() >= OWNER_ROWS_PER_INSERT
+                    || (!rows.is_empty() && data.len() + d.len() > OWNER_BYTES_PER_INSERT)
+                {
+                    Self::insert_owner_maps(c, pool, &rows, std::mem::take(&mut data)).await?;
+                    rows.clear();
+                }
+                rows.push((vdev, i(window), data.len() + 1, d.len()));
+                data.extend_from_slice(&d);
             }
         }
+        if !rows.is_empty() {
+            Self::insert_owner_maps(c, pool, &rows, data).await?;
+        }
+        Ok(())
+    }
+
+    /// One [`Dialect::INSERT_OWNER_MAP`]: `rows` (vdev, start, 1-based
+    /// offset and length in `data`).
+    async fn insert_owner_maps(
+        c: &mut Conn<D>,
+        pool: i64,
+        rows: &[(u32, i64, usize, usize)],
+        data: Vec<u8>,
+    ) -> Result<(), sqlx::Error> {
+        let list = serde_json::to_string(rows).map_err(|e| sqlx::Error::Encode(e.into()))?;
+        D::exec(c, D::INSERT_OWNER_MAP, args![pool, list, data]).await?;
         Ok(())
     }
 
@@ -686,11 +705,15 @@ impl<D: Dialect> SqlStore<D> {
                 .await
                 .map_err(db)?;
         }
-        for w in &rec.owners.windows {
-            Self::write_owner_maps(&mut *tx, pool, w.vdev, w.start, w.end, &w.runs)
-                .await
-                .map_err(db)?;
-        }
+        let spans: Vec<OwnerSpan> = rec
+            .owners
+            .windows
+            .iter()
+            .map(|w| (w.vdev, w.start, w.end, w.runs.as_slice()))
+            .collect();
+        Self::write_owner_maps(&mut *tx, pool, &spans)
+            .await
+            .map_err(db)?;
         let a = args![i(txg), i(rec.state_digest), pool];
         D::exec(&mut *tx, q::SET_SYNCED, a).await.map_err(db)?;
         // The commit and the log's new state at once, for lookups.
@@ -1131,6 +1154,15 @@ impl<D: Dialect> Store for SqlStore<D> {
         })
     }
 }
+
+/// Owner-map rows an insert statement carries at most, and their data's
+/// bytes (a single larger row still goes, alone).
+const OWNER_ROWS_PER_INSERT: usize = 4096;
+const OWNER_BYTES_PER_INSERT: usize = 16 << 20;
+
+/// Owner maps to rewrite: vdev, `[start, end)` (whole windows), the runs
+/// in it.
+pub(crate) type OwnerSpan<'a> = (u32, u64, u64, &'a [(u64, u64, u32)]);
 
 /// A span query's row `(start, width, data)`, the data borrowed.
 type SpanRef<'a> = (i64, i64, &'a [u8]);

@@ -68,6 +68,7 @@ mod sql {
         INSERT_SPACEMAP = "insert_spacemap.sql";
         INSERT_OWNER_MAP = "insert_owner_map.sql";
         COPIES_ON = "copies_on.sql";
+        DELETE_OWNER_WINDOWS = "delete_owner_windows.sql";
         LEGACY_EXTENTS = "legacy_extents.sql";
         DELETE_LEGACY_EXTENTS = "delete_legacy_extents.sql";
         OPEN_GENERATION = "open_generation.sql";
@@ -167,6 +168,7 @@ impl Dialect for SqliteDialect {
     const INSERT_SPACEMAP: &'static str = sql::INSERT_SPACEMAP;
     const INSERT_OWNER_MAP: &'static str = sql::INSERT_OWNER_MAP;
     const COPIES_ON: &'static str = sql::COPIES_ON;
+    const DELETE_OWNER_WINDOWS: &'static str = sql::DELETE_OWNER_WINDOWS;
     const ARRAYS: bool = false;
     const LEGACY_EXTENTS: Option<(&'static str, &'static str)> =
         Some((sql::LEGACY_EXTENTS, sql::DELETE_LEGACY_EXTENTS));

@@ -546,6 +546,12 @@ mod suite {
                     end: 3 * w,
                     runs: vec![(2 * w, 2 * w + MIB, 2)],
                 },
+                OwnerWindow {
+                    vdev: 0,
+                    start: 3 * w,
+                    end: 4 * w,
+                    runs: vec![(3 * w, 3 * w + MIB, 1), (3 * w + 2 * MIB, 4 * w, 2)],
+                },
             ],
         };
         t1.state_digest = state_digest(0, &t1);
@@ -553,12 +559,22 @@ mod suite {
         let mut t2 = txg(2, t1.state_digest, vec![]);
         t2.owners = OwnerChanges {
             identities: vec![(3, "c".into())],
-            windows: vec![OwnerWindow {
-                vdev: 0,
-                start: 0,
-                end: w,
-                runs: vec![(5 * MIB, 6 * MIB, 3)],
-            }],
+            // The first window replaced, the last emptied, the one between
+            // left as it is.
+            windows: vec![
+                OwnerWindow {
+                    vdev: 0,
+                    start: 0,
+                    end: w,
+                    runs: vec![(5 * MIB, 6 * MIB, 3)],
+                },
+                OwnerWindow {
+                    vdev: 0,
+                    start: 3 * w,
+                    end: 4 * w,
+                    runs: vec![],
+                },
+            ],
         };
         persist(&*s, &t2).await;
         b.close(s).await;

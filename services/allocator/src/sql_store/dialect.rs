@@ -115,14 +115,19 @@ pub trait Dialect: Send + Sync + Sized + 'static {
     type Db: sqlx::Database;
     /// Insert chunks `($1 pool, $2 vdev, $3 start, $4 width, $5 data)`.
     const INSERT_SPACEMAP: &'static str;
-    /// Insert owner maps `($1 pool, $2 vdev, $3 start, $4 data)`.
+    /// Insert owner maps `($1 pool, $2 rows, $3 data)`: `$2` a JSON array of
+    /// `[vdev, start, offset, length]`, each row's data the bytes of `$3` at
+    /// that 1-based offset (one statement for many rows).
     const INSERT_OWNER_MAP: &'static str;
     /// The copies `($1 pool, $2 vdev, $3 starts)` of the blocks with a copy
     /// on the vdev at one of the starts, a JSON array (the one list form
     /// both databases read): rows `(start, vdev, offset)` by start.
     const COPIES_ON: &'static str;
-    /// The two inserts above take arrays (one statement per run) rather
-    /// than one row.
+    /// Delete the owner maps `($1 pool)` in any of the spans `$2`, a JSON
+    /// array of `[vdev, start, end]` (one statement for a txg's windows).
+    const DELETE_OWNER_WINDOWS: &'static str;
+    /// [`Self::INSERT_SPACEMAP`] takes arrays (one statement per run)
+    /// rather than one row.
     const ARRAYS: bool;
     /// The legacy one-row-per-extent table's read and delete, if the
     /// database may hold one (SQLite files from before space maps).

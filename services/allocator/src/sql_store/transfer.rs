@@ -184,11 +184,14 @@ impl<D: Dialect> SqlStore<D> {
             .await
             .map_err(|e| db("owners", e))?;
         }
-        for (vdev, runs) in owner_map::by_vdev(&p.owner_runs) {
-            Self::write_owner_maps(&mut *tx, pool, vdev, 0, u64::MAX, &runs)
-                .await
-                .map_err(|e| db("owner maps", e))?;
-        }
+        let by_vdev = owner_map::by_vdev(&p.owner_runs);
+        let spans: Vec<super::OwnerSpan> = by_vdev
+            .iter()
+            .map(|(vdev, runs)| (*vdev, 0, u64::MAX, runs.as_slice()))
+            .collect();
+        Self::write_owner_maps(&mut *tx, pool, &spans)
+            .await
+            .map_err(|e| db("owner maps", e))?;
         progress(format!(
             "{} owner runs of {} owners, {} mapping entries written",
             p.owner_runs.len(),

@@ -1,1 +1,0 @@
-DELETE FROM owner_maps WHERE pool = $1 AND vdev = $2 AND start >= $3 AND start < $4

@@ -12,7 +12,7 @@ use std::cmp::Ordering;
 
 use crate::balance_score::{VdevFill, cmp_to_class};
 use crate::pool::{NORMAL, Pool};
-use crate::{Error, Extent, Result, VdevId, VdevRole};
+use crate::{Error, Extent, Health, Result, VdevId, VdevRole};
 
 impl Pool {
     /// The logical size (psize) a move of `from` must place: `psize` when
@@ -85,12 +85,16 @@ impl Pool {
     }
 
     /// [`Self::relocation_avoid`] for a move that must happen (a vdev
-    /// removal's): the block's other copies `others` are avoided while an
-    /// allocatable vdev of the class other than `source` and them has
-    /// `need` bytes free; when none has, two copies of the block may share
-    /// a vdev (OpenZFS's removal does not keep ditto copies apart either,
-    /// `vdev_removal.c:spa_vdev_copy_segment@zfs-2.4.0`). Returns the
-    /// vdevs to avoid and whether the other copies are among them.
+    /// removal's): the block's other copies `others` are avoided while a
+    /// vdev of the class other than `source` and them has `need` bytes free
+    /// and can take them once it is reachable: online (an operator's
+    /// offline is meant) and not faulted. One that is unavailable for now
+    /// (its agent away, or not yet reported to a new leader) counts: the
+    /// move then finds no vdev and is tried again later, rather than join
+    /// two copies of a block for good. Only when no vdev can, two copies
+    /// may share a vdev (OpenZFS's removal does not keep ditto copies apart
+    /// either, `vdev_removal.c:spa_vdev_copy_segment@zfs-2.4.0`). Returns
+    /// the vdevs to avoid and whether the other copies are among them.
     pub fn removal_avoid(
         &self,
         source: VdevId,
@@ -103,9 +107,10 @@ impl Pool {
             !v.removed
                 && v.id != source
                 && !others.contains(&v.id)
-                && v.group(NORMAL).is_some_and(|g| g.allocatable)
+                && v.group(NORMAL).is_some()
                 && c.in_ring(v.id)
-                && v.vdev_allocatable()
+                && v.online
+                && v.health != Health::Faulted
                 && v.vs_space().saturating_sub(v.vs_alloc()) >= need
         });
         if room || others.is_empty() {

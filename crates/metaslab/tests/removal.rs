@@ -167,6 +167,17 @@ fn a_removal_keeps_copies_apart_unless_no_other_vdev_has_room() {
     let (avoid, apart) = pool.removal_avoid(0, &[1], 8 * GIB).unwrap();
     assert_eq!(avoid, vec![0]);
     assert!(!apart);
+    // Vdev 2 unreachable for now (its agent away): it still counts, so the
+    // copies stay apart and the move waits for it; faulted, it does not.
+    pool.set_health(2, Health::Unavailable).unwrap();
+    let (avoid, apart) = pool.removal_avoid(0, &[1], 1 << 20).unwrap();
+    assert!(avoid.contains(&0) && avoid.contains(&1) && !avoid.contains(&2));
+    assert!(apart);
+    pool.set_health(2, Health::Faulted).unwrap();
+    let (avoid, apart) = pool.removal_avoid(0, &[1], 1 << 20).unwrap();
+    assert_eq!(avoid, vec![0]);
+    assert!(!apart);
+    pool.set_health(2, Health::Healthy).unwrap();
     // A block of one copy: only the source.
     assert_eq!(
         pool.removal_avoid(0, &[], 1 << 20).unwrap(),

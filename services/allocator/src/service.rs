@@ -809,6 +809,9 @@ impl Allocator for AllocatorService {
         let mut results = Vec::new();
         let txg = {
             let mut g = self.shared.lock();
+            // The extents claimed, with the allocation each names: its
+            // copies are linked again below.
+            let mut claimed: Vec<(u64, metaslab::Extent)> = Vec::new();
             let txg = if per_extent {
                 let mut txg = 0;
                 for (i, (e, pre)) in extents.iter().zip(checked).enumerate() {
@@ -817,6 +820,7 @@ impl Allocator for AllocatorService {
                     results.push(match r {
                         Ok(t) => {
                             txg = txg.max(t);
+                            claimed.push((id_of(i), *e));
                             pb::ClaimResult {
                                 extent: Some(convert::extent_to_pb(e)),
                                 claimed: true,
@@ -859,9 +863,23 @@ impl Allocator for AllocatorService {
                 let txg = g.claim(&extents, claimant.as_deref())?;
                 for (i, e) in extents.iter().enumerate() {
                     g.gen_claims.entry(*e).or_insert(id_of(i));
+                    claimed.push((id_of(i), *e));
                 }
                 txg
             };
+            // A block of several copies lost its copies' link with the txg
+            // that committed it: the copies a claim names under one
+            // allocation are that block's, linked again in the claim's txg
+            // so a later move keeps them apart. (Copies claimed with id 0,
+            // or in separate claims, stay unlinked: nothing says they are
+            // one block's.)
+            claimed.sort_unstable_by_key(|&(id, e)| (id, e.vdev, e.offset));
+            for block in claimed.chunk_by(|a, b| a.0 == b.0) {
+                if block[0].0 != 0 && block.len() > 1 {
+                    let copies: Vec<metaslab::Extent> = block.iter().map(|&(_, e)| e).collect();
+                    g.pending_copies.committed(txg, block[0].0, &copies);
+                }
+            }
             self.shared.kick_if_dirty(&g);
             txg
         };

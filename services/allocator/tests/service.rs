@@ -1499,3 +1499,82 @@ async fn written_blocks_give_back_their_reservation_before_the_commit() {
     let n = h.normal().await;
     assert_eq!(n.reserved, 0, "{n:?}");
 }
+
+/// The copies of a block whose commit's txg was lost with the allocator
+/// are linked again by the claim that names their allocation, so a later
+/// move keeps them apart as it would have before the crash.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_links_a_blocks_copies_again() {
+    use aliquot_allocator::store::Store;
+    let store = Arc::new(MemStore::new());
+    let mut h = start_with(config(), store.clone()).await;
+    h.add_vdev(1, GIB).await;
+    h.add_vdev(2, GIB).await;
+    let a = h
+        .alloc
+        .allocate(pb::AllocateRequest {
+            copies: 2,
+            ..data(MIB)
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(a.extents.len(), 2);
+    h.server.shutdown().await.unwrap();
+    let mut h2 = start_with(config(), store.clone()).await;
+    h2.rejoin(1, GIB).await;
+    h2.rejoin(2, GIB).await;
+    let r = h2
+        .alloc
+        .claim(pb::ClaimRequest {
+            extents: a.extents.clone(),
+            per_extent: true,
+            allocation_ids: vec![a.allocation_id; 2],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(r.results.iter().all(|x| x.claimed), "{r:?}");
+    h2.sync().await;
+    let (e0, e1) = (&a.extents[0], &a.extents[1]);
+    assert_eq!(
+        store.copies_of((e0.vdev, e0.offset)).await.unwrap(),
+        vec![(e1.vdev, e1.offset)],
+        "the claimed copies are one block's"
+    );
+    // Claimed without naming the allocation (id 0): nothing says they are
+    // one block's, and nothing links them.
+    let b = h2
+        .alloc
+        .allocate(pb::AllocateRequest {
+            copies: 2,
+            ..data(MIB)
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    h2.server.shutdown().await.unwrap();
+    let mut h3 = start_with(config(), store.clone()).await;
+    h3.rejoin(1, GIB).await;
+    h3.rejoin(2, GIB).await;
+    let r = h3
+        .alloc
+        .claim(pb::ClaimRequest {
+            extents: b.extents.clone(),
+            per_extent: true,
+            allocation_ids: vec![],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(r.results.iter().all(|x| x.claimed), "{r:?}");
+    h3.sync().await;
+    let f = &b.extents[0];
+    assert!(
+        store
+            .copies_of((f.vdev, f.offset))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+}

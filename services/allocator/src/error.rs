@@ -215,8 +215,9 @@ pub enum Error {
     )]
     PoolDegraded(Vec<String>),
     #[error(
-        "extent {extent} is being moved by the balancer (relocation {allocation}); wait until \
-         that relocation is committed, aborted or expired"
+        "extent {extent} is being moved (relocation {allocation}: the balancer's, or a vdev \
+         removal's mover); retry once that move is committed, aborted or expired (moves take \
+         seconds)"
     )]
     RelocationConflict {
         extent: metaslab::Extent,

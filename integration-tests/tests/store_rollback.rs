@@ -170,10 +170,13 @@ async fn refused(p: &FilePool) -> tonic::Status {
             Err(e) => {
                 // Until an agent registers: nothing is allocatable either
                 // (a PostgreSQL allocator turning from standby to leader
-                // also drops the connections its standby server held).
+                // also drops the connections its standby server held: a
+                // call on one then ends as a transport error, or as
+                // cancelled when the connection closed under it).
                 assert!(
                     e.code() == Code::Unavailable
-                        || (e.code() == Code::Unknown && e.message() == "transport error"),
+                        || (e.code() == Code::Unknown && e.message() == "transport error")
+                        || (e.code() == Code::Cancelled && e.message() == "operation was canceled"),
                     "{e}"
                 );
                 assert!(Instant::now() < deadline, "never refused: {e}");

@@ -203,9 +203,12 @@ async fn moved_blocks_read_back_through_their_original_address() {
 
     // The operator moves every block of `source`, keeping its address:
     // read it from the old agent, write it to the new one, commit.
-    let mut new_home = std::collections::BTreeMap::new();
-    for &k in &moving {
-        let from = blocks[k].0;
+    async fn move_keeping_address(
+        op: &mut AllocatorClient<Channel>,
+        from: pb::Extent,
+        agent: impl Fn(&str) -> VdevAgentClient<Channel>,
+        endpoint: impl Fn(u32) -> String,
+    ) -> pb::Extent {
         let tok = op
             .read_tokens(pb::ReadTokensRequest {
                 extents: vec![from],
@@ -213,7 +216,7 @@ async fn moved_blocks_read_back_through_their_original_address() {
             .await
             .expect("admin read token")
             .into_inner();
-        let data = agent_as(&endpoint(from.vdev), "op", Role::Admin)
+        let data = agent(&endpoint(from.vdev))
             .read(pb::ReadRequest {
                 offset: from.offset,
                 size: from.size,
@@ -233,8 +236,7 @@ async fn moved_blocks_read_back_through_their_original_address() {
             .expect("relocate keeping the address")
             .into_inner();
         let to = r.extents[0];
-        assert_eq!((to.vdev, to.size), (target, from.size));
-        agent_as(&r.endpoints[0], "op", Role::Admin)
+        agent(&r.endpoints[0])
             .write(pb::WriteRequest {
                 offset: to.offset,
                 data,
@@ -249,52 +251,18 @@ async fn moved_blocks_read_back_through_their_original_address() {
         })
         .await
         .expect("commit the move");
+        to
+    }
+    let as_op = |ep: &str| agent_as(ep, "op", Role::Admin);
+    let mut new_home = std::collections::BTreeMap::new();
+    for &k in &moving {
+        let from = blocks[k].0;
+        let to = move_keeping_address(&mut op, from, as_op, endpoint).await;
+        assert_eq!((to.vdev, to.size), (target, from.size));
         new_home.insert(k, to);
     }
-
-    for from in &py_moving {
-        let from = *from;
-        let tok = op
-            .read_tokens(pb::ReadTokensRequest {
-                extents: vec![from],
-            })
-            .await
-            .expect("admin read token")
-            .into_inner();
-        let data = agent_as(&endpoint(from.vdev), "op", Role::Admin)
-            .read(pb::ReadRequest {
-                offset: from.offset,
-                size: from.size,
-                token: tok.tokens[0].clone(),
-            })
-            .await
-            .expect("read the old copy")
-            .into_inner()
-            .data;
-        let r = op
-            .relocate(pb::RelocateRequest {
-                extent: Some(from),
-                keep_address: true,
-                ..Default::default()
-            })
-            .await
-            .expect("relocate a Python block")
-            .into_inner();
-        agent_as(&r.endpoints[0], "op", Role::Admin)
-            .write(pb::WriteRequest {
-                offset: r.extents[0].offset,
-                data,
-                token: r.tokens[0].clone(),
-            })
-            .await
-            .expect("write the new copy");
-        op.commit(pb::CommitRequest {
-            allocation_ids: vec![r.allocation_id],
-            wait_synced: true,
-            generation: r.generation,
-        })
-        .await
-        .expect("commit the move");
+    for &from in &py_moving {
+        move_keeping_address(&mut op, from, as_op, endpoint).await;
     }
     let moved = (moving.len() + py_moving.len()) as u64;
 

@@ -235,6 +235,24 @@ pub fn reporter(
     })
 }
 
+/// Waits until `want` requests wait in the normal class's throttle.
+pub async fn wait_waiting(alloc: &AllocatorClient<Channel>, want: u32) {
+    eventually("waiter queued", Duration::from_secs(5), || {
+        let mut p = alloc.clone();
+        async move {
+            let s = p
+                .get_pool(pb::GetPoolRequest {})
+                .await
+                .unwrap()
+                .into_inner();
+            s.classes
+                .iter()
+                .any(|c| c.name == "normal" && c.waiting == want)
+        }
+    })
+    .await;
+}
+
 pub async fn eventually<F, Fut>(what: &str, limit: Duration, mut f: F)
 where
     F: FnMut() -> Fut,

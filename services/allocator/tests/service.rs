@@ -29,22 +29,7 @@ async fn throttled_requests_wait_fifo_without_blocking_others() {
             done.send((i, r)).unwrap();
         });
         let want = i + 1;
-        let mut probe = h.alloc.clone();
-        eventually("waiter queued", Duration::from_secs(5), || {
-            let mut p = probe.clone();
-            async move {
-                let s = p
-                    .get_pool(pb::GetPoolRequest {})
-                    .await
-                    .unwrap()
-                    .into_inner();
-                s.classes
-                    .iter()
-                    .any(|c| c.name == "normal" && c.waiting == want)
-            }
-        })
-        .await;
-        let _ = &mut probe;
+        wait_waiting(&h.alloc, want).await;
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(
@@ -1019,22 +1004,7 @@ async fn shutdown_ends_streams_and_waiters_promptly() {
     assert!(!held.is_empty());
     let mut c = h.alloc.clone();
     let waiter = tokio::spawn(async move { c.allocate(data(MIB)).await });
-    let mut p = h.alloc.clone();
-    eventually("queued", Duration::from_secs(5), || {
-        let mut p = p.clone();
-        async move {
-            let s = p
-                .get_pool(pb::GetPoolRequest {})
-                .await
-                .unwrap()
-                .into_inner();
-            s.classes
-                .iter()
-                .any(|c| c.name == "normal" && c.waiting == 1)
-        }
-    })
-    .await;
-    let _ = &mut p;
+    wait_waiting(&h.alloc, 1).await;
     tokio::time::timeout(Duration::from_secs(5), h.server.shutdown())
         .await
         .expect("shutdown is prompt with streams open")
@@ -1400,22 +1370,7 @@ async fn written_blocks_give_back_their_reservation_before_the_commit() {
     let generation = h.pool().await.generation;
     let mut c = h.alloc.clone();
     let waiter = tokio::spawn(async move { c.allocate(data(MIB)).await });
-    let mut probe = h.alloc.clone();
-    eventually("waiter queued", Duration::from_secs(5), || {
-        let mut p = probe.clone();
-        async move {
-            let s = p
-                .get_pool(pb::GetPoolRequest {})
-                .await
-                .unwrap()
-                .into_inner();
-            s.classes
-                .iter()
-                .any(|c| c.name == "normal" && c.waiting == 1)
-        }
-    })
-    .await;
-    let _ = &mut probe;
+    wait_waiting(&h.alloc, 1).await;
 
     // Refused: no ids, an unknown id, a generation not this one's.
     let written = |ids: Vec<u64>, generation: u64| pb::WrittenRequest {

@@ -10,32 +10,37 @@ fn window_ms(p: &FilePool) -> u64 {
     json_u64(&p.status()["claim_window_remaining_ms"]).expect("claim_window_remaining_ms")
 }
 
-#[test]
-fn a_clean_shutdown_opens_no_claim_window_and_a_crash_does() {
-    let tmp = tempfile::tempdir().unwrap();
+/// One 64 MiB file agent, a 30 s claim window and fast txgs.
+fn pool(dir: &std::path::Path) -> FilePool {
     let mut p = FilePool::start_with_default_timings(
-        tmp.path(),
+        dir,
         &args!["--claim-window", "30s", "--zfs-txg-timeout", "200ms"],
     );
     p.add_agent("64MiB");
+    p
+}
+
+/// `total` written as 1 MiB blocks (the default) nobody keeps a manifest of.
+fn write_1mib_blocks(p: &FilePool, total: &str) {
     p.ok(&args![
         "write",
         "--total",
-        "4MiB",
+        total,
         "--no-progress",
         "--no-manifest"
     ]);
+}
+
+#[test]
+fn a_clean_shutdown_opens_no_claim_window_and_a_crash_does() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut p = pool(tmp.path());
+    write_1mib_blocks(&p, "4MiB");
     // SIGTERM: the last txg syncs, the shutdown is marked clean.
     p.alloc.kill();
     p.alloc.restart().expect("restart");
     assert_eq!(window_ms(&p), 0, "a clean shutdown left something to claim");
-    p.ok(&args![
-        "write",
-        "--total",
-        "4MiB",
-        "--no-progress",
-        "--no-manifest"
-    ]);
+    write_1mib_blocks(&p, "4MiB");
     // kill -9: nothing says clean; the next start waits for claims.
     p.alloc.kill9();
     p.alloc.restart().expect("restart");
@@ -51,18 +56,8 @@ fn a_clean_shutdown_opens_no_claim_window_and_a_crash_does() {
 #[test]
 fn without_tokens_a_crash_keeps_only_older_writes_out_not_the_vdevs() {
     let tmp = tempfile::tempdir().unwrap();
-    let mut p = FilePool::start_with_default_timings(
-        tmp.path(),
-        &args!["--claim-window", "30s", "--zfs-txg-timeout", "200ms"],
-    );
-    p.add_agent("64MiB");
-    p.ok(&args![
-        "write",
-        "--total",
-        "8MiB",
-        "--no-progress",
-        "--no-manifest"
-    ]);
+    let mut p = pool(tmp.path());
+    write_1mib_blocks(&p, "8MiB");
     p.alloc.kill9();
     p.alloc.restart().expect("restart");
     assert!(window_ms(&p) > 0, "a crash opened no claim window");

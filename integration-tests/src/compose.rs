@@ -1,5 +1,5 @@
-//! Support for tests of the docker compose deployment: run a command with a
-//! timeout, find `docker compose` or `docker-compose`, one compose project
+//! Support for tests of the docker compose deployment: find `docker
+//! compose` or `docker-compose`, one compose project
 //! (torn down with `down -v` when dropped), image tags removed when the test
 //! ends, and reading the pool's status from the host.
 
@@ -7,68 +7,13 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::run_within;
+
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .expect("workspace root")
         .to_path_buf()
-}
-
-/// Run `cmd`, killing it after `timeout`; the output whatever happened.
-/// The command runs in a process group of its own and the whole group is
-/// killed: a script's children (docker CLIs under build-images.sh) would
-/// otherwise hold its output pipes open and the reads below never end.
-pub fn run(mut cmd: Command, timeout: Duration) -> Output {
-    use std::os::unix::process::CommandExt;
-    let what = format!("{cmd:?}");
-    let mut child = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0)
-        .spawn()
-        .unwrap_or_else(|e| panic!("spawn {what}: {e}"));
-    // Drain the pipes in threads so a chatty command cannot block on them.
-    let mut so = child.stdout.take().expect("stdout");
-    let mut se = child.stderr.take().expect("stderr");
-    let (tx_out, rx_out) = std::sync::mpsc::channel();
-    let (tx_err, rx_err) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut b = Vec::new();
-        let _ = std::io::Read::read_to_end(&mut so, &mut b);
-        let _ = tx_out.send(b);
-    });
-    std::thread::spawn(move || {
-        let mut b = Vec::new();
-        let _ = std::io::Read::read_to_end(&mut se, &mut b);
-        let _ = tx_err.send(b);
-    });
-    let deadline = Instant::now() + timeout;
-    let status = loop {
-        if let Some(s) = child.try_wait().expect("wait") {
-            break s;
-        }
-        if Instant::now() > deadline {
-            let _ = Command::new("kill")
-                .args(["-KILL", "--", &format!("-{}", child.id())])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status();
-            let _ = child.kill();
-            let s = child.wait().expect("wait");
-            eprintln!("compose test: {what} timed out after {timeout:?}");
-            break s;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
-    // A process that left the group still holds a pipe: give up its output
-    // rather than wait for it.
-    let grace = Duration::from_secs(10);
-    Output {
-        status,
-        stdout: rx_out.recv_timeout(grace).unwrap_or_default(),
-        stderr: rx_err.recv_timeout(grace).unwrap_or_default(),
-    }
 }
 
 pub fn text(o: &Output) -> String {
@@ -86,7 +31,7 @@ pub fn compose_program() -> Option<Vec<String>> {
         let mut c = Command::new(prog);
         c.args(args);
         // A missing program is a failed spawn: `run` would panic on it.
-        which(prog) && run(c, Duration::from_secs(30)).status.success()
+        which(prog) && run_within(c, Duration::from_secs(30)).status.success()
     };
     if ok("docker", &["compose", "version"]) {
         Some(vec!["docker".into(), "compose".into()])
@@ -116,7 +61,7 @@ pub fn docker_available() -> Result<Vec<String>, String> {
     // must skip the test, not hang the suite.
     let mut probe = Command::new("docker");
     probe.args(["info", "--format", "{{.ServerVersion}}"]);
-    let info = run(probe, Duration::from_secs(30));
+    let info = run_within(probe, Duration::from_secs(30));
     if !info.status.success() {
         return Err(format!(
             "docker engine not reachable: {}",
@@ -156,7 +101,7 @@ impl Project {
     }
 
     pub fn run(&self, args: &[&str], timeout: Duration) -> Output {
-        run(self.cmd(args), timeout)
+        run_within(self.cmd(args), timeout)
     }
 
     pub fn must(&self, args: &[&str], timeout: Duration) -> Output {
@@ -198,7 +143,7 @@ impl Project {
 
     pub fn health(&self, service: &str) -> String {
         let id = self.container(service);
-        let o = run(
+        let o = run_within(
             {
                 let mut c = Command::new("docker");
                 c.args(["inspect", "-f", "{{.State.Health.Status}}", &id]);
@@ -265,7 +210,7 @@ pub fn status(allocator: &str, certs: &Path) -> serde_json::Value {
     c.args(["status", "--json", "--allocator", allocator])
         .arg("--certs-dir")
         .arg(certs);
-    let o = run(c, Duration::from_secs(30));
+    let o = run_within(c, Duration::from_secs(30));
     assert!(o.status.success(), "aliquotctl status failed: {}", text(&o));
     serde_json::from_slice(&o.stdout)
         .unwrap_or_else(|e| panic!("status --json is not JSON ({e}): {}", text(&o)))
@@ -367,7 +312,7 @@ pub fn build_image(tag: String) -> ImageGuard {
         "--tag",
         &image.0,
     ]);
-    let o = run(build, Duration::from_secs(180));
+    let o = run_within(build, Duration::from_secs(180));
     assert!(o.status.success(), "build-images.sh failed: {}", text(&o));
     image
 }
@@ -379,7 +324,7 @@ pub fn operator_certs(project: &Project, dest: &Path) {
         let o = project.must(&["ps", "-aq", "certs"], Duration::from_secs(30));
         String::from_utf8_lossy(&o.stdout).trim().to_string()
     };
-    let o = run(
+    let o = run_within(
         {
             let mut c = Command::new("docker");
             c.arg("cp")

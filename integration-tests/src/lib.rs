@@ -310,7 +310,64 @@ pub fn ctl(args: &[String]) -> Output {
     }
     // Bounded (10 min, far past any command a test runs): a command that
     // hangs fails its test, saying so, instead of stalling the suite.
-    compose::run(cmd, Duration::from_secs(600))
+    run_within(cmd, Duration::from_secs(600))
+}
+
+/// Run `cmd`, killing it after `timeout`; the output whatever happened.
+/// The command runs in a process group of its own and the whole group is
+/// killed: a script's children (docker CLIs under build-images.sh) would
+/// otherwise hold its output pipes open and the reads below never end.
+pub fn run_within(mut cmd: Command, timeout: Duration) -> Output {
+    use std::os::unix::process::CommandExt;
+    let what = format!("{cmd:?}");
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn {what}: {e}"));
+    // Drain the pipes in threads so a chatty command cannot block on them.
+    let mut so = child.stdout.take().expect("stdout");
+    let mut se = child.stderr.take().expect("stderr");
+    let (tx_out, rx_out) = std::sync::mpsc::channel();
+    let (tx_err, rx_err) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut b = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut so, &mut b);
+        let _ = tx_out.send(b);
+    });
+    std::thread::spawn(move || {
+        let mut b = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut se, &mut b);
+        let _ = tx_err.send(b);
+    });
+    let deadline = Instant::now() + timeout;
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            break s;
+        }
+        if Instant::now() > deadline {
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{}", child.id())])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status();
+            let _ = child.kill();
+            let s = child.wait().expect("wait");
+            eprintln!("{what} timed out after {timeout:?}");
+            break s;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    // A process that left the group still holds a pipe: give up its output
+    // rather than wait for it.
+    let grace = Duration::from_secs(10);
+    Output {
+        status,
+        stdout: rx_out.recv_timeout(grace).unwrap_or_default(),
+        stderr: rx_err.recv_timeout(grace).unwrap_or_default(),
+    }
 }
 
 pub fn ok_stdout(o: &Output, what: &str) -> String {

@@ -21,9 +21,10 @@ use aliquot_proto::v1::SummaryRequest;
 use aliquot_proto::v1::metrics_client::MetricsClient;
 use integration_tests::compose::{
     Project, build_image, by_vdev, docker_available, free_ports_below_ephemeral, groups,
-    normal_alloc, operator_certs, repo_root, run, run_id, status, text, wait_for,
+    normal_alloc, operator_certs, repo_root, run_id, status, text, wait_for,
 };
 use integration_tests::json_u64;
+use integration_tests::run_within;
 
 #[test]
 fn compose_deployment_end_to_end() {
@@ -98,7 +99,7 @@ fn compose_deployment_end_to_end() {
     // Each container holds only its own key: no ca.key
     // anywhere, the token signing key in the allocator only.
     for service in ["metrics", "allocator", "agent1", "agent2", "agent3", "hdd1"] {
-        let o = run(
+        let o = run_within(
             {
                 let mut c = Command::new("docker");
                 c.args(["exec", &project.container(service), "sh", "-c"])
@@ -140,7 +141,7 @@ fn compose_deployment_end_to_end() {
     // Plaintext to the published port is refused.
     let mut plain = Command::new(integration_tests::bin("aliquotctl"));
     plain.args(["status", "--insecure", "--allocator", &allocator]);
-    let o = run(plain, Duration::from_secs(30));
+    let o = run_within(plain, Duration::from_secs(30));
     assert!(
         !o.status.success(),
         "plaintext status was served: {}",
@@ -223,13 +224,13 @@ fn compose_deployment_end_to_end() {
     ])
     .arg("--certs-dir")
     .arg(&certs);
-    let o = run(w, Duration::from_secs(120));
+    let o = run_within(w, Duration::from_secs(120));
     assert!(o.status.success(), "write from the host: {}", text(&o));
     let after_load = normal_alloc(&status(&allocator, &certs));
 
     // 5. Kill one agent: allocation goes on on the others.
     let victim = project.container("agent1");
-    let o = run(
+    let o = run_within(
         {
             let mut c = Command::new("docker");
             c.args(["kill", &victim]);
@@ -292,7 +293,7 @@ fn compose_deployment_end_to_end() {
     // 7. Spans reached the receiver standing in for Jaeger.
     let sink = project.container("jaeger");
     let spans = wait_for("spans at the receiver", Duration::from_secs(30), || {
-        let o = run(
+        let o = run_within(
             {
                 let mut c = Command::new("docker");
                 c.args(["logs", &sink]);
@@ -331,7 +332,7 @@ fn compose_deployment_end_to_end() {
     drop(project);
 
     // 8. `down -v` left nothing of the project behind.
-    let o = run(
+    let o = run_within(
         {
             let mut c = Command::new("docker");
             c.args(["volume", "ls", "-q", "--filter", &volumes_label]);

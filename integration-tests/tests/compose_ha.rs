@@ -17,8 +17,9 @@ use std::time::{Duration, Instant};
 
 use integration_tests::compose::{
     ImageGuard, Project, build_image, docker_available, free_ports_below_ephemeral, groups,
-    normal_alloc, operator_certs, repo_root, run, run_id, status, text, wait_for,
+    normal_alloc, operator_certs, repo_root, run_id, status, text, wait_for,
 };
+use integration_tests::run_within;
 
 /// The lease the test gives the allocators (the deployment's default is 5s).
 const LEASE: Duration = Duration::from_secs(3);
@@ -58,7 +59,7 @@ fn compose_ha_standby_takes_over_a_killed_leader() {
     let pg_image = ImageGuard(format!("aliquot/postgres:compose-ha-{run_id}"));
     let mut build = Command::new(root.join("deploy/build-postgres-image.sh"));
     build.args(["--tag", &pg_image.0]);
-    let o = run(build, Duration::from_secs(180));
+    let o = run_within(build, Duration::from_secs(180));
     assert!(
         o.status.success(),
         "build-postgres-image.sh failed: {}",
@@ -152,7 +153,7 @@ fn compose_ha_standby_takes_over_a_killed_leader() {
     //    nothing allocated lost, within the lease and a poll.
     let leader = project.container("allocator");
     let killed = Instant::now();
-    let o = run(
+    let o = run_within(
         {
             let mut c = Command::new("docker");
             c.args(["kill", &leader]);
@@ -166,7 +167,7 @@ fn compose_ha_standby_takes_over_a_killed_leader() {
         c.args(["status", "--json", "--allocator", &b])
             .arg("--certs-dir")
             .arg(&certs);
-        let o = run(c, Duration::from_secs(10));
+        let o = run_within(c, Duration::from_secs(10));
         if !o.status.success() {
             return None;
         }

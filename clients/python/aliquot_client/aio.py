@@ -19,7 +19,7 @@ from aliquot.v1 import agent_pb2_grpc, allocator_pb2, allocator_pb2_grpc
 from . import protocol
 from .pool import (
     _OPTIONS,
-    _TRANSIENT,
+    _transient,
     AliquotError,
     Block,
     Tls,
@@ -128,7 +128,7 @@ class AsyncPool:
                 return await getattr(self._allocators[target], c.method)(c.request, timeout=timeout)
             except grpc.aio.AioRpcError as e:
                 follow(self._leader, target, e)
-                if c.repeat and e.code() in _TRANSIENT and time.monotonic() < deadline:
+                if c.repeat and _transient(e) and time.monotonic() < deadline:
                     await asyncio.sleep(min(0.1 * 2**attempt, 1.0))
                     attempt += 1
                     continue

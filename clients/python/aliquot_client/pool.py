@@ -53,6 +53,17 @@ _OPTIONS = [
 _TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
+def _transient(err: grpc.RpcError) -> bool:
+    """`err` is worth repeating a safe call for: UNAVAILABLE, or the call's
+    own deadline, which the server may answer first, as CANCELLED "Timeout
+    expired" (tonic enforces the grpc-timeout the client sent), before the
+    client's DEADLINE_EXCEEDED."""
+    code = err.code()
+    return code in _TRANSIENT or (
+        code == grpc.StatusCode.CANCELLED and err.details() == "Timeout expired"
+    )
+
+
 def error_info(err: grpc.RpcError) -> Optional[error_details_pb2.ErrorInfo]:
     """The ErrorInfo in an error's google.rpc.Status details, if any."""
     try:
@@ -192,7 +203,7 @@ def follow(leader: protocol.Leader, called: str, err: grpc.RpcError) -> None:
     info = error_info(err)
     leader.follow(
         called,
-        err.code() in _TRANSIENT,
+        _transient(err),
         info.reason if info is not None else None,
         _target(info.metadata.get("leader", "")) if info is not None else "",
     )
@@ -318,7 +329,7 @@ class Pool:
                 return getattr(self._allocators[target][1], c.method)(c.request, timeout=timeout)
             except grpc.RpcError as e:
                 follow(self._leader, target, e)
-                if c.repeat and e.code() in _TRANSIENT and time.monotonic() < deadline:
+                if c.repeat and _transient(e) and time.monotonic() < deadline:
                     # Away, restarting or taken over: wait (allocator_wait).
                     time.sleep(min(0.1 * 2**attempt, 1.0))
                     attempt += 1
